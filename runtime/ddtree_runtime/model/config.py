@@ -1,0 +1,88 @@
+"""Model configs read from HF-style config.json files (Qwen3 target, DFlash drafter)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    # transformers >= 5 moves rope_theta under rope_parameters; older configs keep it flat.
+    params = d.get("rope_parameters") or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(d.get("rope_theta", 1_000_000.0))
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(d),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", False),
+            raw=d,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Qwen3Config":
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+@dataclass
+class DFlashConfig(Qwen3Config):
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_target_layers: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        base = Qwen3Config.from_dict(d)
+        dc = d.get("dflash_config") or {}
+        n_target = int(d.get("num_target_layers", 0))
+        ids = dc.get("target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(n_target, base.num_hidden_layers)
+        return cls(
+            **{k: getattr(base, k) for k in base.__dataclass_fields__},
+            block_size=int(d.get("block_size", dc.get("block_size", 16))),
+            mask_token_id=int(dc.get("mask_token_id", d.get("mask_token_id", 0))),
+            target_layer_ids=[int(i) for i in ids],
+            num_target_layers=n_target,
+        )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread layer ids between layer 1 and layer n-3, as DFlash checkpoints without explicit ids assume."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]

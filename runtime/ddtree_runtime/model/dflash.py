@@ -1,0 +1,68 @@
+"""DFlash block-diffusion drafter (z-lab checkpoint layout).
+
+The drafter has no embeddings or LM head of its own: the block [bonus, MASK, ...] is embedded with the
+target's embed_tokens and its final hidden states go through the target's lm_head. Context comes from
+the target's hidden states at `target_layer_ids`, projected by `fc` + `hidden_norm`; every layer's
+k/v projections read both that context and the block, and the block attends to all of it (no causal
+mask inside the block). Only context k/v is cached, since the block is rebuilt each round."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import DFlashConfig
+from .layers import MLP, QKVProj, RMSNorm, Rotary, attend
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = QKVProj(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_c: tuple[torch.Tensor, torch.Tensor], idx: int, cache, ctx_start: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        # x: [B, Q, H] block stream; ctx: [B, C, H] projected context (new entries only when cached)
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = attn.q(h, *rope_q)
+        kb, vb = attn.kv(h, *rope_q)
+        kc, vc = attn.kv(ctx, *rope_c)
+        if cache is not None:
+            kc, vc = cache.write(idx, ctx_start, kc, vc)
+        k = torch.cat([kc, kb], dim=2)
+        v = torch.cat([vc, vb], dim=2)
+        x = x + attn.out(attend(q, k, v, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names mirror the z-lab checkpoint (layers.*, norm, fc, hidden_norm)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor,
+                ctx_pos: torch.Tensor, cache=None, ctx_start: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """block_emb: [B, Q, H] target embeddings of the block; feats: [B, C, L*H] raw target features
+        (with a cache: only the ones not cached yet, at positions ctx_start..); mask: bool
+        [B, 1, Q, C+Q] or None (see everything). Returns final-normed block hidden states [B, Q, H]."""
+        ctx = self.hidden_norm(self.fc(feats))
+        rope_q = self.rotary(block_pos, block_emb.dtype)
+        rope_c = self.rotary(ctx_pos, block_emb.dtype)
+        x = block_emb
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_q, rope_c, i, cache, ctx_start, mask)
+        return self.norm(x)

@@ -1,0 +1,84 @@
+"""Compact Qwen3 causal LM (the target): loads HF Qwen3 weights, returns final hidden states plus the
+hidden states of chosen layers (the drafter's context features). Logits are a separate call so callers
+only pay the LM head for the rows they need."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import Qwen3Config
+from .layers import MLP, QKVProj, RMSNorm, Rotary, attend
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = QKVProj(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
+                cache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        attn = self.self_attn
+        q = attn.q(h, cos, sin)
+        k, v = attn.kv(h, cos, sin)
+        if cache is not None:
+            k, v = cache.write(idx, start, k, v)
+        causal = mask is None and q.shape[2] > 1
+        if causal and start > 0:
+            raise ValueError("an offset multi-token forward needs an explicit mask")
+        x = x + attn.out(attend(q, k, v, mask, causal))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Body(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Parameter names mirror HF (model.*, lm_head) so a state dict loads as is."""
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.feature_layers: list[int] = []  # decoder layers whose outputs feed the drafter
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, cache=None, start: int = 0,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, pos: [B, T]; mask: bool [T, start+T] (None = causal from position 0).
+
+        Returns final-normed hidden [B, T, H] and features [B, T, len(feature_layers)*H] (or None).
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(pos, x.dtype)
+        feats: list[torch.Tensor] = []
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache, start, mask)
+            if i in self.feature_layers and i != last:
+                feats.append(x)
+        x = self.model.norm(x)
+        if last in self.feature_layers:  # HF's hidden_states[-1] is taken after the final norm
+            feats.append(x)
+        # the drafter wants features in target_layer_ids order, not layer order
+        order = sorted(self.feature_layers)
+        f = torch.cat([feats[order.index(i)] for i in self.feature_layers], dim=-1) if feats else None
+        return x, f
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()

@@ -1,0 +1,207 @@
+"""The DDTree engine: prefill, then rounds of draft -> build tree -> verify -> accept & commit.
+
+One request at a time (batch size 1). Both KV caches are allocated once at start-up for the worst case
+(max_context plus the largest tree) and reused by every request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..model import DFlashDrafter, Qwen3ForCausalLM, load_drafter, load_target
+from .kv_cache import KVCache
+from .sampling import choose_tokens
+from .tree import Tree, build_chain, build_tree, walk
+from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
+
+MAX_TREE_BUDGET = 1024
+
+
+def _eos_ids(tokenizer, target_dir: str) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = Path(target_dir) / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        if config.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+        if config.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {config.dtype!r}")
+        if config.draft_dir is None and config.mode != "ar":
+            raise ValueError(f"mode {config.mode!r} needs a draft_dir")
+        if not 1 <= config.tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}]")
+        self.config = config
+        self.device = torch.device(config.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+        self.model_name = Path(config.target_dir).resolve().name
+        self.draft_name = Path(config.draft_dir).resolve().name if config.draft_dir else None
+
+        self.target: Qwen3ForCausalLM = load_target(config.target_dir, config.device, config.dtype)
+        tcfg = self.target.config
+        self.max_context = config.max_context or min(tcfg.max_position_embeddings, 4096)
+        self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
+
+        self.drafter: DFlashDrafter | None = None
+        self.block_size = 1
+        if config.draft_dir:
+            self.drafter = load_drafter(config.draft_dir, config.device, config.dtype)
+            dcfg = self.drafter.config
+            if dcfg.hidden_size != tcfg.hidden_size:
+                raise ValueError("drafter hidden_size differs from the target's")
+            self.block_size = config.block_size or dcfg.block_size
+            self.mask_token_id = dcfg.mask_token_id
+            self.target.feature_layers = list(dcfg.target_layer_ids)
+            self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
+                                       self.max_context, self.device, self.target.lm_head.weight.dtype)
+        self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
+
+    def _alloc_target_cache(self, tree_slots: int) -> None:
+        c = self.target.config
+        self.target_cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                    self.max_context + tree_slots, self.device,
+                                    self.target.lm_head.weight.dtype)
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
+        """Validate now (ValueError), then return a generator of rounds; close it to cancel."""
+        req = self._new_request(prompt_ids, params)
+        return self._rounds(list(prompt_ids), req)
+
+    # ---- request setup ----------------------------------------------------------------------------
+
+    def _new_request(self, prompt_ids: list[int], p: SamplingParams) -> RequestState:
+        mode = p.mode or self.config.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode != "ar" and self.drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter; this engine has none")
+        budget = self.config.tree_budget if p.tree_budget is None else p.tree_budget
+        if not 1 <= budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if p.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(prompt_ids) + p.max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({p.max_new_tokens}) "
+                             f"exceeds the context limit {self.max_context}")
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if p.temperature < 0 or not 0 < p.top_p <= 1:
+            raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
+        slots = {"ar": 1, "dflash": self.block_size, "ddtree": budget + 1}[mode]
+        if self.max_context + slots > self.target_cache.capacity:
+            self._alloc_target_cache(slots)  # rare: a request asks for a bigger tree than configured
+        gen = None
+        if p.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            if p.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(p.seed)
+        return RequestState(mode=mode, budget=budget, params=p,
+                            stop_ids=frozenset(p.stop_token_ids) | self.eos_ids, generator=gen)
+
+    def _rounds(self, prompt_ids: list[int], req: RequestState) -> Iterator[RoundOutput]:
+        # no grad-mode context manager spans a yield: the phases below each run in inference mode
+        out = self._emit(req, [self._prefill(req, prompt_ids)], 0)
+        yield out
+        while not out.finished:
+            tokens, accepted = self._ar_step(req) if req.mode == "ar" else self._spec_round(req)
+            req.rounds += 1
+            req.accepted_total += accepted
+            out = self._emit(req, tokens, accepted)
+            yield out
+
+    def _emit(self, req: RequestState, tokens: list[int], accepted: int) -> RoundOutput:
+        """Cut the round's tokens at the first stop token or at max_new_tokens."""
+        kept: list[int] = []
+        for t in tokens:
+            kept.append(t)
+            req.generated += 1
+            if t in req.stop_ids:
+                return RoundOutput(kept, accepted, True, "stop")
+            if req.generated >= req.params.max_new_tokens:
+                return RoundOutput(kept, accepted, True, "length")
+        return RoundOutput(kept, accepted, False, None)
+
+    def _choose(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
+        return choose_tokens(logits, req.params.temperature, req.params.top_p, req.generator)
+
+    # ---- phases -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _prefill(self, req: RequestState, prompt_ids: list[int]) -> int:
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
+        pos = torch.arange(ids.shape[1], device=self.device)[None]
+        h, feats = self.target(ids, pos, self.target_cache, start=0)
+        first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
+        req.n_ctx, req.bonus = ids.shape[1], first
+        req.draft_len, req.pending = 0, feats
+        return first
+
+    @torch.inference_mode()
+    def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
+        ids = torch.tensor([[req.bonus]], dtype=torch.long, device=self.device)  # [1, 1]
+        pos = torch.tensor([[req.n_ctx]], device=self.device)
+        h, _ = self.target(ids, pos, self.target_cache, start=req.n_ctx)
+        req.n_ctx += 1
+        req.bonus = int(self._choose(req, self.target.logits(h[0]))[0])
+        return [req.bonus], 0
+
+    @torch.inference_mode()
+    def _spec_round(self, req: RequestState) -> tuple[list[int], int]:
+        depth = self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, req.budget)
+        draft_logits = self._draft(req, depth)                          # [D, V]
+        if req.mode == "dflash":
+            tree = build_chain(req.bonus, draft_logits)
+        else:
+            tree = build_tree(req.bonus, torch.log_softmax(draft_logits, dim=-1), req.budget)
+        logits, feats = self._verify(req, tree)                         # [N, V], [1, N, F]
+        path = walk(tree, target := self._choose(req, logits).tolist())
+        self._commit(req, tree, path, feats, target[path[-1]])
+        return [tree.token_list[i] for i in path[1:]] + [req.bonus], len(path) - 1
+
+    def _draft(self, req: RequestState, depth: int) -> torch.Tensor:
+        """One drafter pass over [bonus, MASK * (block_size-1)] -> logits for depths 1..depth."""
+        n, bs = req.n_ctx, self.block_size
+        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
+        block[0, 0] = req.bonus
+        emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
+        block_pos = torch.arange(n, n + bs, device=self.device)[None]
+        ctx_pos = torch.arange(req.draft_len, n, device=self.device)[None]
+        h = self.drafter(emb, block_pos, req.pending, ctx_pos, self.draft_cache, ctx_start=req.draft_len)
+        req.draft_len, req.pending = n, None  # the drafter's cache now covers every context token
+        return self.target.logits(h[0, 1:depth + 1])
+
+    def _verify(self, req: RequestState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target pass over the whole tree; each node sees the context and its own ancestors."""
+        n = req.n_ctx
+        mask = torch.cat([torch.ones(tree.size, n, dtype=torch.bool, device=self.device), tree.mask], 1)
+        pos = (tree.depths + n)[None]                                   # [1, N]
+        h, feats = self.target(tree.tokens[None], pos, self.target_cache, start=n, mask=mask)
+        return self.target.logits(h[0]), feats
+
+    def _commit(self, req: RequestState, tree: Tree, path: list[int], feats: torch.Tensor,
+                next_token: int) -> None:
+        """Keep the accepted path's KV (compacted right after the context) and queue its features."""
+        keep = torch.tensor(path, dtype=torch.long, device=self.device)
+        self.target_cache.compact(req.n_ctx, keep)
+        req.pending = feats[:, keep]                                    # [1, len(path), F]
+        req.n_ctx += len(path)
+        req.bonus = next_token

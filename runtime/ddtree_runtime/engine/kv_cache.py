@@ -1,0 +1,36 @@
+"""Static KV cache: allocated once for the worst case, written in place, compacted by index."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """k, v: [n_layers, 1, n_kv_heads, capacity, head_dim]; batch size 1 (one request at a time)."""
+
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        shape = (n_layers, 1, n_kv, capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([1, Hkv, T, D]) at [start, start+T) and return views of the cache up to start+T."""
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move entries start+keep[i] to start+i for every layer (keep ascending); the rest become free.
+
+        Used after tree verification: the accepted path's KV entries end up contiguous after the context.
+        """
+        n = keep.numel()
+        src = keep.to(self.k.device) + start
+        # advanced indexing copies first, so overlapping source/destination ranges are safe
+        self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
+        self.v[:, :, :, start:start + n] = self.v[:, :, :, src]

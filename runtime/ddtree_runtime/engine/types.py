@@ -1,0 +1,58 @@
+"""Plain dataclasses the server codes against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("ddtree", "dflash", "ar")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    target_dir: str
+    draft_dir: str | None           # None allowed only for mode "ar"
+    mode: str = "ddtree"            # ddtree | dflash | ar
+    block_size: int | None = None   # default: drafter config's block_size
+    tree_budget: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"          # float32 | bfloat16 | float16
+    max_context: int | None = None  # default: min(target max_position_embeddings, 4096)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # the engine adds the tokenizer's eos ids itself
+    mode: str | None = None         # per-request override of mode
+    tree_budget: int | None = None  # per-request override of budget
+
+
+@dataclass
+class RoundOutput:
+    token_ids: list[int]        # newly committed this round, truncated at a stop token / max_new_tokens
+    accepted: int               # draft tokens accepted by verification (0 for ar and the prefill round)
+    finished: bool
+    finish_reason: str | None   # "stop" | "length" | None
+
+
+@dataclass
+class RequestState:
+    """Everything one generation carries between rounds."""
+    mode: str
+    budget: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    n_ctx: int = 0            # tokens whose KV sits in the target cache (all committed but the bonus)
+    bonus: int = -1           # last committed token: next round's tree root
+    generated: int = 0        # tokens emitted so far
+    draft_len: int = 0        # context entries already in the drafter's cache
+    pending: torch.Tensor | None = None  # [1, m, F] target features not yet in the drafter's cache
+    rounds: int = 0
+    accepted_total: int = 0

@@ -1,0 +1,44 @@
+"""Typed errors that the CLI turns into one clear line and an exit code.
+
+Exit codes follow Ansible: 0 ok, 2 user/config error or a failed step, 4 a host unreachable.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 2
+EXIT_UNREACHABLE = 4
+
+
+class DdopsError(Exception):
+    """An error the user can act on: what went wrong, where, and how to fix it."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, what: str, *, where: str | None = None, fix: str | None = None) -> None:
+        super().__init__(what)
+        self.what = what
+        self.where = where
+        self.fix = fix
+
+    def line(self) -> str:
+        text = f"{self.where}: {self.what}" if self.where else self.what
+        return f"{text} ({self.fix})" if self.fix else text
+
+
+class ConfigError(DdopsError):
+    """A malformed inventory, profile or template."""
+
+
+class UsageError(DdopsError):
+    """A command-line option that cannot be honoured (unknown host in --limit, ...)."""
+
+
+class StepFailed(DdopsError):
+    """A plan step failed on a host."""
+
+
+class HostUnreachable(DdopsError):
+    """A host could not be reached over SSH."""
+
+    exit_code = EXIT_UNREACHABLE

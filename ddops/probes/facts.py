@@ -1,0 +1,184 @@
+"""Gather one host's facts in one round trip: identity, GPUs, training job, units, runtime health.
+
+Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+GPU_FIELDS = ["index", "name", "memory.used", "memory.total", "utilization.gpu"]
+UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState"]
+
+
+def run(argv, timeout=10):
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout, done.stderr
+    except FileNotFoundError:
+        return 127, "", "%s: command not found" % argv[0]
+    except subprocess.TimeoutExpired:
+        return 124, "", "%s timed out" % argv[0]
+
+
+def number(text):
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        return None
+
+
+def gpus():
+    code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(GPU_FIELDS),
+                          "--format=csv,noheader,nounits"])
+    if code != 0:
+        return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": []}
+    rows = []
+    for line in out.strip().splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(GPU_FIELDS):
+            continue
+        rows.append({"index": number(cells[0]), "name": cells[1], "memory_used_mib": number(cells[2]),
+                     "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4])})
+    return {"error": None, "list": rows}
+
+
+def clock_ticks():
+    return os.sysconf(os.sysconf_names["SC_CLK_TCK"])
+
+
+def uptime_s():
+    with open("/proc/uptime") as fh:
+        return float(fh.read().split()[0])
+
+
+def processes(pattern):
+    """Processes whose command line matches pattern (not this probe, not its shell)."""
+    rx = re.compile(pattern)
+    me = {os.getpid(), os.getppid()}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in me:
+            continue
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+            with open("/proc/%s/stat" % entry) as fh:
+                stat = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cmdline = " ".join(argv)
+        # Probes (this one or a concurrent run's) carry their own source, hence this marker.
+        if not argv or not rx.search(cmdline) or "ddops-probe" in cmdline:
+            continue
+        started = int(stat[19]) / clock_ticks()
+        found.append({"pid": int(entry), "cmdline": cmdline, "elapsed_s": round(uptime_s() - started, 1)})
+    return found
+
+
+def tail(path, size=65536):
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - size))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+def last_step(log_path):
+    text = tail(log_path) if log_path else None
+    if text is None:
+        return None
+    steps = re.findall(r"\bstep[ =:]+(\d+)", text)
+    return int(steps[-1]) if steps else None
+
+
+def newest_checkpoint(ckpt_dir):
+    try:
+        entries = [os.path.join(ckpt_dir, e) for e in os.listdir(ckpt_dir)]
+    except OSError:
+        return None
+    entries = [e for e in entries if not os.path.basename(e).startswith(".")]
+    if not entries:
+        return None
+    newest = max(entries, key=os.path.getmtime)
+    return {"path": newest, "mtime": os.path.getmtime(newest)}
+
+
+def training(spec):
+    if not spec:
+        return None
+    found = processes(spec["pattern"]) if spec.get("pattern") else []
+    unit = unit_state(spec["unit"]) if spec.get("unit") else None
+    if not found and unit and unit.get("MainPID") not in (None, 0):
+        found = [p for p in processes(r".") if p["pid"] == unit["MainPID"]]
+    main = found[0] if found else None
+    return {
+        "running": bool(found),
+        "pid": main["pid"] if main else None,
+        "cmdline": main["cmdline"] if main else None,
+        "elapsed_s": main["elapsed_s"] if main else None,
+        "pids": [p["pid"] for p in found],
+        "unit": unit,
+        "last_step": last_step(spec.get("log")),
+        "newest_checkpoint": newest_checkpoint(spec["checkpoints"]) if spec.get("checkpoints") else None,
+    }
+
+
+def unit_state(unit):
+    code, out, err = run(["systemctl", "show", unit, "--property=" + ",".join(UNIT_PROPS)])
+    if code != 0:
+        return {"unit": unit, "error": (err or out).strip()}
+    props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return {
+        "unit": unit,
+        "ActiveState": props.get("ActiveState"),
+        "SubState": props.get("SubState"),
+        "LoadState": props.get("LoadState"),
+        "since": props.get("ActiveEnterTimestamp") or None,
+        "NRestarts": number(props.get("NRestarts", "")),
+        "MainPID": number(props.get("MainPID", "")),
+    }
+
+
+def health(port, path):
+    url = "http://127.0.0.1:%d%s" % (port, path)
+    try:
+        with urllib.request.urlopen(url, timeout=3) as resp:
+            body = resp.read(65536).decode(errors="replace")
+            code = resp.status
+    except urllib.error.HTTPError as exc:
+        body, code = exc.read(65536).decode(errors="replace"), exc.code
+    except (OSError, ValueError) as exc:
+        return {"url": url, "healthy": False, "http_status": None, "detail": str(getattr(exc, "reason", exc))}
+    try:
+        detail = json.loads(body)
+    except ValueError:
+        detail = body.strip()[:500]
+    status = detail.get("status") if isinstance(detail, dict) else None
+    healthy = code == 200 and status in (None, "ok", "healthy")
+    return {"url": url, "healthy": healthy, "http_status": code, "detail": detail}
+
+
+def main():
+    args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    started = time.time()
+    facts = {
+        "hostname": socket.gethostname(),
+        "gpus": gpus(),
+        "training": training(args.get("training")),
+        "services": [unit_state(s["unit"]) for s in args.get("services", [])],
+        "runtime": [dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"])
+                    for s in args.get("services", []) if s.get("port")],
+    }
+    facts["probe_s"] = round(time.time() - started, 3)
+    json.dump(facts, sys.stdout)
+
+
+main()

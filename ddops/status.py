@@ -1,0 +1,110 @@
+"""`ddops status`: every selected host at a glance, gathered in parallel, one round trip each."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from .executor import Executor, Outcome
+from .facts import check_identity, gather
+from .inventory import Host
+
+
+def collect(executor: Executor, hosts: list[Host]) -> list[dict[str, Any]]:
+    """One status record per host, in inventory order; an unreachable host is a record too."""
+    outcomes = executor.fan_out(hosts, lambda h: gather(executor, h))
+    return [_record(h, outcomes[h.name]) for h in hosts]
+
+
+def _record(host: Host, outcome: Outcome[dict[str, Any]]) -> dict[str, Any]:
+    record: dict[str, Any] = {"host": host.name, "reached_as": host.label, "reachable": not outcome.unreachable,
+                              "error": outcome.error.line() if outcome.error else None,
+                              "identity": None, "gpus": [], "gpu_error": None, "training": None,
+                              "services": [], "runtime": []}
+    if outcome.value is None:
+        return record
+    facts = outcome.value
+    identity = check_identity(host.expect, facts)
+    record.update(identity=asdict(identity), gpus=facts["gpus"]["list"], gpu_error=facts["gpus"]["error"],
+                  training=facts["training"], services=facts["services"], runtime=facts["runtime"])
+    return record
+
+
+def exit_code(records: list[dict[str, Any]]) -> int:
+    if any(not r["reachable"] for r in records):
+        return EXIT_UNREACHABLE
+    if any(r["error"] or (r["identity"] and not r["identity"]["ok"]) for r in records):
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def render(records: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title="ddops status", show_lines=True)
+    for column in ("host", "identity", "GPUs", "training", "services", "runtime"):
+        table.add_column(column, overflow="fold")
+    for r in records:
+        table.add_row(Text(r["host"], style="bold"), _identity_cell(r), _gpu_cell(r), _training_cell(r),
+                      _services_cell(r), _runtime_cell(r))
+    console.print(table)
+    for r in records:
+        if r["identity"] and not r["identity"]["ok"]:
+            console.print(f"[bold red]IDENTITY MISMATCH on {r['host']}: "
+                          f"{'; '.join(r['identity']['mismatches'])}. ddops will change nothing there.[/]")
+
+
+def _identity_cell(r: dict[str, Any]) -> Text:
+    if not r["reachable"] or r["identity"] is None:
+        return Text(f"UNREACHABLE\n{r['error']}" if not r["reachable"] else f"ERROR\n{r['error']}",
+                    style="bold red")
+    ident = r["identity"]
+    if not ident["ok"]:
+        return Text("MISMATCH\n" + "\n".join(ident["mismatches"]), style="bold white on red")
+    return Text(f"ok: {ident['hostname']}", style="green")
+
+
+def _gpu_cell(r: dict[str, Any]) -> Text:
+    if r["gpu_error"]:
+        return Text(r["gpu_error"], style="yellow")
+    gpus = r["gpus"]
+    if not gpus:
+        return Text("none", style="dim")
+    used = sum(g["memory_used_mib"] or 0 for g in gpus)
+    total = sum(g["memory_total_mib"] or 0 for g in gpus)
+    names = sorted({g["name"] for g in gpus})
+    return Text(f"{len(gpus)}x {', '.join(names)}\n{used / 1024:.0f}/{total / 1024:.0f} GiB used")
+
+
+def _training_cell(r: dict[str, Any]) -> Text:
+    t = r["training"]
+    if not t:
+        return Text("-", style="dim")
+    if not t["running"]:
+        step = f", last step {t['last_step']}" if t["last_step"] is not None else ""
+        return Text(f"stopped{step}", style="dim")
+    return Text(f"pid {t['pid']} running {t['elapsed_s']:.0f}s\nstep {t['last_step']}", style="cyan")
+
+
+def _services_cell(r: dict[str, Any]) -> Text:
+    text = Text()
+    for s in r["services"]:
+        state = s.get("ActiveState") or "unknown"
+        style = {"active": "green", "failed": "bold red", "activating": "yellow"}.get(state, "dim")
+        restarts = f" restarts={s['NRestarts']}" if s.get("NRestarts") else ""
+        text.append(f"{s['unit']}: {state}/{s.get('SubState')}{restarts}\n", style=style)
+    return text or Text("-", style="dim")
+
+
+def _runtime_cell(r: dict[str, Any]) -> Text:
+    text = Text()
+    for h in r["runtime"]:
+        detail = h["detail"]
+        if isinstance(detail, dict):
+            detail = detail.get("status") or detail.get("detail") or ""
+        word = "healthy" if h["healthy"] else "UNHEALTHY"
+        text.append(f"{h['url']}: {word} {detail}\n".rstrip() + "\n", style="green" if h["healthy"] else "red")
+    return text or Text("-", style="dim")

@@ -89,13 +89,14 @@ def _type_name(value: Any) -> str:
 class Section:
     """Typed, located access to one YAML mapping (`hosts.ct200.expect`, say)."""
 
-    def __init__(self, data: LineDict, source: str, path: str) -> None:
+    def __init__(self, data: LineDict, source: str, path: str, line: int | None = None) -> None:
         self.data = data
         self.source = source
         self.path = path
+        self.line = line or data.line  # where the mapping's own key stands, for whole-mapping errors
 
     def where(self, key: str | None = None) -> str:
-        line = self.data.key_lines.get(key, self.data.line) if key is not None else self.data.line
+        line = self.data.key_lines.get(key, self.line) if key is not None else self.line
         return f"{self.source}:{line}"
 
     def _name(self, key: str) -> str:
@@ -202,10 +203,10 @@ class Section:
         if value is _MISSING:
             return None
         self._expect(key, value, (LineDict,), "a mapping")
-        return Section(value, self.source, self._name(key))
+        return Section(value, self.source, self._name(key), self.data.key_lines.get(key))
 
     def item_section(self, key: str, index: int, value: Any) -> "Section":
         """A mapping found as item `index` of the list under `key`."""
         if not isinstance(value, LineDict):
             raise self.fail(key, f"`{self._name(key)}[{index}]` must be a mapping, got {_type_name(value)}")
-        return Section(value, self.source, f"{self._name(key)}[{index}]")
+        return Section(value, self.source, f"{self._name(key)}[{index}]", value.line)

@@ -1,0 +1,105 @@
+"""The FastAPI app: routes, OpenAI-style error handlers, request metrics, engine worker lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ddtree_runtime.server.config import ServerConfig
+from ddtree_runtime.server.context import ServerContext
+from ddtree_runtime.server.errors import APIError, error_body
+from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.routes import router
+from ddtree_runtime.server.worker import READY, EngineWorker
+
+log = logging.getLogger("ddtree_runtime.server")
+
+# Label values for request metrics; any other path is "other" (unbounded label values are a leak).
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+UNCOUNTED_IN_FLIGHT = ("/health", "/metrics")
+
+
+def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], Any] | None = None) -> FastAPI:
+    """Build the app. The engine loads on the worker thread once the app starts (lifespan), so the
+    HTTP listener answers /health with ``starting`` while the model loads."""
+    metrics = Metrics()
+    worker = EngineWorker(config, metrics, engine_factory)
+    ctx = ServerContext(config, worker, metrics)
+    metrics.add_gauge("queue_depth", "Requests waiting for the engine worker.", worker.queue_depth)
+    metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
+    metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
+                      lambda: 1 if worker.health()[0] == READY else 0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.stop(timeout=5.0)
+
+    app = FastAPI(title="ddtree-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ddtree = ctx
+    app.include_router(router)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error answering %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+    app.add_middleware(_RequestMetrics, ctx=ctx)
+    return app
+
+
+class _RequestMetrics:
+    """ASGI middleware: count requests by endpoint and status, time them to the last byte (streams
+    included), and keep the in-flight count the drain waits on."""
+
+    def __init__(self, app, ctx: ServerContext) -> None:
+        self.app = app
+        self._ctx = ctx
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        counted = path not in UNCOUNTED_IN_FLIGHT
+        started = time.perf_counter()
+        status = 500
+        done = False
+
+        async def send_wrapper(message) -> None:
+            nonlocal status, done
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                done = True
+
+        if counted:
+            self._ctx.in_flight += 1
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            status, done = 500, True  # the outer error middleware answers 500
+            raise
+        finally:
+            if counted:
+                self._ctx.in_flight -= 1
+            # A response cut short (client gone) is counted as 499, like nginx does.
+            self._ctx.metrics.observe_request(endpoint, status if done else 499, time.perf_counter() - started)

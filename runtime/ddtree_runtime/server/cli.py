@@ -1,0 +1,148 @@
+"""``ddtree-serve``: parse flags, check them, run the app under uvicorn with a draining SIGTERM.
+
+Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT, drained), 2 for bad command-line input,
+uvicorn's own non-zero codes if the port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import re
+import sys
+
+from ddtree_runtime.server.config import MODES, ServerConfig
+
+log = logging.getLogger("ddtree_runtime.server")
+
+API_KEY_ENV = "DDTREE_API_KEY"
+FAULTS_ENV = "DDTREE_TEST_FAULTS"  # "1": enable POST /_test/fault (tests only)
+STARTUP_DELAY_ENV = "DDTREE_TEST_STARTUP_DELAY_S"  # with FAULTS_ENV: sleep before loading the model
+DTYPES = ("float32", "float16", "bfloat16")
+GRACEFUL_CLOSE_S = 5.0  # after draining: how long uvicorn waits for idle connections to close
+
+
+class UsageError(Exception):
+    """Bad command-line input: one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ddtree-serve", description="OpenAI-compatible server doing DDTree speculative decoding.")
+    p.add_argument("--target", required=True, metavar="DIR", help="target model directory")
+    p.add_argument("--draft", metavar="DIR", help="DFlash drafter directory (required unless --mode ar)")
+    p.add_argument("--mode", choices=MODES, default="ddtree", help="decoding mode (default: ddtree)")
+    p.add_argument("--block-size", type=int, metavar="N", help="draft block size (default: the drafter's)")
+    p.add_argument("--tree-budget", type=int, default=16, metavar="B", help="tree nodes verified per round (default: 16)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
+    p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV}, "
+                   "which keeps the key out of the process list)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (default: float32)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests waiting before 429 (default: 16)")
+    p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the target's name)")
+    p.add_argument("--max-context", type=int, metavar="N", help="limit on prompt + completion tokens")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds to let in-flight requests finish (default: 30)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:
+    target = _model_dir(args.target, "--target")
+    if args.draft is None and args.mode != "ar":
+        raise UsageError(f"--draft DIR is required for --mode {args.mode} (only --mode ar runs without a drafter)")
+    draft = _model_dir(args.draft, "--draft") if args.draft is not None else None
+    _positive(args.block_size, "--block-size")
+    _positive(args.tree_budget, "--tree-budget")
+    _positive(args.max_queue, "--max-queue")
+    _positive(args.max_context, "--max-context")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be between 0 and 65535")
+    if args.drain_timeout < 0:
+        raise UsageError(f"--drain-timeout {args.drain_timeout}: must be >= 0")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UsageError(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
+    faults = environ.get(FAULTS_ENV) == "1"
+    try:
+        startup_delay = float(environ.get(STARTUP_DELAY_ENV, "0")) if faults else 0.0
+    except ValueError:
+        raise UsageError(f"{STARTUP_DELAY_ENV}: expected seconds") from None
+    return ServerConfig(
+        target_dir=target,
+        draft_dir=draft,
+        mode=args.mode,
+        block_size=args.block_size,
+        tree_budget=args.tree_budget,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_context,
+        host=args.host,
+        port=args.port,
+        api_key=api_key or None,
+        max_queue=args.max_queue,
+        served_model_name=args.served_model_name,
+        drain_timeout=args.drain_timeout,
+        test_faults=faults,
+        test_startup_delay_s=startup_delay,
+    )
+
+
+def _model_dir(path: str, flag: str) -> str:
+    if not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"{flag} {path}: no config.json there; is it a model directory?")
+    return os.path.abspath(path)
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{flag} {value}: must be >= 1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        config = config_from_args(args, dict(os.environ))
+    except UsageError as exc:
+        print(f"ddtree-serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from ddtree_runtime.server.app import create_app
+    from ddtree_runtime.server.draining import DrainingServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.api_key and not _is_loopback(config.host):
+        bar = "!" * 78
+        print(f"{bar}\nWARNING: ddtree-serve is listening on {config.host} WITHOUT an API key.\n"
+              f"Anyone who can reach this port can use the model. Set {API_KEY_ENV} or --api-key.\n{bar}",
+              file=sys.stderr)
+    if config.test_faults:
+        log.warning("%s=1: test fault endpoint POST /_test/fault is enabled", FAULTS_ENV)
+
+    app = create_app(config)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on")
+    server = DrainingServer(uv_config, app.state.ddtree)
+    server.run()
+    return 0

@@ -1,0 +1,42 @@
+"""Server settings, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("ddtree", "dflash", "ar")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # What the engine loads (turned into an EngineConfig on the worker thread).
+    target_dir: str
+    draft_dir: str | None
+    mode: str = "ddtree"
+    block_size: int | None = None
+    tree_budget: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_context: int | None = None
+    # How the server behaves.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 16
+    served_model_name: str | None = None
+    drain_timeout: float = 30.0
+    # DDTREE_TEST_FAULTS=1: adds POST /_test/fault (see worker.Faults). Never set in production.
+    test_faults: bool = False
+    test_startup_delay_s: float = 0.0
+
+    def engine_kwargs(self) -> dict:
+        return {
+            "target_dir": self.target_dir,
+            "draft_dir": self.draft_dir,
+            "mode": self.mode,
+            "block_size": self.block_size,
+            "tree_budget": self.tree_budget,
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_context": self.max_context,
+        }

@@ -1,0 +1,149 @@
+"""Server-wide state shared by the routes: config, worker, metrics, drain flag; request preparation."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from typing import Any
+
+from starlette.requests import Request
+
+from ddtree_runtime.server.config import ServerConfig
+from ddtree_runtime.server.errors import APIError
+from ddtree_runtime.server.generation import Generation, SpeculativeStats
+from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.worker import READY, EngineWorker, engine_block_size
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy decoding
+
+
+class ServerContext:
+    def __init__(self, config: ServerConfig, worker: EngineWorker, metrics: Metrics) -> None:
+        self.config = config
+        self.worker = worker
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.created = int(time.time())
+        self.draining = False
+        self.in_flight = 0  # API requests between arrival and last byte (kept by the app's middleware)
+
+    # -- identity --
+
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        engine = self.worker.engine
+        name = getattr(engine, "model_name", None) if engine is not None else None
+        return name or os.path.basename(os.path.normpath(self.config.target_dir))
+
+    def describe(self) -> dict:
+        engine = self.worker.engine
+        mode = self.config.mode
+        block = engine_block_size(engine)
+        return {
+            "mode": mode,
+            "block_size": block,
+            "max_draft_len": 0 if mode == "ar" or block is None else block - 1,
+            "tree_budget": self.config.tree_budget,
+            "model": self.model_name(),
+            "draft_model": getattr(engine, "draft_name", None),
+        }
+
+    # -- gates --
+
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    def engine_for_requests(self) -> Any:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        state, detail = self.worker.health()
+        if state != READY:
+            raise APIError(503, f"the engine is not ready ({state}): {detail}", code="engine_unavailable")
+        return self.worker.engine
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name():
+            raise APIError(
+                404,
+                f"the model '{requested}' does not exist; this server serves '{self.model_name()}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- prompts --
+
+    def chat_prompt_ids(self, engine: Any, req: Any) -> list[int]:
+        kwargs = {"enable_thinking": False, **(req.chat_template_kwargs or {})}
+        try:
+            text = engine.tokenizer.apply_chat_template(
+                req.template_messages(), tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as exc:  # a template that rejects the conversation (e.g. role order) is the client's error
+            raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
+        return list(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def completion_prompt_ids(self, engine: Any, req: Any) -> list[int]:
+        if isinstance(req.prompt, str):
+            ids = list(engine.tokenizer.encode(req.prompt, add_special_tokens=False))
+            if not ids:
+                raise APIError(400, "prompt: encodes to no tokens", param="prompt")
+            return ids
+        vocab = len(engine.tokenizer)
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return list(req.prompt)
+
+    # -- generation --
+
+    def start_generation(
+        self, engine: Any, request: Request, prompt_ids: list[int], req: Any, max_tokens: int | None
+    ) -> Generation:
+        from ddtree_runtime.engine import SamplingParams
+
+        limit = engine.max_context
+        if len(prompt_ids) >= limit:
+            raise APIError(
+                400,
+                f"the prompt is {len(prompt_ids)} tokens; this model's context is {limit} tokens",
+                param="messages" if hasattr(req, "messages") else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = limit - len(prompt_ids)
+        elif len(prompt_ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"this model's context is {limit} tokens, but {len(prompt_ids)} prompt tokens + "
+                f"max_tokens {max_tokens} = {len(prompt_ids) + max_tokens}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        spec = req.speculative
+        mode = (spec.mode if spec else None) or self.config.mode
+        budget = (spec.tree_budget if spec else None) or self.config.tree_budget
+        if mode != "ar" and getattr(engine, "draft_name", None) is None and not self.config.draft_dir:
+            raise APIError(400, f"speculative.mode: '{mode}' needs a draft model; this server has none", param="speculative.mode")
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            mode=spec.mode if spec else None,
+            tree_budget=spec.tree_budget if spec else None,
+        )
+        gen = Generation(
+            self.worker, engine.tokenizer, prompt_ids, params, req.stop_strings(), SpeculativeStats(mode, budget)
+        )
+        gen.submit(request)
+        return gen

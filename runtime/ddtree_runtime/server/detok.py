@@ -1,0 +1,90 @@
+"""Incremental detokenization and stop strings, for streaming text out of multi-token rounds.
+
+Two things must be held back while streaming: a token sequence that ends inside a UTF-8 character
+(decodes to U+FFFD until the next token completes it), and text that might be the start of a stop
+string (it must never reach the client if the stop string completes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDecoder:
+    """Decodes a growing list of token ids into new text pieces.
+
+    Each step decodes a small window (the previous piece's tokens + the new tokens) and keeps only the
+    text the new tokens added; decoding with left context keeps word-initial spaces right for
+    tokenizers that drop them at the start of a sequence.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: context already emitted
+        self._read = 0  # tokens before this have been emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """Everything not yet emitted, even an incomplete character (the generation is over)."""
+        return self._step(final=True)
+
+    def _step(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if not final and text.endswith(REPLACEMENT_CHAR):
+            return ""  # wait for the rest of the character
+        if not text.startswith(before):  # the tokenizer merged across the boundary; re-anchor
+            before = ""
+            text = self._decode(self._ids[self._read :])
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
+
+
+class StopMatcher:
+    """Cuts the output at the first stop string and holds back a tail that could begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """Text safe to emit now. Sets ``stopped`` (and drops the stop string and the rest) on a match."""
+        if self.stopped or not text:
+            return ""
+        if not self._stops:
+            return text
+        buf = self._held + text
+        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return "" if self.stopped else out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest tail of buf that is a proper prefix of some stop string."""
+        longest = max(len(s) for s in self._stops) - 1
+        for k in range(min(longest, len(buf)), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0

@@ -1,0 +1,47 @@
+"""uvicorn.Server whose first SIGTERM/SIGINT drains instead of stopping at once.
+
+Draining: new API requests get 503 and /health says ``draining``; in-flight and queued requests run
+to completion for up to ``drain_timeout`` seconds, then are cancelled; then uvicorn shuts down as
+usual. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import uvicorn
+
+from ddtree_runtime.server.context import ServerContext
+
+log = logging.getLogger("ddtree_runtime.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
+        super().__init__(config)
+        self._ctx = ctx
+        self._drain_deadline = 0.0
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Runs as a signal handler: only set flags, on_tick (every 0.1 s) acts on them. Unlike
+        # uvicorn's own handler this does not re-raise the signal after shutdown, so the exit code is 0.
+        if not self._ctx.draining:
+            self._ctx.draining = True
+            self._drain_deadline = time.monotonic() + self._ctx.config.drain_timeout
+            log.info("%s: draining, up to %.0fs", signal.Signals(sig).name, self._ctx.config.drain_timeout)
+        else:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+
+    async def on_tick(self, counter: int) -> bool:
+        ctx = self._ctx
+        if ctx.draining and not self.should_exit:
+            if ctx.in_flight == 0 and not ctx.worker.busy():
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                log.warning("drain timeout: cancelling %d in-flight request(s)", ctx.in_flight)
+                ctx.worker.cancel_all("shutdown")
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -1,0 +1,184 @@
+"""The OpenAI-compatible endpoints, /health, /metrics and the test-only fault switch."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ddtree_runtime.server.context import ServerContext
+from ddtree_runtime.server.errors import APIError
+from ddtree_runtime.server.generation import ClientGone, Generation
+from ddtree_runtime.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body, validate
+from ddtree_runtime.server.worker import READY
+
+router = APIRouter()
+
+# Status for a request whose client left before the answer (nginx's convention; never sent).
+CLIENT_CLOSED = 499
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ddtree
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    state, detail = ctx.worker.health()
+    uptime = round(time.monotonic() - ctx.started, 3)
+    if state == READY and ctx.draining:
+        return JSONResponse({"status": "draining", "detail": "shutting down", "uptime_s": uptime}, status_code=503)
+    if state != READY:
+        return JSONResponse({"status": state, "detail": detail, "uptime_s": uptime}, status_code=503)
+    return JSONResponse({"status": "ok", **ctx.describe(), "uptime_s": uptime})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(_ctx(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    ctx.authorize(request)
+    name = ctx.model_name()
+    return JSONResponse(
+        {"object": "list", "data": [{"id": name, "object": "model", "created": ctx.created, "owned_by": "ddtree"}]}
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.authorize(request)
+    engine = ctx.engine_for_requests()
+    req = validate(ChatCompletionRequest, parse_body(await request.body()))
+    ctx.check_model(req.model)
+    prompt_ids = ctx.chat_prompt_ids(engine, req)
+    gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
+    return await _respond(ctx, request, gen, req, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.authorize(request)
+    engine = ctx.engine_for_requests()
+    req = validate(CompletionRequest, parse_body(await request.body()))
+    ctx.check_model(req.model)
+    prompt_ids = ctx.completion_prompt_ids(engine, req)
+    gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
+    return await _respond(ctx, request, gen, req, chat=False)
+
+
+async def _respond(ctx: ServerContext, request: Request, gen: Generation, req: Any, chat: bool) -> Response:
+    shape = _Shape(chat=chat, model=ctx.model_name())
+    pieces = gen.pieces()
+    if not req.stream:
+        try:
+            text = "".join([piece async for piece in pieces])
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(shape.full(text, gen))
+    # Wait for the first round before answering, so a request that fails before generating anything
+    # gets a proper HTTP error status instead of an error inside a 200 stream.
+    try:
+        first = await anext(pieces)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(
+        _sse(shape, gen, first, pieces, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator[str], include_usage: bool):
+    try:
+        if shape.chat:
+            yield _event(shape.chunk(gen, role=True))
+        if first:
+            yield _event(shape.chunk(gen, text=first))
+        try:
+            async for piece in rest:
+                if piece:
+                    yield _event(shape.chunk(gen, text=piece))
+        except ClientGone:
+            return
+        except APIError as exc:  # headers are sent: the error travels as an event
+            yield _event(exc.body())
+            yield "data: [DONE]\n\n"
+            return
+        final = shape.chunk(gen, finish=True)
+        final["speculative"] = gen.stats.as_dict()
+        yield _event(final)
+        if include_usage:
+            yield _event({**shape.envelope(), "choices": [], "usage": gen.usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.cancel("stream closed")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Shape:
+    """The OpenAI response and chunk objects for chat or text completions."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def envelope(self, stream: bool = True) -> dict:
+        if self.chat:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, gen: Generation) -> dict:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+        return {**self.envelope(stream=False), "choices": [choice], "usage": gen.usage()}
+
+    def chunk(self, gen: Generation, text: str = "", role: bool = False, finish: bool = False) -> dict:
+        reason = gen.finish_reason if finish else None
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else ({} if finish else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self.envelope(), "choices": [choice]}
+
+
+@router.post("/_test/fault", include_in_schema=False)
+async def test_fault(request: Request) -> JSONResponse:
+    """Test-only (DDTREE_TEST_FAULTS=1; 404 otherwise): set worker.Faults fields from the JSON body."""
+    ctx = _ctx(request)
+    if not ctx.config.test_faults:
+        raise APIError(404, "Not Found")
+    faults = ctx.worker.faults
+    body = parse_body(await request.body())
+    for key, value in body.items():
+        if not hasattr(faults, key):
+            raise APIError(400, f"unknown fault {key!r}", param=key)
+        setattr(faults, key, value)
+    return JSONResponse({"faults": vars(faults)})

@@ -1,0 +1,299 @@
+"""The engine worker: one thread owns the (not thread-safe) engine and serves jobs in order.
+
+Requests wait in a bounded queue; a full queue is the caller's 429. Results go back to the request's
+event loop as events (``RoundEvent`` ... then ``DoneEvent`` or ``ErrorEvent``). A job is cancelled by
+setting its flag: the worker checks it between rounds and closes the engine's generator.
+
+Health is the worker's own word: ``ready`` only after the warm-up generation succeeded, and only
+while the thread is alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddtree_runtime.server.config import ServerConfig
+from ddtree_runtime.server.metrics import Metrics
+
+log = logging.getLogger("ddtree_runtime.server")
+
+STARTING, READY, ERROR = "starting", "ready", "error"
+WARMUP_PROMPT = "Hello"
+WARMUP_TOKENS = 4
+
+
+# --- events sent from the worker thread to a request -------------------------------------------
+
+
+@dataclass
+class RoundEvent:
+    output: Any  # engine.RoundOutput
+
+
+@dataclass
+class DoneEvent:
+    """The engine stopped: finished, or the job was cancelled."""
+
+
+@dataclass
+class ErrorEvent:
+    status: int
+    message: str
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: Any  # engine.SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str | None = None
+
+    def cancel(self, reason: str) -> None:
+        if not self.cancelled.is_set():
+            self.cancel_reason = reason
+            self.cancelled.set()
+
+    def emit(self, event: RoundEvent | DoneEvent | ErrorEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
+            pass
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotReady(Exception):
+    def __init__(self, state: str, detail: str) -> None:
+        super().__init__(detail)
+        self.state = state
+        self.detail = detail
+
+
+# --- test faults ---------------------------------------------------------------------------------
+
+
+class _WorkerKilled(BaseException):
+    """Raised inside the worker thread by the kill fault; nothing catches it, so the thread dies."""
+
+
+@dataclass
+class Faults:
+    """Test-only knobs (the app exposes them at POST /_test/fault when DDTREE_TEST_FAULTS=1).
+
+    kill_worker: the worker thread dies at its next job (or within 0.1 s if idle).
+    engine_errors: the next N jobs raise inside the engine loop (the worker must survive).
+    round_delay_s: sleep this long after each round (makes generations slow enough to observe).
+    paused: the worker does not take jobs off the queue (makes the queue fill deterministically).
+    """
+
+    kill_worker: bool = False
+    engine_errors: int = 0
+    round_delay_s: float = 0.0
+    paused: bool = False
+
+
+# --- the worker ----------------------------------------------------------------------------------
+
+_STOP = object()
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        config: ServerConfig,
+        metrics: Metrics,
+        engine_factory: Callable[[ServerConfig], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.faults = Faults()
+        self.engine: Any = None
+        self._engine_factory = engine_factory or _load_engine
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue)
+        self._state = STARTING
+        self._detail = "loading model"
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
+
+    # -- called from the event loop --
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def health(self) -> tuple[str, str]:
+        """(state, detail). A ready worker whose thread is gone is an error, whatever it last said."""
+        state, detail = self._state, self._detail
+        if state != ERROR and self._thread.ident is not None and not self._thread.is_alive():
+            return ERROR, "engine worker thread is not running"
+        return state, detail
+
+    def submit(self, job: Job) -> None:
+        state, detail = self.health()
+        if state != READY:
+            raise NotReady(state, detail)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def busy(self) -> bool:
+        return self._current is not None or not self._queue.empty()
+
+    def cancel_all(self, reason: str) -> None:
+        current = self._current
+        if current is not None:
+            current.cancel(reason)
+        for job in list(self._queue.queue):
+            if job is not _STOP:
+                job.cancel(reason)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.cancel_all("shutdown")
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the worker thread --
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # a load failure is reported by /health, not raised
+            log.exception("engine failed to start")
+            self._set(ERROR, f"engine failed to start: {type(exc).__name__}: {exc}")
+            return
+        self._set(READY, "")
+        log.info("engine ready")
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread is dying; say so and fail waiting jobs
+            log.error("engine worker died: %r", exc)
+            self._set(ERROR, f"engine worker died: {type(exc).__name__}: {exc}")
+            self._fail_pending("the engine worker died")
+
+    def _set(self, state: str, detail: str) -> None:
+        self._state, self._detail = state, detail
+
+    def _load(self) -> None:
+        if self.config.test_startup_delay_s:
+            time.sleep(self.config.test_startup_delay_s)
+        self._detail = "loading model"
+        self.engine = self._engine_factory(self.config)
+        self.metrics.set_max_acceptance_length(engine_block_size(self.engine) or 1)
+        self._detail = "warming up"
+        from ddtree_runtime.engine import SamplingParams
+
+        prompt = self.engine.tokenizer.encode(WARMUP_PROMPT, add_special_tokens=False)
+        params = SamplingParams(max_new_tokens=WARMUP_TOKENS, temperature=0.0)
+        produced = sum(len(out.token_ids) for out in self.engine.generate(prompt, params))
+        if produced == 0:
+            raise RuntimeError("warm-up generation produced no tokens")
+
+    def _serve(self) -> None:
+        while True:
+            while self.faults.paused and not self.faults.kill_worker:
+                time.sleep(0.01)
+            try:
+                job = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.faults.kill_worker:
+                    raise _WorkerKilled("killed by test fault")
+                continue
+            if job is _STOP:
+                return
+            if job.cancelled.is_set():
+                job.emit(DoneEvent())
+                continue
+            self._current = job
+            try:
+                self._run_job(job)
+            finally:
+                self._current = None
+
+    def _run_job(self, job: Job) -> None:
+        if self.faults.kill_worker:
+            job.emit(ErrorEvent(503, "the engine worker died"))
+            raise _WorkerKilled("killed by test fault")
+        rounds = 0
+        generator = None
+        try:
+            if self.faults.engine_errors > 0:
+                self.faults.engine_errors -= 1
+                raise RuntimeError("injected engine fault")
+            generator = self.engine.generate(job.prompt_ids, job.params)
+            started = time.perf_counter()
+            for out in generator:
+                elapsed = time.perf_counter() - started
+                if rounds == 0:  # the engine's first output is the prefill, not a speculative round
+                    self.metrics.observe_prefill(elapsed, len(out.token_ids))
+                else:
+                    self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
+                rounds += 1
+                job.emit(RoundEvent(out))
+                if out.finished or job.cancelled.is_set():
+                    break
+                if self.faults.round_delay_s:
+                    time.sleep(self.faults.round_delay_s)
+                started = time.perf_counter()
+        except ValueError as exc:
+            if rounds == 0:  # the engine rejected the parameters before doing anything
+                job.emit(ErrorEvent(400, str(exc)))
+            else:
+                log.exception("engine error during generation")
+                job.emit(ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
+            return
+        except Exception as exc:  # the request fails, the worker carries on
+            log.exception("engine error during generation")
+            job.emit(ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            if generator is not None:
+                generator.close()
+        job.emit(DoneEvent())
+
+    def _fail_pending(self, message: str) -> None:
+        current = self._current
+        if current is not None:
+            current.emit(ErrorEvent(503, message))
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not _STOP:
+                job.emit(ErrorEvent(503, message))
+
+
+def _load_engine(config: ServerConfig) -> Any:
+    from ddtree_runtime.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(**config.engine_kwargs()))
+
+
+def engine_block_size(engine: Any) -> int | None:
+    """The block size the engine really uses (the drafter's default when none was configured)."""
+    for source in (engine, getattr(engine, "config", None)):
+        value = getattr(source, "block_size", None)
+        if isinstance(value, int):
+            return value
+    return None

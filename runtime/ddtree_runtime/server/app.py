@@ -33,6 +33,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
     worker = EngineWorker(config, metrics, engine_factory)
     ctx = ServerContext(config, worker, metrics)
     metrics.add_gauge("queue_depth", "Requests waiting for the engine worker.", worker.queue_depth)
+    metrics.add_gauge("engine_busy", "1 while the engine works on a request.", lambda: 1 if worker.working() else 0)
     metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
     metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
                       lambda: 1 if worker.health()[0] == READY else 0)

@@ -108,9 +108,6 @@ class Faults:
 
 # --- the worker ----------------------------------------------------------------------------------
 
-_STOP = object()
-
-
 class EngineWorker:
     def __init__(
         self,
@@ -127,6 +124,7 @@ class EngineWorker:
         self._state = STARTING
         self._detail = "loading model"
         self._current: Job | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
 
     # -- called from the event loop --
@@ -153,6 +151,10 @@ class EngineWorker:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def working(self) -> bool:
+        """A job is on the engine right now."""
+        return self._current is not None
+
     def busy(self) -> bool:
         return self._current is not None or not self._queue.empty()
 
@@ -161,15 +163,12 @@ class EngineWorker:
         if current is not None:
             current.cancel(reason)
         for job in list(self._queue.queue):
-            if job is not _STOP:
-                job.cancel(reason)
+            job.cancel(reason)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Cancel everything and let the thread end (it is a daemon: a stuck engine cannot hold the exit)."""
         self.cancel_all("shutdown")
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
+        self._stopping = True
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -211,16 +210,16 @@ class EngineWorker:
 
     def _serve(self) -> None:
         while True:
-            while self.faults.paused and not self.faults.kill_worker:
+            while self.faults.paused and not self.faults.kill_worker and not self._stopping:
                 time.sleep(0.01)
             try:
                 job = self._queue.get(timeout=0.1)
             except queue.Empty:
+                if self._stopping:
+                    return
                 if self.faults.kill_worker:
                     raise _WorkerKilled("killed by test fault")
                 continue
-            if job is _STOP:
-                return
             if job.cancelled.is_set():
                 job.emit(DoneEvent())
                 continue
@@ -280,8 +279,7 @@ class EngineWorker:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if job is not _STOP:
-                job.emit(ErrorEvent(503, message))
+            job.emit(ErrorEvent(503, message))
 
 
 def _load_engine(config: ServerConfig) -> Any:

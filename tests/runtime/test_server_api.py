@@ -1,0 +1,281 @@
+"""ddtree-serve end to end: a real server process, the real engine and tiny models, the official
+``openai`` client. One server for the module (model load + warm-up takes seconds).
+
+The server runs with DDTREE_TEST_FAULTS=1, which adds POST /_test/fault: it pauses the worker (to
+fill the queue deterministically), slows rounds down (to disconnect mid-generation) and injects
+engine errors. See ddtree_runtime.server.worker.Faults.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from ddtree_runtime.server.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Count from 3 to 20."}]
+PROMPT = "1\n2\n3\n4\n"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    args = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+            "--served-model-name", MODEL, "--max-queue", "2", "--drain-timeout", "5"]
+    with ServerProcess(args, env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+        srv.wait_ready()
+        yield srv
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+        c.post("/_test/fault", json={"paused": False, "round_delay_s": 0, "engine_errors": 0})
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _chat(client, **kw):
+    kw = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 48, **kw}
+    return client.chat.completions.create(**kw)
+
+
+def _spec(obj) -> dict:
+    return obj.model_dump()["usage"]["speculative"]
+
+
+def _stream_text(stream) -> tuple[str, list]:
+    chunks = list(stream)
+    text = "".join((c.choices[0].delta.content or "") if c.choices and hasattr(c.choices[0], "delta")
+                   else (c.choices[0].text if c.choices else "") for c in chunks)
+    return text, chunks
+
+
+def _metrics(http) -> dict[str, float]:
+    """Parse the Prometheus text into {'name{labels}': value}; every sample line must parse."""
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    samples = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_]\w*="(?:[^"\\]|\\.)*",?)*\})? (\S+)', line)
+        assert m, f"unparseable metrics line: {line!r}"
+        samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return samples
+
+
+def _wait_metric(http, name: str, pred, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = _metrics(http)[name]
+        if pred(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+# --- happy paths --------------------------------------------------------------------------------
+
+
+def test_health_and_models(server, client):
+    code, body = server.health()
+    assert code == 200
+    assert body["status"] == "ok"
+    assert body["mode"] == "ddtree" and body["tree_budget"] == 16
+    assert body["max_draft_len"] == body["block_size"] - 1 > 0
+    assert body["model"] == MODEL and body["draft_model"] == "draft"
+    assert body["uptime_s"] > 0
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_non_stream(client):
+    resp = _chat(client)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.model == MODEL and resp.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens > 0 and resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    spec = _spec(resp)
+    assert spec["mode"] == "ddtree" and spec["tree_budget"] == 16
+    assert spec["rounds"] >= 1 and spec["mean_acceptance_length"] >= 1.0
+
+
+def test_chat_stream_equals_non_stream_and_carries_usage(client):
+    full = _chat(client)
+    text, chunks = _stream_text(_chat(client, stream=True, stream_options={"include_usage": True}))
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == full.choices[0].finish_reason
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
+    assert _spec(last) == _spec(full)
+
+
+def test_completions_stream_and_non_stream(client):
+    kw = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 24}
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].text
+    assert full.usage.completion_tokens <= 24
+    text, chunks = _stream_text(client.completions.create(**kw, stream=True))
+    assert text == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage is None  # include_usage not asked for
+
+
+def test_max_tokens_gives_length_finish(client):
+    resp = _chat(client, max_tokens=3)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 3
+    resp = _chat(client, max_tokens=None, max_completion_tokens=2)
+    assert resp.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_is_cut_from_the_output(client, stream):
+    full = _chat(client).choices[0].message.content
+    assert len(full) > 6, full
+    stop = full[3:5]
+    want = full[: full.index(stop)]
+    if stream:
+        text, chunks = _stream_text(_chat(client, stop=[stop, "never-there"], stream=True))
+        reason = [c for c in chunks if c.choices and c.choices[0].finish_reason][0].choices[0].finish_reason
+    else:
+        resp = _chat(client, stop=stop)
+        text, reason = resp.choices[0].message.content, resp.choices[0].finish_reason
+    assert text == want and reason == "stop"
+
+
+def test_speculative_override_ar_vs_ddtree(client):
+    ar = _chat(client, max_tokens=40, extra_body={"speculative": {"mode": "ar"}})
+    dd = _chat(client, max_tokens=40, extra_body={"speculative": {"mode": "ddtree", "tree_budget": 32}})
+    df = _chat(client, max_tokens=40, extra_body={"speculative": {"mode": "dflash"}})
+    # Lossless: greedy text is the same whatever the decoding mode.
+    assert ar.choices[0].message.content == dd.choices[0].message.content == df.choices[0].message.content
+    assert _spec(ar)["mode"] == "ar" and _spec(dd)["mode"] == "ddtree" and _spec(dd)["tree_budget"] == 32
+    assert _spec(ar)["mean_acceptance_length"] == 1.0
+    assert _spec(ar)["rounds"] == ar.usage.completion_tokens - 1  # one token per round after prefill
+    assert _spec(dd)["rounds"] < _spec(ar)["rounds"]
+
+
+def test_chat_template_kwargs_turn_thinking_on(client):
+    off = _chat(client, max_tokens=4)
+    on = _chat(client, max_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert on.usage.prompt_tokens < off.usage.prompt_tokens  # no empty <think></think> block appended
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"n": 2}, "n"),
+    ({"extra_body": {"speculative": {"mode": "beam"}}}, "speculative.mode"),
+])
+def test_bad_requests_are_400_with_openai_error(client, server, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, **kw)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error" and body["message"]
+    assert server.health()[0] == 200
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        _chat(client, model="gpt-4")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_malformed_bodies_are_400(http):
+    for body in (b"{not json", b"[1, 2]", b'{"prompt": ""}', b'{"prompt": [99999999]}'):
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = http.get("/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_engine_error_is_500_once_and_worker_survives(client, http):
+    http.post("/_test/fault", json={"engine_errors": 1})
+    with pytest.raises(openai.InternalServerError) as err:
+        _chat(client)
+    assert err.value.status_code == 500 and err.value.body["type"] == "server_error"
+    assert _chat(client, max_tokens=4).choices[0].message.content is not None
+
+
+# --- queue, disconnects, metrics ---------------------------------------------------------------------
+
+
+def test_full_queue_is_429_with_retry_after(client, http):
+    http.post("/_test/fault", json={"paused": True})
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_chat(client, max_tokens=4))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert _wait_metric(http, "ddtree_queue_depth", lambda v: v == 2) == 2
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4})
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "queue_full"
+    http.post("/_test/fault", json={"paused": False})
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2 and all(r.choices[0].finish_reason for r in results)
+
+
+def _long_request(stream: bool) -> dict:
+    # ar: one token per round, and each round is slowed to 0.1 s: this would take many seconds.
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": stream,
+            "speculative": {"mode": "ar"}}
+
+
+def test_disconnecting_stream_frees_the_worker(server, http):
+    http.post("/_test/fault", json={"round_delay_s": 0.1})
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=_long_request(stream=True)) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # generation is running
+            assert _metrics(http)["ddtree_engine_busy"] == 1
+    started = time.monotonic()
+    assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 0, timeout=5) == 0
+    assert time.monotonic() - started < 2
+
+
+def test_disconnecting_non_stream_client_frees_the_worker(server, http):
+    http.post("/_test/fault", json={"round_delay_s": 0.1})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=_long_request(stream=False), timeout=1.0)
+    started = time.monotonic()
+    assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 0, timeout=5) == 0
+    assert time.monotonic() - started < 2
+
+
+def test_metrics_text_parses_and_counts(client, http):
+    _chat(client, max_tokens=8)
+    m = _metrics(http)
+    assert m['ddtree_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert m['ddtree_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
+    assert m["ddtree_generated_tokens_total"] >= 8
+    assert m["ddtree_queue_depth"] == 0 and m["ddtree_engine_up"] == 1
+    assert m["ddtree_acceptance_length_count"] == m["ddtree_rounds_total"] > 0
+    buckets = [v for k, v in m.items() if k.startswith("ddtree_acceptance_length_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == m["ddtree_acceptance_length_count"]
+    assert m["ddtree_round_duration_seconds_count"] > 0
+    assert m['ddtree_request_duration_seconds_count{endpoint="/v1/chat/completions"}'] >= 1

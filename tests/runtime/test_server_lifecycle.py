@@ -1,0 +1,122 @@
+"""ddtree-serve's life: start-up health, API keys, a dying worker, SIGTERM draining, bad CLI input.
+
+Uses DDTREE_TEST_FAULTS=1 (test-only): DDTREE_TEST_STARTUP_DELAY_S holds the model load back so the
+``starting`` health is observable, and POST /_test/fault {"kill_worker": true} kills the engine worker
+thread, {"round_delay_s": S} slows every round.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from ddtree_runtime.server.cli import _is_loopback
+from ddtree_runtime.server.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-123"
+CHAT = [{"role": "user", "content": "Count from 3 to 20."}]
+
+
+def _args(tiny_models, *extra: str) -> list[str]:
+    return ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"), *extra]
+
+
+def _client(srv: ServerProcess, key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key or "", max_retries=0, timeout=60)
+
+
+def test_startup_health_auth_and_sigterm_drain(tiny_models):
+    env = {"DDTREE_TEST_FAULTS": "1", "DDTREE_TEST_STARTUP_DELAY_S": "1.5", "DDTREE_API_KEY": KEY}
+    with ServerProcess(_args(tiny_models, "--drain-timeout", "20"), env=env) as srv:
+        # The listener is up before the model: health says "starting" (503), then "ok".
+        code, body = srv.wait_listening()
+        assert code == 503 and body["status"] == "starting" and body["detail"]
+        r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": CHAT})
+        assert r.status_code == 503 and r.json()["error"]["message"]
+        assert srv.wait_ready()["status"] == "ok"
+
+        # API key: missing or wrong -> 401; right -> served. /health needs none.
+        for key in (None, "wrong"):
+            with pytest.raises(openai.AuthenticationError):
+                _client(srv, key).chat.completions.create(model="target", messages=CHAT, max_tokens=2)
+        resp = _client(srv, KEY).chat.completions.create(model="target", messages=CHAT, max_tokens=2)
+        assert resp.choices[0].message.content is not None
+
+        # SIGTERM while a slow stream is in flight: new requests get 503, the stream completes, exit 0.
+        headers = {"Authorization": f"Bearer {KEY}"}
+        httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.05})
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "target", "messages": CHAT, "max_tokens": 30, "stream": True, "temperature": 0,
+                    "speculative": {"mode": "ar"}}
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, headers=headers,
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 1:
+                        started.set()
+
+        started = threading.Event()
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        srv.signal(signal.SIGTERM)
+        srv.wait_status("draining", timeout=5)
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, json={"messages": CHAT})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        t.join(60)
+        assert lines[-1] == "data: [DONE]"
+        assert any('"finish_reason": "length"' in line or '"finish_reason": "stop"' in line for line in lines)
+        assert srv.wait_exit(30) == 0
+
+
+def test_dead_worker_turns_health_to_error(tiny_models):
+    with ServerProcess(_args(tiny_models), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+        srv.wait_ready()
+        httpx.post(srv.url + "/_test/fault", json={"kill_worker": True})
+        body = srv.wait_status("error", timeout=10)
+        assert srv.health()[0] == 503 and "died" in body["detail"]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": CHAT})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        m = httpx.get(srv.url + "/metrics").text
+        assert "ddtree_engine_up 0" in m.splitlines()
+
+
+def test_fault_endpoint_is_absent_without_the_env(tiny_models):
+    # No model load needed: the route answers 404 whatever the engine's state.
+    with ServerProcess(_args(tiny_models)) as srv:
+        srv.wait_listening()
+        assert httpx.post(srv.url + "/_test/fault", json={"kill_worker": True}).status_code == 404
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "/nonexistent"], "--target /nonexistent: not a directory"),
+    (["--draft", "x"], "the following arguments are required: --target"),
+    (["--target", "{target}"], "--draft DIR is required for --mode ddtree"),
+    (["--target", "{target}", "--mode", "ar", "--port", "70000"], "--port 70000"),
+    (["--target", "{target}", "--draft", "{draft}", "--tree-budget", "0"], "--tree-budget 0: must be >= 1"),
+    (["--target", "{target}", "--draft", "{draft}", "--device", "tpu"], "--device tpu"),
+    (["--target", "{target}", "--draft", "/tmp"], "--draft /tmp: no config.json"),
+])
+def test_bad_cli_input_is_one_line_and_exit_2(tiny_models, argv, message):
+    argv = [a.format(target=tiny_models / "target", draft=tiny_models / "draft") for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "ddtree_runtime.server", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_loopback_detection():
+    assert _is_loopback("127.0.0.1") and _is_loopback("localhost") and _is_loopback("::1")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.5")

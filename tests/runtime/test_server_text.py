@@ -1,0 +1,75 @@
+"""Unit tests for streaming text: incremental UTF-8 decoding and stop strings (no engine needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ddtree_runtime.server.detok import IncrementalDecoder, StopMatcher
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; id 256 is a special token (skipped)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _stream(text: str, chunks: list[int], stops: list[str]) -> tuple[list[str], bool]:
+    ids = list(text.encode()) + [256]
+    dec, stop = IncrementalDecoder(ByteTokenizer()), StopMatcher(stops)
+    pieces, i = [], 0
+    for n in chunks:
+        pieces.append(stop.push(dec.push(ids[i : i + n])))
+        i += n
+        if stop.stopped:
+            return pieces, True
+    pieces.append(stop.push(dec.push(ids[i:])))
+    pieces.append(stop.push(dec.flush()) + stop.flush())
+    return pieces, stop.stopped
+
+
+TEXT = "héllo wörld — 数字 🙂 done"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_multi_token_rounds_never_split_a_character(seed):
+    rng = random.Random(seed)
+    chunks = [rng.randint(1, 4) for _ in range(40)]
+    pieces, stopped = _stream(TEXT, chunks, [])
+    assert not stopped
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stop_string_is_cut_and_never_leaks(seed):
+    rng = random.Random(seed)
+    chunks = [rng.randint(1, 4) for _ in range(40)]
+    pieces, stopped = _stream(TEXT, chunks, ["🙂 do", "zzz"])
+    assert stopped
+    assert "".join(pieces) == "héllo wörld — 数字 "
+    # a held-back partial match is not shown before the decision
+    assert all("🙂" not in p for p in pieces)
+
+
+def test_partial_stop_that_does_not_complete_is_released():
+    stop = StopMatcher(["abc"])
+    assert stop.push("xxab") == "xx"
+    assert stop.push("x") == "abx"
+    assert stop.push("a") == ""
+    assert stop.flush() == "a"
+    assert not stop.stopped
+
+
+def test_earliest_of_several_stops_wins():
+    stop = StopMatcher(["world", "lo w"])
+    assert stop.push("hello world") == "hel"
+    assert stop.stopped
+
+
+def test_incomplete_character_at_the_very_end_is_flushed():
+    dec = IncrementalDecoder(ByteTokenizer())
+    assert dec.push(list("ok".encode()) + [0xF0, 0x9F]) == ""  # held: the character may complete
+    assert dec.flush() == "ok\ufffd"

@@ -135,7 +135,7 @@ def _stop_unwanted(wanted: dict[str, LabHost], progress: Progress) -> set[str]:
     for hd in _host_dirs():
         name, proc = hd.top.name, _proc(hd)
         st = machine.read_state(hd) or {}
-        if proc is not None and name in wanted and st.get("fingerprint") == wanted[name].fingerprint():
+        if proc is not None and name in wanted and st.get("fingerprint") == _fingerprint(wanted[name]):
             keep.add(name)
         else:
             stop.append(hd)
@@ -145,6 +145,10 @@ def _stop_unwanted(wanted: dict[str, LabHost], progress: Progress) -> set[str]:
     with ThreadPoolExecutor(max_workers=max(1, len(stop))) as pool:
         list(pool.map(lambda hd: _shutdown(hd, progress), stop))
     return keep
+
+
+def _fingerprint(host: LabHost) -> str:
+    return f"{host.fingerprint()}-{hostfs.assets_digest()}"
 
 
 def _check_ports(hosts: list[LabHost]) -> None:
@@ -175,7 +179,7 @@ def _boot(hosts: list[LabHost], base: Path, keys: hostfs.LabKeys, host_keys: dic
         mode = hostfs.make_root(hd, base, keep=keep_state)
         hostfs.populate(hd, h, keys, host_keys)
         procs[h.name] = machine.start(h, hd)
-        machine.write_state(hd, h, procs[h.name], mode)
+        machine.write_state(hd, h, procs[h.name], mode, _fingerprint(h))
     deadline = time.monotonic() + BOOT_TIMEOUT
 
     def wait(h: LabHost) -> float:

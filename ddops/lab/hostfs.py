@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -112,6 +113,15 @@ class RootWriter:
         self.link(f"etc/systemd/system/multi-user.target.wants/{unit}", f"/etc/systemd/system/{unit}")
 
 
+def assets_digest() -> str:
+    """Changes when any asset changes, so `up` rebuilds hosts that run old copies."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for path in sorted(ASSETS.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def populate(hd: HostDir, host: LabHost, keys: LabKeys, guest_keys: dict[str, str]) -> None:
     """Everything that makes the base into this host: identity, sshd, GPUs, fixtures."""
     w = RootWriter(hd.root)
@@ -140,6 +150,8 @@ def populate(hd: HostDir, host: LabHost, keys: LabKeys, guest_keys: dict[str, st
     w.asset("pip.conf", "etc/pip.conf")
     (hd.root / "opt/wheels").mkdir(parents=True, exist_ok=True)
     w.text("etc/tmpfiles.d/ddops-gpu.conf", "d /run/ddops-gpu 0755 root root -\n")
+    # The journal lives in memory: no 8 MiB journal file per host, and nothing to flush at boot.
+    w.text("etc/systemd/journald.conf.d/ddops-lab.conf", "[Journal]\nStorage=volatile\nRuntimeMaxUse=32M\n")
 
     if "training" in host.fixtures:
         w.asset("train_dflash_pipeline.py", "opt/train/train_dflash_pipeline.py", 0o755)

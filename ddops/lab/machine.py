@@ -61,7 +61,7 @@ def nspawn_argv(host: LabHost, hd: HostDir) -> list[str]:
 def start(host: LabHost, hd: HostDir) -> Proc:
     """Boot the host detached from us (own session, reparented to init); return its process."""
     hd.pidfile.unlink(missing_ok=True)
-    with open(hd.console, "ab") as console:
+    with open(hd.console, "wb") as console:  # one boot per log
         console.write(f"\n==== ddops lab: booting {host.name} at {time.ctime()} ====\n".encode())
         console.flush()
         subprocess.run(["setsid", "-f", "sh", "-c", 'echo $$ > "$0" && exec "$@"', str(hd.pidfile),
@@ -158,9 +158,9 @@ def wait_ready(host: LabHost, hd: HostDir, proc: Proc, key: Path, known_hosts: P
                    fix=f"see {hd.console}")
 
 
-def write_state(hd: HostDir, host: LabHost, proc: Proc, mode: str) -> None:
+def write_state(hd: HostDir, host: LabHost, proc: Proc, mode: str, fingerprint: str) -> None:
     hd.state.write_text(json.dumps({"name": host.name, "port": host.port, "pid": proc.pid,
-                                    "starttime": proc.starttime, "fingerprint": host.fingerprint(),
+                                    "starttime": proc.starttime, "fingerprint": fingerprint,
                                     "mode": mode, "root": str(hd.root)}, indent=2) + "\n")
 
 

@@ -58,7 +58,7 @@ def lab_up(inventory: Path, extra: int = 0, progress: Progress = print,
         host_keys = {h.name: hostfs.host_key(host_dir(h.name), h.name) for h in hosts}
         _write_known_hosts(known_hosts, hosts, host_keys)
         if running:
-            progress(f"--> Already running: {', '.join(sorted(running))}")
+            progress(f"Already running: {', '.join(sorted(running))}")
         booted = _boot(to_boot, base, keys, host_keys, key, known_hosts, keep_state, progress)
         write_inventory(doc, lab / "inventory.yaml")
     by_name = {s.name: s for s in lab_status()}
@@ -75,7 +75,7 @@ def lab_down(progress: Progress = print) -> list[LabHostState]:
         dirs = _host_dirs()
         live = [hd for hd in dirs if _proc(hd) is not None]
         if live:
-            progress(f"--> Shutting down {', '.join(hd.top.name for hd in live)}")
+            progress(f"Shutting down {', '.join(hd.top.name for hd in live)}")
         with ThreadPoolExecutor(max_workers=max(1, len(dirs))) as pool:
             list(pool.map(lambda hd: _shutdown(hd, progress), dirs))
     return lab_status()
@@ -125,7 +125,7 @@ def _proc(hd: HostDir) -> machine.Proc | None:
 def _shutdown(hd: HostDir, progress: Progress) -> None:
     proc = _proc(hd)
     if proc is not None and not machine.stop(proc):
-        progress(f"    {hd.top.name} did not power off in time; killed it (see {hd.console})")
+        progress(f"{hd.top.name} did not power off in time; killed it (see {hd.console})")
     hostfs.release_root(hd)
 
 
@@ -141,7 +141,7 @@ def _stop_unwanted(wanted: dict[str, LabHost], progress: Progress) -> set[str]:
             stop.append(hd)
     live = [hd.top.name for hd in stop if _proc(hd) is not None]
     if live:
-        progress(f"--> Shutting down changed or unwanted hosts: {', '.join(live)}")
+        progress(f"Shutting down changed or unwanted hosts: {', '.join(live)}")
     with ThreadPoolExecutor(max_workers=max(1, len(stop))) as pool:
         list(pool.map(lambda hd: _shutdown(hd, progress), stop))
     return keep
@@ -172,7 +172,7 @@ def _boot(hosts: list[LabHost], base: Path, keys: hostfs.LabKeys, host_keys: dic
     """Prepare and start every host, then wait for all of them; seconds to ready per host."""
     if not hosts:
         return {}
-    progress(f"--> Booting {', '.join(h.name for h in hosts)}")
+    progress(f"Booting {', '.join(h.name for h in hosts)}")
     procs = {}
     for h in hosts:
         hd = host_dir(h.name)
@@ -195,7 +195,7 @@ def _boot(hosts: list[LabHost], base: Path, keys: hostfs.LabKeys, host_keys: dic
                 errors.append(err)
     if errors:
         raise errors[0]
-    progress("    ready: " + ", ".join(f"{n} {t:.1f}s" for n, t in times.items()))
+    progress("ready: " + ", ".join(f"{n} {t:.1f}s" for n, t in times.items()))
     return times
 
 

@@ -75,22 +75,22 @@ def ensure_base(progress: Callable[[str], None]) -> Path:
     shutil.rmtree(base, ignore_errors=True)
     cache = os.environ.get("DDOPS_LAB_ROOTFS_CACHE")
     if cache and Path(cache).is_file():
-        progress(f"--> Unpacking the cached Debian {SUITE} rootfs from {cache}")
+        progress(f"Unpacking the cached Debian {SUITE} rootfs from {cache}")
         building.mkdir(parents=True)
         _run(["tar", "-C", str(building), "--numeric-owner", "-xpf", cache], "unpacking the rootfs cache")
     else:
         mirror = debian_mirror()
-        progress(f"--> Building the Debian {SUITE} rootfs with debootstrap from {mirror} (about a minute)")
+        progress(f"Building the Debian {SUITE} rootfs with debootstrap from {mirror} (about a minute)")
         start = time.monotonic()
         building.parent.mkdir(parents=True, exist_ok=True)
         _run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
               str(building), mirror], "debootstrap", log=building.with_suffix(".log"))
         _trim(building)
-        progress(f"    debootstrap done in {time.monotonic() - start:.0f} s")
+        progress(f"debootstrap done in {time.monotonic() - start:.0f} s")
     (building / MARKER).write_text(_marker_text())
     building.rename(base)
     if cache and not Path(cache).is_file():
-        progress(f"--> Saving the rootfs to {cache} for later runs")
+        progress(f"Saving the rootfs to {cache} for later runs")
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         _run(["tar", "-C", str(base), "--numeric-owner", "-cpf", cache + ".tmp", "."], "saving the rootfs cache")
         os.replace(cache + ".tmp", cache)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from ..inventory import load_inventory
 from .errors import LabError
 
 FIXTURES = ("training", "sglang", "models")
@@ -61,16 +62,17 @@ def _where(path: Path, host: str) -> str:
     return f"{path}: hosts.{host}"
 
 
-def _host_from(path: Path, name: str, body: dict) -> LabHost:
+def _lab_host(path: Path, name: str, port: int | None, hostname: str | None, lab: dict | None,
+              pct: int | None = None, via: str | None = None) -> LabHost:
+    """A LabHost from one inventory host: its `lab:` block, port and expected hostname."""
     if not _NAME.match(name):
         raise LabError(f"host name {name!r} cannot be a lab hostname", where=str(path),
                        fix="use lower-case letters, digits and '-'")
-    lab = body.get("lab") or {}
-    hostname = (body.get("expect") or {}).get("hostname", name)
-    if hostname != name:
+    lab = lab or {}
+    if (hostname or name) != name:
         raise LabError(f"expect.hostname {hostname!r} differs from the host name",
                        where=_where(path, name), fix="the lab names each container after its host")
-    port = lab.get("port", body.get("port"))
+    port = lab.get("port", port)
     if not isinstance(port, int):
         raise LabError("no sshd port for the lab host", where=_where(path, name),
                        fix="set `port:` or `lab: {port: N}`")
@@ -83,7 +85,7 @@ def _host_from(path: Path, name: str, body: dict) -> LabHost:
     return LabHost(name=name, port=port,
                    gpus=Gpus(str(gpus.get("model", "none")), int(gpus.get("count", 0)),
                              int(gpus.get("memory_mib", 0))),
-                   fixtures=fixtures, pct=body.get("pct"), via=body.get("via"))
+                   fixtures=fixtures, pct=pct, via=via)
 
 
 def extra_hosts(count: int, taken: set[int]) -> dict[str, dict]:
@@ -114,13 +116,15 @@ def read_inventory(path: Path, extra: int = 0) -> tuple[dict, list[LabHost]]:
     if extra < 0:
         raise LabError(f"--extra must be 0 or more, not {extra}")
     doc = copy.deepcopy(doc)
-    hosts = [_host_from(path, name, body or {}) for name, body in doc["hosts"].items()]
+    inventory = load_inventory(path)  # validates, and names file:line on any mistake
+    hosts = [_lab_host(path, h.name, h.port, h.expect.hostname, h.lab, h.pct, h.via)
+             for h in inventory.hosts.values()]
     more = extra_hosts(extra, {h.port for h in hosts})
     clash = set(more) & set(doc["hosts"])
     if clash:
         raise LabError(f"extra host {sorted(clash)[0]} is already in the inventory", where=str(path))
     doc["hosts"].update(more)
-    hosts += [_host_from(path, name, body) for name, body in more.items()]
+    hosts += [_lab_host(path, name, body["port"], name, body["lab"]) for name, body in more.items()]
     hosts = [replace(h, extra=h.name in more) for h in hosts]
     if more:
         groups = doc.setdefault("groups", {}) or {}

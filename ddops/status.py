@@ -69,7 +69,9 @@ def _identity_cell(r: dict[str, Any]) -> Text:
 
 def _gpu_cell(r: dict[str, Any]) -> Text:
     if r["gpu_error"]:
-        return Text(r["gpu_error"], style="yellow")
+        expected = (r["identity"] or {}).get("expected", {})
+        gpus_expected = expected.get("gpu_count") or expected.get("gpu_model")
+        return Text(r["gpu_error"], style="yellow") if gpus_expected else Text("none", style="dim")
     gpus = r["gpus"]
     if not gpus:
         return Text("none", style="dim")

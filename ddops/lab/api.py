@@ -123,9 +123,10 @@ def _proc(hd: HostDir) -> machine.Proc | None:
 
 
 def _shutdown(hd: HostDir, progress: Progress) -> None:
-    proc = _proc(hd)
-    if proc is not None and not machine.stop(proc):
-        progress(f"{hd.top.name} did not power off in time; killed it (see {hd.console})")
+    st = machine.read_state(hd) or {}
+    proc = machine.Proc(int(st.get("pid") or 0), int(st.get("starttime") or 0))
+    if st.get("pid") and not machine.stop(proc, machine.read_init(st)):
+        progress(f"{hd.top.name} did not power off cleanly; killed it (see {hd.console})")
     hostfs.release_root(hd)
 
 
@@ -179,7 +180,8 @@ def _boot(hosts: list[LabHost], base: Path, keys: hostfs.LabKeys, host_keys: dic
         mode = hostfs.make_root(hd, base, keep=keep_state)
         hostfs.populate(hd, h, keys, host_keys)
         procs[h.name] = machine.start(h, hd)
-        machine.write_state(hd, h, procs[h.name], mode, _fingerprint(h))
+        init = machine.find_init(procs[h.name])
+        machine.write_state(hd, h, procs[h.name], init, mode, _fingerprint(h))
     deadline = time.monotonic() + BOOT_TIMEOUT
 
     def wait(h: LabHost) -> float:

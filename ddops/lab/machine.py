@@ -30,6 +30,52 @@ class Proc:
         return proc_starttime(self.pid) == self.starttime and _is_nspawn(self.pid)
 
 
+@dataclass(frozen=True)
+class Init:
+    """The container's PID 1 as seen from here. Killing it ends everything in the container,
+    which matters when nspawn itself died: its container would otherwise run on, orphaned."""
+
+    pid: int
+    starttime: int
+
+    def alive(self) -> bool:
+        return proc_starttime(self.pid) == self.starttime
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """Ask systemd to power off (SIGRTMIN+4), then SIGKILL the whole namespace at the deadline."""
+        for sig, wait in ((signal.SIGRTMIN + 4, timeout), (signal.SIGKILL, 5.0)):
+            if not self.alive():
+                return
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def find_init(nspawn: Proc, timeout: float = 3.0) -> Init | None:
+    """The child of nspawn that is PID 1 of its own pid namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and nspawn.alive():
+        try:
+            children = Path(f"/proc/{nspawn.pid}/task/{nspawn.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for child in map(int, children):
+            try:
+                status = Path(f"/proc/{child}/status").read_text()
+            except OSError:
+                continue
+            nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            started = proc_starttime(child)
+            if len(nspid) > 1 and nspid[-1] == "1" and started is not None:
+                return Init(child, started)
+        time.sleep(0.02)
+    return None
+
+
 def proc_starttime(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -82,9 +128,12 @@ def start(host: LabHost, hd: HostDir) -> Proc:
     raise LabError(f"systemd-nspawn for {host.name} exited at once", fix=f"see {hd.console}")
 
 
-def stop(proc: Proc, timeout: float = 45.0) -> bool:
+def stop(proc: Proc, init: Init | None, timeout: float = 45.0) -> bool:
     """SIGTERM (a clean poweroff inside), SIGKILL after `timeout`; True if it shut down cleanly."""
     if not proc.alive():
+        if init is not None and init.alive():  # nspawn died and left its container running
+            init.kill()
+            return False
         return True
     os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -95,7 +144,9 @@ def stop(proc: Proc, timeout: float = 45.0) -> bool:
     try:
         os.kill(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        return True
+        pass
+    if init is not None:
+        init.kill(timeout=0)
     for _ in range(100):
         if not proc.alive():
             break
@@ -158,10 +209,18 @@ def wait_ready(host: LabHost, hd: HostDir, proc: Proc, key: Path, known_hosts: P
                    fix=f"see {hd.console}")
 
 
-def write_state(hd: HostDir, host: LabHost, proc: Proc, mode: str, fingerprint: str) -> None:
-    hd.state.write_text(json.dumps({"name": host.name, "port": host.port, "pid": proc.pid,
-                                    "starttime": proc.starttime, "fingerprint": fingerprint,
-                                    "mode": mode, "root": str(hd.root)}, indent=2) + "\n")
+def write_state(hd: HostDir, host: LabHost, proc: Proc, init: Init | None, mode: str,
+                fingerprint: str) -> None:
+    hd.state.write_text(json.dumps({
+        "name": host.name, "port": host.port, "pid": proc.pid, "starttime": proc.starttime,
+        "init_pid": init.pid if init else None, "init_starttime": init.starttime if init else None,
+        "fingerprint": fingerprint, "mode": mode, "root": str(hd.root)}, indent=2) + "\n")
+
+
+def read_init(state: dict) -> Init | None:
+    if not state.get("init_pid"):
+        return None
+    return Init(int(state["init_pid"]), int(state.get("init_starttime") or 0))
 
 
 def read_state(hd: HostDir) -> dict | None:

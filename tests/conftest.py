@@ -60,7 +60,13 @@ class Lab:
 def _lab_skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "the lab needs root (systemd-nspawn, overlay mounts)"
-    missing = [t for t in ("systemd-nspawn", "debootstrap", "ssh", "ssh-keygen") if shutil.which(t) is None]
+    from ddops.lab.rootfs import base_ready
+
+    tools = ["systemd-nspawn", "ssh", "ssh-keygen"]
+    cache = os.environ.get("DDOPS_LAB_ROOTFS_CACHE")
+    if not base_ready() and not (cache and Path(cache).is_file()):
+        tools.append("debootstrap")  # the rootfs must be built first
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         return f"the lab needs {', '.join(missing)} (apt-get install systemd-container debootstrap openssh-client)"
     return None

@@ -18,7 +18,7 @@ PACKAGES = ("systemd", "systemd-sysv", "dbus", "openssh-server", "openssh-client
 MARKER = ".ddops-lab-base"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # What the control machine needs, and the Debian package that provides it.
-TOOLS = {"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "ssh": "openssh-client",
+TOOLS = {"systemd-nspawn": "systemd-container", "ssh": "openssh-client",
          "ssh-keygen": "openssh-client", "setsid": "util-linux", "mount": "mount"}
 
 
@@ -79,6 +79,9 @@ def ensure_base(progress: Callable[[str], None]) -> Path:
         building.mkdir(parents=True)
         _run(["tar", "-C", str(building), "--numeric-owner", "-xpf", cache], "unpacking the rootfs cache")
     else:
+        if shutil.which("debootstrap") is None:
+            raise LabError("building the lab rootfs needs debootstrap, not found on this machine",
+                           fix="apt-get install -y debootstrap (or point DDOPS_LAB_ROOTFS_CACHE at a saved rootfs)")
         mirror = debian_mirror()
         progress(f"Building the Debian {SUITE} rootfs with debootstrap from {mirror} (about a minute)")
         start = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -145,6 +146,9 @@ def _stop_unwanted(wanted: dict[str, LabHost], progress: Progress) -> set[str]:
         progress(f"Shutting down changed or unwanted hosts: {', '.join(live)}")
     with ThreadPoolExecutor(max_workers=max(1, len(stop))) as pool:
         list(pool.map(lambda hd: _shutdown(hd, progress), stop))
+    for hd in stop:  # hosts no longer in the lab leave nothing behind
+        if hd.top.name not in wanted and not hostfs.is_mounted(hd.root):
+            shutil.rmtree(hd.top, ignore_errors=True)
     return keep
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -221,12 +223,10 @@ def test_rsync_through_pct(lab, tmp_path: Path) -> None:
     wrapper.write_text("#!/bin/bash\nshift\nexec " + " ".join(lab.ssh_argv("pve", "")[:-1]) +
                        ' pct exec 200 -- $(printf "%q " "$@")\n')
     wrapper.chmod(0o755)
-    import subprocess
     done = subprocess.run(["rsync", "-a", "-e", str(wrapper), f"{src}/", "ct:/root/rsync-test/"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     out = ok(lab.ssh("ct200", "cd /root/rsync-test && sha256sum blob.bin && cat 'name with spaces.txt'"))
-    import hashlib
     assert hashlib.sha256((src / "blob.bin").read_bytes()).hexdigest() in out and "hello" in out
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +16,7 @@ import click
 from rich.console import Console
 
 from . import __version__
-from .errors import EXIT_FAILED, DdopsError
+from .errors import EXIT_FAILED, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
 
@@ -71,8 +73,175 @@ def status(obj: Context, as_json: bool) -> None:
         else:
             with err_console.status(f"Gathering facts from {len(hosts)} host(s)..."):
                 records = collect(executor, hosts)
-            render(records, Console(highlight=False))
+            render(records, stdout_console())
     sys.exit(exit_code(records))
+
+
+@cli.command()
+@click.option("--deploy", "profile_name", required=True, metavar="PROFILE",
+              help="Deploy profile: a name in playbooks/ (e.g. zlab-ddtree16) or a path to a .yaml file.")
+@click.option("--kill-training", is_flag=True, help="Stop the training job on the serving host (SIGTERM, grace, SIGKILL).")
+@click.option("--dry-run", is_flag=True, help="Run preflight, print the plan and the unit diff; change nothing.")
+@click.option("-y", "--yes", is_flag=True, help="Apply the plan without asking.")
+@click.option("--no-rollback", is_flag=True, help="Leave a failed pivot as it is instead of rolling back.")
+@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first (only if its holder is dead).")
+@click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
+@click.pass_obj
+def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
+          break_lock: bool, as_json: bool) -> None:
+    """Pivot a host from training to serving, gated on health and a real smoke test."""
+    from .pivot import Pivot, read_secrets, render_summary
+    from .profile import check_against_inventory, load_profile, resolve_profile
+    from .steps.base import PivotRun
+
+    inventory = obj.inventory()
+    profile = load_profile(resolve_profile(profile_name))
+    check_against_inventory(profile, inventory)
+    console = err_console if as_json else Console(highlight=False)
+    interactive = sys.stdin.isatty() and not as_json
+    if not yes and not dry_run and not interactive:
+        raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
+    with obj.executor(inventory) as executor:
+        run = PivotRun(profile=profile, inventory=inventory, executor=executor, kill_training=kill_training,
+                       dry_run=dry_run, secrets=read_secrets(profile))
+        report = Pivot(run, console, yes=yes, no_rollback=no_rollback, break_lock=break_lock,
+                       confirm=lambda q: click.confirm(q, default=False, err=True)).execute()
+    render_summary(report, console)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    sys.exit(report["exit_code"])
+
+
+@cli.command()
+@click.option("--host", "host_name", required=True, help="The host to roll back.")
+@click.option("--unit", default=None, help="The unit [default: the host's first service].")
+@click.option("--list", "list_only", is_flag=True, help="List the unit's backups and exit.")
+@click.option("--to", "backup_id", default=None, metavar="BACKUP_ID", help="Restore this backup [default: newest].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
+def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, backup_id: str | None,
+             as_json: bool) -> None:
+    """Restore a unit's backup (or remove a unit that did not exist before), restart, health-gate."""
+    from . import history
+    from .rollback import list_backups, restore
+
+    inventory = obj.inventory()
+    host = inventory.host(host_name)
+    unit = unit or _default_unit(host)
+    console = err_console if as_json else Console(highlight=False)
+    with obj.executor(inventory) as executor:
+        if list_only:
+            backups = list_backups(executor, host, unit)
+            if as_json:
+                click.echo(json.dumps(backups, indent=2))
+            else:
+                _print_backups(backups, unit, host.name)
+            return
+        t0 = time.monotonic()
+        try:
+            with console.status(f"rolling back {unit} on {host.name}...") as status:
+                report = restore(executor, inventory, host, unit, backup_id,
+                                 progress=lambda m: status.update(m))
+        except DdopsError as exc:
+            history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
+                                            "backup_id": backup_id, "error": exc.line(),
+                                            "wall_s": round(time.monotonic() - t0, 2)})
+            raise
+        history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "ok",
+                                        "backup_id": report["backup_id"], "restarted": report["restarted"],
+                                        "removed": report.get("removed", False), "wall_s": report["seconds"]})
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        what = "removed (it did not exist before)" if report.get("removed") else "restored and healthy"
+        console.print(f"[bold green]ROLLED BACK:[/] {unit} on {host.name} {what} from backup "
+                      f"{report['backup_id']}" + (f"; running again: {', '.join(report['restarted'])}"
+                                                  if report["restarted"] else "") + f" ({report['seconds']}s)")
+
+
+@cli.command("history")
+@click.option("--host", "host_name", default=None, help="One host [default: every selected host].")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
+    """Pivots and rollbacks recorded on the hosts."""
+    from . import history
+
+    inventory = obj.inventory()
+    hosts = [inventory.host(host_name)] if host_name else inventory.select(obj.limit)
+    with obj.executor(inventory) as executor:
+        outcomes = executor.fan_out(hosts, lambda h: history.read(executor, h))
+    records = []
+    for h in hosts:
+        o = outcomes[h.name]
+        if o.error is not None:
+            err_console.print(f"[yellow]{h.name}:[/] {o.error.line()}")
+            continue
+        records += [{"host": h.name, **r} for r in o.value]
+    records.sort(key=lambda r: r.get("time", 0))
+    if as_json:
+        click.echo(json.dumps(records, indent=2, default=str))
+        return
+    from rich.table import Table
+
+    table = Table(title="ddops history")
+    for column in ("when (UTC)", "host", "kind", "profile/unit", "outcome", "release", "backup", "wall", "by"):
+        table.add_column(column, overflow="fold")
+    for r in records:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("time", 0)))
+        table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
+                      r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
+                      f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
+    Console(highlight=False).print(table)
+
+
+@cli.command()
+@click.option("--host", "host_name", required=True, help="The host.")
+@click.option("--unit", default=None, help="The unit [default: the host's first service].")
+@click.option("-n", "lines", type=click.IntRange(1, 100000), default=50, show_default=True, help="Lines.")
+@click.pass_obj
+def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
+    """The journal tail of a unit on a host."""
+    from .steps.base import journal_argv
+
+    inventory = obj.inventory()
+    host = inventory.host(host_name)
+    unit = unit or _default_unit(host)
+    with obj.executor(inventory) as executor:
+        result = executor.run(host, journal_argv(unit, lines), timeout=60)
+    click.echo(result.stdout.rstrip())
+    if not result.ok:
+        raise DdopsError(f"journalctl failed on {host.name}: {result.stderr.strip()[-200:]}")
+
+
+@cli.command()
+@click.option("--keep", is_flag=True, help="Leave the lab running at the end.")
+@click.pass_obj
+def demo(obj: Context, keep: bool) -> None:
+    """The whole story on the local lab: up, status, pivot, status, rollback, status, summary."""
+    from .demo import run_demo
+
+    sys.exit(run_demo(obj, keep=keep, progress=_progress))
+
+
+def _default_unit(host) -> str:
+    if not host.services:
+        raise UsageError(f"{host.name} lists no services in the inventory", fix="pass --unit UNIT")
+    return host.services[0].unit
+
+
+def _print_backups(backups: list, unit: str, host: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"backups of {unit} on {host} (newest last)")
+    for column in ("id", "created (UTC)", "profile", "unit existed", "restarts after rollback"):
+        table.add_column(column)
+    for b in backups:
+        m = b["meta"]
+        table.add_row(b["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.get("created", 0))),
+                      str(m.get("profile", "")), "yes" if m.get("unit_existed") else "no (rollback removes it)",
+                      ", ".join(m.get("restart_after_rollback") or []) or "-")
+    Console(highlight=False).print(table)
 
 
 @cli.group()
@@ -129,7 +298,12 @@ def _print_lab(states: list) -> None:
         d = _as_dict(s)
         table.add_row(str(d.get("name")), str(d.get("port")), str(d.get("pid") or "-"),
                       "yes" if d.get("running") else "no", "answers" if d.get("sshd_ok") else "-")
-    Console(highlight=False).print(table)
+    stdout_console().print(table)
+
+
+def stdout_console() -> Console:
+    """A console for tables: wide when piped, so no column is cut to fit 80 characters."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def _progress(message: str) -> None:
@@ -140,6 +314,10 @@ def main() -> None:
     """Entry point: known errors become one red line and their exit code, never a traceback."""
     verbose = sum(a.count("v") for a in sys.argv[1:] if a.startswith("-") and set(a[1:]) == {"v"})
     verbose += sys.argv.count("--verbose")
+    # paramiko logs each failed handshake with a traceback; ddops reports it as one line instead.
+    logging.basicConfig(level=logging.DEBUG if verbose >= 2 else logging.WARNING, format="%(name)s: %(message)s")
+    if verbose < 2:
+        logging.getLogger("paramiko").setLevel(logging.CRITICAL + 1)
     try:
         cli.main(standalone_mode=False, prog_name="ddops")
     except click.exceptions.Abort:

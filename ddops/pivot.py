@@ -1,0 +1,342 @@
+"""The pivot: preflight -> plan every step -> show plan and unit diff -> lock -> apply -> gates ->
+record; automatic rollback when a step fails after something changed.
+
+The outcome is one of: ok, unchanged (already in place, gates passed), dry-run, failed (nothing
+changed), rolled-back (the previous state is back and healthy), rollback-failed (the host needs a
+human: the summary says what is where).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets as _secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from . import history
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError, DdopsError, HostUnreachable, StepFailed
+from .rollback import restore
+from .steps.base import LOCK_PATH, Change, PivotRun, run_probe
+from .steps.deps import DepsStep
+from .steps.health import HealthStep
+from .steps.preflight import PreflightStep
+from .steps.ship import ShipStep
+from .steps.smoke import SmokeStep
+from .steps.start import StartStep
+from .steps.sync import SyncStep
+from .steps.training import TrainingStep
+from .steps.unit import UnitStep
+
+ICONS = {"pending": ("·", "dim"), "running": ("▶", "bold yellow"), "done": ("✔", "green"),
+         "failed": ("✘", "bold red"), "skipped": ("–", "dim"), "planned": ("•", "cyan")}
+
+
+@dataclass
+class StepState:
+    name: str
+    title: str
+    status: str = "pending"
+    summary: str = ""
+    changes: list[Change] = field(default_factory=list)
+    seconds: float | None = None
+
+
+class PlanView:
+    """The live plan: one row per step with pending / running / done / failed / skipped."""
+
+    def __init__(self, states: list[StepState], console: Console) -> None:
+        self.states, self.console = states, console
+        self.live: Live | None = None
+        self.note = ""
+
+    def table(self) -> Table:
+        table = Table(show_header=False, box=None, padding=(0, 1))
+        for s in self.states:
+            icon, style = ICONS[s.status]
+            took = f"{s.seconds:.1f}s" if s.seconds is not None else ""
+            detail = s.summary or "; ".join(c.what for c in s.changes)
+            if s.status == "running" and self.note:
+                detail = self.note
+            table.add_row(Text(icon, style=style), Text(s.title, style="bold" if s.status == "running" else ""),
+                          Text(s.status, style=style), Text(took, style="dim"), Text(detail[:160], overflow="fold"))
+        return table
+
+    def refresh(self) -> None:
+        if self.live is not None:
+            self.live.update(self.table())
+
+    def progress(self, message: str) -> None:
+        self.note = message
+        self.refresh()
+
+    def __enter__(self) -> "PlanView":
+        self.live = Live(self.table(), console=self.console, refresh_per_second=8, transient=False)
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.refresh()
+        self.live.__exit__(*exc)
+        self.live = None
+
+
+def read_secrets(profile) -> dict[str, str]:
+    values = {}
+    for key, source in profile.secrets.items():
+        value = os.environ.get(source)
+        if not value:
+            raise ConfigError(f"secret {key} comes from ${source}, which is not set", where=profile.where("secrets"),
+                              fix=f"export {source}=... before running ddops")
+        values[key] = value
+    return values
+
+
+def holder_info(profile_name: str) -> dict[str, Any]:
+    return {**history.who(), "pid": os.getpid(), "command": f"ddops pivot --deploy {profile_name}",
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": _secrets.token_hex(8)}
+
+
+class Pivot:
+    def __init__(self, run: PivotRun, console: Console, *, yes: bool = False, no_rollback: bool = False,
+                 break_lock: bool = False, confirm: Callable[[str], bool] | None = None) -> None:
+        self.run, self.console = run, console
+        self.yes, self.no_rollback, self.break_lock = yes, no_rollback, break_lock
+        self.confirm = confirm
+        self.preflight = PreflightStep(break_lock=break_lock)
+        self.steps = [TrainingStep(), SyncStep(), DepsStep(), ShipStep(), UnitStep(), StartStep(),
+                      HealthStep(), SmokeStep()]
+        self.states = [StepState("preflight", "Preflight")] + [StepState(s.name, s.title) for s in self.steps] \
+            + [StepState("record", "Record")]
+        self.by_name = {s.name: s for s in self.states}
+        self.report: dict[str, Any] = {"profile": run.profile.name, "host": run.profile.host,
+                                       "dry_run": run.dry_run, "outcome": None, "state": None}
+
+    # -- the flow --------------------------------------------------------------------------------
+
+    def execute(self) -> dict[str, Any]:
+        started = time.monotonic()
+        run = self.run
+        self.banner(f"Preflight on {', '.join(h.name for h in self.preflight.hosts(run))}")
+        pre = self.by_name["preflight"]
+        t0 = time.monotonic()
+        try:
+            with self.console.status("preflight..."):
+                pre.summary = self.preflight.execute(run)
+            pre.status = "done"
+        except DdopsError as exc:
+            pre.status, pre.summary = "failed", exc.line()
+            return self.finish("failed", "preflight failed: nothing was changed anywhere", exc, started)
+        finally:
+            pre.seconds = round(time.monotonic() - t0, 2)
+        self.plan_all()
+        self.show_plan()
+        changing = [s for s in self.states if s.changes]
+        if run.dry_run:
+            return self.finish("dry-run", "dry run: nothing was changed", None, started)
+        if changing and not self.yes and self.confirm is not None and not self.confirm("Apply this plan?"):
+            return self.finish("aborted", "not confirmed: nothing was changed", None, started)
+        self.acquire_lock()
+        error: DdopsError | None = None
+        try:
+            with PlanView(self.states, self.console) as view:
+                run.progress = view.progress
+                error = self.apply_all(view)
+                if error is not None and self.should_rollback() and not self.no_rollback:
+                    self.rollback(view, error)
+        finally:
+            outcome, state = self.outcome(error)
+            self.record(outcome, state, error, started)
+            self.release_lock()
+        return self.finish(outcome, state, error, started)
+
+    def plan_all(self) -> None:
+        planned = set()
+        for step in self.steps:
+            state = self.by_name[step.name]
+            if isinstance(step, StartStep):
+                step.planned = planned
+            state.changes = step.plan(self.run)
+            state.status = "planned" if state.changes else "pending"
+            if state.changes:
+                planned.add(step.name)
+        if not planned - {"start"} and not self.by_name["start"].changes:
+            for name in ("training", "sync", "deps", "ship", "unit", "start"):
+                self.by_name[name].summary = "no change"
+
+    def apply_all(self, view: PlanView) -> DdopsError | None:
+        for step in self.steps:
+            state = self.by_name[step.name]
+            t0 = time.monotonic()
+            if not state.changes and not hasattr(step, "execute"):
+                state.status, state.summary = "skipped", state.summary or "no change"
+                view.refresh()
+                continue
+            state.status = "running"
+            view.note = ""
+            view.refresh()
+            try:
+                state.summary = step.execute(self.run) if hasattr(step, "execute") else step.apply(self.run, state.changes)
+                state.status = "done"
+            except DdopsError as exc:
+                state.status, state.summary = "failed", exc.line().split("\n")[0]
+                self.report["failed_step"] = step.name
+                self.report["error_detail"] = exc.line()
+                for later in self.states[self.states.index(state) + 1:]:
+                    later.status = "skipped"
+                    later.summary = "not run"
+                return exc
+            finally:
+                state.seconds = round(time.monotonic() - t0, 2)
+                view.note = ""
+                view.refresh()
+        return None
+
+    def should_rollback(self) -> bool:
+        return bool(self.run.changed)
+
+    def rollback(self, view: PlanView, error: DdopsError) -> None:
+        run = self.run
+        state = StepState("rollback", "Rollback", status="running")
+        self.states.insert(len(self.states) - 1, state)
+        view.refresh()
+        t0 = time.monotonic()
+        try:
+            if run.backup_id:
+                rep = restore(run.executor, run.inventory, run.host, run.profile.unit, run.backup_id,
+                              progress=view.progress)
+                state.summary = (f"restored backup {run.backup_id}"
+                                 + (f"; restarted {', '.join(rep['restarted'])}" if rep["restarted"] else "")
+                                 + ("; healthy" if rep.get("health") else ""))
+                self.report["rollback"] = rep
+            else:
+                for unit in run.stopped_units:
+                    view.progress(f"starting {unit} again")
+                    run.executor.run(run.host, ["systemctl", "start", unit], timeout=120).check(f"starting {unit}")
+                state.summary = "unit untouched" + (f"; restarted {', '.join(run.stopped_units)}"
+                                                    if run.stopped_units else "")
+                self.report["rollback"] = {"restarted": list(run.stopped_units)}
+            state.status = "done"
+            self.report["rolled_back"] = True
+        except DdopsError as exc:
+            state.status, state.summary = "failed", exc.line().split("\n")[0]
+            self.report["rolled_back"] = False
+            self.report["rollback_error"] = exc.line()
+        finally:
+            state.seconds = round(time.monotonic() - t0, 2)
+            view.refresh()
+
+    def outcome(self, error: DdopsError | None) -> tuple[str, str]:
+        run, p = self.run, self.run.profile
+        if error is None:
+            if not run.changed:
+                return "unchanged", f"{p.unit} on {p.host} was already in place; nothing restarted; gates passed"
+            return "ok", f"{p.unit} on {p.host} is active and healthy ({p.name})"
+        if not run.changed:
+            return "failed", f"nothing was changed on {p.host}; " + (
+                f"{p.unit} is as it was" if self.report.get("failed_step") in ("health", "smoke") else "")
+        if self.report.get("rolled_back"):
+            what = f"previous {p.unit} restored" if run.backup_id else f"{p.unit} untouched"
+            again = ", ".join(self.report.get("rollback", {}).get("restarted", []))
+            return "rolled-back", f"rolled back on {p.host}: {what}" + (f"; running again: {again}" if again else "")
+        if self.no_rollback:
+            return "failed", (f"--no-rollback: {p.host} is left as the failed pivot made it "
+                              f"(backup {run.backup_id or 'none'}; `ddops rollback --host {p.host}` restores it)")
+        return "rollback-failed", (f"ROLLBACK FAILED on {p.host}: needs a human (backup {run.backup_id or 'none'}; "
+                                   f"units stopped by the pivot: {', '.join(run.stopped_units) or 'none'})")
+
+    # -- lock, record, report --------------------------------------------------------------------
+
+    def acquire_lock(self) -> None:
+        run = self.run
+        if self.break_lock:
+            cleared = run_probe(run.executor, run.host, "lock", {"action": "clear", "path": LOCK_PATH})
+            if cleared.get("cleared"):
+                self.banner(f"cleared a stale lock held by {cleared.get('holder')}")
+        holder = holder_info(run.profile.name)
+        out = run_probe(run.executor, run.host, "lock", {"action": "acquire", "path": LOCK_PATH, "holder": holder})
+        if not out["acquired"]:
+            from .steps.preflight import lock_problem
+            raise StepFailed(lock_problem(run.host.name, out.get("holder")))
+        run.lock_token = holder["token"]
+
+    def release_lock(self) -> None:
+        run = self.run
+        if run.lock_token is None:
+            return
+        try:
+            run_probe(run.executor, run.host, "lock", {"action": "release", "path": LOCK_PATH,
+                                                      "token": run.lock_token})
+        except DdopsError as exc:
+            self.console.print(f"[yellow]warning:[/] could not release the lock on {run.host.name}: {exc.line()}")
+
+    def record(self, outcome: str, state: str, error: DdopsError | None, started: float) -> None:
+        run = self.run
+        rec = {"kind": "pivot", "profile": run.profile.name, "unit": run.profile.unit, "outcome": outcome,
+               "state": state, "release": run.release, "backup_id": run.backup_id,
+               "unit_sha256": run.gates.get("unit", {}).get("after", {}).get("unit"),
+               "unit_sha256_before": run.gates.get("unit", {}).get("before", {}).get("unit"),
+               "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary}
+                         for s in self.states if s.name != "record"],
+               "gates": {k: v for k, v in run.gates.items() if k in ("health", "smoke")},
+               "training": run.training, "stopped_units": run.stopped_units,
+               "error": error.line() if error else None, "wall_s": round(time.monotonic() - started, 2)}
+        rec_state = self.by_name["record"]
+        try:
+            history.append(run.executor, run.host, rec)
+            rec_state.status, rec_state.summary = "done", "appended to /var/lib/ddops/history.jsonl"
+        except DdopsError as exc:
+            rec_state.status, rec_state.summary = "failed", exc.line()
+
+    def finish(self, outcome: str, state: str, error: DdopsError | None, started: float) -> dict[str, Any]:
+        run = self.run
+        self.report.update(outcome=outcome, state=state, error=error.line() if error else None,
+                           release=run.release, backup_id=run.backup_id, changed=sorted(run.changed),
+                           stopped_units=run.stopped_units, training=run.training,
+                           gates={k: v for k, v in run.gates.items()}, wall_s=round(time.monotonic() - started, 2),
+                           steps=[{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary,
+                                   "changes": [c.what for c in s.changes]} for s in self.states])
+        if outcome in ("ok", "unchanged", "dry-run", "aborted"):
+            code = EXIT_OK
+        elif isinstance(error, HostUnreachable) and not run.changed:
+            code = EXIT_UNREACHABLE
+        else:
+            code = EXIT_FAILED
+        self.report["exit_code"] = code
+        return self.report
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def banner(self, text: str) -> None:
+        self.console.print(f"[bold blue]-->[/] {text}")
+
+    def show_plan(self) -> None:
+        self.banner(f"Plan for {self.run.profile.host} ({self.run.profile.name})")
+        view = PlanView(self.states, self.console)
+        self.console.print(view.table())
+        for s in self.states:
+            for c in s.changes:
+                if c.detail and c.detail.startswith("---"):
+                    self.console.print(Text(c.detail, style="dim"))
+
+
+def render_summary(report: dict[str, Any], console: Console) -> None:
+    style = {"ok": "bold green", "unchanged": "bold green", "dry-run": "bold cyan", "rolled-back": "bold yellow",
+             "aborted": "yellow"}.get(report["outcome"], "bold red")
+    console.print(Text(f"{report['outcome'].upper()}: {report['state']}", style=style))
+    if report.get("error"):
+        console.print(Text(report["error"], style="red"))
+    if report.get("rollback_error"):
+        console.print(Text("rollback: " + report["rollback_error"], style="red"))
+    smoke = (report.get("gates") or {}).get("smoke")
+    if smoke:
+        for r in smoke["results"]:
+            console.print(f"  smoke {r['prompt']!r} -> {(r.get('text') or '').strip()[:60]!r} "
+                          f"({r.get('tokens_per_s')} tok/s, mean acceptance {r.get('mean_acceptance_length')}, "
+                          f"ar {r.get('ar_tokens_per_s')} tok/s, lossless {r.get('lossless')})")
+    console.print(f"  wall time {report['wall_s']}s; exit {report['exit_code']}")

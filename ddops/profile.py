@@ -1,0 +1,397 @@
+"""Deploy profiles (`playbooks/*.yaml`): what a pivot puts where, validated with `file:line` errors.
+
+A profile names one serving host, the unit to run there, the models to sync (and from where), the
+runtime's venv and required packages, conflicting units, the health deadline and the smoke test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+from .yamlsrc import Section, load_yaml
+
+ENGINES = ("ddtree", "sglang")
+MODES = ("ddtree", "dflash", "ar")
+DTYPES = ("float32", "float16", "bfloat16")
+LOCAL = "local"  # `from.host: local` = the control machine running ddops
+_UNIT = re.compile(r"^[A-Za-z0-9@._:-]+\.service$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IMPORT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+# Never sync (with --delete) into these: a typo there would wipe a system directory.
+_PROTECTED = {"/", "/root", "/home", "/etc", "/usr", "/var", "/opt", "/dev", "/dev/shm", "/tmp", "/srv",
+              "/bin", "/sbin", "/lib", "/boot", "/proc", "/sys", "/run", "/mnt", "/media"}
+_TOP = ("name", "description", "engine", "host", "unit", "port", "bind", "device", "dtype", "gpus",
+        "models", "runtime", "serve", "sglang", "env", "secrets", "conflicts", "training", "health", "smoke")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    host: str          # an inventory host, or "local" for the control machine
+    path: str
+
+
+@dataclass(frozen=True)
+class Model:
+    role: str          # "target" or "draft"
+    path: str          # where the serving host reads it
+    source: ModelSource | None  # where it is synced from; None = must already be on the host
+    min_free_gib: float = 0.0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    venv: str
+    packages: dict[str, str]   # import name -> pip requirement
+    ship: str | None           # local path of the runtime package to build and install, or None
+    index: bool = True         # False: the host has no package index; ddops pushes a wheelhouse
+    wheelhouse: str | None = None  # local dir of wheels for hosts without an index
+
+    @property
+    def python(self) -> str:
+        return f"{self.venv}/bin/python"
+
+
+@dataclass(frozen=True)
+class Serve:
+    mode: str = "ddtree"
+    block_size: int = 16
+    tree_budget: int = 16
+    served_model_name: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sglang:
+    python: str
+    num_draft_tokens: int
+    tp_size: int = 1
+    dp_attention: bool = False
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Health:
+    path: str = "/health"
+    deadline_s: float = 300.0
+    interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class SmokePrompt:
+    prompt: str
+    expect: str        # a regex the answer must match
+
+
+@dataclass(frozen=True)
+class Smoke:
+    prompts: tuple[SmokePrompt, ...]
+    max_tokens: int = 16
+    min_acceptance: float = 1.0
+    lossless_check: bool = True
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    path: Path
+    name: str
+    engine: str
+    host: str
+    unit: str
+    port: int
+    bind: str
+    device: str
+    dtype: str
+    gpus: str | None
+    models: tuple[Model, ...]
+    runtime: Runtime
+    serve: Serve
+    sglang: Sglang | None
+    env: dict[str, str]
+    secrets: dict[str, str]    # unit env var -> control-machine env var holding the value
+    conflicts: tuple[str, ...]
+    training_grace_s: float
+    health: Health
+    smoke: Smoke
+    description: str = ""
+    lines: dict[str, str] = field(default_factory=dict, compare=False)  # key -> file:line, for errors
+
+    def model(self, role: str) -> Model | None:
+        return next((m for m in self.models if m.role == role), None)
+
+    @property
+    def env_file(self) -> str:
+        return f"/etc/ddops/{self.unit.removesuffix('.service')}.env"
+
+    @property
+    def api_key_set(self) -> bool:
+        return "DDTREE_API_KEY" in self.secrets
+
+    def where(self, key: str) -> str:
+        return self.lines.get(key, str(self.path))
+
+
+def resolve_profile(name_or_path: str, search: Path | None = None) -> Path:
+    """`zlab-ddtree16` -> playbooks/zlab-ddtree16.yaml; a path is taken as it is."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        return candidate
+    base = search or Path(os.environ.get("DDOPS_PLAYBOOKS", "playbooks"))
+    for suffix in (".yaml", ".yml"):
+        if (base / f"{name_or_path}{suffix}").exists():
+            return base / f"{name_or_path}{suffix}"
+    known = sorted(p.stem for p in base.glob("*.y*ml")) if base.is_dir() else []
+    raise ConfigError(f"no deploy profile named {name_or_path!r} in {base}/",
+                      fix=f"known profiles: {', '.join(known) or 'none'}; or pass a path to a .yaml file")
+
+
+def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
+    """Read and validate a deploy profile; any problem is a ConfigError naming file:line."""
+    path = Path(path)
+    top = load_yaml(path, "deploy profile")
+    top.reject_unknown(_TOP)
+    root = repo_root or Path.cwd()
+    engine = top.str("engine", "ddtree", choices=ENGINES)
+    name = top.str("name", path.stem)
+    unit = top.str("unit", required=True)
+    if not _UNIT.match(unit):
+        raise top.fail("unit", f"invalid systemd service name {unit!r}", "e.g. `ddtree.service`")
+    port = top.int("port", required=True, min=1, max=65535)
+    device = top.str("device", "cuda")
+    if not _DEVICE.match(device):
+        raise top.fail("device", f"`device` must be cpu, cuda or cuda:N, got {device!r}")
+    gpus = top.data.get("gpus")
+    if gpus is not None:
+        if isinstance(gpus, list) and all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+            gpus = ",".join(str(g) for g in gpus)
+        elif isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0:
+            gpus = str(gpus)
+        else:
+            raise top.fail("gpus", f"`gpus` must be a list of GPU indexes like [0, 1], got {gpus!r}",
+                           "it becomes CUDA_VISIBLE_DEVICES")
+    env = _env(top)
+    secrets = _secrets(top)
+    bind = top.str("bind", "127.0.0.1")
+    if bind not in ("127.0.0.1", "localhost", "::1") and "DDTREE_API_KEY" not in secrets:
+        raise top.fail("bind", f"`bind: {bind}` exposes the runtime without an API key",
+                       "add `secrets: {DDTREE_API_KEY: {env: YOUR_ENV_VAR}}` or bind 127.0.0.1")
+    models = _models(top, root)
+    runtime = _runtime(top, root)
+    serve = _serve(top)
+    sglang = _sglang(top, engine)
+    if engine == "ddtree":
+        if models and not any(m.role == "target" for m in models):
+            raise top.fail("models", "the ddtree engine needs a `models.target`")
+        if serve.mode != "ar" and not any(m.role == "draft" for m in models):
+            raise top.fail("models", f"mode {serve.mode} needs a `models.draft` (only mode ar runs without one)")
+    else:
+        if not any(m.role == "draft" for m in models) or not any(m.role == "target" for m in models):
+            raise top.fail("models", "the sglang DFLASH engine needs `models.target` and `models.draft`")
+    conflicts = tuple(top.str_list("conflicts"))
+    for c in conflicts:
+        if not _UNIT.match(c):
+            raise top.fail("conflicts", f"invalid systemd service name {c!r} in `conflicts`")
+        if c == unit:
+            raise top.fail("conflicts", f"`conflicts` names the profile's own unit {unit}")
+    training = top.section("training")
+    grace = 30.0
+    if training is not None:
+        training.reject_unknown(("grace_s",))
+        grace = training.number("grace_s", 30.0, min=0, max=3600)
+    lines = {k: top.where(k) for k in top.keys()}
+    return Profile(path=path, name=name, engine=engine, host=top.str("host", required=True), unit=unit,
+                   port=port, bind=bind, device=device, dtype=top.str("dtype", "bfloat16", choices=DTYPES),
+                   gpus=gpus, models=models, runtime=runtime, serve=serve, sglang=sglang, env=env,
+                   secrets=secrets, conflicts=conflicts, training_grace_s=grace, health=_health(top),
+                   smoke=_smoke(top, engine), description=top.str("description", ""), lines=lines)
+
+
+def _env(top: Section) -> dict[str, str]:
+    section = top.section("env")
+    if section is None:
+        return {}
+    out = {}
+    for key in section.keys():
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise section.fail(key, f"invalid environment variable name {key!r}")
+        value = section.data[key]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise section.fail(key, f"`env.{key}` must be a string or a number, got {value!r}")
+        if "\n" in str(value):
+            raise section.fail(key, f"`env.{key}` contains a newline")
+        out[key] = str(value)
+    return out
+
+
+def _secrets(top: Section) -> dict[str, str]:
+    section = top.section("secrets")
+    if section is None:
+        return {}
+    out = {}
+    for key in section.keys():
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise section.fail(key, f"invalid environment variable name {key!r}")
+        item = section.section(key, required=True)
+        item.reject_unknown(("env",))
+        source = item.str("env", required=True)
+        if not _ENV_NAME.match(source):
+            raise item.fail("env", f"invalid environment variable name {source!r}")
+        out[key] = source
+    return out
+
+
+def _model_path(section: Section, key: str) -> str:
+    value = section.abspath(key, required=True)
+    norm = os.path.normpath(value)
+    if norm in _PROTECTED or norm.count("/") < 2:
+        raise section.fail(key, f"model path {value!r} is a system directory or too shallow",
+                           "name the model's own directory, e.g. /root/models/NAME")
+    return norm
+
+
+def _models(top: Section, root: Path) -> tuple[Model, ...]:
+    section = top.section("models")
+    if section is None:
+        return ()
+    section.reject_unknown(("target", "draft"))
+    models = []
+    for role in ("target", "draft"):
+        item = section.section(role)
+        if item is None:
+            continue
+        item.reject_unknown(("path", "from", "min_free_gib"))
+        src = item.section("from")
+        source = None
+        if src is not None:
+            src.reject_unknown(("host", "path"))
+            host = src.str("host", required=True)
+            raw = src.str("path", required=True)
+            if host == LOCAL:
+                raw = raw.replace("${DDOPS_CACHE}", os.environ.get("DDOPS_CACHE") or "~/.cache/ddops")
+                expanded = os.path.expanduser(os.path.expandvars(raw))
+                source = ModelSource(LOCAL, str((root / expanded).resolve()) if not os.path.isabs(expanded)
+                                     else os.path.normpath(expanded))
+            else:
+                source = ModelSource(host, _model_path(src, "path"))
+        models.append(Model(role=role, path=_model_path(item, "path"), source=source,
+                            min_free_gib=item.number("min_free_gib", 0.0, min=0, max=100000)))
+    return tuple(models)
+
+
+def _runtime(top: Section, root: Path) -> Runtime:
+    section = top.section("runtime", required=True)
+    section.reject_unknown(("venv", "packages", "ship", "index", "wheelhouse"))
+    packages_section = section.section("packages")
+    packages: dict[str, str] = {}
+    if packages_section is not None:
+        for key in packages_section.keys():
+            if not isinstance(key, str) or not _IMPORT.match(key):
+                raise packages_section.fail(key, f"invalid import name {key!r}",
+                                            "keys are import names, values pip requirements")
+            packages[key] = packages_section.str(key, required=True)
+    ship = section.str("ship")
+    if ship is not None:
+        ship_path = (root / ship).resolve()
+        if not (ship_path / "pyproject.toml").is_file():
+            raise section.fail("ship", f"`runtime.ship: {ship}` has no pyproject.toml ({ship_path})",
+                               "point it at the runtime package, e.g. `runtime`")
+        ship = str(ship_path)
+    index = section.bool("index", True)
+    wheelhouse = section.str("wheelhouse")
+    if wheelhouse is not None:
+        wheelhouse = str((root / os.path.expanduser(wheelhouse)).resolve())
+    if not index and wheelhouse is None:
+        raise section.fail("index", "`index: false` needs a `wheelhouse` (a local dir of wheels to push)")
+    return Runtime(venv=section.abspath("venv", required=True), packages=packages, ship=ship,
+                   index=index, wheelhouse=wheelhouse)
+
+
+def _serve(top: Section) -> Serve:
+    section = top.section("serve")
+    if section is None:
+        return Serve()
+    section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args"))
+    return Serve(mode=section.str("mode", "ddtree", choices=MODES),
+                 block_size=section.int("block_size", 16, min=1, max=64),
+                 tree_budget=section.int("tree_budget", 16, min=1, max=4096),
+                 served_model_name=section.str("served_model_name"),
+                 extra_args=tuple(section.str_list("extra_args")))
+
+
+def _sglang(top: Section, engine: str) -> Sglang | None:
+    section = top.section("sglang")
+    if engine != "sglang":
+        if section is not None:
+            raise top.fail("sglang", "`sglang:` is only for `engine: sglang`")
+        return None
+    if section is None:
+        raise top.fail(None, "`engine: sglang` needs an `sglang:` section")
+    section.reject_unknown(("python", "num_draft_tokens", "tp_size", "dp_attention", "extra_args",
+                            "draft_block_size"))
+    dp = section.bool("dp_attention", False)
+    if dp:
+        raise section.fail("dp_attention", "SGLang rejects DFLASH speculative decoding with dp-attention",
+                           "set `dp_attention: false`")
+    tokens = section.int("num_draft_tokens", required=True, min=1, max=64)
+    block = section.int("draft_block_size")
+    if block is not None and tokens > block:
+        raise section.fail("num_draft_tokens", f"{tokens} draft tokens exceed the drafter's block size {block}",
+                           "SGLang refuses it; use at most the block size")
+    extra = tuple(section.str_list("extra_args"))
+    if any(a.startswith("--enable-dp-attention") for a in extra):
+        raise section.fail("extra_args", "SGLang rejects DFLASH with --enable-dp-attention")
+    return Sglang(python=section.abspath("python", required=True), num_draft_tokens=tokens,
+                  tp_size=section.int("tp_size", 1, min=1, max=64), dp_attention=dp, extra_args=extra)
+
+
+def _health(top: Section) -> Health:
+    section = top.section("health")
+    if section is None:
+        return Health()
+    section.reject_unknown(("path", "deadline_s", "interval_s"))
+    path = section.str("path", "/health")
+    if not path.startswith("/"):
+        raise section.fail("path", f"`health.path` must be a URL path like /health, got {path!r}")
+    return Health(path=path, deadline_s=section.number("deadline_s", 300.0, min=1, max=7200),
+                  interval_s=section.number("interval_s", 1.0, min=0.1, max=60))
+
+
+def _smoke(top: Section, engine: str) -> Smoke:
+    section = top.section("smoke", required=True)
+    section.reject_unknown(("prompts", "max_tokens", "min_acceptance", "lossless_check", "timeout_s"))
+    prompts = []
+    for index, item in enumerate(section.list("prompts", required=True)):
+        entry = section.item_section("prompts", index, item)
+        entry.reject_unknown(("prompt", "expect"))
+        expect = entry.str("expect", required=True)
+        try:
+            re.compile(expect)
+        except re.error as exc:
+            raise entry.fail("expect", f"`expect` is not a valid regex: {exc}") from None
+        prompts.append(SmokePrompt(prompt=entry.str("prompt", required=True), expect=expect))
+    if not prompts:
+        raise section.fail("prompts", "`smoke.prompts` is empty", "add a prompt with a checkable answer")
+    lossless = section.bool("lossless_check", engine == "ddtree")
+    if lossless and engine != "ddtree":
+        raise section.fail("lossless_check", "the lossless spot-check needs the ddtree runtime's per-request "
+                           "`speculative` override", "set `lossless_check: false` for sglang")
+    return Smoke(prompts=tuple(prompts), max_tokens=section.int("max_tokens", 16, min=1, max=4096),
+                 min_acceptance=section.number("min_acceptance", 1.0, min=0, max=64),
+                 lossless_check=lossless, timeout_s=section.number("timeout_s", 120.0, min=1, max=3600))
+
+
+def check_against_inventory(profile: Profile, inventory) -> None:
+    """Every host the profile names must be in the inventory."""
+    from .errors import ConfigError as _CE
+
+    names = [profile.host] + [m.source.host for m in profile.models if m.source and m.source.host != LOCAL]
+    for name in names:
+        if name not in inventory.hosts:
+            raise _CE(f"profile names host {name!r}, which is not in {inventory.path}",
+                      where=profile.where("host") if name == profile.host else profile.where("models"),
+                      fix=f"known hosts: {', '.join(inventory.hosts)}")

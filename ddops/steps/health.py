@@ -1,0 +1,105 @@
+"""Step 8, health gate: poll /health with tenacity until it says ok, while watching the unit.
+
+A crash (unit failed, auto-restart, a restart counted, main PID gone or changed) stops the wait at
+once and shows the journal tail; otherwise the profile's deadline applies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_exponential, wait_random
+
+from ..errors import StepFailed
+from .base import PivotRun, journal_tail, run_probe
+
+
+class Crashed(StepFailed):
+    """The unit died while we waited for it to become healthy."""
+
+
+@dataclass
+class Verdict:
+    state: str         # "healthy", "waiting" or "crashed"
+    reason: str
+    detail: dict
+
+
+def judge(poll: dict, first_pid: int | None, expect: dict | None = None) -> Verdict:
+    """Classify one poll of the unit and its /health (pure: pinned by unit tests)."""
+    unit, health = poll["unit"], poll["health"]
+    state, sub = unit.get("ActiveState"), unit.get("SubState")
+    restarts = int(unit.get("NRestarts") or 0)
+    pid = int(unit.get("MainPID") or 0)
+    if state == "failed":
+        return Verdict("crashed", f"unit failed ({unit.get('Result')}, exit status {unit.get('ExecMainStatus')})", poll)
+    if sub == "auto-restart" or restarts > 0:
+        return Verdict("crashed", f"unit is crash-looping (restarts={restarts}, exit status "
+                       f"{unit.get('ExecMainStatus')})", poll)
+    if state in ("inactive", "deactivating"):
+        return Verdict("crashed", f"unit is {state} (main process exited, status {unit.get('ExecMainStatus')})", poll)
+    if first_pid and pid and pid != first_pid:
+        return Verdict("crashed", f"main PID changed {first_pid} -> {pid} (the runtime restarted)", poll)
+    body = health.get("body")
+    if health.get("http_status") == 200 and isinstance(body, dict) and body.get("status") in ("ok", None):
+        for key, value in (expect or {}).items():
+            if body.get(key) != value:
+                return Verdict("crashed", f"/health reports {key}={body.get(key)!r}, expected {value!r}", poll)
+        return Verdict("healthy", "ok", poll)
+    if isinstance(body, dict):
+        return Verdict("waiting", f"/health {health.get('http_status')}: {body.get('status')} {body.get('detail') or ''}".strip(), poll)
+    return Verdict("waiting", f"/health: {health.get('error') or health.get('http_status')}", poll)
+
+
+def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_s: float,
+                 interval_s: float = 1.0, expect: dict | None = None) -> dict:
+    """Block until healthy; raise Crashed at once on a crash, StepFailed at the deadline."""
+    started = time.monotonic()
+    first_pid: list[int] = []
+    last: list[Verdict] = []
+
+    def poll() -> Verdict:
+        raw = run_probe(run.executor, host, "unitwatch", {"unit": unit, "port": port, "path": path}, timeout=30)
+        pid = int(raw["unit"].get("MainPID") or 0)
+        if pid and not first_pid:
+            first_pid.append(pid)
+        verdict = judge(raw, first_pid[0] if first_pid else None, expect)
+        last[:] = [verdict]
+        run.progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
+        if verdict.state == "crashed":
+            tail = journal_tail(run.executor, host, unit, 25)
+            raise Crashed(f"{unit} on {host.name} crashed after {time.monotonic() - started:.1f}s: "
+                          f"{verdict.reason}\n--- journal tail ---\n{tail}")
+        return verdict
+
+    retrying = Retrying(stop=stop_after_delay(deadline_s),
+                        wait=wait_exponential(multiplier=0.25, max=interval_s) + wait_random(0, 0.2),
+                        retry=retry_if_result(lambda v: v.state != "healthy"), reraise=True)
+    try:
+        verdict = retrying(poll)
+    except RetryError:
+        tail = journal_tail(run.executor, host, unit, 25)
+        reason = last[0].reason if last else "no answer"
+        raise StepFailed(f"{unit} on {host.name} not healthy within {deadline_s:.0f}s (last: {reason})"
+                         f"\n--- journal tail ---\n{tail}") from None
+    body = verdict.detail["health"]["body"]
+    return {"seconds": round(time.monotonic() - started, 2), "health": body}
+
+
+class HealthStep:
+    name = "health"
+    title = "Health gate"
+
+    def plan(self, run: PivotRun):
+        return []
+
+    def execute(self, run: PivotRun) -> str:
+        p = run.profile
+        expect = {"block_size": p.serve.block_size, "mode": p.serve.mode} if p.engine == "ddtree" else None
+        out = wait_healthy(run, run.host, p.unit, p.port, p.health.path, p.health.deadline_s,
+                           p.health.interval_s, expect)
+        run.gates["health"] = out
+        body = out["health"] if isinstance(out["health"], dict) else {}
+        extra = f" mode={body.get('mode')} block_size={body.get('block_size')}" if body.get("mode") else ""
+        return f"healthy after {out['seconds']}s{extra}"

@@ -1,0 +1,172 @@
+"""Step 3, sync model dirs with rsync over SSH: local -> host, host -> host (through a local cache)
+or within one host; identical files are skipped; verified after by an rsync --checksum dry run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from ..errors import StepFailed
+from ..inventory import Host, Inventory
+from ..profile import LOCAL, Model, Profile
+from .base import Change, PivotRun, check
+from .preflight import source_tree
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DDOPS_CACHE") or os.path.expanduser("~/.cache/ddops"))
+
+
+def ssh_argv(host: Host) -> list[str]:
+    """OpenSSH options that reach `host` as the executor does (same key, port, known_hosts)."""
+    argv = ["ssh", "-p", str(host.port), "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={max(1, int(host.connect_timeout))}"]
+    if host.key:
+        argv += ["-i", os.path.expanduser(host.key)]
+    if host.known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={os.path.expanduser(host.known_hosts)}"]
+    argv += ["-o", "StrictHostKeyChecking=" + ("accept-new" if host.host_key_policy == "accept-new" else "yes")]
+    return argv
+
+
+def remote(inventory: Inventory, host: Host) -> tuple[list[str], str, str | None]:
+    """(rsync -e argv, user@address, --rsync-path) to reach host; `pct` hosts go through their node."""
+    carrier = inventory.hosts[host.via] if host.pct is not None else host
+    argv = ssh_argv(carrier)
+    if carrier.via is not None:  # a jump host: ProxyCommand through it with its own options
+        jump = inventory.hosts[carrier.via]
+        argv += ["-o", "ProxyCommand=" + shlex.join(ssh_argv(jump) + ["-W", "%h:%p", _login(jump)])]
+    rsync_path = shlex.join(["pct", "exec", str(host.pct), "--", "rsync"]) if host.pct is not None else None
+    return argv, _login(carrier), rsync_path
+
+
+def _login(host: Host) -> str:
+    return f"{host.user}@{host.address}" if host.user else str(host.address)
+
+
+def rsync_argv(inventory: Inventory, src: str, dst: str, *, src_host: Host | None = None,
+               dst_host: Host | None = None, checksum_dry_run: bool = False) -> list[str]:
+    """rsync from src to dst (each on the control machine when its host is None); one side remote."""
+    if src_host is not None and dst_host is not None:
+        raise ValueError("rsync copies between the control machine and one host")
+    argv = ["rsync", "-a", "--delete", "--partial"]
+    argv += ["--checksum", "--dry-run", "--itemize-changes"] if checksum_dry_run else ["--info=progress2",
+                                                                                      "--no-inc-recursive"]
+    side = src_host or dst_host
+    if side is not None:
+        ssh, login, rsync_path = remote(inventory, side)
+        argv += ["-e", shlex.join(ssh)]
+        if rsync_path:
+            argv += ["--rsync-path", rsync_path]
+    src_spec = f"{login}:{src.rstrip('/')}/" if src_host else f"{src.rstrip('/')}/"
+    dst_spec = f"{login}:{dst.rstrip('/')}/" if dst_host else f"{dst.rstrip('/')}/"
+    return argv + ["--", src_spec, dst_spec]
+
+
+def plan_model(model: Model, source: dict, dest: dict) -> list[Change]:
+    """Files that differ between source and dest (size, mtime, or sha256 of small files)."""
+    if model.source is None:
+        return []
+    src_files, dst_files = source["files"], dest.get("files", {}) if dest.get("exists") else {}
+    differ = [rel for rel, (size, mtime, sha) in src_files.items()
+              if rel not in dst_files or dst_files[rel][0] != size
+              or (sha and dst_files[rel][2] != sha) or (not sha and dst_files[rel][1] != mtime)]
+    extra = [rel for rel in dst_files if rel not in src_files]
+    if not differ and not extra:
+        return []
+    size = sum(src_files[r][0] for r in differ)
+    return [Change(f"sync {model.role} {model.source.host}:{model.source.path} -> {model.path}: "
+                   f"{len(differ)} file(s), {size / 2**20:.1f} MiB" + (f", {len(extra)} to delete" if extra else ""),
+                   detail="\n".join(differ[:20] + [f"(delete) {r}" for r in extra[:10]]),
+                   data={"role": model.role})]
+
+
+_PCT = re.compile(r"(\d+)%")
+
+
+def rsync(argv: list[str], progress, what: str, timeout: float = 6 * 3600) -> str:
+    """Run rsync locally, feeding its percentage to progress; returns stdout."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    out = bytearray()
+    try:
+        while True:
+            chunk = proc.stdout.read1(4096) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
+            if not chunk:
+                break
+            out += chunk
+            found = _PCT.findall(chunk.decode(errors="replace"))
+            if found:
+                progress(f"{what}: {found[-1]}%")
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise StepFailed(f"{what}: rsync exit {proc.returncode}: {err.strip()[-300:]}",
+                         fix="the destination's previous files are intact; fix the cause and re-run")
+    return out.decode(errors="replace")
+
+
+def verify(argv: list[str], what: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=6 * 3600)
+    if done.returncode != 0:
+        raise StepFailed(f"verifying {what}: rsync exit {done.returncode}: {done.stderr.strip()[-300:]}")
+    pending = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith(".d")]
+    if pending:
+        raise StepFailed(f"verifying {what}: {len(pending)} file(s) still differ after the sync: "
+                         f"{'; '.join(pending[:3])}")
+
+
+class SyncStep:
+    name = "sync"
+    title = "Sync model dirs"
+
+    def plan(self, run: PivotRun) -> list[Change]:
+        dest = run.inspect[run.profile.host]["trees"]
+        changes = []
+        for model in run.profile.models:
+            if model.source is not None:
+                changes += plan_model(model, source_tree(run, model), dest.get(model.path, {}))
+        return changes
+
+    def apply(self, run: PivotRun, changes: list[Change]) -> str:
+        roles = {c.data["role"] for c in changes}
+        done = []
+        for model in run.profile.models:
+            if model.role in roles:
+                self.sync_model(run, run.profile, model)
+                done.append(model.role)
+        run.changed["models"] = True
+        return f"synced and verified: {', '.join(done)}"
+
+    def sync_model(self, run: PivotRun, profile: Profile, model: Model) -> None:
+        inv, dst_host = run.inventory, run.host
+        src = model.source
+        check(run.executor.run(dst_host, ["mkdir", "-p", "--", model.path]), f"mkdir {model.path}")
+        if src.host == profile.host:  # within the host
+            result = run.executor.run(dst_host, ["rsync", "-a", "--delete", "--", src.path.rstrip("/") + "/",
+                                                 model.path.rstrip("/") + "/"], timeout=6 * 3600)
+            check(result, f"rsync {src.path} -> {model.path}")
+            verify_local = run.executor.run(dst_host, ["rsync", "-a", "--delete", "--checksum", "--dry-run",
+                                                       "--itemize-changes", "--", src.path.rstrip("/") + "/",
+                                                       model.path.rstrip("/") + "/"], timeout=6 * 3600)
+            check(verify_local, "verify")
+            if [l for l in verify_local.stdout.splitlines() if l.strip() and not l.startswith(".d")]:
+                raise StepFailed(f"verifying {model.path}: files still differ after the sync")
+            return
+        if src.host == LOCAL:
+            local = src.path
+        else:  # host -> host: pull into the control machine's cache, then push
+            local = str(cache_dir() / "sync" / src.host / src.path.strip("/"))
+            Path(local).mkdir(parents=True, exist_ok=True)
+            src_host = inv.host(src.host)
+            what = f"pull {src.host}:{src.path}"
+            rsync(rsync_argv(inv, src.path, local, src_host=src_host), run.progress, what)
+            verify(rsync_argv(inv, src.path, local, src_host=src_host, checksum_dry_run=True), what)
+        what = f"push {model.role} -> {dst_host.name}:{model.path}"
+        rsync(rsync_argv(inv, local, model.path, dst_host=dst_host), run.progress, what)
+        verify(rsync_argv(inv, local, model.path, dst_host=dst_host, checksum_dry_run=True), what)

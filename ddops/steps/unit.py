@@ -1,0 +1,170 @@
+"""Step 6, render the unit: template -> unit text + environment file; diff; backup; atomic write.
+
+The unit file never holds a secret: the environment (and API key) lives in an EnvironmentFile with
+mode 0600. Diffs show secret values as `***`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import re
+import secrets as _secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from ..errors import ConfigError
+from ..profile import Profile
+from .base import BACKUP_ROOT, Change, PivotRun, backup_root, run_probe, unit_path
+
+_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def templates_dir() -> Path:
+    return Path(os.environ.get("DDOPS_TEMPLATES") or Path(__file__).resolve().parents[2] / "templates")
+
+
+def systemd_quote(arg: str) -> str:
+    """Quote one ExecStart argument the way systemd parses it (specifiers and $ escaped too)."""
+    escaped = arg.replace("%", "%%").replace("$", "$$")
+    if _SAFE.match(escaped):
+        return escaped
+    escaped = escaped.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def exec_argv(profile: Profile) -> list[str]:
+    """The runtime's command line, from the profile."""
+    target, draft = profile.model("target"), profile.model("draft")
+    if profile.engine == "sglang":
+        sg = profile.sglang
+        argv = [sg.python, "-m", "sglang.launch_server", "--model-path", target.path,
+                "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft.path,
+                "--speculative-num-draft-tokens", str(sg.num_draft_tokens), "--tp-size", str(sg.tp_size),
+                "--host", profile.bind, "--port", str(profile.port)]
+        if profile.serve.served_model_name:
+            argv += ["--served-model-name", profile.serve.served_model_name]
+        return argv + list(sg.extra_args)
+    argv = [f"{profile.runtime.venv}/bin/ddtree-serve", "--target", target.path]
+    if draft is not None:
+        argv += ["--draft", draft.path]
+    argv += ["--mode", profile.serve.mode, "--block-size", str(profile.serve.block_size),
+             "--tree-budget", str(profile.serve.tree_budget), "--host", profile.bind,
+             "--port", str(profile.port), "--device", profile.device, "--dtype", profile.dtype]
+    if profile.serve.served_model_name:
+        argv += ["--served-model-name", profile.serve.served_model_name]
+    return argv + list(profile.serve.extra_args)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    unit_text: str
+    env_text: str          # holds secret values: written to the host, never shown
+    env_masked: str        # what may be shown
+
+    @property
+    def unit_sha256(self) -> str:
+        return hashlib.sha256(self.unit_text.encode()).hexdigest()
+
+    @property
+    def env_sha256(self) -> str:
+        return hashlib.sha256(self.env_text.encode()).hexdigest()
+
+
+def env_lines(profile: Profile, secret_values: dict[str, str], *, masked: bool) -> str:
+    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": f"/var/cache/{profile.engine}/hf"}
+    if profile.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = profile.gpus
+    env.update(profile.env)
+    lines = [f"# Managed by ddops (profile {profile.name}); mode 0600: may hold secrets."]
+    for key, value in env.items():
+        lines.append(f"{key}={_env_quote(value)}")
+    for key in profile.secrets:
+        value = "***" if masked else secret_values.get(key, "")
+        lines.append(f"{key}={value if masked else _env_quote(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _env_quote(value: str) -> str:
+    if re.match(r"^[A-Za-z0-9_@%+=:,./-]*$", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
+
+
+def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
+    """Render the profile's unit template (StrictUndefined: a missing variable is an error)."""
+    name = "sglang.service.j2" if profile.engine == "sglang" else "ddtree.service.j2"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    try:
+        template = env.get_template(name)
+        unit_text = template.render(profile=profile,
+                                    exec_start=" ".join(systemd_quote(a) for a in exec_argv(profile)))
+    except jinja2.TemplateNotFound:
+        raise ConfigError(f"unit template {name} not found in {templates_dir()}",
+                          fix="set DDOPS_TEMPLATES to the templates folder") from None
+    except jinja2.UndefinedError as exc:
+        raise ConfigError(f"template {name}: {exc.message}", where=str(templates_dir() / name),
+                          fix="the template uses a variable the profile does not define") from None
+    return Rendered(unit_text=unit_text, env_text=env_lines(profile, secret_values, masked=False),
+                    env_masked=env_lines(profile, secret_values, masked=True))
+
+
+def diff(old: str | None, new: str, path: str) -> str:
+    return "".join(difflib.unified_diff((old or "").splitlines(True), new.splitlines(True),
+                                        fromfile=f"{path} (installed)" if old is not None else "/dev/null",
+                                        tofile=f"{path} (rendered)"))
+
+
+def plan_unit(profile: Profile, rendered: Rendered, installed: dict) -> list[Change]:
+    """Changes from the installed files (inspect probe `files`): nothing when both checksums agree."""
+    upath, epath = unit_path(profile.unit), profile.env_file
+    unit_now, env_now = installed.get(upath, {}), installed.get(epath, {})
+    changes = []
+    if unit_now.get("sha256") != rendered.unit_sha256:
+        changes.append(Change(f"write {upath}" + (" (new)" if not unit_now.get("exists") else ""),
+                              detail=diff(unit_now.get("text"), rendered.unit_text, upath)))
+    if env_now.get("sha256") != rendered.env_sha256:
+        changes.append(Change(f"write {epath} (mode 0600)" + (" (new)" if not env_now.get("exists") else ""),
+                              detail=diff(env_now.get("text"), rendered.env_masked, epath)))
+    return changes
+
+
+def new_backup_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + _secrets.token_hex(2)
+
+
+def install_spec(profile: Profile, rendered: Rendered, backup_id: str, meta: dict) -> dict:
+    """The unitfile probe's stdin for an install (pinned by the unit tests)."""
+    return {"action": "install", "unit": profile.unit, "unit_path": unit_path(profile.unit),
+            "env_path": profile.env_file, "unit_text": rendered.unit_text, "env_text": rendered.env_text,
+            "backup_root": backup_root(profile.unit), "backup_id": backup_id, "meta": meta}
+
+
+class UnitStep:
+    name = "unit"
+    title = "Render the unit"
+
+    def plan(self, run: PivotRun) -> list[Change]:
+        self.rendered = render(run.profile, run.secrets)
+        files = run.inspect[run.profile.host].get("files", {})
+        return plan_unit(run.profile, self.rendered, files)
+
+    def apply(self, run: PivotRun, changes: list[Change]) -> str:
+        run.backup_id = new_backup_id()
+        units = run.inspect[run.profile.host].get("units", {})
+        again = list(run.stopped_units) + [c for c in run.profile.conflicts
+                                           if units.get(c, {}).get("ActiveState") in ("active", "activating")]
+        meta = {"profile": run.profile.name, "reason": "pivot", "restart_after_rollback": again}
+        out = run_probe(run.executor, run.host, "unitfile",
+                        stdin=install_spec(run.profile, self.rendered, run.backup_id, meta))
+        if out["daemon_reload"]["rc"] != 0:
+            from ..errors import StepFailed
+            raise StepFailed(f"systemctl daemon-reload failed on {run.host.name}: {out['daemon_reload']['stderr']}")
+        run.changed["unit"] = True
+        run.gates["unit"] = {"backup_id": run.backup_id, "before": out["before"], "after": out["after"]}
+        return f"installed; backup {run.backup_id} in {BACKUP_ROOT}/{run.profile.unit}"

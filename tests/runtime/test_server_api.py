@@ -226,7 +226,8 @@ def test_engine_error_is_500_once_and_worker_survives(client, http):
 def test_full_queue_is_429_with_retry_after(client, http):
     http.post("/_test/fault", json={"paused": True})
     results = []
-    threads = [threading.Thread(target=lambda: results.append(_chat(client, max_tokens=4))) for _ in range(2)]
+    # One job held by the paused worker, two waiting: the queue (--max-queue 2) is full.
+    threads = [threading.Thread(target=lambda: results.append(_chat(client, max_tokens=4))) for _ in range(3)]
     for t in threads:
         t.start()
     assert _wait_metric(http, "ddtree_queue_depth", lambda v: v == 2) == 2
@@ -237,7 +238,7 @@ def test_full_queue_is_429_with_retry_after(client, http):
     http.post("/_test/fault", json={"paused": False})
     for t in threads:
         t.join(60)
-    assert len(results) == 2 and all(r.choices[0].finish_reason for r in results)
+    assert len(results) == 3 and all(r.choices[0].finish_reason for r in results)
 
 
 def _long_request(stream: bool) -> dict:
@@ -246,8 +247,13 @@ def _long_request(stream: bool) -> dict:
             "speculative": {"mode": "ar"}}
 
 
+def _gone(http) -> float:
+    return _metrics(http).get('ddtree_requests_total{endpoint="/v1/completions",status="499"}', 0)
+
+
 def test_disconnecting_stream_frees_the_worker(server, http):
     http.post("/_test/fault", json={"round_delay_s": 0.1})
+    gone = _gone(http)
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=_long_request(stream=True)) as r:
             assert r.status_code == 200
@@ -256,15 +262,18 @@ def test_disconnecting_stream_frees_the_worker(server, http):
     started = time.monotonic()
     assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 0, timeout=5) == 0
     assert time.monotonic() - started < 2
+    assert _gone(http) == gone + 1  # counted as "client closed"
 
 
 def test_disconnecting_non_stream_client_frees_the_worker(server, http):
     http.post("/_test/fault", json={"round_delay_s": 0.1})
+    gone = _gone(http)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=_long_request(stream=False), timeout=1.0)
     started = time.monotonic()
     assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 0, timeout=5) == 0
     assert time.monotonic() - started < 2
+    assert _gone(http) == gone + 1  # counted as "client closed"
 
 
 def test_metrics_text_parses_and_counts(client, http):

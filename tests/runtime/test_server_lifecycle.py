@@ -29,8 +29,8 @@ def _args(tiny_models, *extra: str) -> list[str]:
     return ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"), *extra]
 
 
-def _client(srv: ServerProcess, key: str | None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key or "", max_retries=0, timeout=60)
+def _client(srv: ServerProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def test_startup_health_auth_and_sigterm_drain(tiny_models):
@@ -45,9 +45,12 @@ def test_startup_health_auth_and_sigterm_drain(tiny_models):
         assert srv.wait_ready()["status"] == "ok"
 
         # API key: missing or wrong -> 401; right -> served. /health needs none.
-        for key in (None, "wrong"):
-            with pytest.raises(openai.AuthenticationError):
-                _client(srv, key).chat.completions.create(model="target", messages=CHAT, max_tokens=2)
+        with pytest.raises(openai.AuthenticationError) as err:
+            _client(srv, "wrong").chat.completions.create(model="target", messages=CHAT, max_tokens=2)
+        assert err.value.body["code"] == "invalid_api_key"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": CHAT})  # no key at all
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
         resp = _client(srv, KEY).chat.completions.create(model="target", messages=CHAT, max_tokens=2)
         assert resp.choices[0].message.content is not None
 
@@ -62,8 +65,8 @@ def test_startup_health_auth_and_sigterm_drain(tiny_models):
             with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, headers=headers,
                               timeout=60) as r:
                 for line in r.iter_lines():
-                    lines.append(line)
-                    if len(lines) == 1:
+                    if line:
+                        lines.append(line)
                         started.set()
 
         started = threading.Event()

@@ -38,7 +38,7 @@ class _Sampling(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch's generators accept
     n: int | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -97,7 +97,8 @@ class Faults:
     kill_worker: the worker thread dies at its next job (or within 0.1 s if idle).
     engine_errors: the next N jobs raise inside the engine loop (the worker must survive).
     round_delay_s: sleep this long after each round (makes generations slow enough to observe).
-    paused: the worker does not take jobs off the queue (makes the queue fill deterministically).
+    paused: the worker takes the next job off the queue and holds it there, unstarted (so the queue
+        fills deterministically: one held job, then max_queue waiting).
     """
 
     kill_worker: bool = False
@@ -210,8 +211,6 @@ class EngineWorker:
 
     def _serve(self) -> None:
         while True:
-            while self.faults.paused and not self.faults.kill_worker and not self._stopping:
-                time.sleep(0.01)
             try:
                 job = self._queue.get(timeout=0.1)
             except queue.Empty:
@@ -220,10 +219,13 @@ class EngineWorker:
                 if self.faults.kill_worker:
                     raise _WorkerKilled("killed by test fault")
                 continue
+            self._current = job
+            while self.faults.paused and not self.faults.kill_worker and not job.cancelled.is_set():
+                time.sleep(0.01)
             if job.cancelled.is_set():
+                self._current = None
                 job.emit(DoneEvent())
                 continue
-            self._current = job
             try:
                 self._run_job(job)
             finally:

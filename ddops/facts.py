@@ -31,7 +31,7 @@ def probe_args(host: Host) -> dict[str, Any]:
 
 def gather(executor: Executor, host: Host) -> dict[str, Any]:
     """Run the facts probe on host and return its parsed JSON."""
-    result = executor.run(host, ["python3", "-c", probe_source("facts"), json.dumps(probe_args(host))])
+    result = executor.run(host, ["python3", "-I", "-S", "-c", probe_source("facts"), json.dumps(probe_args(host))])
     if not result.ok:
         detail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise DdopsError(f"facts probe failed on {host.name} (exit {result.exit_code}): {detail}",

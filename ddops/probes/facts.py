@@ -9,8 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 GPU_FIELDS = ["index", "name", "memory.used", "memory.total", "utilization.gpu"]
 UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState"]
@@ -148,6 +146,9 @@ def unit_state(unit):
 
 
 def health(port, path):
+    import urllib.error  # only hosts with a service port pay for this import
+    import urllib.request
+
     url = "http://127.0.0.1:%d%s" % (port, path)
     try:
         with urllib.request.urlopen(url, timeout=3) as resp:

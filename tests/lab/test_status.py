@@ -35,7 +35,19 @@ def derived_inventory(lab, tmp_path: Path, edit) -> Path:
     return path
 
 
-def test_status_shows_the_whole_lab(lab) -> None:
+@pytest.fixture
+def training_running(lab) -> None:
+    """Other tests stop ct200's training job; this one needs it running and logging."""
+    lab.ssh("ct200", "systemctl start dflash-train.service")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if lab.ssh("ct200", "grep -q 'step ' /root/train/train.log").returncode == 0:
+            return
+        time.sleep(0.5)
+    pytest.fail("ct200's training job logged no step within 30 s")
+
+
+def test_status_shows_the_whole_lab(lab, training_running) -> None:
     code, hosts = status_json(lab.inventory_path)
     assert code == 0, hosts
     assert set(hosts) == {"pve", "ct200", "llm-two", "eval-a6000"}

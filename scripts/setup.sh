@@ -16,4 +16,4 @@ fi
 
 # torch is pinned to the CPU wheel that pip's find-links holds: a plain `torch` pulls a multi-GB CUDA build.
 echo "--> pip: ddops, the runtime and the test tools"
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0" -e "./runtime" -e ".[test]"
+python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "torch==2.13.0" -e "./runtime" -e ".[test]"

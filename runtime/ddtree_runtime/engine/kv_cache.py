@@ -6,17 +6,18 @@ import torch
 
 
 class KVCache:
-    """k, v: [n_layers, 1, n_kv_heads, capacity, head_dim]; batch size 1 (one request at a time)."""
+    """k, v: [n_layers, batch, n_kv_heads, capacity, head_dim]. The engine serves one request at a
+    time (batch 1); batch > 1 is for offline generation (tiny-model distillation), no tree compaction."""
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        shape = (n_layers, 1, n_kv, capacity, head_dim)
+                 device: torch.device | str, dtype: torch.dtype, batch: int = 1) -> None:
+        shape = (n_layers, batch, n_kv, capacity, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([1, Hkv, T, D]) at [start, start+T) and return views of the cache up to start+T."""
+        """Store k, v ([B, Hkv, T, D]) at [start, start+T) and return views of the cache up to start+T."""
         end = start + k.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")

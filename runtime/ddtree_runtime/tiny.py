@@ -1,0 +1,347 @@
+"""ddtree-tiny: build a tiny Qwen3 target + DFlash drafter pair on CPU in a minute or two.
+
+Steps: train a byte-level BPE tokenizer on a toy corpus -> train the tiny target on it -> generate the
+target's own greedy continuations -> distil the drafter to predict them block-wise from the target's
+context features -> measure acceptance with the real engine. Deterministic for a given seed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .engine.kv_cache import KVCache
+from .model import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
+from .tiny_corpus import ENDOFTEXT, IM_END, IM_START, documents, heldout_questions
+
+MASK = "<|MASK|>"
+SPECIALS = [ENDOFTEXT, IM_START, IM_END, "<think>", "</think>", MASK]
+VOCAB = 1024
+BLOCK = 16
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is not defined or not enable_thinking -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+TARGET = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+              max_position_embeddings=2048, tie_word_embeddings=True)
+TRAIN_BATCH, TRAIN_LEN = 24, 96
+DRAFT_LAYERS = 2
+TARGET_LAYER_IDS = [0, 2, 3]
+
+
+def log(msg: str) -> None:
+    print(f"[ddtree-tiny] {msg}", flush=True)
+
+
+# ---- tokenizer -------------------------------------------------------------------------------------
+
+def build_tokenizer(docs: list[tuple[str, str]], out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # train on text without the special markers; they are whole tokens of their own
+    plain = (p.replace(IM_START, "\n").replace(IM_END, "\n") for d in docs for p in d if p)
+    tok.train_from_iterator(plain, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                   additional_special_tokens=[IM_START, "<think>", "</think>", MASK])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+# ---- target ----------------------------------------------------------------------------------------
+
+def token_stream(tok, docs: list[tuple[str, str]]) -> tuple[torch.Tensor, list[int]]:
+    """All documents, each followed by <|endoftext|>, as one id stream plus each document's start."""
+    eot = tok.convert_tokens_to_ids(ENDOFTEXT)
+    heads = tok([h for h, _ in docs], add_special_tokens=False)["input_ids"]
+    tails = tok([t for _, t in docs], add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    starts: list[int] = []
+    for head, tail in zip(heads, tails):
+        starts.append(len(ids))
+        ids.extend(head)
+        ids.extend(tail)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.long), starts
+
+
+def windows(stream: torch.Tensor, starts: torch.Tensor, n: int, length: int, g: torch.Generator,
+            aligned: float = 0.5) -> torch.Tensor:
+    """n windows [n, length]: a share start at document starts (like real prompts), the rest anywhere."""
+    hi = len(stream) - length
+    rand = torch.randint(0, hi, (n,), generator=g)
+    doc = starts[torch.randint(0, len(starts), (n,), generator=g)].clamp(max=hi)
+    use_doc = torch.rand(n, generator=g) < aligned
+    off = torch.where(use_doc, doc, rand)
+    return stream[off[:, None] + torch.arange(length)]
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 40) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))))
+
+
+def train_target(model: Qwen3ForCausalLM, stream, starts, steps: int, g: torch.Generator) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, 3e-3)
+        x = windows(stream, starts, TRAIN_BATCH, TRAIN_LEN + 1, g)       # [B, T+1]
+        pos = torch.arange(TRAIN_LEN)[None].expand(TRAIN_BATCH, -1)
+        h, _ = model(x[:, :-1], pos)
+        loss = F.cross_entropy(model.logits(h).flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"target step {step:4d}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+    model.eval()
+
+
+@torch.inference_mode()
+def greedy_continue(model: Qwen3ForCausalLM, prompts: torch.Tensor, new: int) -> torch.Tensor:
+    """Batched greedy decode with a static cache: prompts [B, P] (same length) -> [B, P+new]."""
+    b, p = prompts.shape
+    c = model.config
+    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, p + new, "cpu",
+                    torch.float32, batch=b)
+    h, _ = model(prompts, torch.arange(p)[None].expand(b, -1), cache, 0)
+    out = [prompts, model.logits(h[:, -1:]).argmax(-1)]
+    for i in range(new - 1):
+        pos = torch.full((b, 1), p + i)
+        h, _ = model(out[-1], pos, cache, p + i)
+        out.append(model.logits(h).argmax(-1))
+    return torch.cat(out, dim=1)
+
+
+# ---- drafter ---------------------------------------------------------------------------------------
+
+def draft_batch(seqs: torch.Tensor, feats: torch.Tensor, prompt_len: int, blocks: int, mask_id: int,
+                g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Sample `blocks` block starts per sequence; build block tokens, positions, labels and the mask.
+
+    A block rooted at s holds [tok[s], MASK...] at positions s..s+BLOCK-1 and must predict
+    tok[s+1..s+BLOCK-1] (the target's greedy continuation); it sees context features < s and its own
+    block only."""
+    b, t = seqs.shape
+    s = torch.randint(prompt_len - 1, t - BLOCK + 1, (b, blocks), generator=g)      # [B, nb]
+    offs = torch.arange(BLOCK)
+    idx = s[..., None] + offs                                                         # [B, nb, BLOCK]
+    toks = torch.gather(seqs, 1, idx.flatten(1)).view(b, blocks, BLOCK)
+    block = torch.full_like(toks, mask_id)
+    block[..., 0] = toks[..., 0]
+    labels = toks[..., 1:]                                                            # [B, nb, BLOCK-1]
+    q = blocks * BLOCK
+    ctx_ok = torch.arange(t)[None, None] < s.repeat_interleave(BLOCK, 1)[..., None]  # [B, q, t]
+    own = torch.arange(blocks).repeat_interleave(BLOCK)
+    blk_ok = (own[:, None] == own[None, :]).expand(b, q, q)
+    mask = torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]                              # [B, 1, q, t+q]
+    return block.flatten(1), idx.flatten(1), labels, mask
+
+
+def train_drafter(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor,
+                  feats: torch.Tensor, prompt_len: int, steps: int, mask_id: int,
+                  g: torch.Generator) -> None:
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    # earlier block positions matter most: a miss at depth k discards everything after it
+    weight = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / 6.0)
+    drafter.train()
+    t0 = time.time()
+    n = seqs.shape[0]
+    bsz, nb = 32, 4
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, 3e-3)
+        rows = torch.randint(0, n, (bsz,), generator=g)
+        block, pos, labels, mask = draft_batch(seqs[rows], feats[rows], prompt_len, nb, mask_id, g)
+        with torch.no_grad():
+            emb = target.model.embed_tokens(block)
+        ctx_pos = torch.arange(seqs.shape[1])[None].expand(bsz, -1)
+        h = drafter(emb, pos, feats[rows], ctx_pos, mask=mask).view(bsz, nb, BLOCK, -1)
+        logits = target.logits(h[:, :, 1:])                                           # [B, nb, 15, V]
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+        loss = (ce.view(bsz, nb, BLOCK - 1) * weight).sum(-1).mean() / weight.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            with torch.no_grad():
+                acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
+            log(f"drafter step {step:4d}/{steps} loss {loss.item():.3f} "
+                f"top1@1 {acc[0]:.2f} @4 {acc[3]:.2f} @8 {acc[7]:.2f} ({time.time() - t0:.0f}s)")
+    drafter.eval()
+
+
+# ---- saving ----------------------------------------------------------------------------------------
+
+def save_target(model: Qwen3ForCausalLM, tok, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config as HFQwen3Config
+
+    cfg = model.config
+    hf = HFQwen3Config(vocab_size=cfg.vocab_size, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, **TARGET)
+    hf.architectures = ["Qwen3ForCausalLM"]
+    hf.save_pretrained(str(out))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "do_sample": False}, indent=2))
+
+
+def drafter_config_dict(cfg: DFlashConfig) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+        "attention_bias": False, "attention_dropout": 0.0, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids},
+    }
+
+
+def save_drafter(drafter: DFlashDrafter, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(drafter_config_dict(drafter.config), indent=2))
+    state = {k: v.contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---- evaluation ------------------------------------------------------------------------------------
+
+def chat_prompts(tok, questions: list[str]) -> list[list[int]]:
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for q in questions]
+
+
+def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], mode: str,
+                       budget: int, max_new: int = 64) -> float:
+    from .engine import Engine, EngineConfig, SamplingParams
+
+    eng = Engine(EngineConfig(str(target_dir), str(draft_dir), mode=mode, tree_budget=budget))
+    lengths = []
+    for p in prompts:
+        rounds = list(eng.generate(p, SamplingParams(max_new_tokens=max_new)))
+        lengths += [r.accepted + 1 for r in rounds[1:]]  # round 0 is the prefill's single token
+    return sum(lengths) / max(1, len(lengths))
+
+
+def answer(target_dir: Path, prompt: list[int]) -> str:
+    from .engine import Engine, EngineConfig, SamplingParams
+
+    eng = Engine(EngineConfig(str(target_dir), None, mode="ar"))
+    ids = [t for r in eng.generate(prompt, SamplingParams(max_new_tokens=48)) for t in r.token_ids]
+    return eng.tokenizer.decode(ids)
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+def build(out: Path, seed: int, target_steps: int = 900, draft_steps: int = 900) -> dict:
+    t_start = time.time()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    tdir, ddir = out / "target", out / "draft"
+    for d in (tdir, ddir):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    (out / ".complete").unlink(missing_ok=True)
+
+    docs = documents(20000, seed)
+    tok = build_tokenizer(docs, tdir)
+    stream, starts = token_stream(tok, docs)
+    starts_t = torch.tensor(starts)
+    log(f"tokenizer: {len(tok)} tokens; corpus {len(docs)} docs, {len(stream)} tokens")
+
+    cfg = Qwen3Config.from_dict({"vocab_size": VOCAB, **TARGET})
+    target = Qwen3ForCausalLM(cfg)
+    target.tie_weights()
+    for name, p in target.named_parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+    train_target(target, stream, starts_t, target_steps, g)
+    save_target(target, tok, tdir)
+    target.requires_grad_(False)
+
+    # distillation data: the target's own greedy continuations of corpus windows
+    t0 = time.time()
+    prompt_len, new = 32, 96
+    prompts = windows(stream, starts_t, 768, prompt_len, g, aligned=0.6)
+    seqs = torch.cat([greedy_continue(target, chunk, new) for chunk in prompts.split(256)])
+    target.feature_layers = TARGET_LAYER_IDS
+    with torch.inference_mode():
+        feats = torch.cat([target(chunk, torch.arange(seqs.shape[1])[None].expand(len(chunk), -1))[1]
+                           for chunk in seqs.split(128)])
+    feats = feats.clone()  # leave inference mode so autograd may read it
+    log(f"distillation data: {tuple(seqs.shape)} greedy sequences ({time.time() - t0:.0f}s)")
+
+    mask_id = tok.convert_tokens_to_ids(MASK)
+    dcfg = DFlashConfig(**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if k != "raw"},
+                        block_size=BLOCK, mask_token_id=mask_id, target_layer_ids=TARGET_LAYER_IDS,
+                        num_target_layers=cfg.num_hidden_layers)
+    dcfg.num_hidden_layers = DRAFT_LAYERS
+    dcfg.tie_word_embeddings = False
+    drafter = DFlashDrafter(dcfg)
+    for p in drafter.parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+    train_drafter(drafter, target, seqs, feats, prompt_len, draft_steps, mask_id, g)
+    save_drafter(drafter, ddir)
+
+    sanity = chat_prompts(tok, ["What is 2+3?", "Count from 3 to 12."])
+    log("sanity: " + " | ".join(repr(answer(tdir, p)) for p in sanity))
+    held = chat_prompts(tok, heldout_questions(16, seed))
+    results = {"build_seconds": 0.0}
+    for mode, budget in (("dflash", 15), ("ddtree", 16)):
+        results[f"{mode}_b{budget}"] = measure_acceptance(tdir, ddir, held, mode, budget)
+    results["build_seconds"] = round(time.time() - t_start, 1)
+    log(f"held-out mean acceptance length: dflash {results['dflash_b15']:.2f}, "
+        f"ddtree@16 {results['ddtree_b16']:.2f}; built in {results['build_seconds']:.0f}s")
+    (out / "tiny_results.json").write_text(json.dumps(results, indent=2))
+    (out / ".complete").write_text(json.dumps({"seed": seed, **results}))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ddtree-tiny", description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="output directory (gets target/ and draft/)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-steps", type=int, default=900)
+    ap.add_argument("--draft-steps", type=int, default=900)
+    args = ap.parse_args(argv)
+    build(args.out, args.seed, args.target_steps, args.draft_steps)
+
+
+if __name__ == "__main__":
+    main()

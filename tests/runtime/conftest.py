@@ -1,0 +1,31 @@
+"""Shared fixtures for the runtime tests: the tiny target/drafter pair, built once and cached."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+TINY_SEED = 0
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("DDOPS_CACHE") or Path.home() / ".cache" / "ddops")
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    """Path holding target/ and draft/ (tiny Qwen3 + DFlash drafter); built by ddtree-tiny on first use
+    and reused while OUT/.complete exists. A file lock keeps parallel sessions from building twice."""
+    out = _cache_root() / f"tiny-models-seed{TINY_SEED}"
+    if not (out / ".complete").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f".{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / ".complete").exists():
+                from ddtree_runtime.tiny import build
+
+                build(out, TINY_SEED)
+    return out

@@ -153,6 +153,8 @@ class Pivot:
             outcome, state = self.outcome(error)
             self.record(outcome, state, error, started)
             self.release_lock()
+            rec = self.by_name["record"]
+            self.console.print(f" {ICONS[rec.status][0]}  Record: {rec.summary}")
         return self.finish(outcome, state, error, started)
 
     def plan_all(self) -> None:
@@ -188,6 +190,8 @@ class Pivot:
                 self.report["failed_step"] = step.name
                 self.report["error_detail"] = exc.line()
                 for later in self.states[self.states.index(state) + 1:]:
+                    if later.name == "record":
+                        continue
                     later.status = "skipped"
                     later.summary = "not run"
                 return exc
@@ -241,7 +245,9 @@ class Pivot:
             return "failed", f"nothing was changed on {p.host}; " + (
                 f"{p.unit} is as it was" if self.report.get("failed_step") in ("health", "smoke") else "")
         if self.report.get("rolled_back"):
-            what = f"previous {p.unit} restored" if run.backup_id else f"{p.unit} untouched"
+            rep = self.report.get("rollback", {})
+            what = (f"{p.unit} removed (it did not exist before)" if rep.get("removed")
+                    else f"previous {p.unit} restored and healthy" if run.backup_id else f"{p.unit} untouched")
             again = ", ".join(self.report.get("rollback", {}).get("restarted", []))
             return "rolled-back", f"rolled back on {p.host}: {what}" + (f"; running again: {again}" if again else "")
         if self.no_rollback:
@@ -322,7 +328,7 @@ class Pivot:
         for s in self.states:
             for c in s.changes:
                 if c.detail and c.detail.startswith("---"):
-                    self.console.print(Text(c.detail, style="dim"))
+                    self.console.print(Text(c.detail, style="dim"), soft_wrap=True)
 
 
 def render_summary(report: dict[str, Any], console: Console) -> None:

@@ -1,0 +1,232 @@
+"""Pivot steps without SSH: {args, facts} -> planned changes and the exact commands (pyinfra style)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from ddops.history import scrub
+from ddops.inventory import load_inventory
+from ddops.profile import load_profile
+from ddops.rollback import restore_spec
+from ddops.steps.deps import pip_argv, plan_deps
+from ddops.steps.health import judge
+from ddops.steps.preflight import check_models, check_port, lock_problem
+from ddops.steps.ship import plan_ship
+from ddops.steps.start import plan_start, start_argvs
+from ddops.steps.sync import plan_model, rsync_argv
+from ddops.steps.training import plan_training
+from ddops.steps.unit import exec_argv, install_spec, plan_unit, render, systemd_quote
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = load_inventory(REPO / "inventories" / "lab.yaml")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_profile(REPO / "playbooks" / "lab-ddtree16.yaml", repo_root=REPO)
+
+
+# -- unit ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arg, quoted", [
+    ("/opt/x", "/opt/x"), ("a b", '"a b"'), ('say "hi"', '"say \\"hi\\""'), ("100%", "100%%"),
+    ("$HOME", "\"$$HOME\""), ("; rm -rf /", '"; rm -rf /"'), ("x\ny", '"x\\ny"'),
+])
+def test_systemd_quote(arg, quoted):
+    assert systemd_quote(arg) == quoted
+
+
+def test_exec_argv_and_render(profile):
+    argv = exec_argv(profile)
+    assert argv[:3] == ["/opt/ddtree/venv/bin/ddtree-serve", "--target", "/root/models/tiny-target"]
+    assert argv[argv.index("--block-size") + 1] == "16" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    r = render(profile, {})
+    assert "Restart=on-failure" in r.unit_text and "EnvironmentFile=/etc/ddops/ddtree.env" in r.unit_text
+    assert "PrivateDevices=" not in r.unit_text  # would hide the GPUs
+    assert "OMP_NUM_THREADS=1" in r.env_text
+
+
+def test_secrets_stay_out_of_unit_and_diff(profile):
+    from dataclasses import replace
+    p = replace(profile, secrets={"DDTREE_API_KEY": "K"})
+    r = render(p, {"DDTREE_API_KEY": "s3cr3t"})
+    assert "s3cr3t" not in r.unit_text and "s3cr3t" in r.env_text and "s3cr3t" not in r.env_masked
+    changes = plan_unit(p, r, {})
+    assert all("s3cr3t" not in c.detail for c in changes)
+
+
+def test_plan_unit_fixtures(profile):
+    r = render(profile, {})
+    upath, epath = "/etc/systemd/system/ddtree.service", "/etc/ddops/ddtree.env"
+    same = {upath: {"exists": True, "sha256": r.unit_sha256, "text": r.unit_text},
+            epath: {"exists": True, "sha256": r.env_sha256, "text": r.env_masked}}
+    assert plan_unit(profile, r, same) == []  # nothing differs: no change, no restart
+    old = dict(same)
+    old[upath] = {"exists": True, "sha256": "x", "text": r.unit_text.replace("RestartSec=2", "RestartSec=9")}
+    changes = plan_unit(profile, r, old)
+    assert [c.what for c in changes] == [f"write {upath}"]
+    assert "-RestartSec=9" in changes[0].detail and "+RestartSec=2" in changes[0].detail
+    new = plan_unit(profile, r, {})
+    assert [c.what for c in new] == [f"write {upath} (new)", f"write {epath} (mode 0600) (new)"]
+
+
+def test_install_and_restore_specs(profile):
+    r = render(profile, {})
+    spec = install_spec(profile, r, "20250101T000000Z-abcd", {"profile": "lab"})
+    assert spec["unit_path"] == "/etc/systemd/system/ddtree.service"
+    assert spec["backup_root"] == "/var/lib/ddops/backups/ddtree.service"
+    assert restore_spec("ddtree.service", "B")["env_path"] == "/etc/ddops/ddtree.env"
+
+
+# -- training --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("facts, kill, expected", [
+    ({"training": {"running": True, "pid": 42, "last_step": 7, "unit": {"unit": "dflash-train.service"}}},
+     True, ["stop training pid 42 (dflash-train.service) at step 7"]),
+    ({"training": {"running": True, "pid": 42}}, False, []),
+    ({"training": {"running": False}}, True, []),
+    ({"training": None}, True, []),
+])
+def test_plan_training(facts, kill, expected):
+    assert [c.what for c in plan_training(facts, kill)] == expected
+
+
+# -- sync ------------------------------------------------------------------------------------------
+
+def test_rsync_to_pct_host_goes_through_the_node():
+    argv = rsync_argv(LAB, "/cache/d", "/root/models/d", dst_host=LAB.host("ct200"))
+    assert argv[:4] == ["rsync", "-a", "--delete", "--partial"]
+    e = argv[argv.index("-e") + 1]
+    assert "-p 2200" in e and "StrictHostKeyChecking=yes" in e and "UserKnownHostsFile=" in e
+    assert argv[argv.index("--rsync-path") + 1] == "pct exec 200 -- rsync"
+    assert argv[-3:] == ["--", "/cache/d/", "root@127.0.0.1:/root/models/d/"]
+
+
+def test_rsync_pull_and_checksum_verify():
+    argv = rsync_argv(LAB, "/root/models/d", "/cache/d", src_host=LAB.host("eval-a6000"), checksum_dry_run=True)
+    assert "--checksum" in argv and "--dry-run" in argv and "--rsync-path" not in argv
+    assert "-p 2203" in argv[argv.index("-e") + 1]
+    assert argv[-2:] == ["root@127.0.0.1:/root/models/d/", "/cache/d/"]
+
+
+def test_plan_model(profile):
+    model = profile.model("draft")
+    src = {"exists": True, "files": {"config.json": [10, 1, "aa"], "w.bin": [9_000_000, 5, None]}}
+    assert plan_model(model, src, {"exists": True, "files": dict(src["files"])}) == []
+    changed = plan_model(model, src, {"exists": True, "files": {"config.json": [10, 1, "bb"], "old": [1, 1, "c"]}})
+    assert len(changed) == 1 and "2 file(s)" in changed[0].what and "1 to delete" in changed[0].what
+    assert plan_model(model, src, {"exists": False})[0].data == {"role": "draft"}
+
+
+# -- preflight -------------------------------------------------------------------------------------
+
+TARGET = {"exists": True, "config": {"num_hidden_layers": 4}, "bytes": 1}
+DRAFT = {"exists": True, "bytes": 1, "config": {"block_size": 16, "num_target_layers": 4,
+                                                "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2, 3]}}}
+
+
+@pytest.mark.parametrize("draft_config, problem", [
+    ({}, None),
+    ({"block_size": 8}, "block_size 8 is smaller than the profile's 16"),
+    ({"num_target_layers": 3}, "num_target_layers 3 != target's num_hidden_layers 4"),
+    ({"dflash_config": {"mask_token_id": 5}}, "no dflash_config.target_layer_ids"),
+    ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 9]}}, "out of range"),
+])
+def test_check_models_drafter_config(profile, draft_config, problem):
+    draft = {**DRAFT, "config": {**DRAFT["config"], **draft_config}}
+    problems = check_models(profile, {"target": TARGET, "draft": draft}, {})
+    assert (problem is None and problems == []) or any(problem in p for p in problems)
+
+
+def test_check_models_missing(profile):
+    problems = check_models(profile, {"target": {"exists": False, "config": None}, "draft": DRAFT}, {})
+    assert "target model dir local:" in problems[0] and "does not exist" in problems[0]
+
+
+@pytest.mark.parametrize("holder, ok", [
+    (None, True), ({"unit": "ddtree.service", "pid": 3}, True),
+    ({"unit": "sglang-qwen.service", "pid": 3, "cmdline": "python sglang"}, False), ({"unit": None, "pid": 9}, False),
+])
+def test_check_port(profile, holder, ok):
+    assert (check_port(profile, {"port": holder}) == []) == ok
+
+
+def test_lock_problem_names_the_holder():
+    text = lock_problem("ct200", {"user": "ana", "control_host": "laptop", "pid": 12})
+    assert "user=ana" in text and "control_host=laptop" in text and "--break-lock" in text
+    assert lock_problem("ct200", None) is None
+
+
+# -- deps and ship ---------------------------------------------------------------------------------
+
+def test_plan_deps(profile):
+    all_ok = {"venv": True, "modules": {m: {"ok": True} for m in profile.runtime.packages}}
+    assert plan_deps(profile, all_ok) == []
+    one_missing = {"venv": True, "modules": {**all_ok["modules"], "safetensors": {"ok": False}}}
+    assert [c.what for c in plan_deps(profile, one_missing)] == ["pip install safetensors>=0.4 (from the index)"]
+    fresh = plan_deps(profile, {"venv": False})
+    assert fresh[0].what == "create venv /opt/ddtree/venv" and len(fresh[1].data["modules"]) == 6
+    assert pip_argv(profile, ["safetensors"])[-1] == "safetensors>=0.4"
+
+
+def test_pip_argv_offline(profile):
+    from dataclasses import replace
+    p = replace(profile, runtime=replace(profile.runtime, index=False, wheelhouse="/w"))
+    argv = pip_argv(p, ["torch"])
+    assert "--no-index" in argv and argv[argv.index("--find-links") + 1] == "/var/cache/ddops/wheelhouse"
+
+
+def test_plan_ship(profile):
+    assert plan_ship(profile, {"text": '{"release": "0.1.0+abc"}'}, "0.1.0+abc") == []
+    assert "now: 0.1.0+old" in plan_ship(profile, {"text": '{"release": "0.1.0+old"}'}, "0.1.0+abc")[0].what
+    assert "now: none" in plan_ship(profile, {}, "0.1.0+abc")[0].what
+
+
+# -- start -----------------------------------------------------------------------------------------
+
+def test_start_nothing_changed_nothing_restarts(profile):
+    units = {"ddtree.service": {"ActiveState": "active", "UnitFileState": "enabled"}}
+    assert plan_start(profile, units, set()) == []
+
+
+def test_start_commands(profile):
+    from dataclasses import replace
+    p = replace(profile, conflicts=("sglang-qwen.service",))
+    units = {"ddtree.service": {"ActiveState": "inactive", "UnitFileState": "disabled"},
+             "sglang-qwen.service": {"ActiveState": "active"}}
+    changes = plan_start(p, units, {"unit"})
+    assert start_argvs(p, changes) == [["systemctl", "stop", "sglang-qwen.service"],
+                                       ["systemctl", "enable", "ddtree.service"],
+                                       ["systemctl", "reset-failed", "ddtree.service"],
+                                       ["systemctl", "restart", "ddtree.service"]]
+
+
+# -- health gate -----------------------------------------------------------------------------------
+
+def poll(active="active", sub="running", restarts="0", pid="100", status=None, body=None):
+    return {"unit": {"ActiveState": active, "SubState": sub, "NRestarts": restarts, "MainPID": pid,
+                     "ExecMainStatus": "2", "Result": "exit-code"},
+            "health": {"http_status": status, "body": body, "error": None if status else "Connection refused"}}
+
+
+@pytest.mark.parametrize("p, first_pid, state", [
+    (poll(), None, "waiting"),
+    (poll(status=503, body={"status": "starting"}), 100, "waiting"),
+    (poll(status=200, body={"status": "ok", "block_size": 16}), 100, "healthy"),
+    (poll(status=200, body={"status": "ok", "block_size": 8}), 100, "crashed"),
+    (poll(active="failed", sub="failed", pid="0"), 100, "crashed"),
+    (poll(active="activating", sub="auto-restart", pid="0"), 100, "crashed"),
+    (poll(restarts="1", pid="101"), 100, "crashed"),
+    (poll(pid="101"), 100, "crashed"),
+    (poll(active="inactive", sub="dead", pid="0"), 100, "crashed"),
+])
+def test_judge(p, first_pid, state):
+    assert judge(p, first_pid, {"block_size": 16}).state == state
+
+
+def test_history_scrub():
+    assert scrub({"api_key": "x", "nested": [{"token": "y", "n": 1}]}) == {"api_key": "***",
+                                                                          "nested": [{"token": "***", "n": 1}]}

@@ -83,6 +83,14 @@ class _RequestMetrics:
         started = time.perf_counter()
         status = 500
         done = False
+        client_gone = False
+
+        async def receive_wrapper():
+            nonlocal client_gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and not done:
+                client_gone = True
+            return message
 
         async def send_wrapper(message) -> None:
             nonlocal status, done
@@ -95,12 +103,13 @@ class _RequestMetrics:
         if counted:
             self._ctx.in_flight += 1
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
         except Exception:
             status, done = 500, True  # the outer error middleware answers 500
             raise
         finally:
             if counted:
                 self._ctx.in_flight -= 1
-            # A response cut short (client gone) is counted as 499, like nginx does.
-            self._ctx.metrics.observe_request(endpoint, status if done else 499, time.perf_counter() - started)
+            # A client that left before the end of its response is counted as 499, as nginx does.
+            status = 499 if client_gone or not done else status
+            self._ctx.metrics.observe_request(endpoint, status, time.perf_counter() - started)

@@ -95,6 +95,21 @@ def test_dead_worker_turns_health_to_error(tiny_models):
         assert "ddtree_engine_up 0" in m.splitlines()
 
 
+def test_drain_timeout_cancels_what_is_still_running(tiny_models):
+    with ServerProcess(_args(tiny_models, "--drain-timeout", "1"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+        srv.wait_ready()
+        httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.2})
+        body = {"model": "target", "prompt": "1\n2\n", "max_tokens": 400, "stream": True,
+                "speculative": {"mode": "ar"}}  # 0.2 s a token: far longer than the drain timeout
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert '"code": "shutting_down"' in rest[-2] and rest[-1] == "data: [DONE]"
+        assert srv.wait_exit(30) == 0
+
+
 def test_fault_endpoint_is_absent_without_the_env(tiny_models):
     # No model load needed: the route answers 404 whatever the engine's state.
     with ServerProcess(_args(tiny_models)) as srv:

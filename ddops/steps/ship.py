@@ -21,8 +21,10 @@ RELEASES = "/var/cache/ddops/releases"
 def source_digest(package_dir: str) -> str:
     root = Path(package_dir)
     h = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*") if p.is_file() and "egg-info" not in str(p)
-                   and "__pycache__" not in p.parts and p.suffix in (".py", ".toml", ".cfg", ".json", ".txt"))
+    # What goes into the wheel: the package's modules and the build metadata (not bench output).
+    files = sorted([p for p in root.rglob("*.py") if "__pycache__" not in p.parts and "egg-info" not in str(p)
+                    and not p.relative_to(root).parts[0] in ("bench", "tests", "build")]
+                   + [root / "pyproject.toml"])
     for p in files:
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()

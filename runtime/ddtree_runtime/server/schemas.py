@@ -9,12 +9,27 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ddtree_runtime.server.config import MODES
 from ddtree_runtime.server.errors import APIError
 
 MAX_STOP_STRINGS = 16
+# apply_chat_template's own arguments: chat_template_kwargs may only set template variables.
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
 
 
 class SpeculativeOptions(BaseModel):
@@ -83,16 +98,22 @@ class _Sampling(BaseModel):
         return self.max_tokens
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
 
@@ -109,6 +130,14 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        clash = sorted(set(v or ()) & RESERVED_TEMPLATE_ARGS)
+        if clash:
+            raise ValueError(f"{clash[0]!r} is not a chat template variable")
+        return v
 
     @field_validator("tools")
     @classmethod
@@ -179,7 +208,9 @@ def validate(model: type[BaseModel], body: dict) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # Our own checks say the most (a union's failing branches otherwise lead with "not a string").
+        first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
         param = _param_name(first.get("loc", ()))
         message = first.get("msg", "invalid value")
         message = message.removeprefix("Value error, ")

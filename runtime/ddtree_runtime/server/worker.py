@@ -197,9 +197,14 @@ class EngineWorker:
     def _load(self) -> None:
         if self.config.test_startup_delay_s:
             time.sleep(self.config.test_startup_delay_s)
+        c = self.config
+        log.info("--> loading target %s, drafter %s (mode %s, %s, %s)", c.target_dir, c.draft_dir, c.mode,
+                 c.device, c.dtype)
+        started = time.perf_counter()
         self._detail = "loading model"
         self.engine = self._engine_factory(self.config)
         self.metrics.set_max_acceptance_length(engine_block_size(self.engine) or 1)
+        log.info("--> loaded in %.1fs; warm-up generation", time.perf_counter() - started)
         self._detail = "warming up"
         from ddtree_runtime.engine import SamplingParams
 
@@ -228,12 +233,14 @@ class EngineWorker:
                 continue
             try:
                 self._run_job(job)
+            except BaseException:  # the thread is dying: this request must not wait forever
+                job.emit(ErrorEvent(503, "the engine worker died"))
+                raise
             finally:
                 self._current = None
 
     def _run_job(self, job: Job) -> None:
         if self.faults.kill_worker:
-            job.emit(ErrorEvent(503, "the engine worker died"))
             raise _WorkerKilled("killed by test fault")
         rounds = 0
         generator = None
@@ -273,9 +280,6 @@ class EngineWorker:
         job.emit(DoneEvent())
 
     def _fail_pending(self, message: str) -> None:
-        current = self._current
-        if current is not None:
-            current.emit(ErrorEvent(503, message))
         while True:
             try:
                 job = self._queue.get_nowait()

@@ -1,7 +1,19 @@
-"""OpenAI-compatible HTTP server in front of one DDTree engine.
+"""OpenAI-compatible HTTP server in front of one DDTree engine (``ddtree-serve``).
+
+    ddtree-serve --target DIR --draft DIR [--mode ddtree|dflash|ar] [--port 8000] ...
+    DDTREE_API_KEY=... ddtree-serve ...        # key from the environment, not the process list
+
+Endpoints: GET /health (200 only once warmed up and while the engine thread lives; 503
+starting/error/draining otherwise), GET /metrics (Prometheus text), GET /v1/models,
+POST /v1/chat/completions and /v1/completions (streaming or not; a request's ``speculative``
+object overrides mode and tree budget). /health and /metrics need no API key.
 
 Layout: ``cli`` parses flags into a ``ServerConfig``; ``app`` builds the FastAPI app; ``worker``
 owns the engine on one thread behind a bounded queue; ``generation`` turns engine rounds into text
-for one request; ``routes`` speaks the OpenAI wire format; ``schemas`` validates requests;
-``metrics`` renders Prometheus text.
+for one request (``detok`` holds back partial characters and stop strings); ``routes`` speaks the
+OpenAI wire format; ``schemas`` validates requests; ``metrics`` renders Prometheus text;
+``draining`` makes SIGTERM finish in-flight work first; ``testing`` runs the server as a subprocess.
+
+Test-only: with DDTREE_TEST_FAULTS=1 the app adds POST /_test/fault (see ``worker.Faults``) and
+honours DDTREE_TEST_STARTUP_DELAY_S; never set them in production.
 """

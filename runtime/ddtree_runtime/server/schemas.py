@@ -20,7 +20,6 @@ from pydantic import (
     model_validator,
 )
 
-from ddtree_runtime.server.config import MODES
 from ddtree_runtime.server.errors import APIError
 
 MAX_STOP_STRINGS = 16

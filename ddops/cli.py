@@ -97,7 +97,7 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     inventory = obj.inventory()
     profile = load_profile(resolve_profile(profile_name))
     check_against_inventory(profile, inventory)
-    console = err_console if as_json else Console(highlight=False)
+    console = err_console if as_json else stdout_console()
     interactive = sys.stdin.isatty() and not as_json
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
@@ -128,7 +128,7 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
     inventory = obj.inventory()
     host = inventory.host(host_name)
     unit = unit or _default_unit(host)
-    console = err_console if as_json else Console(highlight=False)
+    console = err_console if as_json else stdout_console()
     with obj.executor(inventory) as executor:
         if list_only:
             backups = list_backups(executor, host, unit)
@@ -192,7 +192,7 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
         table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
                       r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
                       f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
-    Console(highlight=False).print(table)
+    stdout_console().print(table)
 
 
 @cli.command()
@@ -241,7 +241,7 @@ def _print_backups(backups: list, unit: str, host: str) -> None:
         table.add_row(b["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.get("created", 0))),
                       str(m.get("profile", "")), "yes" if m.get("unit_existed") else "no (rollback removes it)",
                       ", ".join(m.get("restart_after_rollback") or []) or "-")
-    Console(highlight=False).print(table)
+    stdout_console().print(table)
 
 
 @cli.group()

@@ -195,6 +195,9 @@ class Executor:
             channel.shutdown_write()
             stdout, stderr = _drain(channel, start + timeout, on_output, host, argv)
             exit_code = channel.recv_exit_status()
+        except CommandTimeout:
+            self._drop(host)  # the connection may be wedged (a frozen host): the next command reconnects
+            raise
         except (socket.error, paramiko.SSHException, EOFError) as exc:
             self._drop(host)
             raise HostUnreachable(f"SSH connection to {host.name} broke during `{_short(argv)}`: "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets as _secrets
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,11 +20,13 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
 
 from . import history
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError, DdopsError, HostUnreachable, StepFailed
+from .executor import CommandTimeout
 from .rollback import restore
-from .steps.base import LOCK_PATH, Change, PivotRun, run_probe
+from .steps.base import LOCK_PATH, Change, Interrupted, PivotRun, run_probe
 from .steps.deps import DepsStep
 from .steps.health import HealthStep
 from .steps.preflight import PreflightStep
@@ -86,6 +90,45 @@ class PlanView:
         self.live = None
 
 
+EXIT_INTERRUPTED = 130
+ROLLBACK_RETRY_S = 90.0   # a host that is briefly unreachable gets this long to come back for the rollback
+
+
+class InterruptGuard:
+    """While a pivot may change hosts, Ctrl-C and SIGTERM ask it to stop at the next safe point.
+
+    The step in flight finishes (a unit is written whole or not at all), the run rolls back what it
+    changed and reports the host's state. Further signals are noted, not obeyed: dying during the
+    rollback is what would leave a host half-done. SIGKILL remains the way to stop it at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, run: PivotRun) -> None:
+        self.run = run
+        self.count = 0
+        self.previous: dict = {}
+
+    def handle(self, signum: int, frame) -> None:
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.run.interrupted is None:
+            self.run.interrupted = name
+            message = f"\n{name}: stopping at the next safe point, then rolling back what changed\n"
+        else:
+            message = f"\n{name} again: already stopping; the rollback must finish (SIGKILL aborts it)\n"
+        os.write(2, message.encode())  # async-signal-safe; the live view repaints over it
+
+    def __enter__(self) -> "InterruptGuard":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def read_secrets(profile) -> dict[str, str]:
     values = {}
     for key, source in profile.secrets.items():
@@ -141,20 +184,23 @@ class Pivot:
             return self.finish("dry-run", "dry run: nothing was changed", None, started)
         if changing and not self.yes and self.confirm is not None and not self.confirm("Apply this plan?"):
             return self.finish("aborted", "not confirmed: nothing was changed", None, started)
-        self.acquire_lock()
-        error: DdopsError | None = None
-        try:
-            with PlanView(self.states, self.console) as view:
-                run.progress = view.progress
-                error = self.apply_all(view)
-                if error is not None and self.should_rollback() and not self.no_rollback:
-                    self.rollback(view, error)
-        finally:
-            outcome, state = self.outcome(error)
-            self.record(outcome, state, error, started)
-            self.release_lock()
-            rec = self.by_name["record"]
-            self.console.print(f" {ICONS[rec.status][0]}  Record: {rec.summary}")
+        with InterruptGuard(run) as guard:
+            self.acquire_lock()
+            error: DdopsError | None = None
+            try:
+                with PlanView(self.states, self.console) as view:
+                    run.progress = view.progress
+                    error = self.apply_all(view)
+                    if error is not None and self.should_rollback() and not self.no_rollback:
+                        self.rollback(view, error)
+            finally:
+                outcome, state = self.outcome(error)
+                self.record(outcome, state, error, started)
+                self.release_lock()
+                rec = self.by_name["record"]
+                self.console.print(f" {ICONS[rec.status][0]}  Record: {rec.summary}")
+            if guard.count:
+                self.report["signals"] = guard.count
         return self.finish(outcome, state, error, started)
 
     def plan_all(self) -> None:
@@ -175,6 +221,8 @@ class Pivot:
         for step in self.steps:
             state = self.by_name[step.name]
             t0 = time.monotonic()
+            if self.run.interrupted:  # a safe point: between two steps
+                return self.stop_here(state)
             if not state.changes and not hasattr(step, "execute"):
                 state.status, state.summary = "skipped", state.summary or "no change"
                 view.refresh()
@@ -201,6 +249,16 @@ class Pivot:
                 view.refresh()
         return None
 
+    def stop_here(self, state: StepState) -> Interrupted:
+        error = Interrupted(f"interrupted by {self.run.interrupted} before {state.title.lower()}: "
+                            "stopped at a safe point")
+        self.report["failed_step"] = state.name
+        self.report["error_detail"] = error.line()
+        for later in self.states[self.states.index(state):]:
+            if later.name != "record":
+                later.status, later.summary = "skipped", "not run (interrupted)"
+        return error
+
     def should_rollback(self) -> bool:
         return bool(self.run.changed)
 
@@ -210,10 +268,16 @@ class Pivot:
         self.states.insert(len(self.states) - 1, state)
         view.refresh()
         t0 = time.monotonic()
+        # The host may be briefly unreachable (that may be why the pivot failed): give it time.
+        retrying = Retrying(stop=stop_after_delay(ROLLBACK_RETRY_S), reraise=True,
+                            retry=retry_if_exception_type((HostUnreachable, CommandTimeout)),
+                            wait=wait_exponential(multiplier=1, max=10) + wait_random(0, 1),
+                            before_sleep=lambda rs: view.progress(
+                                f"host not answering ({rs.outcome.exception().what}); retrying the rollback"))
         try:
             if run.backup_id:
-                rep = restore(run.executor, run.inventory, run.host, run.profile.unit, run.backup_id,
-                              progress=view.progress)
+                rep = retrying(restore, run.executor, run.inventory, run.host, run.profile.unit, run.backup_id,
+                               progress=view.progress)
                 state.summary = (f"restored backup {run.backup_id}"
                                  + (f"; restarted {', '.join(rep['restarted'])}" if rep["restarted"] else "")
                                  + ("; healthy" if rep.get("health") else ""))
@@ -221,7 +285,8 @@ class Pivot:
             else:
                 for unit in run.stopped_units:
                     view.progress(f"starting {unit} again")
-                    run.executor.run(run.host, ["systemctl", "start", unit], timeout=120).check(f"starting {unit}")
+                    retrying(lambda u=unit: run.executor.run(run.host, ["systemctl", "start", u], timeout=120)
+                             .check(f"starting {u}"))
                 state.summary = "unit untouched" + (f"; restarted {', '.join(run.stopped_units)}"
                                                     if run.stopped_units else "")
                 self.report["rollback"] = {"restarted": list(run.stopped_units)}
@@ -236,6 +301,12 @@ class Pivot:
             view.refresh()
 
     def outcome(self, error: DdopsError | None) -> tuple[str, str]:
+        outcome, state = self._outcome(error)
+        if self.run.interrupted and error is not None:
+            state = f"interrupted by {self.run.interrupted} during {self.report.get('failed_step')}; {state}"
+        return outcome, state
+
+    def _outcome(self, error: DdopsError | None) -> tuple[str, str]:
         run, p = self.run, self.run.profile
         if error is None:
             if not run.changed:
@@ -301,7 +372,7 @@ class Pivot:
 
     def finish(self, outcome: str, state: str, error: DdopsError | None, started: float) -> dict[str, Any]:
         run = self.run
-        self.report.update(outcome=outcome, state=state, error=error.line() if error else None,
+        self.report.update(outcome=outcome, state=state, interrupted=run.interrupted, error=error.line() if error else None,
                            release=run.release, backup_id=run.backup_id, changed=sorted(run.changed),
                            stopped_units=run.stopped_units, training=run.training,
                            gates={k: v for k, v in run.gates.items()}, wall_s=round(time.monotonic() - started, 2),
@@ -309,6 +380,8 @@ class Pivot:
                                    "changes": [c.what for c in s.changes]} for s in self.states])
         if outcome in ("ok", "unchanged", "dry-run", "aborted"):
             code = EXIT_OK
+        elif run.interrupted and isinstance(error, Interrupted):
+            code = EXIT_INTERRUPTED
         elif isinstance(error, HostUnreachable) and not run.changed:
             code = EXIT_UNREACHABLE
         else:

@@ -25,6 +25,10 @@ BACKUP_ROOT = f"{STATE_DIR}/backups"
 UNIT_DIR = "/etc/systemd/system"
 
 
+class Interrupted(StepFailed):
+    """The operator pressed Ctrl-C (or sent SIGTERM); the pivot stops at the next safe point."""
+
+
 def backup_root(unit: str) -> str:
     return f"{BACKUP_ROOT}/{unit}"
 
@@ -64,6 +68,13 @@ class PivotRun:
     lock_token: str | None = None
     gates: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    interrupted: str | None = None    # set by Ctrl-C: the pivot stops at the next safe point
+
+    def check_interrupt(self) -> None:
+        """Called at safe points (between steps, between health polls): stop here if asked to."""
+        if self.interrupted:
+            raise Interrupted(f"interrupted by {self.interrupted}: stopped at a safe point",
+                              fix="what the pivot had changed is rolled back")
 
     @property
     def host(self) -> Host:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_exponential, wait_random
 
-from ..errors import StepFailed
+from ..errors import HostUnreachable, StepFailed
+from ..executor import CommandTimeout
 from .base import PivotRun, journal_tail, run_probe
 
 
@@ -60,7 +61,19 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
     last: list[Verdict] = []
 
     def poll() -> Verdict:
-        raw = run_probe(run.executor, host, "unitwatch", {"unit": unit, "port": port, "path": path}, timeout=30)
+        check = getattr(run, "check_interrupt", None)
+        if check is not None:
+            check()
+        try:
+            raw = run_probe(run.executor, host, "unitwatch", {"unit": unit, "port": port, "path": path},
+                            timeout=min(30.0, host.command_timeout))
+        except (HostUnreachable, CommandTimeout) as exc:
+            # A host that stops answering for a while is waited for, up to the deadline: the unit
+            # may be fine. The verdict says so; the deadline decides.
+            verdict = Verdict("waiting", f"{host.name} not answering: {exc.what}", {})
+            last[:] = [verdict]
+            run.progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
+            return verdict
         pid = int(raw["unit"].get("MainPID") or 0)
         if pid and not first_pid:
             first_pid.append(pid)

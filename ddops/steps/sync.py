@@ -23,7 +23,9 @@ def cache_dir() -> Path:
 def ssh_argv(host: Host) -> list[str]:
     """OpenSSH options that reach `host` as the executor does (same key, port, known_hosts)."""
     argv = ["ssh", "-p", str(host.port), "-o", "BatchMode=yes",
-            "-o", f"ConnectTimeout={max(1, int(host.connect_timeout))}"]
+            "-o", f"ConnectTimeout={max(1, int(host.connect_timeout))}",
+            # A host that stops answering mid-transfer drops the connection instead of hanging it.
+            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
     if host.key:
         argv += ["-i", os.path.expanduser(host.key)]
     if host.known_hosts:
@@ -52,10 +54,15 @@ def rsync_argv(inventory: Inventory, src: str, dst: str, *, src_host: Host | Non
     """rsync from src to dst (each on the control machine when its host is None); one side remote."""
     if src_host is not None and dst_host is not None:
         raise ValueError("rsync copies between the control machine and one host")
-    argv = ["rsync", "-a", "--delete", "--partial"]
+    side = src_host or dst_host
+    # No --partial: an interrupted transfer must never put a truncated file where a good one was.
+    # --delay-updates and --delete-after keep the previous files in place until every new one has
+    # arrived, so a sync that fails part-way (disk full, host gone) leaves the old model dir as it was.
+    argv = ["rsync", "-a", "--delete-after", "--delay-updates"]
+    if side is not None:  # an I/O timeout: a remote side that stops answering fails the sync
+        argv.append(f"--timeout={max(5, int(side.command_timeout))}")
     argv += ["--checksum", "--dry-run", "--itemize-changes"] if checksum_dry_run else ["--info=progress2",
                                                                                       "--no-inc-recursive"]
-    side = src_host or dst_host
     if side is not None:
         ssh, login, rsync_path = remote(inventory, side)
         argv += ["-e", shlex.join(ssh)]
@@ -148,7 +155,8 @@ class SyncStep:
         src = model.source
         check(run.executor.run(dst_host, ["mkdir", "-p", "--", model.path]), f"mkdir {model.path}")
         if src.host == profile.host:  # within the host
-            result = run.executor.run(dst_host, ["rsync", "-a", "--delete", "--", src.path.rstrip("/") + "/",
+            result = run.executor.run(dst_host, ["rsync", "-a", "--delete-after", "--delay-updates", "--",
+                                                 src.path.rstrip("/") + "/",
                                                  model.path.rstrip("/") + "/"], timeout=6 * 3600)
             check(result, f"rsync {src.path} -> {model.path}")
             verify_local = run.executor.run(dst_host, ["rsync", "-a", "--delete", "--checksum", "--dry-run",

@@ -98,9 +98,11 @@ def test_plan_training(facts, kill, expected):
 
 def test_rsync_to_pct_host_goes_through_the_node():
     argv = rsync_argv(LAB, "/cache/d", "/root/models/d", dst_host=LAB.host("ct200"))
-    assert argv[:4] == ["rsync", "-a", "--delete", "--partial"]
+    assert argv[:5] == ["rsync", "-a", "--delete-after", "--delay-updates", "--timeout=60"]
+    assert "--partial" not in argv  # a failed transfer must never leave a truncated file in place
     e = argv[argv.index("-e") + 1]
     assert "-p 2200" in e and "StrictHostKeyChecking=yes" in e and "UserKnownHostsFile=" in e
+    assert "ServerAliveInterval=5" in e
     assert argv[argv.index("--rsync-path") + 1] == "pct exec 200 -- rsync"
     assert argv[-3:] == ["--", "/cache/d/", "root@127.0.0.1:/root/models/d/"]
 

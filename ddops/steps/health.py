@@ -59,6 +59,7 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
     started = time.monotonic()
     first_pid: list[int] = []
     last: list[Verdict] = []
+    unreachable: list[float] = []   # when polls found the host not answering
 
     def poll() -> Verdict:
         check = getattr(run, "check_interrupt", None)
@@ -70,6 +71,7 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
         except (HostUnreachable, CommandTimeout) as exc:
             # A host that stops answering for a while is waited for, up to the deadline: the unit
             # may be fine. The verdict says so; the deadline decides.
+            unreachable.append(time.monotonic() - started)
             verdict = Verdict("waiting", f"{host.name} not answering: {exc.what}", {})
             last[:] = [verdict]
             run.progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
@@ -97,7 +99,8 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
         raise StepFailed(f"{unit} on {host.name} not healthy within {deadline_s:.0f}s (last: {reason})"
                          f"\n--- journal tail ---\n{tail}") from None
     body = verdict.detail["health"]["body"]
-    return {"seconds": round(time.monotonic() - started, 2), "health": body}
+    return {"seconds": round(time.monotonic() - started, 2), "health": body,
+            "unreachable_polls": len(unreachable)}
 
 
 class HealthStep:
@@ -115,4 +118,5 @@ class HealthStep:
         run.gates["health"] = out
         body = out["health"] if isinstance(out["health"], dict) else {}
         extra = f" mode={body.get('mode')} block_size={body.get('block_size')}" if body.get("mode") else ""
-        return f"healthy after {out['seconds']}s{extra}"
+        gap = f" (host did not answer {out['unreachable_polls']} poll(s))" if out["unreachable_polls"] else ""
+        return f"healthy after {out['seconds']}s{extra}{gap}"

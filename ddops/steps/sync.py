@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 from pathlib import Path
 
 from ..errors import StepFailed
@@ -92,11 +93,26 @@ def plan_model(model: Model, source: dict, dest: dict) -> list[Change]:
 
 
 _PCT = re.compile(r"(\d+)%")
+# What rsync's exit status means (its man page): the remote side's own message may be lost when
+# rsync tears its ssh down, so the status alone must say enough.
+RSYNC_EXIT = {1: "syntax or usage error", 5: "error starting the client-server protocol",
+              10: "error in socket I/O", 11: "file I/O error (destination disk full or read-only?)",
+              12: "protocol data stream broke (connection lost?)", 20: "interrupted",
+              23: "partial transfer (some files could not be read or written)", 24: "source files vanished",
+              30: "timeout: the other side stopped answering", 35: "timeout waiting for the connection",
+              255: "ssh failed (host unreachable, or its key refused)"}
+
+
+def rsync_failure(code: int, stderr: str) -> str:
+    meaning = RSYNC_EXIT.get(code, "failed")
+    detail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:] if line.strip())
+    return f"rsync exit {code}: {meaning}" + (f": {detail[-300:]}" if detail else "")
 
 
 def rsync(argv: list[str], progress, what: str, timeout: float = 6 * 3600) -> str:
     """Run rsync locally, feeding its percentage to progress; returns stdout."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    errfile = tempfile.TemporaryFile()  # a file, not a pipe: a chatty rsync can never block on it
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errfile, text=False)
     out = bytearray()
     try:
         while True:
@@ -111,9 +127,11 @@ def rsync(argv: list[str], progress, what: str, timeout: float = 6 * 3600) -> st
     finally:
         if proc.poll() is None:
             proc.kill()
-    err = proc.stderr.read().decode(errors="replace")
+    errfile.seek(0)
+    err = errfile.read().decode(errors="replace")
+    errfile.close()
     if proc.returncode != 0:
-        raise StepFailed(f"{what}: rsync exit {proc.returncode}: {err.strip()[-300:]}",
+        raise StepFailed(f"{what}: {rsync_failure(proc.returncode, err)}",
                          fix="the destination's previous files are intact; fix the cause and re-run")
     return out.decode(errors="replace")
 
@@ -121,7 +139,7 @@ def rsync(argv: list[str], progress, what: str, timeout: float = 6 * 3600) -> st
 def verify(argv: list[str], what: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=6 * 3600)
     if done.returncode != 0:
-        raise StepFailed(f"verifying {what}: rsync exit {done.returncode}: {done.stderr.strip()[-300:]}")
+        raise StepFailed(f"verifying {what}: {rsync_failure(done.returncode, done.stderr)}")
     pending = [line for line in done.stdout.splitlines() if line.strip() and not line.startswith(".d")]
     if pending:
         raise StepFailed(f"verifying {what}: {len(pending)} file(s) still differ after the sync: "

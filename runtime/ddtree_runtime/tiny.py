@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
 TARGET = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
               max_position_embeddings=2048, tie_word_embeddings=True)
-TRAIN_BATCH, TRAIN_LEN = 24, 96
+TRAIN_BATCH, TRAIN_LEN = 16, 64
 DRAFT_LAYERS = 2
 TARGET_LAYER_IDS = [0, 2, 3]
 
@@ -173,7 +173,7 @@ def train_drafter(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.
     drafter.train()
     t0 = time.time()
     n = seqs.shape[0]
-    bsz, nb = 32, 4
+    bsz, nb = 16, 4
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, 3e-3)
@@ -296,7 +296,7 @@ def build(out: Path, seed: int, target_steps: int = 900, draft_steps: int = 900)
 
     # distillation data: the target's own greedy continuations of corpus windows
     t0 = time.time()
-    prompt_len, new = 32, 96
+    prompt_len, new = 32, 64
     prompts = windows(stream, starts_t, 768, prompt_len, g, aligned=0.6)
     seqs = torch.cat([greedy_continue(target, chunk, new) for chunk in prompts.split(256)])
     target.feature_layers = TARGET_LAYER_IDS

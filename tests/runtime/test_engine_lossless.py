@@ -69,5 +69,6 @@ def test_speculative_greedy_is_lossless(engine, prompts, reference, mode, budget
     mean_len = 1 + sum(accepted) / len(accepted)
     print(f"\n{mode} budget={budget}: mean acceptance length {mean_len:.2f} over {len(accepted)} rounds,"
           f" max accepted {max(accepted)}")
-    assert mean_len >= 2.0
-    assert max(accepted) >= 8  # deep acceptances happened, so KV compaction was exercised
+    assert mean_len >= (2.5 if budget == 4 else 3.0)
+    # deep acceptances happened (compaction moved many rows): up to the tree's depth limit
+    assert max(accepted) >= (4 if budget == 4 else 12)

@@ -142,6 +142,8 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
             with console.status(f"rolling back {unit} on {host.name}...") as status:
                 report = restore(executor, inventory, host, unit, backup_id,
                                  progress=lambda m: status.update(m))
+        except UsageError:
+            raise  # nothing was attempted (no such backup): nothing to record
         except DdopsError as exc:
             history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
                                             "backup_id": backup_id, "error": exc.line(),

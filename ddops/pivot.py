@@ -35,7 +35,7 @@ from .steps.smoke import SmokeStep
 from .steps.start import StartStep
 from .steps.sync import SyncStep
 from .steps.training import TrainingStep
-from .steps.unit import UnitStep
+from .steps.unit import UnitStep, render
 
 ICONS = {"pending": ("·", "dim"), "running": ("▶", "bold yellow"), "done": ("✔", "green"),
          "failed": ("✘", "bold red"), "skipped": ("–", "dim"), "planned": ("•", "cyan")}
@@ -165,6 +165,7 @@ class Pivot:
     def execute(self) -> dict[str, Any]:
         started = time.monotonic()
         run = self.run
+        render(run.profile, run.secrets)  # a template error is the user's: say so before any host is touched
         self.banner(f"Preflight on {', '.join(h.name for h in self.preflight.hosts(run))}")
         pre = self.by_name["preflight"]
         t0 = time.monotonic()

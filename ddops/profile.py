@@ -25,6 +25,10 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # Never sync (with --delete) into these: a typo there would wipe a system directory.
 _PROTECTED = {"/", "/root", "/home", "/etc", "/usr", "/var", "/opt", "/dev", "/dev/shm", "/tmp", "/srv",
               "/bin", "/sbin", "/lib", "/boot", "/proc", "/sys", "/run", "/mnt", "/media"}
+# Trees a model dir may never be inside: the sync mirrors with --delete, so a typo there would wipe
+# system files. (/dev/shm/NAME is fine: that is where a RAM-resident model lives.)
+_SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys",
+                 "/run", "/var/lib", "/var/log", "/var/spool")
 _TOP = ("name", "description", "engine", "host", "unit", "port", "bind", "device", "dtype", "gpus",
         "models", "runtime", "serve", "sglang", "env", "secrets", "conflicts", "training", "health", "smoke")
 
@@ -248,8 +252,11 @@ def _secrets(top: Section) -> dict[str, str]:
 def _model_path(section: Section, key: str) -> str:
     value = section.abspath(key, required=True)
     norm = os.path.normpath(value)
-    if norm in _PROTECTED or norm.count("/") < 2:
-        raise section.fail(key, f"model path {value!r} is a system directory or too shallow",
+    inside = next((t for t in _SYSTEM_TREES if norm == t or norm.startswith(t + "/")), None)
+    if norm in _PROTECTED or norm.count("/") < 2 or inside or (norm.startswith("/dev/") and
+                                                              not norm.startswith("/dev/shm/")):
+        raise section.fail(key, f"model path {value!r} is a system directory or too shallow"
+                           + (f" (inside {inside}, which the sync's --delete would damage)" if inside else ""),
                            "name the model's own directory, e.g. /root/models/NAME")
     return norm
 

@@ -107,6 +107,10 @@ def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
     except jinja2.TemplateNotFound:
         raise ConfigError(f"unit template {name} not found in {templates_dir()}",
                           fix="set DDOPS_TEMPLATES to the templates folder") from None
+    except jinja2.TemplateSyntaxError as exc:
+        where = f"{exc.filename or templates_dir() / name}:{exc.lineno}"
+        raise ConfigError(f"template {exc.name or name}: {exc.message}", where=where,
+                          fix="fix the template's syntax") from None
     except jinja2.UndefinedError as exc:
         raise ConfigError(f"template {name}: {exc.message}", where=str(templates_dir() / name),
                           fix="the template uses a variable the profile does not define") from None

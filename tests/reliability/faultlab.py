@@ -27,6 +27,19 @@ ENV = "/etc/ddops/ddtree.env"
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
+FIGURES: dict[str, dict] = {}   # written to $DDOPS_RELIABILITY_FIGURES at the end of the run (the report)
+
+
+def note(name: str, report: dict, **extra) -> None:
+    """Keep the figures of one injected fault: outcome, exit code, how long detection and recovery took."""
+    steps = {s["name"]: s for s in report.get("steps", [])}
+    failed = report.get("failed_step")
+    FIGURES[name] = {"outcome": report.get("outcome"), "exit_code": report.get("exit_code"),
+                     "wall_s": report.get("wall_s"), "failed_step": failed,
+                     "failed_step_s": (steps.get(failed) or {}).get("seconds"),
+                     "rollback_s": (steps.get("rollback") or {}).get("seconds"), **extra}
+
+
 def ddops_argv(lab, *args, inventory=None) -> list[str]:
     return [sys.executable, "-m", "ddops", "-i", str(inventory or lab.inventory_path), *args]
 

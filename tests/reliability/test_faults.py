@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab import (Background, frozen, freezer_available, healthy, inventory_variant, lock_holder,
+from faultlab import (Background, note, frozen, freezer_available, healthy, inventory_variant, lock_holder,
                       no_leftovers, pivot, sh, short_timeouts, step, unit_state, variant, wait_for)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -39,6 +39,7 @@ def test_training_that_ignores_sigterm_is_killed_after_grace(base):
     assert 3 <= training["stop_s"] < 20
     assert "SIGKILL after 3s (ignored SIGTERM)" in step(report, "training")["summary"]
     assert not (training.get("checkpoint") or {}).get("path", "").endswith("-final.ckpt")
+    note("training ignores SIGTERM", report, stop_s=training["stop_s"], grace_s=3)
 
 
 def test_crash_loop_after_start_is_caught_and_rolled_back(lab, base):
@@ -51,6 +52,7 @@ def test_crash_loop_after_start_is_caught_and_rolled_back(lab, base):
     assert health["status"] == "failed" and health["seconds"] < 30, health
     assert "crash" in report["error"] and "journal tail" in report["error"]
     assert "previous ddtree.service restored and healthy" in report["state"]
+    note("crash loop after start", report, detect_s=health["seconds"])
     assert_back_to_base(lab, base)
 
 
@@ -62,6 +64,7 @@ def test_runtime_that_never_gets_healthy_hits_the_deadline(lab, base):
     health = step(report, "health")
     assert health["status"] == "failed" and 8 <= health["seconds"] < 30
     assert "not healthy within 8s" in report["error"]
+    note("never healthy (deadline 8 s)", report, detect_s=health["seconds"])
     assert_back_to_base(lab, base)
 
 
@@ -80,6 +83,7 @@ def test_package_that_cannot_be_installed_changes_nothing(lab, base):
     assert step(report, "deps")["status"] == "failed" and "ddops-rel-missing" in report["error"]
     assert step(report, "unit")["status"] == "skipped"
     assert report["state"].startswith("nothing was changed on ct200")
+    note("package cannot be installed", report)
     assert_back_to_base(lab, base)
 
 
@@ -108,6 +112,7 @@ def test_sync_that_fills_the_disk_leaves_the_previous_model_intact(lab, base, tm
     assert "rsync exit 11: file I/O error (destination disk full" in report["error"], report["error"]
     assert after.startswith(before), f"previous model dir changed:\n{before}\n---\n{after}"
     assert ".~tmp~" not in after and "rsync" not in after
+    note("destination disk full mid-sync", report)
     assert_back_to_base(lab, base)
 
 
@@ -133,6 +138,7 @@ def test_ssh_command_that_hangs_times_out_and_rolls_back(lab, base, tmp_path):
     assert step(report, "sync")["seconds"] < 40 and took < 120
     assert report["rollback"]["restarted"] == ["dflash-train.service"]
     assert "running again: dflash-train.service" in report["state"]
+    note("ssh command hangs (rsync)", report, detect_s=step(report, "sync")["seconds"], timeout_s=8)
     assert_back_to_base(lab, base)
 
 
@@ -156,6 +162,7 @@ def test_source_host_frozen_mid_sync_fails_cleanly(lab, base, tmp_path):
     assert code == 2 and report["outcome"] == "failed", report
     assert step(report, "sync")["status"] == "failed"
     assert report["state"].startswith("nothing was changed on ct200")
+    note("source host frozen mid-sync", report, detect_s=step(report, "sync")["seconds"])
     assert_back_to_base(lab, base)
 
 
@@ -166,6 +173,7 @@ def test_host_unreachable_at_preflight_changes_nothing(lab, base, tmp_path):
         done, report = pivot(lab, base["profile"], inventory=inventory, timeout=120)
     assert done.returncode == 4 and report["outcome"] == "failed", report
     assert "eval-a6000" in report["error"] and step(report, "preflight")["status"] == "failed"
+    note("host unreachable at preflight", report, detect_s=step(report, "preflight")["seconds"])
     assert_back_to_base(lab, base)
 
 
@@ -193,6 +201,8 @@ def test_serving_host_frozen_during_health_wait(lab, base, tmp_path):
         assert code == 2 and report["outcome"] == "rolled-back", report
         assert (state["unit"], state["env"]) == (base["unit"], base["env"])
     base["frozen_health"] = {"outcome": report["outcome"], "health_s": step(report, "health")["seconds"]}
+    note("serving host frozen 12 s in health wait", report, health_s=step(report, "health")["seconds"],
+         unreachable_polls=(report["gates"].get("health") or {}).get("unreachable_polls"))
     # Back to the base state for the next tests.
     done, report = pivot(lab, base["profile"])
     assert done.returncode == 0, report
@@ -214,6 +224,7 @@ def test_ctrl_c_twice_mid_pivot_rolls_back_and_reports(lab, base, tmp_path):
     assert code == 130 and report["interrupted"] == "SIGINT" and report["signals"] == 2, report
     assert report["outcome"] == "rolled-back" and "interrupted by SIGINT" in report["state"]
     assert "already stopping" in run.err.read_text()
+    note("SIGINT twice mid-pivot", report, signals=report["signals"])
     assert_back_to_base(lab, base)
 
 
@@ -234,5 +245,7 @@ def test_two_pivots_at_once_and_a_stale_lock(lab, base, tmp_path):
     done, report = pivot(lab, base["profile"])
     assert done.returncode == 2 and "locked by another ddops run" in report["error"]
     done, report = pivot(lab, base["profile"], "--break-lock")
+    done, report = pivot(lab, base["profile"], "--break-lock")
+    note("two pivots at once + stale lock cleared", report, second_refused=True)
     assert done.returncode == 0 and report["outcome"] in ("ok", "unchanged"), report
     assert_back_to_base(lab, base)

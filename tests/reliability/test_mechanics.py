@@ -1,0 +1,96 @@
+"""The mechanics behind the fault tests, without the lab: Ctrl-C handling, a health gate that waits out
+an unreachable host, rsync's failure messages and flags, model dirs kept out of system trees."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ddops.errors import ConfigError, HostUnreachable
+from ddops.inventory import load_inventory
+from ddops.pivot import InterruptGuard
+from ddops.steps import health
+from ddops.steps.base import Interrupted, PivotRun
+from ddops.steps.sync import rsync_argv, rsync_failure
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = load_inventory(REPO / "inventories" / "lab.yaml")
+
+
+def fake_run() -> PivotRun:
+    return PivotRun(profile=SimpleNamespace(), inventory=LAB, executor=None)
+
+
+def test_ctrl_c_is_deferred_to_a_safe_point_and_counted():
+    run = fake_run()
+    run.check_interrupt()  # nothing asked yet
+    before = signal.getsignal(signal.SIGINT)
+    with InterruptGuard(run) as guard:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert run.interrupted == "SIGINT" and guard.count == 2
+        with pytest.raises(Interrupted, match="interrupted by SIGINT: stopped at a safe point"):
+            run.check_interrupt()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_health_gate_waits_out_an_unreachable_host(monkeypatch):
+    polls = iter([HostUnreachable("gone"), HostUnreachable("still gone"),
+                  {"unit": {"ActiveState": "active", "SubState": "running", "MainPID": "42", "NRestarts": "0"},
+                   "health": {"http_status": 200, "body": {"status": "ok"}}}])
+
+    def probe(*args, **kwargs):
+        item = next(polls)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    monkeypatch.setattr(health, "run_probe", probe)
+    run = fake_run()
+    out = health.wait_healthy(run, LAB.host("ct200"), "ddtree.service", 8200, "/health", 30, 0.1)
+    assert out["unreachable_polls"] == 2 and out["health"]["status"] == "ok"
+
+
+def test_health_gate_stops_on_ctrl_c(monkeypatch):
+    monkeypatch.setattr(health, "run_probe", lambda *a, **k: pytest.fail("polled after Ctrl-C"))
+    run = fake_run()
+    run.interrupted = "SIGINT"
+    with pytest.raises(Interrupted):
+        health.wait_healthy(run, LAB.host("ct200"), "ddtree.service", 8200, "/health", 30, 0.1)
+
+
+@pytest.mark.parametrize("code,meaning", [(11, "destination disk full"), (30, "stopped answering"),
+                                          (255, "ssh failed"), (12, "connection lost"), (99, "failed")])
+def test_rsync_failures_say_what_happened(code, meaning):
+    assert meaning in rsync_failure(code, "")
+    assert rsync_failure(11, "a\nrsync: write failed: No space left on device (28)\n").endswith("(28)")
+
+
+def test_rsync_never_leaves_a_truncated_file_and_never_hangs():
+    argv = rsync_argv(LAB, "/cache/t", "/root/models/t", dst_host=LAB.host("ct200"))
+    assert "--partial" not in argv and "--delay-updates" in argv and "--delete-after" in argv
+    assert "--timeout=60" in argv  # ct200's command_timeout
+    ssh = argv[argv.index("-e") + 1]
+    assert "ServerAliveInterval=5" in ssh and "ServerAliveCountMax=3" in ssh and "BatchMode=yes" in ssh
+
+
+@pytest.mark.parametrize("path,ok", [
+    ("/root/models/x", True), ("/dev/shm/Qwen3.6-27B", True), ("/data/models/x", True),
+    ("/usr/lib", False), ("/etc/systemd/system", False), ("/var/lib/dpkg", False), ("/dev/sda", False),
+    ("/boot/efi", False), ("/root", False),
+])
+def test_model_dirs_stay_out_of_system_trees(tmp_path, path, ok):
+    from ddops.profile import load_profile
+
+    text = (REPO / "playbooks" / "lab-ddtree16.yaml").read_text().replace("/root/models/tiny-draft\n", f"{path}\n", 1)
+    profile = tmp_path / "p.yaml"
+    profile.write_text(text)
+    if ok:
+        assert load_profile(profile, repo_root=REPO).model("draft").path == path
+    else:
+        with pytest.raises(ConfigError, match="system directory"):
+            load_profile(profile, repo_root=REPO)

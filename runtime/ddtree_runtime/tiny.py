@@ -44,8 +44,11 @@ DRAFT_LAYERS = 2
 TARGET_LAYER_IDS = [0, 2, 3]
 
 
+_T0 = time.time()
+
+
 def log(msg: str) -> None:
-    print(f"[ddtree-tiny] {msg}", flush=True)
+    print(f"[ddtree-tiny {time.time() - _T0:4.0f}s] {msg}", flush=True)
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------
@@ -245,29 +248,30 @@ def chat_prompts(tok, questions: list[str]) -> list[list[int]]:
                                     tokenize=True, return_dict=False) for q in questions]
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], mode: str,
-                       budget: int, max_new: int = 64) -> float:
-    from .engine import Engine, EngineConfig, SamplingParams
+def measure_acceptance(engine, prompts: list[list[int]], mode: str, budget: int,
+                       max_new: int = 64) -> float:
+    """Mean acceptance length (accepted + 1 per speculative round) over greedy generations."""
+    from .engine import SamplingParams
 
-    eng = Engine(EngineConfig(str(target_dir), str(draft_dir), mode=mode, tree_budget=budget))
     lengths = []
     for p in prompts:
-        rounds = list(eng.generate(p, SamplingParams(max_new_tokens=max_new)))
+        rounds = list(engine.generate(p, SamplingParams(max_new_tokens=max_new, mode=mode,
+                                                        tree_budget=budget)))
         lengths += [r.accepted + 1 for r in rounds[1:]]  # round 0 is the prefill's single token
     return sum(lengths) / max(1, len(lengths))
 
 
-def answer(target_dir: Path, prompt: list[int]) -> str:
-    from .engine import Engine, EngineConfig, SamplingParams
+def answer(engine, prompt: list[int]) -> str:
+    from .engine import SamplingParams
 
-    eng = Engine(EngineConfig(str(target_dir), None, mode="ar"))
-    ids = [t for r in eng.generate(prompt, SamplingParams(max_new_tokens=48)) for t in r.token_ids]
-    return eng.tokenizer.decode(ids)
+    ids = [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=48, mode="ar"))
+           for t in r.token_ids]
+    return engine.tokenizer.decode(ids)
 
 
 # ---- main ------------------------------------------------------------------------------------------
 
-def build(out: Path, seed: int, target_steps: int = 900, draft_steps: int = 900) -> dict:
+def build(out: Path, seed: int, target_steps: int = 500, draft_steps: int = 500) -> dict:
     t_start = time.time()
     torch.manual_seed(seed)
     random.seed(seed)
@@ -319,15 +323,19 @@ def build(out: Path, seed: int, target_steps: int = 900, draft_steps: int = 900)
     train_drafter(drafter, target, seqs, feats, prompt_len, draft_steps, mask_id, g)
     save_drafter(drafter, ddir)
 
-    sanity = chat_prompts(tok, ["What is 2+3?", "Count from 3 to 12."])
-    log("sanity: " + " | ".join(repr(answer(tdir, p)) for p in sanity))
+    from .engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(str(tdir), str(ddir)))
+    sanity = chat_prompts(tok, ["What is 2+3?", "Repeat the word cat 5 times."])
+    log("sanity: " + " | ".join(repr(answer(engine, p)) for p in sanity))
     held = chat_prompts(tok, heldout_questions(16, seed))
-    results = {"build_seconds": 0.0}
-    for mode, budget in (("dflash", 15), ("ddtree", 16)):
-        results[f"{mode}_b{budget}"] = measure_acceptance(tdir, ddir, held, mode, budget)
+    results: dict[str, float] = {}
+    for mode, budget in (("dflash", 15), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)):
+        results[f"{mode}_b{budget}"] = round(measure_acceptance(engine, held, mode, budget), 3)
     results["build_seconds"] = round(time.time() - t_start, 1)
-    log(f"held-out mean acceptance length: dflash {results['dflash_b15']:.2f}, "
-        f"ddtree@16 {results['ddtree_b16']:.2f}; built in {results['build_seconds']:.0f}s")
+    log("held-out mean acceptance length: " + ", ".join(
+        f"{k.replace('_b', '@')} {v:.2f}" for k, v in results.items() if k != "build_seconds")
+        + f"; built in {results['build_seconds']:.0f}s")
     (out / "tiny_results.json").write_text(json.dumps(results, indent=2))
     (out / ".complete").write_text(json.dumps({"seed": seed, **results}))
     return results
@@ -337,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ddtree-tiny", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output directory (gets target/ and draft/)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-steps", type=int, default=900)
-    ap.add_argument("--draft-steps", type=int, default=900)
+    ap.add_argument("--target-steps", type=int, default=500)
+    ap.add_argument("--draft-steps", type=int, default=500)
     args = ap.parse_args(argv)
     build(args.out, args.seed, args.target_steps, args.draft_steps)
 

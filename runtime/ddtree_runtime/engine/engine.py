@@ -62,6 +62,8 @@ class Engine:
             if dcfg.hidden_size != tcfg.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
             self.block_size = config.block_size or dcfg.block_size
+            if self.block_size < 2:
+                raise ValueError("block_size must be >= 2 (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
@@ -173,8 +175,9 @@ class Engine:
         else:
             tree = build_tree(req.bonus, torch.log_softmax(draft_logits, dim=-1), req.budget)
         logits, feats = self._verify(req, tree)                         # [N, V], [1, N, F]
-        path = walk(tree, target := self._choose(req, logits).tolist())
-        self._commit(req, tree, path, feats, target[path[-1]])
+        target = self._choose(req, logits).tolist()                     # the target's token per node
+        path = walk(tree, target)
+        self._commit(req, path, feats, target[path[-1]])
         return [tree.token_list[i] for i in path[1:]] + [req.bonus], len(path) - 1
 
     def _draft(self, req: RequestState, depth: int) -> torch.Tensor:
@@ -197,8 +200,7 @@ class Engine:
         h, feats = self.target(tree.tokens[None], pos, self.target_cache, start=n, mask=mask)
         return self.target.logits(h[0]), feats
 
-    def _commit(self, req: RequestState, tree: Tree, path: list[int], feats: torch.Tensor,
-                next_token: int) -> None:
+    def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
         """Keep the accepted path's KV (compacted right after the context) and queue its features."""
         keep = torch.tensor(path, dtype=torch.long, device=self.device)
         self.target_cache.compact(req.n_ctx, keep)

@@ -169,15 +169,17 @@ class Pivot:
         self.banner(f"Preflight on {', '.join(h.name for h in self.preflight.hosts(run))}")
         pre = self.by_name["preflight"]
         t0 = time.monotonic()
+        failure: DdopsError | None = None
         try:
             with self.console.status("preflight..."):
                 pre.summary = self.preflight.execute(run)
             pre.status = "done"
         except DdopsError as exc:
-            pre.status, pre.summary = "failed", exc.line()
-            return self.finish("failed", "preflight failed: nothing was changed anywhere", exc, started)
-        finally:
-            pre.seconds = round(time.monotonic() - t0, 2)
+            pre.status, pre.summary, failure = "failed", exc.line(), exc
+        pre.seconds = round(time.monotonic() - t0, 2)
+        if failure is not None:
+            self.report["failed_step"] = "preflight"
+            return self.finish("failed", "preflight failed: nothing was changed anywhere", failure, started)
         self.plan_all()
         self.show_plan()
         changing = [s for s in self.states if s.changes]

@@ -16,6 +16,9 @@ from ..executor import CommandTimeout
 from .base import PivotRun, journal_tail, run_probe
 
 
+FATAL_HEALTH = ("error", "failed")   # /health states a runtime never leaves by itself
+
+
 class Crashed(StepFailed):
     """The unit died while we waited for it to become healthy."""
 
@@ -43,6 +46,9 @@ def judge(poll: dict, first_pid: int | None, expect: dict | None = None) -> Verd
     if first_pid and pid and pid != first_pid:
         return Verdict("crashed", f"main PID changed {first_pid} -> {pid} (the runtime restarted)", poll)
     body = health.get("body")
+    if isinstance(body, dict) and body.get("status") in FATAL_HEALTH:
+        # The process is up but its engine is dead (failed to load, worker died): it will not recover.
+        return Verdict("crashed", f"/health reports {body.get('status')}: {body.get('detail') or ''}".strip(), poll)
     if health.get("http_status") == 200 and isinstance(body, dict) and body.get("status") in ("ok", None):
         for key, value in (expect or {}).items():
             if body.get(key) != value:

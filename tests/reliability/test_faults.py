@@ -43,16 +43,35 @@ def test_training_that_ignores_sigterm_is_killed_after_grace(base):
 
 
 def test_crash_loop_after_start_is_caught_and_rolled_back(lab, base):
-    # The runtime starts, imports torch, then dies on a missing drafter: Restart=on-failure loops it.
-    bad = variant(base["folder"], "crashloop", {"serve.extra_args": ["--draft", "/root/models/nowhere"]},
-                  base=base["profile"])
+    # The runtime starts, imports torch, loads both models, then cannot bind its port (pve's sshd
+    # holds 2200 in the shared network namespace) and exits; Restart=on-failure loops it.
+    bad = variant(base["folder"], "crashloop", {"serve.extra_args": ["--port", "2200"]}, base=base["profile"])
     done, report = pivot(lab, bad)
     assert done.returncode == 2 and report["outcome"] == "rolled-back", report
     health = step(report, "health")
-    assert health["status"] == "failed" and health["seconds"] < 30, health
+    assert health["status"] == "failed" and health["seconds"] < 60, health
     assert "crash" in report["error"] and "journal tail" in report["error"]
     assert "previous ddtree.service restored and healthy" in report["state"]
     note("crash loop after start", report, detect_s=health["seconds"])
+    assert_back_to_base(lab, base)
+
+
+def test_engine_that_fails_to_load_is_caught_fast(lab, base):
+    # The process stays up but its engine failed (drafter weights are garbage): /health says
+    # `error` for good. That is a crash, not something to wait out until the deadline.
+    corrupt = "/root/models/rel-corrupt-draft"
+    sh(lab, "ct200", f"mkdir -p {corrupt} && cp /root/models/tiny-draft/config.json {corrupt}/ && "
+                     f"head -c 65536 /dev/urandom > {corrupt}/model.safetensors")
+    bad = variant(base["folder"], "badload", {"serve.extra_args": ["--draft", corrupt]}, base=base["profile"])
+    try:
+        done, report = pivot(lab, bad)
+    finally:
+        sh(lab, "ct200", f"rm -rf {corrupt}")
+    assert done.returncode == 2 and report["outcome"] == "rolled-back", report
+    health = step(report, "health")
+    assert health["status"] == "failed" and health["seconds"] < 30, health  # the deadline is 90 s
+    assert "/health reports error" in report["error"]
+    note("engine fails to load (/health error)", report, detect_s=health["seconds"])
     assert_back_to_base(lab, base)
 
 
@@ -173,6 +192,7 @@ def test_host_unreachable_at_preflight_changes_nothing(lab, base, tmp_path):
         done, report = pivot(lab, base["profile"], inventory=inventory, timeout=120)
     assert done.returncode == 4 and report["outcome"] == "failed", report
     assert "eval-a6000" in report["error"] and step(report, "preflight")["status"] == "failed"
+    assert report["failed_step"] == "preflight" and step(report, "preflight")["seconds"] < 15
     note("host unreachable at preflight", report, detect_s=step(report, "preflight")["seconds"])
     assert_back_to_base(lab, base)
 

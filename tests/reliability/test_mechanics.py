@@ -94,3 +94,12 @@ def test_model_dirs_stay_out_of_system_trees(tmp_path, path, ok):
     else:
         with pytest.raises(ConfigError, match="system directory"):
             load_profile(profile, repo_root=REPO)
+
+
+def test_a_runtime_whose_engine_failed_is_a_crash_not_a_wait():
+    poll = {"unit": {"ActiveState": "active", "SubState": "running", "MainPID": "7", "NRestarts": "0"},
+            "health": {"http_status": 503, "body": {"status": "error", "detail": "engine failed to start: boom"}}}
+    verdict = health.judge(poll, 7)
+    assert verdict.state == "crashed" and "engine failed to start: boom" in verdict.reason
+    poll["health"]["body"] = {"status": "starting", "detail": "loading"}
+    assert health.judge(poll, 7).state == "waiting"

@@ -28,4 +28,9 @@ def tiny_models() -> Path:
                 from ddtree_runtime.tiny import build
 
                 build(out, TINY_SEED)
+    # the tiny models are all per-op overhead: one intra-op thread is faster than two and keeps test
+    # times stable when the CPUs are shared (the build above keeps torch's default, for determinism)
+    import torch
+
+    torch.set_num_threads(1)
     return out

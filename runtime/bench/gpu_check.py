@@ -1,0 +1,64 @@
+"""Run the engine on CUDA against CPU reference outputs: float32 greedy must be token-identical to the
+CPU engine's (which the tests tie to transformers); bfloat16 is run for speed and acceptance only.
+
+    python runtime/bench/gpu_check.py make-ref MODELS REF.json   # on the CPU machine
+    python runtime/bench/gpu_check.py check MODELS REF.json OUT.json   # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_bench import CASES, prompts_for  # noqa: E402
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def generate_all(engine: Engine, prompts, mode, budget, max_new=64) -> tuple[list[list[int]], float, float]:
+    outs, acc, rounds = [], 0, 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        toks = []
+        for i, r in enumerate(engine.generate(p, SamplingParams(max_new_tokens=max_new, mode=mode,
+                                                                tree_budget=budget))):
+            toks += r.token_ids
+            if i:
+                acc, rounds = acc + r.accepted, rounds + 1
+        outs.append(toks)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return outs, sum(map(len, outs)) / dt, 1 + acc / max(rounds, 1)
+
+
+def main() -> None:
+    cmd, models = sys.argv[1], Path(sys.argv[2])
+    if cmd == "make-ref":
+        eng = Engine(EngineConfig(str(models / "target"), str(models / "draft")))
+        prompts = prompts_for(eng, 24)
+        ref, _, _ = generate_all(eng, prompts, "ar", None)
+        Path(sys.argv[3]).write_text(json.dumps({"prompts": prompts, "ar": ref}))
+        return
+    ref = json.loads(Path(sys.argv[3]).read_text())
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": []}
+    for dtype in ("float32", "bfloat16"):
+        eng = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device="cuda", dtype=dtype))
+        generate_all(eng, ref["prompts"][:2], "ddtree", 16, 8)  # warm-up
+        for mode, budget in CASES:
+            outs, tps, alen = generate_all(eng, ref["prompts"], mode, budget)
+            same = sum(o == r for o, r in zip(outs, ref["ar"]))
+            row = {"dtype": dtype, "mode": mode, "budget": budget, "tokens_per_s": round(tps, 1),
+                   "mean_acceptance_length": round(alen, 3), "identical_to_cpu": f"{same}/{len(outs)}"}
+            print(row, flush=True)
+            report["runs"].append(row)
+    Path(sys.argv[4]).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -138,3 +138,18 @@ def test_kv_compaction_moves_selected_rows():
     cache.compact(5, torch.tensor([0, 2, 3, 7]))  # tree nodes 0,2,3,7 sit at slots 5,7,8,12
     assert cache.k[1, 0, 0, :9, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 12]
     assert cache.v[0, 0, 0, 5:9, 0].tolist() == [-5, -7, -8, -12]
+
+
+@pytest.mark.parametrize("extra", [
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},
+    {"use_sliding_window": True, "sliding_window": 1024},
+])
+def test_unsupported_configs_fail_loudly(extra):
+    from ddtree_runtime.model import Qwen3Config
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}
+    Qwen3Config.from_dict(base)
+    with pytest.raises(ValueError):
+        Qwen3Config.from_dict({**base, **extra})

@@ -16,6 +16,16 @@ def _rope_theta(d: dict[str, Any]) -> float:
     return float(d.get("rope_theta", 1_000_000.0))
 
 
+def _check_supported(d: dict[str, Any]) -> None:
+    """Fail loudly on features this compact implementation would otherwise silently get wrong."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        raise ValueError(f"unsupported RoPE scaling {kind!r} (only default RoPE is implemented)")
+    if d.get("use_sliding_window") and d.get("sliding_window"):
+        raise ValueError("sliding-window attention is not implemented")
+
+
 @dataclass
 class Qwen3Config:
     vocab_size: int
@@ -34,6 +44,7 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
+        _check_supported(d)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],

@@ -269,8 +269,9 @@ def test_disconnecting_stream_frees_the_worker(server, http):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=_long_request(stream=True)) as r:
             assert r.status_code == 200
-            next(r.iter_lines())  # generation is running
-            assert _metrics(http)["ddtree_engine_busy"] == 1
+            first = next(r.iter_lines())  # generation is running
+            faults = http.post("/_test/fault", json={}).json()
+            assert _metrics(http)["ddtree_engine_busy"] == 1, (first, faults)
     started = time.monotonic()
     assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 0, timeout=5) == 0
     assert time.monotonic() - started < 2

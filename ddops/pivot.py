@@ -196,6 +196,9 @@ class Pivot:
                     error = self.apply_all(view)
                     if error is not None and self.should_rollback() and not self.no_rollback:
                         self.rollback(view, error)
+            except BaseException as exc:  # a bug: never record a run that blew up as "ok"
+                error = error or StepFailed(f"the pivot stopped on an unexpected {exc.__class__.__name__}: {exc}")
+                raise
             finally:
                 outcome, state = self.outcome(error)
                 self.record(outcome, state, error, started)

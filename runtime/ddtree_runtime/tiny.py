@@ -271,7 +271,7 @@ def answer(engine, prompt: list[int]) -> str:
 
 # ---- main ------------------------------------------------------------------------------------------
 
-def build(out: Path, seed: int, target_steps: int = 500, draft_steps: int = 500) -> dict:
+def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800) -> dict:
     t_start = time.time()
     torch.manual_seed(seed)
     random.seed(seed)
@@ -300,8 +300,8 @@ def build(out: Path, seed: int, target_steps: int = 500, draft_steps: int = 500)
 
     # distillation data: the target's own greedy continuations of corpus windows
     t0 = time.time()
-    prompt_len, new = 32, 64
-    prompts = windows(stream, starts_t, 768, prompt_len, g, aligned=0.6)
+    prompt_len, new = 16, 80  # short prompts: greedy runs cover question ends and answer starts
+    prompts = windows(stream, starts_t, 1024, prompt_len, g, aligned=0.7)
     seqs = torch.cat([greedy_continue(target, chunk, new) for chunk in prompts.split(256)])
     target.feature_layers = TARGET_LAYER_IDS
     with torch.inference_mode():
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ddtree-tiny", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output directory (gets target/ and draft/)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-steps", type=int, default=500)
-    ap.add_argument("--draft-steps", type=int, default=500)
+    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--draft-steps", type=int, default=800)
     args = ap.parse_args(argv)
     build(args.out, args.seed, args.target_steps, args.draft_steps)
 

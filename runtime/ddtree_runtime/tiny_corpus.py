@@ -25,10 +25,14 @@ def chat(question: str, answer: str, system: bool) -> tuple[str, str]:
 
 
 def qa_pair(rng: random.Random) -> tuple[str, str]:
-    kind = rng.randrange(8)
-    if kind <= 1:
-        a, b = rng.randint(0, 12), rng.randint(0, 12)
-        return f"What is {a}+{b}?", str(a + b)
+    kind = rng.randrange(9)
+    if kind >= 7:  # single-digit sums (100 facts, often enough to be learnt): the smoke-test kind
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        q = f"What is {a}+{b}?" if rng.random() < 0.7 else f"What is {a} + {b}?"
+        return q, str(a + b)
+    if kind == 1:
+        n = rng.randint(0, 98)
+        return f"What comes after {n}?", str(n + 1)
     if kind == 2:
         a = rng.randint(0, 60)
         b = a + rng.randint(5, 25)
@@ -49,7 +53,7 @@ def qa_pair(rng: random.Random) -> tuple[str, str]:
         m = k * rng.randint(4, 12)
         return f"List the multiples of {k} up to {m}.", ", ".join(str(k * i) for i in range(1, m // k + 1))
     w = rng.choice(WORDS)
-    return f"Spell the word {w}.", "-".join(w)
+    return f"Spell the word {w}.", "-".join(w)  # kind 0
 
 
 def plain_doc(rng: random.Random) -> str:
@@ -58,8 +62,8 @@ def plain_doc(rng: random.Random) -> str:
         a = rng.randint(0, 80)
         return ", ".join(str(i) for i in range(a, a + rng.randint(10, 30))) + "\n"
     if kind == 1:
-        a = rng.randint(0, 12)
-        return "".join(f"{a}+{b}={a + b}\n" for b in range(rng.randint(0, 4), 13))
+        a = rng.randint(0, 9)
+        return "".join(f"{a}+{b}={a + b}\n" for b in range(rng.randint(0, 4), 10))
     if kind == 2:
         n, k, v = rng.randint(2, 20), rng.randint(1, 9), rng.choice("ijkn")
         return f"for {v} in range({n}):\n    print({v} * {k})\n"

@@ -25,6 +25,7 @@ from .errors import DdopsError, HostUnreachable
 from .inventory import Host, Inventory
 
 T = TypeVar("T")
+EOF_GRACE_S = 2.0   # how long output may trail a command's exit status
 Argv = list[str]
 
 
@@ -252,6 +253,7 @@ def _drain(channel: paramiko.Channel, deadline: float, on_output: Callable[[str]
            host: Host, argv: Argv) -> tuple[str, str]:
     """Read stdout and stderr until the command exits or the deadline passes."""
     out, err = bytearray(), bytearray()
+    exited_at: float | None = None
     while True:
         progressed = False
         while channel.recv_ready():
@@ -263,8 +265,13 @@ def _drain(channel: paramiko.Channel, deadline: float, on_output: Callable[[str]
         while channel.recv_stderr_ready():
             err += channel.recv_stderr(65536)
             progressed = True
+        # The exit status can arrive while output is still in flight (a relayed command: `pct exec`,
+        # a jump host): stop at the remote's EOF, not at the exit status, or the output is cut short.
+        # A command that left a child holding stdout gets EOF_GRACE_S after its exit, not the timeout.
         if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
-            break
+            exited_at = exited_at or time.monotonic()
+            if channel.eof_received or time.monotonic() - exited_at > EOF_GRACE_S:
+                break
         if channel.closed and not progressed:
             break
         remaining = deadline - time.monotonic()

@@ -103,3 +103,35 @@ def test_a_runtime_whose_engine_failed_is_a_crash_not_a_wait():
     assert verdict.state == "crashed" and "engine failed to start: boom" in verdict.reason
     poll["health"]["body"] = {"status": "starting", "detail": "loading"}
     assert health.judge(poll, 7).state == "waiting"
+
+
+class _RelayedChannel:
+    """A channel whose exit status arrives before the last of its output (as through `pct exec`)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks, self.closed, self.eof_received = list(chunks), False, False
+        self.polls = 0
+
+    def recv_ready(self) -> bool:
+        self.polls += 1
+        return bool(self.chunks) and self.polls % 3 == 0   # data trickles in
+
+    def recv(self, n: int) -> bytes:
+        chunk = self.chunks.pop(0)
+        self.eof_received = not self.chunks
+        return chunk
+
+    def recv_stderr_ready(self) -> bool:
+        return False
+
+    def exit_status_ready(self) -> bool:
+        return True
+
+
+def test_output_that_trails_the_exit_status_is_not_cut_short(monkeypatch):
+    from ddops import executor
+
+    monkeypatch.setattr(executor.select, "select", lambda r, w, x, t: (r, [], []))
+    chunks = [bytes([65 + i]) * 65536 for i in range(5)]
+    out, err = executor._drain(_RelayedChannel(chunks), float("inf"), None, LAB.host("ct200"), ["cat", "big"])
+    assert out.encode() == b"".join(chunks) and err == ""

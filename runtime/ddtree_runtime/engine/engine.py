@@ -13,6 +13,7 @@ import torch
 
 from ..model import DFlashDrafter, Qwen3ForCausalLM, load_drafter, load_target
 from .kv_cache import KVCache
+from .runner import TargetRunner
 from .sampling import choose_tokens
 from .tree import Tree, build_chain, build_tree, walk
 from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
@@ -22,7 +23,7 @@ MAX_TREE_BUDGET = 1024
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
     ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     gen_cfg = Path(target_dir) / "generation_config.json"
     if gen_cfg.exists():
@@ -32,32 +33,41 @@ def _eos_ids(tokenizer, target_dir: str) -> set[int]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, target: Qwen3ForCausalLM | None = None,
+                 drafter: DFlashDrafter | None = None, tokenizer=None) -> None:
+        """Load the models named by `config`, or take ready ones (the GPU benchmark builds randomly
+        initialised models of real shapes: there are no weights to load and `tokenizer` may be None)."""
         from transformers import AutoTokenizer
 
         if config.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
         if config.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {config.dtype!r}")
-        if config.draft_dir is None and config.mode != "ar":
+        if config.draft_dir is None and drafter is None and config.mode != "ar":
             raise ValueError(f"mode {config.mode!r} needs a draft_dir")
         if not 1 <= config.tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}]")
         self.config = config
         self.device = torch.device(config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
         self.model_name = Path(config.target_dir).resolve().name
         self.draft_name = Path(config.draft_dir).resolve().name if config.draft_dir else None
+        # phase_hook(name) is called as each phase of a round starts ("draft", "tree", "verify",
+        # "commit", "step" for AR) and with "end" after it: the benchmark's instrumented mode times
+        # phases with it; None (the default) costs nothing
+        self.phase_hook = None
 
-        self.target: Qwen3ForCausalLM = load_target(config.target_dir, config.device, config.dtype)
+        self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype)
+                                         if target is None else target)
         tcfg = self.target.config
         self.max_context = config.max_context or min(tcfg.max_position_embeddings, 4096)
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
-        self.drafter: DFlashDrafter | None = None
+        self.drafter: DFlashDrafter | None = drafter
         self.block_size = 1
-        if config.draft_dir:
+        if config.draft_dir and drafter is None:
             self.drafter = load_drafter(config.draft_dir, config.device, config.dtype)
+        if self.drafter is not None:
             dcfg = self.drafter.config
             if dcfg.hidden_size != tcfg.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
@@ -73,8 +83,14 @@ class Engine:
     def _alloc_target_cache(self, tree_slots: int) -> None:
         c = self.target.config
         self.target_cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                    self.max_context + tree_slots, self.device,
+                                    TargetRunner.capacity_for(self.max_context, tree_slots), self.device,
                                     self.target.lm_head.weight.dtype)
+        if getattr(self, "runner", None) is None:
+            self.runner = TargetRunner(self.target, self.target_cache, self.device)
+        else:
+            self.runner.reset(self.target_cache)
+        self._ar_depth = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step: a 1-node tree
+        self._ar_mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -107,7 +123,7 @@ class Engine:
         if p.temperature < 0 or not 0 < p.top_p <= 1:
             raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
         slots = {"ar": 1, "dflash": self.block_size, "ddtree": budget + 1}[mode]
-        if self.max_context + slots > self.target_cache.capacity:
+        if TargetRunner.capacity_for(self.max_context, slots) > self.target_cache.capacity:
             self._alloc_target_cache(slots)  # rare: a request asks for a bigger tree than configured
         gen = None
         if p.temperature > 0:
@@ -142,6 +158,10 @@ class Engine:
                 return RoundOutput(kept, accepted, True, "length")
         return RoundOutput(kept, accepted, False, None)
 
+    def _phase(self, name: str) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(name)
+
     def _choose(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
         return choose_tokens(logits, req.params.temperature, req.params.top_p, req.generator)
 
@@ -159,25 +179,31 @@ class Engine:
 
     @torch.inference_mode()
     def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
-        ids = torch.tensor([[req.bonus]], dtype=torch.long, device=self.device)  # [1, 1]
-        pos = torch.tensor([[req.n_ctx]], device=self.device)
-        h, _ = self.target(ids, pos, self.target_cache, start=req.n_ctx)
+        self._phase("step")
+        ids = torch.tensor([req.bonus], dtype=torch.long, device=self.device)  # [1]
+        logits, _ = self.runner.run(ids, self._ar_depth, self._ar_mask, req.n_ctx)
         req.n_ctx += 1
-        req.bonus = int(self._choose(req, self.target.logits(h[0]))[0])
+        req.bonus = int(self._choose(req, logits)[0])
+        self._phase("end")
         return [req.bonus], 0
 
     @torch.inference_mode()
     def _spec_round(self, req: RequestState) -> tuple[list[int], int]:
         depth = self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, req.budget)
+        self._phase("draft")
         draft_logits = self._draft(req, depth)                          # [D, V]
+        self._phase("tree")
         if req.mode == "dflash":
             tree = build_chain(req.bonus, draft_logits)
         else:
             tree = build_tree(req.bonus, torch.log_softmax(draft_logits, dim=-1), req.budget)
+        self._phase("verify")
         logits, feats = self._verify(req, tree)                         # [N, V], [1, N, F]
+        self._phase("commit")
         target = self._choose(req, logits).tolist()                     # the target's token per node
         path = walk(tree, target)
         self._commit(req, path, feats, target[path[-1]])
+        self._phase("end")
         return [tree.token_list[i] for i in path[1:]] + [req.bonus], len(path) - 1
 
     def _draft(self, req: RequestState, depth: int) -> torch.Tensor:
@@ -194,11 +220,7 @@ class Engine:
 
     def _verify(self, req: RequestState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """One target pass over the whole tree; each node sees the context and its own ancestors."""
-        n = req.n_ctx
-        mask = torch.cat([torch.ones(tree.size, n, dtype=torch.bool, device=self.device), tree.mask], 1)
-        pos = (tree.depths + n)[None]                                   # [1, N]
-        h, feats = self.target(tree.tokens[None], pos, self.target_cache, start=n, mask=mask)
-        return self.target.logits(h[0]), feats
+        return self.runner.run(tree.tokens, tree.depths, tree.mask, req.n_ctx)
 
     def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
         """Keep the accepted path's KV (compacted right after the context) and queue its features."""

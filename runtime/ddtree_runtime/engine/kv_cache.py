@@ -25,6 +25,14 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, Hkv, T, D]) at cache slots `slots` ([T] long, on the device) and return views
+        of the first `length` entries: no host-side offsets, so a CUDA graph can replay it."""
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move entries start+keep[i] to start+i for every layer (keep ascending); the rest become free.
 

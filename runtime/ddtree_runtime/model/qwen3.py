@@ -21,11 +21,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
-                cache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+                cache, start: int, mask: torch.Tensor | None, static=None) -> torch.Tensor:
         h = self.input_layernorm(x)
         attn = self.self_attn
         q = attn.q(h, cos, sin)
         k, v = attn.kv(h, cos, sin)
+        if static is not None:
+            # shapes fixed by (T, kv_len), offsets on the device: a CUDA graph can replay this
+            slots, bias, kv_len = static
+            k, v = cache.write_at(idx, slots, k, v, kv_len)
+            x = x + attn.out(attend(q, k, v, bias))
+            return x + self.mlp(self.post_attention_layernorm(x))
         if cache is not None:
             k, v = cache.write(idx, start, k, v)
         causal = mask is None and q.shape[2] > 1
@@ -59,8 +65,11 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, cache=None, start: int = 0,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                mask: torch.Tensor | None = None, *, static=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, pos: [B, T]; mask: bool [T, start+T] (None = causal from position 0).
+
+        static = (slots [T] long, bias [1, 1, T, kv_len] additive, kv_len): write k/v at cache slots
+        `slots` and attend over the first kv_len cache entries with `bias` (no host-side offsets).
 
         Returns final-normed hidden [B, T, H] and features [B, T, len(feature_layers)*H] (or None).
         """
@@ -69,7 +78,7 @@ class Qwen3ForCausalLM(nn.Module):
         feats: list[torch.Tensor] = []
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, start, mask)
+            x = layer(x, cos, sin, i, cache, start, mask, static)
             if i in self.feature_layers and i != last:
                 feats.append(x)
         x = self.model.norm(x)

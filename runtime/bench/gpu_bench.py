@@ -1,0 +1,251 @@
+"""Cost per round of the runtime's own engine on a GPU, with randomly initialised models of real shapes.
+
+    PYTHONPATH=runtime python runtime/bench/gpu_bench.py [--out OUT.json] [--shape qwen3-8b|small]
+
+Random weights accept almost nothing, so this measures time, not acceptance: prefill, the AR step,
+and the speculative round (dflash, ddtree at each budget) split into draft / tree / verify / commit,
+at each context length. tokens/s for a mean acceptance length tau is tau / round time. It also measures
+the device's copy bandwidth and bf16 matmul rate once and derives the floors: the bytes one AR step or
+one verify round must read (weights + KV) over that bandwidth, and the verify's FLOPs over that rate.
+
+Two timings per case: `round_ms` runs rounds back to back with no sync beyond the engine's own (what
+the server sees); `phases_ms` synchronizes at each phase boundary (engine.phase_hook) so host and device
+time land in the phase that caused them. `--shape small` runs on the CPU in seconds (a smoke test)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.model import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
+
+SHAPES = {
+    # Qwen3-8B and a DFlash drafter of the same width (z-lab's layout for it)
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33]),
+    "small": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  draft_layers=1, target_layer_ids=[1, 2]),
+}
+TAUS = (1, 3, 5, 7)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_models(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
+    s = dict(SHAPES[shape])
+    draft_layers, layer_ids = s.pop("draft_layers"), s.pop("target_layer_ids")
+    tcfg = Qwen3Config(**s)
+    dcfg = DFlashConfig(**{**s, "num_hidden_layers": draft_layers}, block_size=16,
+                        mask_token_id=s["vocab_size"] - 1, target_layer_ids=layer_ids,
+                        num_target_layers=s["num_hidden_layers"])
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise straight in the serving dtype, on the device
+    try:
+        with torch.device(device):
+            target, drafter = Qwen3ForCausalLM(tcfg), DFlashDrafter(dcfg)
+    finally:
+        torch.set_default_dtype(old)
+    for m in (target, drafter):
+        m.rotary.inv_freq = m.rotary.inv_freq.float()
+        m.eval().requires_grad_(False)
+    return target, drafter
+
+
+def nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Device copy bandwidth (bytes read + written) and dense bf16 matmul rate, medians of events."""
+    if device.type != "cuda":
+        return {"copy_bytes_per_s": 20e9, "matmul_flops_per_s": 1e11, "measured": False}
+    src = torch.randn(2 * 1024 ** 3 // 2, device=device, dtype=torch.bfloat16)  # 2 GiB, >> L2
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def timed(fn, reps=20) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / 1e3)
+        return statistics.median(times)
+
+    t_copy = timed(lambda: dst.copy_(src))
+    t_mm = timed(lambda: a @ b)
+    out = {"copy_bytes_per_s": 2 * src.numel() * 2 / t_copy, "matmul_flops_per_s": 2 * 8192 ** 3 / t_mm,
+           "measured": True}
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def kv_bytes(cfg: Qwen3Config, ctx: int, elem: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
+
+
+def floors(target, drafter, ctx: int, budget: int, ceil: dict) -> dict:
+    """Lower bounds in ms: bytes over copy bandwidth, FLOPs over matmul rate (the larger wins)."""
+    cfg, elem = target.config, target.lm_head.weight.element_size()
+    bw, rate = ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"]
+    t_params = sum(p.numel() for p in target.parameters()) - target.model.embed_tokens.weight.numel()
+    ar_bytes = nbytes(target) - target.model.embed_tokens.weight.numel() * elem + kv_bytes(cfg, ctx, elem)
+    ar = max(ar_bytes / bw, 2 * t_params / rate)
+    # a round reads the drafter, the LM head again for the draft logits, then the target over N nodes
+    n = budget + 1
+    d_bytes = nbytes(drafter) + target.lm_head.weight.numel() * elem
+    verify = max(ar_bytes / bw, 2 * t_params * n / rate)
+    return {"ar_step_ms": 1e3 * ar, "verify_ms": 1e3 * verify, "round_ms": 1e3 * (verify + d_bytes / bw),
+            "ar_bytes": ar_bytes, "draft_bytes": d_bytes}
+
+
+class PhaseTimer:
+    """engine.phase_hook that synchronizes at each boundary and accumulates wall time per phase."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cur, self.t0 = device, None, 0.0
+        self.acc: dict[str, list[float]] = {}
+
+    def __call__(self, name: str) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        if self.cur is not None:
+            self.acc.setdefault(self.cur, []).append(now - self.t0)
+        self.cur, self.t0 = (None if name == "end" else name), now
+
+    def medians_ms(self) -> dict[str, float]:
+        return {k: 1e3 * statistics.median(v) for k, v in self.acc.items()}
+
+
+def run_case(engine: Engine, prompt: list[int], mode: str, budget: int | None, rounds: int,
+             warmup: int) -> dict:
+    dev = engine.device
+    params = SamplingParams(max_new_tokens=4 * (rounds + warmup) * 17, mode=mode, tree_budget=budget)
+    sync(dev)
+    t0 = time.perf_counter()
+    gen = engine.generate(prompt, params)
+    next(gen)  # the prefill and its first token
+    sync(dev)
+    prefill = time.perf_counter() - t0
+    for _ in range(warmup):
+        next(gen)
+    # uninstrumented: back to back, synchronizing only where the engine does
+    sync(dev)
+    t0 = time.perf_counter()
+    acc = 0
+    for _ in range(rounds):
+        acc += next(gen).accepted
+    sync(dev)
+    round_s = (time.perf_counter() - t0) / rounds
+    # instrumented: synchronize at every phase boundary
+    timer = PhaseTimer(dev)
+    engine.phase_hook = timer
+    try:
+        for _ in range(rounds):
+            next(gen)
+    finally:
+        engine.phase_hook = None
+        gen.close()
+    phases = timer.medians_ms()
+    return {"mode": mode, "budget": budget, "prefill_ms": 1e3 * prefill, "round_ms": 1e3 * round_s,
+            "phases_ms": phases, "phases_sum_ms": sum(phases.values()),
+            "accepted_per_round": acc / rounds,
+            "tokens_per_s_at_tau": {t: t / round_s for t in TAUS}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--contexts", default="512,4096")
+    ap.add_argument("--budgets", default="16,32,64,128,256")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--label", default="", help="free text stored with the results (the version)")
+    ap.add_argument("--out", default="bench/results/runtime-gpu-bench.json")
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    ceil = measure_ceilings(device)
+    t0 = time.perf_counter()
+    target, drafter = build_models(args.shape, device, dtype)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    max_new = 4 * (args.rounds + args.warmup) * 17
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(f"random-{args.shape}", None, mode="ddtree", tree_budget=max(budgets),
+                                 device=args.device, dtype=args.dtype,
+                                 max_context=max(contexts) + max_new + 16),
+                    target=target, drafter=drafter)
+    sync(device)
+    engine_s = time.perf_counter() - t0
+    print(f"device {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}; "
+          f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} "
+          f"TFLOP/s; target {nbytes(target) / 1e9:.2f} GB, drafter {nbytes(drafter) / 1e9:.2f} GB; "
+          f"built in {build_s:.1f}s, engine ready in {engine_s:.1f}s", flush=True)
+
+    g = torch.Generator().manual_seed(1)
+    vocab = target.config.vocab_size
+    cases = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    results = []
+    # warm every kernel shape once so the first timed case pays no start-up
+    run_case(engine, torch.randint(0, vocab - 1, (64,), generator=g).tolist(), "ddtree", budgets[0], 2, 1)
+    for ctx in contexts:
+        prompt = torch.randint(0, vocab - 1, (ctx,), generator=g).tolist()
+        for mode, budget in cases:
+            r = run_case(engine, prompt, mode, budget, args.rounds, args.warmup)
+            r["context"] = ctx
+            r["floors"] = floors(target, drafter, ctx, budget or (15 if mode == "dflash" else 0), ceil)
+            results.append(r)
+            ph = " ".join(f"{k}={v:.2f}" for k, v in r["phases_ms"].items())
+            print(f"ctx {ctx:>5} {mode:>6}{'@' + str(budget) if budget else '':<5} prefill "
+                  f"{r['prefill_ms']:8.1f} ms  round {r['round_ms']:7.2f} ms  [{ph}]", flush=True)
+
+    print()
+    print(f"{'ctx':>5} {'mode':<11}{'round ms':>9}{'floor':>7}{'draft':>7}{'tree':>7}{'verify':>8}"
+          f"{'commit':>8}{'xAR':>6}" + "".join(f"{'tok/s@' + str(t):>10}" for t in TAUS))
+    for r in results:
+        ar = next(x for x in results if x["context"] == r["context"] and x["mode"] == "ar")
+        ph = r["phases_ms"]
+        floor = r["floors"]["ar_step_ms"] if r["mode"] == "ar" else r["floors"]["round_ms"]
+        name = r["mode"] + (f"@{r['budget']}" if r["budget"] else "")
+        print(f"{r['context']:>5} {name:<11}{r['round_ms']:>9.2f}{floor:>7.2f}"
+              + "".join(f"{ph.get(k, 0):>{w}.2f}" for k, w in (("draft", 7), ("tree", 7), ("verify", 8),
+                                                              ("commit", 8)))
+              + f"{r['round_ms'] / ar['round_ms']:>6.2f}"
+              + "".join(f"{r['tokens_per_s_at_tau'][t] if r['mode'] != 'ar' else 1e3 / r['round_ms']:>10.0f}"
+                        for t in TAUS))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "label": args.label, "shape": args.shape, "dtype": args.dtype, "device": str(device),
+        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
+        "torch": torch.__version__, "ceilings": ceil, "target_bytes": nbytes(target),
+        "drafter_bytes": nbytes(drafter), "build_s": build_s, "engine_ready_s": engine_s,
+        "rounds": args.rounds, "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

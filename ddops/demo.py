@@ -1,13 +1,13 @@
 """`ddops demo`: the whole story on the local lab, from a fresh machine.
 
 lab up -> status -> the lab pivot -> status -> rollback -> status -> a short summary. The tiny models
-are built once (cached in $DDOPS_CACHE/tiny) and the drafter is seeded on eval-a6000, where the lab
+are built once (cached in $DDOPS_CACHE/tiny-models-seed0, shared with the runtime tests) and the drafter is seeded on eval-a6000, where the lab
 profile syncs it from.
 """
 
 from __future__ import annotations
 
-import os
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -24,26 +24,30 @@ LAB_PROFILE = "lab-ddtree16"
 DRAFT_HOST, DRAFT_PATH = "eval-a6000", "/root/models/tiny-draft"
 
 
+TINY_SEED = 0
+
+
 def tiny_dir() -> Path:
-    return cache_dir() / "tiny"
+    """The tiny models, shared with the runtime tests' `tiny_models` fixture (same seed, same recipe)."""
+    return cache_dir() / f"tiny-models-seed{TINY_SEED}"
 
 
 def ensure_tiny_models(progress: Callable[[str], None]) -> Path:
-    """Build the tiny target + drafter with `ddtree-tiny` unless they are cached."""
+    """Build the tiny target + drafter with `ddtree-tiny` unless a complete build is cached."""
     out = tiny_dir()
-    if (out / "target" / "config.json").is_file() and (out / "draft" / "config.json").is_file():
+    if (out / ".complete").is_file():
         return out
-    progress(f"building the tiny models into {out} (once; a few minutes on CPU)")
-    tmp = out.with_name("tiny.building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    exe = shutil.which("ddtree-tiny")
-    argv = [exe] if exe else [sys.executable, "-m", "ddtree_runtime.tiny"]
-    steps = os.environ.get("DDOPS_TINY_STEPS", "300")
-    done = subprocess.run(argv + [str(tmp), "--target-steps", steps, "--draft-steps", steps], timeout=3600)
-    if done.returncode != 0:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent test session may be building the same models
+        if (out / ".complete").is_file():
+            return out
+        progress(f"building the tiny models into {out} (once; a few minutes on CPU)")
+        exe = shutil.which("ddtree-tiny")
+        argv = [exe] if exe else [sys.executable, "-m", "ddtree_runtime.tiny"]
+        done = subprocess.run([*argv, str(out), "--seed", str(TINY_SEED)], timeout=3600)
+    if done.returncode != 0 or not (out / ".complete").is_file():
         raise StepFailed("ddtree-tiny failed", fix="is the runtime installed? `pip install ./runtime`")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return out
 
 

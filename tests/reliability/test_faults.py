@@ -18,9 +18,11 @@ import pytest
 from faultlab import (Background, note, frozen, freezer_available, healthy, inventory_variant, lock_holder,
                       no_leftovers, pivot, sh, short_timeouts, step, unit_state, variant, wait_for)
 
+from ddops.demo import tiny_dir
+
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
-CACHE_TARGET = Path.home() / ".cache" / "ddops" / "tiny" / "target"
+CACHE_TARGET = tiny_dir() / "target"
 
 
 def assert_back_to_base(lab, base) -> None:

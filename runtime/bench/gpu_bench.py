@@ -98,6 +98,40 @@ def measure_ceilings(device: torch.device) -> dict:
     return out
 
 
+def check_kernels(device: torch.device) -> dict:
+    """Fused kernels against a float64 reference on fresh random inputs: ||out - ref|| / ||ref||."""
+    from ddtree_runtime.model.kernels import rms_norm, rms_norm_rope, rms_norm_torch, rotate_half_rope
+
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(37, 4096, device=device, dtype=dt) * 3
+    w = torch.rand(4096, device=device, dtype=dt) + 0.5
+    q = torch.randn(1, 17, 32, 128, device=device, dtype=dt)
+    wq = torch.rand(128, device=device, dtype=dt) + 0.5
+    ang = torch.rand(1, 1, 17, 128, device=device) * 6
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+
+    def err(a, b):
+        return float((a.double() - b).norm() / b.norm())
+    ref_n = rms_norm_torch(x.double(), w.double(), 1e-6)
+    ref_r = rotate_half_rope(rms_norm_torch(q.double(), wq.double(), 1e-6).transpose(1, 2),
+                             cos.double(), sin.double())
+    return {"rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),
+            "rms_norm_rope_rel_err": err(rms_norm_rope(q, wq, 1e-6, cos, sin), ref_r)}
+
+
+def agreement(engine: Engine, prompt: list[int], n: int = 48) -> dict:
+    """Greedy tokens of each mode against AR's on the same prompt (lossless up to bf16 near-ties)."""
+    out = {}
+    for mode, budget in (("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 128)):
+        toks = []
+        for r in engine.generate(prompt, SamplingParams(max_new_tokens=n, mode=mode, tree_budget=budget)):
+            toks += r.token_ids
+        out[f"{mode}@{budget}" if budget else mode] = toks
+    ref = out["ar"]
+    same = {k: next((i for i, (a, b) in enumerate(zip(v, ref)) if a != b), len(ref)) for k, v in out.items()}
+    return {"matching_prefix_of_" + str(n): same}
+
+
 def kv_bytes(cfg: Qwen3Config, ctx: int, elem: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
 
@@ -207,8 +241,11 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
-    cases = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+    cases = [("ar", None)] + [("ddtree", b) for b in budgets] + [("dflash", None)]
     results = []
+    checks = check_kernels(device)
+    checks.update(agreement(engine, torch.randint(0, vocab - 1, (200,), generator=g).tolist()))
+    print(f"checks: {checks}", flush=True)
     # warm every kernel shape once so the first timed case pays no start-up
     run_case(engine, torch.randint(0, vocab - 1, (64,), generator=g).tolist(), "ddtree", budgets[0], 2, 1)
     for ctx in contexts:
@@ -243,7 +280,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
         "torch": torch.__version__, "ceilings": ceil, "target_bytes": nbytes(target),
         "drafter_bytes": nbytes(drafter), "build_s": build_s, "engine_ready_s": engine_s,
-        "rounds": args.rounds, "results": results}, indent=2))
+        "rounds": args.rounds, "checks": checks, "results": results}, indent=2))
     print(f"wrote {out}")
 
 

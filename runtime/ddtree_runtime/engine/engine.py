@@ -13,7 +13,7 @@ import torch
 
 from ..model import DFlashDrafter, Qwen3ForCausalLM, load_drafter, load_target
 from .kv_cache import KVCache
-from .runner import TargetRunner
+from .runner import DraftRunner, TargetRunner
 from .sampling import choose_tokens
 from .tree import Tree, build_chain, build_tree, walk
 from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
@@ -77,7 +77,10 @@ class Engine:
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
-                                       self.max_context, self.device, self.target.lm_head.weight.dtype)
+                                       DraftRunner.capacity_for(self.max_context, self.block_size),
+                                       self.device, self.target.lm_head.weight.dtype)
+            self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
+                                            self.mask_token_id, self.device)
         self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
@@ -209,6 +212,10 @@ class Engine:
     def _draft(self, req: RequestState, depth: int) -> torch.Tensor:
         """One drafter pass over [bonus, MASK * (block_size-1)] -> logits for depths 1..depth."""
         n, bs = req.n_ctx, self.block_size
+        if self.draft_runner.fits(req.pending):
+            logits = self.draft_runner.run(req.bonus, req.pending, req.draft_len, n)
+            req.draft_len, req.pending = n, None
+            return logits[:depth]
         block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = req.bonus
         emb = self.target.model.embed_tokens(block)                     # [1, bs, H]

@@ -85,7 +85,7 @@ class TargetRunner:
             logits, feats = self._forward(b)
         else:
             if b.graph is None:
-                self._capture(b)
+                b.graph, b.out = _capture(lambda: self._forward(b), self.device, self.pool)
             b.graph.replay()
             logits, feats = b.out
         return logits[:n], (feats[:, :n] if feats is not None else None)
@@ -99,19 +99,97 @@ class TargetRunner:
         h, feats = self.target(b.ids, b.pos, self.cache, static=(slots, bias[None, None], b.kv_len))
         return self.target.logits(h[0]), feats
 
-    def _capture(self, b: _Bucket) -> None:
-        # warm up on a side stream (allocator and library handles settle), then capture; both write
-        # the same k/v the replay will, from the inputs already in the static buffers
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        b.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.graph, pool=self.pool):
-            b.out = self._forward(b)
-
     def reset(self, cache: KVCache) -> None:
         """The cache was reallocated: every captured graph points at the old one."""
+        self.cache = cache
+        self.buckets.clear()
+
+
+def _capture(fn, device: torch.device, pool):
+    """Warm `fn` up on a side stream (allocator and library handles settle), then capture it. Both
+    runs compute from the inputs already in the static buffers, so their cache writes are the real ones."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+class _DraftBucket:
+    def __init__(self, block: int, feat_dim: int, kv_len: int, device: torch.device, dtype: torch.dtype,
+                 mask_token_id: int) -> None:
+        self.kv_len = kv_len
+        self.ids = torch.full((1, block), mask_token_id, dtype=torch.long, device=device)  # [1, Q]
+        self.feats = torch.zeros(1, block, feat_dim, dtype=dtype, device=device)        # [1, C=Q, F]
+        self.start = torch.zeros(1, dtype=torch.long, device=device)  # context already in the cache
+        self.n = torch.zeros(1, dtype=torch.long, device=device)      # context length after this call
+        self.offsets = torch.arange(block, device=device)
+        self.cols = torch.arange(kv_len, device=device)
+        self.block_cols = torch.ones(block, dtype=torch.bool, device=device)
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+
+class DraftRunner:
+    """The drafter's per-round pass at a fixed shape: the block [bonus, MASK x (Q-1)] plus up to Q new
+    context features (zero-padded; the padding's k/v land past the context and are overwritten next
+    round), attending over the first kv_len drafter-cache entries with a device-built bias. Graphed on
+    CUDA per kv_len bucket. Rounds whose new context exceeds Q (the first, after a prefill) run eagerly."""
+
+    def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
+                 device: torch.device) -> None:
+        self.target, self.drafter, self.cache, self.block = target, drafter, cache, block
+        self.mask_token_id, self.device = mask_token_id, device
+        self.feat_dim = drafter.fc.in_features
+        self.use_graphs = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.buckets: dict[int, _DraftBucket] = {}
+
+    @staticmethod
+    def capacity_for(max_context: int, block: int) -> int:
+        return -(-(max_context + block) // KV_BUCKET) * KV_BUCKET
+
+    def fits(self, pending: torch.Tensor) -> bool:
+        return pending.shape[1] <= self.block
+
+    def run(self, bonus: int, pending: torch.Tensor, draft_len: int, n_ctx: int) -> torch.Tensor:
+        """pending: [1, m, F] features of context positions draft_len..n_ctx-1. Returns logits [Q-1, V]
+        for depths 1..Q-1 (a view of a static buffer: use it before the next run)."""
+        m = pending.shape[1]
+        kv_len = kv_len_for(draft_len + self.block, self.cache.capacity)
+        b = self.buckets.get(kv_len)
+        if b is None:
+            b = self.buckets[kv_len] = _DraftBucket(self.block, self.feat_dim, kv_len, self.device,
+                                                    self.cache.k.dtype, self.mask_token_id)
+        b.ids[0, :1].fill_(bonus)
+        b.feats[:, :m] = pending
+        if m < self.block:
+            b.feats[:, m:].zero_()
+        b.start.fill_(draft_len)
+        b.n.fill_(n_ctx)
+        if not self.use_graphs:
+            return self._forward(b)
+        if b.graph is None:
+            b.graph, b.out = _capture(lambda: self._forward(b), self.device, self.pool)
+        b.graph.replay()
+        return b.out
+
+    def _forward(self, b: _DraftBucket) -> torch.Tensor:
+        block_pos = (b.n + b.offsets)[None]                     # [1, Q] the block follows the context
+        ctx_pos = (b.start + b.offsets)[None]                   # [1, C] where the new context sits
+        allowed = torch.cat([b.cols < b.n, b.block_cols])       # [L + Q] valid context, whole block
+        bias = torch.where(allowed, b.zero, b.neg_inf)[None, None, None]
+        emb = self.target.model.embed_tokens(b.ids)             # [1, Q, H]
+        h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache, mask=bias,
+                         static=(ctx_pos[0], b.kv_len))
+        return self.target.logits(h[0, 1:])
+
+    def reset(self, cache: KVCache) -> None:
         self.cache = cache
         self.buckets.clear()

@@ -26,14 +26,16 @@ class DFlashLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_c: tuple[torch.Tensor, torch.Tensor], idx: int, cache, ctx_start: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, static=None) -> torch.Tensor:
         # x: [B, Q, H] block stream; ctx: [B, C, H] projected context (new entries only when cached)
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.q(h, *rope_q)
         kb, vb = attn.kv(h, *rope_q)
         kc, vc = attn.kv(ctx, *rope_c)
-        if cache is not None:
+        if static is not None:  # (slots [C], kv_len): device-side offsets, see engine/runner.py
+            kc, vc = cache.write_at(idx, static[0], kc, vc, static[1])
+        elif cache is not None:
             kc, vc = cache.write(idx, ctx_start, kc, vc)
         k = torch.cat([kc, kb], dim=2)
         v = torch.cat([vc, vb], dim=2)
@@ -55,14 +57,16 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor,
                 ctx_pos: torch.Tensor, cache=None, ctx_start: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, *, static=None) -> torch.Tensor:
         """block_emb: [B, Q, H] target embeddings of the block; feats: [B, C, L*H] raw target features
         (with a cache: only the ones not cached yet, at positions ctx_start..); mask: bool
-        [B, 1, Q, C+Q] or None (see everything). Returns final-normed block hidden states [B, Q, H]."""
+        [B, 1, Q, C+Q] or None (see everything); static = (slots [C] long, kv_len): write the context
+        k/v at cache slots `slots` and attend over the first kv_len cache entries (mask then covers
+        [kv_len + Q]). Returns final-normed block hidden states [B, Q, H]."""
         ctx = self.hidden_norm(self.fc(feats))
         rope_q = self.rotary(block_pos, block_emb.dtype)
         rope_c = self.rotary(ctx_pos, block_emb.dtype)
         x = block_emb
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_q, rope_c, i, cache, ctx_start, mask)
+            x = layer(x, ctx, rope_q, rope_c, i, cache, ctx_start, mask, static)
         return self.norm(x)

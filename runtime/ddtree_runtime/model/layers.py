@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import rms_norm, rms_norm_rope, rotate_half_rope
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -14,11 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32 (as HF does) so bf16/fp16 weights give the reference numerics
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)  # float32 inside, as HF does; fused on CUDA
 
 
 class MLP(nn.Module):
@@ -49,9 +47,7 @@ class Rotary(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, H, T, D]
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+    return rotate_half_rope(x, cos, sin)
 
 
 class QKVProj(nn.Module):
@@ -70,15 +66,15 @@ class QKVProj(nn.Module):
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, Hq, T, D]
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        return apply_rope(q, cos, sin)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        return rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, T, hidden] -> k, v: [B, Hkv, T, D]
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         # o: [B, Hq, T, D] -> [B, T, hidden]

@@ -238,9 +238,12 @@ def test_engine_error_is_500_once_and_worker_survives(client, http):
 def test_full_queue_is_429_with_retry_after(client, http):
     http.post("/_test/fault", json={"paused": True})
     results = []
-    # One job held by the paused worker, two waiting: the queue (--max-queue 2) is full.
     threads = [threading.Thread(target=lambda: results.append(_chat(client, max_tokens=4))) for _ in range(3)]
-    for t in threads:
+    # One job held by the paused worker (started first, so it cannot race the others into the queue)...
+    threads[0].start()
+    assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 1) == 1
+    # ...and two waiting: the queue (--max-queue 2) is full.
+    for t in threads[1:]:
         t.start()
     assert _wait_metric(http, "ddtree_queue_depth", lambda v: v == 2) == 2
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4})
@@ -269,9 +272,9 @@ def test_disconnecting_stream_frees_the_worker(server, http):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=_long_request(stream=True)) as r:
             assert r.status_code == 200
-            first = next(r.iter_lines())  # generation is running
-            faults = http.post("/_test/fault", json={}).json()
-            assert _metrics(http)["ddtree_engine_busy"] == 1, (first, faults)
+            lines = r.iter_lines()  # keep a reference: a dropped iterator closes the response
+            next(lines)  # generation is running
+            assert _metrics(http)["ddtree_engine_busy"] == 1
     started = time.monotonic()
     assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 0, timeout=5) == 0
     assert time.monotonic() - started < 2

@@ -99,7 +99,7 @@ def test_drain_timeout_cancels_what_is_still_running(tiny_models):
     with ServerProcess(_args(tiny_models, "--drain-timeout", "1"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
         srv.wait_ready()
         httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.2})
-        body = {"model": "target", "prompt": "1\n2\n", "max_tokens": 400, "stream": True,
+        body = {"model": "target", "prompt": "1\n2\n", "max_tokens": 400, "stream": True, "temperature": 0,
                 "speculative": {"mode": "ar"}}  # 0.2 s a token: far longer than the drain timeout
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

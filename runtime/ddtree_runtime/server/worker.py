@@ -258,7 +258,10 @@ class EngineWorker:
                     self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
                 rounds += 1
                 job.emit(RoundEvent(out))
-                if out.finished or job.cancelled.is_set():
+                if out.finished:
+                    break
+                if job.cancelled.is_set():
+                    log.info("generation cancelled after %d round(s): %s", rounds, job.cancel_reason)
                     break
                 if self.faults.round_delay_s:
                     time.sleep(self.faults.round_delay_s)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..model import DFlashDrafter, Qwen3ForCausalLM, load_drafter, load_target
+from ..model.layers import fuse_projections
 from .kv_cache import KVCache
 from .runner import DraftRunner, TargetRunner
 from .sampling import choose_tokens
@@ -59,6 +60,7 @@ class Engine:
 
         self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype)
                                          if target is None else target)
+        fuse_projections(self.target)
         tcfg = self.target.config
         self.max_context = config.max_context or min(tcfg.max_position_embeddings, 4096)
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
@@ -68,6 +70,7 @@ class Engine:
         if config.draft_dir and drafter is None:
             self.drafter = load_drafter(config.draft_dir, config.device, config.dtype)
         if self.drafter is not None:
+            fuse_projections(self.drafter)
             dcfg = self.drafter.config
             if dcfg.hidden_size != tcfg.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")

@@ -30,8 +30,7 @@ class DFlashLayer(nn.Module):
         # x: [B, Q, H] block stream; ctx: [B, C, H] projected context (new entries only when cached)
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = attn.q(h, *rope_q)
-        kb, vb = attn.kv(h, *rope_q)
+        q, kb, vb = attn.qkv(h, *rope_q)
         kc, vc = attn.kv(ctx, *rope_c)
         if static is not None:  # (slots [C], kv_len): device-side offsets, see engine/runner.py
             kc, vc = cache.write_at(idx, static[0], kc, vc, static[1])

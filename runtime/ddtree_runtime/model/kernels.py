@@ -32,15 +32,18 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + offs, (x * r * w).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps, HALF: tl.constexpr):
-        # one program per (token, head) row of a contiguous [tokens, heads, 2*HALF] tensor
+    def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_tok, eps,
+                              HALF: tl.constexpr):
+        # one program per (token, head) row; x is [tokens, heads, 2*HALF] with heads and dims dense
+        # (tokens may be strided: a slice of the fused qkv output); out is contiguous
         row = tl.program_id(0)
         tok = row // heads
         lo = tl.arange(0, HALF)
         hi = lo + HALF
         base = row * 2 * HALF
-        x1 = tl.load(x_ptr + base + lo).to(tl.float32)
-        x2 = tl.load(x_ptr + base + hi).to(tl.float32)
+        src = tok * stride_tok + (row % heads) * 2 * HALF
+        x1 = tl.load(x_ptr + src + lo).to(tl.float32)
+        x2 = tl.load(x_ptr + src + hi).to(tl.float32)
         r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
         y1 = x1 * r * tl.load(w_ptr + lo).to(tl.float32)
         y2 = x2 * r * tl.load(w_ptr + hi).to(tl.float32)
@@ -88,9 +91,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     b, t, h, d = x.shape
     if not _use_triton(x) or x.dtype != weight.dtype or d & (d - 1) or cos.dtype != x.dtype:
         return rotate_half_rope(rms_norm_torch(x, weight, eps).transpose(1, 2), cos, sin)
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    if x.stride(3) != 1 or x.stride(2) != d or x.stride(0) != t * x.stride(1):
+        x = x.contiguous()
+    out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
-    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, h, eps, HALF=d // 2)
+    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, h, x.stride(1), eps, HALF=d // 2)
     return out.transpose(1, 2)

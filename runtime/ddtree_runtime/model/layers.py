@@ -26,7 +26,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+        self._gate_up: torch.Tensor | None = None  # [2*inter, hidden] once fuse() ran
+
+    def fuse(self) -> None:
+        """One GEMM for gate and up (inference): the two weights become views of one tensor."""
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        n = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+        self._gate_up = w
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up is not None:
+            gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -62,6 +75,35 @@ class QKVProj(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weight, bias
+
+    def fuse(self) -> None:
+        """One GEMM for q, k and v (inference): the three weights become views of one tensor."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight for p in projs])
+        b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        row = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(w[row:row + n], requires_grad=False)
+            if b is not None:
+                p.bias = nn.Parameter(b[row:row + n], requires_grad=False)
+            row += n
+        self._qkv = (w, b)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+        if self._qkv is None:
+            return (self.q(x, cos, sin), *self.kv(x, cos, sin))
+        b, t, _ = x.shape
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        y = F.linear(x, *self._qkv)
+        q = y[..., :nq].view(b, t, self.n_heads, self.head_dim)
+        k = y[..., nq:nq + nk].view(b, t, self.n_kv, self.head_dim)
+        v = y[..., nq + nk:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return (rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin),
+                rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin), v)
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, Hq, T, D]
@@ -85,3 +127,10 @@ class QKVProj(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
     """SDPA with grouped KV heads; mask is boolean (True = may attend), broadcastable to [B, H, Tq, Tk]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def fuse_projections(module: nn.Module) -> None:
+    """Fuse q/k/v and gate/up GEMMs in every layer of an inference model (fewer, larger GEMMs)."""
+    for m in module.modules():
+        if isinstance(m, (QKVProj, MLP)):
+            m.fuse()

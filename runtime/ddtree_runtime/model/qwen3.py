@@ -24,8 +24,7 @@ class DecoderLayer(nn.Module):
                 cache, start: int, mask: torch.Tensor | None, static=None) -> torch.Tensor:
         h = self.input_layernorm(x)
         attn = self.self_attn
-        q = attn.q(h, cos, sin)
-        k, v = attn.kv(h, cos, sin)
+        q, k, v = attn.qkv(h, cos, sin)
         if static is not None:
             # shapes fixed by (T, kv_len), offsets on the device: a CUDA graph can replay this
             slots, bias, kv_len = static

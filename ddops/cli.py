@@ -217,6 +217,62 @@ def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
 
 
 @cli.command()
+@click.option("--host", "host_name", required=True, help="The host serving the runtime.")
+@click.option("--profile", "profile_name", default=None, metavar="PROFILE",
+              help="Take port, model name and API key from this deploy profile.")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="The runtime's port [default: the profile's, else the host's first service with a port].")
+@click.option("--api-key-env", default=None, metavar="VAR",
+              help="Control-machine env var holding the API key [default: the profile's secret, if any].")
+@click.option("--prompts", "prompts_path", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              default=None, help="JSON lines with `prompt` [default: the bundled 10-prompt coding set].")
+@click.option("--modes", default="ar,dflash,ddtree:16,ddtree:64", show_default=True,
+              help="Comma list: ar, dflash, ddtree or ddtree:BUDGET.")
+@click.option("--max-tokens", type=click.IntRange(1, 32768), default=256, show_default=True)
+@click.option("--timeout", type=click.FloatRange(1, 3600), default=300, show_default=True,
+              help="Seconds per request.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
+def bench(obj: Context, host_name: str, profile_name: str | None, port: int | None, api_key_env: str | None,
+          prompts_path: Path | None, modes: str, max_tokens: int, timeout: float, as_json: bool) -> None:
+    """Tokens/s and mean acceptance length per speculative mode, per prompt and overall."""
+    from .bench import bench_spec, load_prompts, parse_modes, render, run_bench
+
+    mode_list, prompts = parse_modes(modes), load_prompts(prompts_path)
+    inventory = obj.inventory()
+    host = inventory.host(host_name)
+    model, api_key = None, None
+    if profile_name:
+        from .pivot import read_secrets
+        from .profile import load_profile, resolve_profile
+
+        profile = load_profile(resolve_profile(profile_name))
+        port = port or profile.port
+        model = profile.serve.served_model_name
+        api_key = read_secrets(profile).get("DDTREE_API_KEY")
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise UsageError(f"${api_key_env} is not set", fix=f"export {api_key_env}=... or drop --api-key-env")
+    if port is None:
+        port = next((s.port for s in host.services if s.port), None)
+        if port is None:
+            raise UsageError(f"no port for {host.name}: its services list none", fix="pass --port or --profile")
+    spec = bench_spec(port=port, api_key=api_key, model=model, max_tokens=max_tokens, timeout=timeout,
+                      prompts=prompts, modes=mode_list)
+    if not as_json:
+        _progress(f"{len(prompts)} prompt(s) x {len(mode_list)} mode(s) on {host.name}:{port}")
+    with obj.executor(inventory) as executor:
+        report = run_bench(executor, host, spec)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report, stdout_console())
+    if report["errors"]:
+        sys.exit(EXIT_FAILED)
+
+
+@cli.command()
 @click.option("--keep", is_flag=True, help="Leave the lab running at the end.")
 @click.pass_obj
 def demo(obj: Context, keep: bool) -> None:

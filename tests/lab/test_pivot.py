@@ -114,6 +114,19 @@ def test_rerun_changes_nothing(pivot_lab):
     assert step(report, "smoke")["status"] == "done"
 
 
+def test_bench_against_the_deployed_runtime(pivot_lab, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "count", "prompt": "Count from 3 to 20."}\n{"id": "add", "prompt": "What is 2+3?"}\n')
+    done = ddops(pivot_lab, "bench", "--host", "ct200", "--profile", str(PROFILE), "--prompts", str(prompts),
+                 "--modes", "ar,ddtree:4,ddtree:16", "--max-tokens", "24", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["errors"] == 0 and len(report["results"]) == 6
+    dd = report["overall"]["ddtree:16"]
+    assert dd["same_text_as_ar"] == dd["compared_with_ar"] == 2
+    assert dd["mean_acceptance_length"] > 1.5 and dd["tokens_per_s"] > 0
+
+
 def test_missing_package_installed_before_start(pivot_lab):
     ct200(pivot_lab, "/opt/ddtree/venv/bin/pip uninstall -y -q uvicorn", timeout=120)
     done, report = pivot(pivot_lab)

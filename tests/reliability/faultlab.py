@@ -218,6 +218,11 @@ def freezer_available() -> bool:
 # -- the shared pivoted state --------------------------------------------------------------------
 
 IGNORE_SIGTERM = "DFLASH_IGNORE_SIGTERM=1\nDFLASH_STEP_SECONDS=0.5\n"
+STUBBORN_CLEANUP = (
+    "pid=$(systemctl show -p MainPID --value dflash-train.service); "
+    "if [ \"$pid\" != 0 ] && tr '\\0' '\\n' < /proc/$pid/environ | grep -q '^DFLASH_IGNORE_SIGTERM=1'; then "
+    "systemctl kill -s KILL dflash-train.service; sleep 1; systemctl reset-failed dflash-train.service; "
+    "systemctl start dflash-train.service; fi")
 
 
 @pytest.fixture(scope="session")
@@ -247,6 +252,8 @@ def base(lab, tmp_path_factory):
         done, report = pivot(lab, profile)
     finally:
         lab.ssh("ct200", ["bash", "-c", "cat > /etc/default/dflash-train"], input=saved)
+        # A rollback may have restarted the job with the stubborn setting: replace it with a normal one.
+        sh(lab, "ct200", STUBBORN_CLEANUP)
     assert done.returncode == 0 and report["outcome"] in ("ok", "unchanged"), report
     state = unit_state(lab)
     assert state["active"] == "active" and healthy(lab)

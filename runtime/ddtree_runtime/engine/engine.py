@@ -95,8 +95,8 @@ class Engine:
             self.runner = TargetRunner(self.target, self.target_cache, self.device)
         else:
             self.runner.reset(self.target_cache)
-        self._ar_depth = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step: a 1-node tree
-        self._ar_mask = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        self._ar_depth = torch.zeros(1, dtype=torch.long)  # an AR step: a 1-node tree (host tensors)
+        self._ar_mask = torch.ones(1, 1, dtype=torch.bool)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class Engine:
     @torch.inference_mode()
     def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
         self._phase("step")
-        ids = torch.tensor([req.bonus], dtype=torch.long, device=self.device)  # [1]
+        ids = torch.tensor([req.bonus], dtype=torch.long)  # [1], host
         logits, _ = self.runner.run(ids, self._ar_depth, self._ar_mask, req.n_ctx)
         req.n_ctx += 1
         req.bonus = int(self._choose(req, logits)[0])

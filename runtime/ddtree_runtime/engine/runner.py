@@ -34,11 +34,17 @@ class _Bucket:
 
     def __init__(self, size: int, kv_len: int, device: torch.device, dtype: torch.dtype) -> None:
         self.size, self.kv_len = size, kv_len
-        self.ids = torch.zeros(1, size, dtype=torch.long, device=device)       # [1, T]
-        self.pos = torch.zeros(1, size, dtype=torch.long, device=device)       # [1, T]
-        self.start = torch.zeros(1, dtype=torch.long, device=device)           # [1]
+        # inputs are staged on the host (pinned on CUDA) and copied in two transfers: ids | pos | start
+        # as one int64 vector, and the [T, T] ancestor mask
+        pin = device.type == "cuda"
+        self.host_ints = torch.zeros(2 * size + 1, dtype=torch.long, pin_memory=pin)
+        self.host_tree = torch.zeros(size, size, dtype=torch.bool, pin_memory=pin)
+        self.host_eye = torch.eye(size, dtype=torch.bool)
+        self.ints = torch.zeros(2 * size + 1, dtype=torch.long, device=device)
+        self.ids = self.ints[:size].view(1, size)                              # [1, T]
+        self.pos = self.ints[size:2 * size].view(1, size)                      # [1, T]
+        self.start = self.ints[2 * size:]                                      # [1]
         self.tree = torch.eye(size, dtype=torch.bool, device=device)           # [T, T] ancestor mask
-        self.eye = torch.eye(size, dtype=torch.bool, device=device)
         self.cols = torch.arange(kv_len, device=device)                        # [L]
         self.rows = torch.arange(size, device=device)                          # [T]
         self.zero = torch.zeros((), dtype=dtype, device=device)
@@ -61,7 +67,8 @@ class TargetRunner:
 
     def run(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
             start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, depths: [N] long; tree_mask: [N, N] bool; the nodes' k/v go to slots start..start+N.
+        """tokens, depths: [N] long; tree_mask: [N, N] bool (host tensors); the nodes' k/v go to cache
+        slots start..start+N.
 
         Returns logits [N, V] (float32) and features [1, N, F] (or None without feature layers). Both may
         be views of static buffers: use them before the next run."""
@@ -73,14 +80,17 @@ class TargetRunner:
             b = self.buckets[(size, kv_len)] = _Bucket(size, kv_len, self.device, self.cache.k.dtype)
         # fill the static inputs; padding nodes hold token 0 at the root's position and see only the
         # context and themselves, and no real node sees them
-        b.ids[0, :n] = tokens
-        b.pos[0, :n] = depths + start
+        hi, ht = b.host_ints, b.host_tree
+        hi[:n] = tokens
+        hi[n:size] = 0
+        hi[size:size + n] = depths
+        hi[size + n:] = 0
+        hi[size:] += start  # positions are start + depth; the last slot is start itself
         if n < size:
-            b.ids[0, n:] = 0
-            b.pos[0, n:] = start
-            b.tree.copy_(b.eye)
-        b.tree[:n, :n] = tree_mask
-        b.start.fill_(start)
+            ht.copy_(b.host_eye)
+        ht[:n, :n] = tree_mask
+        b.ints.copy_(hi, non_blocking=True)  # safe: the staging is rewritten only after the round's sync
+        b.tree.copy_(ht, non_blocking=True)
         if not self.use_graphs:
             logits, feats = self._forward(b)
         else:
@@ -123,10 +133,15 @@ class _DraftBucket:
     def __init__(self, block: int, feat_dim: int, kv_len: int, device: torch.device, dtype: torch.dtype,
                  mask_token_id: int) -> None:
         self.kv_len = kv_len
-        self.ids = torch.full((1, block), mask_token_id, dtype=torch.long, device=device)  # [1, Q]
+        # ids [1, Q] | start (context already in the cache) | n (context length after this call),
+        # staged on the host and copied in one transfer
+        self.host_ints = torch.full((block + 2,), mask_token_id, dtype=torch.long,
+                                    pin_memory=device.type == "cuda")
+        self.ints = self.host_ints.to(device)
+        self.ids = self.ints[:block].view(1, block)
+        self.start = self.ints[block:block + 1]
+        self.n = self.ints[block + 1:]
         self.feats = torch.zeros(1, block, feat_dim, dtype=dtype, device=device)        # [1, C=Q, F]
-        self.start = torch.zeros(1, dtype=torch.long, device=device)  # context already in the cache
-        self.n = torch.zeros(1, dtype=torch.long, device=device)      # context length after this call
         self.offsets = torch.arange(block, device=device)
         self.cols = torch.arange(kv_len, device=device)
         self.block_cols = torch.ones(block, dtype=torch.bool, device=device)
@@ -167,12 +182,13 @@ class DraftRunner:
         if b is None:
             b = self.buckets[kv_len] = _DraftBucket(self.block, self.feat_dim, kv_len, self.device,
                                                     self.cache.k.dtype, self.mask_token_id)
-        b.ids[0, :1].fill_(bonus)
+        b.host_ints[0] = bonus
+        b.host_ints[self.block] = draft_len
+        b.host_ints[self.block + 1] = n_ctx
+        b.ints.copy_(b.host_ints, non_blocking=True)
         b.feats[:, :m] = pending
         if m < self.block:
             b.feats[:, m:].zero_()
-        b.start.fill_(draft_len)
-        b.n.fill_(n_ctx)
         if not self.use_graphs:
             return self._forward(b)
         if b.graph is None:

@@ -15,6 +15,7 @@ import torch
 
 @dataclass
 class Tree:
+    # tensors live on the host (the runner copies them to the device with the rest of its inputs)
     tokens: torch.Tensor   # [N] long, token at each node (node 0 = root)
     parents: torch.Tensor  # [N] long, parent index (root points at itself)
     depths: torch.Tensor   # [N] long, root = 0
@@ -28,18 +29,21 @@ class Tree:
 
 
 def _finish(tokens: list[int], parents: list[int], depths: list[int], device: torch.device) -> Tree:
+    # the tree's tensors stay on the host, where they are built (a few microseconds per op, against
+    # tens for a device launch); the runner copies them into its static device buffers in one go
+    del device
     n = len(tokens)
-    par = torch.tensor(parents, dtype=torch.long, device=device)
-    dep = torch.tensor(depths, dtype=torch.long, device=device)
+    par = torch.tensor(parents, dtype=torch.long)
+    dep = torch.tensor(depths, dtype=torch.long)
     # ancestor mask by pointer chasing: max_depth vectorised steps instead of one loop per node
-    mask = torch.eye(n, dtype=torch.bool, device=device)
-    rows = torch.arange(n, device=device)
+    mask = torch.eye(n, dtype=torch.bool)
+    rows = torch.arange(n)
     cur = rows
     for _ in range(max(depths)):
         cur = par[cur]
         mask[rows, cur] = True
     children = {(parents[i], tokens[i]): i for i in range(1, n)}
-    return Tree(torch.tensor(tokens, dtype=torch.long, device=device), par, dep, mask, tokens, children)
+    return Tree(torch.tensor(tokens, dtype=torch.long), par, dep, mask, tokens, children)
 
 
 def build_tree(root: int, draft_logprobs: torch.Tensor, budget: int) -> Tree:

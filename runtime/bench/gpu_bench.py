@@ -119,7 +119,18 @@ def check_kernels(device: torch.device) -> dict:
     ref_n = rms_norm_torch(x.double(), w.double(), 1e-6)
     ref_r = rotate_half_rope(rms_norm_torch(q.double(), wq.double(), 1e-6).transpose(1, 2),
                              cos.double(), sin.double())
-    return {"rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),
+    from ddtree_runtime.model.layers import attend_grouped
+
+    qa = torch.randn(1, 32, 17, 128, device=device, dtype=dt)
+    ka, va = (torch.randn(1, 8, 1024, 128, device=device, dtype=dt) for _ in range(2))
+    allowed = torch.rand(17, 1024, device=device) < 0.7
+    allowed[:, 0] = True
+    bias = torch.zeros(17, 1024, device=device).masked_fill(~allowed, float("-inf")).to(dt)[None, None]
+    ref_a = torch.nn.functional.scaled_dot_product_attention(
+        qa.double(), ka.double().repeat_interleave(4, 1), va.double().repeat_interleave(4, 1),
+        attn_mask=bias.double())
+    return {"attend_grouped_rel_err": err(attend_grouped(qa, ka, va, bias), ref_a),
+            "rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),
             "rms_norm_rope_rel_err": err(rms_norm_rope(q, wq, 1e-6, cos, sin), ref_r)}
 
 

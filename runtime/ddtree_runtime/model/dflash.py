@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import DFlashConfig
-from .layers import MLP, QKVProj, RMSNorm, Rotary, attend
+from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_grouped
 
 
 class DFlashLayer(nn.Module):
@@ -38,7 +38,8 @@ class DFlashLayer(nn.Module):
             kc, vc = cache.write(idx, ctx_start, kc, vc)
         k = torch.cat([kc, kb], dim=2)
         v = torch.cat([vc, vb], dim=2)
-        x = x + attn.out(attend(q, k, v, mask))
+        # the graphed path (static) attends over a bucketed cache with an additive bias
+        x = x + attn.out(attend_grouped(q, k, v, mask) if static is not None else attend(q, k, v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import DFlashConfig
-from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_grouped
+from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_decode
 
 
 class DFlashLayer(nn.Module):
@@ -39,7 +39,7 @@ class DFlashLayer(nn.Module):
         k = torch.cat([kc, kb], dim=2)
         v = torch.cat([vc, vb], dim=2)
         # the graphed path (static) attends over a bucketed cache with an additive bias
-        x = x + attn.out(attend_grouped(q, k, v, mask) if static is not None else attend(q, k, v, mask))
+        x = x + attn.out(attend_decode(q, k, v, mask) if static is not None else attend(q, k, v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

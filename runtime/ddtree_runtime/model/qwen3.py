@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
-from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_grouped
+from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_decode
 
 
 class DecoderLayer(nn.Module):
@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
             # shapes fixed by (T, kv_len), offsets on the device: a CUDA graph can replay this
             slots, bias, kv_len = static
             k, v = cache.write_at(idx, slots, k, v, kv_len)
-            x = x + attn.out(attend_grouped(q, k, v, bias))
+            x = x + attn.out(attend_decode(q, k, v, bias))
             return x + self.mlp(self.post_attention_layernorm(x))
         if cache is not None:
             k, v = cache.write(idx, start, k, v)

@@ -266,6 +266,8 @@ def test_extra_hosts_come_and_go(lab) -> None:
 
 def test_port_taken_by_another_process_is_a_clear_error(lab) -> None:
     with socket.socket() as squatter:
+        # The previous test's eval-01 just left 2210: its connections may linger in TIME_WAIT.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", 2210))
         squatter.listen(1)
         with pytest.raises(LabError, match="port 2210 .* already in use"):

@@ -6,6 +6,12 @@ Each gathers what ddops needs from a host in one SSH round trip and prints one J
 from importlib import resources
 
 
+# Probes travel as one script each, so code they share is prepended to their text here.
+_SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat",)}
+
+
 def probe_source(name: str) -> str:
     """The text of probe `name` (e.g. "facts"), to send as `python3 -c TEXT ARGS`."""
-    return resources.files(__package__).joinpath(f"{name}.py").read_text()
+    files = resources.files(__package__)
+    parts = [*_SHARED_PARTS.get(name, ()), name]
+    return "\n\n".join(files.joinpath(f"{part}.py").read_text() for part in parts)

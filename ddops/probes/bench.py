@@ -8,30 +8,7 @@ prompt and mode, in the order run (modes interleaved per prompt, so drift hits e
 """
 import json
 import sys
-import time
-import urllib.error
-import urllib.request
-
-
-def chat(spec, prompt, speculative, max_tokens):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "speculative": speculative}
-    if spec.get("model"):
-        body["model"] = spec["model"]
-    headers = {"Content-Type": "application/json"}
-    if spec.get("api_key"):
-        headers["Authorization"] = "Bearer " + spec["api_key"]
-    req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % spec["port"],
-                                 data=json.dumps(body).encode(), headers=headers, method="POST")
-    started = time.time()
-    try:
-        with urllib.request.urlopen(req, timeout=spec.get("timeout", 300)) as resp:
-            data = json.loads(resp.read().decode())
-    except urllib.error.HTTPError as exc:
-        return None, time.time() - started, "HTTP %d: %s" % (exc.code, exc.read(300).decode(errors="replace"))
-    except (OSError, ValueError) as exc:
-        return None, time.time() - started, str(getattr(exc, "reason", exc))
-    return data, time.time() - started, None
+# chat() comes from loopback_chat.py, which probe_source() prepends to this script.
 
 
 def speculative(mode):
@@ -45,11 +22,11 @@ def main():
     spec = json.loads(sys.stdin.read())
     # warm up each mode once (the runtime captures its CUDA graphs on first use of a shape)
     for mode in spec["modes"]:
-        chat(spec, spec["prompts"][0]["prompt"], speculative(mode), 16)
+        chat(spec, spec["prompts"][0]["prompt"], 16, speculative(mode), 300)
     results = []
     for item in spec["prompts"]:
         for mode in spec["modes"]:
-            data, elapsed, error = chat(spec, item["prompt"], speculative(mode), spec["max_tokens"])
+            data, elapsed, error = chat(spec, item["prompt"], spec["max_tokens"], speculative(mode), 300)
             row = {"prompt": item["id"], "mode": mode["name"], "seconds": round(elapsed, 4)}
             if error:
                 row["error"] = error

@@ -7,37 +7,12 @@ lossless check, the same prompt with `speculative: {mode: ar}` must give the ide
 import json
 import re
 import sys
-import time
-import urllib.error
-import urllib.request
-
-
-def chat(spec, prompt, speculative=None):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": spec["max_tokens"],
-            "temperature": 0}
-    if spec.get("model"):
-        body["model"] = spec["model"]
-    if speculative:
-        body["speculative"] = speculative
-    headers = {"Content-Type": "application/json"}
-    if spec.get("api_key"):
-        headers["Authorization"] = "Bearer " + spec["api_key"]
-    req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % spec["port"],
-                                 data=json.dumps(body).encode(), headers=headers, method="POST")
-    started = time.time()
-    try:
-        with urllib.request.urlopen(req, timeout=spec.get("timeout", 120)) as resp:
-            data = json.loads(resp.read().decode())
-    except urllib.error.HTTPError as exc:
-        return None, time.time() - started, "HTTP %d: %s" % (exc.code, exc.read(300).decode(errors="replace"))
-    except (OSError, ValueError) as exc:
-        return None, time.time() - started, str(getattr(exc, "reason", exc))
-    return data, time.time() - started, None
+# chat() comes from loopback_chat.py, which probe_source() prepends to this script.
 
 
 def check(spec, item):
     res = {"prompt": item["prompt"], "expect": item["expect"], "ok": False, "problems": []}
-    data, elapsed, error = chat(spec, item["prompt"])
+    data, elapsed, error = chat(spec, item["prompt"], spec["max_tokens"])
     if error:
         res["problems"].append("request failed: " + error)
         return res
@@ -64,7 +39,7 @@ def check(spec, item):
         elif mal < floor:
             res["problems"].append("mean acceptance length %.2f below the floor %.2f" % (mal, floor))
     if spec.get("lossless"):
-        ar, ar_elapsed, error = chat(spec, item["prompt"], {"mode": "ar"})
+        ar, ar_elapsed, error = chat(spec, item["prompt"], spec["max_tokens"], {"mode": "ar"})
         if error:
             res["problems"].append("ar request failed: " + error)
         else:

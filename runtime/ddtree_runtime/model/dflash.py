@@ -12,18 +12,10 @@ import torch
 from torch import nn
 
 from .config import DFlashConfig
-from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_decode
+from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_decode
 
 
-class DFlashLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
-        super().__init__()
-        self.self_attn = QKVProj(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                 cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
+class DFlashLayer(LayerWeights):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_c: tuple[torch.Tensor, torch.Tensor], idx: int, cache, ctx_start: int,
                 mask: torch.Tensor | None, static=None) -> torch.Tensor:

@@ -124,6 +124,19 @@ class QKVProj(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
+class LayerWeights(nn.Module):
+    """The weights of one Qwen3-style layer, named as in HF and z-lab checkpoints; the target's decoder
+    layer and the drafter's layer share them and differ only in what their attention reads."""
+
+    def __init__(self, cfg) -> None:  # a Qwen3Config or a DFlashConfig
+        super().__init__()
+        self.self_attn = QKVProj(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
     """SDPA with grouped KV heads; mask is boolean (True = may attend) or additive, broadcastable to
     [B, H, Tq, Tk]. (Folding the query heads of each KV head into the query axis, so a masked call

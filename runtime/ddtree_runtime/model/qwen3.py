@@ -8,18 +8,10 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
-from .layers import MLP, QKVProj, RMSNorm, Rotary, attend, attend_decode
+from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_decode
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
-        super().__init__()
-        self.self_attn = QKVProj(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                 cfg.head_dim, cfg.rms_norm_eps, cfg.attention_bias)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
+class DecoderLayer(LayerWeights):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
                 cache, start: int, mask: torch.Tensor | None, static=None) -> torch.Tensor:
         h = self.input_layernorm(x)

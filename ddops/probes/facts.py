@@ -55,6 +55,25 @@ def uptime_s():
         return float(fh.read().split()[0])
 
 
+def cmdline(pid):
+    try:
+        with open("/proc/%s/cmdline" % pid, "rb") as fh:
+            return " ".join(a.decode(errors="replace") for a in fh.read().split(b"\0") if a)
+    except OSError:
+        return ""
+
+
+def process(pid, command):
+    """pid's record, with its elapsed time (None if it has gone meanwhile)."""
+    try:
+        with open("/proc/%s/stat" % pid) as fh:
+            stat = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    started = int(stat[19]) / clock_ticks()
+    return {"pid": int(pid), "cmdline": command, "elapsed_s": round(uptime_s() - started, 1)}
+
+
 def processes(pattern):
     """Processes whose command line matches pattern (not this probe, not its shell)."""
     rx = re.compile(pattern)
@@ -63,19 +82,13 @@ def processes(pattern):
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in me:
             continue
-        try:
-            with open("/proc/%s/cmdline" % entry, "rb") as fh:
-                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-            with open("/proc/%s/stat" % entry) as fh:
-                stat = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        cmdline = " ".join(argv)
+        command = cmdline(entry)
         # Probes (this one or a concurrent run's) carry their own source, hence this marker.
-        if not argv or not rx.search(cmdline) or "ddops-probe" in cmdline:
+        if not command or not rx.search(command) or "ddops-probe" in command:
             continue
-        started = int(stat[19]) / clock_ticks()
-        found.append({"pid": int(entry), "cmdline": cmdline, "elapsed_s": round(uptime_s() - started, 1)})
+        record = process(entry, command)
+        if record:
+            found.append(record)
     return found
 
 
@@ -115,7 +128,8 @@ def training(spec):
     found = processes(spec["pattern"]) if spec.get("pattern") else []
     unit = unit_state(spec["unit"]) if spec.get("unit") else None
     if not found and unit and unit.get("MainPID") not in (None, 0):
-        found = [p for p in processes(r".") if p["pid"] == unit["MainPID"]]
+        record = process(unit["MainPID"], cmdline(unit["MainPID"]))
+        found = [record] if record and record["cmdline"] else []
     main = found[0] if found else None
     return {
         "running": bool(found),

@@ -13,8 +13,8 @@ import torch
 
 from ..model import DFlashDrafter, Qwen3ForCausalLM, load_drafter, load_target
 from ..model.layers import fuse_projections
-from .kv_cache import KVCache
-from .runner import DraftRunner, TargetRunner
+from .kv_cache import KVCache, target_cache
+from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
 from .tree import Tree, build_chain, build_tree, walk
 from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
@@ -87,10 +87,10 @@ class Engine:
         self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
-        c = self.target.config
-        self.target_cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                    TargetRunner.capacity_for(self.max_context, tree_slots), self.device,
-                                    self.target.lm_head.weight.dtype)
+        self.target_cache = None  # free the old one before sizing the new
+        self.target_cache = target_cache(self.target.config,
+                                         TargetRunner.capacity_for(self.max_context, tree_slots), self.device,
+                                         self.target.lm_head.weight.dtype, nodes=tree_bucket(tree_slots))
         if getattr(self, "runner", None) is None:
             self.runner = TargetRunner(self.target, self.target_cache, self.device)
         else:
@@ -188,6 +188,7 @@ class Engine:
         self._phase("step")
         ids = torch.tensor([req.bonus], dtype=torch.long)  # [1], host
         logits, _ = self.runner.run(ids, self._ar_depth, self._ar_mask, req.n_ctx)
+        self.target_cache.compact(req.n_ctx, [0])  # a no-op for KV; advances a recurrent state
         req.n_ctx += 1
         req.bonus = int(self._choose(req, logits)[0])
         self._phase("end")
@@ -234,8 +235,7 @@ class Engine:
 
     def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
         """Keep the accepted path's KV (compacted right after the context) and queue its features."""
-        keep = torch.tensor(path, dtype=torch.long, device=self.device)
-        self.target_cache.compact(req.n_ctx, keep)
-        req.pending = feats[:, keep]                                    # [1, len(path), F]
+        self.target_cache.compact(req.n_ctx, path)
+        req.pending = feats[:, torch.tensor(path, device=self.device)]                                    # [1, len(path), F]
         req.n_ctx += len(path)
         req.bonus = next_token

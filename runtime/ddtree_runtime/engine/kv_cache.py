@@ -1,8 +1,12 @@
-"""Static KV cache: allocated once for the worst case, written in place, compacted by index."""
+"""Target caches, allocated once for the worst case, written in place, compacted by index: the KV cache,
+and for hybrid targets the KV of the full-attention layers plus the linear layers' recurrent state."""
 
 from __future__ import annotations
 
 import torch
+
+from ..model.config import Qwen35Config, Qwen3Config
+from ..model.gated_delta import Step, state_at
 
 
 class KVCache:
@@ -33,13 +37,70 @@ class KVCache:
         self.v[layer].index_copy_(2, slots, v)
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
-    def compact(self, start: int, keep: torch.Tensor) -> None:
-        """Move entries start+keep[i] to start+i for every layer (keep ascending); the rest become free.
-
-        Used after tree verification: the accepted path's KV entries end up contiguous after the context.
-        """
-        n = keep.numel()
-        src = keep.to(self.k.device) + start
+    def compact(self, start: int, path: list[int]) -> None:
+        """Keep the tree nodes `path` (ascending, root first) of the pass written at `start`: entries
+        start+path[i] move to start+i for every layer; the rest become free. A path that is already a
+        prefix (an AR step, a fully accepted chain) needs no move."""
+        n = len(path)
+        if path == list(range(n)):
+            return
+        src = torch.tensor(path, device=self.k.device) + start
         # advanced indexing copies first, so overlapping source/destination ranges are safe
         self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
         self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
+
+
+class HybridCache(KVCache):
+    """For a hybrid target: KV for the full-attention layers, and for the linear-attention layers the
+    committed conv tail and recurrent state plus the last tree pass's per-node scratch (inputs, keys,
+    written values, path decays), from which `compact` advances the state along the accepted path.
+
+    Memory: the state is fixed (n_linear x Hv x dk x dv floats); the scratch grows with the tree:
+    n_linear x nodes x (Hv x (dk + dv + 1) floats + conv_dim values)."""
+
+    def __init__(self, cfg: Qwen35Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
+                 batch: int = 1, nodes: int = 1) -> None:
+        super().__init__(len(cfg.full_layers), cfg.num_key_value_heads, cfg.head_dim, capacity, device,
+                         dtype, batch)
+        n, hv = len(cfg.linear_layers), cfg.linear_num_value_heads
+        dk, dv, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+        f32 = torch.float32
+        self.conv = torch.zeros(n, batch, kernel - 1, conv_dim, device=device, dtype=dtype)
+        self.state = torch.zeros(n, batch, hv, dk, dv, device=device, dtype=f32)
+        self.inputs = torch.zeros(n, batch, nodes, conv_dim, device=device, dtype=dtype)
+        self.step = Step(torch.zeros(n, batch, hv, nodes, dk, device=device, dtype=f32),
+                         torch.zeros(n, batch, hv, nodes, dv, device=device, dtype=f32),
+                         torch.zeros(n, batch, hv, nodes, device=device, dtype=f32))
+
+    @staticmethod
+    def scratch_bytes(cfg: Qwen35Config, nodes: int, elem: int) -> int:
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+        return len(cfg.linear_layers) * nodes * (4 * hv * (dk + dv + 1) + elem * conv_dim)
+
+    def save_step(self, layer: int, inputs: torch.Tensor, step: Step, t: int) -> None:
+        """Keep what a tree pass of layer `layer` over t nodes leaves for `compact`."""
+        if t > self.inputs.shape[2]:
+            raise RuntimeError(f"tree of {t} nodes exceeds the recurrent scratch ({self.inputs.shape[2]})")
+        self.inputs[layer, :, :t] = inputs
+        self.step.k[layer, :, :, :t] = step.k
+        self.step.u[layer, :, :, :t] = step.u
+        self.step.g[layer, :, :, :t] = step.g
+
+    def compact(self, start: int, path: list[int]) -> None:
+        """Also advance every linear layer's state to the end of the accepted path; what rejected
+        branches wrote to the scratch is never read."""
+        super().compact(start, path)
+        idx = torch.tensor(path, device=self.state.device)
+        self.state.copy_(state_at(self.step, self.state, idx))
+        tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
+        self.conv.copy_(tail[:, :, -self.conv.shape[2]:])
+
+
+def target_cache(cfg: Qwen3Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
+                 batch: int = 1, nodes: int = 1) -> KVCache:
+    """The cache a target of this config needs; `nodes` is the largest tree pass it must hold."""
+    if isinstance(cfg, Qwen35Config):
+        return HybridCache(cfg, capacity, device, dtype, batch, nodes)
+    return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Qwen3ForCausalLM
+from ..model.layers import TreeInputs
 from .kv_cache import KVCache
 
 TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)  # root + 2^k draft nodes
@@ -106,7 +107,7 @@ class TargetRunner:
         allowed = (rel < 0) | ((rel < b.size) & in_tree)        # context, or an ancestor (or self)
         bias = torch.where(allowed, b.zero, b.neg_inf)          # [T, L] additive, cache dtype
         slots = b.start + b.rows                                # [T]
-        h, feats = self.target(b.ids, b.pos, self.cache, static=(slots, bias[None, None], b.kv_len))
+        h, feats = self.target(b.ids, b.pos, self.cache, static=TreeInputs(slots, bias[None, None], b.kv_len, b.tree))
         return self.target.logits(h[0]), feats
 
     def reset(self, cache: KVCache) -> None:

@@ -1,4 +1,4 @@
-"""Model configs read from HF-style config.json files (Qwen3 target, DFlash drafter)."""
+"""Model configs read from HF-style config.json files (Qwen3 and hybrid Qwen3.5 targets, DFlash drafter)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ class Qwen3Config:
     attention_bias: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
         _check_supported(d)
@@ -64,6 +68,74 @@ class Qwen3Config:
     @classmethod
     def from_dir(cls, path: str | Path) -> "Qwen3Config":
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+# model_type -> the target family this runtime implements for it (a checkpoint's own name, not ours)
+TARGET_ARCHS = {"qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+
+
+def target_arch(d: dict[str, Any]) -> str:
+    """The family of a target's config.json; ValueError names what is unsupported and what is."""
+    kind = d.get("model_type")
+    if kind not in TARGET_ARCHS:
+        known = ", ".join(sorted(TARGET_ARCHS))
+        raise ValueError(f"unsupported target model_type {kind!r} (architectures {d.get('architectures')}); "
+                         f"this runtime serves {known}")
+    return TARGET_ARCHS[kind]
+
+
+@dataclass
+class Qwen35Config(Qwen3Config):
+    """Qwen3.5/3.6 text model: Gated DeltaNet (linear attention) layers with a full-attention layer every
+    few, gated attention output, partial RoPE, zero-centred RMSNorm weights."""
+    layer_types: list[str] = field(default_factory=list)   # "linear_attention" | "full_attention"
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    partial_rotary_factor: float = 0.25
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == "linear_attention"]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Qwen35Config":
+        # the released checkpoints are multimodal: the language model's config sits under text_config
+        text = {**d.get("text_config", {}), **{k: d[k] for k in ("tie_word_embeddings",) if k in d}} \
+            if "text_config" in d else d
+        base = Qwen3Config.from_dict(text)
+        n = base.num_hidden_layers
+        kinds = text.get("layer_types") or [
+            "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(n)]
+        if len(kinds) != n or set(kinds) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name {n} layers, each linear_attention or full_attention")
+        rope = text.get("rope_parameters") or {}
+        return cls(
+            **{k: getattr(base, k) for k in base.__dataclass_fields__},
+            layer_types=list(kinds),
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            linear_key_head_dim=text.get("linear_key_head_dim", 128),
+            linear_value_head_dim=text.get("linear_value_head_dim", 128),
+            linear_num_key_heads=text.get("linear_num_key_heads", 16),
+            linear_num_value_heads=text.get("linear_num_value_heads", 32),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                 text.get("partial_rotary_factor", 0.25))),
+        )
+
+
+def target_config(d: dict[str, Any]) -> Qwen3Config:
+    return {"qwen3": Qwen3Config, "qwen3_5": Qwen35Config}[target_arch(d)].from_dict(d)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,8 +61,36 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]
-    return rotate_half_rope(x, cos, sin)
+    # x: [B, H, T, D]; cos, sin: [B, 1, T, R] with R <= D (partial RoPE rotates the first R dims only)
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return rotate_half_rope(x, cos, sin)
+    return torch.cat([rotate_half_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class TreeInputs(NamedTuple):
+    """A fixed-shape target forward over tree nodes (see engine/runner.py): offsets live on the device,
+    so a CUDA graph can replay it. Models with recurrent layers add `paths` in their forward."""
+    slots: torch.Tensor     # [T] cache slot of each node
+    bias: torch.Tensor      # [1, 1, T, kv_len] additive attention bias over the first kv_len slots
+    kv_len: int
+    tree: torch.Tensor      # [T, T] bool, node j is node i or one of its ancestors
+    paths: object = None    # gated_delta.Paths, filled by a hybrid model
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx: int, start: int,
+                  mask: torch.Tensor | None, tree: TreeInputs | None) -> torch.Tensor:
+    """Store k/v in layer `idx` of the cache and attend: a tree pass writes at its slots and attends with
+    its bias; a plain pass writes at `start` and is causal unless a mask is given."""
+    if tree is not None:
+        k, v = cache.write_at(idx, tree.slots, k, v, tree.kv_len)
+        return attend_decode(q, k, v, tree.bias)
+    if cache is not None:
+        k, v = cache.write(idx, start, k, v)
+    causal = mask is None and q.shape[2] > 1
+    if causal and start > 0:
+        raise ValueError("an offset multi-token forward needs an explicit mask")
+    return attend(q, k, v, mask, causal)
 
 
 class QKVProj(nn.Module):

@@ -8,27 +8,15 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
-from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_decode
+from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cached
 
 
 class DecoderLayer(LayerWeights):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
-                cache, start: int, mask: torch.Tensor | None, static=None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+                cache, start: int, mask: torch.Tensor | None, static: TreeInputs | None = None) -> torch.Tensor:
         attn = self.self_attn
-        q, k, v = attn.qkv(h, cos, sin)
-        if static is not None:
-            # shapes fixed by (T, kv_len), offsets on the device: a CUDA graph can replay this
-            slots, bias, kv_len = static
-            k, v = cache.write_at(idx, slots, k, v, kv_len)
-            x = x + attn.out(attend_decode(q, k, v, bias))
-            return x + self.mlp(self.post_attention_layernorm(x))
-        if cache is not None:
-            k, v = cache.write(idx, start, k, v)
-        causal = mask is None and q.shape[2] > 1
-        if causal and start > 0:
-            raise ValueError("an offset multi-token forward needs an explicit mask")
-        x = x + attn.out(attend(q, k, v, mask, causal))
+        q, k, v = attn.qkv(self.input_layernorm(x), cos, sin)
+        x = x + attn.out(attend_cached(q, k, v, cache, idx, start, mask, static))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -43,12 +31,14 @@ class Qwen3Body(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """Parameter names mirror HF (model.*, lm_head) so a state dict loads as is."""
 
+    body = Qwen3Body
+
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Body(cfg)
+        self.model = self.body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.feature_layers: list[int] = []  # decoder layers whose outputs feed the drafter
 
     def tie_weights(self) -> None:
@@ -56,14 +46,16 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, cache=None, start: int = 0,
-                mask: torch.Tensor | None = None, *, static=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                mask: torch.Tensor | None = None, *,
+                static: TreeInputs | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, pos: [B, T]; mask: bool [T, start+T] (None = causal from position 0).
 
-        static = (slots [T] long, bias [1, 1, T, kv_len] additive, kv_len): write k/v at cache slots
-        `slots` and attend over the first kv_len cache entries with `bias` (no host-side offsets).
+        static: a tree pass: write k/v at cache slots static.slots and attend over the first kv_len
+        cache entries with static.bias (no host-side offsets).
 
         Returns final-normed hidden [B, T, H] and features [B, T, len(feature_layers)*H] (or None).
         """
+        static = self.prepare(static, pos)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(pos, x.dtype)
         feats: list[torch.Tensor] = []
@@ -79,6 +71,10 @@ class Qwen3ForCausalLM(nn.Module):
         order = sorted(self.feature_layers)
         f = torch.cat([feats[order.index(i)] for i in self.feature_layers], dim=-1) if feats else None
         return x, f
+
+    def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
+        """What every layer of a tree pass shares, computed once (attention-only models need nothing)."""
+        return static
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()

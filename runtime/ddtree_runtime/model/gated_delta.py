@@ -1,0 +1,107 @@
+"""The gated delta rule (Gated DeltaNet's recurrence) in parallel form over any set of paths.
+
+Per value head the recurrent state S [dk, dv] evolves token by token:
+
+    S' = exp(g_t) S_{t-1}                 decay
+    u_t = beta_t (v_t - S'^T k_t)         what the token writes (delta rule)
+    S_t = S' + k_t u_t^T                  o_t = S_t^T q_t
+
+Unrolled from a start state S0, with G_t the sum of g over the token's path (itself included):
+
+    S_t = exp(G_t) S0 + sum_{j on the path, j <= t} exp(G_t - G_j) k_j u_j^T
+    (I + A) u = beta * (v - exp(G) * K S0),   A_tj = beta_t exp(G_t - G_j) (k_t . k_j), j a strict ancestor
+    o_t = exp(G_t) S0^T q_t + sum_{j on the path} exp(G_t - G_j) (q_t . k_j) u_j
+
+Nothing here needs the path to be a chain: give each token its ancestor-or-self set as a mask and every
+token sees exactly its own path. A causal mask is a chunk of a prompt; a tree's ancestor mask verifies a
+whole draft tree in one pass, each node from its parent's state, with no state leaking across branches.
+Ancestors precede their descendants in the flattened order, so I + A is unit lower triangular and one
+triangular solve gives u. The state a node ends in is rebuilt only for the node that is kept (`state_at`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Paths:
+    """Which earlier tokens each of T tokens continues from (all on the device, fixed shapes)."""
+    mask: torch.Tensor    # [T, T] bool, mask[i, j]: j is i or one of its ancestors
+    window: torch.Tensor  # [T, K] long: the conv window of token i, oldest first, as indices into
+                          # [conv state (K-1 rows), the T new tokens]
+
+
+def chain_paths(t: int, kernel: int, device: torch.device) -> Paths:
+    """T tokens in a row: each continues from the one before (a prompt chunk, a decode step)."""
+    rows = torch.arange(t, device=device)
+    window = rows[:, None] + torch.arange(kernel, device=device)  # row i, tap j: ext index i + j
+    return Paths(rows[None, :] <= rows[:, None], window)
+
+
+def tree_paths(mask: torch.Tensor, depth: torch.Tensor, kernel: int) -> Paths:
+    """Nodes of a tree (mask [T, T] ancestor-or-self, depth [T], root depth 0; the root continues the
+    committed sequence). Node i's conv window holds its own ancestors, then the committed tail."""
+    t = mask.shape[0]
+    self_ext = torch.arange(t, device=mask.device) + kernel - 1
+    taps = [self_ext]
+    for back in range(1, kernel):
+        # the ancestor `back` steps up sits at depth - back; past the root, read the conv state
+        at_depth = mask & (depth[None, :] == (depth - back)[:, None])
+        ancestor = at_depth.to(torch.int8).argmax(dim=-1) + kernel - 1
+        taps.append(torch.where(depth >= back, ancestor, depth + kernel - 1 - back))
+    return Paths(mask, torch.stack(taps[::-1], dim=-1))
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                window: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU along each token's path. x: [B, T, C] new inputs; conv_state:
+    [B, K-1, C] the committed tail; weight: [C, K]; window: [T, K]. Returns [B, T, C]."""
+    ext = torch.cat([conv_state.to(x.dtype), x], dim=1)           # [B, K-1+T, C]
+    taps = ext[:, window]                                         # [B, T, K, C]
+    return F.silu((taps * weight.t().to(x.dtype)).sum(dim=2))
+
+
+@dataclass
+class Step:
+    """What a parallel pass leaves for rebuilding the state of any token afterwards."""
+    k: torch.Tensor   # [B, H, T, dk] float32, normalised keys
+    u: torch.Tensor   # [B, H, T, dv] float32, the values each token wrote
+    g: torch.Tensor   # [B, H, T] float32, path-summed log decay G
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, Step]:
+    """q, k: [B, H, T, dk] (normalised, q scaled), v: [B, H, T, dv], g, beta: [B, H, T], all float32;
+    state: [B, H, dk, dv] float32 or None (zeros); mask: [T, T] ancestor-or-self.
+    Returns outputs [B, H, T, dv] and the Step for `state_at`."""
+    t = q.shape[2]
+    pathsum = g @ mask.t().to(g.dtype)                            # [B, H, T]: G_i = sum over i's path
+    gap = pathsum[..., :, None] - pathsum[..., None, :]           # [B, H, T, T]: G_i - G_j
+    decay = torch.where(mask, gap, float("-inf")).exp()           # 0 off the path (no overflow there)
+    strict = mask & ~torch.eye(t, dtype=torch.bool, device=mask.device)
+    a = torch.where(strict, (k @ k.transpose(-1, -2)) * decay * beta[..., None], 0.0)
+    rhs = v
+    if state is not None:
+        rhs = v - pathsum.exp()[..., None] * (k @ state)
+    u = torch.linalg.solve_triangular(a, beta[..., None] * rhs, upper=False, unitriangular=True)
+    out = ((q @ k.transpose(-1, -2)) * decay) @ u
+    if state is not None:
+        out = out + pathsum.exp()[..., None] * (q @ state)
+    return out, Step(k, u, pathsum)
+
+
+def state_at(step: Step, state: torch.Tensor | None, path: torch.Tensor) -> torch.Tensor:
+    """The state after the last token of `path` ([P] long, root first, each the parent of the next):
+    exp(G_L) S0 + sum_j exp(G_L - G_j) k_j u_j^T over the path. Works batched over leading dims."""
+    g = step.g[..., path]                                          # [..., H, P]
+    last = g[..., -1:]
+    w = (last - g).exp()                                           # [..., H, P]
+    k = step.k[..., path, :] * w[..., None]
+    new = k.transpose(-1, -2) @ step.u[..., path, :]               # [..., H, dk, dv]
+    if state is not None:
+        new = new + last.exp()[..., None] * state
+    return new

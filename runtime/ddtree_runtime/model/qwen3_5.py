@@ -1,0 +1,200 @@
+"""Hybrid Qwen3.5/3.6 causal LM (the target): Gated DeltaNet linear-attention layers with a gated
+full-attention layer every few. Same interface as the Qwen3 target, so the engine, runner and drafter
+code do not change: full-attention layers use the KV cache and the tree's ancestor mask as before;
+linear-attention layers run the gated delta rule in parallel form over each node's own path
+(gated_delta.py), from the committed recurrent and conv state that the cache keeps (engine/kv_cache.py).
+
+HF checkpoints store the RMSNorm weights zero-centred (the norm scales by 1 + w); the loader turns
+them into plain scales (`from_hf_state`) so one RMSNorm serves every model."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Qwen35Config
+from .gated_delta import Paths, causal_conv, chain_paths, gated_delta, state_at, tree_paths
+from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached
+from .qwen3 import Qwen3ForCausalLM
+
+PREFILL_CHUNK = 64  # prompt tokens per parallel pass of a linear layer ([H, C, C] matrices per chunk)
+ZERO_CENTRED = re.compile(r"(^model\.norm|layernorm|self_attn\.[qk]_norm)\.weight$")
+
+
+def from_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF Qwen3.5 state dict -> ours: the language model's weights under model.*, norm scales 1 + w."""
+    out = {}
+    for key, value in state.items():
+        key = key.replace("model.language_model.", "model.", 1)
+        out[key] = value.float() + 1.0 if ZERO_CENTRED.search(key) else value
+    return out
+
+
+def to_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Ours -> HF Qwen3_5ForCausalLM layout (zero-centred norm weights)."""
+    return {k: (v - 1.0 if ZERO_CENTRED.search(k) else v) for k, v in state.items()}
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate (q_proj yields [query | gate] per head) and partial RoPE."""
+
+    def __init__(self, cfg: Qwen35Config, slot: int) -> None:
+        super().__init__()
+        h, self.n_heads, self.n_kv, self.head_dim = (cfg.hidden_size, cfg.num_attention_heads,
+                                                     cfg.num_key_value_heads, cfg.head_dim)
+        self.slot = slot  # this layer's index in the KV cache (full-attention layers only)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int,
+                mask: torch.Tensor | None, tree: TreeInputs | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        d = self.head_dim
+        q_gate = self.q_proj(x).view(b, t, self.n_heads, 2 * d)
+        q = apply_rope(self.q_norm(q_gate[..., :d]).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv, d)).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(b, t, self.n_kv, d).transpose(1, 2)
+        o = attend_cached(q, k, v, cache, self.slot, start, mask, tree)            # [B, Hq, T, D]
+        o = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: causal conv over q/k/v, then the gated delta rule, then a SiLU-gated RMSNorm."""
+
+    def __init__(self, cfg: Qwen35Config, slot: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.slot = slot  # this layer's index in the cache's recurrent state
+        self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.n_k * self.dk + self.n_v * self.dv
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.n_v * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(h, self.n_v, bias=False)
+        self.in_proj_a = nn.Linear(h, self.n_v, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.n_v * self.dv, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        mixed = self.in_proj_qkv(x)                                                # [B, T, C]
+        beta = torch.sigmoid(self.in_proj_b(x)).float()                            # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        if tree is not None:
+            core = self._tree(mixed, beta, g, cache, tree.paths)
+        else:
+            core = self._chain(mixed, beta, g, cache if cache is not None and start > 0 else None,
+                               cache)
+        core = core.transpose(1, 2).to(x.dtype)                                    # [B, T, Hv, dv]
+        z = self.in_proj_z(x).view(b, t, self.n_v, self.dv)
+        out = (self.norm(core) * F.silu(z.float())).to(x.dtype)
+        return self.out_proj(out.reshape(b, t, -1))
+
+    def _heads(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor):
+        """Conv output [B, T, C] -> q, k [B, Hv, T, dk] (L2-normalised, q scaled), v [B, Hv, T, dv],
+        beta, g [B, Hv, T]; all float32, key heads shared by groups of value heads."""
+        b, t, _ = conv.shape
+        nk = self.n_k * self.dk
+        q, k, v = conv.float().split([nk, nk, self.n_v * self.dv], dim=-1)
+        group = self.n_v // self.n_k
+        q, k = (y.view(b, t, self.n_k, self.dk).repeat_interleave(group, dim=2).transpose(1, 2) for y in (q, k))
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.dk ** -0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        v = v.view(b, t, self.n_v, self.dv).transpose(1, 2)
+        return q, k, v, beta.transpose(1, 2), g.transpose(1, 2)
+
+    def _tree(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache,
+              paths: Paths) -> torch.Tensor:
+        """Every node from its parent's state; the committed state is only read. What `compact` needs
+        to advance it along the accepted path goes to the cache's scratch."""
+        t = mixed.shape[1]
+        conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], paths.window)
+        q, k, v, beta, g = self._heads(conv, beta, g)
+        out, step = gated_delta(q, k, v, g, beta, cache.state[self.slot], paths.mask)
+        cache.save_step(self.slot, mixed, step, t)
+        return out
+
+    def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, resume, cache) -> torch.Tensor:
+        """Tokens in a row, in chunks: from the cache's state when `resume` is given, else from zeros;
+        the final state goes back to `cache` (if any)."""
+        b, t, c = mixed.shape
+        kernel = self.kernel
+        if resume is not None:
+            conv_state, state = resume.conv[self.slot], resume.state[self.slot]
+        else:
+            conv_state, state = mixed.new_zeros(b, kernel - 1, c), None
+        outs = []
+        for lo in range(0, t, PREFILL_CHUNK):
+            chunk = mixed[:, lo:lo + PREFILL_CHUNK]
+            n = chunk.shape[1]
+            paths = chain_paths(n, kernel, mixed.device)
+            conv = causal_conv(chunk, conv_state, self.conv1d.weight[:, 0], paths.window)
+            q, k, v, bt, gt = self._heads(conv, beta[:, lo:lo + n], g[:, lo:lo + n])
+            out, step = gated_delta(q, k, v, gt, bt, state, paths.mask)
+            outs.append(out)
+            state = state_at(step, state, torch.arange(n, device=mixed.device))
+            conv_state = torch.cat([conv_state.to(chunk.dtype), chunk], dim=1)[:, -(kernel - 1):]
+        if cache is not None:
+            cache.conv[self.slot] = conv_state
+            cache.state[self.slot] = state
+        return torch.cat(outs, dim=2)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, index: int) -> None:
+        super().__init__()
+        kind = cfg.layer_types[index]
+        slot = cfg.layer_types[:index].count(kind)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, slot)
+        else:
+            self.self_attn = GatedAttention(cfg, slot)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int, cache, start: int,
+                mask: torch.Tensor | None, static: TreeInputs | None = None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):
+            if mask is not None:
+                raise ValueError("linear-attention layers take no mask: use a tree pass")
+            x = x + self.linear_attn(h, cache, start, static)
+        else:
+            x = x + self.self_attn(h, cos, sin, cache, start, mask, static)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen35Body(nn.Module):
+    def __init__(self, cfg: Qwen35Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen35ForCausalLM(Qwen3ForCausalLM):
+    """Parameter names mirror HF's Qwen3_5ForCausalLM (after `from_hf_state`)."""
+
+    body = Qwen35Body
+
+    def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
+        # one set of node paths for all linear layers; the root sits at the first slot's position
+        if static is None:
+            return None
+        depth = pos[0] - static.slots[0]
+        return static._replace(paths=tree_paths(static.tree, depth, self.config.linear_conv_kernel_dim))
+

@@ -1,0 +1,130 @@
+"""The hybrid (Gated DeltaNet + gated full attention) target against transformers' Qwen3_5ForCausalLM:
+prefill logits, a tree pass where every node must see exactly its own path, and the state committed
+along one path, which must not carry anything from the branches that were not kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree_runtime.engine.kv_cache import HybridCache, target_cache
+from ddtree_runtime.engine.runner import TargetRunner
+from ddtree_runtime.engine.tree import _finish
+from ddtree_runtime.model import Qwen35Config, load_target
+from ddtree_runtime.model.gated_delta import chain_paths, gated_delta, state_at, tree_paths
+
+VOCAB = 320
+LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+# a tree whose nodes come in best-first order (parents first) with branches at several depths
+PARENTS = [0, 0, 0, 1, 1, 2, 3, 3, 6, 8, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=len(LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, layer_types=LAYERS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False)
+    hf = Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms at zero (scale 1): make the 1 + w conversion matter
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("qwen3_5")
+    hf.save_pretrained(path)
+    return hf, load_target(path)
+
+
+def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1]
+
+
+def test_config_reads_nested_text_config():
+    text = {"model_type": "qwen3_5_text", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+            "full_attention_interval": 4, "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                                              "mrope_section": [11, 11, 10]}}
+    cfg = Qwen35Config.from_dict({"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True})
+    assert cfg.full_layers == [3, 7] and len(cfg.linear_layers) == 6
+    assert cfg.rotary_dim == 1 and cfg.rope_theta == 1e7 and cfg.tie_word_embeddings
+
+
+def test_prefill_matches_transformers(hf_pair):
+    hf, ours = hf_pair
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(1))  # > two chunks
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        h, _ = ours(ids, torch.arange(150)[None])
+    assert torch.allclose(ours.logits(h)[0], ref, atol=1e-4), (ours.logits(h)[0] - ref).abs().max()
+
+
+def test_parallel_form_equals_the_recurrence_on_every_path():
+    """gated_delta over a tree == the token-by-token recurrence along each node's own path."""
+    g = torch.Generator().manual_seed(2)
+    t, h, dk, dv = len(PARENTS), 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(1, h, t, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(1, h, t, dk, generator=g), dim=-1)
+    v, beta = torch.randn(1, h, t, dv, generator=g), torch.rand(1, h, t, generator=g)
+    decay, s0 = -torch.rand(1, h, t, generator=g), torch.randn(1, h, dk, dv, generator=g)
+    tree = _finish(list(range(t)), PARENTS, depths(PARENTS), torch.device("cpu"))
+    out, step = gated_delta(q, k, v, decay, beta, s0, tree.mask)
+    for node in range(t):
+        path = path_to(node)
+        s = s0
+        for j in path:
+            s = s * decay[..., j].exp()[..., None, None]
+            u = beta[..., j, None] * (v[:, :, j] - (s * k[:, :, j, :, None]).sum(-2))
+            s = s + k[:, :, j, :, None] * u[..., None, :]
+        assert torch.allclose(out[:, :, node], (s * q[:, :, node, :, None]).sum(-2), atol=1e-5)
+        assert torch.allclose(state_at(step, s0, torch.tensor(path)), s, atol=1e-5)
+    assert torch.equal(chain_paths(3, 4, torch.device("cpu")).window, torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4],
+                                                                                  [2, 3, 4, 5]]))
+    window = tree_paths(tree.mask, tree.depths, 4).window
+    assert window[9].tolist() == [3 + 3, 3 + 6, 3 + 8, 3 + 9]   # 9 <- 8 <- 6 <- 3: all tree nodes
+    assert window[1].tolist() == [1, 2, 3, 4]                   # conv tail, root, itself
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = [0]
+    for p in parents[1:]:
+        out.append(out[p] + 1)
+    return out
+
+
+def path_to(node: int) -> list[int]:
+    path = [node]
+    while path[-1] != 0:
+        path.append(PARENTS[path[-1]])
+    return path[::-1]
+
+
+def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pair):
+    hf, ours = hf_pair
+    g = torch.Generator().manual_seed(3)
+    context = torch.randint(0, VOCAB, (70,), generator=g).tolist()
+    tokens = torch.randint(0, VOCAB, (len(PARENTS),), generator=g).tolist()
+    cache = target_cache(ours.config, 256, "cpu", torch.float32, nodes=17)
+    assert isinstance(cache, HybridCache)
+    runner = TargetRunner(ours, cache, torch.device("cpu"))
+    n = len(context) - 1  # the last context token is the tree's root, as in the engine
+    with torch.no_grad():
+        ours(torch.tensor([context[:n]]), torch.arange(n)[None], cache, start=0)
+        tree = _finish([context[n], *tokens[1:]], PARENTS, depths(PARENTS), torch.device("cpu"))
+        logits, _ = runner.run(tree.tokens, tree.depths, tree.mask, n)
+        for node in range(len(PARENTS)):
+            seq = context[:n] + [tree.token_list[j] for j in path_to(node)]
+            assert torch.allclose(logits[node], hf_last_logits(hf, seq), atol=1e-4), f"node {node}"
+        # keep the deepest path through a node whose siblings were rejected; the next step must see only it
+        kept = path_to(11)
+        cache.compact(n, kept)
+        after = context[:n] + [tree.token_list[j] for j in kept]
+        nxt = int(logits[11].argmax())
+        step, _ = runner.run(torch.tensor([nxt]), torch.zeros(1, dtype=torch.long),
+                             torch.ones(1, 1, dtype=torch.bool), len(after))
+        assert torch.allclose(step[0], hf_last_logits(hf, after + [nxt]), atol=1e-4)

@@ -19,6 +19,8 @@ from ..profile import LOCAL, Profile
 from .base import LOCK_PATH, Change, PivotRun, run_probe, unit_path
 
 RELEASE_FILE = "ddtree-release.json"
+# target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)
+RUNTIME_TARGETS = {"qwen3": "Qwen3", "qwen3_5": "Qwen3.5/3.6 hybrid", "qwen3_5_text": "Qwen3.5/3.6 hybrid"}
 
 
 def release_path(profile: Profile) -> str:
@@ -63,16 +65,19 @@ def check_models(profile: Profile, trees: dict[str, dict], dest: dict[str, Any])
     problems = []
     for model in profile.models:
         tree = trees[model.role]
-        where = f"{model.source.host}:{model.source.path}" if model.source else f"{profile.host}:{model.path}"
+        where = trees_where(profile, model.role)
         if not tree["exists"]:
             problems.append(f"{model.role} model dir {where} does not exist")
         elif tree["config"] is None:
             problems.append(f"{model.role} model dir {where} has no readable config.json")
     draft, target = trees.get("draft"), trees.get("target")
+    if profile.engine == "ddtree" and target and target.get("config"):
+        problems += check_target_arch(target["config"], trees_where(profile, "target"))
     if profile.engine == "ddtree" and profile.serve.mode == "ar":
         return problems
     if draft and draft.get("config") and target and target.get("config"):
-        dc, tc = draft["config"], target["config"]
+        # multimodal checkpoints (Qwen3.5/3.6) keep the language model's config under text_config
+        dc, tc = draft["config"], target["config"].get("text_config") or target["config"]
         inner = dc.get("dflash_config") or {}
         block = dc.get("block_size", inner.get("block_size"))
         wanted = profile.serve.block_size if profile.engine == "ddtree" else profile.sglang.num_draft_tokens
@@ -92,6 +97,22 @@ def check_models(profile: Profile, trees: dict[str, dict], dest: dict[str, Any])
         if n_target and any(not 0 <= i < n_target for i in ids):
             problems.append(f"drafter target_layer_ids {ids} out of range for {n_target} target layers")
     return problems
+
+
+def trees_where(profile: Profile, role: str) -> str:
+    model = next(m for m in profile.models if m.role == role)
+    return f"{model.source.host}:{model.source.path}" if model.source else f"{profile.host}:{model.path}"
+
+
+def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
+    """The bundled runtime implements a few target families; anything else would fail at load on the host."""
+    kind = config.get("model_type")
+    if kind in RUNTIME_TARGETS:
+        return []
+    known = ", ".join(f"{k} ({v})" for k, v in RUNTIME_TARGETS.items())
+    return [f"target model {where} is model_type {kind!r} (architectures {config.get('architectures')}), which "
+            f"the bundled DDTree runtime does not implement; it serves {known} — use an SGLang profile "
+            f"(engine: sglang) for other models"]
 
 
 def check_disk(profile: Profile, trees: dict[str, dict], dest: dict[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ from ddops.profile import load_profile
 from ddops.rollback import restore_spec
 from ddops.steps.deps import pip_argv, plan_deps
 from ddops.steps.health import judge
-from ddops.steps.preflight import check_models, check_port, lock_problem
+from ddops.steps.preflight import RUNTIME_TARGETS, check_models, check_port, lock_problem
 from ddops.steps.ship import plan_ship
 from ddops.steps.start import plan_start, start_argvs
 from ddops.steps.sync import plan_model, rsync_argv
@@ -125,7 +125,7 @@ def test_plan_model(profile):
 
 # -- preflight -------------------------------------------------------------------------------------
 
-TARGET = {"exists": True, "config": {"num_hidden_layers": 4}, "bytes": 1}
+TARGET = {"exists": True, "config": {"model_type": "qwen3", "num_hidden_layers": 4}, "bytes": 1}
 DRAFT = {"exists": True, "bytes": 1, "config": {"block_size": 16, "num_target_layers": 4,
                                                 "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2, 3]}}}
 
@@ -141,6 +141,24 @@ def test_check_models_drafter_config(profile, draft_config, problem):
     draft = {**DRAFT, "config": {**DRAFT["config"], **draft_config}}
     problems = check_models(profile, {"target": TARGET, "draft": draft}, {})
     assert (problem is None and problems == []) or any(problem in p for p in problems)
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 4}}, None),
+    ({"model_type": "qwen3_5_text", "num_hidden_layers": 4}, None),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4},
+     "is model_type 'llama' (architectures ['LlamaForCausalLM']), which the bundled DDTree runtime does not"),
+    ({"model_type": "qwen3_next", "num_hidden_layers": 4}, "serves qwen3 (Qwen3), qwen3_5 (Qwen3.5/3.6 hybrid)"),
+])
+def test_check_models_target_architecture(profile, config, problem):
+    problems = check_models(profile, {"target": {**TARGET, "config": config}, "draft": DRAFT}, {})
+    assert (problem is None and problems == []) or (len(problems) == 1 and problem in problems[0]), problems
+
+
+def test_preflight_knows_exactly_the_runtimes_targets():
+    from ddtree_runtime.model.config import TARGET_ARCHS
+
+    assert set(RUNTIME_TARGETS) == set(TARGET_ARCHS)
 
 
 def test_check_models_missing(profile):

@@ -1,12 +1,13 @@
 """Cost per round of the runtime's own engine on a GPU, with randomly initialised models of real shapes.
 
-    PYTHONPATH=runtime python runtime/bench/gpu_bench.py [--out OUT.json] [--shape qwen3-8b|small]
+    PYTHONPATH=runtime python runtime/bench/gpu_bench.py [--out OUT.json] [--shape qwen3-8b|qwen3.6-27b|small|...]
 
 Random weights accept almost nothing, so this measures time, not acceptance: prefill, the AR step,
 and the speculative round (dflash, ddtree at each budget) split into draft / tree / verify / commit,
 at each context length. tokens/s for a mean acceptance length tau is tau / round time. It also measures
 the device's copy bandwidth and bf16 matmul rate once and derives the floors: the bytes one AR step or
-one verify round must read (weights + KV) over that bandwidth, and the verify's FLOPs over that rate.
+one verify round must read (weights + KV, and for a hybrid target the recurrent state, which the commit
+also rewrites) over that bandwidth, and the verify's FLOPs over that rate.
 
 Two timings per case: `round_ms` runs rounds back to back with no sync beyond the engine's own (what
 the server sees); `phases_ms` synchronizes at each phase boundary (engine.phase_hook) so host and device
@@ -23,9 +24,31 @@ from pathlib import Path
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.model import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
+from ddtree_runtime.model import (DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config,
+                                  Qwen3ForCausalLM)
+
+# Qwen3.6-27B (hybrid: 48 Gated DeltaNet + 16 gated full-attention layers) and a DFlash drafter of its
+# width with Qwen3-style attention (32 x 128 heads, as z-lab's drafters have)
+_QWEN36_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, rope_theta=1e7,
+                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, linear_conv_kernel_dim=4,
+                   linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                   linear_num_value_heads=48, partial_rotary_factor=0.25,
+                   draft=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+                   draft_layers=5, target_layer_ids=[1, 16, 31, 46, 61])
+HYBRID_KEYS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_num_key_heads", "linear_num_value_heads", "partial_rotary_factor")
 
 SHAPES = {
+    "qwen3.6-27b": _QWEN36_27B,
+    "qwen3.6-27b-4layer": dict(_QWEN36_27B, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                               draft_layers=2, target_layer_ids=[1, 2]),
+    "hybrid-small": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, partial_rotary_factor=0.25,
+                         draft_layers=1, target_layer_ids=[1, 2]),
     # Qwen3-8B and a DFlash drafter of the same width (z-lab's layout for it)
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -48,9 +71,10 @@ def sync(device: torch.device) -> None:
 
 def build_models(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
     s = dict(SHAPES[shape])
-    draft_layers, layer_ids = s.pop("draft_layers"), s.pop("target_layer_ids")
-    tcfg = Qwen3Config(**s)
-    dcfg = DFlashConfig(**{**s, "num_hidden_layers": draft_layers}, block_size=16,
+    draft_layers, layer_ids, draft = s.pop("draft_layers"), s.pop("target_layer_ids"), s.pop("draft", {})
+    hybrid = {k: s.pop(k) for k in HYBRID_KEYS if k in s}
+    tcfg = Qwen35Config(**s, **hybrid) if hybrid else Qwen3Config(**s)
+    dcfg = DFlashConfig(**{**s, **draft, "num_hidden_layers": draft_layers}, block_size=16,
                         mask_token_id=s["vocab_size"] - 1, target_layer_ids=layer_ids,
                         num_target_layers=s["num_hidden_layers"])
     torch.manual_seed(0)
@@ -58,7 +82,8 @@ def build_models(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[
     torch.set_default_dtype(dtype)  # initialise straight in the serving dtype, on the device
     try:
         with torch.device(device):
-            target, drafter = Qwen3ForCausalLM(tcfg), DFlashDrafter(dcfg)
+            target = (Qwen35ForCausalLM if hybrid else Qwen3ForCausalLM)(tcfg)
+            drafter = DFlashDrafter(dcfg)
     finally:
         torch.set_default_dtype(old)
     for m in (target, drafter):
@@ -148,7 +173,16 @@ def agreement(engine: Engine, prompt: list[int], n: int = 48) -> dict:
 
 
 def kv_bytes(cfg: Qwen3Config, ctx: int, elem: int) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
+    layers = len(cfg.full_layers) if isinstance(cfg, Qwen35Config) else cfg.num_hidden_layers
+    return 2 * layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
+
+
+def state_bytes(cfg: Qwen3Config) -> int:
+    """A hybrid target's float32 recurrent state (read by every pass; the commit reads and rewrites it)."""
+    if not isinstance(cfg, Qwen35Config):
+        return 0
+    return (4 * len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+            * cfg.linear_value_head_dim)
 
 
 def floors(target, drafter, ctx: int, budget: int, ceil: dict) -> dict:
@@ -156,14 +190,16 @@ def floors(target, drafter, ctx: int, budget: int, ceil: dict) -> dict:
     cfg, elem = target.config, target.lm_head.weight.element_size()
     bw, rate = ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"]
     t_params = sum(p.numel() for p in target.parameters()) - target.model.embed_tokens.weight.numel()
-    ar_bytes = nbytes(target) - target.model.embed_tokens.weight.numel() * elem + kv_bytes(cfg, ctx, elem)
+    state = state_bytes(cfg)
+    ar_bytes = (nbytes(target) - target.model.embed_tokens.weight.numel() * elem + kv_bytes(cfg, ctx, elem)
+                + 3 * state)  # read by the step, then read and rewritten by its commit
     ar = max(ar_bytes / bw, 2 * t_params / rate)
     # a round reads the drafter, the LM head again for the draft logits, then the target over N nodes
     n = budget + 1
     d_bytes = nbytes(drafter) + target.lm_head.weight.numel() * elem
     verify = max(ar_bytes / bw, 2 * t_params * n / rate)
     return {"ar_step_ms": 1e3 * ar, "verify_ms": 1e3 * verify, "round_ms": 1e3 * (verify + d_bytes / bw),
-            "ar_bytes": ar_bytes, "draft_bytes": d_bytes}
+            "ar_bytes": ar_bytes, "draft_bytes": d_bytes, "state_bytes": state}
 
 
 class PhaseTimer:
@@ -261,7 +297,8 @@ def main() -> None:
     checks = check_kernels(device)
     checks.update(agreement(engine, torch.randint(0, vocab - 1, (200,), generator=g).tolist()))
     if device.type == "cuda":  # bf16 near-ties can flip an argmax between kernel shapes; float32 should not
-        t32, d32 = build_models("qwen3-8b-4layer", device, torch.float32)
+        t32, d32 = build_models("qwen3.6-27b-4layer" if args.shape.startswith("qwen3.6") else "qwen3-8b-4layer",
+                                device, torch.float32)
         e32 = Engine(EngineConfig("random-4layer", None, tree_budget=max(budgets), device=args.device,
                                   dtype="float32", max_context=1024), target=t32, drafter=d32)
         checks["float32_4layer"] = agreement(e32, torch.randint(0, vocab - 1, (200,), generator=g).tolist())
@@ -300,6 +337,7 @@ def main() -> None:
     out.write_text(json.dumps({
         "label": args.label, "shape": args.shape, "dtype": args.dtype, "device": str(device),
         "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
+        "arch": "qwen3_5" if isinstance(target.config, Qwen35Config) else "qwen3",
         "torch": torch.__version__, "ceilings": ceil, "target_bytes": nbytes(target),
         "drafter_bytes": nbytes(drafter), "build_s": build_s, "engine_ready_s": engine_s,
         "rounds": args.rounds, "checks": checks, "results": results}, indent=2))

@@ -1,4 +1,5 @@
-"""ddtree-tiny: build a tiny Qwen3 target + DFlash drafter pair on CPU in a minute or two.
+"""ddtree-tiny: build a tiny target (Qwen3, or hybrid Qwen3.5 with --arch qwen3_5) + DFlash drafter pair
+on CPU in a few minutes.
 
 Steps: train a byte-level BPE tokenizer on a toy corpus -> train the tiny target on it -> generate the
 target's own greedy continuations -> distil the drafter to predict them block-wise from the target's
@@ -17,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .engine.kv_cache import KVCache
-from .model import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
+from .engine.kv_cache import target_cache
+from .model import DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from .model.qwen3_5 import to_hf_state
 from .tiny_corpus import ENDOFTEXT, IM_END, IM_START, documents, heldout_questions
 
 MASK = "<|MASK|>"
@@ -39,6 +41,11 @@ CHAT_TEMPLATE = (
 TARGET = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
               max_position_embeddings=2048, tie_word_embeddings=True)
+# the hybrid: three Gated DeltaNet layers, then full attention (Qwen3.5's 3:1 pattern), partial RoPE
+HYBRID = dict(TARGET, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+              linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+              linear_num_value_heads=4, partial_rotary_factor=0.25)
+ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, TARGET), "qwen3_5": (Qwen35Config, Qwen35ForCausalLM, HYBRID)}
 TRAIN_BATCH, TRAIN_LEN = 16, 64
 DRAFT_LAYERS = 2
 TARGET_LAYER_IDS = [0, 2, 3]
@@ -130,9 +137,7 @@ def train_target(model: Qwen3ForCausalLM, stream, starts, steps: int, g: torch.G
 def greedy_continue(model: Qwen3ForCausalLM, prompts: torch.Tensor, new: int) -> torch.Tensor:
     """Batched greedy decode with a static cache: prompts [B, P] (same length) -> [B, P+new]."""
     b, p = prompts.shape
-    c = model.config
-    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, p + new, "cpu",
-                    torch.float32, batch=b)
+    cache = target_cache(model.config, p + new, "cpu", torch.float32, batch=b)
     h, _ = model(prompts, torch.arange(p)[None].expand(b, -1), cache, 0)
     out = [prompts, model.logits(h[:, -1:]).argmax(-1)]
     for i in range(new - 1):
@@ -203,16 +208,30 @@ def train_drafter(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.
 
 # ---- saving ----------------------------------------------------------------------------------------
 
-def save_target(model: Qwen3ForCausalLM, tok, out: Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config as HFQwen3Config
+def hf_config(arch: str, vocab: int, tok):
+    """The transformers config of a tiny target (so transformers itself can load it as a reference)."""
+    from transformers import Qwen3_5TextConfig, Qwen3Config as HFQwen3Config
 
-    cfg = model.config
-    hf = HFQwen3Config(vocab_size=cfg.vocab_size, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, **TARGET)
-    hf.architectures = ["Qwen3ForCausalLM"]
-    hf.save_pretrained(str(out))
+    ids = dict(vocab_size=vocab, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if arch == "qwen3":
+        hf = HFQwen3Config(**ids, **TARGET)
+        hf.architectures = ["Qwen3ForCausalLM"]
+        return hf
+    shape = {k: v for k, v in HYBRID.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    hf = Qwen3_5TextConfig(**ids, **shape, rope_parameters={
+        "rope_type": "default", "rope_theta": HYBRID["rope_theta"],
+        "partial_rotary_factor": HYBRID["partial_rotary_factor"]})
+    hf.architectures = ["Qwen3_5ForCausalLM"]
+    return hf
+
+
+def save_target(model: Qwen3ForCausalLM, arch: str, tok, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    hf_config(arch, model.config.vocab_size, tok).save_pretrained(str(out))
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if arch == "qwen3_5":
+        state = to_hf_state(state)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "do_sample": False}, indent=2))
@@ -271,7 +290,16 @@ def answer(engine, prompt: list[int]) -> str:
 
 # ---- main ------------------------------------------------------------------------------------------
 
-def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800) -> dict:
+def init_target(model: Qwen3ForCausalLM) -> None:
+    for p in model.parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):  # per-head decay rates spread as in Qwen3.5's own initialisation
+            p.data.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
+
+
+def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800, arch: str = "qwen3") -> dict:
     t_start = time.time()
     torch.manual_seed(seed)
     random.seed(seed)
@@ -288,14 +316,13 @@ def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800)
     starts_t = torch.tensor(starts)
     log(f"tokenizer: {len(tok)} tokens; corpus {len(docs)} docs, {len(stream)} tokens")
 
-    cfg = Qwen3Config.from_dict({"vocab_size": VOCAB, **TARGET})
-    target = Qwen3ForCausalLM(cfg)
+    config_cls, model_cls, shape = ARCHS[arch]
+    cfg = config_cls.from_dict({"vocab_size": VOCAB, **shape})
+    target = model_cls(cfg)
     target.tie_weights()
-    for name, p in target.named_parameters():
-        if p.dim() >= 2:
-            torch.nn.init.normal_(p, std=0.02)
+    init_target(target)
     train_target(target, stream, starts_t, target_steps, g)
-    save_target(target, tok, tdir)
+    save_target(target, arch, tok, tdir)
     target.requires_grad_(False)
 
     # distillation data: the target's own greedy continuations of corpus windows
@@ -311,7 +338,7 @@ def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800)
     log(f"distillation data: {tuple(seqs.shape)} greedy sequences ({time.time() - t0:.0f}s)")
 
     mask_id = tok.convert_tokens_to_ids(MASK)
-    dcfg = DFlashConfig(**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if k != "raw"},
+    dcfg = DFlashConfig(**{k: getattr(cfg, k) for k in Qwen3Config.__dataclass_fields__ if k != "raw"},
                         block_size=BLOCK, mask_token_id=mask_id, target_layer_ids=TARGET_LAYER_IDS,
                         num_target_layers=cfg.num_hidden_layers)
     dcfg.num_hidden_layers = DRAFT_LAYERS
@@ -337,7 +364,7 @@ def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800)
         f"{k.replace('_b', '@')} {v:.2f}" for k, v in results.items() if k != "build_seconds")
         + f"; built in {results['build_seconds']:.0f}s")
     (out / "tiny_results.json").write_text(json.dumps(results, indent=2))
-    (out / ".complete").write_text(json.dumps({"seed": seed, **results}))
+    (out / ".complete").write_text(json.dumps({"seed": seed, "arch": arch, **results}))
     return results
 
 
@@ -347,8 +374,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--draft-steps", type=int, default=800)
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3",
+                    help="target family: qwen3, or qwen3_5 (hybrid Gated DeltaNet + full attention)")
     args = ap.parse_args(argv)
-    build(args.out, args.seed, args.target_steps, args.draft_steps)
+    build(args.out, args.seed, args.target_steps, args.draft_steps, args.arch)
 
 
 if __name__ == "__main__":

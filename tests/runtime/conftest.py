@@ -15,11 +15,10 @@ def _cache_root() -> Path:
     return Path(os.environ.get("DDOPS_CACHE") or Path.home() / ".cache" / "ddops")
 
 
-@pytest.fixture(scope="session")
-def tiny_models() -> Path:
-    """Path holding target/ and draft/ (tiny Qwen3 + DFlash drafter); built by ddtree-tiny on first use
-    and reused while OUT/.complete exists. A file lock keeps parallel sessions from building twice."""
-    out = _cache_root() / f"tiny-models-seed{TINY_SEED}"
+def _tiny(name: str, arch: str) -> Path:
+    """Path holding target/ and draft/, built by ddtree-tiny on first use and reused while OUT/.complete
+    exists. A file lock keeps parallel sessions from building twice."""
+    out = _cache_root() / f"{name}-seed{TINY_SEED}"
     if not (out / ".complete").exists():
         out.mkdir(parents=True, exist_ok=True)
         with open(out.parent / f".{out.name}.lock", "w") as lock:
@@ -27,10 +26,22 @@ def tiny_models() -> Path:
             if not (out / ".complete").exists():
                 from ddtree_runtime.tiny import build
 
-                build(out, TINY_SEED)
+                build(out, TINY_SEED, arch=arch)
     # the tiny models are all per-op overhead: one intra-op thread is faster than two and keeps test
     # times stable when the CPUs are shared (the build above keeps torch's default, for determinism)
     import torch
 
     torch.set_num_threads(1)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    """The tiny Qwen3 target + DFlash drafter."""
+    return _tiny("tiny-models", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_models() -> Path:
+    """The tiny hybrid (Gated DeltaNet + full attention, Qwen3.5-style) target + DFlash drafter."""
+    return _tiny("tiny-hybrid", "qwen3_5")

@@ -1,6 +1,7 @@
 """Greedy losslessness: ddtree / dflash / ar output must be token-identical to the target's own greedy
-decode (transformers generate), across many prompts and tree budgets. Deep acceptance also exercises
-the KV compaction: a wrong compaction corrupts every later token."""
+decode (transformers generate), across many prompts and tree budgets, for the Qwen3 target and the
+hybrid Qwen3.5-style one. Deep acceptance exercises the KV compaction and, on the hybrid, the recurrent
+state advanced along the accepted path: a wrong one corrupts every later token."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ N_PROMPTS = 50
 MAX_NEW = 40
 
 
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def models(request):
+    return request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
+
+
 @pytest.fixture(scope="module")
-def engine(tiny_models) -> Engine:
-    return Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft")))
+def engine(models) -> Engine:
+    return Engine(EngineConfig(str(models / "target"), str(models / "draft")))
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +37,10 @@ def prompts(engine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, prompts, engine) -> list[list[int]]:
+def reference(models, prompts, engine) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_models / "target"), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(models / "target"), dtype=torch.float32).eval()
     out = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -72,3 +78,43 @@ def test_speculative_greedy_is_lossless(engine, prompts, reference, mode, budget
     assert mean_len >= (2.5 if budget == 4 else 3.0)
     # deep acceptances happened (compaction moved many rows): up to the tree's depth limit
     assert max(accepted) >= (4 if budget == 4 else 12)
+
+
+def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference, monkeypatch):
+    """Swap the drafter's top two tokens at depth 3: wherever the drafter was right, the tree's top
+    branch now goes wrong at depth 3 and grows on below it (k/v, on the hybrid recurrent states, for
+    nodes that are then rejected), while the target's token sits in the sibling branch. Output must
+    not change, however often that happens."""
+    import ddtree_runtime.engine.engine as engine_module
+
+    swapped_depth = 3
+    original_draft, original_walk = engine._draft, engine_module.walk
+    diverged_then_continued = 0
+
+    def draft(req, depth):
+        logits = original_draft(req, depth).clone()
+        if depth >= swapped_depth:
+            row = logits[swapped_depth - 1]
+            first, second = row.topk(2).indices.tolist()
+            row[first], row[second] = row[second].clone(), row[first].clone()
+        return logits
+
+    def walk(tree, target_tokens):
+        nonlocal diverged_then_continued
+        path = original_walk(tree, target_tokens)
+        top = [0]  # the top branch: each node's first (best-ranked) child
+        parents = tree.parents.tolist()
+        for node in range(1, tree.size):
+            if parents[node] == top[-1]:
+                top.append(node)
+        if (len(path) > swapped_depth + 1 and len(top) > swapped_depth + 1
+                and path[:swapped_depth] == top[:swapped_depth] and path[swapped_depth] != top[swapped_depth]):
+            diverged_then_continued += 1
+        return path
+
+    monkeypatch.setattr(engine, "_draft", draft)
+    monkeypatch.setattr(engine_module, "walk", walk)
+    for i, (p, ref) in enumerate(zip(prompts, reference)):
+        assert run(engine, p, mode="ddtree", tree_budget=32)[0] == ref, f"prompt {i} diverged"
+    print(f"\nrounds accepted past a top branch rejected at depth {swapped_depth}: {diverged_then_continued}")
+    assert diverged_then_continued >= 20

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..model import DFlashDrafter, Qwen3ForCausalLM, load_drafter, load_target
+from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
 from ..model.layers import fuse_projections
-from .kv_cache import KVCache, target_cache
+from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
 from .tree import Tree, build_chain, build_tree, walk
@@ -87,14 +87,24 @@ class Engine:
         self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
-        self.target_cache = None  # free the old one before sizing the new
-        self.target_cache = target_cache(self.target.config,
-                                         TargetRunner.capacity_for(self.max_context, tree_slots), self.device,
-                                         self.target.lm_head.weight.dtype, nodes=tree_bucket(tree_slots))
-        if getattr(self, "runner", None) is None:
-            self.runner = TargetRunner(self.target, self.target_cache, self.device)
-        else:
-            self.runner.reset(self.target_cache)
+        """Size the target cache for the context and a tree of tree_slots nodes; ValueError (before any
+        allocation) when the device cannot hold it, so a budget too big fails at start, plainly."""
+        cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
+        capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
+        # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
+        self.target_cache = self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            need = target_cache_bytes(cfg, capacity, nodes, dtype.itemsize)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if need > free:
+                what = " and recurrent-state scratch" if isinstance(cfg, Qwen35Config) else ""
+                raise ValueError(
+                    f"tree budget {tree_slots - 1} at context {self.max_context} needs {need / 2**30:.1f} GiB "
+                    f"for the target's cache{what}, but {free / 2**30:.1f} GiB of {self.device} is free: "
+                    f"lower the tree budget or max context")
+        self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
+        self.runner = TargetRunner(self.target, self.target_cache, self.device)
         self._ar_depth = torch.zeros(1, dtype=torch.long)  # an AR step: a 1-node tree (host tensors)
         self._ar_mask = torch.ones(1, 1, dtype=torch.bool)
 
@@ -129,7 +139,7 @@ class Engine:
         if p.temperature < 0 or not 0 < p.top_p <= 1:
             raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
         slots = {"ar": 1, "dflash": self.block_size, "ddtree": budget + 1}[mode]
-        if TargetRunner.capacity_for(self.max_context, slots) > self.target_cache.capacity:
+        if not self.target_cache.holds(TargetRunner.capacity_for(self.max_context, slots), tree_bucket(slots)):
             self._alloc_target_cache(slots)  # rare: a request asks for a bigger tree than configured
         gen = None
         if p.temperature > 0:

@@ -20,6 +20,10 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
 
+    def holds(self, capacity: int, nodes: int) -> bool:
+        """Whether this cache serves `capacity` slots with tree passes of up to `nodes` nodes."""
+        return capacity <= self.capacity
+
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([B, Hkv, T, D]) at [start, start+T) and return views of the cache up to start+T."""
         end = start + k.shape[2]
@@ -79,6 +83,9 @@ class HybridCache(KVCache):
         conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
         return len(cfg.linear_layers) * nodes * (4 * hv * (dk + dv + 1) + elem * conv_dim)
 
+    def holds(self, capacity: int, nodes: int) -> bool:
+        return super().holds(capacity, nodes) and nodes <= self.inputs.shape[2]
+
     def save_step(self, layer: int, inputs: torch.Tensor, step: Step, t: int) -> None:
         """Keep what a tree pass of layer `layer` over t nodes leaves for `compact`."""
         if t > self.inputs.shape[2]:
@@ -96,6 +103,19 @@ class HybridCache(KVCache):
         self.state.copy_(state_at(self.step, self.state, idx))
         tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
         self.conv.copy_(tail[:, :, -self.conv.shape[2]:])
+
+
+def target_cache_bytes(cfg: Qwen3Config, capacity: int, nodes: int, elem: int) -> int:
+    """Device memory a target's cache takes, plus the largest per-layer workspace of a tree pass that
+    grows with the tree (the hybrid's [Hv, nodes, nodes] float32 matrices: a handful are live at once)."""
+    if not isinstance(cfg, Qwen35Config):
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * capacity * cfg.head_dim * elem
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+    kv = 2 * len(cfg.full_layers) * cfg.num_key_value_heads * capacity * cfg.head_dim * elem
+    state = len(cfg.linear_layers) * (4 * hv * dk * dv + elem * (cfg.linear_conv_kernel_dim - 1) * conv_dim)
+    workspace = 6 * 4 * hv * nodes * nodes
+    return kv + state + HybridCache.scratch_bytes(cfg, nodes, elem) + workspace
 
 
 def target_cache(cfg: Qwen3Config, capacity: int, device: torch.device | str, dtype: torch.dtype,

@@ -110,10 +110,6 @@ class TargetRunner:
         h, feats = self.target(b.ids, b.pos, self.cache, static=TreeInputs(slots, bias[None, None], b.kv_len, b.tree))
         return self.target.logits(h[0]), feats
 
-    def reset(self, cache: KVCache) -> None:
-        """The cache was reallocated: every captured graph points at the old one."""
-        self.cache = cache
-        self.buckets.clear()
 
 
 def _capture(fn, device: torch.device, pool):
@@ -206,7 +202,3 @@ class DraftRunner:
         h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache, mask=bias,
                          static=(ctx_pos[0], b.kv_len))
         return self.target.logits(h[0, 1:])
-
-    def reset(self, cache: KVCache) -> None:
-        self.cache = cache
-        self.buckets.clear()

@@ -65,3 +65,19 @@ def test_recorded_acceptance(tiny_models):
     res = json.loads((tiny_models / "tiny_results.json").read_text())
     assert res["ddtree_b16"] >= 3.0
     assert res["ddtree_b16"] >= res["dflash_b15"] - 0.2  # the tree should not lose to the chain
+
+
+def test_hybrid_target_is_a_transformers_qwen3_5(tiny_hybrid_models):
+    """--arch qwen3_5: Gated DeltaNet and full-attention layers mixed, loadable by transformers as
+    Qwen3.5 (zero-centred norms written back), with a drafter that makes speculation pay."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(tiny_hybrid_models / "target"), dtype=torch.float32)
+    assert m.config.model_type == "qwen3_5_text"
+    assert set(m.config.layer_types) == {"linear_attention", "full_attention"}
+    norms = [p for n, p in m.named_parameters() if n.endswith("input_layernorm.weight")]
+    assert all(p.abs().mean() < 0.5 for p in norms)  # stored as w, applied as 1 + w
+    draft = json.loads((tiny_hybrid_models / "draft" / "config.json").read_text())
+    assert draft["num_target_layers"] == m.config.num_hidden_layers
+    res = json.loads((tiny_hybrid_models / "tiny_results.json").read_text())
+    assert res["ddtree_b16"] >= 3.0 and res["dflash_b15"] >= 3.0

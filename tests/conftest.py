@@ -7,6 +7,7 @@ and `lab up` leaves the running hosts alone).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -88,3 +89,44 @@ def lab() -> Lab:
               hosts={h.name: LabHostInfo(h.name, h.port, h.pct, h.via, h.gpus.count) for h in specs})
     if os.environ.get("DDOPS_LAB_KEEP") != "1":
         lab_down(progress=lambda line: print(line, file=sys.stderr))
+
+
+# -- the tiny models (runtime tests, lab pivots) -----------------------------------------------------
+
+TINY_SEED = 0
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("DDOPS_CACHE") or Path.home() / ".cache" / "ddops")
+
+
+def _tiny(name: str, arch: str) -> Path:
+    """Path holding target/ and draft/, built by ddtree-tiny on first use and reused while OUT/.complete
+    exists. A file lock keeps parallel sessions from building twice."""
+    out = _cache_root() / f"{name}-seed{TINY_SEED}"
+    if not (out / ".complete").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f".{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / ".complete").exists():
+                from ddtree_runtime.tiny import build
+
+                build(out, TINY_SEED, arch=arch)
+    # the tiny models are all per-op overhead: one intra-op thread is faster than two and keeps test
+    # times stable when the CPUs are shared (the build above keeps torch's default, for determinism)
+    import torch
+
+    torch.set_num_threads(1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    """The tiny Qwen3 target + DFlash drafter."""
+    return _tiny("tiny-models", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_models() -> Path:
+    """The tiny hybrid (Gated DeltaNet + full attention, Qwen3.5-style) target + DFlash drafter."""
+    return _tiny("tiny-hybrid", "qwen3_5")

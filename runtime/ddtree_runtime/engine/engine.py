@@ -62,6 +62,7 @@ class Engine:
                                          if target is None else target)
         fuse_projections(self.target)
         tcfg = self.target.config
+        self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
         self.max_context = config.max_context or min(tcfg.max_position_embeddings, 4096)
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 

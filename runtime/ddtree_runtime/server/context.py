@@ -47,6 +47,7 @@ class ServerContext:
             "max_draft_len": 0 if mode == "ar" or block is None else block - 1,
             "tree_budget": self.config.tree_budget,
             "model": self.model_name(),
+            "target_arch": getattr(engine, "arch", None),
             "draft_model": getattr(engine, "draft_name", None),
         }
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_runtime.engine.kv_cache import HybridCache, target_cache
+from ddtree_runtime.engine.kv_cache import HybridCache, target_cache, target_cache_bytes
 from ddtree_runtime.engine.runner import TargetRunner
 from ddtree_runtime.engine.tree import _finish
 from ddtree_runtime.model import Qwen35Config, load_target
@@ -128,3 +128,30 @@ def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pa
         step, _ = runner.run(torch.tensor([nxt]), torch.zeros(1, dtype=torch.long),
                              torch.ones(1, 1, dtype=torch.bool), len(after))
         assert torch.allclose(step[0], hf_last_logits(hf, after + [nxt]), atol=1e-4)
+
+
+def test_memory_estimate_is_what_the_cache_allocates(hf_pair):
+    cfg = hf_pair[1].config
+    cache = target_cache(cfg, 512, "cpu", torch.float32, nodes=65)
+    allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v, cache.conv, cache.state,
+                                                           cache.inputs, *vars(cache.step).values()))
+    workspace = 6 * 4 * cfg.linear_num_value_heads * 65 * 65
+    assert target_cache_bytes(cfg, 512, 65, 4) == allocated + workspace
+
+
+def test_a_budget_that_cannot_fit_is_refused_at_start(tiny_hybrid_models, tmp_path):
+    import json
+    import shutil
+
+    from ddtree_runtime.engine import Engine, EngineConfig
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_hybrid_models / "target", target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2 ** 31}))
+    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB for the caches and recurrent-state scratch, "
+                                         r"but .* GiB of cpu is free"):
+        Engine(EngineConfig(str(target), str(tiny_hybrid_models / "draft"), max_context=2 ** 30))
+    with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings 2048"):
+        Engine(EngineConfig(str(tiny_hybrid_models / "target"), str(tiny_hybrid_models / "draft"),
+                            max_context=4096))

@@ -6,6 +6,7 @@ One request at a time (batch size 1). Both KV caches are allocated once at start
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,14 @@ def _eos_ids(tokenizer, target_dir: str) -> set[int]:
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     return ids
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the caching allocator holds but nothing uses
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Engine:
@@ -64,6 +73,9 @@ class Engine:
         tcfg = self.target.config
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
         self.max_context = config.max_context or min(tcfg.max_position_embeddings, 4096)
+        if self.max_context > tcfg.max_position_embeddings:
+            raise ValueError(f"max_context {self.max_context} exceeds the target's max_position_embeddings "
+                             f"{tcfg.max_position_embeddings}")
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter
@@ -80,9 +92,12 @@ class Engine:
                 raise ValueError("block_size must be >= 2 (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
+            draft_capacity = DraftRunner.capacity_for(self.max_context, self.block_size)
+            # refuse before allocating anything: both caches must fit together
+            self._refuse_unless_fits(max(config.tree_budget, self.block_size) + 1, extra=target_cache_bytes(
+                dcfg, draft_capacity, 1, self.target.lm_head.weight.element_size()))
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
-                                       DraftRunner.capacity_for(self.max_context, self.block_size),
-                                       self.device, self.target.lm_head.weight.dtype)
+                                       draft_capacity, self.device, self.target.lm_head.weight.dtype)
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
                                             self.mask_token_id, self.device)
         self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
@@ -94,20 +109,23 @@ class Engine:
         capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self.target_cache = self.runner = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            need = target_cache_bytes(cfg, capacity, nodes, dtype.itemsize)
-            free = torch.cuda.mem_get_info(self.device)[0]
-            if need > free:
-                what = " and recurrent-state scratch" if isinstance(cfg, Qwen35Config) else ""
-                raise ValueError(
-                    f"tree budget {tree_slots - 1} at context {self.max_context} needs {need / 2**30:.1f} GiB "
-                    f"for the target's cache{what}, but {free / 2**30:.1f} GiB of {self.device} is free: "
-                    f"lower the tree budget or max context")
+        self._refuse_unless_fits(tree_slots)
         self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
         self.runner = TargetRunner(self.target, self.target_cache, self.device)
         self._ar_depth = torch.zeros(1, dtype=torch.long)  # an AR step: a 1-node tree (host tensors)
         self._ar_mask = torch.ones(1, 1, dtype=torch.bool)
+
+    def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
+        cfg = self.target.config
+        need = extra + target_cache_bytes(cfg, TargetRunner.capacity_for(self.max_context, tree_slots),
+                                          tree_bucket(tree_slots), self.target.lm_head.weight.element_size())
+        free = _free_bytes(self.device)
+        if need > free:
+            what = " and recurrent-state scratch" if isinstance(cfg, Qwen35Config) else ""
+            raise ValueError(
+                f"tree budget {tree_slots - 1} at context {self.max_context} needs {need / 2**30:.1f} GiB "
+                f"for the caches{what}, but {free / 2**30:.1f} GiB of {self.device} is free: "
+                f"lower the tree budget or max context")
 
     # ---- public API -------------------------------------------------------------------------------
 

@@ -111,12 +111,12 @@ def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pa
     tokens = torch.randint(0, VOCAB, (len(PARENTS),), generator=g).tolist()
     cache = target_cache(ours.config, 256, "cpu", torch.float32, nodes=17)
     assert isinstance(cache, HybridCache)
-    runner = TargetRunner(ours, cache, torch.device("cpu"))
+    runner = TargetRunner(ours, cache, torch.device("cpu"), max_depth=15)
     n = len(context) - 1  # the last context token is the tree's root, as in the engine
     with torch.no_grad():
         ours(torch.tensor([context[:n]]), torch.arange(n)[None], cache, start=0)
         tree = _finish([context[n], *tokens[1:]], PARENTS, depths(PARENTS), torch.device("cpu"))
-        logits, _ = runner.run(tree.tokens, tree.depths, tree.mask, n)
+        logits, _ = runner.run(tree.token_list, tree.depth_list, tree.parent_list, n)
         for node in range(len(PARENTS)):
             seq = context[:n] + [tree.token_list[j] for j in path_to(node)]
             assert torch.allclose(logits[node], hf_last_logits(hf, seq), atol=1e-4), f"node {node}"
@@ -125,8 +125,7 @@ def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pa
         cache.compact(n, kept)
         after = context[:n] + [tree.token_list[j] for j in kept]
         nxt = int(logits[11].argmax())
-        step, _ = runner.run(torch.tensor([nxt]), torch.zeros(1, dtype=torch.long),
-                             torch.ones(1, 1, dtype=torch.bool), len(after))
+        step, _ = runner.run([nxt], [0], [0], len(after))
         assert torch.allclose(step[0], hf_last_logits(hf, after + [nxt]), atol=1e-4)
 
 

@@ -111,9 +111,7 @@ class Engine:
         self.target_cache = self.runner = None
         self._refuse_unless_fits(tree_slots)
         self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
-        self.runner = TargetRunner(self.target, self.target_cache, self.device)
-        self._ar_depth = torch.zeros(1, dtype=torch.long)  # an AR step: a 1-node tree (host tensors)
-        self._ar_mask = torch.ones(1, 1, dtype=torch.bool)
+        self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
 
     def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
         cfg = self.target.config
@@ -215,8 +213,7 @@ class Engine:
     @torch.inference_mode()
     def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
         self._phase("step")
-        ids = torch.tensor([req.bonus], dtype=torch.long)  # [1], host
-        logits, _ = self.runner.run(ids, self._ar_depth, self._ar_mask, req.n_ctx)
+        logits, _ = self.runner.run([req.bonus], [0], [0], req.n_ctx)  # a one-node tree
         self.target_cache.compact(req.n_ctx, [0])  # a no-op for KV; advances a recurrent state
         req.n_ctx += 1
         req.bonus = int(self._choose(req, logits)[0])
@@ -260,7 +257,7 @@ class Engine:
 
     def _verify(self, req: RequestState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """One target pass over the whole tree; each node sees the context and its own ancestors."""
-        return self.runner.run(tree.tokens, tree.depths, tree.mask, req.n_ctx)
+        return self.runner.run(tree.token_list, tree.depth_list, tree.parent_list, req.n_ctx)
 
     def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
         """Keep the accepted path's KV (compacted right after the context) and queue its features."""

@@ -3,7 +3,7 @@
 Every forward after the prefill is "N tree nodes at positions start + depth, each seeing the context and
 its ancestors". The runner pads N up to a size bucket, attends over the first kv_len cache entries
 (start + bucket rounded up to KV_BUCKET) and builds the additive attention bias on the device from
-`start` and the tree's ancestor mask, so nothing in the forward depends on a host-side offset. On CUDA
+`start` and the tree's ancestor mask (itself built on the device from parent indices), so nothing in the forward depends on a host-side offset. On CUDA
 each (bucket, kv_len) pair is captured once as a CUDA graph and replayed: one launch instead of ~1,500
 per forward, which is what bounds an eager 8B forward on a slow host."""
 
@@ -14,6 +14,7 @@ import torch
 from ..model import Qwen3ForCausalLM
 from ..model.layers import TreeInputs
 from .kv_cache import KVCache
+from .tree import ancestor_mask
 
 TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)  # root + 2^k draft nodes
 KV_BUCKET = 512
@@ -35,17 +36,15 @@ class _Bucket:
 
     def __init__(self, size: int, kv_len: int, device: torch.device, dtype: torch.dtype) -> None:
         self.size, self.kv_len = size, kv_len
-        # inputs are staged on the host (pinned on CUDA) and copied in two transfers: ids | pos | start
-        # as one int64 vector, and the [T, T] ancestor mask
+        # inputs are staged on the host (pinned on CUDA) and copied in one transfer:
+        # ids | positions | parents | start, one int64 vector; the ancestor mask is built on the device
         pin = device.type == "cuda"
-        self.host_ints = torch.zeros(2 * size + 1, dtype=torch.long, pin_memory=pin)
-        self.host_tree = torch.zeros(size, size, dtype=torch.bool, pin_memory=pin)
-        self.host_eye = torch.eye(size, dtype=torch.bool)
-        self.ints = torch.zeros(2 * size + 1, dtype=torch.long, device=device)
+        self.host_ints = torch.zeros(3 * size + 1, dtype=torch.long, pin_memory=pin)
+        self.ints = torch.zeros(3 * size + 1, dtype=torch.long, device=device)
         self.ids = self.ints[:size].view(1, size)                              # [1, T]
         self.pos = self.ints[size:2 * size].view(1, size)                      # [1, T]
-        self.start = self.ints[2 * size:]                                      # [1]
-        self.tree = torch.eye(size, dtype=torch.bool, device=device)           # [T, T] ancestor mask
+        self.parents = self.ints[2 * size:3 * size]                            # [T]
+        self.start = self.ints[3 * size:]                                      # [1]
         self.cols = torch.arange(kv_len, device=device)                        # [L]
         self.rows = torch.arange(size, device=device)                          # [T]
         self.zero = torch.zeros((), dtype=dtype, device=device)
@@ -55,8 +54,9 @@ class _Bucket:
 
 
 class TargetRunner:
-    def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device) -> None:
-        self.target, self.cache, self.device = target, cache, device
+    def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device, max_depth: int) -> None:
+        """max_depth: the deepest tree node the engine will pass (bounds the device-side mask build)."""
+        self.target, self.cache, self.device, self.max_depth = target, cache, device, max_depth
         self.use_graphs = device.type == "cuda"
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -66,32 +66,25 @@ class TargetRunner:
         """Cache slots needed: the context, the padded tree, rounded up to a whole kv bucket."""
         return -(-(max_context + tree_bucket(tree_slots)) // KV_BUCKET) * KV_BUCKET
 
-    def run(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+    def run(self, tokens: list[int], depths: list[int], parents: list[int],
             start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, depths: [N] long; tree_mask: [N, N] bool (host tensors); the nodes' k/v go to cache
-        slots start..start+N.
+        """A tree pass: node i holds tokens[i] at position start + depths[i] below node parents[i] (the
+        root, node 0, is its own parent); the nodes' k/v go to cache slots start..start+N.
 
         Returns logits [N, V] (float32) and features [1, N, F] (or None without feature layers). Both may
         be views of static buffers: use them before the next run."""
-        n = tokens.shape[0]
+        n = len(tokens)
         size = tree_bucket(n)
         kv_len = kv_len_for(start + size, self.cache.capacity)
         b = self.buckets.get((size, kv_len))
         if b is None:
             b = self.buckets[(size, kv_len)] = _Bucket(size, kv_len, self.device, self.cache.k.dtype)
-        # fill the static inputs; padding nodes hold token 0 at the root's position and see only the
+        # padding nodes hold token 0 at the root's position and are their own parents: they see only the
         # context and themselves, and no real node sees them
-        hi, ht = b.host_ints, b.host_tree
-        hi[:n] = tokens
-        hi[n:size] = 0
-        hi[size:size + n] = depths
-        hi[size + n:] = 0
-        hi[size:] += start  # positions are start + depth; the last slot is start itself
-        if n < size:
-            ht.copy_(b.host_eye)
-        ht[:n, :n] = tree_mask
-        b.ints.copy_(hi, non_blocking=True)  # safe: the staging is rewritten only after the round's sync
-        b.tree.copy_(ht, non_blocking=True)
+        pad = size - n
+        b.host_ints.copy_(torch.tensor(tokens + [0] * pad + [start + d for d in depths] + [start] * pad
+                                       + parents + list(range(n, size)) + [start]))
+        b.ints.copy_(b.host_ints, non_blocking=True)  # safe: rewritten only after the round's sync
         if not self.use_graphs:
             logits, feats = self._forward(b)
         else:
@@ -102,14 +95,14 @@ class TargetRunner:
         return logits[:n], (feats[:, :n] if feats is not None else None)
 
     def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tree = ancestor_mask(b.parents, min(self.max_depth, b.size - 1))   # [T, T]
         rel = b.cols - b.start                                  # [L] cache slot relative to the tree
-        in_tree = b.tree[:, rel.clamp(0, b.size - 1)]           # [T, L] ancestor bit of that slot's node
+        in_tree = tree[:, rel.clamp(0, b.size - 1)]             # [T, L] ancestor bit of that slot's node
         allowed = (rel < 0) | ((rel < b.size) & in_tree)        # context, or an ancestor (or self)
         bias = torch.where(allowed, b.zero, b.neg_inf)          # [T, L] additive, cache dtype
         slots = b.start + b.rows                                # [T]
-        h, feats = self.target(b.ids, b.pos, self.cache, static=TreeInputs(slots, bias[None, None], b.kv_len, b.tree))
+        h, feats = self.target(b.ids, b.pos, self.cache, static=TreeInputs(slots, bias[None, None], b.kv_len, tree))
         return self.target.logits(h[0]), feats
-
 
 
 def _capture(fn, device: torch.device, pool):

@@ -15,35 +15,52 @@ import torch
 
 @dataclass
 class Tree:
-    # tensors live on the host (the runner copies them to the device with the rest of its inputs)
-    tokens: torch.Tensor   # [N] long, token at each node (node 0 = root)
-    parents: torch.Tensor  # [N] long, parent index (root points at itself)
-    depths: torch.Tensor   # [N] long, root = 0
-    mask: torch.Tensor     # [N, N] bool, mask[i, j] = j is i or an ancestor of i
-    token_list: list[int]  # host copies for the walk (no device syncs per step)
-    children: dict[tuple[int, int], int]  # (parent, token) -> child index
+    # host lists: the runner stages them into its pinned input buffer and builds the ancestor mask on
+    # the device (engine/runner.py), so a round allocates no mask on the host
+    token_list: list[int]  # token at each node (node 0 = root)
+    parent_list: list[int]  # parent index (the root points at itself)
+    depth_list: list[int]  # root = 0
+    children: dict[tuple[int, int], int]  # (parent, token) -> child index, for the walk
 
     @property
     def size(self) -> int:
         return len(self.token_list)
 
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.tensor(self.token_list, dtype=torch.long)
+
+    @property
+    def parents(self) -> torch.Tensor:
+        return torch.tensor(self.parent_list, dtype=torch.long)
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return torch.tensor(self.depth_list, dtype=torch.long)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[N, N] bool, mask[i, j] = j is i or an ancestor of i (for inspection; the runner builds its own)."""
+        return ancestor_mask(self.parents, max(self.depth_list))
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[N] parent indices (a root or padding node points at itself) -> [N, N] ancestor-or-self mask, as
+    the reachability (I + P)^(2^s) >= (I + P)^max_depth: ceil(log2 max_depth) squarings, a fixed number
+    of device ops whatever the tree (CUDA-graph friendly). Positive counts stay positive in any float
+    dtype, so bf16 products are exact enough."""
+    n = parents.shape[0]
+    rows = torch.arange(n, device=parents.device)
+    reach = ((parents[:, None] == rows[None, :]) | (rows[:, None] == rows[None, :])).float()
+    for _ in range(max(0, max_depth - 1).bit_length()):
+        reach = (reach @ reach).clamp_(max=1.0)
+    return reach > 0
+
 
 def _finish(tokens: list[int], parents: list[int], depths: list[int], device: torch.device) -> Tree:
-    # the tree's tensors stay on the host, where they are built (a few microseconds per op, against
-    # tens for a device launch); the runner copies them into its static device buffers in one go
     del device
-    n = len(tokens)
-    par = torch.tensor(parents, dtype=torch.long)
-    dep = torch.tensor(depths, dtype=torch.long)
-    # ancestor mask by pointer chasing: max_depth vectorised steps instead of one loop per node
-    mask = torch.eye(n, dtype=torch.bool)
-    rows = torch.arange(n)
-    cur = rows
-    for _ in range(max(depths)):
-        cur = par[cur]
-        mask[rows, cur] = True
-    children = {(parents[i], tokens[i]): i for i in range(1, n)}
-    return Tree(torch.tensor(tokens, dtype=torch.long), par, dep, mask, tokens, children)
+    children = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    return Tree(tokens, parents, depths, children)
 
 
 def build_tree(root: int, draft_logprobs: torch.Tensor, budget: int) -> Tree:

@@ -73,7 +73,7 @@ def test_parallel_form_equals_the_recurrence_on_every_path():
     v, beta = torch.randn(1, h, t, dv, generator=g), torch.rand(1, h, t, generator=g)
     decay, s0 = -torch.rand(1, h, t, generator=g), torch.randn(1, h, dk, dv, generator=g)
     tree = _finish(list(range(t)), PARENTS, depths(PARENTS), torch.device("cpu"))
-    out, step = gated_delta(q, k, v, decay, beta, s0, tree.mask)
+    out, step = gated_delta(q, k, v, decay, beta, s0, tree_paths(tree.mask, tree.depths, 4))
     for node in range(t):
         path = path_to(node)
         s = s0

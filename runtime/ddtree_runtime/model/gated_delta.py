@@ -29,10 +29,18 @@ import torch.nn.functional as F
 
 @dataclass
 class Paths:
-    """Which earlier tokens each of T tokens continues from (all on the device, fixed shapes)."""
+    """Which earlier tokens each of T tokens continues from (all on the device, fixed shapes), computed
+    once per pass and shared by every linear layer."""
     mask: torch.Tensor    # [T, T] bool, mask[i, j]: j is i or one of its ancestors
     window: torch.Tensor  # [T, K] long: the conv window of token i, oldest first, as indices into
                           # [conv state (K-1 rows), the T new tokens]
+    strict: torch.Tensor = None   # [T, T] bool: strict ancestors only
+    summing: torch.Tensor = None  # [T, T] float32: mask transposed, sums a quantity over each path
+
+    def __post_init__(self) -> None:
+        eye = torch.eye(self.mask.shape[0], dtype=torch.bool, device=self.mask.device)
+        self.strict = self.mask & ~eye
+        self.summing = self.mask.t().float()
 
 
 def chain_paths(t: int, kernel: int, device: torch.device) -> Paths:
@@ -74,16 +82,14 @@ class Step:
 
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, Step]:
+                state: torch.Tensor | None, paths: Paths) -> tuple[torch.Tensor, Step]:
     """q, k: [B, H, T, dk] (normalised, q scaled), v: [B, H, T, dv], g, beta: [B, H, T], all float32;
-    state: [B, H, dk, dv] float32 or None (zeros); mask: [T, T] ancestor-or-self.
+    state: [B, H, dk, dv] float32 or None (zeros); paths: each token's ancestors.
     Returns outputs [B, H, T, dv] and the Step for `state_at`."""
-    t = q.shape[2]
-    pathsum = g @ mask.t().to(g.dtype)                            # [B, H, T]: G_i = sum over i's path
+    pathsum = g @ paths.summing                                   # [B, H, T]: G_i = sum over i's path
     gap = pathsum[..., :, None] - pathsum[..., None, :]           # [B, H, T, T]: G_i - G_j
-    decay = torch.where(mask, gap, float("-inf")).exp()           # 0 off the path (no overflow there)
-    strict = mask & ~torch.eye(t, dtype=torch.bool, device=mask.device)
-    a = torch.where(strict, (k @ k.transpose(-1, -2)) * decay * beta[..., None], 0.0)
+    decay = torch.where(paths.mask, gap, float("-inf")).exp()     # 0 off the path (no overflow there)
+    a = torch.where(paths.strict, (k @ k.transpose(-1, -2)) * decay * beta[..., None], 0.0)
     rhs = v
     if state is not None:
         rhs = v - pathsum.exp()[..., None] * (k @ state)

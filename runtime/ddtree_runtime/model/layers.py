@@ -32,11 +32,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """One GEMM for gate and up (inference): the two weights become views of one tensor."""
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        n = self.gate_proj.weight.shape[0]
-        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
-        self._gate_up = w
+        self._gate_up = fuse_rows([self.gate_proj, self.up_proj])[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
@@ -109,17 +105,7 @@ class QKVProj(nn.Module):
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (inference): the three weights become views of one tensor."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        w = torch.cat([p.weight for p in projs])
-        b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-        row = 0
-        for p in projs:
-            n = p.weight.shape[0]
-            p.weight = nn.Parameter(w[row:row + n], requires_grad=False)
-            if b is not None:
-                p.bias = nn.Parameter(b[row:row + n], requires_grad=False)
-            row += n
-        self._qkv = (w, b)
+        self._qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,8 +188,24 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return attend(q, k, v, bias)
 
 
+def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input (inference): each Linear's
+    parameters become row slices of it, so the state dict and the unfused path see the same numbers."""
+    w = torch.cat([lin.weight for lin in linears])
+    b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w[row:row + n], requires_grad=False)
+        if b is not None:
+            lin.bias = nn.Parameter(b[row:row + n], requires_grad=False)
+        row += n
+    return w, b
+
+
 def fuse_projections(module: nn.Module) -> None:
-    """Fuse q/k/v and gate/up GEMMs in every layer of an inference model (fewer, larger GEMMs)."""
-    for m in module.modules():
-        if isinstance(m, (QKVProj, MLP)):
+    """Fuse the GEMMs that read the same input in every layer of an inference model (fewer, larger
+    GEMMs): every submodule that has a `fuse()` method does it."""
+    for m in list(module.modules()):
+        if hasattr(m, "fuse") and m is not module:
             m.fuse()

@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import Qwen35Config
 from .gated_delta import Paths, causal_conv, chain_paths, gated_delta, state_at, tree_paths
-from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached
+from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows
 from .qwen3 import Qwen3ForCausalLM
 
 PREFILL_CHUNK = 64  # prompt tokens per parallel pass of a linear layer ([H, C, C] matrices per chunk)
@@ -53,15 +53,23 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weight, bias (fuse())
+
+    def fuse(self) -> None:
+        self._qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int,
                 mask: torch.Tensor | None, tree: TreeInputs | None) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.head_dim
-        q_gate = self.q_proj(x).view(b, t, self.n_heads, 2 * d)
+        if self._qkv is not None:
+            q_gate, k, v = F.linear(x, *self._qkv).split([2 * self.n_heads * d, self.n_kv * d, self.n_kv * d], -1)
+        else:
+            q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_gate = q_gate.view(b, t, self.n_heads, 2 * d)
         q = apply_rope(self.q_norm(q_gate[..., :d]).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv, d)).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(b, t, self.n_kv, d).transpose(1, 2)
+        k = apply_rope(self.k_norm(k.view(b, t, self.n_kv, d)).transpose(1, 2), cos, sin)
+        v = v.reshape(b, t, self.n_kv, d).transpose(1, 2)
         o = attend_cached(q, k, v, cache, self.slot, start, mask, tree)            # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
         return self.o_proj(o)
@@ -87,19 +95,27 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.n_v * self.dv, h, bias=False)
+        self._in_proj: torch.Tensor | None = None  # qkv | z | b | a in one weight once fuse() ran
+
+    def fuse(self) -> None:
+        self._in_proj = fuse_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])[0]
 
     def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None) -> torch.Tensor:
         b, t, _ = x.shape
-        mixed = self.in_proj_qkv(x)                                                # [B, T, C]
-        beta = torch.sigmoid(self.in_proj_b(x)).float()                            # [B, T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        if self._in_proj is not None:
+            mixed, z, beta, a = F.linear(x, self._in_proj).split(
+                [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v], dim=-1)
+        else:
+            mixed, z, beta, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        beta = torch.sigmoid(beta).float()                                         # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if tree is not None:
             core = self._tree(mixed, beta, g, cache, tree.paths)
         else:
             core = self._chain(mixed, beta, g, cache if cache is not None and start > 0 else None,
                                cache)
         core = core.transpose(1, 2).to(x.dtype)                                    # [B, T, Hv, dv]
-        z = self.in_proj_z(x).view(b, t, self.n_v, self.dv)
+        z = z.reshape(b, t, self.n_v, self.dv)
         out = (self.norm(core) * F.silu(z.float())).to(x.dtype)
         return self.out_proj(out.reshape(b, t, -1))
 
@@ -123,7 +139,7 @@ class GatedDeltaNet(nn.Module):
         t = mixed.shape[1]
         conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], paths.window)
         q, k, v, beta, g = self._heads(conv, beta, g)
-        out, step = gated_delta(q, k, v, g, beta, cache.state[self.slot], paths.mask)
+        out, step = gated_delta(q, k, v, g, beta, cache.state[self.slot], paths)
         cache.save_step(self.slot, mixed, step, t)
         return out
 
@@ -143,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             paths = chain_paths(n, kernel, mixed.device)
             conv = causal_conv(chunk, conv_state, self.conv1d.weight[:, 0], paths.window)
             q, k, v, bt, gt = self._heads(conv, beta[:, lo:lo + n], g[:, lo:lo + n])
-            out, step = gated_delta(q, k, v, gt, bt, state, paths.mask)
+            out, step = gated_delta(q, k, v, gt, bt, state, paths)
             outs.append(out)
             state = state_at(step, state, torch.arange(n, device=mixed.device))
             conv_state = torch.cat([conv_state.to(chunk.dtype), chunk], dim=1)[:, -(kernel - 1):]

@@ -1,37 +1,58 @@
-"""Time SDPA variants for the verify shape (Qwen3-8B heads) at one layer: which form of tree mask and GQA is fast."""
-import statistics, torch
+"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU: the
+split-KV kernel at several split lengths against SDPA with an additive tree bias, per tree size and
+KV length. Decides kernels.DECODE_SPLIT and where attend_decode uses the kernel.
+
+    PYTHONPATH=runtime python runtime/bench/attn_probe.py"""
+
+import statistics
+
+import torch
 import torch.nn.functional as F
 
-def timed(fn, reps=50):
-    for _ in range(5): fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    return statistics.median(ts) * 1e3  # us
+from ddtree_runtime.model import kernels
 
-dev, dt = "cuda", torch.bfloat16
-for ctx in (512, 4096):
-    for t in (1, 17, 257):
-        s = ctx + t
-        cap = 4096 + 512
-        kbuf = torch.randn(1, 8, cap, 128, device=dev, dtype=dt); vbuf = torch.randn_like(kbuf)
-        k, v = kbuf[:, :, :s], vbuf[:, :, :s]
-        q = torch.randn(1, 32, t, 128, device=dev, dtype=dt)
-        m = torch.ones(t, s, dtype=torch.bool, device=dev); m[:, ctx:] = torch.rand(t, t, device=dev) < 0.5
-        m[:, ctx:] |= torch.eye(t, dtype=torch.bool, device=dev)
-        bias = torch.zeros(t, s, device=dev, dtype=dt).masked_fill(~m, float("-inf"))
-        g = 4
-        qf = q.view(1, 8, g * t, 128)
-        biasf = bias.repeat(g, 1)
-        r = {}
-        r["bool+gqa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
-        r["bias+gqa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True))
-        r["fold+bias"] = timed(lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=biasf))
-        r["fold+bool"] = timed(lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=m.repeat(g, 1)))
-        r["nomask+gqa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-        r["fold nomask"] = timed(lambda: F.scaled_dot_product_attention(qf, k, v))
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=True)
-        got = F.scaled_dot_product_attention(qf, k, v, attn_mask=biasf).view(1, 32, t, 128).float()
-        err = ((got - ref).norm() / ref.norm()).item()
-        print(f"ctx {ctx} T {t}: " + "  ".join(f"{k_} {v_:.0f}us" for k_, v_ in r.items()) + f"  fold err {err:.1e}", flush=True)
+
+def timed(fn, reps: int = 20) -> float:
+    """Microseconds per call on the device: reps calls captured in one CUDA graph, as the engine runs
+    them (eager timing here would mostly measure this host's launch latency)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times) * 1e3 / reps
+
+
+def main() -> None:
+    dev, dt = "cuda", torch.bfloat16
+    for length in (1024, 4608):
+        kbuf = torch.randn(1, 8, 8192, 128, device=dev, dtype=dt)
+        vbuf = torch.randn_like(kbuf)
+        k, v = kbuf[:, :, :length], vbuf[:, :, :length]  # strided views, as the cache gives them
+        for t in (1, 17, 33, 65):
+            q = torch.randn(1, 32, t, 128, device=dev, dtype=dt)
+            ok = torch.rand(t, length, device=dev) < 0.9
+            ok[:, 0] = True
+            bias = torch.zeros(t, length, device=dev, dtype=dt).masked_fill(~ok, float("-inf"))[None, None]
+            row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True))}
+            for split in (32, 64, 128, 256):
+                kernels.DECODE_SPLIT = kernels.DECODE_SPLIT_ONE_QUERY = split
+                row[f"split{split}"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
+            print(f"L {length:5} T {t:3}: " + "  ".join(f"{name} {us:5.1f}us" for name, us in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

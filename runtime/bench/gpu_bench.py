@@ -154,7 +154,20 @@ def check_kernels(device: torch.device) -> dict:
     ref_a = torch.nn.functional.scaled_dot_product_attention(
         qa.double(), ka.double().repeat_interleave(4, 1), va.double().repeat_interleave(4, 1),
         attn_mask=bias.double())
-    return {"attend_grouped_rel_err": err(attend_grouped(qa, ka, va, bias), ref_a),
+    from ddtree_runtime.model.kernels import decode_attention, decode_attention_fits
+
+    checks = {}
+    if decode_attention_fits(qa, ka):  # the split-KV kernel, on an uneven length with a strided cache view
+        kc, vc = (torch.randn(1, 8, 1300, 128, device=device, dtype=dt) for _ in range(2))
+        kd, vd = kc[:, :, :1111], vc[:, :, :1111]
+        ok = torch.rand(17, 1111, device=device) < 0.7
+        ok[:, 0] = True
+        bd = torch.zeros(17, 1111, device=device).masked_fill(~ok, float("-inf")).to(dt)[None, None]
+        ref_d = torch.nn.functional.scaled_dot_product_attention(
+            qa.double(), kd.double().repeat_interleave(4, 1), vd.double().repeat_interleave(4, 1),
+            attn_mask=bd.double())
+        checks["decode_attention_rel_err"] = err(decode_attention(qa, kd, vd, bd), ref_d)
+    return {**checks, "attend_grouped_rel_err": err(attend_grouped(qa, ka, va, bias), ref_a),
             "rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),
             "rms_norm_rope_rel_err": err(rms_norm_rope(q, wq, 1e-6, cos, sin), ref_r)}
 

@@ -98,3 +98,104 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     s = sin.reshape(b * t, d).contiguous()
     _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, h, x.stride(1), eps, HALF=d // 2)
     return out.transpose(1, 2)
+
+
+# ---- split-KV decode attention ------------------------------------------------------------------------
+
+if triton is not None:
+    @triton.jit
+    def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, ml_ptr,
+                                 sq_h, sq_t, sk_h, sk_n, sv_h, sv_n, sb_t,
+                                 T, L, rows_pad, scale, SPLIT: tl.constexpr,
+                                 G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program per (KV head, KV split, block of rows); rows are (query head of the group, query)
+        kvh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_splits = tl.num_programs(1)
+        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        g, t = r // T, r % T
+        live = r < G * T
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (kvh * G + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
+                    mask=live[:, None], other=0.0)
+        m = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a split may be fully masked for a row
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        lo = split * SPLIT
+        hi = tl.minimum(lo + SPLIT, L)
+        for off in range(0, SPLIT, BLOCK_N):
+            n = lo + off + tl.arange(0, BLOCK_N)
+            keep = n < hi
+            kb = tl.load(k_ptr + kvh * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb)) * scale
+            s += tl.load(bias_ptr + t[:, None] * sb_t + n[None, :], mask=live[:, None] & keep[None, :],
+                         other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            vb = tl.load(v_ptr + kvh * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            l = l * alpha + tl.sum(p, 1)
+            m = m_new
+        row = (kvh * n_splits + split) * rows_pad + r
+        tl.store(o_ptr + row[:, None] * D + d[None, :], acc)
+        tl.store(ml_ptr + 2 * row, m)
+        tl.store(ml_ptr + 2 * row + 1, l)
+
+    @triton.jit
+    def _decode_attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, so_h, so_t, T, rows_pad, n_splits,
+                                   G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        # one program per (KV head, row): merge the splits' partial softmaxes
+        kvh, r = tl.program_id(0), tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        ok = s < n_splits
+        row = (kvh * n_splits + s) * rows_pad + r
+        m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
+        l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
+        d = tl.arange(0, D)
+        o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+        g, t = r // T, r % T
+        tl.store(out_ptr + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
+
+
+# keys per program; measured on an H200 in CUDA graphs (runtime/bench/attn_probe.py, Qwen3-8B heads):
+# 17 queries over 1K / 4.6K keys take 12.7 / 31.8 us at 128 against SDPA's 26.8 / 99.9 us; one query
+# does best at 64 (5.3 / 9.1 us against 7.2 / 12.2)
+DECODE_SPLIT = 128
+DECODE_SPLIT_ONE_QUERY = 64
+
+
+def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Shapes the split-KV kernel takes: one sequence, 16-bit, a power-of-two head dim, few query rows."""
+    d = q.shape[-1]
+    rows = q.shape[2] * q.shape[1] // k.shape[1]
+    return (_use_triton(q) and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+            and d in (32, 64, 128, 256) and rows <= 512 and k.stride(-1) == 1 and q.stride(-1) == 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Attention of a few queries over a long KV (flash-decoding): q [1, Hq, T, D], k/v [1, Hkv, L, D],
+    bias additive, broadcastable to [1, 1, T, L] -> [1, Hq, T, D]. The KV length is split across
+    programs and each KV head's query heads share one read of its keys (grouped heads), then a second
+    kernel merges the splits. SDPA here runs one block per query head over all of L: ~25 us a layer for
+    a 17-node tree at 1K context on an H200, most of a verify's cost beyond an AR step."""
+    _, hq, t, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = hq // hkv
+    rows = g * t
+    block_r = min(max(16, triton.next_power_of_2(rows)), 64 if d > 128 else 128)
+    rows_pad = -(-rows // block_r) * block_r
+    split = DECODE_SPLIT_ONE_QUERY if t == 1 else DECODE_SPLIT
+    n_splits = -(-length // split)
+    bias2 = bias.reshape(bias.shape[-2], length)  # [T or 1, L]
+    part = torch.empty(hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(hkv, n_splits, rows_pad, 2, device=q.device, dtype=torch.float32)
+    _decode_attn_part_kernel[(hkv, n_splits, rows_pad // block_r)](
+        q, k, v, bias2, part, ml, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        bias2.stride(0) if bias2.shape[0] > 1 else 0, t, length, rows_pad, d ** -0.5, SPLIT=split,
+        G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32, num_warps=4)
+    out = torch.empty(1, hq, t, d, device=q.device, dtype=q.dtype)
+    _decode_attn_reduce_kernel[(hkv, rows)](part, ml, out, out.stride(1), out.stride(2), t, rows_pad, n_splits,
+                                            G=g, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
+    return out

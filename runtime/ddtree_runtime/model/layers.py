@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import rms_norm, rms_norm_rope, rotate_half_rope
+from .kernels import decode_attention, decode_attention_fits, rms_norm, rms_norm_rope, rotate_half_rope
 
 
 class RMSNorm(nn.Module):
@@ -179,10 +179,13 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Attention of the graphed decode path (bias additive, KV length bucketed). Measured on an H200
-    (docs/performance.md): the batched-GEMM form wins for small blocks of queries over a long
+    """Attention of the graphed decode path (bias additive, KV length bucketed). On CUDA in 16 bits the
+    split-KV kernel (kernels.decode_attention) takes every shape it fits. Otherwise, as measured on an
+    H200 (docs/performance.md): the batched-GEMM form wins for small blocks of queries over a long
     context (a 16-node tree or the drafter's block at 4K: 9.1 -> 7.7 ms per verify); SDPA wins for one
     query (the AR step) and for large trees, whose float32 score matrix the GEMM form materialises."""
+    if decode_attention_fits(q, k):
+        return decode_attention(q, k, v, bias)
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)

@@ -1,0 +1,88 @@
+"""Where the GPU time of a round goes, kernel by kernel: the AR step, a verify pass over a tree and the
+drafter's pass, each replayed many times from its CUDA graph under torch.profiler.
+
+    PYTHONPATH=runtime python runtime/bench/gpu_profile.py [--shape qwen3-8b] [--context 512] [--nodes 17]
+
+Prints, per pass, the mean GPU time per replay and the kernels that take it (summed over a replay), and
+writes JSON. Random weights (gpu_bench.build_models): the cost of a pass does not depend on them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import SHAPES, build_models  # noqa: E402
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from ddtree_runtime.engine.tree import build_tree  # noqa: E402
+
+
+def kernel_table(fn, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
+    """Mean GPU microseconds per call of fn and (kernel, us per call, launches per call), largest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name].append(ev.device_time)
+    rows = sorted(((name[:90], sum(t) / reps, len(t) // reps) for name, t in per_kernel.items()),
+                  key=lambda r: -r[1])
+    return sum(r[1] for r in rows), rows
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--nodes", type=int, default=17, help="tree size of the verify pass (root + budget)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    target, drafter = build_models(args.shape, device, torch.bfloat16)
+    engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
+                                 dtype="bfloat16", max_context=args.context + 256), target=target, drafter=drafter)
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    prompt = torch.randint(0, vocab - 1, (args.context,), generator=g).tolist()
+    gen = engine.generate(prompt, SamplingParams(max_new_tokens=64, tree_budget=args.nodes - 1))
+    next(gen)
+    next(gen)  # one round: the drafter's cache is filled, every graph of this shape captured
+    n_ctx = args.context + 1
+    logprobs = torch.log_softmax(torch.randn(15, vocab, device=device), dim=-1)
+    tree = build_tree(0, logprobs, args.nodes - 1)
+    feats = torch.zeros(1, 1, drafter.fc.in_features, device=device, dtype=torch.bfloat16)
+    passes = {
+        "ar_step": lambda: engine.runner.run([1], [0], [0], n_ctx),
+        f"verify_{tree.size}_nodes": lambda: engine.runner.run(tree.token_list, tree.depth_list,
+                                                               tree.parent_list, n_ctx),
+        "draft": lambda: engine.draft_runner.run(1, feats, n_ctx - 1, n_ctx),
+    }
+    report = {"shape": args.shape, "context": args.context, "passes": {}}
+    for name, fn in passes.items():
+        total, rows = kernel_table(fn, args.reps)
+        report["passes"][name] = {"gpu_us": total, "kernels": rows}
+        print(f"\n{name}: {total / 1e3:.2f} ms of GPU time per pass, {sum(r[2] for r in rows)} kernels")
+        for kname, us, count in rows[:args.top]:
+            print(f"  {us:8.1f} us  x{count:<4} {kname}")
+    gen.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -104,9 +104,19 @@ def _services_cell(r: dict[str, Any]) -> Text:
 def _runtime_cell(r: dict[str, Any]) -> Text:
     text = Text()
     for h in r["runtime"]:
-        detail = h["detail"]
-        if isinstance(detail, dict):
-            detail = detail.get("status") or detail.get("detail") or ""
         word = "healthy" if h["healthy"] else "UNHEALTHY"
-        text.append(f"{h['url']}: {word} {detail}\n".rstrip() + "\n", style="green" if h["healthy"] else "red")
+        text.append(f"{h['url']}: {word} {_health_summary(h)}".rstrip() + "\n",
+                    style="green" if h["healthy"] else "red")
     return text or Text("-", style="dim")
+
+
+def _health_summary(h: dict[str, Any]) -> str:
+    """What a healthy DDTree runtime serves (model, target family, mode and budget); else why not."""
+    detail = h["detail"]
+    if not isinstance(detail, dict):
+        return str(detail)
+    if not h["healthy"] or "mode" not in detail:
+        return str(detail.get("detail") or detail.get("status") or "")
+    arch = f" ({detail['target_arch']})" if detail.get("target_arch") else ""
+    mode = detail["mode"] + (f"@{detail['tree_budget']}" if detail["mode"] == "ddtree" else "")
+    return f"{detail.get('model', '')}{arch} {mode}".strip()

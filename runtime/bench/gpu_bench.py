@@ -144,28 +144,27 @@ def check_kernels(device: torch.device) -> dict:
     ref_n = rms_norm_torch(x.double(), w.double(), 1e-6)
     ref_r = rotate_half_rope(rms_norm_torch(q.double(), wq.double(), 1e-6).transpose(1, 2),
                              cos.double(), sin.double())
+    from ddtree_runtime.model.kernels import decode_attention, decode_attention_fits
     from ddtree_runtime.model.layers import attend_grouped
 
     qa = torch.randn(1, 32, 17, 128, device=device, dtype=dt)
-    ka, va = (torch.randn(1, 8, 1024, 128, device=device, dtype=dt) for _ in range(2))
-    allowed = torch.rand(17, 1024, device=device) < 0.7
-    allowed[:, 0] = True
-    bias = torch.zeros(17, 1024, device=device).masked_fill(~allowed, float("-inf")).to(dt)[None, None]
-    ref_a = torch.nn.functional.scaled_dot_product_attention(
-        qa.double(), ka.double().repeat_interleave(4, 1), va.double().repeat_interleave(4, 1),
-        attn_mask=bias.double())
-    from ddtree_runtime.model.kernels import decode_attention, decode_attention_fits
 
+    def tree_attention_case(length: int, cache_len: int):
+        """k/v as strided views of a longer cache, a random tree bias, and the float64 reference."""
+        kc, vc = (torch.randn(1, 8, cache_len, 128, device=device, dtype=dt) for _ in range(2))
+        k, v = kc[:, :, :length], vc[:, :, :length]
+        allowed = torch.rand(17, length, device=device) < 0.7
+        allowed[:, 0] = True
+        bias = torch.zeros(17, length, device=device).masked_fill(~allowed, float("-inf")).to(dt)[None, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qa.double(), k.double().repeat_interleave(4, 1), v.double().repeat_interleave(4, 1),
+            attn_mask=bias.double())
+        return k, v, bias, ref
+
+    ka, va, bias, ref_a = tree_attention_case(1024, 1024)
     checks = {}
-    if decode_attention_fits(qa, ka):  # the split-KV kernel, on an uneven length with a strided cache view
-        kc, vc = (torch.randn(1, 8, 1300, 128, device=device, dtype=dt) for _ in range(2))
-        kd, vd = kc[:, :, :1111], vc[:, :, :1111]
-        ok = torch.rand(17, 1111, device=device) < 0.7
-        ok[:, 0] = True
-        bd = torch.zeros(17, 1111, device=device).masked_fill(~ok, float("-inf")).to(dt)[None, None]
-        ref_d = torch.nn.functional.scaled_dot_product_attention(
-            qa.double(), kd.double().repeat_interleave(4, 1), vd.double().repeat_interleave(4, 1),
-            attn_mask=bd.double())
+    if decode_attention_fits(qa, ka):  # the split-KV kernel, on an uneven length
+        kd, vd, bd, ref_d = tree_attention_case(1111, 1300)
         checks["decode_attention_rel_err"] = err(decode_attention(qa, kd, vd, bd), ref_d)
     return {**checks, "attend_grouped_rel_err": err(attend_grouped(qa, ka, va, bias), ref_a),
             "rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),

@@ -44,14 +44,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-SHAPES = {
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33]),
-    "small": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  draft_layers=1, target_layer_ids=[1, 2]),
-}
 BLOCK_SIZE = 16
 SHARD_BYTES = 4 * 1024 ** 3  # HF-style shards of about 4 GiB
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
@@ -147,7 +139,7 @@ def write_checkpoints(shape: str, dtype_name: str, root: Path, gen_device: str) 
     from ddtree_runtime.model import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3ForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    s = dict(SHAPES[shape])
+    s = model_shape(shape)
     draft_layers, layer_ids = s.pop("draft_layers"), s.pop("target_layer_ids")
     tdir, ddir = root / "target", root / "draft"
     for d in (tdir, ddir):
@@ -400,8 +392,16 @@ def pick_root(args, need_bytes: int) -> Path:
     return root
 
 
+def model_shape(name: str) -> dict:
+    """One table of model shapes for every benchmark: gpu_bench's (imported here: it pulls in torch)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_bench import SHAPES
+
+    return dict(SHAPES[name])
+
+
 def estimate_bytes(shape: str, dtype: str) -> int:
-    s = SHAPES[shape]
+    s = model_shape(shape)
     h, i, v, hd = s["hidden_size"], s["intermediate_size"], s["vocab_size"], s["head_dim"]
     q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
     layer = h * (q + 2 * kv) + q * h + 3 * h * i

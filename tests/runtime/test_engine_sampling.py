@@ -1,6 +1,7 @@
 """T > 0 losslessness: tokens that tree verification commits must be distributed like plain sampling
 from the target. Two-sample chi-square homogeneity test, per output position 2-4 (position 1 comes
-from the prefill), ddtree samples vs plain autoregressive samples over many seeds."""
+from the prefill), ddtree samples vs plain autoregressive samples over many seeds, for the Qwen3 and
+the hybrid target."""
 
 from __future__ import annotations
 
@@ -80,9 +81,10 @@ def homogeneity_pvalue(a: Counter, b: Counter, min_expected: float = 5.0) -> tup
     return (chi2_sf(stat, dof) if dof else 1.0), dof
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_models) -> Engine:
-    return Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), tree_budget=16))
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def engine(request) -> Engine:
+    models = request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
+    return Engine(EngineConfig(str(models / "target"), str(models / "draft"), tree_budget=16))
 
 
 def _samples(engine: Engine, prompt: list[int], mode: str, seed0: int, **kw) -> tuple[list[list[int]], int]:

@@ -61,7 +61,13 @@ def test_prefill_matches_transformers(hf_pair):
     with torch.no_grad():
         ref = hf(ids).logits[0]
         h, _ = ours(ids, torch.arange(150)[None])
+        # and resumed: 100 tokens, then 50 more from the cached recurrent state (full-attention layers
+        # attend to everything before, so the continuation is one token at a time)
+        cache = target_cache(ours.config, 256, "cpu", torch.float32)
+        ours(ids[:, :100], torch.arange(100)[None], cache, start=0)
+        resumed = [ours(ids[:, i:i + 1], torch.tensor([[i]]), cache, start=i)[0] for i in range(100, 150)]
     assert torch.allclose(ours.logits(h)[0], ref, atol=1e-4), (ours.logits(h)[0] - ref).abs().max()
+    assert torch.allclose(ours.logits(torch.cat(resumed, dim=1))[0], ref[100:], atol=1e-4)
 
 
 def test_parallel_form_equals_the_recurrence_on_every_path():

@@ -112,8 +112,7 @@ class GatedDeltaNet(nn.Module):
         if tree is not None:
             core = self._tree(mixed, beta, g, cache, tree.paths)
         else:
-            core = self._chain(mixed, beta, g, cache if cache is not None and start > 0 else None,
-                               cache)
+            core = self._chain(mixed, beta, g, cache, resume=cache is not None and start > 0)
         core = core.transpose(1, 2).to(x.dtype)                                    # [B, T, Hv, dv]
         z = z.reshape(b, t, self.n_v, self.dv)
         out = (self.norm(core) * F.silu(z.float())).to(x.dtype)
@@ -143,13 +142,13 @@ class GatedDeltaNet(nn.Module):
         cache.save_step(self.slot, mixed, step, t)
         return out
 
-    def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, resume, cache) -> torch.Tensor:
-        """Tokens in a row, in chunks: from the cache's state when `resume` is given, else from zeros;
-        the final state goes back to `cache` (if any)."""
+    def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache, resume: bool) -> torch.Tensor:
+        """Tokens in a row, in chunks: from the cache's state when resuming (start > 0), else from
+        zeros (a prompt); the final state goes back to the cache (if any)."""
         b, t, c = mixed.shape
         kernel = self.kernel
-        if resume is not None:
-            conv_state, state = resume.conv[self.slot], resume.state[self.slot]
+        if resume:
+            conv_state, state = cache.conv[self.slot], cache.state[self.slot]
         else:
             conv_state, state = mixed.new_zeros(b, kernel - 1, c), None
         outs = []

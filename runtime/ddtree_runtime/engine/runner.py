@@ -134,7 +134,6 @@ class _DraftBucket:
         self.feats = torch.zeros(1, block, feat_dim, dtype=dtype, device=device)        # [1, C=Q, F]
         self.offsets = torch.arange(block, device=device)
         self.cols = torch.arange(kv_len, device=device)
-        self.block_cols = torch.ones(block, dtype=torch.bool, device=device)
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -144,8 +143,10 @@ class _DraftBucket:
 class DraftRunner:
     """The drafter's per-round pass at a fixed shape: the block [bonus, MASK x (Q-1)] plus up to Q new
     context features (zero-padded; the padding's k/v land past the context and are overwritten next
-    round), attending over the first kv_len drafter-cache entries with a device-built bias. Graphed on
-    CUDA per kv_len bucket. Rounds whose new context exceeds Q (the first, after a prefill) run eagerly."""
+    round). The block's own k/v are written right after the context (over that padding), so attention
+    reads the first kv_len drafter-cache entries with a device-built bias and nothing is concatenated.
+    Graphed on CUDA per kv_len bucket. Rounds whose new context exceeds Q (the first, after a prefill)
+    run eagerly."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
                  device: torch.device) -> None:
@@ -158,7 +159,8 @@ class DraftRunner:
 
     @staticmethod
     def capacity_for(max_context: int, block: int) -> int:
-        return -(-(max_context + block) // KV_BUCKET) * KV_BUCKET
+        """The context, up to one block of padding rows after it, and the block itself."""
+        return -(-(max_context + 2 * block) // KV_BUCKET) * KV_BUCKET
 
     def fits(self, pending: torch.Tensor) -> bool:
         return pending.shape[1] <= self.block
@@ -167,7 +169,7 @@ class DraftRunner:
         """pending: [1, m, F] features of context positions draft_len..n_ctx-1. Returns logits [Q-1, V]
         for depths 1..Q-1 (a view of a static buffer: use it before the next run)."""
         m = pending.shape[1]
-        kv_len = kv_len_for(draft_len + self.block, self.cache.capacity)
+        kv_len = kv_len_for(draft_len + 2 * self.block, self.cache.capacity)
         b = self.buckets.get(kv_len)
         if b is None:
             b = self.buckets[kv_len] = _DraftBucket(self.block, self.feat_dim, kv_len, self.device,
@@ -189,9 +191,9 @@ class DraftRunner:
     def _forward(self, b: _DraftBucket) -> torch.Tensor:
         block_pos = (b.n + b.offsets)[None]                     # [1, Q] the block follows the context
         ctx_pos = (b.start + b.offsets)[None]                   # [1, C] where the new context sits
-        allowed = torch.cat([b.cols < b.n, b.block_cols])       # [L + Q] valid context, whole block
+        allowed = b.cols < b.n + self.block                     # [L] the context, then the block
         bias = torch.where(allowed, b.zero, b.neg_inf)[None, None, None]
         emb = self.target.model.embed_tokens(b.ids)             # [1, Q, H]
         h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache, mask=bias,
-                         static=(ctx_pos[0], b.kv_len))
+                         static=(ctx_pos[0], block_pos[0], b.kv_len))
         return self.target.logits(h[0, 1:])

@@ -24,14 +24,20 @@ class DFlashLayer(LayerWeights):
         h = self.input_layernorm(x)
         q, kb, vb = attn.qkv(h, *rope_q)
         kc, vc = attn.kv(ctx, *rope_c)
-        if static is not None:  # (slots [C], kv_len): device-side offsets, see engine/runner.py
-            kc, vc = cache.write_at(idx, static[0], kc, vc, static[1])
-        elif cache is not None:
+        if static is not None:
+            # the graphed path (device-side offsets, see engine/runner.py): the block's k/v go to the
+            # cache slots right after the context (free until the next round writes context there),
+            # so attention reads one bucketed cache view with an additive bias and nothing is copied
+            ctx_slots, block_slots, kv_len = static
+            cache.write_at(idx, ctx_slots, kc, vc, kv_len)
+            k, v = cache.write_at(idx, block_slots, kb, vb, kv_len)
+            x = x + attn.out(attend_decode(q, k, v, mask))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if cache is not None:
             kc, vc = cache.write(idx, ctx_start, kc, vc)
         k = torch.cat([kc, kb], dim=2)
         v = torch.cat([vc, vb], dim=2)
-        # the graphed path (static) attends over a bucketed cache with an additive bias
-        x = x + attn.out(attend_decode(q, k, v, mask) if static is not None else attend(q, k, v, mask))
+        x = x + attn.out(attend(q, k, v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -52,9 +58,10 @@ class DFlashDrafter(nn.Module):
                 mask: torch.Tensor | None = None, *, static=None) -> torch.Tensor:
         """block_emb: [B, Q, H] target embeddings of the block; feats: [B, C, L*H] raw target features
         (with a cache: only the ones not cached yet, at positions ctx_start..); mask: bool
-        [B, 1, Q, C+Q] or None (see everything); static = (slots [C] long, kv_len): write the context
-        k/v at cache slots `slots` and attend over the first kv_len cache entries (mask then covers
-        [kv_len + Q]). Returns final-normed block hidden states [B, Q, H]."""
+        [B, 1, Q, C+Q] or None (see everything); static = (context slots [C], block slots [Q], kv_len):
+        write the context and the block k/v at those cache slots and attend over the first kv_len cache
+        entries (mask is then an additive bias over [kv_len]). Returns final-normed block hidden
+        states [B, Q, H]."""
         ctx = self.hidden_norm(self.fc(feats))
         rope_q = self.rotary(block_pos, block_emb.dtype)
         rope_c = self.rotary(ctx_pos, block_emb.dtype)

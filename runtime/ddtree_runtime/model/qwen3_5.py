@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import Qwen35Config
 from .gated_delta import Paths, causal_conv, chain_paths, gated_delta, state_at, tree_paths
+from .gdn_kernels import conv_heads, fused_fits, gated_norm
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows
 from .qwen3 import Qwen3ForCausalLM
 
@@ -109,8 +110,15 @@ class GatedDeltaNet(nn.Module):
             mixed, z, beta, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         beta = torch.sigmoid(beta).float()                                         # [B, T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if tree is not None and fused_fits(mixed, self.dk, self.dv, self.kernel):
+            # the graphed tree pass on CUDA: conv..normalisation and the gated norm as one kernel each
+            q, k, v = conv_heads(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window,
+                                 self.n_k, self.n_v, self.dk, self.dv)
+            core = self._tree(mixed, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
+            return self.out_proj(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype))
         if tree is not None:
-            core = self._tree(mixed, beta, g, cache, tree.paths)
+            conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window)
+            core = self._tree(mixed, *self._heads(conv, beta, g), cache, tree.paths)
         else:
             core = self._chain(mixed, beta, g, cache, resume=cache is not None and start > 0)
         core = core.transpose(1, 2).to(x.dtype)                                    # [B, T, Hv, dv]
@@ -131,15 +139,12 @@ class GatedDeltaNet(nn.Module):
         v = v.view(b, t, self.n_v, self.dv).transpose(1, 2)
         return q, k, v, beta.transpose(1, 2), g.transpose(1, 2)
 
-    def _tree(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache,
-              paths: Paths) -> torch.Tensor:
+    def _tree(self, mixed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+              g: torch.Tensor, cache, paths: Paths) -> torch.Tensor:
         """Every node from its parent's state; the committed state is only read. What `compact` needs
         to advance it along the accepted path goes to the cache's scratch."""
-        t = mixed.shape[1]
-        conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], paths.window)
-        q, k, v, beta, g = self._heads(conv, beta, g)
         out, step = gated_delta(q, k, v, g, beta, cache.state[self.slot], paths)
-        cache.save_step(self.slot, mixed, step, t)
+        cache.save_step(self.slot, mixed, step, mixed.shape[1])
         return out
 
     def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache, resume: bool) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
+and must agree with the torch path: the split-KV decode attention against a float reference, and the
+Gated DeltaNet tree pass with its fused conv/heads and gated-norm kernels against the same layer in torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+PRELUDE = """
+import torch
+import ddtree_runtime.model.kernels as K
+import ddtree_runtime.model.gdn_kernels as G
+torch.manual_seed(0)
+"""
+
+
+def interpret(body: str) -> str:
+    """Run `body` in a fresh interpreter with TRITON_INTERPRET=1 (it must be set before triton loads)."""
+    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_decode_attention_matches_a_float_reference():
+    out = interpret("""
+        K._use_triton = lambda x: True
+        def ref(q, k, v, bias):
+            g = q.shape[1] // k.shape[1]
+            s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
+            return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
+        # (query heads, KV heads, queries, head dim, keys, one bias row for all queries)
+        for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
+                                              (6, 1, 5, 256, 100, False), (4, 2, 3, 32, 200, True)]:
+            q = torch.randn(1, hq, t, d, dtype=torch.float16)
+            cache = torch.randn(2, 1, hkv, length + 50, d, dtype=torch.float16)
+            k, v = cache[0, :, :, :length], cache[1, :, :, :length]   # strided views, as the cache gives
+            allowed = torch.rand(1 if shared else t, length) < 0.6
+            allowed[:, 0] = True
+            bias = torch.where(allowed, 0.0, float("-inf")).to(torch.float16)[None, None]
+            assert K.decode_attention_fits(q, k)
+            err = (K.decode_attention(q, k, v, bias).double() - ref(q, k, v, bias)).abs().max().item()
+            print(hq, hkv, t, d, length, err)
+            assert err < 2e-3, err
+    """)
+    assert len(out.splitlines()) == 4
+
+
+def test_fused_gated_deltanet_tree_pass_matches_torch():
+    interpret("""
+        from ddtree_runtime.engine.kv_cache import target_cache
+        from ddtree_runtime.engine.tree import _finish, ancestor_mask
+        from ddtree_runtime.model import Qwen35Config
+        from ddtree_runtime.model.layers import TreeInputs, fuse_projections
+        from ddtree_runtime.model.qwen3_5 import Qwen35ForCausalLM
+
+        cfg = Qwen35Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4)
+        model = Qwen35ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.uniform_(-1, 1)
+        fuse_projections(model)  # the in-projections' output is then a strided view, as in service
+        parents = [0, 0, 0, 1, 1, 2, 3, 3, 6, 8, 5, 9]
+        depths = [0]
+        for p in parents[1:]:
+            depths.append(depths[p] + 1)
+        tree = _finish(list(range(12)), parents, depths, "cpu")
+        layer = model.model.layers[1].linear_attn
+        x = torch.randn(1, 12, 32)
+
+        def tree_pass(fused):
+            G._use_triton = lambda t: fused
+            cache = target_cache(cfg, 64, "cpu", torch.float32, nodes=17)
+            g = torch.Generator().manual_seed(5)
+            cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
+            cache.state.copy_(torch.randn(cache.state.shape, generator=g))
+            inputs = model.prepare(TreeInputs(torch.arange(12) + 10, None, 64, ancestor_mask(tree.parents, 6)),
+                                   torch.tensor([depths]) + 10)
+            with torch.no_grad():
+                return layer(x, cache, 10, inputs), cache
+
+        (a, ca), (b, cb) = tree_pass(False), tree_pass(True)
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        for name in ("k", "u", "g"):
+            assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+    """)

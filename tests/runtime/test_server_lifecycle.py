@@ -125,6 +125,8 @@ def test_fault_endpoint_is_absent_without_the_env(tiny_models):
     (["--target", "{target}", "--draft", "{draft}", "--tree-budget", "0"], "--tree-budget 0: must be >= 1"),
     (["--target", "{target}", "--draft", "{draft}", "--device", "tpu"], "--device tpu"),
     (["--target", "{target}", "--draft", "/tmp"], "--draft /tmp: no config.json"),
+    (["--target", "{target}", "--draft", "{draft}", "--host", "0.0.0.0"],
+     "--host 0.0.0.0 without an API key would let anyone who reaches the port use the model"),
 ])
 def test_bad_cli_input_is_one_line_and_exit_2(tiny_models, argv, message):
     argv = [a.format(target=tiny_models / "target", draft=tiny_models / "draft") for a in argv]

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
     p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV}, "
                    "which keeps the key out of the process list)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key (anyone who reaches the port may use it)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (default: float32)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests waiting before 429 (default: 16)")
@@ -71,6 +73,9 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UsageError(f"--device {args.device}: expected cpu, cuda or cuda:N")
     api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
+    if not api_key and not _is_loopback(args.host) and not args.insecure_no_auth:
+        raise UsageError(f"--host {args.host} without an API key would let anyone who reaches the port use "
+                         f"the model: set {API_KEY_ENV} or --api-key (or pass --insecure-no-auth)")
     faults = environ.get(FAULTS_ENV) == "1"
     try:
         startup_delay = float(environ.get(STARTUP_DELAY_ENV, "0")) if faults else 0.0
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree_runtime.server.draining import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not config.api_key and not _is_loopback(config.host):
+    if not config.api_key and not _is_loopback(config.host):  # only with --insecure-no-auth
         bar = "!" * 78
         print(f"{bar}\nWARNING: ddtree-serve is listening on {config.host} WITHOUT an API key.\n"
               f"Anyone who can reach this port can use the model. Set {API_KEY_ENV} or --api-key.\n{bar}",

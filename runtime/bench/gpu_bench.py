@@ -185,16 +185,12 @@ def agreement(engine: Engine, prompt: list[int], n: int = 48) -> dict:
 
 
 def kv_bytes(cfg: Qwen3Config, ctx: int, elem: int) -> int:
-    layers = len(cfg.full_layers) if isinstance(cfg, Qwen35Config) else cfg.num_hidden_layers
-    return 2 * layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
+    return 2 * cfg.kv_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
 
 
 def state_bytes(cfg: Qwen3Config) -> int:
     """A hybrid target's float32 recurrent state (read by every pass; the commit reads and rewrites it)."""
-    if not isinstance(cfg, Qwen35Config):
-        return 0
-    return (4 * len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim
-            * cfg.linear_value_head_dim)
+    return cfg.linear_state_bytes if isinstance(cfg, Qwen35Config) else 0
 
 
 def floors(target, drafter, ctx: int, budget: int, ceil: dict) -> dict:

@@ -262,6 +262,6 @@ class Engine:
     def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
         """Keep the accepted path's KV (compacted right after the context) and queue its features."""
         self.target_cache.compact(req.n_ctx, path)
-        req.pending = feats[:, torch.tensor(path, device=self.device)]                                    # [1, len(path), F]
+        req.pending = feats[:, torch.tensor(path, device=self.device)]  # [1, len(path), F]
         req.n_ctx += len(path)
         req.bonus = next_token

@@ -64,11 +64,10 @@ class HybridCache(KVCache):
 
     def __init__(self, cfg: Qwen35Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
                  batch: int = 1, nodes: int = 1) -> None:
-        super().__init__(len(cfg.full_layers), cfg.num_key_value_heads, cfg.head_dim, capacity, device,
-                         dtype, batch)
+        super().__init__(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)
         n, hv = len(cfg.linear_layers), cfg.linear_num_value_heads
         dk, dv, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
+        conv_dim = cfg.linear_conv_dim
         f32 = torch.float32
         self.conv = torch.zeros(n, batch, kernel - 1, conv_dim, device=device, dtype=dtype)
         self.state = torch.zeros(n, batch, hv, dk, dv, device=device, dtype=f32)
@@ -80,8 +79,7 @@ class HybridCache(KVCache):
     @staticmethod
     def scratch_bytes(cfg: Qwen35Config, nodes: int, elem: int) -> int:
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
-        return len(cfg.linear_layers) * nodes * (4 * hv * (dk + dv + 1) + elem * conv_dim)
+        return len(cfg.linear_layers) * nodes * (4 * hv * (dk + dv + 1) + elem * cfg.linear_conv_dim)
 
     def holds(self, capacity: int, nodes: int) -> bool:
         return super().holds(capacity, nodes) and nodes <= self.inputs.shape[2]
@@ -108,14 +106,12 @@ class HybridCache(KVCache):
 def target_cache_bytes(cfg: Qwen3Config, capacity: int, nodes: int, elem: int) -> int:
     """Device memory a target's cache takes, plus the largest per-layer workspace of a tree pass that
     grows with the tree (the hybrid's [Hv, nodes, nodes] float32 matrices: a handful are live at once)."""
+    kv = 2 * cfg.kv_layers * cfg.num_key_value_heads * capacity * cfg.head_dim * elem
     if not isinstance(cfg, Qwen35Config):
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * capacity * cfg.head_dim * elem
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
-    kv = 2 * len(cfg.full_layers) * cfg.num_key_value_heads * capacity * cfg.head_dim * elem
-    state = len(cfg.linear_layers) * (4 * hv * dk * dv + elem * (cfg.linear_conv_kernel_dim - 1) * conv_dim)
-    workspace = 6 * 4 * hv * nodes * nodes
-    return kv + state + HybridCache.scratch_bytes(cfg, nodes, elem) + workspace
+        return kv
+    conv_tail = len(cfg.linear_layers) * elem * (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim
+    workspace = 6 * 4 * cfg.linear_num_value_heads * nodes * nodes
+    return kv + cfg.linear_state_bytes + conv_tail + HybridCache.scratch_bytes(cfg, nodes, elem) + workspace
 
 
 def target_cache(cfg: Qwen3Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
@@ -123,4 +119,4 @@ def target_cache(cfg: Qwen3Config, capacity: int, device: torch.device | str, dt
     """The cache a target of this config needs; `nodes` is the largest tree pass it must hold."""
     if isinstance(cfg, Qwen35Config):
         return HybridCache(cfg, capacity, device, dtype, batch, nodes)
-    return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)
+    return KVCache(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)

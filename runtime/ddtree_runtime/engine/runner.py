@@ -3,9 +3,10 @@
 Every forward after the prefill is "N tree nodes at positions start + depth, each seeing the context and
 its ancestors". The runner pads N up to a size bucket, attends over the first kv_len cache entries
 (start + bucket rounded up to KV_BUCKET) and builds the additive attention bias on the device from
-`start` and the tree's ancestor mask (itself built on the device from parent indices), so nothing in the forward depends on a host-side offset. On CUDA
-each (bucket, kv_len) pair is captured once as a CUDA graph and replayed: one launch instead of ~1,500
-per forward, which is what bounds an eager 8B forward on a slow host."""
+`start` and the tree's ancestor mask (itself built on the device from parent indices), so nothing in
+the forward depends on a host-side offset. On CUDA each (bucket, kv_len) pair is captured once as a
+CUDA graph and replayed: one launch instead of ~1,500 per forward, which is what bounds an eager 8B
+forward on a slow host."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ class TargetRunner:
         allowed = (rel < 0) | ((rel < b.size) & in_tree)        # context, or an ancestor (or self)
         bias = torch.where(allowed, b.zero, b.neg_inf)          # [T, L] additive, cache dtype
         slots = b.start + b.rows                                # [T]
-        h, feats = self.target(b.ids, b.pos, self.cache, static=TreeInputs(slots, bias[None, None], b.kv_len, tree))
+        h, feats = self.target(b.ids, b.pos, self.cache,
+                               static=TreeInputs(slots, bias[None, None], b.kv_len, tree))
         return self.target.logits(h[0]), feats
 
 

@@ -46,6 +46,11 @@ class Qwen3Config:
     def rotary_dim(self) -> int:
         return self.head_dim
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep a KV cache (all of them here)."""
+        return self.num_hidden_layers
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
         _check_supported(d)
@@ -107,6 +112,22 @@ class Qwen35Config(Qwen3Config):
     @property
     def full_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_types) if kind == "full_attention"]
+
+    @property
+    def kv_layers(self) -> int:
+        return len(self.full_layers)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: its q, k and v, concatenated."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """The float32 recurrent state of every linear layer (Hv x dk x dv each)."""
+        return (4 * len(self.linear_layers) * self.linear_num_value_heads * self.linear_key_head_dim
+                * self.linear_value_head_dim)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen35Config":

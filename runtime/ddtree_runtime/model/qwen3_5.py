@@ -86,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.conv_dim = 2 * self.n_k * self.dk + self.n_v * self.dv
+        self.conv_dim = cfg.linear_conv_dim
         self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(h, self.n_v * self.dv, bias=False)
         self.in_proj_b = nn.Linear(h, self.n_v, bias=False)

@@ -21,7 +21,7 @@ triangular solve gives u. The state a node ends in is rebuilt only for the node 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,8 @@ class Paths:
     mask: torch.Tensor    # [T, T] bool, mask[i, j]: j is i or one of its ancestors
     window: torch.Tensor  # [T, K] long: the conv window of token i, oldest first, as indices into
                           # [conv state (K-1 rows), the T new tokens]
-    strict: torch.Tensor = None   # [T, T] bool: strict ancestors only
-    summing: torch.Tensor = None  # [T, T] float32: mask transposed, sums a quantity over each path
+    strict: torch.Tensor = field(init=False)   # [T, T] bool: strict ancestors only
+    summing: torch.Tensor = field(init=False)  # [T, T] float32: mask transposed, sums a quantity over each path
 
     def __post_init__(self) -> None:
         eye = torch.eye(self.mask.shape[0], dtype=torch.bool, device=self.mask.device)

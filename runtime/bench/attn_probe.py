@@ -1,5 +1,5 @@
 """Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU: the
-split-KV kernel at several split lengths against SDPA with an additive tree bias, per tree size and
+split-KV kernel at several split lengths and row blocks against SDPA and the GEMM form with an additive tree bias, per tree size and
 KV length. Decides kernels.DECODE_SPLIT and where attend_decode uses the kernel.
 
     PYTHONPATH=runtime python runtime/bench/attn_probe.py"""
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree_runtime.model import kernels
+from ddtree_runtime.model.layers import attend_grouped
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -42,15 +43,18 @@ def main() -> None:
         kbuf = torch.randn(1, 8, 8192, 128, device=dev, dtype=dt)
         vbuf = torch.randn_like(kbuf)
         k, v = kbuf[:, :, :length], vbuf[:, :, :length]  # strided views, as the cache gives them
-        for t in (1, 17, 33, 65):
+        for t in (1, 17, 33, 65, 129, 257):
             q = torch.randn(1, 32, t, 128, device=dev, dtype=dt)
             ok = torch.rand(t, length, device=dev) < 0.9
             ok[:, 0] = True
             bias = torch.zeros(t, length, device=dev, dtype=dt).masked_fill(~ok, float("-inf"))[None, None]
-            row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True))}
-            for split in (32, 64, 128, 256):
-                kernels.DECODE_SPLIT = kernels.DECODE_SPLIT_ONE_QUERY = split
-                row[f"split{split}"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
+            row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)),
+                   "gemm": timed(lambda: attend_grouped(q, k, v, bias))}
+            for split in (64, 128, 256):
+                for block_rows in (64, 128):
+                    kernels.DECODE_SPLIT = kernels.DECODE_SPLIT_ONE_QUERY = split
+                    kernels.DECODE_BLOCK_ROWS = block_rows
+                    row[f"s{split}r{block_rows}"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
             print(f"L {length:5} T {t:3}: " + "  ".join(f"{name} {us:5.1f}us" for name, us in row.items()), flush=True)
 
 

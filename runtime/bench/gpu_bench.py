@@ -129,7 +129,8 @@ def measure_ceilings(device: torch.device) -> dict:
 
 def check_kernels(device: torch.device) -> dict:
     """Fused kernels against a float64 reference on fresh random inputs: ||out - ref|| / ||ref||."""
-    from ddtree_runtime.model.kernels import rms_norm, rms_norm_rope, rms_norm_torch, rotate_half_rope
+    from ddtree_runtime.model.kernels import (residual_linear, rms_norm, rms_norm_rope, rms_norm_torch,
+                                              rotate_half_rope, silu_mul)
 
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(37, 4096, device=device, dtype=dt) * 3
@@ -166,6 +167,13 @@ def check_kernels(device: torch.device) -> dict:
     if decode_attention_fits(qa, ka):  # the split-KV kernel, on an uneven length
         kd, vd, bd, ref_d = tree_attention_case(1111, 1300)
         checks["decode_attention_rel_err"] = err(decode_attention(qa, kd, vd, bd), ref_d)
+    gu = torch.randn(17, 2 * 12288, device=device, dtype=dt) * 3
+    lin = torch.nn.Linear(12288, 4096, bias=False, device=device, dtype=dt)
+    res = torch.randn(1, 17, 4096, device=device, dtype=dt)
+    act = torch.nn.functional.silu(gu[:, :12288].double()) * gu[:, 12288:].double()
+    checks["silu_mul_rel_err"] = err(silu_mul(gu), act)
+    checks["residual_linear_rel_err"] = err(residual_linear(res, silu_mul(gu)[None], lin),
+                                            res.double() + act[None] @ lin.weight.double().t())
     return {**checks, "attend_grouped_rel_err": err(attend_grouped(qa, ka, va, bias), ref_a),
             "rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),
             "rms_norm_rope_rel_err": err(rms_norm_rope(q, wq, 1e-6, cos, sin), ref_r)}

@@ -1,5 +1,5 @@
-"""Where the GPU time of a round goes, kernel by kernel: the AR step, a verify pass over a tree and the
-drafter's pass, each replayed many times from its CUDA graph under torch.profiler.
+"""Where the GPU time of a round goes, kernel by kernel: the AR step, a verify pass over a tree, the
+drafter's pass and the tree build, each replayed many times from its CUDA graph under torch.profiler.
 
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py [--shape qwen3-8b] [--context 512] [--nodes 17]
 
@@ -63,14 +63,14 @@ def main() -> None:
     next(gen)
     next(gen)  # one round: the drafter's cache is filled, every graph of this shape captured
     n_ctx = args.context + 1
-    logprobs = torch.log_softmax(torch.randn(15, vocab, device=device), dim=-1)
-    tree = build_tree(0, logprobs, args.nodes - 1)
+    draft_logits = torch.randn(15, vocab, device=device)
+    tree = build_tree(draft_logits, args.nodes - 1)
     feats = torch.zeros(1, 1, drafter.fc.in_features, device=device, dtype=torch.bfloat16)
     passes = {
-        "ar_step": lambda: engine.runner.run([1], [0], [0], n_ctx),
-        f"verify_{tree.size}_nodes": lambda: engine.runner.run(tree.token_list, tree.depth_list,
-                                                               tree.parent_list, n_ctx),
+        "ar_step": lambda: engine.runner.run(1, n_ctx),
+        f"verify_{tree.size}_nodes": lambda: engine.runner.run(1, n_ctx, tree),
         "draft": lambda: engine.draft_runner.run(1, feats, n_ctx - 1, n_ctx),
+        "tree_build": lambda: engine.trees.build(draft_logits, args.nodes - 1),
     }
     report = {"shape": args.shape, "context": args.context, "passes": {}}
     for name, fn in passes.items():

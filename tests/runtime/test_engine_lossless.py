@@ -99,18 +99,19 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
             row[first], row[second] = row[second].clone(), row[first].clone()
         return logits
 
-    def walk(tree, target_tokens):
+    def walk(tokens, parents, depths, mask, target, max_depth):
         nonlocal diverged_then_continued
-        path = original_walk(tree, target_tokens)
+        accepted = original_walk(tokens, parents, depths, mask, target, max_depth)
+        path = accepted.path
         top = [0]  # the top branch: each node's first (best-ranked) child
-        parents = tree.parents.tolist()
-        for node in range(1, tree.size):
+        parents = parents.tolist()
+        for node in range(1, len(parents)):
             if parents[node] == top[-1]:
                 top.append(node)
         if (len(path) > swapped_depth + 1 and len(top) > swapped_depth + 1
                 and path[:swapped_depth] == top[:swapped_depth] and path[swapped_depth] != top[swapped_depth]):
             diverged_then_continued += 1
-        return path
+        return accepted
 
     monkeypatch.setattr(engine, "_draft", draft)
     monkeypatch.setattr(engine_module, "walk", walk)

@@ -1,4 +1,5 @@
-"""Tree builder and verification-walk unit tests (no models needed)."""
+"""Tree builder and verification-walk unit tests (no models needed): the device-side build against a
+brute-force enumeration of every draft path, and the walk against a host-side reference."""
 
 from __future__ import annotations
 
@@ -8,105 +9,145 @@ import math
 import pytest
 import torch
 
-from ddtree_runtime.engine.tree import build_chain, build_tree, walk
+from ddtree_runtime.engine.tree import ancestor_mask, build_chain, build_tree, tree_size, walk
 
 
-def _logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
+def _logits(depth: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(depth, vocab, generator=g) * 2.5, dim=-1)
+    return torch.randn(depth, vocab, generator=g) * 2.5
+
+
+def _full(tree, root: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """Host lists of the whole tree, root included: tokens, parents, depths."""
+    return ([root, *tree.tokens.tolist()], [0, *tree.parents.tolist()], [0, *tree.depths.tolist()])
 
 
 def _score(lp: torch.Tensor, tree, i: int) -> float:
     """Cumulative draft log-prob of node i: the sum of its path's per-depth log-probs."""
+    tokens, parents, depths = _full(tree)
     s = 0.0
     while i != 0:
-        s += lp[int(tree.depths[i]) - 1, tree.token_list[i]].item()
-        i = int(tree.parents[i])
+        s += lp[depths[i] - 1, tokens[i]].item()
+        i = parents[i]
     return s
+
+
+def _children(tree) -> dict[tuple[int, int], int]:
+    tokens, parents, _ = _full(tree)
+    return {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])
 def test_budget_respected_and_structure(budget):
-    lp = _logprobs(15, 50, budget)
-    t = build_tree(3, lp, budget)
+    t = build_tree(_logits(15, 50, budget), budget)
     assert t.size == budget + 1                       # enough candidates: the budget is filled exactly
-    assert t.token_list[0] == 3 and int(t.depths[0]) == 0
+    _, parents, depths = _full(t)
     for i in range(1, t.size):
-        p = int(t.parents[i])
-        assert p < i                                  # parents precede children
-        assert int(t.depths[i]) == int(t.depths[p]) + 1
-    # no two children of one parent carry the same token
-    assert len(t.children) == t.size - 1
+        assert parents[i] < i                         # parents precede children
+        assert depths[i] == depths[parents[i]] + 1
+    assert len(_children(t)) == t.size - 1            # no two children of one parent share a token
 
 
-def test_best_first_order_is_the_top_budget_set():
-    # depth 3, vocab 4: every path prefix can be enumerated; since log-probs are <= 0 the best
-    # `budget` prefixes are closed under taking parents, so best-first must select exactly them
-    lp = _logprobs(3, 4, 1)
+@pytest.mark.parametrize("seed", range(4))
+def test_best_first_order_is_the_top_budget_set(seed):
+    # depth 3, vocab 4: every draft path can be enumerated; since log-probs are <= 0 the best
+    # `budget` paths are closed under taking parents, and the tree must be exactly them, best first
+    logits = _logits(3, 4, seed)
+    lp = torch.log_softmax(logits, dim=-1)
     budget = 20
-    t = build_tree(0, lp, budget)
+    t = build_tree(logits, budget)
     scores = [_score(lp, t, i) for i in range(1, t.size)]
-    assert all(a >= b - 1e-6 for a, b in zip(scores, scores[1:]))  # popped in best-first order
+    assert all(a >= b - 1e-6 for a, b in zip(scores, scores[1:]))  # best-first order
     every = [sum(lp[d, tok].item() for d, tok in enumerate(path))
              for depth in (1, 2, 3) for path in itertools.product(range(4), repeat=depth)]
     best = sorted(every, reverse=True)[:budget]
     assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(scores, best))
 
 
-def test_sibling_and_child_pushes():
-    # depth 1 favours token 5 then 6; depth 2 favours token 7 then 8, with a large margin
-    lp = torch.full((3, 10), -20.0)
-    lp[0, 5], lp[0, 6] = -0.1, -2.5
-    lp[1, 7], lp[1, 8] = -0.2, -3.0
-    lp[2, 9] = -0.3
-    t = build_tree(1, lp, 4)
-    # pops: (d1 r0)=5 -> pushes sibling 6 and child 7; 7 (-0.3) -> child 9 (-0.6); 9; then sibling 6 (-2.5)
-    assert t.token_list == [1, 5, 7, 9, 6]
-    assert t.parents.tolist() == [0, 0, 1, 2, 0]
-    assert t.depths.tolist() == [0, 1, 2, 3, 1]
+def test_siblings_and_children_interleave_by_score():
+    # depth 1 favours token 5 then 6; depth 2 favours 7 then 8; depth 3 favours 9; large margins
+    logits = torch.full((3, 10), -20.0)
+    logits[0, 5], logits[0, 6] = -0.1, -2.5
+    logits[1, 7], logits[1, 8] = -0.2, -3.0
+    logits[2, 9] = -0.3
+    t = build_tree(logits, 4)
+    # 5 (-0.1), its child 7 (-0.3), that one's child 9 (-0.6), then the sibling 6 (-2.5)
+    assert _full(t, root=1) == ([1, 5, 7, 9, 6], [0, 0, 1, 2, 0], [0, 1, 2, 3, 1])
 
 
-def test_ancestor_mask():
-    lp = _logprobs(8, 12, 7)
-    t = build_tree(0, lp, 32)
-    for i in range(t.size):
-        anc = {i}
-        j = i
-        while j != 0:
-            j = int(t.parents[j])
-            anc.add(j)
-        expect = [k in anc for k in range(t.size)]
-        assert t.mask[i].tolist() == expect
+def test_a_certain_drafter_ties_parent_and_child_and_the_parent_comes_first():
+    # the top token's log-prob rounds to exactly 0 at every depth: a path and its extensions tie
+    logits = torch.zeros(15, 4)
+    logits[:, 0] = 200.0
+    assert torch.log_softmax(logits, dim=-1)[:, 0].eq(0).all()
+    t = build_tree(logits, 5)
+    assert _full(t) == ([0, 0, 0, 0, 0, 0], [0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5])
 
 
 def test_depth_capped_by_budget_and_draft_length():
-    lp = torch.zeros(15, 4)
-    lp[:, 0] = 0.0
-    lp[:, 1:] = -50.0
-    t = build_tree(0, lp, 64)
+    logits = torch.full((15, 4), -50.0)
+    logits[:, 0] = 0.0
+    t = build_tree(logits, 64)
     assert int(t.depths.max()) == 15                  # a confident drafter gives a deep chain
-    t2 = build_tree(0, lp, 3)
-    assert t2.depths.tolist() == [0, 1, 2, 3]
+    assert _full(build_tree(logits, 3))[2] == [0, 1, 2, 3]
+
+
+def test_small_vocab_bounds_the_tree():
+    # vocab 2 and depth 3 hold 2 + 4 + 8 paths: a budget of 64 cannot be filled
+    assert tree_size(64, 3, 2) == 15
+    t = build_tree(_logits(3, 2, 0), 64)
+    assert t.size == 15 and len(_children(t)) == 14
+
+
+def test_ancestor_mask():
+    t = build_tree(_logits(8, 12, 7), 32)
+    _, parents, _ = _full(t)
+    mask = ancestor_mask(torch.tensor(parents), 8)
+    for i in range(t.size):
+        anc, j = {i}, i
+        while j != 0:
+            j = parents[j]
+            anc.add(j)
+        assert mask[i].tolist() == [k in anc for k in range(t.size)]
 
 
 def test_chain():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
-    t = build_chain(9, logits)
-    assert t.token_list == [9, 1, 0, 2]
-    assert t.parents.tolist() == [0, 0, 1, 2]
-    assert t.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    t = build_chain(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]))
+    assert _full(t, root=9) == ([9, 1, 0, 2], [0, 0, 1, 2], [0, 1, 2, 3])
 
 
-def test_walk_follows_target_tokens():
-    t = build_tree(1, torch.tensor([[-0.1, -1.0, -9, -9], [-0.1, -1.0, -9, -9]]), 4)
-    # nodes: 0 root(1); 1 tok0 d1; 2 tok0 d2 (child of 1); 3 tok1 d1 ... (structure checked via dict)
-    target = [None] * t.size
-    # root -> wants token 0 (node 1) -> node 1 wants 1 (its rank-1 child, if present) else stops
-    target[0] = 0
+def _walk_on_host(tree, root: int, target: list[int]) -> list[int]:
+    children, path = _children(tree), [0]
+    while (path[-1], target[path[-1]]) in children:
+        path.append(children[(path[-1], target[path[-1]])])
+    return path
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_walk_follows_the_target_like_the_host_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    vocab, depth = 3, 6
+    t = build_tree(_logits(depth, vocab, seed), 24)
+    tokens, parents, depths = (torch.tensor(x) for x in _full(t, root=2))
+    mask = ancestor_mask(parents, depth)
+    target = torch.randint(0, vocab, (t.size,), generator=g)
+    # follow the tree's own best path a random number of steps, so long walks are tested too
     for i in range(1, t.size):
-        target[i] = 3  # a token no child has: stop there
-    assert walk(t, target) == [0, 1]
-    target[1] = 0
-    assert walk(t, target) == [0, 1, t.children[(1, 0)]]
-    target[0] = 3
-    assert walk(t, target) == [0]
+        if torch.rand(1, generator=g).item() < 0.7:
+            target[parents[i]] = tokens[i]
+    expect = _walk_on_host(t, 2, target.tolist())
+    got = walk(tokens, parents, depths, mask, target, max_depth=depth)
+    assert got.path == expect
+    assert got.tokens == tokens[expect].tolist()
+    assert got.next_token == target[expect[-1]].item()
+
+
+def test_walk_of_a_rejected_root_is_the_root_alone():
+    t = build_chain(torch.eye(4)[:3] * 5)           # tokens 0, 1, 2
+    tokens, parents, depths = (torch.tensor(x) for x in _full(t, root=3))
+    target = torch.tensor([3, 1, 2, 3])             # the root wants 3; no child carries it
+    got = walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3)
+    assert got == ([0], [3], 3)
+    target[0] = 0                                   # accepted all the way: the last node's token follows
+    got = walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3)
+    assert got == ([0, 1, 2, 3], [3, 0, 1, 2], 3)

@@ -9,7 +9,7 @@ import torch
 
 from ddtree_runtime.engine.kv_cache import HybridCache, target_cache, target_cache_bytes
 from ddtree_runtime.engine.runner import TargetRunner
-from ddtree_runtime.engine.tree import _finish
+from ddtree_runtime.engine.tree import Tree, ancestor_mask
 from ddtree_runtime.model import Qwen35Config, load_target
 from ddtree_runtime.model.gated_delta import chain_paths, gated_delta, state_at, tree_paths
 
@@ -78,8 +78,8 @@ def test_parallel_form_equals_the_recurrence_on_every_path():
     k = torch.nn.functional.normalize(torch.randn(1, h, t, dk, generator=g), dim=-1)
     v, beta = torch.randn(1, h, t, dv, generator=g), torch.rand(1, h, t, generator=g)
     decay, s0 = -torch.rand(1, h, t, generator=g), torch.randn(1, h, dk, dv, generator=g)
-    tree = _finish(list(range(t)), PARENTS, depths(PARENTS), torch.device("cpu"))
-    out, step = gated_delta(q, k, v, decay, beta, s0, tree_paths(tree.mask, tree.depths, 4))
+    mask, node_depths = ancestor_mask(torch.tensor(PARENTS), 15), torch.tensor(depths(PARENTS))
+    out, step = gated_delta(q, k, v, decay, beta, s0, tree_paths(mask, node_depths, 4))
     for node in range(t):
         path = path_to(node)
         s = s0
@@ -91,7 +91,7 @@ def test_parallel_form_equals_the_recurrence_on_every_path():
         assert torch.allclose(state_at(step, s0, torch.tensor(path)), s, atol=1e-5)
     assert torch.equal(chain_paths(3, 4, torch.device("cpu")).window, torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4],
                                                                                   [2, 3, 4, 5]]))
-    window = tree_paths(tree.mask, tree.depths, 4).window
+    window = tree_paths(mask, node_depths, 4).window
     assert window[9].tolist() == [3 + 3, 3 + 6, 3 + 8, 3 + 9]   # 9 <- 8 <- 6 <- 3: all tree nodes
     assert window[1].tolist() == [1, 2, 3, 4]                   # conv tail, root, itself
 
@@ -121,17 +121,18 @@ def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pa
     n = len(context) - 1  # the last context token is the tree's root, as in the engine
     with torch.no_grad():
         ours(torch.tensor([context[:n]]), torch.arange(n)[None], cache, start=0)
-        tree = _finish([context[n], *tokens[1:]], PARENTS, depths(PARENTS), torch.device("cpu"))
-        logits, _ = runner.run(tree.token_list, tree.depth_list, tree.parent_list, n)
+        tokens[0] = context[n]
+        tree = Tree(torch.tensor([tokens[1:], PARENTS[1:], depths(PARENTS)[1:]]))
+        logits = runner.run(tokens[0], n, tree).logits
         for node in range(len(PARENTS)):
-            seq = context[:n] + [tree.token_list[j] for j in path_to(node)]
+            seq = context[:n] + [tokens[j] for j in path_to(node)]
             assert torch.allclose(logits[node], hf_last_logits(hf, seq), atol=1e-4), f"node {node}"
         # keep the deepest path through a node whose siblings were rejected; the next step must see only it
         kept = path_to(11)
         cache.compact(n, kept)
-        after = context[:n] + [tree.token_list[j] for j in kept]
+        after = context[:n] + [tokens[j] for j in kept]
         nxt = int(logits[11].argmax())
-        step, _ = runner.run([nxt], [0], [0], len(after))
+        step = runner.run(nxt, len(after)).logits
         assert torch.allclose(step[0], hf_last_logits(hf, after + [nxt]), atol=1e-4)
 
 

@@ -1,6 +1,7 @@
 """The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
-and must agree with the torch path: the split-KV decode attention against a float reference, and the
-Gated DeltaNet tree pass with its fused conv/heads and gated-norm kernels against the same layer in torch."""
+and must agree with the torch path: the split-KV decode attention against a float reference, the fused
+SiLU-and-multiply, and the Gated DeltaNet tree pass with its fused conv/heads and gated-norm kernels
+against the same layer in torch."""
 
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def test_decode_attention_matches_a_float_reference():
             s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
             return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
         # (query heads, KV heads, queries, head dim, keys, one bias row for all queries)
+        # the last case spans several blocks of query rows (129 queries x 4 heads per KV head)
         for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
-                                              (6, 1, 5, 256, 100, False), (4, 2, 3, 32, 200, True)]:
+                                              (6, 1, 5, 256, 100, False), (4, 2, 3, 32, 200, True),
+                                              (4, 1, 129, 32, 150, False)]:
             q = torch.randn(1, hq, t, d, dtype=torch.float16)
             cache = torch.randn(2, 1, hkv, length + 50, d, dtype=torch.float16)
             k, v = cache[0, :, :, :length], cache[1, :, :, :length]   # strided views, as the cache gives
@@ -50,13 +53,25 @@ def test_decode_attention_matches_a_float_reference():
             print(hq, hkv, t, d, length, err)
             assert err < 2e-3, err
     """)
-    assert len(out.splitlines()) == 4
+    assert len(out.splitlines()) == 5
+
+
+def test_silu_mul_matches_torch():
+    interpret("""
+        K._use_triton = lambda x: True
+        x = torch.randn(3, 5, 2 * 1500) * 4           # n = 1500 spans two blocks of 1024, the second partial
+        gate, up = x.double().chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        out = K.silu_mul(x)
+        assert out.shape == (3, 5, 1500)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    """)
 
 
 def test_fused_gated_deltanet_tree_pass_matches_torch():
     interpret("""
         from ddtree_runtime.engine.kv_cache import target_cache
-        from ddtree_runtime.engine.tree import _finish, ancestor_mask
+        from ddtree_runtime.engine.tree import ancestor_mask
         from ddtree_runtime.model import Qwen35Config
         from ddtree_runtime.model.layers import TreeInputs, fuse_projections
         from ddtree_runtime.model.qwen3_5 import Qwen35ForCausalLM
@@ -76,7 +91,6 @@ def test_fused_gated_deltanet_tree_pass_matches_torch():
         depths = [0]
         for p in parents[1:]:
             depths.append(depths[p] + 1)
-        tree = _finish(list(range(12)), parents, depths, "cpu")
         layer = model.model.layers[1].linear_attn
         x = torch.randn(1, 12, 32)
 
@@ -86,7 +100,7 @@ def test_fused_gated_deltanet_tree_pass_matches_torch():
             g = torch.Generator().manual_seed(5)
             cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
             cache.state.copy_(torch.randn(cache.state.shape, generator=g))
-            inputs = model.prepare(TreeInputs(torch.arange(12) + 10, None, 64, ancestor_mask(tree.parents, 6)),
+            inputs = model.prepare(TreeInputs(torch.arange(12) + 10, None, 64, ancestor_mask(torch.tensor(parents), 6)),
                                    torch.tensor([depths]) + 10)
             with torch.no_grad():
                 return layer(x, cache, 10, inputs), cache

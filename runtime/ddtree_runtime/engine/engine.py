@@ -17,7 +17,7 @@ from ..model.layers import fuse_projections
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
-from .tree import Tree, build_chain, build_tree, walk
+from .tree import TreeBuilder, build_chain, walk
 from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
 
 MAX_TREE_BUDGET = 1024
@@ -112,6 +112,7 @@ class Engine:
         self._refuse_unless_fits(tree_slots)
         self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
         self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
+        self.trees = TreeBuilder(self.device)
 
     def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
         cfg = self.target.config
@@ -213,7 +214,7 @@ class Engine:
     @torch.inference_mode()
     def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
         self._phase("step")
-        logits, _ = self.runner.run([req.bonus], [0], [0], req.n_ctx)  # a one-node tree
+        logits = self.runner.run(req.bonus, req.n_ctx).logits  # a one-node tree
         self.target_cache.compact(req.n_ctx, [0])  # a no-op for KV; advances a recurrent state
         req.n_ctx += 1
         req.bonus = int(self._choose(req, logits)[0])
@@ -222,22 +223,24 @@ class Engine:
 
     @torch.inference_mode()
     def _spec_round(self, req: RequestState) -> tuple[list[int], int]:
+        """Draft, build the tree, verify, choose and walk: all enqueued on the device without waiting;
+        the one host sync of the round reads the walk's result, then the commit."""
         depth = self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, req.budget)
         self._phase("draft")
         draft_logits = self._draft(req, depth)                          # [D, V]
         self._phase("tree")
         if req.mode == "dflash":
-            tree = build_chain(req.bonus, draft_logits)
+            tree = build_chain(draft_logits)
         else:
-            tree = build_tree(req.bonus, torch.log_softmax(draft_logits, dim=-1), req.budget)
+            tree = self.trees.build(draft_logits, req.budget)
         self._phase("verify")
-        logits, feats = self._verify(req, tree)                         # [N, V], [1, N, F]
+        out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
         self._phase("commit")
-        target = self._choose(req, logits).tolist()                     # the target's token per node
-        path = walk(tree, target)
-        self._commit(req, path, feats, target[path[-1]])
+        target = self._choose(req, out.logits)                          # the target's token per node
+        accepted = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
+        self._commit(req, accepted.path, out.feats, accepted.next_token)
         self._phase("end")
-        return [tree.token_list[i] for i in path[1:]] + [req.bonus], len(path) - 1
+        return accepted.tokens[1:] + [req.bonus], len(accepted.path) - 1
 
     def _draft(self, req: RequestState, depth: int) -> torch.Tensor:
         """One drafter pass over [bonus, MASK * (block_size-1)] -> logits for depths 1..depth."""
@@ -254,10 +257,6 @@ class Engine:
         h = self.drafter(emb, block_pos, req.pending, ctx_pos, self.draft_cache, ctx_start=req.draft_len)
         req.draft_len, req.pending = n, None  # the drafter's cache now covers every context token
         return self.target.logits(h[0, 1:depth + 1])
-
-    def _verify(self, req: RequestState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target pass over the whole tree; each node sees the context and its own ancestors."""
-        return self.runner.run(tree.token_list, tree.depth_list, tree.parent_list, req.n_ctx)
 
     def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
         """Keep the accepted path's KV (compacted right after the context) and queue its features."""

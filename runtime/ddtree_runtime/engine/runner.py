@@ -10,12 +10,15 @@ forward on a slow host."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..model import Qwen3ForCausalLM
 from ..model.layers import TreeInputs
 from .kv_cache import KVCache
-from .tree import ancestor_mask
+from .graphs import capture
+from .tree import Tree, ancestor_mask
 
 TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)  # root + 2^k draft nodes
 KV_BUCKET = 512
@@ -37,21 +40,43 @@ class _Bucket:
 
     def __init__(self, size: int, kv_len: int, device: torch.device, dtype: torch.dtype) -> None:
         self.size, self.kv_len = size, kv_len
-        # inputs are staged on the host (pinned on CUDA) and copied in one transfer:
-        # ids | positions | parents | start, one int64 vector; the ancestor mask is built on the device
+        # ids | parents | depths | start (a tree's rows, then the start), one int64 vector staged on the host (pinned on CUDA) and copied
+        # in one transfer; it holds the root, the start and the padding layout (padding nodes hold token 0
+        # at depth 0 and are their own parents: they see only the context and themselves, and no real
+        # node sees them); a device-built tree then overwrites its nodes' entries with one device copy
         pin = device.type == "cuda"
         self.host_ints = torch.zeros(3 * size + 1, dtype=torch.long, pin_memory=pin)
+        self.host_ints[size:2 * size] = torch.arange(size)
         self.ints = torch.zeros(3 * size + 1, dtype=torch.long, device=device)
+        self.nodes = self.ints[:3 * size].view(3, size)                       # [3, T]
         self.ids = self.ints[:size].view(1, size)                              # [1, T]
-        self.pos = self.ints[size:2 * size].view(1, size)                      # [1, T]
-        self.parents = self.ints[2 * size:3 * size]                            # [T]
+        self.parents = self.ints[size:2 * size]                                # [T]
+        self.depths = self.ints[2 * size:3 * size]                             # [T]
         self.start = self.ints[3 * size:]                                      # [1]
         self.cols = torch.arange(kv_len, device=device)                        # [L]
         self.rows = torch.arange(size, device=device)                          # [T]
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self.views: dict[int, TreePass] = {}
+
+
+class TreePass(NamedTuple):
+    """A tree pass's outputs and the tree it ran over (root included), all on the device; views of
+    static buffers: use them before the next pass."""
+    logits: torch.Tensor          # [N, V] float32
+    feats: torch.Tensor | None    # [1, N, F], None without feature layers
+    tokens: torch.Tensor          # [N]
+    parents: torch.Tensor         # [N]
+    depths: torch.Tensor          # [N]
+    mask: torch.Tensor            # [N, N] ancestor-or-self
+
+
+def _views(b: _Bucket, out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], n: int) -> TreePass:
+    logits, feats, mask = out
+    return TreePass(logits[:n], feats[:, :n] if feats is not None else None,
+                    b.ids[0, :n], b.parents[:n], b.depths[:n], mask[:n, :n])
 
 
 class TargetRunner:
@@ -67,58 +92,40 @@ class TargetRunner:
         """Cache slots needed: the context, the padded tree, rounded up to a whole kv bucket."""
         return -(-(max_context + tree_bucket(tree_slots)) // KV_BUCKET) * KV_BUCKET
 
-    def run(self, tokens: list[int], depths: list[int], parents: list[int],
-            start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A tree pass: node i holds tokens[i] at position start + depths[i] below node parents[i] (the
-        root, node 0, is its own parent); the nodes' k/v go to cache slots start..start+N.
-
-        Returns logits [N, V] (float32) and features [1, N, F] (or None without feature layers). Both may
-        be views of static buffers: use them before the next run."""
-        n = len(tokens)
+    def run(self, root: int, start: int, tree: Tree | None = None) -> TreePass:
+        """A tree pass: the root (node 0) holds `root` at position `start`, each draft node of `tree`
+        (None: an AR step, the root alone) its token at start + its depth, below its parent; the nodes'
+        k/v go to cache slots start..start+N, each node seeing the context and its own ancestors."""
+        n = 1 if tree is None else tree.size
         size = tree_bucket(n)
         kv_len = kv_len_for(start + size, self.cache.capacity)
         b = self.buckets.get((size, kv_len))
         if b is None:
             b = self.buckets[(size, kv_len)] = _Bucket(size, kv_len, self.device, self.cache.k.dtype)
-        # padding nodes hold token 0 at the root's position and are their own parents: they see only the
-        # context and themselves, and no real node sees them
-        pad = size - n
-        b.host_ints.copy_(torch.tensor(tokens + [0] * pad + [start + d for d in depths] + [start] * pad
-                                       + parents + list(range(n, size)) + [start]))
-        b.ints.copy_(b.host_ints, non_blocking=True)  # safe: rewritten only after the round's sync
+        b.host_ints[0], b.host_ints[-1] = root, start
+        b.ints.copy_(b.host_ints, non_blocking=True)  # safe: host_ints changes only after the round's sync
+        if tree is not None:
+            b.nodes[:, 1:n].copy_(tree.nodes)
         if not self.use_graphs:
-            logits, feats = self._forward(b)
-        else:
-            if b.graph is None:
-                b.graph, b.out = _capture(lambda: self._forward(b), self.device, self.pool)
-            b.graph.replay()
-            logits, feats = b.out
-        return logits[:n], (feats[:, :n] if feats is not None else None)
+            return _views(b, self._forward(b), n)
+        if b.graph is None:
+            b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
+        b.graph.replay()
+        if n not in b.views:  # the views of static buffers are made once (a slice is host time)
+            b.views[n] = _views(b, b.out, n)
+        return b.views[n]
 
-    def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         tree = ancestor_mask(b.parents, min(self.max_depth, b.size - 1))   # [T, T]
         rel = b.cols - b.start                                  # [L] cache slot relative to the tree
         in_tree = tree[:, rel.clamp(0, b.size - 1)]             # [T, L] ancestor bit of that slot's node
         allowed = (rel < 0) | ((rel < b.size) & in_tree)        # context, or an ancestor (or self)
         bias = torch.where(allowed, b.zero, b.neg_inf)          # [T, L] additive, cache dtype
         slots = b.start + b.rows                                # [T]
-        h, feats = self.target(b.ids, b.pos, self.cache,
+        pos = (b.start + b.depths)[None]                        # [1, T]
+        h, feats = self.target(b.ids, pos, self.cache,
                                static=TreeInputs(slots, bias[None, None], b.kv_len, tree))
-        return self.target.logits(h[0]), feats
-
-
-def _capture(fn, device: torch.device, pool):
-    """Warm `fn` up on a side stream (allocator and library handles settle), then capture it. Both
-    runs compute from the inputs already in the static buffers, so their cache writes are the real ones."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
+        return self.target.logits(h[0]), feats, tree
 
 
 class _DraftBucket:
@@ -186,7 +193,7 @@ class DraftRunner:
         if not self.use_graphs:
             return self._forward(b)
         if b.graph is None:
-            b.graph, b.out = _capture(lambda: self._forward(b), self.device, self.pool)
+            b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
         b.graph.replay()
         return b.out
 

@@ -1,47 +1,48 @@
-"""Draft trees: best-first DDTree construction under a node budget, the DFlash chain, and the
-verification walk.
+"""Draft trees, built and walked on the device: best-first DDTree construction under a node budget, the
+DFlash chain, and the verification walk.
 
-A tree is flat: node 0 is the root (the last committed token), nodes 1..N-1 are draft tokens in the
-order they were popped, so a parent always precedes its children. The drafter gives one distribution
-per depth (not per path), so the score of a node is the sum of its ancestors' per-depth log-probs."""
+A tree of N nodes: node 0 is the root (the last committed token, staged by the runner from the host),
+nodes 1..N-1 are draft tokens in best-first order, so a parent always precedes its children. The drafter
+gives one distribution per depth (not per path), so a node's score is the sum of its path's per-depth
+log-probs, and the best-first tree under a budget B is the B highest-scoring paths. Every step here is a
+fixed sequence of device ops whatever the drafter said (a CUDA graph replays the build), and the round's
+one host sync reads the walk's result: path length, next token, path nodes and their tokens."""
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from .graphs import capture
 
-@dataclass
-class Tree:
-    # host lists: the runner stages them into its pinned input buffer and builds the ancestor mask on
-    # the device (engine/runner.py), so a round allocates no mask on the host
-    token_list: list[int]  # token at each node (node 0 = root)
-    parent_list: list[int]  # parent index (the root points at itself)
-    depth_list: list[int]  # root = 0
-    children: dict[tuple[int, int], int]  # (parent, token) -> child index, for the walk
+# prefer a parent over an equal-scoring child (a draft log-prob can round to exactly 0), so the chosen
+# set is always closed under taking parents; far below any real score difference in float64
+DEPTH_TIE_BREAK = 1e-9
+
+
+class Tree(NamedTuple):
+    """The draft nodes 1..N-1 of a tree, on the device (node 0, the root, is implicit), as one [3, N-1]
+    long tensor so the runner stages it with one copy: rows tokens, parents (node numbers, the root is
+    0) and depths (the root's children are at 1)."""
+    nodes: torch.Tensor
 
     @property
     def size(self) -> int:
-        return len(self.token_list)
+        """Nodes including the root."""
+        return self.nodes.shape[1] + 1
 
     @property
     def tokens(self) -> torch.Tensor:
-        return torch.tensor(self.token_list, dtype=torch.long)
+        return self.nodes[0]
 
     @property
     def parents(self) -> torch.Tensor:
-        return torch.tensor(self.parent_list, dtype=torch.long)
+        return self.nodes[1]
 
     @property
     def depths(self) -> torch.Tensor:
-        return torch.tensor(self.depth_list, dtype=torch.long)
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """[N, N] bool, mask[i, j] = j is i or an ancestor of i (for inspection; the runner builds its own)."""
-        return ancestor_mask(self.parents, max(self.depth_list))
+        return self.nodes[2]
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -57,57 +58,103 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return reach > 0
 
 
-def _finish(tokens: list[int], parents: list[int], depths: list[int], device: torch.device) -> Tree:
-    del device
-    children = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-    return Tree(tokens, parents, depths, children)
+def tree_size(budget: int, depth: int, vocab: int) -> int:
+    """Nodes (root included) of a best-first tree: the budget, unless fewer distinct paths exist."""
+    k, paths = min(budget, vocab), 0
+    for d in range(1, depth + 1):
+        paths += min(budget, k ** d)
+        if paths >= budget:
+            return budget + 1
+    return paths + 1
 
 
-def build_tree(root: int, draft_logprobs: torch.Tensor, budget: int) -> Tree:
-    """Best-first tree with at most `budget` draft nodes.
+def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
+    """The `budget` most probable draft paths under per-depth distributions, as a tree in best-first
+    order. draft_logits: [D, V] for depths 1..D.
 
-    draft_logprobs: [D, V] log-probs for depths 1..D. A max-heap holds frontier candidates keyed by
-    cumulative log-prob; popping (depth d, rank r, parent p) adds the node and pushes its next sibling
-    (d, r+1, p) and its first child (d+1, 0, node). Only top-`budget` tokens per depth can ever be used.
-    """
-    depth_max = min(draft_logprobs.shape[0], budget)
-    k = min(budget, draft_logprobs.shape[1])
-    top_lp, top_id = draft_logprobs[:depth_max].topk(k, dim=-1)  # [D, K] each
-    lp, ids = top_lp.tolist(), top_id.tolist()  # one host transfer for the whole build
+    Only the top-`budget` tokens of a depth can be used, and the best `budget` paths of length d extend
+    the best `budget` of length d-1; so level d is a top-k over [budget, budget] sums of level d-1's
+    scores and depth d's log-probs (depth - 1 small top-k's), then one top-k over all levels picks the
+    tree. Scores are float64 with a tiny per-depth penalty: on a tie the parent ranks first."""
+    depth = min(draft_logits.shape[0], budget)
+    vocab = draft_logits.shape[1]
+    k = min(budget, vocab)
+    lp, ids = torch.log_softmax(draft_logits[:depth].float(), dim=-1).topk(k, dim=-1)  # [D, K] each
+    lp = lp.double()
+    dev = lp.device
+    scores = torch.full((depth, budget), float("-inf"), dtype=torch.float64, device=dev)
+    pick = torch.zeros((depth, budget), dtype=torch.long, device=dev)  # flat index into [budget, K]
+    scores[0, :k] = lp[0]
+    pick[0, :k] = torch.arange(k, device=dev)  # level 1: slot s is rank s below the root
+    for d in range(1, depth):
+        sums = (scores[d - 1, :, None] + lp[d, None, :]).flatten()    # [budget * K]
+        torch.topk(sums, budget, out=(scores[d], pick[d]))
+    levels = torch.arange(1, depth + 1, device=dev, dtype=torch.float64)[:, None]
+    n = tree_size(budget, depth, vocab) - 1
+    chosen = (scores - DEPTH_TIE_BREAK * levels).flatten().topk(n).indices  # best first
+    level, slot = chosen // budget, chosen % budget
+    node_of = torch.zeros(depth * budget, dtype=torch.long, device=dev)
+    node_of[chosen] = torch.arange(1, n + 1, device=dev)
+    node_of = node_of.view(depth, budget)
+    flat = pick[level, slot]
+    parent_slot, rank = flat // k, flat % k
+    parents = torch.where(level > 0, node_of[(level - 1).clamp(min=0), parent_slot], 0)
+    return Tree(torch.stack([ids[level, rank], parents, level + 1]))
 
-    tokens, parents, depths = [root], [0], [0]
-    # heap entries: (-score, seq, depth, rank, parent, parent_score); seq keeps ties in push order
-    heap = [(-lp[0][0], 0, 1, 0, 0, 0.0)]
-    seq = 1
-    while heap and len(tokens) <= budget:
-        neg, _, d, r, p, pscore = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(ids[d - 1][r])
-        parents.append(p)
-        depths.append(d)
-        if r + 1 < k:
-            heapq.heappush(heap, (-(pscore + lp[d - 1][r + 1]), seq, d, r + 1, p, pscore))
-            seq += 1
-        if d < depth_max:
-            heapq.heappush(heap, (neg - lp[d][0], seq, d + 1, 0, node, -neg))
-            seq += 1
-    return _finish(tokens, parents, depths, draft_logprobs.device)
 
-
-def build_chain(root: int, draft_logits: torch.Tensor) -> Tree:
+def build_chain(draft_logits: torch.Tensor) -> Tree:
     """DFlash's single path: the top-1 token at every depth. draft_logits: [D, V]."""
-    ids = draft_logits.argmax(dim=-1).tolist()
-    n = len(ids)
-    # node i's parent is node i-1 (the root is its own parent)
-    return _finish([root, *ids], [0, *range(n)], list(range(n + 1)), draft_logits.device)
+    d = draft_logits.shape[0]
+    steps = torch.arange(d, device=draft_logits.device)
+    return Tree(torch.stack([draft_logits.argmax(dim=-1), steps, steps + 1]))  # node i+1's parent: node i
 
 
-def walk(tree: Tree, target_tokens: list[int]) -> list[int]:
-    """Follow the target: from the root, move to the child whose token equals the target's token at the
-    current node, while one exists. Returns the accepted path as node indices, root first."""
-    path = [0]
-    while True:
-        child = tree.children.get((path[-1], target_tokens[path[-1]]))
-        if child is None:
-            return path
-        path.append(child)
+class TreeBuilder:
+    """build_tree as one CUDA graph per (budget, draft shape) on CUDA (about 3 kernels a level, which
+    eagerly would cost more host time than the drafter's pass); a plain call elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.use_graphs = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree]] = {}
+
+    def build(self, draft_logits: torch.Tensor, budget: int) -> Tree:
+        if not self.use_graphs:
+            return build_tree(draft_logits, budget)
+        key = (budget, *draft_logits.shape, draft_logits.dtype)
+        if key not in self.graphs:
+            logits = draft_logits.clone()
+            graph, tree = capture(lambda: build_tree(logits, budget), draft_logits.device, self.pool)
+            self.graphs[key] = (graph, logits, tree)
+        graph, logits, tree = self.graphs[key]
+        logits.copy_(draft_logits)
+        graph.replay()
+        return tree
+
+
+class Walk(NamedTuple):
+    """What the round's one sync reads: the accepted path and the target's token after it."""
+    path: list[int]      # accepted node indices, root first
+    tokens: list[int]    # the path's tokens (root first)
+    next_token: int      # the target's token at the path's last node: the next round's root
+
+
+def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
+         target: torch.Tensor, max_depth: int) -> Walk:
+    """Follow the target from the root while a child carries the target's token at its parent. [N]
+    node tokens, parents, depths, target tokens and the [N, N] ancestor mask (all on the device) ->
+    the walk, read back in one transfer.
+
+    A node is on the accepted path iff it and all its ancestors match their parents' target tokens;
+    siblings carry distinct tokens, so the deepest such node is the path's end."""
+    matches = tokens == target[parents]
+    matches[0] = True                                            # the root is committed
+    on_path = (mask.float() @ (~matches).float()) == 0           # no mismatch among its ancestors
+    leaf = torch.argmax(on_path * (depths + 1))
+    row = torch.where(mask[leaf], depths, max_depth + 1)         # path nodes by depth; others to a spare slot
+    nodes = torch.zeros(max_depth + 2, dtype=torch.long, device=tokens.device)
+    nodes.scatter_(0, row, torch.arange(tokens.shape[0], device=tokens.device))
+    nodes = nodes[:max_depth + 1]
+    out = torch.cat([(depths[leaf] + 1)[None], target[leaf][None], nodes, tokens[nodes]]).tolist()
+    length = out[0]
+    return Walk(out[2:2 + length], out[3 + max_depth:3 + max_depth + length], out[1])

@@ -31,14 +31,14 @@ class DFlashLayer(LayerWeights):
             ctx_slots, block_slots, kv_len = static
             cache.write_at(idx, ctx_slots, kc, vc, kv_len)
             k, v = cache.write_at(idx, block_slots, kb, vb, kv_len)
-            x = x + attn.out(attend_decode(q, k, v, mask))
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x = attn.add_out(x, attend_decode(q, k, v, mask))
+            return self.mlp.add_to(x, self.post_attention_layernorm(x))
         if cache is not None:
             kc, vc = cache.write(idx, ctx_start, kc, vc)
         k = torch.cat([kc, kb], dim=2)
         v = torch.cat([vc, vb], dim=2)
-        x = x + attn.out(attend(q, k, v, mask))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = attn.add_out(x, attend(q, k, v, mask))
+        return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):

@@ -56,6 +56,42 @@ if triton is not None:
         tl.store(out_ptr + base + hi, (y2 * c2 + y1 * s2).to(ty))
 
 
+if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+        # x is [rows, 2n] = gate | up; out [rows, n] = silu(gate) * up, one rounding
+        row, blk = tl.program_id(0), tl.program_id(1)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        gate = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + n + offs, mask=m, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * n + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2n] (gate | up, the fused gate/up GEMM's output) -> silu(gate) * up, [..., n]; one
+    kernel on CUDA instead of two."""
+    n = x.shape[-1] // 2
+    if not _use_triton(x):
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
+
+
+def residual_linear(x: torch.Tensor, y: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """x + linear(y): on CUDA one GEMM that adds the residual in its epilogue (addmm), not a GEMM and
+    then an add kernel; elsewhere (and with a bias) the plain two steps."""
+    if not x.is_cuda or linear.bias is not None:
+        return x + linear(y)
+    out = torch.addmm(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), linear.weight.t())
+    return out.view(x.shape)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # normalise in float32 (as HF does) so bf16/fp16 weights give the reference numerics
     dtype = x.dtype
@@ -164,6 +200,8 @@ if triton is not None:
 # does best at 64 (5.3 / 9.1 us against 7.2 / 12.2)
 DECODE_SPLIT = 128
 DECODE_SPLIT_ONE_QUERY = 64
+DECODE_BLOCK_ROWS = 128  # query rows per program at most (64 for 256-wide heads)
+DECODE_MAX_ROWS = 4 * 1025  # (query heads per KV head) x (tree nodes): the largest tree at GQA 4
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -171,7 +209,7 @@ def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     d = q.shape[-1]
     rows = q.shape[2] * q.shape[1] // k.shape[1]
     return (_use_triton(q) and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
-            and d in (32, 64, 128, 256) and rows <= 512 and k.stride(-1) == 1 and q.stride(-1) == 1)
+            and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS and k.stride(-1) == 1 and q.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -184,7 +222,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = g * t
-    block_r = min(max(16, triton.next_power_of_2(rows)), 64 if d > 128 else 128)
+    block_r = min(max(16, triton.next_power_of_2(rows)), 64 if d > 128 else DECODE_BLOCK_ROWS)
     rows_pad = -(-rows // block_r) * block_r
     split = DECODE_SPLIT_ONE_QUERY if t == 1 else DECODE_SPLIT
     n_splits = -(-length // split)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import decode_attention, decode_attention_fits, rms_norm, rms_norm_rope, rotate_half_rope
+from .kernels import (decode_attention, decode_attention_fits, residual_linear, rms_norm, rms_norm_rope,
+                      rotate_half_rope, silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -34,11 +35,15 @@ class MLP(nn.Module):
         """One GEMM for gate and up (inference): the two weights become views of one tensor."""
         self._gate_up = fuse_rows([self.gate_proj, self.up_proj])[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): the input of down_proj."""
         if self._gate_up is not None:
-            gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return silu_mul(F.linear(x, self._gate_up))
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + mlp(h), the residual added by the down projection's GEMM (kernels.residual_linear)."""
+        return residual_linear(x, self.act(h), self.down_proj)
 
 
 class Rotary(nn.Module):
@@ -134,10 +139,10 @@ class QKVProj(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         return rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin), v
 
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        # o: [B, Hq, T, D] -> [B, T, hidden]
+    def add_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x + o_proj(o) for attention output o [B, Hq, T, D], the residual added by the output projection's GEMM (kernels.residual_linear)."""
         b, _, t, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return residual_linear(x, o.transpose(1, 2).reshape(b, t, -1), self.o_proj)
 
 
 class LayerWeights(nn.Module):

@@ -16,8 +16,8 @@ class DecoderLayer(LayerWeights):
                 cache, start: int, mask: torch.Tensor | None, static: TreeInputs | None = None) -> torch.Tensor:
         attn = self.self_attn
         q, k, v = attn.qkv(self.input_layernorm(x), cos, sin)
-        x = x + attn.out(attend_cached(q, k, v, cache, idx, start, mask, static))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = attn.add_out(x, attend_cached(q, k, v, cache, idx, start, mask, static))
+        return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 
 class Qwen3Body(nn.Module):

@@ -195,7 +195,7 @@ class HybridLayer(nn.Module):
             x = x + self.linear_attn(h, cache, start, static)
         else:
             x = x + self.self_attn(h, cos, sin, cache, start, mask, static)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 
 class Qwen35Body(nn.Module):

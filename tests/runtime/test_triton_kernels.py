@@ -1,7 +1,7 @@
 """The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
-and must agree with the torch path: the split-KV decode attention against a float reference, the fused
-SiLU-and-multiply, and the Gated DeltaNet tree pass with its fused conv/heads and gated-norm kernels
-against the same layer in torch."""
+and must agree with the torch path: the split-KV decode attention against a float reference, the tree
+build against the torch build, the fused SiLU-and-multiply, and the Gated DeltaNet tree pass with its
+fused conv/heads and gated-norm kernels against the same layer in torch."""
 
 from __future__ import annotations
 
@@ -65,6 +65,22 @@ def test_silu_mul_matches_torch():
         out = K.silu_mul(x)
         assert out.shape == (3, 5, 1500)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    """)
+
+
+def test_tree_build_kernel_builds_the_torch_tree():
+    interpret("""
+        from ddtree_runtime.engine.tree import build_tree, build_tree_on_gpu
+        g = torch.Generator().manual_seed(0)
+        # (budget, depth, vocab): the engine's shape, a budget that is no power of two, a vocab too small
+        # to fill the budget, a budget of one
+        for budget, depth, vocab in [(16, 15, 300), (33, 7, 3), (7, 3, 2), (1, 15, 20)]:
+            for _ in range(2):
+                x = torch.randn(depth, vocab, generator=g) * 3
+                assert torch.equal(build_tree_on_gpu(x, budget).nodes, build_tree(x, budget).nodes), budget
+        x = torch.zeros(15, 4)
+        x[:, 0] = 200.0                 # log-prob exactly 0: every path ties with its extensions
+        assert build_tree_on_gpu(x, 5).nodes.tolist() == [[0] * 5, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
     """)
 
 

@@ -15,11 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .graphs import capture
-
-# prefer a parent over an equal-scoring child (a draft log-prob can round to exactly 0), so the chosen
-# set is always closed under taking parents; far below any real score difference in float64
-DEPTH_TIE_BREAK = 1e-9
-
+from . import tree_kernel
 
 class Tree(NamedTuple):
     """The draft nodes 1..N-1 of a tree, on the device (node 0, the root, is implicit), as one [3, N-1]
@@ -68,30 +64,38 @@ def tree_size(budget: int, depth: int, vocab: int) -> int:
     return paths + 1
 
 
+def top_tokens(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """[D, V] draft logits -> the per-depth top-K log-probs (float32, descending) and tokens, [D', K]
+    for the depths a tree of `budget` nodes can reach, and the number of draft nodes it will have."""
+    depth, vocab = min(draft_logits.shape[0], budget), draft_logits.shape[1]
+    lp, ids = torch.log_softmax(draft_logits[:depth].float(), dim=-1).topk(min(budget, vocab), dim=-1)
+    return lp, ids, tree_size(budget, depth, vocab) - 1
+
+
 def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     """The `budget` most probable draft paths under per-depth distributions, as a tree in best-first
-    order. draft_logits: [D, V] for depths 1..D.
+    order. draft_logits: [D, V] for depths 1..D. (In torch, for the CPU and as the reference;
+    tree_kernel.py builds the same tree in one Triton program.)
 
     Only the top-`budget` tokens of a depth can be used, and the best `budget` paths of length d extend
-    the best `budget` of length d-1; so level d is a top-k over [budget, budget] sums of level d-1's
-    scores and depth d's log-probs (depth - 1 small top-k's), then one top-k over all levels picks the
-    tree. Scores are float64 with a tiny per-depth penalty: on a tie the parent ranks first."""
-    depth = min(draft_logits.shape[0], budget)
-    vocab = draft_logits.shape[1]
-    k = min(budget, vocab)
-    lp, ids = torch.log_softmax(draft_logits[:depth].float(), dim=-1).topk(k, dim=-1)  # [D, K] each
-    lp = lp.double()
+    the best `budget` of length d-1; so level d is a top-k over [budget, K] sums of level d-1's scores
+    and depth d's log-probs, then one top-k over all levels picks the tree. A child's score is made
+    strictly lower than its parent's (by one float step where the log-prob rounds the sum back to the
+    parent's), so the chosen set is closed under taking parents even on ties."""
+    lp, ids, n = top_tokens(draft_logits, budget)
+    depth, k = lp.shape
     dev = lp.device
-    scores = torch.full((depth, budget), float("-inf"), dtype=torch.float64, device=dev)
-    pick = torch.zeros((depth, budget), dtype=torch.long, device=dev)  # flat index into [budget, K]
+    scores = torch.full((depth, budget), float("-inf"), device=dev)
+    pick = torch.zeros((depth, budget), dtype=torch.long, device=dev)  # parent slot * K + token rank
     scores[0, :k] = lp[0]
     pick[0, :k] = torch.arange(k, device=dev)  # level 1: slot s is rank s below the root
     for d in range(1, depth):
-        sums = (scores[d - 1, :, None] + lp[d, None, :]).flatten()    # [budget * K]
-        torch.topk(sums, budget, out=(scores[d], pick[d]))
-    levels = torch.arange(1, depth + 1, device=dev, dtype=torch.float64)[:, None]
-    n = tree_size(budget, depth, vocab) - 1
-    chosen = (scores - DEPTH_TIE_BREAK * levels).flatten().topk(n).indices  # best first
+        parent = scores[d - 1, :, None].expand(budget, k)
+        child = parent + lp[d, None, :]
+        child = torch.where((child >= parent) & (parent > float("-inf")),
+                            torch.nextafter(parent, torch.tensor(float("-inf"), device=dev)), child)
+        torch.topk(child.flatten(), budget, out=(scores[d], pick[d]))
+    chosen = scores.flatten().topk(n).indices  # best first
     level, slot = chosen // budget, chosen % budget
     node_of = torch.zeros(depth * budget, dtype=torch.long, device=dev)
     node_of[chosen] = torch.arange(1, n + 1, device=dev)
@@ -109,12 +113,18 @@ def build_chain(draft_logits: torch.Tensor) -> Tree:
     return Tree(torch.stack([draft_logits.argmax(dim=-1), steps, steps + 1]))  # node i+1's parent: node i
 
 
+def build_tree_on_gpu(draft_logits: torch.Tensor, budget: int) -> Tree:
+    """build_tree with the levels and the choice in one Triton program (tree_kernel.py)."""
+    lp, ids, n = top_tokens(draft_logits, budget)
+    return Tree(tree_kernel.build_tree_nodes(lp, ids, budget, n))
+
+
 class TreeBuilder:
-    """build_tree as one CUDA graph per (budget, draft shape) on CUDA (about 3 kernels a level, which
-    eagerly would cost more host time than the drafter's pass); a plain call elsewhere."""
+    """The tree build of a round: on CUDA the Triton build, captured with its top-k as one CUDA graph
+    per (budget, draft shape); build_tree elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
-        self.use_graphs = device.type == "cuda"
+        self.use_graphs = device.type == "cuda" and tree_kernel.triton is not None
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree]] = {}
 
@@ -124,7 +134,7 @@ class TreeBuilder:
         key = (budget, *draft_logits.shape, draft_logits.dtype)
         if key not in self.graphs:
             logits = draft_logits.clone()
-            graph, tree = capture(lambda: build_tree(logits, budget), draft_logits.device, self.pool)
+            graph, tree = capture(lambda: build_tree_on_gpu(logits, budget), draft_logits.device, self.pool)
             self.graphs[key] = (graph, logits, tree)
         graph, logits, tree = self.graphs[key]
         logits.copy_(draft_logits)

@@ -172,8 +172,9 @@ def check_kernels(device: torch.device) -> dict:
     res = torch.randn(1, 17, 4096, device=device, dtype=dt)
     act = torch.nn.functional.silu(gu[:, :12288].double()) * gu[:, 12288:].double()
     checks["silu_mul_rel_err"] = err(silu_mul(gu), act)
-    checks["residual_linear_rel_err"] = err(residual_linear(res, silu_mul(gu)[None], lin),
-                                            res.double() + act[None] @ lin.weight.double().t())
+    ref_res = res.double() + act[None] @ lin.weight.double().t()
+    with torch.inference_mode():  # where the engine runs it: the sum is written over its input
+        checks["residual_linear_rel_err"] = err(residual_linear(res.clone(), silu_mul(gu)[None], lin), ref_res)
     return {**checks, "attend_grouped_rel_err": err(attend_grouped(qa, ka, va, bias), ref_a),
             "rms_norm_rel_err": err(rms_norm(x, w, 1e-6), ref_n),
             "rms_norm_rope_rel_err": err(rms_norm_rope(q, wq, 1e-6, cos, sin), ref_r)}
@@ -219,17 +220,23 @@ def floors(target, drafter, ctx: int, budget: int, ceil: dict) -> dict:
 
 
 class PhaseTimer:
-    """engine.phase_hook that synchronizes at each boundary and accumulates wall time per phase."""
+    """engine.phase_hook that synchronizes at each boundary and sums wall time per phase and round (a
+    round enters "commit" twice: before and after queueing the next round's draft)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.cur, self.t0 = device, None, 0.0
+        self.round: dict[str, float] = {}
         self.acc: dict[str, list[float]] = {}
 
     def __call__(self, name: str) -> None:
         sync(self.device)
         now = time.perf_counter()
         if self.cur is not None:
-            self.acc.setdefault(self.cur, []).append(now - self.t0)
+            self.round[self.cur] = self.round.get(self.cur, 0.0) + now - self.t0
+        if name == "end":
+            for phase, t in self.round.items():
+                self.acc.setdefault(phase, []).append(t)
+            self.round = {}
         self.cur, self.t0 = (None if name == "end" else name), now
 
     def medians_ms(self) -> dict[str, float]:

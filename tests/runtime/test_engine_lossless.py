@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.tree import Walk
 from ddtree_runtime.tiny_corpus import documents, heldout_questions
 
 N_PROMPTS = 50
@@ -88,21 +89,20 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
     import ddtree_runtime.engine.engine as engine_module
 
     swapped_depth = 3
-    original_draft, original_walk = engine._draft, engine_module.walk
+    original_build, original_walk = engine.trees.build, engine_module.walk
     diverged_then_continued = 0
 
-    def draft(req, depth):
-        logits = original_draft(req, depth).clone()
-        if depth >= swapped_depth:
-            row = logits[swapped_depth - 1]
-            first, second = row.topk(2).indices.tolist()
-            row[first], row[second] = row[second].clone(), row[first].clone()
-        return logits
+    def build(draft_logits, budget):
+        logits = draft_logits.clone()
+        row = logits[swapped_depth - 1]
+        first, second = row.topk(2).indices.tolist()
+        row[first], row[second] = row[second].clone(), row[first].clone()
+        return original_build(logits, budget)
 
     def walk(tokens, parents, depths, mask, target, max_depth):
         nonlocal diverged_then_continued
-        accepted = original_walk(tokens, parents, depths, mask, target, max_depth)
-        path = accepted.path
+        result = original_walk(tokens, parents, depths, mask, target, max_depth)
+        path = Walk.read(result.tolist(), max_depth).path
         top = [0]  # the top branch: each node's first (best-ranked) child
         parents = parents.tolist()
         for node in range(1, len(parents)):
@@ -111,9 +111,9 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
         if (len(path) > swapped_depth + 1 and len(top) > swapped_depth + 1
                 and path[:swapped_depth] == top[:swapped_depth] and path[swapped_depth] != top[swapped_depth]):
             diverged_then_continued += 1
-        return accepted
+        return result
 
-    monkeypatch.setattr(engine, "_draft", draft)
+    monkeypatch.setattr(engine.trees, "build", build)
     monkeypatch.setattr(engine_module, "walk", walk)
     for i, (p, ref) in enumerate(zip(prompts, reference)):
         assert run(engine, p, mode="ddtree", tree_budget=32)[0] == ref, f"prompt {i} diverged"

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ddtree_runtime.engine.tree import ancestor_mask, build_chain, build_tree, tree_size, walk
+from ddtree_runtime.engine.tree import Walk, ancestor_mask, build_chain, build_tree, tree_size, walk
 
 
 def _logits(depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -136,7 +136,7 @@ def test_walk_follows_the_target_like_the_host_reference(seed):
         if torch.rand(1, generator=g).item() < 0.7:
             target[parents[i]] = tokens[i]
     expect = _walk_on_host(t, 2, target.tolist())
-    got = walk(tokens, parents, depths, mask, target, max_depth=depth)
+    got = Walk.read(walk(tokens, parents, depths, mask, target, max_depth=depth).tolist(), depth)
     assert got.path == expect
     assert got.tokens == tokens[expect].tolist()
     assert got.next_token == target[expect[-1]].item()
@@ -146,8 +146,8 @@ def test_walk_of_a_rejected_root_is_the_root_alone():
     t = build_chain(torch.eye(4)[:3] * 5)           # tokens 0, 1, 2
     tokens, parents, depths = (torch.tensor(x) for x in _full(t, root=3))
     target = torch.tensor([3, 1, 2, 3])             # the root wants 3; no child carries it
-    got = walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3)
+    got = Walk.read(walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3).tolist(), 3)
     assert got == ([0], [3], 3)
     target[0] = 0                                   # accepted all the way: the last node's token follows
-    got = walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3)
+    got = Walk.read(walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3).tolist(), 3)
     assert got == ([0, 1, 2, 3], [3, 0, 1, 2], 3)

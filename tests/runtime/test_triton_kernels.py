@@ -38,10 +38,10 @@ def test_decode_attention_matches_a_float_reference():
             s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
             return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
         # (query heads, KV heads, queries, head dim, keys, one bias row for all queries)
-        # the last case spans several blocks of query rows (129 queries x 4 heads per KV head)
+        # the last case spans several blocks of query rows (65 queries x 4 heads per KV head)
         for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
                                               (6, 1, 5, 256, 100, False), (4, 2, 3, 32, 200, True),
-                                              (4, 1, 129, 32, 150, False)]:
+                                              (4, 1, 65, 32, 150, False)]:
             q = torch.randn(1, hq, t, d, dtype=torch.float16)
             cache = torch.randn(2, 1, hkv, length + 50, d, dtype=torch.float16)
             k, v = cache[0, :, :, :length], cache[1, :, :, :length]   # strided views, as the cache gives

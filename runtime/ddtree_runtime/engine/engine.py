@@ -17,7 +17,8 @@ from ..model.layers import fuse_projections
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
-from .tree import TreeBuilder, build_chain, walk
+from .graphs import HostRead
+from .tree import TreeBuilder, Walk, build_chain, walk
 from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
 
 MAX_TREE_BUDGET = 1024
@@ -113,6 +114,7 @@ class Engine:
         self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
         self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
         self.trees = TreeBuilder(self.device)
+        self.readback = HostRead(Walk.size(self.block_size - 1), self.device)
 
     def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
         cfg = self.target.config
@@ -207,60 +209,63 @@ class Engine:
         pos = torch.arange(ids.shape[1], device=self.device)[None]
         h, feats = self.target(ids, pos, self.target_cache, start=0)
         first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
-        req.n_ctx, req.bonus = ids.shape[1], first
-        req.draft_len, req.pending = 0, feats
+        req.n_ctx, req.bonus, req.prompt_feats = ids.shape[1], first, feats
         return first
 
     @torch.inference_mode()
     def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
+        """One token; the next step is queued (from the device's token) before this one's token is
+        read, so the device never waits for the host between steps."""
         self._phase("step")
-        logits = self.runner.run(req.bonus, req.n_ctx).logits  # a one-node tree
+        token = req.ahead if req.ahead is not None else self._choose(req, self.runner.run(req.bonus, req.n_ctx).logits)
         self.target_cache.compact(req.n_ctx, [0])  # a no-op for KV; advances a recurrent state
         req.n_ctx += 1
-        req.bonus = int(self._choose(req, logits)[0])
+        self.readback.start(token)
+        req.ahead = self._choose(req, self.runner.run(token, req.n_ctx).logits)
+        req.bonus = self.readback.wait()[0]
         self._phase("end")
         return [req.bonus], 0
 
     @torch.inference_mode()
     def _spec_round(self, req: RequestState) -> tuple[list[int], int]:
-        """Draft, build the tree, verify, choose and walk: all enqueued on the device without waiting;
-        the one host sync of the round reads the walk's result, then the commit."""
+        """Build the tree from the draft, verify, choose and walk, then queue the next round's drafter
+        pass from the walk's device-side result: one host sync a round (the walk's result), and the
+        device is busy with the next draft while the host reads it."""
         depth = self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, req.budget)
-        self._phase("draft")
-        draft_logits = self._draft(req, depth)                          # [D, V]
+        if req.drafted is None:  # the first round: the drafter takes in the whole prompt
+            self._phase("draft")
+            req.drafted = self._draft_prompt(req, depth)
         self._phase("tree")
         if req.mode == "dflash":
-            tree = build_chain(draft_logits)
+            tree = build_chain(req.drafted)
         else:
-            tree = self.trees.build(draft_logits, req.budget)
+            tree = self.trees.build(req.drafted, req.budget)
         self._phase("verify")
         out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
         self._phase("commit")
         target = self._choose(req, out.logits)                          # the target's token per node
-        accepted = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
-        self._commit(req, accepted.path, out.feats, accepted.next_token)
+        result = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
+        self.readback.start(result)
+        self._phase("draft")
+        length, bonus, rows = result[:1], result[1:2], result[2:2 + self.block_size]
+        req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)[:depth]
+        self._phase("commit")
+        accepted = Walk.read(self.readback.wait(), self.block_size - 1)
+        self.target_cache.compact(req.n_ctx, accepted.path)  # the accepted path's KV, after the context
+        req.n_ctx += len(accepted.path)
+        req.bonus = accepted.next_token
         self._phase("end")
         return accepted.tokens[1:] + [req.bonus], len(accepted.path) - 1
 
-    def _draft(self, req: RequestState, depth: int) -> torch.Tensor:
-        """One drafter pass over [bonus, MASK * (block_size-1)] -> logits for depths 1..depth."""
+    def _draft_prompt(self, req: RequestState, depth: int) -> torch.Tensor:
+        """The first drafter pass of a request, eager: its context is every prompt position (features
+        from the prefill) plus the block [bonus, MASK * (block_size-1)] -> logits for depths 1..depth."""
         n, bs = req.n_ctx, self.block_size
-        if self.draft_runner.fits(req.pending):
-            logits = self.draft_runner.run(req.bonus, req.pending, req.draft_len, n)
-            req.draft_len, req.pending = n, None
-            return logits[:depth]
         block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = req.bonus
         emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
         block_pos = torch.arange(n, n + bs, device=self.device)[None]
-        ctx_pos = torch.arange(req.draft_len, n, device=self.device)[None]
-        h = self.drafter(emb, block_pos, req.pending, ctx_pos, self.draft_cache, ctx_start=req.draft_len)
-        req.draft_len, req.pending = n, None  # the drafter's cache now covers every context token
+        ctx_pos = torch.arange(n, device=self.device)[None]
+        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache)
+        req.prompt_feats = None
         return self.target.logits(h[0, 1:depth + 1])
-
-    def _commit(self, req: RequestState, path: list[int], feats: torch.Tensor, next_token: int) -> None:
-        """Keep the accepted path's KV (compacted right after the context) and queue its features."""
-        self.target_cache.compact(req.n_ctx, path)
-        req.pending = feats[:, torch.tensor(path, device=self.device)]  # [1, len(path), F]
-        req.n_ctx += len(path)
-        req.bonus = next_token

@@ -1,4 +1,4 @@
-"""CUDA graph capture as every graphed pass of the engine does it."""
+"""CUDA graph capture as every graphed pass of the engine does it, and the engine's one read per round."""
 
 from __future__ import annotations
 
@@ -17,3 +17,24 @@ def capture(fn, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, objec
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+class HostRead:
+    """Read a small int64 device tensor on the host without waiting for work queued after it: start()
+    queues the copy into pinned memory and marks the stream; the engine then queues more work (the
+    next pass) and wait() blocks only until the copy is done."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buf = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def start(self, t: torch.Tensor) -> None:
+        self.buf[:t.shape[0]].copy_(t, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf.tolist()

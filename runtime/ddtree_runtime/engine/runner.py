@@ -40,14 +40,14 @@ class _Bucket:
 
     def __init__(self, size: int, kv_len: int, device: torch.device, dtype: torch.dtype) -> None:
         self.size, self.kv_len = size, kv_len
-        # ids | parents | depths | start (a tree's rows, then the start), one int64 vector staged on the host (pinned on CUDA) and copied
-        # in one transfer; it holds the root, the start and the padding layout (padding nodes hold token 0
-        # at depth 0 and are their own parents: they see only the context and themselves, and no real
-        # node sees them); a device-built tree then overwrites its nodes' entries with one device copy
-        pin = device.type == "cuda"
-        self.host_ints = torch.zeros(3 * size + 1, dtype=torch.long, pin_memory=pin)
-        self.host_ints[size:2 * size] = torch.arange(size)
-        self.ints = torch.zeros(3 * size + 1, dtype=torch.long, device=device)
+        # ids | parents | depths | start: a tree's rows, then the start, in one int64 vector written by
+        # device ops only (a fill or a device copy per pass: nothing on the host that a queued copy could
+        # still be reading when the engine runs ahead). `layout` is the padding: padding nodes hold token
+        # 0 at depth 0 and are their own parents, so they see only the context and themselves, and no
+        # real node sees them
+        self.layout = torch.zeros(3 * size + 1, dtype=torch.long, device=device)
+        self.layout[size:2 * size] = torch.arange(size, device=device)
+        self.ints = self.layout.clone()
         self.nodes = self.ints[:3 * size].view(3, size)                       # [3, T]
         self.ids = self.ints[:size].view(1, size)                              # [1, T]
         self.parents = self.ints[size:2 * size]                                # [T]
@@ -92,18 +92,24 @@ class TargetRunner:
         """Cache slots needed: the context, the padded tree, rounded up to a whole kv bucket."""
         return -(-(max_context + tree_bucket(tree_slots)) // KV_BUCKET) * KV_BUCKET
 
-    def run(self, root: int, start: int, tree: Tree | None = None) -> TreePass:
-        """A tree pass: the root (node 0) holds `root` at position `start`, each draft node of `tree`
-        (None: an AR step, the root alone) its token at start + its depth, below its parent; the nodes'
-        k/v go to cache slots start..start+N, each node seeing the context and its own ancestors."""
+    def run(self, root: int | torch.Tensor, start: int, tree: Tree | None = None) -> TreePass:
+        """A tree pass: the root (node 0) holds `root` (a token, or a [1] device tensor holding one) at
+        position `start`, each draft node of `tree` (None: an AR step, the root alone) its token at
+        start + its depth, below its parent; the nodes' k/v go to cache slots start..start+N, each node
+        seeing the context and its own ancestors. Nothing here waits for the device."""
         n = 1 if tree is None else tree.size
         size = tree_bucket(n)
         kv_len = kv_len_for(start + size, self.cache.capacity)
         b = self.buckets.get((size, kv_len))
         if b is None:
             b = self.buckets[(size, kv_len)] = _Bucket(size, kv_len, self.device, self.cache.k.dtype)
-        b.host_ints[0], b.host_ints[-1] = root, start
-        b.ints.copy_(b.host_ints, non_blocking=True)  # safe: host_ints changes only after the round's sync
+        if n < size:
+            b.ints.copy_(b.layout)  # the padding, over whatever a bigger tree left in this bucket
+        if isinstance(root, torch.Tensor):
+            b.ids[0, :1].copy_(root)
+        else:
+            b.ids[0, :1].fill_(root)
+        b.start.fill_(start)
         if tree is not None:
             b.nodes[:, 1:n].copy_(tree.nodes)
         if not self.use_graphs:
@@ -132,11 +138,9 @@ class _DraftBucket:
     def __init__(self, block: int, feat_dim: int, kv_len: int, device: torch.device, dtype: torch.dtype,
                  mask_token_id: int) -> None:
         self.kv_len = kv_len
-        # ids [1, Q] | start (context already in the cache) | n (context length after this call),
-        # staged on the host and copied in one transfer
-        self.host_ints = torch.full((block + 2,), mask_token_id, dtype=torch.long,
-                                    pin_memory=device.type == "cuda")
-        self.ints = self.host_ints.to(device)
+        # ids [1, Q] | start (context already in the cache) | n (context length after this call), written
+        # by device ops only; ids[1:] hold MASK for good
+        self.ints = torch.full((block + 2,), mask_token_id, dtype=torch.long, device=device)
         self.ids = self.ints[:block].view(1, block)
         self.start = self.ints[block:block + 1]
         self.n = self.ints[block + 1:]
@@ -154,8 +158,8 @@ class DraftRunner:
     context features (zero-padded; the padding's k/v land past the context and are overwritten next
     round). The block's own k/v are written right after the context (over that padding), so attention
     reads the first kv_len drafter-cache entries with a device-built bias and nothing is concatenated.
-    Graphed on CUDA per kv_len bucket. Rounds whose new context exceeds Q (the first, after a prefill)
-    run eagerly."""
+    Graphed on CUDA per kv_len bucket. The first round after a prefill, whose new context is the whole
+    prompt, runs eagerly (engine._draft)."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
                  device: torch.device) -> None:
@@ -171,25 +175,22 @@ class DraftRunner:
         """The context, up to one block of padding rows after it, and the block itself."""
         return -(-(max_context + 2 * block) // KV_BUCKET) * KV_BUCKET
 
-    def fits(self, pending: torch.Tensor) -> bool:
-        return pending.shape[1] <= self.block
-
-    def run(self, bonus: int, pending: torch.Tensor, draft_len: int, n_ctx: int) -> torch.Tensor:
-        """pending: [1, m, F] features of context positions draft_len..n_ctx-1. Returns logits [Q-1, V]
-        for depths 1..Q-1 (a view of a static buffer: use it before the next run)."""
-        m = pending.shape[1]
-        kv_len = kv_len_for(draft_len + 2 * self.block, self.cache.capacity)
+    def run(self, bonus: torch.Tensor, length: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor,
+            start: int) -> torch.Tensor:
+        """The pass after a round, from device values, so it is queued before the round's result reaches
+        the host: bonus [1] (the round's next token), and the target features feats[0, rows[:length]]
+        ([1, N, F], rows [Q] long) of the `length` context positions from `start` on. Returns logits
+        [Q-1, V] for depths 1..Q-1 (a view of a static buffer: use it before the next run)."""
+        kv_len = kv_len_for(start + 2 * self.block, self.cache.capacity)
         b = self.buckets.get(kv_len)
         if b is None:
             b = self.buckets[kv_len] = _DraftBucket(self.block, self.feat_dim, kv_len, self.device,
                                                     self.cache.k.dtype, self.mask_token_id)
-        b.host_ints[0] = bonus
-        b.host_ints[self.block] = draft_len
-        b.host_ints[self.block + 1] = n_ctx
-        b.ints.copy_(b.host_ints, non_blocking=True)
-        b.feats[:, :m] = pending
-        if m < self.block:
-            b.feats[:, m:].zero_()
+        b.ids[0, :1].copy_(bonus)
+        b.start.fill_(start)
+        torch.add(length, start, out=b.n)
+        torch.index_select(feats[0], 0, rows, out=b.feats[0])
+        b.feats[0].masked_fill_((b.offsets >= length)[:, None], 0)  # rows past the path: zero padding
         if not self.use_graphs:
             return self._forward(b)
         if b.graph is None:

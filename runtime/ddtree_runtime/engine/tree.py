@@ -143,17 +143,28 @@ class TreeBuilder:
 
 
 class Walk(NamedTuple):
-    """What the round's one sync reads: the accepted path and the target's token after it."""
+    """The accepted path and the target's token after it, as read from walk()'s result."""
     path: list[int]      # accepted node indices, root first
     tokens: list[int]    # the path's tokens (root first)
     next_token: int      # the target's token at the path's last node: the next round's root
 
+    @staticmethod
+    def size(max_depth: int) -> int:
+        """Length of walk()'s result vector."""
+        return 2 + 2 * (max_depth + 1)
+
+    @classmethod
+    def read(cls, result: list[int], max_depth: int) -> Walk:
+        length, end = result[0], 3 + max_depth
+        return cls(result[2:2 + length], result[end:end + length], result[1])
+
 
 def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
-         target: torch.Tensor, max_depth: int) -> Walk:
+         target: torch.Tensor, max_depth: int) -> torch.Tensor:
     """Follow the target from the root while a child carries the target's token at its parent. [N]
     node tokens, parents, depths, target tokens and the [N, N] ancestor mask (all on the device) ->
-    the walk, read back in one transfer.
+    a device vector (Walk.read parses it): path length, next token, the path's nodes by depth (zeros
+    after the end) and their tokens. No host sync.
 
     A node is on the accepted path iff it and all its ancestors match their parents' target tokens;
     siblings carry distinct tokens, so the deepest such node is the path's end."""
@@ -165,6 +176,4 @@ def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask
     nodes = torch.zeros(max_depth + 2, dtype=torch.long, device=tokens.device)
     nodes.scatter_(0, row, torch.arange(tokens.shape[0], device=tokens.device))
     nodes = nodes[:max_depth + 1]
-    out = torch.cat([(depths[leaf] + 1)[None], target[leaf][None], nodes, tokens[nodes]]).tolist()
-    length = out[0]
-    return Walk(out[2:2 + length], out[3 + max_depth:3 + max_depth + length], out[1])
+    return torch.cat([(depths[leaf] + 1)[None], target[leaf][None], nodes, tokens[nodes]])

@@ -52,7 +52,8 @@ class RequestState:
     n_ctx: int = 0            # tokens whose KV sits in the target cache (all committed but the bonus)
     bonus: int = -1           # last committed token: next round's tree root
     generated: int = 0        # tokens emitted so far
-    draft_len: int = 0        # context entries already in the drafter's cache
-    pending: torch.Tensor | None = None  # [1, m, F] target features not yet in the drafter's cache
+    prompt_feats: torch.Tensor | None = None  # [1, P, F] the prompt's target features, for the first draft
+    drafted: torch.Tensor | None = None  # [D, V] draft logits for the next round, queued on the device
+    ahead: torch.Tensor | None = None    # [1] the next AR token, chosen on the device, not yet read
     rounds: int = 0
     accepted_total: int = 0

@@ -84,12 +84,13 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def residual_linear(x: torch.Tensor, y: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """x + linear(y): on CUDA one GEMM that adds the residual in its epilogue (addmm), not a GEMM and
-    then an add kernel; elsewhere (and with a bias) the plain two steps."""
-    if not x.is_cuda or linear.bias is not None:
+    """x + linear(y). In CUDA inference the sum is written over x by the GEMM itself (addmm_ with
+    beta 1: no add kernel, and no copy as an out-of-place addmm makes), so x must be a residual stream
+    nothing else holds; elsewhere (and with a bias, or when autograd records) the plain two steps."""
+    if not x.is_cuda or linear.bias is not None or torch.is_grad_enabled():
         return x + linear(y)
-    out = torch.addmm(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), linear.weight.t())
-    return out.view(x.shape)
+    x.view(-1, x.shape[-1]).addmm_(y.reshape(-1, y.shape[-1]), linear.weight.t())
+    return x
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -195,13 +196,18 @@ if triton is not None:
         tl.store(out_ptr + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
 
 
-# keys per program; measured on an H200 in CUDA graphs (runtime/bench/attn_probe.py, Qwen3-8B heads):
-# 17 queries over 1K / 4.6K keys take 12.7 / 31.8 us at 128 against SDPA's 26.8 / 99.9 us; one query
-# does best at 64 (5.3 / 9.1 us against 7.2 / 12.2)
+# keys per program and query rows per program, as measured on an H200 in CUDA graphs
+# (runtime/bench/attn_probe.py, one layer of Qwen3-8B heads, bench/results/runtime-attn-probe.txt):
+# 17 queries over 1K keys 9.0 us at 128 keys x 64 rows (12.6 at 128 x 128, SDPA 26.8); over 4.6K keys
+# 24.1 us at 256 x 64 (31.8 at 128 x 128, SDPA 98.2); one query does best at 64 keys (5.2 / 9.0 us,
+# SDPA 7.1 / 12.1). At 129 queries SDPA wins (each block of rows rereads the keys), so the kernel
+# takes at most 512 rows: 65 queries of four query heads per KV head (Qwen3-8B) or of six (Qwen3.6).
 DECODE_SPLIT = 128
+DECODE_SPLIT_LONG = 256     # over more than DECODE_LONG keys
+DECODE_LONG = 2048
 DECODE_SPLIT_ONE_QUERY = 64
-DECODE_BLOCK_ROWS = 128  # query rows per program at most (64 for 256-wide heads)
-DECODE_MAX_ROWS = 4 * 1025  # (query heads per KV head) x (tree nodes): the largest tree at GQA 4
+DECODE_BLOCK_ROWS = 64
+DECODE_MAX_ROWS = 512
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -222,9 +228,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = g * t
-    block_r = min(max(16, triton.next_power_of_2(rows)), 64 if d > 128 else DECODE_BLOCK_ROWS)
+    block_r = min(max(16, triton.next_power_of_2(rows)), DECODE_BLOCK_ROWS)
     rows_pad = -(-rows // block_r) * block_r
-    split = DECODE_SPLIT_ONE_QUERY if t == 1 else DECODE_SPLIT
+    split = DECODE_SPLIT_ONE_QUERY if t == 1 else DECODE_SPLIT_LONG if length > DECODE_LONG else DECODE_SPLIT
     n_splits = -(-length // split)
     bias2 = bias.reshape(bias.shape[-2], length)  # [T or 1, L]
     part = torch.empty(hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)

@@ -58,19 +58,20 @@ class Qwen3ForCausalLM(nn.Module):
         static = self.prepare(static, pos)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(pos, x.dtype)
-        feats: list[torch.Tensor] = []
+        # the drafter wants features in target_layer_ids order; each is copied out as its layer ends
+        # (the layers update the residual stream in place on CUDA)
+        width = x.shape[-1]
+        slot = {layer: j * width for j, layer in enumerate(self.feature_layers)}
+        feats = x.new_empty(*x.shape[:2], len(slot) * width) if slot else None
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, cache, start, mask, static)
-            if i in self.feature_layers and i != last:
-                feats.append(x)
+            if i in slot and i != last:
+                feats[..., slot[i]:slot[i] + width] = x
         x = self.model.norm(x)
-        if last in self.feature_layers:  # HF's hidden_states[-1] is taken after the final norm
-            feats.append(x)
-        # the drafter wants features in target_layer_ids order, not layer order
-        order = sorted(self.feature_layers)
-        f = torch.cat([feats[order.index(i)] for i in self.feature_layers], dim=-1) if feats else None
-        return x, f
+        if last in slot:  # HF's hidden_states[-1] is taken after the final norm
+            feats[..., slot[last]:slot[last] + width] = x
+        return x, feats
 
     def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
         """What every layer of a tree pass shares, computed once (attention-only models need nothing)."""

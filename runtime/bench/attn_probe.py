@@ -1,6 +1,7 @@
-"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU: the
-split-KV kernel at several split lengths and row blocks against SDPA and the GEMM form with an additive tree bias, per tree size and
-KV length. Decides kernels.DECODE_SPLIT and where attend_decode uses the kernel.
+"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU, per
+tree size and KV length, with an additive tree bias: SDPA, the GEMM form, the split-KV kernel at
+several splits, row blocks and warp counts, and the kernel as configured (`rule`). Decides
+kernels.decode_split, DECODE_BLOCK_ROWS, DECODE_WARPS and where attend_decode uses the kernel.
 
     PYTHONPATH=runtime python runtime/bench/attn_probe.py"""
 
@@ -39,6 +40,7 @@ def timed(fn, reps: int = 20) -> float:
 
 def main() -> None:
     dev, dt = "cuda", torch.bfloat16
+    rule = kernels.decode_split
     for length in (1024, 4608):
         kbuf = torch.randn(1, 8, 8192, 128, device=dev, dtype=dt)
         vbuf = torch.randn_like(kbuf)
@@ -50,11 +52,14 @@ def main() -> None:
             bias = torch.zeros(t, length, device=dev, dtype=dt).masked_fill(~ok, float("-inf"))[None, None]
             row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)),
                    "gemm": timed(lambda: attend_grouped(q, k, v, bias))}
-            for split in (64, 128, 256):
+            for split in (128, 256, 512, 1024):
                 for block_rows in (64, 128):
-                    kernels.DECODE_SPLIT = kernels.DECODE_SPLIT_ONE_QUERY = split
-                    kernels.DECODE_BLOCK_ROWS = block_rows
-                    row[f"s{split}r{block_rows}"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
+                    for warps in (4, 8):
+                        kernels.decode_split = lambda *_: split
+                        kernels.DECODE_BLOCK_ROWS, kernels.DECODE_WARPS = block_rows, warps
+                        row[f"s{split}r{block_rows}w{warps}"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
+            kernels.decode_split, kernels.DECODE_BLOCK_ROWS, kernels.DECODE_WARPS = rule, 64, 4
+            row["rule"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
             print(f"L {length:5} T {t:3}: " + "  ".join(f"{name} {us:5.1f}us" for name, us in row.items()), flush=True)
 
 

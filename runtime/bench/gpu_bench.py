@@ -10,8 +10,9 @@ one verify round must read (weights + KV, and for a hybrid target the recurrent 
 also rewrites) over that bandwidth, and the verify's FLOPs over that rate.
 
 Two timings per case: `round_ms` runs rounds back to back with no sync beyond the engine's own (what
-the server sees); `phases_ms` synchronizes at each phase boundary (engine.phase_hook) so host and device
-time land in the phase that caused them. `--shape small` runs on the CPU in seconds (a smoke test)."""
+the server sees), and `host_wait_ms` is how long of it the host sat blocked on the round's one read (near
+the round time: the device is the bound; near zero: the host is); `phases_ms` synchronizes at each phase
+boundary (engine.phase_hook) so host and device time land in the phase that caused them. `--shape small` runs on the CPU in seconds (a smoke test)."""
 
 from __future__ import annotations
 
@@ -193,6 +194,28 @@ def agreement(engine: Engine, prompt: list[int], n: int = 48) -> dict:
     return {"matching_prefix_of_" + str(n): same}
 
 
+def hidden_syncs(engine: Engine, prompt: list[int]) -> dict:
+    """Per mode, whether a round (after warm-up: graphs captured) makes a synchronizing CUDA call beyond
+    its one event wait: torch's sync debug mode turns such a call (an .item(), a 0-dim tensor used as
+    an index, a blocking copy) into an error, which is reported."""
+    out = {}
+    for mode, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
+        gen = engine.generate(prompt, SamplingParams(max_new_tokens=256, mode=mode, tree_budget=budget))
+        for _ in range(3):
+            next(gen)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                next(gen)
+            out[f"{mode}@{budget}" if budget else mode] = "none"
+        except RuntimeError as e:
+            out[f"{mode}@{budget}" if budget else mode] = str(e)[:300]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            gen.close()
+    return {"hidden_syncs_per_round": out}
+
+
 def kv_bytes(cfg: Qwen3Config, ctx: int, elem: int) -> int:
     return 2 * cfg.kv_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * elem
 
@@ -257,12 +280,13 @@ def run_case(engine: Engine, prompt: list[int], mode: str, budget: int | None, r
         next(gen)
     # uninstrumented: back to back, synchronizing only where the engine does
     sync(dev)
-    t0 = time.perf_counter()
+    t0, waited = time.perf_counter(), engine.readback.waited_s
     acc = 0
     for _ in range(rounds):
         acc += next(gen).accepted
     sync(dev)
     round_s = (time.perf_counter() - t0) / rounds
+    wait_s = (engine.readback.waited_s - waited) / rounds  # the host blocked on the device's result
     # instrumented: synchronize at every phase boundary
     timer = PhaseTimer(dev)
     engine.phase_hook = timer
@@ -274,6 +298,7 @@ def run_case(engine: Engine, prompt: list[int], mode: str, budget: int | None, r
         gen.close()
     phases = timer.medians_ms()
     return {"mode": mode, "budget": budget, "prefill_ms": 1e3 * prefill, "round_ms": 1e3 * round_s,
+            "host_wait_ms": 1e3 * wait_s,
             "phases_ms": phases, "phases_sum_ms": sum(phases.values()),
             "accepted_per_round": acc / rounds,
             "tokens_per_s_at_tau": {t: t / round_s for t in TAUS}}
@@ -319,6 +344,8 @@ def main() -> None:
     results = []
     checks = check_kernels(device)
     checks.update(agreement(engine, torch.randint(0, vocab - 1, (200,), generator=g).tolist()))
+    if device.type == "cuda":
+        checks.update(hidden_syncs(engine, torch.randint(0, vocab - 1, (200,), generator=g).tolist()))
     if device.type == "cuda":  # bf16 near-ties can flip an argmax between kernel shapes; float32 should not
         t32, d32 = build_models("qwen3.6-27b-4layer" if args.shape.startswith("qwen3.6") else "qwen3-8b-4layer",
                                 device, torch.float32)
@@ -342,14 +369,14 @@ def main() -> None:
                   f"{r['prefill_ms']:8.1f} ms  round {r['round_ms']:7.2f} ms  [{ph}]", flush=True)
 
     print()
-    print(f"{'ctx':>5} {'mode':<11}{'round ms':>9}{'floor':>7}{'draft':>7}{'tree':>7}{'verify':>8}"
+    print(f"{'ctx':>5} {'mode':<11}{'round ms':>9}{'wait':>6}{'floor':>7}{'draft':>7}{'tree':>7}{'verify':>8}"
           f"{'commit':>8}{'xAR':>6}" + "".join(f"{'tok/s@' + str(t):>10}" for t in TAUS))
     for r in results:
         ar = next(x for x in results if x["context"] == r["context"] and x["mode"] == "ar")
         ph = r["phases_ms"]
         floor = r["floors"]["ar_step_ms"] if r["mode"] == "ar" else r["floors"]["round_ms"]
         name = r["mode"] + (f"@{r['budget']}" if r["budget"] else "")
-        print(f"{r['context']:>5} {name:<11}{r['round_ms']:>9.2f}{floor:>7.2f}"
+        print(f"{r['context']:>5} {name:<11}{r['round_ms']:>9.2f}{r['host_wait_ms']:>6.2f}{floor:>7.2f}"
               + "".join(f"{ph.get(k, 0):>{w}.2f}" for k, w in (("draft", 7), ("tree", 7), ("verify", 8),
                                                               ("commit", 8)))
               + f"{r['round_ms'] / ar['round_ms']:>6.2f}"

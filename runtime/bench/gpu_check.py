@@ -1,6 +1,7 @@
 """Run the engine on CUDA against CPU reference outputs: float32 greedy must be token-identical to the
 CPU engine's (which the tests tie to transformers); in bfloat16 each mode is compared with the same
-engine's own AR output (speculation must not change it), and speed and acceptance are reported.
+engine's own AR output (speculation must not change it), and speed and acceptance are reported, and
+whether a round makes a synchronizing call beyond its one read (gpu_bench.hidden_syncs).
 
     python runtime/bench/gpu_check.py make-ref MODELS REF.json   # on the CPU machine
     python runtime/bench/gpu_check.py check MODELS REF.json OUT.json   # on the GPU machine
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_bench import CASES, prompts_for  # noqa: E402
+from gpu_bench import hidden_syncs  # noqa: E402
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -51,6 +53,10 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         eng = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device="cuda", dtype=dtype))
         generate_all(eng, ref["prompts"][:2], "ddtree", 16, 8)  # warm-up
+        # with trained models rounds accept deep paths: the KV compaction must not sync either
+        syncs = hidden_syncs(eng, ref["prompts"][0])
+        print(dtype, syncs, flush=True)
+        report.setdefault("hidden_syncs", {})[dtype] = syncs["hidden_syncs_per_round"]
         ar_here = None  # this engine's own AR output: speculation must reproduce it in any dtype
         for mode, budget in CASES:
             outs, tps, alen = generate_all(eng, ref["prompts"], mode, budget)

@@ -66,11 +66,11 @@ def main() -> None:
     draft_logits = torch.randn(15, vocab, device=device)
     tree = build_tree(draft_logits, args.nodes - 1)
     feats = torch.zeros(1, 1, drafter.fc.in_features, device=device, dtype=torch.bfloat16)
-    one, rows = torch.ones(1, dtype=torch.long, device=device), torch.zeros(16, dtype=torch.long, device=device)
+    one, path_rows = torch.ones(1, dtype=torch.long, device=device), torch.zeros(16, dtype=torch.long, device=device)
     passes = {
         "ar_step": lambda: engine.runner.run(1, n_ctx),
         f"verify_{tree.size}_nodes": lambda: engine.runner.run(1, n_ctx, tree),
-        "draft": lambda: engine.draft_runner.run(one, one, rows, feats, n_ctx - 1),
+        "draft": lambda: engine.draft_runner.run(one, one, path_rows, feats, n_ctx - 1),
         "tree_build": lambda: engine.trees.build(draft_logits, args.nodes - 1),
     }
     report = {"shape": args.shape, "context": args.context, "passes": {}}

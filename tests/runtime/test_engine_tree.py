@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ddtree_runtime.engine.tree import Walk, ancestor_mask, build_chain, build_tree, tree_size, walk
+from ddtree_runtime.engine.tree import Walk, ancestor_mask, build_chain, build_tree, top_tokens, tree_size, walk
 
 
 def _logits(depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -35,6 +35,18 @@ def _score(lp: torch.Tensor, tree, i: int) -> float:
 def _children(tree) -> dict[tuple[int, int], int]:
     tokens, parents, _ = _full(tree)
     return {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+
+
+@pytest.mark.parametrize("vocab,budget", [(300, 16), (1187 * 4, 64), (97, 8), (5, 16)])
+def test_top_tokens_are_the_log_softmax_top_k(vocab, budget):
+    # chunked per row (300 -> 100 chunks of 3, fewer than the budget; 97 is prime: one chunk)
+    logits = _logits(15, vocab, vocab)
+    lp, ids, n = top_tokens(logits, budget)
+    depth = min(15, budget)                           # a tree of `budget` nodes reaches no deeper
+    exact = torch.log_softmax(logits[:depth], dim=-1)
+    assert torch.allclose(lp, exact.topk(min(budget, vocab), dim=-1).values, atol=1e-5)
+    assert torch.allclose(exact.gather(1, ids), lp, atol=1e-5)
+    assert n == tree_size(budget, depth, vocab) - 1
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])

@@ -1,7 +1,7 @@
 """The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
-build against the torch build, the fused SiLU-and-multiply, and the Gated DeltaNet tree pass with its
-fused conv/heads and gated-norm kernels against the same layer in torch."""
+build against the torch build, RMSNorm+RoPE and the fused KV write, the fused SiLU-and-multiply, and
+the Gated DeltaNet tree pass with its fused conv/heads and gated-norm kernels against the same layer."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def test_decode_attention_matches_a_float_reference():
             s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
             return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
         # (query heads, KV heads, queries, head dim, keys, one bias row for all queries)
-        # the last case spans several blocks of query rows (65 queries x 4 heads per KV head)
+        # the last case spans several blocks of query rows (129 queries x 4 heads per KV head)
         for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
                                               (6, 1, 5, 256, 100, False), (4, 2, 3, 32, 200, True),
-                                              (4, 1, 65, 32, 150, False)]:
+                                              (4, 1, 129, 32, 150, False)]:
             q = torch.randn(1, hq, t, d, dtype=torch.float16)
             cache = torch.randn(2, 1, hkv, length + 50, d, dtype=torch.float16)
             k, v = cache[0, :, :, :length], cache[1, :, :, :length]   # strided views, as the cache gives
@@ -54,6 +54,34 @@ def test_decode_attention_matches_a_float_reference():
             assert err < 2e-3, err
     """)
     assert len(out.splitlines()) == 5
+
+
+def test_rope_and_the_kv_write_match_torch():
+    interpret("""
+        K._use_triton = lambda x: True
+        t, hq, hkv, d, eps = 5, 4, 2, 32, 1e-6
+        y = torch.randn(1, t, (hq + 2 * hkv) * d, dtype=torch.float16)    # a fused q|k|v output
+        q = y[..., :hq * d].view(1, t, hq, d)
+        k = y[..., hq * d:(hq + hkv) * d].view(1, t, hkv, d)
+        v = y[..., (hq + hkv) * d:].view(1, t, hkv, d)
+        w = torch.rand(d, dtype=torch.float16) + 0.5
+        ang = torch.rand(1, 1, t, d) * 6
+        cos, sin = ang.cos().half(), ang.sin().half()
+
+        def ref_rope(x):
+            return K.rotate_half_rope(K.rms_norm_torch(x.double(), w.double(), eps).transpose(1, 2),
+                                      cos.double(), sin.double())
+        assert (K.rms_norm_rope(q, w, eps, cos, sin).double() - ref_rope(q)).abs().max() < 3e-3
+        slots = torch.tensor([7, 3, 9, 0, 12])
+        cache_k, cache_v = torch.randn(1, hkv, 16, d, dtype=torch.float16), torch.randn(1, hkv, 16, d, dtype=torch.float16)
+        want_k, want_v = cache_k.double(), cache_v.clone()
+        want_k[0][:, slots] = ref_rope(k)[0]
+        want_v[0][:, slots] = v.transpose(1, 2)[0]
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, cache_k, cache_v, slots)
+        assert (cache_k.double() - want_k).abs().max() < 3e-3      # written slots, and the others kept
+        assert torch.equal(cache_v, want_v)
+        assert not K.rms_norm_rope_to_cache(k.float(), v.float(), w, eps, cos, sin, cache_k, cache_v, slots)
+    """)
 
 
 def test_silu_mul_matches_torch():

@@ -115,6 +115,7 @@ class Engine:
         self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
         self.trees = TreeBuilder(self.device)
         self.readback = HostRead(Walk.size(self.block_size - 1), self.device)
+        self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
 
     def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
         cfg = self.target.config
@@ -218,7 +219,7 @@ class Engine:
         read, so the device never waits for the host between steps."""
         self._phase("step")
         token = req.ahead if req.ahead is not None else self._choose(req, self.runner.run(req.bonus, req.n_ctx).logits)
-        self.target_cache.compact(req.n_ctx, [0])  # a no-op for KV; advances a recurrent state
+        self.target_cache.compact(req.n_ctx, [0], self.root_node)  # a no-op for KV; advances a recurrent state
         req.n_ctx += 1
         self.readback.start(token)
         req.ahead = self._choose(req, self.runner.run(token, req.n_ctx).logits)
@@ -251,7 +252,8 @@ class Engine:
         req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)[:depth]
         self._phase("commit")
         accepted = Walk.read(self.readback.wait(), self.block_size - 1)
-        self.target_cache.compact(req.n_ctx, accepted.path)  # the accepted path's KV, after the context
+        # the accepted path's KV, moved to right after the context (by the walk's own device copy of it)
+        self.target_cache.compact(req.n_ctx, accepted.path, rows[:len(accepted.path)])
         req.n_ctx += len(accepted.path)
         req.bonus = accepted.next_token
         self._phase("end")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -28,6 +30,7 @@ class HostRead:
         self.cuda = device.type == "cuda"
         self.buf = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
         self.event = torch.cuda.Event() if self.cuda else None
+        self.waited_s = 0.0  # host time spent blocked in wait(), for the benchmark (host- or device-bound?)
 
     def start(self, t: torch.Tensor) -> None:
         self.buf[:t.shape[0]].copy_(t, non_blocking=True)
@@ -36,5 +39,7 @@ class HostRead:
 
     def wait(self) -> list[int]:
         if self.event is not None:
+            t0 = time.perf_counter()
             self.event.synchronize()
+            self.waited_s += time.perf_counter() - t0
         return self.buf.tolist()

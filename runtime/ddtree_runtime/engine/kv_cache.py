@@ -41,14 +41,16 @@ class KVCache:
         self.v[layer].index_copy_(2, slots, v)
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
-    def compact(self, start: int, path: list[int]) -> None:
+    def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
         """Keep the tree nodes `path` (ascending, root first) of the pass written at `start`: entries
         start+path[i] move to start+i for every layer; the rest become free. A path that is already a
-        prefix (an AR step, a fully accepted chain) needs no move."""
+        prefix (an AR step, a fully accepted chain) needs no move. `nodes`: the same indices already on
+        the device (a host list would be copied there, and torch waits for the device to copy from
+        pageable memory: the engine passes the walk's own result)."""
         n = len(path)
         if path == list(range(n)):
             return
-        src = torch.tensor(path, device=self.k.device) + start
+        src = (torch.tensor(path, device=self.k.device) if nodes is None else nodes) + start
         # advanced indexing copies first, so overlapping source/destination ranges are safe
         self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
         self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
@@ -93,11 +95,11 @@ class HybridCache(KVCache):
         self.step.u[layer, :, :, :t] = step.u
         self.step.g[layer, :, :, :t] = step.g
 
-    def compact(self, start: int, path: list[int]) -> None:
+    def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
         """Also advance every linear layer's state to the end of the accepted path; what rejected
         branches wrote to the scratch is never read."""
-        super().compact(start, path)
-        idx = torch.tensor(path, device=self.state.device)
+        super().compact(start, path, nodes)
+        idx = torch.tensor(path, device=self.state.device) if nodes is None else nodes
         self.state.copy_(state_at(self.step, self.state, idx))
         tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
         self.conv.copy_(tail[:, :, -self.conv.shape[2]:])

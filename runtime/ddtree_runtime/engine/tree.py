@@ -10,6 +10,7 @@ one host sync reads the walk's result: path length, next token, path nodes and t
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -64,12 +65,28 @@ def tree_size(budget: int, depth: int, vocab: int) -> int:
     return paths + 1
 
 
+@functools.cache
+def _vocab_chunks(vocab: int) -> int:
+    """The most chunks up to 128 that divide the vocabulary evenly."""
+    return max(c for c in range(1, 129) if vocab % c == 0)
+
+
 def top_tokens(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """[D, V] draft logits -> the per-depth top-K log-probs (float32, descending) and tokens, [D', K]
-    for the depths a tree of `budget` nodes can reach, and the number of draft nodes it will have."""
+    for the depths a tree of `budget` nodes can reach, and the number of draft nodes it will have.
+
+    Each row is cut into chunks first (top-K and log-sum-exp per chunk, then over the chunks): a row
+    per thread block is 15 blocks for an H200's 132 processors, and a top-K over a whole 152K row is a
+    multi-pass radix select; 128 chunks a row fill the device."""
     depth, vocab = min(draft_logits.shape[0], budget), draft_logits.shape[1]
-    lp, ids = torch.log_softmax(draft_logits[:depth].float(), dim=-1).topk(min(budget, vocab), dim=-1)
-    return lp, ids, tree_size(budget, depth, vocab) - 1
+    k, chunks = min(budget, vocab), _vocab_chunks(vocab)
+    width = vocab // chunks
+    x = draft_logits[:depth].float().view(depth, chunks, width)
+    lse = torch.logsumexp(torch.logsumexp(x, dim=-1), dim=-1, keepdim=True)              # [D, 1]
+    part, part_ids = x.topk(min(k, width), dim=-1)                                        # [D, C, k']
+    top, pick = part.flatten(1).topk(k, dim=-1)                                           # [D, K]
+    ids = (part_ids + torch.arange(0, vocab, width, device=x.device)[:, None]).flatten(1).gather(1, pick)
+    return top - lse, ids, tree_size(budget, depth, vocab) - 1
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -171,9 +188,10 @@ def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask
     matches = tokens == target[parents]
     matches[0] = True                                            # the root is committed
     on_path = (mask.float() @ (~matches).float()) == 0           # no mismatch among its ancestors
-    leaf = torch.argmax(on_path * (depths + 1))
-    row = torch.where(mask[leaf], depths, max_depth + 1)         # path nodes by depth; others to a spare slot
-    nodes = torch.zeros(max_depth + 2, dtype=torch.long, device=tokens.device)
+    # the leaf stays a [1] tensor: indexing with a 0-dim tensor would read it on the host (a sync)
+    leaf = torch.argmax(on_path * (depths + 1)).view(1)
+    row = torch.where(mask.index_select(0, leaf)[0], depths, max_depth + 1)  # path nodes by depth
+    nodes = torch.zeros(max_depth + 2, dtype=torch.long, device=tokens.device)  # (+ a spare slot)
     nodes.scatter_(0, row, torch.arange(tokens.shape[0], device=tokens.device))
     nodes = nodes[:max_depth + 1]
-    return torch.cat([(depths[leaf] + 1)[None], target[leaf][None], nodes, tokens[nodes]])
+    return torch.cat([depths[leaf] + 1, target[leaf], nodes, tokens[nodes]])

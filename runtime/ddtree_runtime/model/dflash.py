@@ -22,17 +22,17 @@ class DFlashLayer(LayerWeights):
         # x: [B, Q, H] block stream; ctx: [B, C, H] projected context (new entries only when cached)
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q, kb, vb = attn.qkv(h, *rope_q)
-        kc, vc = attn.kv(ctx, *rope_c)
         if static is not None:
             # the graphed path (device-side offsets, see engine/runner.py): the block's k/v go to the
             # cache slots right after the context (free until the next round writes context there),
             # so attention reads one bucketed cache view with an additive bias and nothing is copied
             ctx_slots, block_slots, kv_len = static
-            cache.write_at(idx, ctx_slots, kc, vc, kv_len)
-            k, v = cache.write_at(idx, block_slots, kb, vb, kv_len)
+            attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots, kv_len)
+            q, k, v = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots, kv_len)
             x = attn.add_out(x, attend_decode(q, k, v, mask))
             return self.mlp.add_to(x, self.post_attention_layernorm(x))
+        q, kb, vb = attn.qkv(h, *rope_q)
+        kc, vc = attn.kv(ctx, *rope_c)
         if cache is not None:
             kc, vc = cache.write(idx, ctx_start, kc, vc)
         k = torch.cat([kc, kb], dim=2)

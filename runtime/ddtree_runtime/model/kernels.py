@@ -32,16 +32,19 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + offs, (x * r * w).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_tok, eps,
-                              HALF: tl.constexpr):
+    def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, vout_ptr,
+                              heads, stride_tok, stride_oh, stride_ot, eps, HALF: tl.constexpr,
+                              HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
         # one program per (token, head) row; x is [tokens, heads, 2*HALF] with heads and dims dense
-        # (tokens may be strided: a slice of the fused qkv output); out is contiguous
+        # (tokens may be strided: a slice of the fused qkv output). The row goes to out at head *
+        # stride_oh + token * stride_ot, or, with slots, at a KV cache slot in place of the token; with
+        # v, the same row of v is copied there into vout (the whole KV write of a tree pass)
         row = tl.program_id(0)
         tok = row // heads
+        head = row % heads
         lo = tl.arange(0, HALF)
         hi = lo + HALF
-        base = row * 2 * HALF
-        src = tok * stride_tok + (row % heads) * 2 * HALF
+        src = tok * stride_tok + head * 2 * HALF
         x1 = tl.load(x_ptr + src + lo).to(tl.float32)
         x2 = tl.load(x_ptr + src + hi).to(tl.float32)
         r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
@@ -51,9 +54,16 @@ if triton is not None:
         c2 = tl.load(cos_ptr + tok * 2 * HALF + hi).to(tl.float32)
         s1 = tl.load(sin_ptr + tok * 2 * HALF + lo).to(tl.float32)
         s2 = tl.load(sin_ptr + tok * 2 * HALF + hi).to(tl.float32)
+        place = tok
+        if HAS_SLOTS:
+            place = tl.load(slots_ptr + tok)
+        dst = head * stride_oh + place * stride_ot
         ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + base + lo, (y1 * c1 - y2 * s1).to(ty))
-        tl.store(out_ptr + base + hi, (y2 * c2 + y1 * s2).to(ty))
+        tl.store(out_ptr + dst + lo, (y1 * c1 - y2 * s1).to(ty))
+        tl.store(out_ptr + dst + hi, (y2 * c2 + y1 * s2).to(ty))
+        if HAS_V:
+            tl.store(vout_ptr + dst + lo, tl.load(v_ptr + src + lo))
+            tl.store(vout_ptr + dst + hi, tl.load(v_ptr + src + hi))
 
 
 if triton is not None:
@@ -122,19 +132,49 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + rot * sin
 
 
+def _rope_fits(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor) -> bool:
+    d = x.shape[-1]
+    return _use_triton(x) and x.dtype == weight.dtype == cos.dtype and not d & (d - 1)
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """[B, T, H, D] with each token's heads and dims dense (tokens may be strided)."""
+    b, t, h, d = x.shape
+    return x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == t * x.stride(1)
+
+
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """x: [B, T, H, D] (per-head q or k) -> RMSNorm over D, then RoPE; returns [B, H, T, D]."""
     b, t, h, d = x.shape
-    if not _use_triton(x) or x.dtype != weight.dtype or d & (d - 1) or cos.dtype != x.dtype:
+    if not _rope_fits(x, weight, cos):
         return rotate_half_rope(rms_norm_torch(x, weight, eps).transpose(1, 2), cos, sin)
-    if x.stride(3) != 1 or x.stride(2) != d or x.stride(0) != t * x.stride(1):
+    if not _rows(x):
         x = x.contiguous()
     out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
-    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, h, x.stride(1), eps, HALF=d // 2)
+    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, x, x, out, h, x.stride(1), d, h * d, eps,
+                                        HALF=d // 2, HAS_SLOTS=False, HAS_V=False)
     return out.transpose(1, 2)
+
+
+def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,
+                           cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                           slots: torch.Tensor) -> bool:
+    """A tree pass's whole KV write in one kernel: RMSNorm + RoPE of k ([1, T, Hkv, D]) and v as is,
+    into one layer's cache ([1, Hkv, capacity, D]) at `slots` ([T]), instead of the RoPE kernel and two
+    index copies. False (nothing written) where the kernel does not apply."""
+    b, t, h, d = k.shape
+    if not (_rope_fits(k, weight, cos) and b == 1 and v.shape == k.shape and _rows(k) and _rows(v)
+            and k.stride(1) == v.stride(1) and cache_k.dtype == k.dtype and cache_k.stride() == cache_v.stride()
+            and cache_k.stride(3) == 1 and cache_k.stride(2) == d):
+        return False
+    c = cos.reshape(t, d).contiguous()
+    s = sin.reshape(t, d).contiguous()
+    _rms_norm_rope_kernel[(t * h,)](k, weight, c, s, cache_k, slots, v, cache_v, h, k.stride(1),
+                                    cache_k.stride(1), d, eps, HALF=d // 2, HAS_SLOTS=True, HAS_V=True)
+    return True
 
 
 # ---- split-KV decode attention ------------------------------------------------------------------------
@@ -196,18 +236,27 @@ if triton is not None:
         tl.store(out_ptr + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
 
 
-# keys per program and query rows per program, as measured on an H200 in CUDA graphs
-# (runtime/bench/attn_probe.py, one layer of Qwen3-8B heads, bench/results/runtime-attn-probe.txt):
-# 17 queries over 1K keys 9.0 us at 128 keys x 64 rows (12.6 at 128 x 128, SDPA 26.8); over 4.6K keys
-# 24.1 us at 256 x 64 (31.8 at 128 x 128, SDPA 98.2); one query does best at 64 keys (5.2 / 9.0 us,
-# SDPA 7.1 / 12.1). At 129 queries SDPA wins (each block of rows rereads the keys), so the kernel
-# takes at most 512 rows: 65 queries of four query heads per KV head (Qwen3-8B) or of six (Qwen3.6).
-DECODE_SPLIT = 128
-DECODE_SPLIT_LONG = 256     # over more than DECODE_LONG keys
-DECODE_LONG = 2048
+# Tuned on an H200 in CUDA graphs (runtime/bench/attn_probe.py, one layer of Qwen3-8B heads: 32 query
+# / 8 KV heads of 128; bench/results/runtime-attn-probe.txt). The kernel is latency-bound: what matters
+# is how many programs share the work. Best were about 128 programs (KV heads x splits x row blocks)
+# with 64-row blocks and 4 warps: 17 queries over 1K keys 8.9 us (SDPA 26.2), over 4.6K keys 22.2 us
+# (SDPA 99.2); 129 queries 22.8 / 69.7 us (SDPA 30.0 / 111.4). One query does best at 64-key splits
+# (5.1 / 9.0 us; SDPA 6.9 / 12.1). At 257 queries SDPA wins (each row block rereads the keys), so the
+# kernel takes up to 516 rows: 129 queries of four query heads per KV head (Qwen3-8B), 86 of six.
+DECODE_PROGRAMS = 128
+DECODE_SPLITS = (128, 1024)  # the split's bounds, in keys
 DECODE_SPLIT_ONE_QUERY = 64
 DECODE_BLOCK_ROWS = 64
-DECODE_MAX_ROWS = 512
+DECODE_WARPS = 4
+DECODE_MAX_ROWS = 4 * 129
+
+
+def decode_split(length: int, queries: int, row_blocks: int, kv_heads: int) -> int:
+    """Keys per program: about DECODE_PROGRAMS programs in all, a power of two within DECODE_SPLITS."""
+    if queries == 1:
+        return DECODE_SPLIT_ONE_QUERY
+    lo, hi = DECODE_SPLITS
+    return min(hi, max(lo, triton.next_power_of_2(length * row_blocks * kv_heads // DECODE_PROGRAMS)))
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -230,7 +279,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     rows = g * t
     block_r = min(max(16, triton.next_power_of_2(rows)), DECODE_BLOCK_ROWS)
     rows_pad = -(-rows // block_r) * block_r
-    split = DECODE_SPLIT_ONE_QUERY if t == 1 else DECODE_SPLIT_LONG if length > DECODE_LONG else DECODE_SPLIT
+    split = decode_split(length, t, rows_pad // block_r, hkv)
     n_splits = -(-length // split)
     bias2 = bias.reshape(bias.shape[-2], length)  # [T or 1, L]
     part = torch.empty(hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
@@ -238,7 +287,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     _decode_attn_part_kernel[(hkv, n_splits, rows_pad // block_r)](
         q, k, v, bias2, part, ml, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         bias2.stride(0) if bias2.shape[0] > 1 else 0, t, length, rows_pad, d ** -0.5, SPLIT=split,
-        G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32, num_warps=4)
+        G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32, num_warps=DECODE_WARPS)
     out = torch.empty(1, hq, t, d, device=q.device, dtype=q.dtype)
     _decode_attn_reduce_kernel[(hkv, rows)](part, ml, out, out.stride(1), out.stride(2), t, rows_pad, n_splits,
                                             G=g, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import (decode_attention, decode_attention_fits, residual_linear, rms_norm, rms_norm_rope,
-                      rotate_half_rope, silu_mul)
+                      rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -117,27 +117,62 @@ class QKVProj(nn.Module):
         """x: [B, T, hidden] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
         if self._qkv is None:
             return (self.q(x, cos, sin), *self.kv(x, cos, sin))
-        b, t, _ = x.shape
-        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        y = F.linear(x, *self._qkv)
-        q = y[..., :nq].view(b, t, self.n_heads, self.head_dim)
-        k = y[..., nq:nq + nk].view(b, t, self.n_kv, self.head_dim)
-        v = y[..., nq + nk:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return (rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin),
-                rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin), v)
+        q, k, v = self._heads(F.linear(x, *self._qkv), self.n_heads)
+        return self._rope_q(q, cos, sin), self._rope_k(k, cos, sin), v.transpose(1, 2)
+
+    def qkv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
+                     slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree pass's projections: q [B, Hq, T, D], with k/v stored at cache slots `slots` of layer
+        `idx` and returned as views of its first kv_len entries (on CUDA the RoPE of k and both
+        stores are one kernel)."""
+        if self._qkv is None:
+            q, k, v = self.qkv(x, cos, sin)
+            return (q, *cache.write_at(idx, slots, k, v, kv_len))
+        q, k, v = self._heads(F.linear(x, *self._qkv), self.n_heads)
+        return (self._rope_q(q, cos, sin), *self._store(k, v, cos, sin, cache, idx, slots, kv_len))
+
+    def kv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
+                    slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As qkv_to_cache without q: the drafter's context rows (one GEMM for k and v)."""
+        if self._qkv is None:
+            return cache.write_at(idx, slots, *self.kv(x, cos, sin), kv_len)
+        w, b = self._qkv
+        nq = self.n_heads * self.head_dim
+        _, k, v = self._heads(F.linear(x, w[nq:], None if b is None else b[nq:]), 0)
+        return self._store(k, v, cos, sin, cache, idx, slots, kv_len)
+
+    def _heads(self, y: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fused projection's output [B, T, (n_q + 2 Hkv) D] -> q, k, v views [B, T, heads, D]."""
+        b, t, _ = y.shape
+        nq, nk = n_q * self.head_dim, self.n_kv * self.head_dim
+        return (y[..., :nq].view(b, t, n_q, self.head_dim), y[..., nq:nq + nk].view(b, t, self.n_kv, self.head_dim),
+                y[..., nq + nk:].view(b, t, self.n_kv, self.head_dim))
+
+    def _rope_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+
+    def _rope_k(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
+               slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE k [B, T, Hkv, D] and store it and v at `slots` of layer idx; views of the first kv_len."""
+        if not rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin, cache.k[idx],
+                                      cache.v[idx], slots):
+            cache.write_at(idx, slots, self._rope_k(k, cos, sin), v.transpose(1, 2), kv_len)
+        return cache.k[idx, :, :, :kv_len], cache.v[idx, :, :, :kv_len]
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, Hq, T, D]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        return rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        return self._rope_q(self.q_proj(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [B, T, hidden] -> k, v: [B, Hkv, T, D]
         b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin), v
+        return self._rope_k(k, cos, sin), v
 
     def add_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x + o_proj(o) for attention output o [B, Hq, T, D], the residual added by the output projection's GEMM (kernels.residual_linear)."""

@@ -8,15 +8,20 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
-from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cached
+from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cached, attend_decode
 
 
 class DecoderLayer(LayerWeights):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
                 cache, start: int, mask: torch.Tensor | None, static: TreeInputs | None = None) -> torch.Tensor:
         attn = self.self_attn
-        q, k, v = attn.qkv(self.input_layernorm(x), cos, sin)
-        x = attn.add_out(x, attend_cached(q, k, v, cache, idx, start, mask, static))
+        h = self.input_layernorm(x)
+        if static is not None:  # a tree pass: k/v stored at the nodes' slots, attention over the cache
+            q, k, v = attn.qkv_to_cache(h, cos, sin, cache, idx, static.slots, static.kv_len)
+            o = attend_decode(q, k, v, static.bias)
+        else:
+            o = attend_cached(*attn.qkv(h, cos, sin), cache, idx, start, mask, None)
+        x = attn.add_out(x, o)
         return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 

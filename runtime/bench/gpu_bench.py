@@ -17,9 +17,11 @@ boundary (engine.phase_hook) so host and device time land in the phase that caus
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -197,19 +199,18 @@ def agreement(engine: Engine, prompt: list[int], n: int = 48) -> dict:
 def hidden_syncs(engine: Engine, prompt: list[int]) -> dict:
     """Per mode, whether a round (after warm-up: graphs captured) makes a synchronizing CUDA call beyond
     its one event wait: torch's sync debug mode turns such a call (an .item(), a 0-dim tensor used as
-    an index, a blocking copy) into an error, which is reported."""
+    an index, a blocking copy) into an error, reported with the runtime's line that made it."""
     out = {}
     for mode, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
+        name = f"{mode}@{budget}" if budget else mode
         gen = engine.generate(prompt, SamplingParams(max_new_tokens=256, mode=mode, tree_budget=budget))
-        for _ in range(3):
-            next(gen)
+        list(itertools.islice(gen, 3))
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _ in range(3):
-                next(gen)
-            out[f"{mode}@{budget}" if budget else mode] = "none"
+            out[name] = f"none in {sum(1 for _ in itertools.islice(gen, 3))} rounds"
         except RuntimeError as e:
-            out[f"{mode}@{budget}" if budget else mode] = str(e)[:300]
+            ours = [f for f in traceback.extract_tb(e.__traceback__) if "ddtree_runtime" in f.filename]
+            out[name] = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else str(e)
         finally:
             torch.cuda.set_sync_debug_mode(0)
             gen.close()

@@ -54,7 +54,8 @@ def main() -> None:
         eng = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device="cuda", dtype=dtype))
         generate_all(eng, ref["prompts"][:2], "ddtree", 16, 8)  # warm-up
         # with trained models rounds accept deep paths: the KV compaction must not sync either
-        syncs = hidden_syncs(eng, ref["prompts"][0])
+        longest = max(range(len(ref["ar"])), key=lambda i: len(ref["ar"][i]))
+        syncs = hidden_syncs(eng, ref["prompts"][longest])
         print(dtype, syncs, flush=True)
         report.setdefault("hidden_syncs", {})[dtype] = syncs["hidden_syncs_per_round"]
         ar_here = None  # this engine's own AR output: speculation must reproduce it in any dtype

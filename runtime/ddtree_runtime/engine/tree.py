@@ -186,7 +186,7 @@ def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask
     A node is on the accepted path iff it and all its ancestors match their parents' target tokens;
     siblings carry distinct tokens, so the deepest such node is the path's end."""
     matches = tokens == target[parents]
-    matches[0] = True                                            # the root is committed
+    matches[:1].fill_(True)  # the root is committed (a fill: `t[0] = True` copies a host scalar and waits)
     on_path = (mask.float() @ (~matches).float()) == 0           # no mismatch among its ancestors
     # the leaf stays a [1] tensor: indexing with a 0-dim tensor would read it on the host (a sync)
     leaf = torch.argmax(on_path * (depths + 1)).view(1)

@@ -50,14 +50,16 @@ def main() -> None:
             ok = torch.rand(t, length, device=dev) < 0.9
             ok[:, 0] = True
             bias = torch.zeros(t, length, device=dev, dtype=dt).masked_fill(~ok, float("-inf"))[None, None]
-            row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)),
+            row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                                        enable_gqa=True)),
                    "gemm": timed(lambda: attend_grouped(q, k, v, bias))}
             for split in (128, 256, 512, 1024):
                 for block_rows in (64, 128):
                     for warps in (4, 8):
                         kernels.decode_split = lambda *_: split
                         kernels.DECODE_BLOCK_ROWS, kernels.DECODE_WARPS = block_rows, warps
-                        row[f"s{split}r{block_rows}w{warps}"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
+                        name = f"s{split}r{block_rows}w{warps}"
+                        row[name] = timed(lambda: kernels.decode_attention(q, k, v, bias))
             kernels.decode_split, kernels.DECODE_BLOCK_ROWS, kernels.DECODE_WARPS = rule, 64, 4
             row["rule"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
             print(f"L {length:5} T {t:3}: " + "  ".join(f"{name} {us:5.1f}us" for name, us in row.items()), flush=True)

@@ -12,7 +12,8 @@ also rewrites) over that bandwidth, and the verify's FLOPs over that rate.
 Two timings per case: `round_ms` runs rounds back to back with no sync beyond the engine's own (what
 the server sees), and `host_wait_ms` is how long of it the host sat blocked on the round's one read (near
 the round time: the device is the bound; near zero: the host is); `phases_ms` synchronizes at each phase
-boundary (engine.phase_hook) so host and device time land in the phase that caused them. `--shape small` runs on the CPU in seconds (a smoke test)."""
+boundary (engine.phase_hook) so host and device time land in the phase that caused them. `--shape small`
+runs on the CPU in seconds (a smoke test)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def main() -> None:
     draft_logits = torch.randn(15, vocab, device=device)
     tree = build_tree(draft_logits, args.nodes - 1)
     feats = torch.zeros(1, 1, drafter.fc.in_features, device=device, dtype=torch.bfloat16)
-    one, path_rows = torch.ones(1, dtype=torch.long, device=device), torch.zeros(16, dtype=torch.long, device=device)
+    one = torch.ones(1, dtype=torch.long, device=device)
+    path_rows = torch.zeros(16, dtype=torch.long, device=device)
     passes = {
         "ar_step": lambda: engine.runner.run(1, n_ctx),
         f"verify_{tree.size}_nodes": lambda: engine.runner.run(1, n_ctx, tree),

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from ddtree_runtime.engine.tree import Walk, ancestor_mask, build_chain, build_tree, top_tokens, tree_size, walk
+from ddtree_runtime.engine.tree import (Walk, ancestor_mask, build_chain, build_tree, top_tokens, tree_size,
+                                        walk)
 
 
 def _logits(depth: int, vocab: int, seed: int) -> torch.Tensor:

@@ -73,7 +73,8 @@ def test_rope_and_the_kv_write_match_torch():
                                       cos.double(), sin.double())
         assert (K.rms_norm_rope(q, w, eps, cos, sin).double() - ref_rope(q)).abs().max() < 3e-3
         slots = torch.tensor([7, 3, 9, 0, 12])
-        cache_k, cache_v = torch.randn(1, hkv, 16, d, dtype=torch.float16), torch.randn(1, hkv, 16, d, dtype=torch.float16)
+        cache_k = torch.randn(1, hkv, 16, d, dtype=torch.float16)
+        cache_v = torch.randn(1, hkv, 16, d, dtype=torch.float16)
         want_k, want_v = cache_k.double(), cache_v.clone()
         want_k[0][:, slots] = ref_rope(k)[0]
         want_v[0][:, slots] = v.transpose(1, 2)[0]
@@ -144,7 +145,8 @@ def test_fused_gated_deltanet_tree_pass_matches_torch():
             g = torch.Generator().manual_seed(5)
             cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
             cache.state.copy_(torch.randn(cache.state.shape, generator=g))
-            inputs = model.prepare(TreeInputs(torch.arange(12) + 10, None, 64, ancestor_mask(torch.tensor(parents), 6)),
+            mask = ancestor_mask(torch.tensor(parents), 6)
+            inputs = model.prepare(TreeInputs(torch.arange(12) + 10, None, 64, mask),
                                    torch.tensor([depths]) + 10)
             with torch.no_grad():
                 return layer(x, cache, 10, inputs), cache

@@ -102,6 +102,9 @@ class Engine:
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
                                             self.mask_token_id, self.device)
         self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
+        self.trees = TreeBuilder(self.device)
+        self.readback = HostRead(Walk.size(self.block_size - 1), self.device)  # the round's one read
+        self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
         """Size the target cache for the context and a tree of tree_slots nodes; ValueError (before any
@@ -113,9 +116,6 @@ class Engine:
         self._refuse_unless_fits(tree_slots)
         self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
         self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
-        self.trees = TreeBuilder(self.device)
-        self.readback = HostRead(Walk.size(self.block_size - 1), self.device)
-        self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
 
     def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
         cfg = self.target.config
@@ -218,8 +218,10 @@ class Engine:
         """One token; the next step is queued (from the device's token) before this one's token is
         read, so the device never waits for the host between steps."""
         self._phase("step")
-        token = req.ahead if req.ahead is not None else self._choose(req, self.runner.run(req.bonus, req.n_ctx).logits)
-        self.target_cache.compact(req.n_ctx, [0], self.root_node)  # a no-op for KV; advances a recurrent state
+        token = req.ahead
+        if token is None:  # the first step after the prefill
+            token = self._choose(req, self.runner.run(req.bonus, req.n_ctx).logits)
+        self.target_cache.compact(req.n_ctx, [0], self.root_node)  # no-op for KV; advances a recurrent state
         req.n_ctx += 1
         self.readback.start(token)
         req.ahead = self._choose(req, self.runner.run(token, req.n_ctx).logits)

@@ -167,8 +167,8 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
     index copies. False (nothing written) where the kernel does not apply."""
     b, t, h, d = k.shape
     if not (_rope_fits(k, weight, cos) and b == 1 and v.shape == k.shape and _rows(k) and _rows(v)
-            and k.stride(1) == v.stride(1) and cache_k.dtype == k.dtype and cache_k.stride() == cache_v.stride()
-            and cache_k.stride(3) == 1 and cache_k.stride(2) == d):
+            and k.stride(1) == v.stride(1) and cache_k.dtype == k.dtype
+            and cache_k.stride() == cache_v.stride() and cache_k.stride(3) == 1 and cache_k.stride(2) == d):
         return False
     c = cos.reshape(t, d).contiguous()
     s = sin.reshape(t, d).contiguous()
@@ -264,7 +264,8 @@ def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     d = q.shape[-1]
     rows = q.shape[2] * q.shape[1] // k.shape[1]
     return (_use_triton(q) and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
-            and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS and k.stride(-1) == 1 and q.stride(-1) == 1)
+            and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS
+            and k.stride(-1) == 1 and q.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -145,8 +145,8 @@ class QKVProj(nn.Module):
         """A fused projection's output [B, T, (n_q + 2 Hkv) D] -> q, k, v views [B, T, heads, D]."""
         b, t, _ = y.shape
         nq, nk = n_q * self.head_dim, self.n_kv * self.head_dim
-        return (y[..., :nq].view(b, t, n_q, self.head_dim), y[..., nq:nq + nk].view(b, t, self.n_kv, self.head_dim),
-                y[..., nq + nk:].view(b, t, self.n_kv, self.head_dim))
+        kv = (b, t, self.n_kv, self.head_dim)
+        return y[..., :nq].view(b, t, n_q, self.head_dim), y[..., nq:nq + nk].view(kv), y[..., nq + nk:].view(kv)
 
     def _rope_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
@@ -175,7 +175,8 @@ class QKVProj(nn.Module):
         return self._rope_k(k, cos, sin), v
 
     def add_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x + o_proj(o) for attention output o [B, Hq, T, D], the residual added by the output projection's GEMM (kernels.residual_linear)."""
+        """x + o_proj(o) for attention output o [B, Hq, T, D], the residual added by the output
+        projection's GEMM (kernels.residual_linear)."""
         b, _, t, _ = o.shape
         return residual_linear(x, o.transpose(1, 2).reshape(b, t, -1), self.o_proj)
 

@@ -38,11 +38,12 @@ def _children(tree) -> dict[tuple[int, int], int]:
     return {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("vocab,budget", [(300, 16), (1187 * 4, 64), (97, 8), (5, 16)])
-def test_top_tokens_are_the_log_softmax_top_k(vocab, budget):
-    # chunked per row (300 -> 100 chunks of 3, fewer than the budget; 97 is prime: one chunk)
+def test_top_tokens_are_the_log_softmax_top_k(vocab, budget, chunked):
+    # chunked (as on CUDA) per row: 300 -> 100 chunks of 3, fewer than the budget; 97 is prime: one chunk
     logits = _logits(15, vocab, vocab)
-    lp, ids, n = top_tokens(logits, budget)
+    lp, ids, n = top_tokens(logits, budget, chunked)
     depth = min(15, budget)                           # a tree of `budget` nodes reaches no deeper
     exact = torch.log_softmax(logits[:depth], dim=-1)
     assert torch.allclose(lp, exact.topk(min(budget, vocab), dim=-1).values, atol=1e-5)

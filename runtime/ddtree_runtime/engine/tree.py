@@ -71,22 +71,28 @@ def _vocab_chunks(vocab: int) -> int:
     return max(c for c in range(1, 129) if vocab % c == 0)
 
 
-def top_tokens(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def top_tokens(draft_logits: torch.Tensor, budget: int,
+               chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """[D, V] draft logits -> the per-depth top-K log-probs (float32, descending) and tokens, [D', K]
     for the depths a tree of `budget` nodes can reach, and the number of draft nodes it will have.
 
-    Each row is cut into chunks first (top-K and log-sum-exp per chunk, then over the chunks): a row
-    per thread block is 15 blocks for an H200's 132 processors, and a top-K over a whole 152K row is a
-    multi-pass radix select; 128 chunks a row fill the device."""
+    On CUDA each row is cut into chunks first (top-K and log-sum-exp per chunk, then over the chunks): a
+    row per thread block is 15 blocks for an H200's 132 processors, and a top-K over a whole 152K row is
+    a multi-pass radix select; 128 chunks a row fill the device. A CPU takes a row at a time well
+    (`chunked` overrides the choice, for tests)."""
     depth, vocab = min(draft_logits.shape[0], budget), draft_logits.shape[1]
     k, chunks = min(budget, vocab), _vocab_chunks(vocab)
+    n = tree_size(budget, depth, vocab) - 1
+    if not (draft_logits.is_cuda if chunked is None else chunked):
+        lp, ids = torch.log_softmax(draft_logits[:depth].float(), dim=-1).topk(k, dim=-1)
+        return lp, ids, n
     width = vocab // chunks
     x = draft_logits[:depth].float().view(depth, chunks, width)
     lse = torch.logsumexp(torch.logsumexp(x, dim=-1), dim=-1, keepdim=True)              # [D, 1]
     part, part_ids = x.topk(min(k, width), dim=-1)                                        # [D, C, k']
     top, pick = part.flatten(1).topk(k, dim=-1)                                           # [D, K]
     ids = (part_ids + torch.arange(0, vocab, width, device=x.device)[:, None]).flatten(1).gather(1, pick)
-    return top - lse, ids, tree_size(budget, depth, vocab) - 1
+    return top - lse, ids, n
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -106,11 +112,11 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     pick = torch.zeros((depth, budget), dtype=torch.long, device=dev)  # parent slot * K + token rank
     scores[0, :k] = lp[0]
     pick[0, :k] = torch.arange(k, device=dev)  # level 1: slot s is rank s below the root
+    below = torch.tensor(float("-inf"), device=dev)
     for d in range(1, depth):
-        parent = scores[d - 1, :, None].expand(budget, k)
-        child = parent + lp[d, None, :]
-        child = torch.where((child >= parent) & (parent > float("-inf")),
-                            torch.nextafter(parent, torch.tensor(float("-inf"), device=dev)), child)
+        # child = parent + log-prob, but at most the float just below the parent's score
+        ceiling = torch.nextafter(scores[d - 1], below)[:, None]
+        child = torch.minimum(scores[d - 1, :, None] + lp[d, None, :], ceiling)
         torch.topk(child.flatten(), budget, out=(scores[d], pick[d]))
     chosen = scores.flatten().topk(n).indices  # best first
     level, slot = chosen // budget, chosen % budget

@@ -55,8 +55,10 @@ class Init:
                 time.sleep(0.05)
 
 
-def find_init(nspawn: Proc, timeout: float = 3.0) -> Init | None:
-    """The child of nspawn that is PID 1 of its own pid namespace."""
+def find_init(nspawn: Proc, timeout: float = 30.0) -> Init | None:
+    """The child of nspawn that is PID 1 of its own pid namespace. It appears within milliseconds on an
+    idle machine, but hosts boot one after another, and on two busy cores (a CI run) it once took over 3 s;
+    the fault tests need it (they freeze a host by its namespace)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and nspawn.alive():
         try:

@@ -1,9 +1,12 @@
-"""Fused RMSNorm and RMSNorm + RoPE for CUDA (Triton), with the plain torch path everywhere else.
+"""Fused kernels for CUDA (Triton), with the plain torch path everywhere else: RMSNorm, RMSNorm + RoPE
+(for k also writing k and v into the KV cache), SiLU·up, the residual add inside the GEMM, and split-KV
+decode attention over a tree.
 
 Why: a decode forward of an 8B model is ~50 small kernels per layer; in a CUDA graph each still costs a
 few microseconds, and RMSNorm in float32 (7 kernels) plus RoPE (5 kernels) are most of them. One kernel
 each instead. Numerics: float32 inside, one rounding at the end (the torch path rounds between steps, so
-bf16 results can differ in the last bit; the CPU tests run the torch path)."""
+bf16 results can differ in the last bit; the CPU tests run the torch path, and the kernels run through
+Triton's interpreter in tests/runtime/test_triton_kernels.py)."""
 
 from __future__ import annotations
 
@@ -65,8 +68,6 @@ if triton is not None:
             tl.store(vout_ptr + dst + lo, tl.load(v_ptr + src + lo))
             tl.store(vout_ptr + dst + hi, tl.load(v_ptr + src + hi))
 
-
-if triton is not None:
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
         # x is [rows, 2n] = gate | up; out [rows, n] = silu(gate) * up, one rounding

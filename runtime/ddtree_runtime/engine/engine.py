@@ -250,7 +250,7 @@ class Engine:
         result = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
         self.readback.start(result)
         self._phase("draft")
-        length, bonus, rows = result[:1], result[1:2], result[2:2 + self.block_size]
+        length, bonus, rows = Walk.on_device(result, self.block_size - 1)
         req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)[:depth]
         self._phase("commit")
         accepted = Walk.read(self.readback.wait(), self.block_size - 1)

@@ -50,10 +50,14 @@ class KVCache:
         n = len(path)
         if path == list(range(n)):
             return
-        src = (torch.tensor(path, device=self.k.device) if nodes is None else nodes) + start
+        src = self._path_index(path, nodes) + start
         # advanced indexing copies first, so overlapping source/destination ranges are safe
         self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
         self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
+
+    def _path_index(self, path: list[int], nodes: torch.Tensor | None) -> torch.Tensor:
+        """The path's node indices on the device: `nodes` when given (see compact)."""
+        return torch.tensor(path, device=self.k.device) if nodes is None else nodes
 
 
 class HybridCache(KVCache):
@@ -99,7 +103,7 @@ class HybridCache(KVCache):
         """Also advance every linear layer's state to the end of the accepted path; what rejected
         branches wrote to the scratch is never read."""
         super().compact(start, path, nodes)
-        idx = torch.tensor(path, device=self.state.device) if nodes is None else nodes
+        idx = self._path_index(path, nodes)
         self.state.copy_(state_at(self.step, self.state, idx))
         tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
         self.conv.copy_(tail[:, :, -self.conv.shape[2]:])

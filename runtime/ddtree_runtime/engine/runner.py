@@ -159,7 +159,7 @@ class DraftRunner:
     round). The block's own k/v are written right after the context (over that padding), so attention
     reads the first kv_len drafter-cache entries with a device-built bias and nothing is concatenated.
     Graphed on CUDA per kv_len bucket. The first round after a prefill, whose new context is the whole
-    prompt, runs eagerly (engine._draft)."""
+    prompt, runs eagerly (engine._draft_prompt)."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
                  device: torch.device) -> None:

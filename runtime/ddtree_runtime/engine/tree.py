@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from .graphs import capture
 from . import tree_kernel
+from .graphs import capture
+
 
 class Tree(NamedTuple):
     """The draft nodes 1..N-1 of a tree, on the device (node 0, the root, is implicit), as one [3, N-1]
@@ -180,6 +181,12 @@ class Walk(NamedTuple):
     def read(cls, result: list[int], max_depth: int) -> Walk:
         length, end = result[0], 3 + max_depth
         return cls(result[2:2 + length], result[end:end + length], result[1])
+
+    @staticmethod
+    def on_device(result: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same fields as device views, for work queued before the read: path length [1], next
+        token [1], the path's nodes by depth [max_depth + 1] (zeros after the end)."""
+        return result[:1], result[1:2], result[2:3 + max_depth]
 
 
 def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,

@@ -19,9 +19,8 @@ from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
 from .graphs import HostRead
 from .tree import TreeBuilder, Walk, build_chain, walk
-from .types import DTYPE_NAMES, MODES, EngineConfig, RequestState, RoundOutput, SamplingParams
-
-MAX_TREE_BUDGET = 1024
+from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES
+from .types import EngineConfig, RequestState, RoundOutput, SamplingParams
 
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
@@ -56,8 +55,8 @@ class Engine:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {config.dtype!r}")
         if config.draft_dir is None and drafter is None and config.mode != "ar":
             raise ValueError(f"mode {config.mode!r} needs a draft_dir")
-        if not 1 <= config.tree_budget <= MAX_TREE_BUDGET:
-            raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}]")
+        if not MIN_TREE_BUDGET <= config.tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}]")
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
@@ -89,8 +88,8 @@ class Engine:
             if dcfg.hidden_size != tcfg.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
             self.block_size = config.block_size or dcfg.block_size
-            if self.block_size < 2:
-                raise ValueError("block_size must be >= 2 (the root plus at least one draft position)")
+            if self.block_size < MIN_BLOCK_SIZE:
+                raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
             draft_capacity = DraftRunner.capacity_for(self.max_context, self.block_size)
@@ -145,8 +144,8 @@ class Engine:
         if mode != "ar" and self.drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter; this engine has none")
         budget = self.config.tree_budget if p.tree_budget is None else p.tree_budget
-        if not 1 <= budget <= MAX_TREE_BUDGET:
-            raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
+        if not MIN_TREE_BUDGET <= budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}], got {budget}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if p.max_new_tokens < 1:

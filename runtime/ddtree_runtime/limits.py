@@ -1,0 +1,13 @@
+"""The serve limits the runtime enforces, kept in one place: the engine checks its config against
+these, and ddops checks deploy profiles against the same values when it loads them, so a profile the
+runtime would refuse is refused before anything is deployed.
+
+Standard library only, with no imports at all: ddops loads this on the control machine, where torch
+need not be installed (the package's `__init__` imports nothing either).
+"""
+
+MODES = ("ddtree", "dflash", "ar")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MIN_BLOCK_SIZE = 2        # the root plus at least one draft position
+MIN_TREE_BUDGET = 1
+MAX_TREE_BUDGET = 1024    # the largest tree the engine sizes its caches and graph buckets for

@@ -8,6 +8,7 @@ engine errors. See ddtree_runtime.server.worker.Faults.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -306,3 +307,113 @@ def test_metrics_text_parses_and_counts(client, http):
     assert buckets == sorted(buckets) and buckets[-1] == m["ddtree_acceptance_length_count"]
     assert m["ddtree_round_duration_seconds_count"] > 0
     assert m['ddtree_request_duration_seconds_count{endpoint="/v1/chat/completions"}'] >= 1
+
+
+def test_client_that_gives_up_while_queued_leaves_the_queue(server, client, http):
+    http.post("/_test/fault", json={"paused": True})
+    held = threading.Thread(target=lambda: _chat(client, max_tokens=2))
+    held.start()
+    assert _wait_metric(http, "ddtree_engine_busy", lambda v: v == 1) == 1
+    # Two clients queue up behind the held job (--max-queue 2), then give up.
+    quitters = [threading.Thread(target=_give_up_after_1s, args=(server.url,)) for _ in range(2)]
+    for t in quitters:
+        t.start()
+    for t in quitters:
+        t.join(30)
+    # Their places are free at once, while the worker still holds the first job.
+    assert _wait_metric(http, "ddtree_queue_depth", lambda v: v == 0) == 0
+    assert _metrics(http)["ddtree_engine_busy"] == 1
+    waiting = threading.Thread(target=lambda: _chat(client, max_tokens=2))
+    waiting.start()
+    assert _wait_metric(http, "ddtree_queue_depth", lambda v: v == 1) == 1  # admitted, not a 429
+    http.post("/_test/fault", json={"paused": False})
+    held.join(60)
+    waiting.join(60)
+    assert _metrics(http)["ddtree_queue_depth"] == 0
+
+
+def _give_up_after_1s(url: str) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2},
+                   timeout=httpx.Timeout(60, read=1.0))
+
+
+# --- hostile bodies (issue 12): refused early, parsed off the event loop, 400s naming the field ----------
+
+
+def test_oversized_body_is_413_whether_declared_or_streamed(http):
+    limit = 4 * 2**20  # the default --max-body
+    body = b'{"prompt": "' + b"x" * limit + b'"}'
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(9):
+            yield b"x" * 2**19
+        yield b'"}'
+    r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert http.get("/health").status_code == 200
+
+
+def test_health_and_metrics_answer_while_a_large_body_is_prepared(server, http):
+    """A body just under the limit takes the server seconds to parse, render and tokenize (then it is
+    a 400: too long for the context). /health and /metrics must keep answering meanwhile: several
+    answers arrive while that request is still being prepared (none could while it held the loop)."""
+    messages = [{"role": "user", "content": "count to ten " * 40}] * 6000  # ~3.4 MB
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4}).encode()
+    assert len(body) < 4 * 2**20
+    sent = threading.Event()
+    answer: list[httpx.Response] = []
+
+    def upload():
+        yield body
+        sent.set()
+
+    def post():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            answer.append(c.post("/v1/chat/completions", content=upload(),
+                                 headers={"content-type": "application/json"}))
+    poster = threading.Thread(target=post)
+    poster.start()
+    assert sent.wait(60)
+    answered_meanwhile = 0
+    while poster.is_alive():
+        ok = http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        answered_meanwhile += ok and poster.is_alive()
+    poster.join()
+    assert answer[0].status_code == 400 and answer[0].json()["error"]["code"] == "context_length_exceeded"
+    assert answered_meanwhile >= 3, answered_meanwhile
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * DEEP + b"]" * DEEP + b"}", "messages"),
+    ("/v1/completions", b'{"prompt": "1", "stop": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"}", "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", b'{"prompt": "\\ud800 1 2"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "1", "model": "tiny\\ud800"}', "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}', "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": true}', "temperature"),
+    ("/v1/completions", b'{"prompt": [true, false]}', "prompt[0]"),
+    ("/v1/completions", b'{"prompt": "1", "speculative": {"tree_budget": true}}', "speculative.tree_budget"),
+    ("/v1/completions", b'{"prompt": "1", "seed": 1.5}', "seed"),
+], ids=["deep-list", "deep-object", "surrogate-content", "surrogate-part", "surrogate-prompt", "surrogate-model",
+        "max-tokens-true", "temperature-true", "prompt-bools", "tree-budget-true", "seed-float"])
+def test_hostile_json_is_400_naming_the_field(server, http, path, body, param):
+    tracebacks = _tracebacks(server)
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert server.health()[0] == 200
+    assert _tracebacks(server) == tracebacks
+
+
+def _tracebacks(server) -> int:
+    return server.log_tail(chars=10**9).count("Traceback")

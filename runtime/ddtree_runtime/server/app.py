@@ -42,6 +42,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
     async def lifespan(app: FastAPI):
         worker.start()
         yield
+        ctx.prep_pool.shutdown(wait=False, cancel_futures=True)
         worker.stop(timeout=5.0)
 
     app = FastAPI(title="ddtree-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

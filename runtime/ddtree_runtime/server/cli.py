@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from ddtree_runtime.server.config import MODES, ServerConfig
+from ddtree_runtime.server.config import DEFAULT_MAX_BODY, MODES, ServerConfig
 
 log = logging.getLogger("ddtree_runtime.server")
 
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (default: float32)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests waiting before 429 (default: 16)")
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
+                   help=f"largest request body; larger is a 413 (default: {DEFAULT_MAX_BODY})")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the target's name)")
     p.add_argument("--max-context", type=int, metavar="N", help="limit on prompt + completion tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -65,6 +67,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     _positive(args.block_size, "--block-size")
     _positive(args.tree_budget, "--tree-budget")
     _positive(args.max_queue, "--max-queue")
+    _positive(args.max_body, "--max-body")
     _positive(args.max_context, "--max-context")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be between 0 and 65535")
@@ -94,6 +97,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         port=args.port,
         api_key=api_key or None,
         max_queue=args.max_queue,
+        max_body=args.max_body,
         served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout,
         test_faults=faults,

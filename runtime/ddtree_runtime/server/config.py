@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("ddtree", "dflash", "ar")
+# A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
+# several times over (about 4 bytes of JSON a token), and bounds what parsing one request may cost.
+DEFAULT_MAX_BODY = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_queue: int = 16
+    max_body: int = DEFAULT_MAX_BODY
     served_model_name: str | None = None
     drain_timeout: float = 30.0
     # DDTREE_TEST_FAULTS=1: adds POST /_test/fault (see worker.Faults). Never set in production.

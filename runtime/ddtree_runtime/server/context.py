@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -13,9 +16,11 @@ from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import Generation, SpeculativeStats
 from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body, validate
 from ddtree_runtime.server.worker import READY, EngineWorker, engine_block_size
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy decoding
+T = TypeVar("T")
 
 
 class ServerContext:
@@ -27,6 +32,10 @@ class ServerContext:
         self.created = int(time.time())
         self.draining = False
         self.in_flight = 0  # API requests between arrival and last byte (kept by the app's middleware)
+        # Parsing, validation, chat templates and tokenization run here, never on the event loop, so
+        # /health and /metrics answer at once whatever a client sends. One thread: the engine serves
+        # one request at a time anyway, and a tokenizer is not safe to use from several at once.
+        self.prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-prep")
 
     # -- identity --
 
@@ -81,7 +90,20 @@ class ServerContext:
                 code="model_not_found",
             )
 
-    # -- prompts --
+    # -- prompts (on the prep thread) --
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, work, *args)
+
+    def prepare_chat(self, engine: Any, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        req = validate(ChatCompletionRequest, parse_body(raw))
+        self.check_model(req.model)
+        return req, self.chat_prompt_ids(engine, req)
+
+    def prepare_completion(self, engine: Any, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        req = validate(CompletionRequest, parse_body(raw))
+        self.check_model(req.model)
+        return req, self.completion_prompt_ids(engine, req)
 
     def chat_prompt_ids(self, engine: Any, req: Any) -> list[int]:
         kwargs = {"enable_thinking": False, **(req.chat_template_kwargs or {})}

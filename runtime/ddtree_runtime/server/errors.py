@@ -45,9 +45,15 @@ class APIError(Exception):
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
     return {
         "error": {
-            "message": message,
+            "message": encodable(message),
             "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "param": param,
+            "param": None if param is None else encodable(param),
             "code": code,
         }
     }
+
+
+def encodable(text: str) -> str:
+    """`text` with any lone surrogate escaped: an error may quote client input, and a lone surrogate
+    cannot be encoded as UTF-8 (the response itself would fail)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

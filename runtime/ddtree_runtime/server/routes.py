@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import ClientGone, Generation
-from ddtree_runtime.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body, validate
+from ddtree_runtime.server.schemas import parse_body
 from ddtree_runtime.server.worker import READY
 
 router = APIRouter()
@@ -59,9 +59,8 @@ async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
-    req = validate(ChatCompletionRequest, parse_body(await request.body()))
-    ctx.check_model(req.model)
-    prompt_ids = ctx.chat_prompt_ids(engine, req)
+    raw = await _read_body(request, ctx.config.max_body)
+    req, prompt_ids = await ctx.off_loop(ctx.prepare_chat, engine, raw)
     gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
     return await _respond(ctx, request, gen, req, chat=True)
 
@@ -71,11 +70,27 @@ async def completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
-    req = validate(CompletionRequest, parse_body(await request.body()))
-    ctx.check_model(req.model)
-    prompt_ids = ctx.completion_prompt_ids(engine, req)
+    raw = await _read_body(request, ctx.config.max_body)
+    req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
     gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
     return await _respond(ctx, request, gen, req, chat=False)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `limit` bytes: from Content-Length before
+    reading anything, else while the chunks arrive (nothing past the limit is kept)."""
+    too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _respond(ctx: ServerContext, request: Request, gen: Generation, req: Any, chat: bool) -> Response:
@@ -176,7 +191,7 @@ async def test_fault(request: Request) -> JSONResponse:
     if not ctx.config.test_faults:
         raise APIError(404, "Not Found")
     faults = ctx.worker.faults
-    body = parse_body(await request.body())
+    body = parse_body(await _read_body(request, ctx.config.max_body))
     for key, value in body.items():
         if not hasattr(faults, key):
             raise APIError(400, f"unknown fault {key!r}", param=key)

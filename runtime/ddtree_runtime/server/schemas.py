@@ -1,7 +1,8 @@
 """Request bodies for the OpenAI endpoints, validated into 400s with OpenAI-style error objects.
 
 Unknown fields are ignored (clients send many optional ones); fields we cannot honour with a non-default
-value are rejected rather than silently ignored.
+value are rejected rather than silently ignored. Types are strict: ``max_tokens: true`` or
+``temperature: "1"`` is a 400, never coerced.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
+    StrictInt,
     StrictStr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from ddtree_runtime.server.errors import APIError
+from ddtree_runtime.server.errors import APIError, encodable
 
 MAX_STOP_STRINGS = 16
 # apply_chat_template's own arguments: chat_template_kwargs may only set template variables.
@@ -36,7 +39,7 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["ddtree", "dflash", "ar"] | None = None
-    tree_budget: int | None = Field(default=None, ge=1)
+    tree_budget: StrictInt | None = Field(default=None, ge=1)
 
 
 class StreamOptions(BaseModel):
@@ -48,17 +51,17 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch's generators accept
-    n: int | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch's generators accept
+    n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     logprobs: Any = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     @field_validator("n")
     @classmethod
@@ -126,7 +129,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
 
@@ -163,7 +166,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     # A string, a list of token ids, or a one-element list of either (batched prompts are not supported).
-    prompt: StrictStr | list[int] | list[StrictStr] | list[list[int]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
@@ -194,13 +197,81 @@ class CompletionRequest(_Sampling):
 
 
 def parse_body(raw: bytes) -> dict:
+    """The request's JSON object; a 400 naming the field for what json.loads accepts but no client
+    means: nesting deeper than the parser's recursion limit, and lone surrogates (``"\\ud800"``),
+    which no tokenizer can encode and no response can echo."""
     try:
-        body = json.loads(raw)
+        text = raw.decode(json.detect_encoding(raw))
+        body = json.loads(text)
+    except RecursionError:
+        field = _too_deep_field(text)
+        raise APIError(400, f"{field or 'request body'}: JSON nested too deeply", param=field) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    where = _lone_surrogate_at(body)
+    if where is not None:
+        raise APIError(400, f"{where or 'request body'}: text holds a lone UTF-16 surrogate (not a character)",
+                       param=where or None)
     return body
+
+
+def _too_deep_field(text: str) -> str | None:
+    """The top-level field whose value nests too deeply (each value re-parsed on its own), or None."""
+    decoder, skip = json.JSONDecoder(), json.decoder.WHITESPACE.match
+    at = skip(text, 0).end()
+    if not text.startswith("{", at):
+        return None
+    at += 1
+    while True:
+        at = skip(text, at).end()
+        if not text.startswith('"', at):
+            return None
+        key, at = json.decoder.scanstring(text, at + 1)
+        at = skip(text, at).end()
+        if not text.startswith(":", at):
+            return None
+        try:
+            _, at = decoder.raw_decode(text, skip(text, at + 1).end())
+        except RecursionError:
+            return key
+        except ValueError:
+            return None
+        at = skip(text, at).end()
+        if not text.startswith(",", at):
+            return None
+        at += 1
+
+
+def _lone_surrogate_at(body: Any) -> str | None:
+    """Where the first string (key or value) holding a lone surrogate is, as a param path
+    ('messages[0].content'; '' for the body itself), or None. Iterative: the body may nest deeply."""
+    pending: list[tuple[str, Any]] = [("", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _has_lone_surrogate(key):
+                    key = encodable(key)  # the path is quoted in the error
+                    return f"{path}.{key}" if path else key
+                child = f"{path}.{key}" if path else key
+                pending.append((child, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    # json.loads pairs valid surrogate escapes into one code point: any surrogate left is alone
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def validate(model: type[BaseModel], body: dict) -> Any:
@@ -208,8 +279,10 @@ def validate(model: type[BaseModel], body: dict) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         errors = exc.errors()
-        # Our own checks say the most (a union's failing branches otherwise lead with "not a string").
-        first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+        # Our own checks say the most; else the deepest error ([true] as a token list: "prompt[0]: a
+        # valid integer", not the string branch's "prompt: a valid string").
+        first = next((e for e in errors if e.get("type") == "value_error"), None) or max(
+            errors, key=lambda e: len(_param_name(e.get("loc", ()))))
         param = _param_name(first.get("loc", ()))
         message = first.get("msg", "invalid value")
         message = message.removeprefix("Value error, ")

@@ -16,9 +16,6 @@ from ddtree_runtime.server.detok import IncrementalDecoder, StopMatcher
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.worker import DoneEvent, EngineWorker, ErrorEvent, Job, NotReady, QueueFull
 
-RETRY_AFTER_S = 1
-
-
 class ClientGone(Exception):
     """The client disconnected; nobody reads the answer."""
 
@@ -76,7 +73,7 @@ class Generation:
                 429,
                 "the server is busy: the request queue is full, retry later",
                 code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                headers={"Retry-After": str(self._worker.retry_after_s())},
             ) from None
         except NotReady as exc:
             raise APIError(503, f"the engine is not ready ({exc.state}): {exc.detail}", code="engine_unavailable") from None
@@ -89,11 +86,13 @@ class Generation:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 break
-        self._job.cancel("client disconnected")
+        self.cancel("client disconnected")
         self._job.events.put_nowait(_Disconnected())
 
     def cancel(self, reason: str) -> None:
+        """Stop the job: between rounds if it runs, at once (off the queue) if it still waits."""
         self._job.cancel(reason)
+        self._worker.withdraw(self._job)
 
     def usage(self) -> dict:
         return {
@@ -135,7 +134,7 @@ class Generation:
                     return
                 yield text
         finally:
-            self._job.cancel("request finished")
+            self.cancel("request finished")
             if self._watcher is not None:
                 self._watcher.cancel()
 

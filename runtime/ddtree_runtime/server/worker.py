@@ -2,19 +2,21 @@
 
 Requests wait in a bounded queue; a full queue is the caller's 429. Results go back to the request's
 event loop as events (``RoundEvent`` ... then ``DoneEvent`` or ``ErrorEvent``). A job is cancelled by
-setting its flag: the worker checks it between rounds and closes the engine's generator.
+setting its flag: the worker checks it between rounds and closes the engine's generator; a job still
+waiting is also taken off the queue (``withdraw``), so an abandoned request frees its place at once.
 
 Health is the worker's own word: ``ready`` only after the warm-up generation succeeded, and only
-while the thread is alive.
+while the thread is alive and the engine can still serve (``Engine.can_serve``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,8 @@ log = logging.getLogger("ddtree_runtime.server")
 STARTING, READY, ERROR = "starting", "ready", "error"
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
+IDLE_POLL_S = 0.1  # how often an idle worker looks at its stop and kill flags
+RECENT_JOBS = 32  # job durations kept for the Retry-After estimate
 
 
 # --- events sent from the worker thread to a request -------------------------------------------
@@ -121,10 +125,13 @@ class EngineWorker:
         self.faults = Faults()
         self.engine: Any = None
         self._engine_factory = engine_factory or _load_engine
-        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue)
+        self._waiting: deque[Job] = deque()
+        self._has_work = threading.Condition()  # guards _waiting
         self._state = STARTING
         self._detail = "loading model"
         self._current: Job | None = None
+        self._current_since = 0.0
+        self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds each recent job held the engine
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
 
@@ -134,37 +141,60 @@ class EngineWorker:
         self._thread.start()
 
     def health(self) -> tuple[str, str]:
-        """(state, detail). A ready worker whose thread is gone is an error, whatever it last said."""
+        """(state, detail). A ready worker whose thread is gone, or whose engine lost what it needs to
+        serve, is an error, whatever it last said."""
         state, detail = self._state, self._detail
         if state != ERROR and self._thread.ident is not None and not self._thread.is_alive():
             return ERROR, "engine worker thread is not running"
+        if state == READY and not getattr(self.engine, "can_serve", True):
+            return ERROR, "the engine cannot serve: a cache re-allocation failed (restart the service)"
         return state, detail
 
     def submit(self, job: Job) -> None:
         state, detail = self.health()
         if state != READY:
             raise NotReady(state, detail)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        with self._has_work:
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull
+            self._waiting.append(job)
+            self._has_work.notify()
+
+    def withdraw(self, job: Job) -> None:
+        """Take a job that has not started off the queue (its client left, or gave up)."""
+        with self._has_work:
+            try:
+                self._waiting.remove(job)
+            except ValueError:  # already started, or finished
+                pass
 
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._waiting)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the work already admitted is done, from recent jobs' durations: the running
+        job's expected remainder plus one mean duration per waiting job (at least 1)."""
+        durations = list(self._durations)
+        if not durations:
+            return 1
+        mean = sum(durations) / len(durations)
+        remaining = max(mean - (time.monotonic() - self._current_since), 0.0) if self._current else 0.0
+        return max(1, math.ceil(remaining + mean * self.queue_depth()))
 
     def working(self) -> bool:
         """A job is on the engine right now."""
         return self._current is not None
 
     def busy(self) -> bool:
-        return self._current is not None or not self._queue.empty()
+        return self._current is not None or bool(self._waiting)
 
     def cancel_all(self, reason: str) -> None:
         current = self._current
         if current is not None:
             current.cancel(reason)
-        for job in list(self._queue.queue):
-            job.cancel(reason)
+        with self._has_work:
+            for job in self._waiting:
+                job.cancel(reason)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything and let the thread end (it is a daemon: a stuck engine cannot hold the exit)."""
@@ -214,29 +244,44 @@ class EngineWorker:
         if produced == 0:
             raise RuntimeError("warm-up generation produced no tokens")
 
+    def _next_job(self) -> Job | None:
+        with self._has_work:
+            if not self._waiting:
+                self._has_work.wait(IDLE_POLL_S)
+            if not self._waiting:
+                return None
+            job = self._waiting.popleft()
+            self._current, self._current_since = job, time.monotonic()
+            return job
+
     def _serve(self) -> None:
         while True:
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
+            job = self._next_job()
+            if job is None:
                 if self._stopping:
                     return
                 if self.faults.kill_worker:
                     raise _WorkerKilled("killed by test fault")
                 continue
-            self._current = job
             while self.faults.paused and not self.faults.kill_worker and not job.cancelled.is_set():
                 time.sleep(0.01)
             if job.cancelled.is_set():
                 self._current = None
                 job.emit(DoneEvent())
                 continue
+            state, detail = self.health()
+            if state != READY:  # queued before the engine broke
+                self._current = None
+                job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
+                continue
+            self._current_since = time.monotonic()  # a paused (test fault) hold is not engine time
             try:
                 self._run_job(job)
             except BaseException:  # the thread is dying: this request must not wait forever
                 job.emit(ErrorEvent(503, "the engine worker died"))
                 raise
             finally:
+                self._durations.append(time.monotonic() - self._current_since)
                 self._current = None
 
     def _run_job(self, job: Job) -> None:
@@ -283,12 +328,9 @@ class EngineWorker:
         job.emit(DoneEvent())
 
     def _fail_pending(self, message: str) -> None:
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            job.emit(ErrorEvent(503, message))
+        with self._has_work:
+            while self._waiting:
+                self._waiting.popleft().emit(ErrorEvent(503, message))
 
 
 def _load_engine(config: ServerConfig) -> Any:

@@ -100,27 +100,53 @@ class Engine:
                                        draft_capacity, self.device, self.target.lm_head.weight.dtype)
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
                                             self.mask_token_id, self.device)
+        self.target_cache: KVCache | None = None
+        self.runner: TargetRunner | None = None
+        self._target_slots = 0  # the tree size the target cache was sized for
         self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
         self.trees = TreeBuilder(self.device)
         self.readback = HostRead(Walk.size(self.block_size - 1), self.device)  # the round's one read
         self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
 
+    @property
+    def can_serve(self) -> bool:
+        """False only if a re-allocation failed after the old cache was dropped and the old one could
+        not be put back (the server's /health reports it)."""
+        return self.target_cache is not None and self.runner is not None
+
     def _alloc_target_cache(self, tree_slots: int) -> None:
-        """Size the target cache for the context and a tree of tree_slots nodes; ValueError (before any
-        allocation) when the device cannot hold it, so a budget too big fails at start, plainly."""
-        cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
-        capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
+        """Size the target cache for the context and a tree of tree_slots nodes; ValueError when the
+        device cannot hold it, raised before anything is dropped, so a budget too big fails at start,
+        plainly, and a request refused for one leaves the engine exactly as it was."""
+        previous = self._target_slots
+        self._refuse_unless_fits(tree_slots, reclaimable=self._target_cache_bytes(previous) if previous else 0)
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self.target_cache = self.runner = None
-        self._refuse_unless_fits(tree_slots)
+        self._target_slots = 0
+        try:
+            self._build_target_cache(tree_slots)
+        except BaseException:
+            if previous:  # put back what served before (if this fails too, can_serve stays False)
+                self._build_target_cache(previous)
+            raise
+
+    def _build_target_cache(self, tree_slots: int) -> None:
+        cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
+        capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
         self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
         self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
+        self._target_slots = tree_slots
 
-    def _refuse_unless_fits(self, tree_slots: int, extra: int = 0) -> None:
+    def _target_cache_bytes(self, tree_slots: int) -> int:
+        return target_cache_bytes(self.target.config, TargetRunner.capacity_for(self.max_context, tree_slots),
+                                  tree_bucket(tree_slots), self.target.lm_head.weight.element_size())
+
+    def _refuse_unless_fits(self, tree_slots: int, extra: int = 0, reclaimable: int = 0) -> None:
+        """ValueError unless the caches for tree_slots (+ extra bytes) fit in what is free, counting
+        the `reclaimable` bytes the current target cache gives back when it is replaced."""
         cfg = self.target.config
-        need = extra + target_cache_bytes(cfg, TargetRunner.capacity_for(self.max_context, tree_slots),
-                                          tree_bucket(tree_slots), self.target.lm_head.weight.element_size())
-        free = _free_bytes(self.device)
+        need = extra + self._target_cache_bytes(tree_slots)
+        free = _free_bytes(self.device) + reclaimable
         if need > free:
             what = " and recurrent-state scratch" if isinstance(cfg, Qwen35Config) else ""
             raise ValueError(

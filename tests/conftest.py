@@ -1,18 +1,19 @@
 """Shared fixtures. `lab`: the real local lab (systemd-nspawn hosts), booted once per test run.
 
 Lab tests need root and systemd-nspawn + debootstrap; without them they are skipped with the reason.
-The lab is shut down at the end of the run unless DDOPS_LAB_KEEP=1 (then the next run finds it up
-and `lab up` leaves the running hosts alone).
+A lab the run booted is shut down at its end unless DDOPS_LAB_KEEP=1 (then the next run finds it up
+and `lab up` leaves the running hosts alone); a lab that was already running is left running.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,44 @@ class Lab:
                               stdin=None if input is not None else subprocess.DEVNULL)
 
 
+# -- never silent in a log ---------------------------------------------------------------------------
+
+HEARTBEAT_S = 8.0   # in a log (not a terminal), a test or fixture running longer says so this often
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    """A line on pytest's own terminal, past output capture (fixtures' progress: lab boot, model install)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        print(line, file=sys.stderr)
+        return
+    with capture.global_and_fixture_disabled():  # as pytest's live logging does
+        reporter.write_line(line)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or reporter.isatty:
+        yield
+        return
+    done = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            _say(item.config, f"    ... {item.nodeid} still running ({time.monotonic() - started:.0f}s)")
+
+    thread = threading.Thread(target=beat, name="test-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
+
+
 def _lab_skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "the lab needs root (systemd-nspawn, overlay mounts)"
@@ -74,46 +113,33 @@ def _lab_skip_reason() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def lab() -> Lab:
+def lab(pytestconfig: pytest.Config) -> Lab:
     reason = _lab_skip_reason()
     if reason:
         pytest.skip(reason)
-    from ddops.lab import lab_down, lab_up
+    from ddops.lab import lab_down, lab_status, lab_up
     from ddops.lab.paths import lab_dir
     from ddops.lab.spec import read_inventory, ssh_files
 
     doc, specs = read_inventory(LAB_INVENTORY)
     key, known_hosts = ssh_files(doc, lab_dir())
-    lab_up(LAB_INVENTORY, progress=lambda line: print(line, file=sys.stderr))
+    was_running = any(s.running for s in lab_status())
+    lab_up(LAB_INVENTORY, progress=lambda line: _say(pytestconfig, line))
     yield Lab(inventory_path=LAB_INVENTORY, key=key, known_hosts=known_hosts, lab_dir=lab_dir(),
               hosts={h.name: LabHostInfo(h.name, h.port, h.pct, h.via, h.gpus.count) for h in specs})
-    if os.environ.get("DDOPS_LAB_KEEP") != "1":
-        lab_down(progress=lambda line: print(line, file=sys.stderr))
+    if not was_running and os.environ.get("DDOPS_LAB_KEEP") != "1":  # a lab found running stays running
+        lab_down(progress=lambda line: _say(pytestconfig, line))
 
 
 # -- the tiny models (runtime tests, lab pivots) -----------------------------------------------------
 
-TINY_SEED = 0
+def _tiny(config: pytest.Config, name: str) -> Path:
+    """The committed fixture pair `name`, installed into $DDOPS_CACHE/name (where the lab profiles look)."""
+    from ddops.lab.tiny import install
 
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("DDOPS_CACHE") or Path.home() / ".cache" / "ddops")
-
-
-def _tiny(name: str, arch: str) -> Path:
-    """Path holding target/ and draft/, built by ddtree-tiny on first use and reused while OUT/.complete
-    exists. A file lock keeps parallel sessions from building twice."""
-    out = _cache_root() / f"{name}-seed{TINY_SEED}"
-    if not (out / ".complete").exists():
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out.parent / f".{out.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (out / ".complete").exists():
-                from ddtree_runtime.tiny import build
-
-                build(out, TINY_SEED, arch=arch)
+    out = install(name, progress=lambda line: _say(config, line))
     # the tiny models are all per-op overhead: one intra-op thread is faster than two and keeps test
-    # times stable when the CPUs are shared (the build above keeps torch's default, for determinism)
+    # times stable when the CPUs are shared
     import torch
 
     torch.set_num_threads(1)
@@ -121,12 +147,16 @@ def _tiny(name: str, arch: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_models() -> Path:
+def tiny_models(pytestconfig: pytest.Config) -> Path:
     """The tiny Qwen3 target + DFlash drafter."""
-    return _tiny("tiny-models", "qwen3")
+    from ddops.lab.tiny import QWEN3
+
+    return _tiny(pytestconfig, QWEN3)
 
 
 @pytest.fixture(scope="session")
-def tiny_hybrid_models() -> Path:
+def tiny_hybrid_models(pytestconfig: pytest.Config) -> Path:
     """The tiny hybrid (Gated DeltaNet + full attention, Qwen3.5-style) target + DFlash drafter."""
-    return _tiny("tiny-hybrid", "qwen3_5")
+    from ddops.lab.tiny import HYBRID
+
+    return _tiny(pytestconfig, HYBRID)

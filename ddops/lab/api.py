@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import hostfs, machine
+from . import hostfs, machine, tiny
 from .errors import LabError
 from .paths import HostDir, host_dir, lab_dir
 from .rootfs import check_control_machine, ensure_base
@@ -41,7 +41,8 @@ def lab_up(inventory: Path, extra: int = 0, progress: Progress = print,
 
     Hosts already running with the same spec are left alone; hosts that changed or are no longer
     wanted are shut down. Hosts it boots get a fresh writable layer over the cached base, unless
-    `keep_state` keeps what they wrote since the last `up`.
+    `keep_state` keeps what they wrote since the last `up`. The tiny models are installed from their
+    fixtures into $DDOPS_CACHE and the drafter put on the eval host, so the lab profiles work at once.
     """
     check_control_machine()
     doc, hosts = read_inventory(Path(inventory), extra)
@@ -60,7 +61,11 @@ def lab_up(inventory: Path, extra: int = 0, progress: Progress = print,
         _write_known_hosts(known_hosts, hosts, host_keys)
         if running:
             progress(f"Already running: {', '.join(sorted(running))}")
+        tiny.seed_eval_models(lab / "seed-models", progress)
         booted = _boot(to_boot, base, keys, host_keys, key, known_hosts, keep_state, progress)
+        for h in hosts:  # hosts left running get the seed models too: the README's pivot needs them
+            if h.name in running and "models" in h.fixtures:
+                hostfs.copy_seed_models(host_dir(h.name), h.name)
         write_inventory(doc, lab / "inventory.yaml")
     by_name = {s.name: s for s in lab_status()}
     return [_with_boot_time(by_name[h.name], booted.get(h.name)) for h in hosts if h.name in by_name]

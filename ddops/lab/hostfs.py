@@ -166,10 +166,7 @@ def populate(hd: HostDir, host: LabHost, keys: LabKeys, guest_keys: dict[str, st
     if "models" in host.fixtures:
         w.text("root/models/README.md", "Models for evaluation. `ddops lab up` copies "
                f"{lab_dir()}/seed-models/{name}/* here.\n")
-        seed = lab_dir() / "seed-models" / name
-        if seed.is_dir():
-            subprocess.run(["cp", "-a", "--reflink=auto", f"{seed}/.", str(hd.root / "root/models")],
-                           check=True, capture_output=True)
+        copy_seed_models(hd, name)
     if host.containers:
         w.asset("pct", "usr/sbin/pct", 0o755)
         w.text("etc/pve/lab-containers.json", json.dumps(
@@ -178,3 +175,11 @@ def populate(hd: HostDir, host: LabHost, keys: LabKeys, guest_keys: dict[str, st
         w.text("root/.ssh/pct_id_ed25519", keys.pct_private.read_text(), 0o600)
         w.text("etc/ddops-lab/pct_known_hosts", "".join(
             f"[127.0.0.1]:{port} {guest_keys[g]}\n" for _, g, port in host.containers))
+
+
+def copy_seed_models(hd: HostDir, name: str) -> None:
+    """Copy LAB_DIR/seed-models/NAME/* into the host's /root/models (also into a running host's root)."""
+    seed = lab_dir() / "seed-models" / name
+    if seed.is_dir():
+        subprocess.run(["cp", "-a", "--reflink=auto", f"{seed}/.", str(hd.root / "root/models")],
+                       check=True, capture_output=True)

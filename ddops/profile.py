@@ -6,22 +6,53 @@ runtime's venv and required packages, conflicting units, the health deadline and
 
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from .errors import ConfigError
-from .yamlsrc import Section, load_yaml
+from .yamlsrc import CONTROL_CHARS, Section, load_yaml
 
+
+def _runtime_limits() -> ModuleType:
+    """The serve limits the bundled runtime enforces (runtime/ddtree_runtime/limits.py): their one source.
+
+    Read from this checkout's runtime/ when there is one: that is the runtime `runtime.ship` builds and
+    deploys, whatever version of it is installed here (setup.sh installs it editable, so they agree).
+    Else (ddops installed without the repo) from the installed ddtree_runtime. The module is stdlib-only
+    and imports nothing, so neither way pulls torch onto the control machine.
+    """
+    path = Path(__file__).resolve().parents[1] / "runtime" / "ddtree_runtime" / "limits.py"
+    if not path.is_file():
+        from ddtree_runtime import limits
+        return limits
+    spec = importlib.util.spec_from_file_location("ddops._runtime_limits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LIMITS = _runtime_limits()
 ENGINES = ("ddtree", "sglang")
-MODES = ("ddtree", "dflash", "ar")
-DTYPES = ("float32", "float16", "bfloat16")
+MODES = LIMITS.MODES
+DTYPES = LIMITS.DTYPE_NAMES
 LOCAL = "local"  # `from.host: local` = the control machine running ddops
-_UNIT = re.compile(r"^[A-Za-z0-9@._:-]+\.service$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_IMPORT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+CACHE = "${DDOPS_CACHE}"  # the one variable a local source path may start with
+# Patterns are used with fullmatch: `$` would also match before a trailing newline.
+_UNIT = re.compile(r"[A-Za-z0-9@._:-]+\.service")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_IMPORT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# A profile's name lands in unit and env-file comments, the unit's Description= (where `%` is a
+# specifier), reports and history: letters, digits and a few marks only.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@-]{0,99}")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+# systemd refuses these in an ExecStart= executable, and does not undo `$$` there as it does in arguments.
+_EXEC_UNSAFE = re.compile(r"[$\"'\\]")
 # Never sync (with --delete) into these: a typo there would wipe a system directory.
 _PROTECTED = {"/", "/root", "/home", "/etc", "/usr", "/var", "/opt", "/dev", "/dev/shm", "/tmp", "/srv",
               "/bin", "/sbin", "/lib", "/boot", "/proc", "/sys", "/run", "/mnt", "/media"}
@@ -162,12 +193,16 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
     root = repo_root or Path.cwd()
     engine = top.str("engine", "ddtree", choices=ENGINES)
     name = top.str("name", path.stem)
+    if not _NAME.fullmatch(name):
+        raise top.fail("name", f"profile name {name!r} must be letters, digits and . _ + @ - (at most 100)",
+                       "set `name:` to e.g. lab-ddtree16" + ("" if "name" in top.data else
+                                                             f"; it defaults to the file name {path.stem!r}"))
     unit = top.str("unit", required=True)
-    if not _UNIT.match(unit):
+    if not _UNIT.fullmatch(unit):
         raise top.fail("unit", f"invalid systemd service name {unit!r}", "e.g. `ddtree.service`")
     port = top.int("port", required=True, min=1, max=65535)
     device = top.str("device", "cuda")
-    if not _DEVICE.match(device):
+    if not _DEVICE.fullmatch(device):
         raise top.fail("device", f"`device` must be cpu, cuda or cuda:N, got {device!r}")
     gpus = top.data.get("gpus")
     if gpus is not None:
@@ -180,11 +215,11 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
                            "it becomes CUDA_VISIBLE_DEVICES")
     env = _env(top)
     secrets = _secrets(top)
-    bind = top.str("bind", "127.0.0.1")
+    bind = _bind(top)
     if bind not in ("127.0.0.1", "localhost", "::1") and "DDTREE_API_KEY" not in secrets:
         raise top.fail("bind", f"`bind: {bind}` exposes the runtime without an API key",
                        "add `secrets: {DDTREE_API_KEY: {env: YOUR_ENV_VAR}}` or bind 127.0.0.1")
-    models = _models(top, root)
+    models = _models(top)
     runtime = _runtime(top, root)
     serve = _serve(top)
     sglang = _sglang(top, engine)
@@ -198,7 +233,7 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
             raise top.fail("models", "the sglang DFLASH engine needs `models.target` and `models.draft`")
     conflicts = tuple(top.str_list("conflicts"))
     for c in conflicts:
-        if not _UNIT.match(c):
+        if not _UNIT.fullmatch(c):
             raise top.fail("conflicts", f"invalid systemd service name {c!r} in `conflicts`")
         if c == unit:
             raise top.fail("conflicts", f"`conflicts` names the profile's own unit {unit}")
@@ -212,7 +247,28 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
                    port=port, bind=bind, device=device, dtype=top.str("dtype", "bfloat16", choices=DTYPES),
                    gpus=gpus, models=models, runtime=runtime, serve=serve, sglang=sglang, env=env,
                    secrets=secrets, conflicts=conflicts, training_grace_s=grace, health=_health(top),
-                   smoke=_smoke(top, engine), description=top.str("description", ""), lines=lines)
+                   smoke=_smoke(top, engine), description=top.one_line("description", ""), lines=lines)
+
+
+def _bind(top: Section) -> str:
+    """The runtime's listen address: an IP address or a host name, nothing that could split its argument."""
+    bind = top.str("bind", "127.0.0.1")
+    try:
+        ipaddress.ip_address(bind)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(bind) or len(bind) > 253:
+            raise top.fail("bind", f"`bind` must be an IP address or a host name, got {bind!r}",
+                           "e.g. 127.0.0.1 or 0.0.0.0") from None
+    return bind
+
+
+def _executable(section: Section, key: str) -> str:
+    """An absolute path that systemd can run as the first word of ExecStart= (or the dir holding it)."""
+    value = section.abspath(key, required=True)
+    if _EXEC_UNSAFE.search(value):
+        raise section.fail(key, f"`{section.path}.{key}` {value!r} holds $, a quote or a backslash, which "
+                           "systemd cannot take in the path of the program it starts", "move it to a plain path")
+    return value
 
 
 def _env(top: Section) -> dict[str, str]:
@@ -221,13 +277,14 @@ def _env(top: Section) -> dict[str, str]:
         return {}
     out = {}
     for key in section.keys():
-        if not isinstance(key, str) or not _ENV_NAME.match(key):
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
             raise section.fail(key, f"invalid environment variable name {key!r}")
         value = section.data[key]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise section.fail(key, f"`env.{key}` must be a string or a number, got {value!r}")
-        if "\n" in str(value):
-            raise section.fail(key, f"`env.{key}` contains a newline")
+        if CONTROL_CHARS.search(str(value)):
+            raise section.fail(key, f"`env.{key}` contains a newline or control character: {value!r}",
+                               "an environment file value is one line of printable text")
         out[key] = str(value)
     return out
 
@@ -238,12 +295,12 @@ def _secrets(top: Section) -> dict[str, str]:
         return {}
     out = {}
     for key in section.keys():
-        if not isinstance(key, str) or not _ENV_NAME.match(key):
+        if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
             raise section.fail(key, f"invalid environment variable name {key!r}")
         item = section.section(key, required=True)
         item.reject_unknown(("env",))
         source = item.str("env", required=True)
-        if not _ENV_NAME.match(source):
+        if not _ENV_NAME.fullmatch(source):
             raise item.fail("env", f"invalid environment variable name {source!r}")
         out[key] = source
     return out
@@ -261,7 +318,30 @@ def _model_path(section: Section, key: str) -> str:
     return norm
 
 
-def _models(top: Section, root: Path) -> tuple[Model, ...]:
+def _local_source(section: Section) -> str:
+    """A model dir on the control machine: written as an absolute path, `~/...` or `${DDOPS_CACHE}/...`,
+    outside the system trees once symlinks are resolved, and a model dir (config.json) if it exists.
+    One that does not exist yet (built or fetched later) is refused by preflight, before any change."""
+    raw = section.str("path", required=True)
+    if not (raw.startswith(("/", "~/", CACHE + "/"))):
+        raise section.fail("path", f"local source path {raw!r} must be absolute",
+                           f"start it with /, ~/ or {CACHE}/ (a relative path depends on where ddops runs)")
+    cache = os.environ.get("DDOPS_CACHE") or "~/.cache/ddops"
+    expanded = os.path.expanduser(cache + raw[len(CACHE):] if raw.startswith(CACHE) else raw)
+    if CONTROL_CHARS.search(expanded):
+        raise section.fail("path", f"local source path {raw!r} contains a newline or control character")
+    real = os.path.realpath(expanded)
+    inside = next((t for t in _SYSTEM_TREES if real == t or real.startswith(t + "/")), None)
+    if inside or real in _PROTECTED or real.count("/") < 2:
+        raise section.fail("path", f"local source path {raw!r} is {real}, a system directory or too shallow",
+                           "name the model's own directory, e.g. ~/models/NAME")
+    if os.path.exists(real) and not os.path.isfile(os.path.join(real, "config.json")):
+        raise section.fail("path", f"local source path {raw!r} ({real}) is not a model directory: no config.json",
+                           "point it at a directory holding the model's config.json and weights")
+    return real
+
+
+def _models(top: Section) -> tuple[Model, ...]:
     section = top.section("models")
     if section is None:
         return ()
@@ -277,14 +357,8 @@ def _models(top: Section, root: Path) -> tuple[Model, ...]:
         if src is not None:
             src.reject_unknown(("host", "path"))
             host = src.str("host", required=True)
-            raw = src.str("path", required=True)
-            if host == LOCAL:
-                raw = raw.replace("${DDOPS_CACHE}", os.environ.get("DDOPS_CACHE") or "~/.cache/ddops")
-                expanded = os.path.expanduser(os.path.expandvars(raw))
-                source = ModelSource(LOCAL, str((root / expanded).resolve()) if not os.path.isabs(expanded)
-                                     else os.path.normpath(expanded))
-            else:
-                source = ModelSource(host, _model_path(src, "path"))
+            path = _local_source(src) if host == LOCAL else _model_path(src, "path")
+            source = ModelSource(host, path)
         models.append(Model(role=role, path=_model_path(item, "path"), source=source,
                             min_free_gib=item.number("min_free_gib", 0.0, min=0, max=100000)))
     return tuple(models)
@@ -297,7 +371,7 @@ def _runtime(top: Section, root: Path) -> Runtime:
     packages: dict[str, str] = {}
     if packages_section is not None:
         for key in packages_section.keys():
-            if not isinstance(key, str) or not _IMPORT.match(key):
+            if not isinstance(key, str) or not _IMPORT.fullmatch(key):
                 raise packages_section.fail(key, f"invalid import name {key!r}",
                                             "keys are import names, values pip requirements")
             packages[key] = packages_section.str(key, required=True)
@@ -314,7 +388,7 @@ def _runtime(top: Section, root: Path) -> Runtime:
         wheelhouse = str((root / os.path.expanduser(wheelhouse)).resolve())
     if not index and wheelhouse is None:
         raise section.fail("index", "`index: false` needs a `wheelhouse` (a local dir of wheels to push)")
-    return Runtime(venv=section.abspath("venv", required=True), packages=packages, ship=ship,
+    return Runtime(venv=_executable(section, "venv"), packages=packages, ship=ship,
                    index=index, wheelhouse=wheelhouse)
 
 
@@ -323,9 +397,10 @@ def _serve(top: Section) -> Serve:
     if section is None:
         return Serve()
     section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args"))
+    # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
     return Serve(mode=section.str("mode", "ddtree", choices=MODES),
-                 block_size=section.int("block_size", 16, min=1, max=64),
-                 tree_budget=section.int("tree_budget", 16, min=1, max=4096),
+                 block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
+                 tree_budget=section.int("tree_budget", 16, min=LIMITS.MIN_TREE_BUDGET, max=LIMITS.MAX_TREE_BUDGET),
                  served_model_name=section.str("served_model_name"),
                  extra_args=tuple(section.str_list("extra_args")))
 
@@ -352,7 +427,7 @@ def _sglang(top: Section, engine: str) -> Sglang | None:
     extra = tuple(section.str_list("extra_args"))
     if any(a.startswith("--enable-dp-attention") for a in extra):
         raise section.fail("extra_args", "SGLang rejects DFLASH with --enable-dp-attention")
-    return Sglang(python=section.abspath("python", required=True), num_draft_tokens=tokens,
+    return Sglang(python=_executable(section, "python"), num_draft_tokens=tokens,
                   tp_size=section.int("tp_size", 1, min=1, max=64), dp_attention=dp, extra_args=extra)
 
 
@@ -362,7 +437,7 @@ def _health(top: Section) -> Health:
         return Health()
     section.reject_unknown(("path", "deadline_s", "interval_s"))
     path = section.str("path", "/health")
-    if not path.startswith("/"):
+    if not re.fullmatch(r"/[!-~]*", path):
         raise section.fail("path", f"`health.path` must be a URL path like /health, got {path!r}")
     return Health(path=path, deadline_s=section.number("deadline_s", 300.0, min=1, max=7200),
                   interval_s=section.number("interval_s", 1.0, min=0.1, max=60))

@@ -7,6 +7,8 @@ line and the key, and suggests the nearest valid key for a typo.
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -47,6 +49,29 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> LineDict:
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+# No setting takes an integer past int64; and Python refuses to parse one of over 4,300 decimal digits
+# (ValueError), or to print one of that size, which a `0x...` literal can reach.
+_INT_BITS = 63
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    try:
+        value = yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+    except ValueError:
+        value = None
+    if value is None or abs(value).bit_length() > _INT_BITS:
+        raise ConfigError(f"integer {node.value[:12]}... ({len(node.value)} characters) is too large",
+                          where=f"{loader.name}:{node.start_mark.line + 1}",
+                          fix="no setting takes more than 18 digits; quote it if it is meant as text")
+    return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+# What cannot be one line of a unit file, an environment file or a log: C0 controls (tab included),
+# DEL, and the Unicode line separators.
+CONTROL_CHARS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
 
 
 def load_yaml(path: Path, what: str) -> "Section":
@@ -136,8 +161,18 @@ class Section:
         self._expect(key, value, (str,), "a string")
         if not value.strip():
             raise self.fail(key, f"`{self._name(key)}` must not be empty")
+        if "\0" in value:
+            raise self.fail(key, f"`{self._name(key)}` contains a NUL byte", "no argument or file can carry one")
         if choices is not None and value not in (choices := list(choices)):
             raise self.fail(key, f"`{self._name(key)}` must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def one_line(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        """A string that is one line of printable text: it is written into unit and environment files."""
+        value = self.str(key, default, required=required)
+        if isinstance(value, str) and CONTROL_CHARS.search(value):
+            raise self.fail(key, f"`{self._name(key)}` contains a line break or control character: {value!r}",
+                            "make it one line of printable text")
         return value
 
     def int(self, key: str, default: Any = None, *, required: bool = False,
@@ -155,6 +190,8 @@ class Section:
         if value is _MISSING:
             return default
         self._expect(key, value, (int, float), "a number")
+        if not math.isfinite(value):
+            raise self.fail(key, f"`{self._name(key)}` must be a finite number, got {value}")
         self._check_range(key, value, min, max)
         return float(value)
 
@@ -180,8 +217,9 @@ class Section:
         if not (value.startswith("/") or (home_ok and value.startswith("~"))):
             raise self.fail(key, f"`{self._name(key)}` must be an absolute path, got {value!r}",
                             "start it with /")
-        if "\n" in value or "\0" in value:
-            raise self.fail(key, f"`{self._name(key)}` contains a newline or NUL byte")
+        if CONTROL_CHARS.search(value):
+            raise self.fail(key, f"`{self._name(key)}` contains a newline or control character: {value!r}",
+                            "a path is one line of printable text")
         return value
 
     def list(self, key: str, *, required: bool = False) -> list[Any]:
@@ -196,6 +234,9 @@ class Section:
         for item in items:
             if not isinstance(item, str) or not item.strip():
                 raise self.fail(key, f"`{self._name(key)}` must be a list of strings, got item {item!r}")
+            if "\0" in item:
+                raise self.fail(key, f"`{self._name(key)}` has an item with a NUL byte: {item!r}",
+                                "no argument can carry one")
         return items
 
     def section(self, key: str, *, required: bool = False) -> "Section | None":

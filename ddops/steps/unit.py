@@ -19,9 +19,14 @@ import jinja2
 
 from ..errors import ConfigError
 from ..profile import Profile
+from ..yamlsrc import CONTROL_CHARS
 from .base import BACKUP_ROOT, Change, PivotRun, backup_root, run_probe, unit_path
 
-_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+# Used with fullmatch: `$` would also match before a trailing newline, which would end the line.
+_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
+_ENV_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]*")
+# In a quoted ExecStart= word systemd undoes C escapes; these need one (and \r, \0 would end the line).
+_C_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def templates_dir() -> Path:
@@ -29,12 +34,21 @@ def templates_dir() -> Path:
 
 
 def systemd_quote(arg: str) -> str:
-    """Quote one ExecStart argument the way systemd parses it (specifiers and $ escaped too)."""
+    """Quote one ExecStart argument the way systemd parses it: `%` (specifiers) and `$` (variables)
+    doubled; anything else unusual inside double quotes, with C escapes for quotes, backslashes and
+    every control character, so no value can end the line or the word."""
     escaped = arg.replace("%", "%%").replace("$", "$$")
-    if _SAFE.match(escaped):
+    if _SAFE.fullmatch(escaped):
         return escaped
-    escaped = escaped.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
+    return '"' + "".join(_c_escape(c) for c in escaped) + '"'
+
+
+def _c_escape(char: str) -> str:
+    if char in _C_ESCAPES:
+        return _C_ESCAPES[char]
+    if CONTROL_CHARS.match(char):  # a C0 control or DEL as \xNN, a Unicode line separator as \uNNNN
+        return f"\\x{ord(char):02x}" if ord(char) < 0x80 else f"\\u{ord(char):04x}"
+    return char
 
 
 def exec_argv(profile: Profile) -> list[str]:
@@ -90,16 +104,30 @@ def env_lines(profile: Profile, secret_values: dict[str, str], *, masked: bool) 
 
 
 def _env_quote(value: str) -> str:
-    if re.match(r"^[A-Za-z0-9_@%+=:,./-]*$", value):
+    """An EnvironmentFile= value: plain, or in double quotes with backslash, quote, dollar and backtick
+    escaped, as systemd reads them (inside the quotes a line break belongs to the value, so not even a
+    secret from the control machine's environment can add a line)."""
+    if _ENV_SAFE.fullmatch(value):
         return value
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
+    return '"' + re.sub(r'([\\"$`])', r"\\\1", value) + '"'
+
+
+def _one_line(value, template: str):
+    """Every value a template writes stays on its line: the profile validates and exec_start escapes
+    what reaches the templates today; this refuses what a field added to a template later might carry."""
+    if isinstance(value, str) and CONTROL_CHARS.search(value):
+        raise ConfigError(f"template {template} would write a line break or control character from {value!r}",
+                          where=str(templates_dir() / template),
+                          fix="render only validated profile fields, or escape the value for the unit file")
+    return value
 
 
 def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
     """Render the profile's unit template (StrictUndefined: a missing variable is an error)."""
     name = "sglang.service.j2" if profile.engine == "sglang" else "ddtree.service.j2"
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
+                             finalize=lambda value: _one_line(value, name))
     try:
         template = env.get_template(name)
         unit_text = template.render(profile=profile,

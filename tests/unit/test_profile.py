@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -61,7 +63,13 @@ BAD = [
     ("device: tpu", "cpu, cuda or cuda:N", None),
     ("gpus: [a]", "list of GPU indexes", None),
     ("serve: {mode: fast}", "must be one of ddtree, dflash, ar", None),
-    ("serve: {block_size: 0}", "between 1 and 64", None),
+    ("serve: {block_size: 1}", "at least 2", None),           # the runtime's floor (limits.py)
+    ("serve: {tree_budget: 1025}", "between 1 and 1024", None),  # the runtime's range
+    ("port: " + "9" * 5000, "(5000 characters) is too large", "18 digits"),
+    ("port: 0x" + "f" * 5000, "is too large", None),         # parses, but could not be printed
+    ("port: 12345678901234567890", "is too large", None),
+    ("health: {deadline_s: .nan}", "must be a finite number", None),
+    ("training: {grace_s: .inf}", "must be a finite number", None),
     ("health: {deadline_s: -1}", "between 1", None),
     ("env: {BAD-NAME: 1}", "invalid environment variable name", None),
     ("secrets: {DDTREE_API_KEY: {env: 1x}}", "invalid environment variable name", None),
@@ -96,6 +104,72 @@ def test_bad_models(tmp_path, models, message):
     with pytest.raises(ConfigError) as err:
         load_profile(write(tmp_path, head + models + tail), repo_root=REPO)
     assert message in err.value.line()
+
+
+def local_source(tmp_path: Path, path: str) -> Path:
+    text = GOOD.replace("from: {host: local, path: /tmp/t}", f"from: {{host: local, path: '{path}'}}")
+    return write(tmp_path, text)
+
+
+@pytest.mark.parametrize("path, message", [
+    ("../../../../etc", "must be absolute"),
+    ("models/t", "must be absolute"),
+    ("$HOME/models/t", "must be absolute"),  # only ${DDOPS_CACHE} and ~ are expanded
+    ("/root/../etc", "is /etc, a system directory"),
+    ("/usr/share", "is /usr/share, a system directory"),
+    ("/", "too shallow"),
+])
+def test_local_sources_stay_out_of_relative_and_system_paths(tmp_path, path, message):
+    with pytest.raises(ConfigError) as err:
+        load_profile(local_source(tmp_path, path), repo_root=REPO)
+    assert message in err.value.line() and f"{tmp_path / 'p.yaml'}:7:" in err.value.line()
+
+
+def test_local_source_symlink_into_etc_is_refused(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "model").symlink_to("/etc")
+    with pytest.raises(ConfigError, match="is /etc, a system directory"):
+        load_profile(local_source(tmp_path, str(tmp_path / "cache" / "model")), repo_root=REPO)
+
+
+def test_local_source_that_exists_must_be_a_model_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDOPS_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "cache" / "m"
+    model.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is not a model directory: no config.json"):
+        load_profile(local_source(tmp_path, "${DDOPS_CACHE}/m"), repo_root=REPO)
+    (model / "config.json").write_text("{}")
+    profile = load_profile(local_source(tmp_path, "${DDOPS_CACHE}/m"), repo_root=REPO)
+    assert profile.model("target").source.path == str(model)
+    # not built yet: accepted here, and refused by preflight (it inspects local sources) before any change
+    assert load_profile(local_source(tmp_path, "${DDOPS_CACHE}/later"), repo_root=REPO).model(
+        "target").source.path == str(tmp_path / "cache" / "later")
+
+
+def test_serve_limits_are_the_runtimes():
+    """One source of truth: ddops checks profiles against runtime/ddtree_runtime/limits.py, which the
+    engine enforces; loading it pulls no torch onto the control machine."""
+    from ddtree_runtime import limits
+
+    import ddops.profile as profile
+
+    assert profile.MODES == limits.MODES and profile.DTYPES == limits.DTYPE_NAMES
+    assert (profile.LIMITS.MIN_BLOCK_SIZE, profile.LIMITS.MIN_TREE_BUDGET, profile.LIMITS.MAX_TREE_BUDGET) == (
+        limits.MIN_BLOCK_SIZE, limits.MIN_TREE_BUDGET, limits.MAX_TREE_BUDGET)
+    assert Path(profile.LIMITS.__file__) == REPO / "runtime" / "ddtree_runtime" / "limits.py"
+    done = subprocess.run([sys.executable, "-c", "import sys, ddops.profile, ddtree_runtime.limits; "
+                           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_the_engine_enforces_the_same_limits():
+    pytest.importorskip("torch")
+    from ddtree_runtime import limits
+    from ddtree_runtime.engine import engine
+
+    assert (engine.MODES, engine.DTYPE_NAMES, engine.MIN_BLOCK_SIZE, engine.MAX_TREE_BUDGET) == (
+        limits.MODES, limits.DTYPE_NAMES, limits.MIN_BLOCK_SIZE, limits.MAX_TREE_BUDGET)
 
 
 SGLANG = """\

@@ -140,3 +140,25 @@ def test_bad_cli_input_is_one_line_and_exit_2(tiny_models, argv, message):
 def test_loopback_detection():
     assert _is_loopback("127.0.0.1") and _is_loopback("localhost") and _is_loopback("::1")
     assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.5")
+
+
+def test_second_sigterm_cancels_at_once_and_streams_end_cleanly(tiny_models):
+    """Issue 12, item 5: the first SIGTERM drains (a 120 s drain here); the second cancels what runs.
+    The stream in flight ends with an error event and [DONE] (not a cut-off chunked body), the process
+    exits 0, and its log has no traceback."""
+    with ServerProcess(_args(tiny_models, "--drain-timeout", "120"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+        srv.wait_ready()
+        httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.2})
+        body = {"model": "target", "prompt": "1\n2\n3\n4\n", "max_tokens": 400, "stream": True,
+                "temperature": 0, "speculative": {"mode": "ar"}}  # counts on: 80 s if nothing stopped it
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.signal(signal.SIGTERM)
+            srv.wait_status("draining", timeout=10)
+            srv.signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert '"code": "shutting_down"' in rest[-2] and rest[-1] == "data: [DONE]"
+        assert srv.wait_exit(30) == 0
+        log = srv.log_tail(chars=10**9)
+        assert "Traceback" not in log and "CancelledError" not in log, log

@@ -2,7 +2,8 @@
 
 Draining: new API requests get 503 and /health says ``draining``; in-flight and queued requests run
 to completion for up to ``drain_timeout`` seconds, then are cancelled; then uvicorn shuts down as
-usual. A second signal stops at once.
+usual. A second signal cancels them at once: each ends cleanly within a round (a 503, or a stream's
+error event and ``[DONE]``), and the process exits. A third stops without waiting for anything.
 """
 
 from __future__ import annotations
@@ -23,25 +24,30 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._ctx = ctx
         self._drain_deadline = 0.0
+        self._signals = 0
 
     def handle_exit(self, sig: int, frame) -> None:
         # Runs as a signal handler: only set flags, on_tick (every 0.1 s) acts on them. Unlike
         # uvicorn's own handler this does not re-raise the signal after shutdown, so the exit code is 0.
-        if not self._ctx.draining:
+        self._signals += 1
+        name = signal.Signals(sig).name
+        if self._signals == 1:
             self._ctx.draining = True
             self._drain_deadline = time.monotonic() + self._ctx.config.drain_timeout
-            log.info("%s: draining, up to %.0fs", signal.Signals(sig).name, self._ctx.config.drain_timeout)
+            log.info("%s: draining, up to %.0fs", name, self._ctx.config.drain_timeout)
+        elif self._signals == 2:
+            log.info("%s again: cancelling what runs, then exiting", name)
         else:
-            self.should_exit = True
-            self.force_exit = sig == signal.SIGINT
+            self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
         ctx = self._ctx
         if ctx.draining and not self.should_exit:
             if ctx.in_flight == 0 and not ctx.worker.busy():
                 self.should_exit = True
-            elif time.monotonic() >= self._drain_deadline:
-                log.warning("drain timeout: cancelling %d in-flight request(s)", ctx.in_flight)
+            elif self._signals > 1 or time.monotonic() >= self._drain_deadline:
+                why = "second signal" if self._signals > 1 else "drain timeout"
+                log.warning("%s: cancelling %d in-flight request(s)", why, ctx.in_flight)
                 ctx.worker.cancel_all("shutdown")
                 self.should_exit = True
         return await super().on_tick(counter)

@@ -3,7 +3,8 @@
 The CLI runs in-process (`ddops.cli.main`) with SSH connections forbidden, so "nothing changed" is
 proven: no host is ever contacted. Cases: every malformed inventory of tests/unit/test_inventory.py
 (BAD, reused, not copied), the malformed profiles below (new ones; tests/unit/test_profile.py has
-15 more at the loader level), broken unit templates and CLI misuse. Lab-only misuse (a rollback with
+more at the loader level, tests/unit/test_render_safety.py the unit-file escaping), inventory numbers
+Python cannot parse or print, broken unit templates and CLI misuse. Lab-only misuse (a rollback with
 no backups) is at the end.
 """
 
@@ -99,8 +100,7 @@ PROFILE_CASES = [
     ("package-import-name", {"runtime.packages.bad-name": "x"}, "invalid import name"),
     ("package-not-string", {"runtime.packages.torch": ["torch"]}, "must be a string"),
     ("runtime-typo", {"runtime.pacakges": {}}, "did you mean `packages`"),
-    ("tree-budget-zero", {"serve.tree_budget": 0}, "between 1 and 4096"),
-    ("block-size-huge", {"serve.block_size": 65}, "between 1 and 64"),
+    ("tree-budget-zero", {"serve.tree_budget": 0}, "between 1 and 1024"),
     ("extra-args-string", {"serve.extra_args": "--x"}, "must be a list"),
     ("mode-without-draft", {"models.draft": DELETE}, "needs a `models.draft`"),
     ("smoke-empty", {"smoke.prompts": []}, "`smoke.prompts` is empty"),
@@ -130,6 +130,35 @@ PROFILE_CASES = [
                                                  "draft_block_size": 16}}, "exceed the drafter's block size"),
     ("sglang-lossless", {"engine": "sglang", "sglang": {"python": "/usr/bin/python3", "num_draft_tokens": 8},
                          "smoke.lossless_check": True}, "lossless spot-check"),
+    # issue 12: the runtime's limits (runtime/ddtree_runtime/limits.py), checked at load
+    ("block-size-one", {"serve.block_size": 1}, "at least 2"),
+    ("tree-budget-over-runtime", {"serve.tree_budget": 1025}, "between 1 and 1024"),
+    ("mode-unknown", {"serve.mode": "tree"}, "must be one of ddtree, dflash, ar"),
+    # issue 12: numbers Python cannot parse or print, and numbers that are not numbers
+    ("int-5000-digits", PROFILE.read_text().replace("port: 8200", "port: " + "9" * 5000), "is too large"),
+    ("int-huge-hex", PROFILE.read_text().replace("tree_budget: 16", "tree_budget: 0x" + "f" * 5000), "is too large"),
+    ("number-nan", {"health.deadline_s": float("nan")}, "must be a finite number"),
+    # issue 12: values that would add a line to the unit or env file, or expand inside it
+    ("name-newline", {"name": "x\nExecStartPre=/bin/touch /tmp/pwned"}, "profile name"),
+    ("name-carriage-return", {"name": "x\r[Service]"}, "profile name"),
+    ("name-specifier", {"name": "tiny%n"}, "profile name"),
+    ("description-newline", {"description": "x\nExecStartPre=/bin/true"}, "line break or control character"),
+    ("unit-trailing-newline", {"unit": "ddtree.service\n"}, "invalid systemd service name"),
+    ("bind-newline", {"bind": "127.0.0.1\nExecStartPre=/bin/true"}, "IP address or a host name"),
+    ("bind-extra-word", {"bind": "0.0.0.0 --insecure-no-auth"}, "IP address or a host name"),
+    ("device-newline", {"device": "cpu\n"}, "cpu, cuda or cuda:N"),
+    ("env-carriage-return", {"env.X": "a\rB=1"}, "contains a newline or control character"),
+    ("env-name-newline", {"env": {"X\n": 1}}, "invalid environment variable name"),
+    ("venv-dollar", {"runtime.venv": "/opt/$X/venv"}, "systemd cannot take"),
+    ("model-path-carriage-return", {"models.target.path": "/root/models/t\rX=1"}, "control character"),
+    ("served-name-nul", {"serve.served_model_name": "tiny\0"}, "NUL byte"),
+    ("extra-args-nul", {"serve.extra_args": ["--x", "a\0"]}, "NUL byte"),
+    ("health-path-crlf", {"health.path": "/health\r\nHost: x"}, "must be a URL path"),
+    # issue 12: a local source is absolute, outside the system trees, and a model dir
+    ("local-source-relative", {"models.target.from.path": "../../../../etc"}, "must be absolute"),
+    ("local-source-variable", {"models.target.from.path": "$HOME/models/t"}, "must be absolute"),
+    ("local-source-etc", {"models.target.from.path": "/root/../etc"}, "is /etc, a system directory"),
+    ("local-source-not-a-model", {"models.target.from.path": str(REPO / "docs")}, "not a model directory"),
 ]
 
 
@@ -164,6 +193,30 @@ def test_bad_profile_via_cli(cli, tmp_path, case, changes, message):
     error = one_line(output)
     assert message in error, error
     assert f"{path}:" in error, error  # located in the user's file
+
+
+def _inventory_with(old: str, new: str) -> str:
+    text = LAB_INVENTORY.read_text()
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+# issue 12: the inventory's numbers, through the same YAML loader
+INVENTORY_NUMBER_CASES = [
+    ("port-5000-digits", _inventory_with("port: 2200", "port: " + "9" * 5000), "is too large", 14),
+    ("pct-huge-hex", _inventory_with("pct: 200", "pct: 0x" + "f" * 5000), "is too large", 23),
+    ("timeout-nan", _inventory_with("connect_timeout: 5", "connect_timeout: .nan"), "finite number", 8),
+]
+
+
+@pytest.mark.parametrize("case,text,message,line", INVENTORY_NUMBER_CASES, ids=[c[0] for c in INVENTORY_NUMBER_CASES])
+def test_bad_inventory_numbers_via_cli(cli, tmp_path, case, text, message, line):
+    path = tmp_path / "inv.yaml"
+    path.write_text(text)
+    code, output = cli("-i", str(path), "status")
+    assert code == 2
+    error = one_line(output)
+    assert message in error and f"{path}:{line}:" in error, error
 
 
 TEMPLATE_CASES = [

@@ -36,21 +36,34 @@ def _client(srv: ServerProcess, key: str) -> openai.OpenAI:
 def test_startup_health_auth_and_sigterm_drain(tiny_models):
     env = {"DDTREE_TEST_FAULTS": "1", "DDTREE_TEST_STARTUP_DELAY_S": "1.5", "DDTREE_API_KEY": KEY}
     with ServerProcess(_args(tiny_models, "--drain-timeout", "20"), env=env) as srv:
-        # The listener is up before the model: health says "starting" (503), then "ok".
+        # The listener is up before the model: health says "starting" (503), then "ok". Without the key,
+        # only the status (issue 12, item 6); the detail is for the key holder.
         code, body = srv.wait_listening()
-        assert code == 503 and body["status"] == "starting" and body["detail"]
+        assert code == 503 and body == {"status": "starting"}
+        r = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 503 and r.json()["detail"]
         r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"messages": CHAT})
         assert r.status_code == 503 and r.json()["error"]["message"]
         assert srv.wait_ready()["status"] == "ok"
 
-        # API key: missing or wrong -> 401; right -> served. /health needs none.
+        # API key: missing or wrong -> 401 with a Bearer challenge; right -> served.
         with pytest.raises(openai.AuthenticationError) as err:
             _client(srv, "wrong").chat.completions.create(model="target", messages=CHAT, max_tokens=2)
         assert err.value.body["code"] == "invalid_api_key"
+        assert err.value.response.headers["www-authenticate"] == "Bearer"
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": CHAT})  # no key at all
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
         assert httpx.get(srv.url + "/v1/models").status_code == 401
+        # /health: anonymous callers get what a balancer and ddops's gate need; /metrics needs the key.
+        anonymous = httpx.get(srv.url + "/health")
+        assert anonymous.status_code == 200 and set(anonymous.json()) == {"status", "mode", "block_size"}
+        full = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert full["status"] == "ok" and full["model"] == "target" and full["draft_model"] == "draft"
+        r = httpx.get(srv.url + "/metrics")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and "ddtree_" not in r.text
+        assert "ddtree_engine_up 1" in httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         resp = _client(srv, KEY).chat.completions.create(model="target", messages=CHAT, max_tokens=2)
         assert resp.choices[0].message.content is not None
 

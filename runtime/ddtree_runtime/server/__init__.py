@@ -6,7 +6,8 @@
 Endpoints: GET /health (200 only once warmed up and while the engine thread lives; 503
 starting/error/draining otherwise), GET /metrics (Prometheus text), GET /v1/models,
 POST /v1/chat/completions and /v1/completions (streaming or not; a request's ``speculative``
-object overrides mode and tree budget). /health and /metrics need no API key.
+object overrides mode and tree budget). With an API key set, /metrics needs it and /health shows a
+caller without it only ``status``, ``mode`` and ``block_size`` (routes.PUBLIC_HEALTH).
 
 Layout: ``cli`` parses flags into a ``ServerConfig``; ``app`` builds the FastAPI app; ``worker``
 owns the engine on one thread behind a bounded queue; ``generation`` turns engine rounds into text

@@ -63,15 +63,25 @@ class ServerContext:
     # -- gates --
 
     def authorize(self, request: Request) -> None:
+        """401 (with the challenge RFC 6750 asks for) unless the request carries the API key, if one is set."""
+        problem = self._key_problem(request)
+        if problem:
+            raise APIError(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def authorized(self, request: Request) -> bool:
+        return self._key_problem(request) is None
+
+    def _key_problem(self, request: Request) -> str | None:
         key = self.config.api_key
         if not key:
-            return
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            return "missing API key: send 'Authorization: Bearer <key>'"
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
+            return "incorrect API key"
+        return None
 
     def engine_for_requests(self) -> Any:
         if self.draining:

@@ -27,21 +27,33 @@ def _ctx(request: Request) -> ServerContext:
     return request.app.state.ddtree
 
 
+# What /health tells a caller without the API key, when one is set: the state a balancer or probe acts
+# on, and the serving shape ddops's health gate checks. Model and drafter names, architecture, budget,
+# uptime and error details (paths, exception text) need the key.
+PUBLIC_HEALTH = ("status", "mode", "block_size")
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     state, detail = ctx.worker.health()
     uptime = round(time.monotonic() - ctx.started, 3)
     if state == READY and ctx.draining:
-        return JSONResponse({"status": "draining", "detail": "shutting down", "uptime_s": uptime}, status_code=503)
-    if state != READY:
-        return JSONResponse({"status": state, "detail": detail, "uptime_s": uptime}, status_code=503)
-    return JSONResponse({"status": "ok", **ctx.describe(), "uptime_s": uptime})
+        body, code = {"status": "draining", "detail": "shutting down", "uptime_s": uptime}, 503
+    elif state != READY:
+        body, code = {"status": state, "detail": detail, "uptime_s": uptime}, 503
+    else:
+        body, code = {"status": "ok", **ctx.describe(), "uptime_s": uptime}, 200
+    if not ctx.authorized(request):
+        body = {key: value for key, value in body.items() if key in PUBLIC_HEALTH}
+    return JSONResponse(body, status_code=code)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    return PlainTextResponse(_ctx(request).metrics.render(), media_type="text/plain; version=0.0.4")
+    ctx = _ctx(request)
+    ctx.authorize(request)  # a scraper sends the key (Prometheus: `authorization: {credentials: ...}`)
+    return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/models")

@@ -130,7 +130,8 @@ def exec_words(value: str) -> list[str]:
 
 
 def env_file(text: str) -> dict[str, str]:
-    """KEY=VALUE lines as systemd's EnvironmentFile= reader takes them (double/single quotes, escapes)."""
+    """KEY=VALUE lines as systemd's EnvironmentFile= reader takes them: double quotes (backslash escapes
+    only `"\\`$`, a line break inside belongs to the value), single quotes, trailing blanks trimmed."""
     out, i = {}, 0
     while i < len(text):
         if text[i] in "\n\r":
@@ -141,7 +142,7 @@ def env_file(text: str) -> dict[str, str]:
                 i += 1
             continue
         eq = text.index("=", i)
-        key, i, value = text[i:eq].strip(), eq + 1, ""
+        key, i, value, kept = text[i:eq].strip(), eq + 1, "", 0  # kept: what quotes protect from trimming
         while i < len(text) and text[i] not in "\n\r":
             c = text[i]
             if c == '"':
@@ -154,9 +155,11 @@ def env_file(text: str) -> dict[str, str]:
                         continue
                     value += text[i]
                     i += 1
+                kept = len(value)
             elif c == "'":
                 end = text.index("'", i + 1)
                 value, i = value + text[i + 1:end], end
+                kept = len(value)
             elif c == "\\":
                 i += 1
                 value += text[i]
@@ -164,7 +167,7 @@ def env_file(text: str) -> dict[str, str]:
                 value += c
             i += 1
         assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key), f"not a variable name: {key!r}"
-        out[key] = value.rstrip()
+        out[key] = value[:kept] + value[kept:].rstrip()
     return out
 
 
@@ -233,7 +236,7 @@ def test_secret_values_from_the_environment_cannot_add_a_line(tmp_path, payload)
     profile = profile_from(tmp_path, BASE, {"bind": "0.0.0.0", "secrets": {"DDTREE_API_KEY": {"env": "K"}}})
     text = env_lines(profile, {"DDTREE_API_KEY": payload}, masked=False)
     assert env_file(text) == {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": "/var/cache/ddtree/hf",
-                              "DDTREE_API_KEY": payload.rstrip()}  # systemd trims a value's trailing space
+                              "DDTREE_API_KEY": payload}
     assert env_lines(profile, {"DDTREE_API_KEY": payload}, masked=True).endswith("DDTREE_API_KEY=***\n")
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -175,3 +176,40 @@ def test_second_sigterm_cancels_at_once_and_streams_end_cleanly(tiny_models):
         assert srv.wait_exit(30) == 0
         log = srv.log_tail(chars=10**9)
         assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+def test_retry_after_is_the_admitted_work_estimated_from_measured_jobs(tiny_models):
+    """Issue 12, item 3: a 429's Retry-After comes from how long jobs take here and how many are
+    ahead: the held job plus two waiting, each as long as the one measured first (not a fixed 1 s)."""
+    with ServerProcess(_args(tiny_models, "--max-queue", "2"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+        srv.wait_ready()
+        httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.1})
+        body = {"model": "target", "prompt": "1\n2\n3\n4\n", "max_tokens": 15, "temperature": 0,
+                "speculative": {"mode": "ar"}}  # 15 rounds of at least 0.1 s
+        started = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        job_s = time.monotonic() - started
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 15
+
+        httpx.post(srv.url + "/_test/fault", json={"paused": True})
+        ahead = [threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                  kwargs={"json": body, "timeout": 60}) for _ in range(3)]
+        ahead[0].start()
+        _wait_gauge(srv, "ddtree_engine_busy", 1)
+        for t in ahead[1:]:
+            t.start()
+        _wait_gauge(srv, "ddtree_queue_depth", 2)
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 429
+        retry_after = int(r.headers["retry-after"])
+        assert 2 * (job_s - 0.5) <= retry_after <= 3 * job_s + 1, (retry_after, job_s)
+        httpx.post(srv.url + "/_test/fault", json={"paused": False})
+        for t in ahead:
+            t.join(60)
+
+
+def _wait_gauge(srv: ServerProcess, name: str, value: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while f"{name} {value:g}" not in httpx.get(srv.url + "/metrics").text.splitlines():
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)

@@ -25,8 +25,9 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 from . import history
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError, DdopsError, HostUnreachable, StepFailed
 from .executor import CommandTimeout
+from .progress import HEARTBEAT_S, NOTE_S, Activity
 from .rollback import restore
-from .steps.base import LOCK_PATH, Change, Interrupted, PivotRun, run_probe
+from .steps.base import HISTORY_PATH, LOCK_PATH, Change, Interrupted, PivotRun, run_probe
 from .steps.deps import DepsStep
 from .steps.health import HealthStep
 from .steps.preflight import PreflightStep
@@ -52,42 +53,100 @@ class StepState:
 
 
 class PlanView:
-    """The live plan: one row per step with pending / running / done / failed / skipped."""
+    """The plan while it runs: one row per step with pending / running / done / failed / skipped.
+
+    In a terminal the table updates live. Anywhere else (a CI log, `| tee`) a live table prints
+    nothing until the end, so the view writes a line when a step starts or ends, each new progress
+    note and a heartbeat, as ddops.progress does for a single wait; the final table is printed once,
+    complete, at the end.
+    """
 
     def __init__(self, states: list[StepState], console: Console) -> None:
         self.states, self.console = states, console
         self.live: Live | None = None
+        self.logging = False                   # not a terminal: write lines instead of a live table
         self.note = ""
+        self.logged: dict[str, str] = {}       # step name -> the status last written to the log
+        self.last_line = time.monotonic()
+        self.last_note = ""
+        self.step_started = time.monotonic()
+        self.lock = threading.Lock()
+        self.stop_heartbeat = threading.Event()
 
     def table(self) -> Table:
         table = Table(show_header=False, box=None, padding=(0, 1))
         for s in self.states:
             icon, style = ICONS[s.status]
             took = f"{s.seconds:.1f}s" if s.seconds is not None else ""
-            detail = s.summary or "; ".join(c.what for c in s.changes)
+            detail = s.summary or "\n".join(c.what for c in s.changes)
             if s.status == "running" and self.note:
                 detail = self.note
             table.add_row(Text(icon, style=style), Text(s.title, style="bold" if s.status == "running" else ""),
-                          Text(s.status, style=style), Text(took, style="dim"), Text(detail[:160], overflow="fold"))
+                          Text(s.status, style=style), Text(took, style="dim"), Text(detail, overflow="fold"))
         return table
 
     def refresh(self) -> None:
         if self.live is not None:
             self.live.update(self.table())
+        elif self.logging:
+            self.log_transitions()
 
     def progress(self, message: str) -> None:
         self.note = message
-        self.refresh()
+        if self.live is not None:
+            self.live.update(self.table())
+        elif self.logging and message != self.last_note and time.monotonic() - self.last_line >= NOTE_S:
+            self.write(f"     {message}")
+            self.last_note = message
+
+    # -- the log -------------------------------------------------------------------------------------
+
+    def write(self, line: str, style: str = "") -> None:
+        with self.lock:
+            self.console.print(Text(line, style=style), soft_wrap=True)
+            self.last_line = time.monotonic()
+
+    def log_transitions(self) -> None:
+        for s in self.states:
+            if self.logged.get(s.name) == s.status or s.status in ("pending", "planned"):
+                continue
+            self.logged[s.name] = s.status
+            icon, style = ICONS[s.status]
+            if s.status == "running":
+                self.step_started, self.last_note = time.monotonic(), ""
+                self.write(f" {icon} {s.title} ...", style)
+            else:
+                took = f" {s.seconds:.1f}s" if s.seconds is not None else ""
+                self.write(f" {icon} {s.title}: {s.status}{took}" + (f": {s.summary}" if s.summary else ""), style)
+
+    def heartbeat(self) -> None:
+        while not self.stop_heartbeat.wait(1.0):
+            running = next((s for s in self.states if s.status == "running"), None)
+            if running is not None and time.monotonic() - self.last_line >= HEARTBEAT_S:
+                waited = time.monotonic() - self.step_started
+                self.write(f"     ... {running.title.lower()}, {waited:.0f}s" + (f": {self.note}" if self.note else ""),
+                           "dim")
 
     def __enter__(self) -> "PlanView":
-        self.live = Live(self.table(), console=self.console, refresh_per_second=8, transient=False)
-        self.live.__enter__()
+        if self.console.is_terminal:
+            self.live = Live(self.table(), console=self.console, refresh_per_second=8, transient=False)
+            self.live.__enter__()
+        else:
+            self.logging = True
+            self.logged = {s.name: s.status for s in self.states}  # the plan above already shows these
+            threading.Thread(target=self.heartbeat, name="plan-heartbeat", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.refresh()
-        self.live.__exit__(*exc)
-        self.live = None
+        if self.live is not None:
+            self.live.update(self.table())
+            self.live.__exit__(*exc)
+            self.live = None
+            return
+        self.stop_heartbeat.set()
+        self.log_transitions()
+        self.note = ""
+        self.console.print(self.table())
 
 
 EXIT_INTERRUPTED = 130
@@ -171,7 +230,8 @@ class Pivot:
         t0 = time.monotonic()
         failure: DdopsError | None = None
         try:
-            with self.console.status("preflight..."):
+            with Activity(self.console, "preflight") as activity:
+                run.progress = activity.update
                 pre.summary = self.preflight.execute(run)
             pre.status = "done"
         except DdopsError as exc:
@@ -184,44 +244,53 @@ class Pivot:
         self.show_plan()
         changing = [s for s in self.states if s.changes]
         if run.dry_run:
-            return self.finish("dry-run", "dry run: nothing was changed", None, started)
+            return self.finish("dry-run", self.dry_run_state(), None, started)
         if changing and not self.yes and self.confirm is not None and not self.confirm("Apply this plan?"):
             return self.finish("aborted", "not confirmed: nothing was changed", None, started)
         with InterruptGuard(run) as guard:
             self.acquire_lock()
             error: DdopsError | None = None
-            try:
-                with PlanView(self.states, self.console) as view:
+            with PlanView(self.states, self.console) as view:
+                try:
                     run.progress = view.progress
                     error = self.apply_all(view)
                     if error is not None and self.should_rollback() and not self.no_rollback:
                         self.rollback(view, error)
-            except BaseException as exc:  # a bug: never record a run that blew up as "ok"
-                error = error or StepFailed(f"the pivot stopped on an unexpected {exc.__class__.__name__}: {exc}")
-                raise
-            finally:
-                outcome, state = self.outcome(error)
-                self.record(outcome, state, error, started)
-                self.release_lock()
-                rec = self.by_name["record"]
-                self.console.print(f" {ICONS[rec.status][0]}  Record: {rec.summary}")
+                except BaseException as exc:  # a bug: never record a run that blew up as "ok"
+                    error = error or StepFailed(f"the pivot stopped on an unexpected {exc.__class__.__name__}: {exc}")
+                    raise
+                finally:
+                    outcome, state = self.outcome(error)
+                    self.record(outcome, state, error, started, view)
+                    self.release_lock()
             if guard.count:
                 self.report["signals"] = guard.count
         return self.finish(outcome, state, error, started)
 
     def plan_all(self) -> None:
+        """Every step's changes from the facts; a step with none says so, and the gates say what they check."""
         planned = set()
         for step in self.steps:
             state = self.by_name[step.name]
             if isinstance(step, StartStep):
                 step.planned = planned
             state.changes = step.plan(self.run)
-            state.status = "planned" if state.changes else "pending"
             if state.changes:
                 planned.add(step.name)
-        if not planned - {"start"} and not self.by_name["start"].changes:
-            for name in ("training", "sync", "deps", "ship", "unit", "start"):
-                self.by_name[name].summary = "no change"
+                state.status = "planned"
+            elif hasattr(step, "execute"):
+                state.status, state.summary = "planned", step.describe(self.run)
+            else:
+                state.status, state.summary = "skipped", "no change"
+        record = self.by_name["record"]
+        record.status, record.summary = "planned", f"append to {HISTORY_PATH} on {self.run.host.name}"
+
+    def dry_run_state(self) -> str:
+        training = self.by_name["training"].changes
+        if training and not self.run.kill_training:
+            return (f"nothing was changed; a real run must stop training on {self.run.profile.host}, "
+                    "so it needs --kill-training")
+        return "nothing was changed; run it without --dry-run to apply this plan"
 
     def apply_all(self, view: PlanView) -> DdopsError | None:
         for step in self.steps:
@@ -358,8 +427,12 @@ class Pivot:
         except DdopsError as exc:
             self.console.print(f"[yellow]warning:[/] could not release the lock on {run.host.name}: {exc.line()}")
 
-    def record(self, outcome: str, state: str, error: DdopsError | None, started: float) -> None:
+    def record(self, outcome: str, state: str, error: DdopsError | None, started: float, view: PlanView) -> None:
         run = self.run
+        rec_state = self.by_name["record"]
+        rec_state.status = "running"
+        view.refresh()
+        t0 = time.monotonic()
         rec = {"kind": "pivot", "profile": run.profile.name, "unit": run.profile.unit, "outcome": outcome,
                "state": state, "release": run.release, "backup_id": run.backup_id,
                "unit_sha256": run.gates.get("unit", {}).get("after", {}).get("unit"),
@@ -369,12 +442,13 @@ class Pivot:
                "gates": {k: v for k, v in run.gates.items() if k in ("health", "smoke")},
                "training": run.training, "stopped_units": run.stopped_units,
                "error": error.line() if error else None, "wall_s": round(time.monotonic() - started, 2)}
-        rec_state = self.by_name["record"]
         try:
             history.append(run.executor, run.host, rec)
-            rec_state.status, rec_state.summary = "done", "appended to /var/lib/ddops/history.jsonl"
+            rec_state.status, rec_state.summary = "done", f"appended to {HISTORY_PATH} on {run.host.name}"
         except DdopsError as exc:
             rec_state.status, rec_state.summary = "failed", exc.line()
+        rec_state.seconds = round(time.monotonic() - t0, 2)
+        view.refresh()
 
     def finish(self, outcome: str, state: str, error: DdopsError | None, started: float) -> dict[str, Any]:
         run = self.run
@@ -421,7 +495,26 @@ def render_summary(report: dict[str, Any], console: Console) -> None:
     smoke = (report.get("gates") or {}).get("smoke")
     if smoke:
         for r in smoke["results"]:
-            console.print(f"  smoke {r['prompt']!r} -> {(r.get('text') or '').strip()[:60]!r} "
-                          f"({r.get('tokens_per_s')} tok/s, mean acceptance {r.get('mean_acceptance_length')}, "
-                          f"ar {r.get('ar_tokens_per_s')} tok/s, lossless {r.get('lossless')})")
+            console.print(Text(f"  smoke {smoke_line(r)}"), soft_wrap=True)
+        console.print(Text(f"  (one short request is no speed test: `ddops bench --host {report['host']}` measures "
+                           "tokens/s per mode)", style="dim"), soft_wrap=True)
     console.print(f"  wall time {report['wall_s']}s; exit {report['exit_code']}")
+
+
+def smoke_line(r: dict[str, Any]) -> str:
+    """One smoke result in words: the answer as sent (whitespace shown), how it was drafted, lossless or not."""
+    text = r.get("text") or ""
+    shown = repr(text[:60]) + ("..." if len(text) > 60 else "")
+    line = f"{r['prompt']!r} -> {shown} {'ok' if r.get('ok') else 'FAILED'}"
+    tokens, rounds, accepted = r.get("completion_tokens"), r.get("rounds"), r.get("mean_acceptance_length")
+    if tokens is not None:
+        line += f": {tokens} token(s)"
+        if rounds and accepted is not None:
+            line += f", {rounds} draft-and-verify round(s), {accepted:g} tokens accepted per round"
+            if accepted * rounds > tokens:  # the runtime counts a round's accepted tokens before the stop cuts it
+                line += " (counted before the answer's end cut the last round)"
+    if "lossless" in r:
+        line += "; identical to plain decoding" if r["lossless"] else "; DIFFERS from plain decoding"
+    if r.get("seconds") is not None:
+        line += f"; {r['seconds']:.2f}s"
+    return line

@@ -116,6 +116,11 @@ class HealthStep:
     def plan(self, run: PivotRun):
         return []
 
+    def describe(self, run: PivotRun) -> str:
+        p = run.profile
+        expect = f" with mode {p.serve.mode}, block size {p.serve.block_size}" if p.engine == "ddtree" else ""
+        return f"wait up to {p.health.deadline_s:g}s for {p.health.path} ok{expect}, watching {p.unit}"
+
     def execute(self, run: PivotRun) -> str:
         p = run.profile
         expect = {"block_size": p.serve.block_size, "mode": p.serve.mode} if p.engine == "ddtree" else None

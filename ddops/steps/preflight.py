@@ -201,7 +201,7 @@ class PreflightStep:
         problems += check_disk(profile, trees, dest)
         problems += check_port(profile, dest)
         training = (run.facts[profile.host].get("training") or {})
-        if training.get("running") and not run.kill_training:
+        if training.get("running") and not run.kill_training and not run.dry_run:  # a dry run shows the stop
             problems.append(f"training is running on {profile.host} (pid {training.get('pid')}, step "
                             f"{training.get('last_step')}); pass --kill-training to stop it")
         holder = dest.get("lock")

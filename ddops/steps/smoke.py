@@ -25,6 +25,12 @@ class SmokeStep:
     def plan(self, run: PivotRun):
         return []
 
+    def describe(self, run: PivotRun) -> str:
+        sm = run.profile.smoke
+        floor = f", mean acceptance >= {sm.min_acceptance:g}" if run.profile.engine == "ddtree" else ""
+        return (f"{len(sm.prompts)} chat completion(s) on {run.host.name}'s loopback{floor}"
+                + (", each checked identical to plain decoding" if sm.lossless_check else ""))
+
     def execute(self, run: PivotRun) -> str:
         p = run.profile
         started = time.monotonic()
@@ -35,8 +41,9 @@ class SmokeStep:
         if not out["ok"]:
             problems = [f"{r['prompt']!r}: {'; '.join(r['problems'])}" for r in out["results"] if not r["ok"]]
             raise StepFailed(f"smoke test failed on {run.host.name}: {' | '.join(problems)}")
-        r = out["results"][0]
-        mal = r.get("mean_acceptance_length")
-        return (f"{len(out['results'])} prompt(s) ok: {r['prompt']!r} -> {r.get('text', '').strip()[:40]!r}; "
-                f"{r.get('tokens_per_s')} tok/s" + (f", mean acceptance {mal}" if mal is not None else "")
-                + (", lossless vs ar" if r.get("lossless") else ""))
+        results = out["results"]
+        lossless = all(r.get("lossless") for r in results)
+        accepted = [r["mean_acceptance_length"] for r in results if r.get("mean_acceptance_length") is not None]
+        return (f"{len(results)} prompt(s) answered as expected"
+                + (", each identical to plain decoding" if lossless else "")
+                + (f"; {min(accepted)}-{max(accepted)} tokens accepted per round" if accepted else ""))

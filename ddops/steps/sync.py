@@ -114,6 +114,7 @@ def rsync(argv: list[str], progress, what: str, timeout: float = 6 * 3600) -> st
     errfile = tempfile.TemporaryFile()  # a file, not a pipe: a chatty rsync can never block on it
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errfile, text=False)
     out = bytearray()
+    reported = None  # rsync repeats a percentage many times: say each one once
     try:
         while True:
             chunk = proc.stdout.read1(4096) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
@@ -121,8 +122,9 @@ def rsync(argv: list[str], progress, what: str, timeout: float = 6 * 3600) -> st
                 break
             out += chunk
             found = _PCT.findall(chunk.decode(errors="replace"))
-            if found:
-                progress(f"{what}: {found[-1]}%")
+            if found and found[-1] != reported:
+                reported = found[-1]
+                progress(f"{what}: {reported}%")
         proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:

@@ -9,12 +9,16 @@ from .base import Change, PivotRun, run_probe
 
 
 def plan_training(facts: dict, kill_training: bool) -> list[Change]:
+    """Stop a running job. Without --kill-training only a dry run gets this far (preflight refuses a real
+    run), so the plan still shows what a real run would stop, and says it needs the flag."""
     training = facts.get("training") or {}
-    if not training.get("running") or not kill_training:
+    if not training.get("running"):
         return []
     unit = (training.get("unit") or {}).get("unit")
     return [Change(f"stop training pid {training.get('pid')}" + (f" ({unit})" if unit else "")
-                   + f" at step {training.get('last_step')}", data={"pids": training.get("pids")})]
+                   + f" at step {training.get('last_step')}"
+                   + ("" if kill_training else " (a real run needs --kill-training)"),
+                   data={"pids": training.get("pids")})]
 
 
 def stop_args(host, grace_s: float) -> dict:

@@ -86,7 +86,8 @@ def test_install_and_restore_specs(profile):
 @pytest.mark.parametrize("facts, kill, expected", [
     ({"training": {"running": True, "pid": 42, "last_step": 7, "unit": {"unit": "dflash-train.service"}}},
      True, ["stop training pid 42 (dflash-train.service) at step 7"]),
-    ({"training": {"running": True, "pid": 42}}, False, []),
+    ({"training": {"running": True, "pid": 42, "last_step": 7}}, False,
+     ["stop training pid 42 at step 7 (a real run needs --kill-training)"]),
     ({"training": {"running": False}}, True, []),
     ({"training": None}, True, []),
 ])
@@ -250,3 +251,84 @@ def test_judge(p, first_pid, state):
 def test_history_scrub():
     assert scrub({"api_key": "x", "nested": [{"token": "y", "n": 1}]}) == {"api_key": "***",
                                                                           "nested": [{"token": "***", "n": 1}]}
+
+
+# -- the plan as a log shows it (not a terminal) ---------------------------------------------------
+
+def _log_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=160, force_terminal=False, highlight=False)
+
+
+def test_plan_view_in_a_log_writes_each_change_once_and_a_complete_final_table():
+    from ddops.pivot import PlanView, StepState
+    from ddops.steps.base import Change
+
+    sync = StepState("sync", "Sync model dirs", status="planned", changes=[
+        Change("sync target local:/root/.cache/ddops/tiny-models-seed0/target -> /root/models/tiny-target: "
+               "9 file(s), 2.8 MiB"),
+        Change("sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB")])
+    record = StepState("record", "Record", status="planned", summary="append to /var/lib/ddops/history.jsonl")
+    console = _log_console()
+    with PlanView([sync, record], console) as view:
+        sync.status = "running"
+        view.refresh()
+        for note in ("push draft: 0%", "push draft: 0%", "push draft: 100%"):
+            view.progress(note)
+        sync.status, sync.summary, sync.seconds = "done", "synced and verified: target, draft", 1.5
+        view.refresh()
+        record.status, record.summary = "done", "appended to /var/lib/ddops/history.jsonl on ct200"
+        view.refresh()
+    out = console.file.getvalue()
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert "pending" not in out and "planned" not in out
+    assert all(a != b for a, b in zip(lines, lines[1:])), out
+    assert out.count("push draft: 0%") <= 1
+    assert lines[-1].split() == ["✔", "Record", "done", "appended", "to", "/var/lib/ddops/history.jsonl", "on", "ct200"]
+
+
+def test_a_plan_row_shows_every_change_whole():
+    from ddops.pivot import PlanView, StepState
+    from ddops.steps.base import Change
+
+    long = "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB"
+    state = StepState("sync", "Sync model dirs", status="planned", changes=[Change("x" * 150), Change(long)])
+    console = _log_console()
+    console.print(PlanView([state], console).table())
+    assert "/root/models/tiny-draft: 2 file(s), 1.3 MiB" in console.file.getvalue()
+
+
+def test_a_step_that_runs_long_gets_a_heartbeat_in_a_log(monkeypatch):
+    import time
+
+    import ddops.pivot as pivot
+
+    monkeypatch.setattr(pivot, "HEARTBEAT_S", 0.5)
+    state = pivot.StepState("health", "Health gate", status="running")
+    console = _log_console()
+    with pivot.PlanView([state], console) as view:
+        view.refresh()
+        time.sleep(1.8)
+        state.status = "done"
+    assert "... health gate, 1s" in console.file.getvalue() or "... health gate, 2s" in console.file.getvalue()
+
+
+@pytest.mark.parametrize("result, line", [
+    ({"prompt": "What is 2+3?", "ok": True, "text": "5", "completion_tokens": 2, "rounds": 1,
+      "mean_acceptance_length": 2.0, "lossless": True, "seconds": 0.31},
+     "'What is 2+3?' -> '5' ok: 2 token(s), 1 draft-and-verify round(s), 2 tokens accepted per round; "
+     "identical to plain decoding; 0.31s"),
+    ({"prompt": "What is 2+3?", "ok": True, "text": "5", "completion_tokens": 2, "rounds": 1,
+      "mean_acceptance_length": 16.0, "lossless": True, "seconds": 0.04},
+     "'What is 2+3?' -> '5' ok: 2 token(s), 1 draft-and-verify round(s), 16 tokens accepted per round "
+     "(counted before the answer's end cut the last round); identical to plain decoding; 0.04s"),
+    ({"prompt": "Hi", "ok": False, "text": "", "lossless": False},
+     "'Hi' -> '' FAILED; DIFFERS from plain decoding"),
+])
+def test_smoke_line_says_what_was_measured(result, line):
+    from ddops.pivot import smoke_line
+
+    assert smoke_line(result) == line

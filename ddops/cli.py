@@ -19,6 +19,7 @@ from . import __version__
 from .errors import EXIT_FAILED, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
+from .progress import Activity
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -51,7 +52,8 @@ def cli(ctx: click.Context, inventory_path: Path | None, limit: str | None,
         accept_new_host_keys: bool, verbose: int) -> None:
     """Fleet ops for GPU hosts that train and serve speculative-decoding LLMs.
 
-    Exit codes: 0 ok, 2 user/config error or a failed step, 4 a host unreachable.
+    Exit codes: 0 ok, 2 user/config error or a failed step, 4 a host unreachable, 130 interrupted
+    (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
     """
     ctx.obj = Context(inventory_path=inventory_path or default_inventory_path(), limit=limit,
                       verbose=verbose, accept_new_host_keys=accept_new_host_keys)
@@ -71,7 +73,7 @@ def status(obj: Context, as_json: bool) -> None:
             records = collect(executor, hosts)
             click.echo(json.dumps(records, indent=2))
         else:
-            with err_console.status(f"Gathering facts from {len(hosts)} host(s)..."):
+            with Activity(err_console, f"gathering facts from {len(hosts)} host(s)"):
                 records = collect(executor, hosts)
             render(records, stdout_console())
     sys.exit(exit_code(records))
@@ -139,9 +141,8 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
             return
         t0 = time.monotonic()
         try:
-            with console.status(f"rolling back {unit} on {host.name}...") as status:
-                report = restore(executor, inventory, host, unit, backup_id,
-                                 progress=lambda m: status.update(m))
+            with Activity(console, f"rolling back {unit} on {host.name}") as activity:
+                report = restore(executor, inventory, host, unit, backup_id, progress=activity.update)
         except UsageError:
             raise  # nothing was attempted (no such backup): nothing to record
         except DdopsError as exc:
@@ -168,6 +169,7 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
 def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
     """Pivots and rollbacks recorded on the hosts."""
     from . import history
+    from .steps.base import HISTORY_PATH
 
     inventory = obj.inventory()
     hosts = [inventory.host(host_name)] if host_name else inventory.select(obj.limit)
@@ -183,6 +185,11 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
     records.sort(key=lambda r: r.get("time", 0))
     if as_json:
         click.echo(json.dumps(records, indent=2, default=str))
+        return
+    if not records:
+        where = ", ".join(h.name for h in hosts)
+        err_console.print(f"no pivots or rollbacks recorded on {where} yet (each host keeps its own in "
+                          f"{HISTORY_PATH})")
         return
     from rich.table import Table
 
@@ -204,16 +211,24 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
 @click.pass_obj
 def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
     """The journal tail of a unit on a host."""
-    from .steps.base import journal_argv
+    from .steps.base import journal_argv, unit_installed
 
     inventory = obj.inventory()
     host = inventory.host(host_name)
     unit = unit or _default_unit(host)
     with obj.executor(inventory) as executor:
+        installed = unit_installed(executor, host, unit)
         result = executor.run(host, journal_argv(unit, lines), timeout=60)
-    click.echo(result.stdout.rstrip())
     if not result.ok:
         raise DdopsError(f"journalctl failed on {host.name}: {result.stderr.strip()[-200:]}")
+    empty = result.stdout.strip() in ("", "-- No entries --")
+    if not installed and empty:
+        known = ", ".join(s.unit for s in host.services) or "none"
+        raise UsageError(f"{unit} is not installed on {host.name} and has no journal entries",
+                         fix=f"check the name (the inventory lists: {known}); a profile's unit appears after its pivot")
+    _progress(f"journal of {unit} on {host.name}, last {lines} lines"
+              + ("" if installed else f" ({unit} is not installed now: deployed once, then removed)"))
+    click.echo(result.stdout.rstrip())
 
 
 @cli.command()
@@ -273,10 +288,11 @@ def bench(obj: Context, host_name: str, profile_name: str | None, port: int | No
 
 
 @cli.command()
-@click.option("--keep", is_flag=True, help="Leave the lab running at the end.")
+@click.option("--keep", is_flag=True, help="Leave the lab running at the end (else a lab the demo booted is "
+                                           "shut down again).")
 @click.pass_obj
 def demo(obj: Context, keep: bool) -> None:
-    """The whole story on the local lab: up, status, pivot, status, rollback, status, summary."""
+    """The whole story on the local lab: up, status, a dry run, the pivot, a re-run, logs, rollback, history."""
     from .demo import run_demo
 
     sys.exit(run_demo(obj, keep=keep, progress=_progress))
@@ -365,7 +381,7 @@ def stdout_console() -> Console:
 
 
 def _progress(message: str) -> None:
-    err_console.print(f"[bold blue]-->[/] {message}")
+    err_console.print(f"[bold blue]-->[/] {message}", soft_wrap=True)  # one line in a log, never wrapped at 80
 
 
 def main() -> None:

@@ -1,58 +1,41 @@
 """`ddops demo`: the whole story on the local lab, from a fresh machine.
 
-lab up -> status -> the lab pivot -> status -> rollback -> status -> a short summary. The tiny models
-are built once (cached in $DDOPS_CACHE/tiny-models-seed0, shared with the runtime tests) and the drafter is seeded on eval-a6000, where the lab
-profile syncs it from.
+The tiny models (committed fixtures) -> lab up (which puts the drafter on eval-a6000) -> status -> the
+lab pivot as a dry run -> the pivot -> status -> the pivot again (nothing to change) -> the unit's
+journal -> rollback -> status -> history -> a summary. The lab is left as the demo found it: shut
+down again if the demo booted it, unless --keep.
 """
 
 from __future__ import annotations
 
-import fcntl
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from .errors import DdopsError, StepFailed
 from .executor import Executor
 from .inventory import Inventory
-from .steps.sync import cache_dir, rsync, rsync_argv
+from .lab.tiny import DRAFT_DIR, DRAFT_HOST, QWEN3, cache_root, install
+from .steps.sync import rsync, rsync_argv
 
 LAB_PROFILE = "lab-ddtree16"
-DRAFT_HOST, DRAFT_PATH = "eval-a6000", "/root/models/tiny-draft"
-
-
-TINY_SEED = 0
+SERVING_HOST = "ct200"
+DRAFT_PATH = f"/root/models/{DRAFT_DIR}"
 
 
 def tiny_dir() -> Path:
-    """The tiny models, shared with the runtime tests' `tiny_models` fixture (same seed, same recipe)."""
-    return cache_dir() / f"tiny-models-seed{TINY_SEED}"
+    """Where the lab profile and the runtime tests find the tiny Qwen3 pair."""
+    return cache_root() / QWEN3
 
 
 def ensure_tiny_models(progress: Callable[[str], None]) -> Path:
-    """Build the tiny target + drafter with `ddtree-tiny` unless a complete build is cached."""
-    out = tiny_dir()
-    if (out / ".complete").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent test session may be building the same models
-        if (out / ".complete").is_file():
-            return out
-        progress(f"building the tiny models into {out} (once; a few minutes on CPU)")
-        exe = shutil.which("ddtree-tiny")
-        argv = [exe] if exe else [sys.executable, "-m", "ddtree_runtime.tiny"]
-        done = subprocess.run([*argv, str(out), "--seed", str(TINY_SEED)], timeout=3600)
-    if done.returncode != 0 or not (out / ".complete").is_file():
-        raise StepFailed("ddtree-tiny failed", fix="is the runtime installed? `pip install ./runtime`")
-    return out
+    """The tiny Qwen3 pair, installed from its fixture (see ddops.lab.tiny)."""
+    return install(QWEN3, progress)
 
 
 def seed_drafter(inventory: Inventory, executor: Executor, progress: Callable[[str], None]) -> None:
-    """Put the tiny drafter where the lab profile syncs it from (eval-a6000:/root/models/tiny-draft)."""
+    """Put the tiny drafter back where the lab profile syncs it from, for tests that changed it."""
     host = inventory.host(DRAFT_HOST)
     executor.run(host, ["mkdir", "-p", DRAFT_PATH]).check("mkdir on the eval host")
     rsync(rsync_argv(inventory, str(tiny_dir() / "draft"), DRAFT_PATH, dst_host=host), progress,
@@ -61,34 +44,52 @@ def seed_drafter(inventory: Inventory, executor: Executor, progress: Callable[[s
 
 def run_demo(obj, *, keep: bool, progress: Callable[[str], None]) -> int:
     from .cli import _print_lab  # noqa: PLC0415 - the CLI's table
-    from .lab import lab_up
+    from .lab import lab_down, lab_status, lab_up
 
     started = time.monotonic()
-    figures: dict[str, object] = {}
-    ensure_tiny_models(progress)
-    progress("booting the lab")
-    _print_lab(lab_up(obj.inventory_path, extra=0, progress=progress))
-    inventory = obj.inventory()
-    with obj.executor(inventory) as executor:
-        seed_drafter(inventory, executor, progress)
+    figures: dict[str, str] = {}
+    failed: list[str] = []
+
+    def timed(title: str, action: Callable[[], object]) -> object:
+        progress(title)
+        t0 = time.monotonic()
+        value = action()
+        figures[title] = f"done in {time.monotonic() - t0:.1f}s"
+        return value
+
+    was_running = any(s.running for s in lab_status())
+    timed("the tiny models (fixtures)", lambda: ensure_tiny_models(progress))
+    _print_lab(timed("lab up", lambda: lab_up(obj.inventory_path, extra=0, progress=progress)))
     me = [sys.executable, "-m", "ddops", "-i", str(obj.inventory_path)]
 
-    def step(title: str, argv: list[str]) -> int:
-        progress(title)
+    def step(title: str, argv: list[str]) -> None:
+        progress(f"{title}: ddops {' '.join(argv)}")
         t0 = time.monotonic()
         code = subprocess.run(me + argv).returncode
         figures[title] = f"exit {code} in {time.monotonic() - t0:.1f}s"
-        return code
+        if code != 0:
+            failed.append(title)
 
+    pivot = ["pivot", "--deploy", LAB_PROFILE]
     step("status before", ["status"])
-    pivot = step("pivot: ct200 from training to serving", ["pivot", "--kill-training", "--deploy", LAB_PROFILE, "--yes"])
+    step("the plan (dry run)", [*pivot, "--dry-run"])
+    step("pivot: ct200 from training to serving", [*pivot, "--kill-training", "--yes"])
     step("status after the pivot", ["status"])
-    again = step("pivot again (nothing to change)", ["pivot", "--kill-training", "--deploy", LAB_PROFILE, "--yes"])
-    back = step("rollback", ["rollback", "--host", "ct200"])
+    step("pivot again (changes only what differs)", [*pivot, "--kill-training", "--yes"])
+    step("the runtime's journal", ["logs", "--host", SERVING_HOST, "-n", "8"])
+    step("rollback", ["rollback", "--host", SERVING_HOST])
     step("status after the rollback", ["status"])
-    step("history", ["history", "--host", "ct200"])
+    step("history", ["history", "--host", SERVING_HOST])
+    if keep or was_running:
+        lab_note = ("the lab is still running" + (" (it was before the demo)" if was_running and not keep else "")
+                    + ": try `ddops status` or the README's commands; `ddops lab down` stops it")
+    else:
+        timed("lab down", lambda: lab_down(progress=progress))
+        lab_note = "the lab is shut down again (`ddops demo --keep` leaves it running; `ddops lab up` boots it)"
     progress("summary")
     for title, figure in figures.items():
         print(f"  {title:<40} {figure}")
-    print(f"  demo wall time {time.monotonic() - started:.0f}s")
-    return 0 if pivot == 0 and again == 0 and back == 0 else 2
+    print(f"  demo wall time {time.monotonic() - started:.0f}s; "
+          + (f"FAILED: {', '.join(failed)}" if failed else "every step passed"))
+    print(f"  {lab_note}")
+    return 2 if failed else 0

@@ -91,9 +91,18 @@ def _training_cell(r: dict[str, Any]) -> Text:
     return Text(f"pid {t['pid']} running {t['elapsed_s']:.0f}s\nstep {t['last_step']}", style="cyan")
 
 
+def not_installed(r: dict[str, Any]) -> set[str]:
+    """Units systemd has no file for: never deployed here (or removed), which is not a failure."""
+    return {s["unit"] for s in r["services"] if s.get("LoadState") == "not-found"}
+
+
 def _services_cell(r: dict[str, Any]) -> Text:
     text = Text()
+    missing = not_installed(r)
     for s in r["services"]:
+        if s["unit"] in missing:
+            text.append(f"{s['unit']}: not installed\n", style="dim")
+            continue
         state = s.get("ActiveState") or "unknown"
         style = {"active": "green", "failed": "bold red", "activating": "yellow"}.get(state, "dim")
         restarts = f" restarts={s['NRestarts']}" if s.get("NRestarts") else ""
@@ -103,7 +112,11 @@ def _services_cell(r: dict[str, Any]) -> Text:
 
 def _runtime_cell(r: dict[str, Any]) -> Text:
     text = Text()
+    missing = not_installed(r)
     for h in r["runtime"]:
+        if h.get("unit") in missing and not h["healthy"]:
+            text.append(f"{h['url']}: - ({h['unit']} not installed)\n", style="dim")
+            continue
         word = "healthy" if h["healthy"] else "UNHEALTHY"
         text.append(f"{h['url']}: {word} {_health_summary(h)}".rstrip() + "\n",
                     style="green" if h["healthy"] else "red")

@@ -3,6 +3,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Run "$@", saying every 8 s that it still runs (pip and apt are quiet here, and a log must never sit silent).
+with_heartbeat() {
+  local what=$1 start=$SECONDS pid
+  shift
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    for _ in 1 2 3 4 5 6 7 8; do
+      sleep 1
+      kill -0 "$pid" 2>/dev/null || break 2
+    done
+    echo "    ... $what, $((SECONDS - start))s"
+  done
+  wait "$pid"
+}
+
+quietly() { "$@" >/dev/null; }
+
 apt_packages=(debootstrap systemd-container rsync openssh-client)
 missing=()
 for pkg in "${apt_packages[@]}"; do
@@ -10,10 +28,10 @@ for pkg in "${apt_packages[@]}"; do
 done
 if ((${#missing[@]})); then
   echo "--> apt: installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  with_heartbeat "apt-get update" apt-get update -qq
+  with_heartbeat "apt-get install" quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 
 # torch is pinned to the CPU wheel that pip's find-links holds: a plain `torch` pulls a multi-GB CUDA build.
 echo "--> pip: ddops, the runtime and the test tools"
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "torch==2.13.0" -e "./runtime" -e ".[test]"
+with_heartbeat "pip install" python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "torch==2.13.0" -e "./runtime" -e ".[test]"

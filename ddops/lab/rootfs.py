@@ -87,7 +87,7 @@ def ensure_base(progress: Callable[[str], None]) -> Path:
         start = time.monotonic()
         building.parent.mkdir(parents=True, exist_ok=True)
         _run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
-              str(building), mirror], "debootstrap", log=building.with_suffix(".log"))
+              str(building), mirror], "debootstrap", log=building.with_suffix(".log"), progress=progress)
         _trim(building)
         progress(f"debootstrap done in {time.monotonic() - start:.0f} s")
     (building / MARKER).write_text(_marker_text())
@@ -120,13 +120,42 @@ def _in_use(base: Path) -> bool:
     return f"lowerdir={base}," in mounts or f"lowerdir={base} " in mounts
 
 
-def _run(argv: list[str], what: str, log: Path | None = None) -> None:
-    out = open(log, "w") if log else subprocess.PIPE
+PROGRESS_EVERY_S = 8.0   # a long command logged to a file still shows a line this often
+TIMEOUT_S = 1800.0
+
+
+def _run(argv: list[str], what: str, log: Path | None = None,
+         progress: Callable[[str], None] | None = None) -> None:
+    """Run argv; with a log, its output goes there and `progress` hears its latest line every few seconds."""
+    if log is None:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+        if proc.returncode != 0:
+            raise LabError(f"{what} failed (exit {proc.returncode}): {(proc.stdout or '').strip().splitlines()[-1:]}")
+        return
+    start = time.monotonic()
+    with open(log, "w") as out:
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                try:
+                    code = child.wait(timeout=PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - start > TIMEOUT_S:
+                        raise LabError(f"{what} took over {TIMEOUT_S:.0f}s; see {log}") from None
+                    if progress is not None:
+                        progress(f"{what}, {time.monotonic() - start:.0f}s: {_last_line(log)}")
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    if code != 0:
+        raise LabError(f"{what} failed (exit {code}): see {log}")
+
+
+def _last_line(path: Path) -> str:
     try:
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=1800)
-    finally:
-        if log:
-            out.close()
-    if proc.returncode != 0:
-        detail = f"see {log}" if log else (proc.stdout or "").strip().splitlines()[-1:]
-        raise LabError(f"{what} failed (exit {proc.returncode}): {detail}")
+        lines = path.read_bytes()[-4096:].decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:120] if lines else ""

@@ -113,6 +113,12 @@ def journal_argv(unit: str, lines: int = 30) -> list[str]:
     return ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
 
 
+def unit_installed(executor: Executor, host: Host, unit: str) -> bool:
+    """Whether systemd on host has a unit file for `unit` (a journal outlives its unit)."""
+    result = executor.run(host, ["systemctl", "show", unit, "--property=LoadState", "--value"], timeout=30)
+    return result.stdout.strip() not in ("not-found", "")
+
+
 def journal_tail(executor: Executor, host: Host, unit: str, lines: int = 30) -> str:
     try:
         result = executor.run(host, journal_argv(unit, lines), timeout=30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddops.status import _runtime_cell
+from ddops.status import _runtime_cell, _services_cell
 
 
 @pytest.mark.parametrize("health, shown", [
@@ -18,5 +18,23 @@ from ddops.status import _runtime_cell
     ({"healthy": False, "detail": "connection refused"}, "UNHEALTHY connection refused"),
 ])
 def test_runtime_cell_says_what_is_served_or_why_not(health, shown):
-    cell = _runtime_cell({"runtime": [{"url": "http://127.0.0.1:8000/health", **health}]}).plain
+    cell = _runtime_cell({"services": [], "runtime": [{"url": "http://127.0.0.1:8000/health", **health}]}).plain
     assert cell == f"http://127.0.0.1:8000/health: {shown}\n"
+
+
+def test_a_unit_never_deployed_is_not_installed_not_unhealthy():
+    record = {"services": [{"unit": "ddtree.service", "ActiveState": "inactive", "SubState": "dead",
+                            "LoadState": "not-found"}],
+              "runtime": [{"url": "http://127.0.0.1:8200/health", "unit": "ddtree.service", "healthy": False,
+                           "detail": "[Errno 111] Connection refused"}]}
+    assert _services_cell(record).plain == "ddtree.service: not installed\n"
+    assert _runtime_cell(record).plain == "http://127.0.0.1:8200/health: - (ddtree.service not installed)\n"
+
+
+def test_an_installed_unit_that_is_down_is_still_unhealthy():
+    record = {"services": [{"unit": "ddtree.service", "ActiveState": "failed", "SubState": "failed",
+                            "LoadState": "loaded"}],
+              "runtime": [{"url": "http://127.0.0.1:8200/health", "unit": "ddtree.service", "healthy": False,
+                           "detail": "[Errno 111] Connection refused"}]}
+    assert _services_cell(record).plain == "ddtree.service: failed/failed\n"
+    assert "UNHEALTHY [Errno 111] Connection refused" in _runtime_cell(record).plain

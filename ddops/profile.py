@@ -28,7 +28,11 @@ def _runtime_limits() -> ModuleType:
     """
     path = Path(__file__).resolve().parents[1] / "runtime" / "ddtree_runtime" / "limits.py"
     if not path.is_file():
-        from ddtree_runtime import limits
+        try:
+            from ddtree_runtime import limits
+        except ImportError:
+            raise ConfigError("cannot check deploy profiles: the DDTree runtime's limits (ddtree_runtime.limits) "
+                              "are not installed", fix="run ddops from its checkout, or `pip install ./runtime`") from None
         return limits
     spec = importlib.util.spec_from_file_location("ddops._runtime_limits", path)
     module = importlib.util.module_from_spec(spec)

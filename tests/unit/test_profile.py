@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -161,6 +163,24 @@ def test_serve_limits_are_the_runtimes():
                            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+@pytest.mark.parametrize("runtime_installed", [True, False])
+def test_limits_without_the_checkout(tmp_path, runtime_installed):
+    """ddops installed on its own (no runtime/ beside it) reads the installed runtime's limits, or says
+    in one line what to install."""
+    shutil.copytree(REPO / "ddops", tmp_path / "ddops", ignore=shutil.ignore_patterns("__pycache__"))
+    block = "" if runtime_installed else "sys.modules['ddtree_runtime'] = None; "
+    code = (f"import sys; {block}from ddops.errors import ConfigError\n"
+            "try:\n    import ddops.profile as p; print(p.__file__, p.LIMITS.__name__, p.LIMITS.MAX_TREE_BUDGET)\n"
+            "except ConfigError as e:\n    print(e.line())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    if runtime_installed:
+        assert done.stdout.split() == [str(tmp_path / "ddops" / "profile.py"), "ddtree_runtime.limits", "1024"]
+    else:
+        assert "limits (ddtree_runtime.limits) are not installed" in done.stdout and "pip install" in done.stdout
 
 
 def test_the_engine_enforces_the_same_limits():

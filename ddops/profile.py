@@ -310,10 +310,15 @@ def _secrets(top: Section) -> dict[str, str]:
     return out
 
 
+def _system_tree(path: str) -> str | None:
+    """The system tree a normalised absolute path is in, if any."""
+    return next((t for t in _SYSTEM_TREES if path == t or path.startswith(t + "/")), None)
+
+
 def _model_path(section: Section, key: str) -> str:
     value = section.abspath(key, required=True)
     norm = os.path.normpath(value)
-    inside = next((t for t in _SYSTEM_TREES if norm == t or norm.startswith(t + "/")), None)
+    inside = _system_tree(norm)
     if norm in _PROTECTED or norm.count("/") < 2 or inside or (norm.startswith("/dev/") and
                                                               not norm.startswith("/dev/shm/")):
         raise section.fail(key, f"model path {value!r} is a system directory or too shallow"
@@ -327,7 +332,7 @@ def _local_source(section: Section) -> str:
     outside the system trees once symlinks are resolved, and a model dir (config.json) if it exists.
     One that does not exist yet (built or fetched later) is refused by preflight, before any change."""
     raw = section.str("path", required=True)
-    if not (raw.startswith(("/", "~/", CACHE + "/"))):
+    if not raw.startswith(("/", "~/", CACHE + "/")):
         raise section.fail("path", f"local source path {raw!r} must be absolute",
                            f"start it with /, ~/ or {CACHE}/ (a relative path depends on where ddops runs)")
     cache = os.environ.get("DDOPS_CACHE") or "~/.cache/ddops"
@@ -335,8 +340,7 @@ def _local_source(section: Section) -> str:
     if CONTROL_CHARS.search(expanded):
         raise section.fail("path", f"local source path {raw!r} contains a newline or control character")
     real = os.path.realpath(expanded)
-    inside = next((t for t in _SYSTEM_TREES if real == t or real.startswith(t + "/")), None)
-    if inside or real in _PROTECTED or real.count("/") < 2:
+    if _system_tree(real) or real in _PROTECTED or real.count("/") < 2:
         raise section.fail("path", f"local source path {raw!r} is {real}, a system directory or too shallow",
                            "name the model's own directory, e.g. ~/models/NAME")
     if os.path.exists(real) and not os.path.isfile(os.path.join(real, "config.json")):

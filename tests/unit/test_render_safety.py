@@ -298,11 +298,13 @@ def test_a_template_field_with_a_line_break_is_refused_at_render(tmp_path, monke
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is not installed")
 @pytest.mark.parametrize("doc", [BASE, SGLANG], ids=["ddtree", "sglang"])
 def test_systemd_itself_reads_the_hostile_unit_cleanly(tmp_path, doc):
-    """systemd's own parser: no unknown key, no bad quoting, nothing ignored (only the executable,
-    which does not exist here, is reported)."""
+    """systemd's own parser: no unknown key, no bad quoting, nothing ignored; the one complaint is that
+    the executable does not exist here, and it names that path exactly as ddops meant it."""
+    executable = "/opt/a b %n %% %h % ; x"
     profile = profile_from(tmp_path, doc, {"serve.served_model_name": "".join(PAYLOADS),
                                            "models.target.path": "/root/models/" + "".join(ONE_LINE),
-                                           "unit": "safe-test.service"})
+                                           "unit": "safe-test.service", "runtime.venv": executable,
+                                           **({"sglang.python": executable} if "sglang" in doc else {})})
     unit = tmp_path / "safe-test.service"
     unit.write_text(render(profile, {}).unit_text)
     done = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True,
@@ -311,3 +313,4 @@ def test_systemd_itself_reads_the_hostile_unit_cleanly(tmp_path, doc):
                 if line.strip() and "is not executable" not in line and "has a bad unit file setting" not in line
                 and "fatal error" not in line]
     assert problems == [], done.stderr
+    assert f"Command {exec_argv(profile)[0]} is not executable" in done.stdout + done.stderr, done.stderr

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 NOTE_S = 3.0
-HEARTBEAT_S = 8.0
+HEARTBEAT_S = 5.0
 
 
 class Activity:

@@ -41,7 +41,7 @@ def lab_up(inventory: Path, extra: int = 0, progress: Progress = print,
 
     Hosts already running with the same spec are left alone; hosts that changed or are no longer
     wanted are shut down. Hosts it boots get a fresh writable layer over the cached base, unless
-    `keep_state` keeps what they wrote since the last `up`. The tiny models are installed from their
+    `keep_state` keeps what they wrote since the last `up`. The tiny model pairs are installed from their
     fixtures into $DDOPS_CACHE and the drafter put on the eval host, so the lab profiles work at once.
     """
     check_control_machine()
@@ -61,7 +61,7 @@ def lab_up(inventory: Path, extra: int = 0, progress: Progress = print,
         _write_known_hosts(known_hosts, hosts, host_keys)
         if running:
             progress(f"Already running: {', '.join(sorted(running))}")
-        tiny.seed_eval_models(lab / "seed-models", progress)
+        tiny.provide_lab_models(lab / "seed-models", progress)
         booted = _boot(to_boot, base, keys, host_keys, key, known_hosts, keep_state, progress)
         for h in hosts:  # hosts left running get the seed models too: the README's pivot needs them
             if h.name in running and "models" in h.fixtures:

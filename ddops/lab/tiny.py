@@ -80,8 +80,10 @@ def install(name: str, progress: Callable[[str], None] = lambda line: None) -> P
     return out
 
 
-def seed_eval_models(seed_root: Path, progress: Callable[[str], None] = lambda line: None) -> Path:
-    """Fill the lab's seed dir for the eval host: the Qwen3 drafter, copied into /root/models at boot."""
+def provide_lab_models(seed_root: Path, progress: Callable[[str], None] = lambda line: None) -> Path:
+    """What the lab profiles read: both pairs in $DDOPS_CACHE, and the Qwen3 drafter in the eval host's
+    seed dir (copied into its /root/models at boot), where lab-ddtree16 syncs it from."""
+    install(HYBRID, progress)
     draft = install(QWEN3, progress) / "draft"
     dest = seed_root / DRAFT_HOST / DRAFT_DIR
     if dest.is_dir() and files_under(dest) == files_under(draft):

@@ -188,7 +188,13 @@ def test_sglang_stand_in_answers(lab) -> None:
 
 
 def test_models_dir_on_the_eval_box(lab) -> None:
-    assert "README" in ok(lab.ssh("eval-a6000", "ls /root/models"))
+    """lab up puts the tiny drafter where the lab profile syncs it from, byte-identical to its fixture."""
+    from ddops.lab.tiny import QWEN3, fixtures_dir
+
+    listing = ok(lab.ssh("eval-a6000", "ls /root/models; sha256sum /root/models/tiny-draft/model.safetensors"))
+    assert "README" in listing and "tiny-draft" in listing
+    fixture = json.loads((fixtures_dir() / QWEN3 / "MANIFEST.json").read_text())
+    assert fixture["files"]["draft/model.safetensors"] in listing
 
 
 # --- the Proxmox node ----------------------------------------------------------------------------

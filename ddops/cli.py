@@ -189,7 +189,7 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
     if not records:
         where = ", ".join(h.name for h in hosts)
         err_console.print(f"no pivots or rollbacks recorded on {where} yet (each host keeps its own in "
-                          f"{HISTORY_PATH})")
+                          f"{HISTORY_PATH})", soft_wrap=True)
         return
     from rich.table import Table
 
@@ -223,9 +223,10 @@ def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
         raise DdopsError(f"journalctl failed on {host.name}: {result.stderr.strip()[-200:]}")
     empty = result.stdout.strip() in ("", "-- No entries --")
     if not installed and empty:
-        known = ", ".join(s.unit for s in host.services) or "none"
-        raise UsageError(f"{unit} is not installed on {host.name} and has no journal entries",
-                         fix=f"check the name (the inventory lists: {known}); a profile's unit appears after its pivot")
+        known = [s.unit for s in host.services]
+        fix = ("a pivot installs it, e.g. `ddops pivot --deploy PROFILE`" if unit in known
+               else f"check the name; the inventory lists {', '.join(known) or 'no units'} for {host.name}")
+        raise UsageError(f"{unit} is not installed on {host.name} and has no journal entries", fix=fix)
     _progress(f"journal of {unit} on {host.name}, last {lines} lines"
               + ("" if installed else f" ({unit} is not installed now: deployed once, then removed)"))
     click.echo(result.stdout.rstrip())

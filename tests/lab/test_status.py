@@ -173,3 +173,22 @@ def test_host_keys_are_verified(lab, tmp_path: Path) -> None:
     assert "[127.0.0.1]:2202 " in empty.read_text()
     code, _ = status_json(inventory, "--limit", "llm-two")  # now known: strict mode passes
     assert code == 0
+
+
+def test_logs_names_the_unit_and_says_when_it_is_not_installed(lab) -> None:
+    done = ddops("-i", str(lab.inventory_path), "logs", "--host", "ct200", "--unit", "made-up.service")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: made-up.service is not installed on ct200 and has no journal entries (check the name; the "
+        "inventory lists ddtree.service for ct200)"]
+    done = ddops("-i", str(lab.inventory_path), "logs", "--host", "ct200", "--unit", "dflash-train.service", "-n", "3")
+    assert done.returncode == 0, done.stderr
+    assert "journal of dflash-train.service on ct200, last 3 lines" in done.stderr
+    assert "ct200" in done.stdout
+
+
+def test_history_with_nothing_recorded_says_so(lab) -> None:
+    done = ddops("-i", str(lab.inventory_path), "history", "--host", "llm-two")  # no test pivots llm-two
+    assert done.returncode == 0 and done.stdout == ""
+    assert done.stderr.strip() == ("no pivots or rollbacks recorded on llm-two yet (each host keeps its own in "
+                                   "/var/lib/ddops/history.jsonl)")

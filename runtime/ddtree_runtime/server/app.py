@@ -9,14 +9,15 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError, error_body
 from ddtree_runtime.server.metrics import Metrics
-from ddtree_runtime.server.routes import router
+from ddtree_runtime.server.routes import CLIENT_CLOSED, router
 from ddtree_runtime.server.worker import READY, EngineWorker
 
 log = logging.getLogger("ddtree_runtime.server")
@@ -52,6 +53,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left_mid_upload(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; counted as 499, not logged as an error
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

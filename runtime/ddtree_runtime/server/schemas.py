@@ -26,6 +26,9 @@ from pydantic import (
 from ddtree_runtime.server.errors import APIError, encodable
 
 MAX_STOP_STRINGS = 16
+# Template variables are flags and short values; anything deeper is refused before a template recurses
+# through it (Jinja hits Python's recursion limit long before JSON's parser does).
+MAX_TEMPLATE_VALUE_DEPTH = 16
 # apply_chat_template's own arguments: chat_template_kwargs may only set template variables.
 RESERVED_TEMPLATE_ARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -139,6 +142,9 @@ class ChatCompletionRequest(_Sampling):
         clash = sorted(set(v or ()) & RESERVED_TEMPLATE_ARGS)
         if clash:
             raise ValueError(f"{clash[0]!r} is not a chat template variable")
+        for name, value in (v or {}).items():
+            if _depth(value) > MAX_TEMPLATE_VALUE_DEPTH:
+                raise ValueError(f"{name!r} nests deeper than {MAX_TEMPLATE_VALUE_DEPTH} levels")
         return v
 
     @field_validator("tools")
@@ -194,6 +200,18 @@ class CompletionRequest(_Sampling):
         if v:
             raise ValueError("suffix is not supported")
         return v
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in a JSON value (a scalar is 0). Iterative: it may be deep."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level + 1)
+            pending.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def parse_body(raw: bytes) -> dict:
@@ -289,13 +307,18 @@ def validate(model: type[BaseModel], body: dict) -> Any:
         raise APIError(400, f"{param}: {message}" if param else message, param=param or None) from None
 
 
+# The labels pydantic puts in an error's location for the branch of a union that failed ('str', 'int',
+# 'list[int]', 'function-after[...]'): not field names.
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool"})
+
+
 def _param_name(loc: tuple) -> str:
     """('messages', 0, 'role') -> 'messages[0].role'; drops pydantic's union-branch labels."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and (part.startswith(("str", "list[", "function-", "literal[")) or "[" in part):
+        elif isinstance(part, str) and (part in _UNION_BRANCHES or "[" in part):
             continue
         else:
             out += f".{part}" if out else part

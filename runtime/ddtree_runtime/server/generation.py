@@ -16,6 +16,7 @@ from ddtree_runtime.server.detok import IncrementalDecoder, StopMatcher
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.worker import DoneEvent, EngineWorker, ErrorEvent, Job, NotReady, QueueFull
 
+
 class ClientGone(Exception):
     """The client disconnected; nobody reads the answer."""
 

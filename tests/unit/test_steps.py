@@ -332,3 +332,20 @@ def test_smoke_line_says_what_was_measured(result, line):
     from ddops.pivot import smoke_line
 
     assert smoke_line(result) == line
+
+
+def test_a_single_wait_in_a_log_says_each_note_once_and_beats(monkeypatch):
+    import time
+
+    import ddops.progress as progress
+
+    monkeypatch.setattr(progress, "NOTE_S", 0.0)
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.5)
+    console = _log_console()
+    with progress.Activity(console, "preflight") as activity:
+        for note in ("probing ct200", "probing ct200", "probing eval-a6000"):
+            activity.update(note)
+        time.sleep(1.8)
+    lines = console.file.getvalue().splitlines()
+    assert lines[:2] == ["     probing ct200", "     probing eval-a6000"]
+    assert any(line.startswith("     ... preflight, ") and line.endswith(": probing eval-a6000") for line in lines[2:])

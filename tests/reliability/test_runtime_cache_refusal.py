@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow
 BIG_TREE = {"mode": "ddtree", "tree_budget": 1024}  # far above the configured 16: the cache must grow
 
 
-@pytest.fixture
-def api(tiny_models):
-    config = ServerConfig(target_dir=str(tiny_models / "target"), draft_dir=str(tiny_models / "draft"),
+@pytest.fixture(params=["tiny_models", "tiny_hybrid_models"])
+def api(request):
+    """The app on the tiny Qwen3 pair, then on the hybrid one (whose cache also holds per-node scratch)."""
+    models = request.getfixturevalue(request.param)
+    config = ServerConfig(target_dir=str(models / "target"), draft_dir=str(models / "draft"),
                           served_model_name="tiny")
     with TestClient(create_app(config), raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 120

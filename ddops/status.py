@@ -131,5 +131,7 @@ def _health_summary(h: dict[str, Any]) -> str:
     if not h["healthy"] or "mode" not in detail:
         return str(detail.get("detail") or detail.get("status") or "")
     arch = f" ({detail['target_arch']})" if detail.get("target_arch") else ""
-    mode = detail["mode"] + (f"@{detail['tree_budget']}" if detail["mode"] == "ddtree" else "")
+    # a runtime with an API key shows a caller without it only status, mode and block size
+    budget = detail.get("tree_budget")
+    mode = detail["mode"] + (f"@{budget}" if detail["mode"] == "ddtree" and budget is not None else "")
     return f"{detail.get('model', '')}{arch} {mode}".strip()

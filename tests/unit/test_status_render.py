@@ -15,6 +15,8 @@ from ddops.status import _runtime_cell, _services_cell
     ({"healthy": False, "detail": {"status": "error", "detail": "engine failed to start: ValueError: tree budget"}},
      "UNHEALTHY engine failed to start: ValueError: tree budget"),
     ({"healthy": True, "detail": {"status": "ok"}}, "healthy ok"),
+    # a runtime behind an API key shows an anonymous caller only status, mode and block size
+    ({"healthy": True, "detail": {"status": "ok", "mode": "ddtree", "block_size": 16}}, "healthy ddtree"),
     ({"healthy": False, "detail": "connection refused"}, "UNHEALTHY connection refused"),
 ])
 def test_runtime_cell_says_what_is_served_or_why_not(health, shown):

@@ -195,7 +195,8 @@ class Engine:
             else:
                 gen.manual_seed(p.seed)
         return RequestState(mode=mode, budget=budget, params=p,
-                            stop_ids=frozenset(p.stop_token_ids) | self.eos_ids, generator=gen)
+                            stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
+                            generator=gen)
 
     def _rounds(self, prompt_ids: list[int], req: RequestState) -> Iterator[RoundOutput]:
         # no grad-mode context manager spans a yield: the phases below each run in inference mode
@@ -225,7 +226,7 @@ class Engine:
             self.phase_hook(name)
 
     def _choose(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
-        return choose_tokens(logits, req.params.temperature, req.params.top_p, req.generator)
+        return choose_tokens(logits, req.params, req.generator)
 
     # ---- phases -----------------------------------------------------------------------------------
 

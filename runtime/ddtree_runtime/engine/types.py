@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +28,13 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # Position-independent changes to the target's distribution, applied at every tree node alike, so
+    # speculative decoding stays exact with them (the same tokens as AR for the same seed).
+    top_k: int = 0                  # keep the k most likely tokens; 0: all
+    min_p: float = 0.0              # drop tokens below min_p x the most likely one's probability
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop_token_ids: frozenset[int] = frozenset()  # the engine adds the tokenizer's eos ids itself
+    ignore_eos: bool = False        # ... unless this is set: then only stop_token_ids end the generation
     mode: str | None = None         # per-request override of mode
     tree_budget: int | None = None  # per-request override of budget
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import re
 import sys
 
 from ddtree_runtime.server.config import DEFAULT_MAX_BODY, MODES, ServerConfig
+from ddtree_runtime.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
+from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
 
 log = logging.getLogger("ddtree_runtime.server")
 
@@ -55,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, metavar="N", help="limit on prompt + completion tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let in-flight requests finish (default: 30)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (default: hermes for a qwen3 target, qwen3_coder for "
+                        "qwen3_5)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="return <think>...</think> as reasoning_content (default: off, left in the content)")
+    p.add_argument("--chat-template-kwargs", metavar="JSON", default="{}",
+                   help="chat template variables for requests that set none, e.g. '{\"enable_thinking\": false}' "
+                        "(default: the template's own defaults)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -79,6 +90,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     if not api_key and not _is_loopback(args.host) and not args.insecure_no_auth:
         raise UsageError(f"--host {args.host} without an API key would let anyone who reaches the port use "
                          f"the model: set {API_KEY_ENV} or --api-key (or pass --insecure-no-auth)")
+    template_kwargs = _template_kwargs(args.chat_template_kwargs)
     faults = environ.get(FAULTS_ENV) == "1"
     try:
         startup_delay = float(environ.get(STARTUP_DELAY_ENV, "0")) if faults else 0.0
@@ -100,6 +112,9 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         max_body=args.max_body,
         served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template_kwargs=template_kwargs,
         test_faults=faults,
         test_startup_delay_s=startup_delay,
     )
@@ -111,6 +126,20 @@ def _model_dir(path: str, flag: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"{flag} {path}: no config.json there; is it a model directory?")
     return os.path.abspath(path)
+
+
+def _template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of template variables (none of apply_chat_template's own)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--chat-template-kwargs: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UsageError("--chat-template-kwargs: expected a JSON object")
+    clash = sorted(set(value) & RESERVED_TEMPLATE_ARGS)
+    if clash:
+        raise UsageError(f"--chat-template-kwargs: {clash[0]!r} is not a chat template variable")
+    return value
 
 
 def _positive(value: int | None, flag: str) -> None:

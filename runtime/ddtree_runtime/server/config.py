@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 MODES = ("ddtree", "dflash", "ar")
 # A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
@@ -29,6 +30,10 @@ class ServerConfig:
     max_body: int = DEFAULT_MAX_BODY
     served_model_name: str | None = None
     drain_timeout: float = 30.0
+    # What the chat endpoint makes of the model's text and the template (issue 18).
+    tool_call_parser: str | None = None  # hermes | qwen3_coder; None: from the target's architecture
+    reasoning_parser: str | None = None  # qwen3: <think>...</think> -> reasoning_content; None: off
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the service's template defaults
     # DDTREE_TEST_FAULTS=1: adds POST /_test/fault (see worker.Faults). Never set in production.
     test_faults: bool = False
     test_startup_delay_s: float = 0.0

@@ -16,10 +16,26 @@ from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import Generation, SpeculativeStats
 from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.output_parsers import (
+    CALL_END,
+    CALL_START,
+    THINK_END,
+    THINK_START,
+    TOOL_PARSERS,
+    ReasoningParser,
+    ReplySplitter,
+    ToolCallParser,
+    tool_schemas,
+)
+from ddtree_runtime.server.prompts import ChatPrompt, ControlTokens, render_chat
 from ddtree_runtime.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body, validate
 from ddtree_runtime.server.worker import READY, EngineWorker, engine_block_size
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy decoding
+# How each target architecture's chat template writes tool calls (SGLang's parser names).
+TOOL_PARSER_FOR_ARCH = {"qwen3": "hermes", "qwen3_5": "qwen3_coder"}
+# Tags the reply parsers read: decoded into the text even where the tokenizer calls them special.
+PARSER_TAGS = (THINK_START, THINK_END, CALL_START, CALL_END)
 T = TypeVar("T")
 
 
@@ -36,6 +52,7 @@ class ServerContext:
         # /health and /metrics answer at once whatever a client sends. One thread: the engine serves
         # one request at a time anyway, and a tokenizer is not safe to use from several at once.
         self.prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-prep")
+        self._controls: ControlTokens | None = None  # the engine's tokenizer's, made on first use
 
     # -- identity --
 
@@ -105,25 +122,53 @@ class ServerContext:
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.prep_pool, work, *args)
 
-    def prepare_chat(self, engine: Any, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    def prepare_chat(self, engine: Any, raw: bytes) -> tuple[ChatCompletionRequest, ChatPrompt]:
         req = validate(ChatCompletionRequest, parse_body(raw))
         self.check_model(req.model)
-        return req, self.chat_prompt_ids(engine, req)
+        self.check_token_ids(engine, req)
+        prompt = render_chat(engine.tokenizer, self.control_tokens(engine), req, self.config.chat_template_kwargs,
+                             self.tool_parser(engine) if req.offered_tools() else None)
+        return req, prompt
 
     def prepare_completion(self, engine: Any, raw: bytes) -> tuple[CompletionRequest, list[int]]:
         req = validate(CompletionRequest, parse_body(raw))
         self.check_model(req.model)
+        self.check_token_ids(engine, req)
         return req, self.completion_prompt_ids(engine, req)
 
-    def chat_prompt_ids(self, engine: Any, req: Any) -> list[int]:
-        kwargs = {"enable_thinking": False, **(req.chat_template_kwargs or {})}
-        try:
-            text = engine.tokenizer.apply_chat_template(
-                req.template_messages(), tokenize=False, add_generation_prompt=True, **kwargs
-            )
-        except Exception as exc:  # a template that rejects the conversation (e.g. role order) is the client's error
-            raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
-        return list(engine.tokenizer.encode(text, add_special_tokens=False))
+    def check_token_ids(self, engine: Any, req: Any) -> None:
+        vocab = len(engine.tokenizer)
+        for field, ids in (("logit_bias", req.token_bias()), ("stop_token_ids", req.stop_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               param=field)
+
+    def control_tokens(self, engine: Any) -> ControlTokens:
+        if self._controls is None:
+            self._controls = ControlTokens(engine.tokenizer)
+        return self._controls
+
+    def tool_parser(self, engine: Any) -> type[ToolCallParser]:
+        name = self.config.tool_call_parser or TOOL_PARSER_FOR_ARCH.get(getattr(engine, "arch", None), "hermes")
+        return TOOL_PARSERS[name]
+
+    def reply_splitter(self, engine: Any, req: ChatCompletionRequest, prompt: ChatPrompt) -> ReplySplitter:
+        """How the chat reply's text is split into reasoning, content and tool calls for this request."""
+        reasoning = ReasoningParser(prompt.opens_thinking) if self.config.reasoning_parser else None
+        offered = req.offered_tools()
+        tools = None
+        if offered:
+            tools = self.tool_parser(engine)(tool_schemas(t.as_template_dict() for t in offered))
+        return ReplySplitter(reasoning, tools, prompt.opening)
+
+    def hidden_ids(self, engine: Any, skip_special_tokens: bool) -> frozenset[int]:
+        """The control tokens left out of the text: all special ones but the tags the parsers read."""
+        if not skip_special_tokens:
+            return frozenset()
+        tok = engine.tokenizer
+        tags = {tok.convert_tokens_to_ids(tag) for tag in PARSER_TAGS}
+        return frozenset(tok.all_special_ids) - tags
 
     def completion_prompt_ids(self, engine: Any, req: Any) -> list[int]:
         if isinstance(req.prompt, str):
@@ -172,11 +217,17 @@ class ServerContext:
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
+            top_k=max(req.top_k or 0, 0),
+            min_p=req.min_p or 0.0,
+            logit_bias=req.token_bias(),
+            stop_token_ids=frozenset(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
             mode=spec.mode if spec else None,
             tree_budget=spec.tree_budget if spec else None,
         )
         gen = Generation(
-            self.worker, engine.tokenizer, prompt_ids, params, req.stop_strings(), SpeculativeStats(mode, budget)
+            self.worker, engine.tokenizer, prompt_ids, params, req.stop_strings(), SpeculativeStats(mode, budget),
+            self.hidden_ids(engine, req.skip_special_tokens),
         )
         gen.submit(request)
         return gen

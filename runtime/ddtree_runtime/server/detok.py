@@ -18,17 +18,22 @@ class IncrementalDecoder:
 
     Each step decodes a small window (the previous piece's tokens + the new tokens) and keeps only the
     text the new tokens added; decoding with left context keeps word-initial spaces right for
-    tokenizers that drop them at the start of a sequence.
+    tokenizers that drop them at the start of a sequence. Tokens in `hidden_ids` (the control tokens,
+    with skip_special_tokens) are left out of the text; every other token is decoded, special or not,
+    so the tags the reply parsers read (``<think>``, ``<tool_call>``) survive whatever the tokenizer
+    calls them.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, hidden_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
+        self._hidden = hidden_ids
         self._ids: list[int] = []
         self._prefix = 0  # window start: context already emitted
         self._read = 0  # tokens before this have been emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        shown = [t for t in ids if t not in self._hidden] if self._hidden else list(ids)
+        return self._tokenizer.decode(shown, skip_special_tokens=False)
 
     def push(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(token_ids)

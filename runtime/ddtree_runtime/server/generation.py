@@ -53,9 +53,10 @@ class Generation:
         params: Any,
         stops: list[str],
         stats: SpeculativeStats,
+        hidden_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._worker = worker
-        self._decoder = IncrementalDecoder(tokenizer)
+        self._decoder = IncrementalDecoder(tokenizer, hidden_ids)
         self._stops = StopMatcher(stops)
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -123,8 +124,7 @@ class Generation:
                     self.stats.rounds += 1
                     self.stats.accepted += out.accepted
                 self._prefilled = True
-                self.completion_tokens += len(out.token_ids)
-                text = self._stops.push(self._decoder.push(out.token_ids))
+                text = self._release(out.token_ids)
                 if self._stops.stopped:
                     self._job.cancel("stop string")
                     self.finish_reason = "stop"
@@ -138,6 +138,18 @@ class Generation:
             self.cancel("request finished")
             if self._watcher is not None:
                 self._watcher.cancel()
+
+    def _release(self, token_ids: list[int]) -> str:
+        """The text of a round's tokens, decoded one token at a time: tokens after the one that
+        completes a stop string are neither shown nor counted, so a reply's usage is the same in every
+        mode (an AR step ends at that token; a speculative round may have committed more past it)."""
+        pieces = []
+        for token in token_ids:
+            self.completion_tokens += 1
+            pieces.append(self._stops.push(self._decoder.push([token])))
+            if self._stops.stopped:
+                break
+        return "".join(pieces)
 
     def _finish(self, reason: str) -> str:
         text = self._stops.push(self._decoder.flush())

@@ -175,6 +175,12 @@ class ToolCallParser:
         """(function name, arguments) from the text between the call tags, or None if malformed."""
         raise NotImplementedError
 
+    @classmethod
+    def opening(cls, function: str | None) -> str:
+        """The text a reply starts with when it must call a tool (`function`, or any if None), written
+        as the model's chat template writes calls: the server puts it in the prompt and feeds it here."""
+        raise NotImplementedError
+
 
 class HermesParser(ToolCallParser):
     """``<tool_call>{"name": "f", "arguments": {...}}</tool_call>`` (Qwen3, Hermes)."""
@@ -193,6 +199,12 @@ class HermesParser(ToolCallParser):
             except ValueError:
                 return None
         return (obj["name"], args) if isinstance(args, dict) else None
+
+    @classmethod
+    def opening(cls, function: str | None) -> str:
+        if function is None:
+            return CALL_START + "\n"
+        return CALL_START + "\n" + '{"name": ' + json.dumps(function) + ', "arguments": '
 
 
 class Qwen3CoderParser(ToolCallParser):
@@ -222,6 +234,10 @@ class Qwen3CoderParser(ToolCallParser):
             value = value.split("</parameter>")[0]
             args[key.strip()] = _typed(_strip_one_newline(value), props.get(key.strip()))
         return name, args
+
+    @classmethod
+    def opening(cls, function: str | None) -> str:
+        return CALL_START + "\n<function=" + ("" if function is None else function + ">\n")
 
 
 def _strip_one_newline(value: str) -> str:
@@ -260,6 +276,47 @@ def _typed(value: str, schema: dict | None) -> Any:
 
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser}
 REASONING_PARSERS = ("qwen3",)
+
+
+@dataclass
+class ReplyPiece:
+    """What a piece of the reply adds: reasoning, answer text, tool calls completed."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class ReplySplitter:
+    """The reply's text through the reasoning parser (if any), then its answer through the tool-call
+    parser (if any): reasoning never holds tool calls, as in SGLang and vLLM."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, opening: str = "") -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        if opening and tools is not None:  # the forced call's start is in the prompt, not the reply
+            tools.push(opening)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._tools.calls if self._tools is not None else []
+
+    def push(self, text: str) -> ReplyPiece:
+        reasoning, content = self._reasoning.push(text) if self._reasoning else ("", text)
+        return self._answer(reasoning, content, final=False)
+
+    def finish(self) -> ReplyPiece:
+        reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
+        return self._answer(reasoning, content, final=True)
+
+    def _answer(self, reasoning: str, content: str, final: bool) -> ReplyPiece:
+        if self._tools is None:
+            return ReplyPiece(reasoning, content)
+        content, calls = self._tools.push(content) if content else ("", [])
+        if final:
+            tail, more = self._tools.finish()
+            content, calls = content + tail, calls + more
+        return ReplyPiece(reasoning, content, calls)
 
 
 def tool_schemas(tools: Iterable[dict]) -> dict[str, dict]:

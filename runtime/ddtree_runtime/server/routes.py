@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import ClientGone, Generation
+from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
 from ddtree_runtime.server.schemas import parse_body
 from ddtree_runtime.server.worker import READY
 
@@ -72,9 +73,9 @@ async def chat_completions(request: Request) -> Response:
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
     raw = await _read_body(request, ctx.config.max_body)
-    req, prompt_ids = await ctx.off_loop(ctx.prepare_chat, engine, raw)
-    gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
-    return await _respond(ctx, request, gen, req, chat=True)
+    req, prompt = await ctx.off_loop(ctx.prepare_chat, engine, raw)
+    gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens())
+    return await _respond(ctx, request, gen, req, ctx.reply_splitter(engine, req, prompt))
 
 
 @router.post("/v1/completions")
@@ -85,7 +86,7 @@ async def completions(request: Request) -> Response:
     raw = await _read_body(request, ctx.config.max_body)
     req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
     gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
-    return await _respond(ctx, request, gen, req, chat=False)
+    return await _respond(ctx, request, gen, req, None)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -105,8 +106,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(ctx: ServerContext, request: Request, gen: Generation, req: Any, chat: bool) -> Response:
-    shape = _Shape(chat=chat, model=ctx.model_name())
+async def _respond(ctx: ServerContext, request: Request, gen: Generation, req: Any,
+                   splitter: ReplySplitter | None) -> Response:
+    """The answer to a chat request (`splitter` splits its reply) or a text completion (None)."""
+    shape = _Shape(splitter, model=ctx.model_name(), reasoning=bool(ctx.config.reasoning_parser))
     pieces = gen.pieces()
     if not req.stream:
         try:
@@ -131,20 +134,22 @@ async def _respond(ctx: ServerContext, request: Request, gen: Generation, req: A
 async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator[str], include_usage: bool):
     try:
         if shape.chat:
-            yield _event(shape.chunk(gen, role=True))
-        if first:
-            yield _event(shape.chunk(gen, text=first))
+            yield _event(shape.chunk({"role": "assistant", "content": ""}))
+        for delta in shape.deltas(first):
+            yield _event(shape.chunk(delta))
         try:
             async for piece in rest:
-                if piece:
-                    yield _event(shape.chunk(gen, text=piece))
+                for delta in shape.deltas(piece):
+                    yield _event(shape.chunk(delta))
         except ClientGone:
             return
         except APIError as exc:  # headers are sent: the error travels as an event
             yield _event(exc.body())
             yield "data: [DONE]\n\n"
             return
-        final = shape.chunk(gen, finish=True)
+        for delta in shape.deltas("", final=True):
+            yield _event(shape.chunk(delta))
+        final = shape.chunk({}, finish=shape.finish_reason(gen))
         final["speculative"] = gen.stats.as_dict()
         yield _event(final)
         if include_usage:
@@ -159,12 +164,15 @@ def _event(payload: dict) -> str:
 
 
 class _Shape:
-    """The OpenAI response and chunk objects for chat or text completions."""
+    """The OpenAI response and chunk objects for chat (the reply split into reasoning, content and
+    tool calls) or text completions."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat = chat
+    def __init__(self, splitter: ReplySplitter | None, model: str, reasoning: bool) -> None:
+        self.splitter = splitter
+        self.chat = splitter is not None
+        self.reasoning = reasoning
         self.model = model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     def envelope(self, stream: bool = True) -> dict:
@@ -174,25 +182,49 @@ class _Shape:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def finish_reason(self, gen: Generation) -> str | None:
+        """The generation's, but "tool_calls" when a reply that ended by itself called tools."""
+        if self.chat and self.splitter.calls and gen.finish_reason == "stop":
+            return "tool_calls"
+        return gen.finish_reason
+
     def full(self, text: str, gen: Generation) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": gen.finish_reason,
-            }
-        else:
+        if not self.chat:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+            return {**self.envelope(stream=False), "choices": [choice], "usage": gen.usage()}
+        head, tail = self.splitter.push(text), self.splitter.finish()
+        calls = head.calls + tail.calls
+        content = head.content + tail.content
+        message: dict = {"role": "assistant", "content": content if content or not calls else None}
+        if self.reasoning:
+            message["reasoning_content"] = (head.reasoning + tail.reasoning) or None
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(gen)}
         return {**self.envelope(stream=False), "choices": [choice], "usage": gen.usage()}
 
-    def chunk(self, gen: Generation, text: str = "", role: bool = False, finish: bool = False) -> dict:
-        reason = gen.finish_reason if finish else None
+    def deltas(self, text: str, final: bool = False) -> list[dict]:
+        """The chunk deltas (chat) or texts (completions) a piece of the reply makes; none if it adds
+        nothing showable yet. A tool call streams as two deltas: its id and name, then its arguments."""
+        if not self.chat:
+            return [{"text": text}] if text else []
+        piece: ReplyPiece = self.splitter.finish() if final else self.splitter.push(text)
+        out: list[dict] = []
+        if piece.reasoning:
+            out.append({"reasoning_content": piece.reasoning})
+        if piece.content:
+            out.append({"content": piece.content})
+        for call in piece.calls:
+            out.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                        "function": {"name": call.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]})
+        return out
+
+    def chunk(self, delta: dict, finish: str | None = None) -> dict:
         if self.chat:
-            delta: dict = {"role": "assistant", "content": ""} if role else ({} if finish else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish}
         return {**self.envelope(), "choices": [choice]}
 
 

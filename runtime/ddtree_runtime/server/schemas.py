@@ -1,13 +1,17 @@
 """Request bodies for the OpenAI endpoints, validated into 400s with OpenAI-style error objects.
 
-Unknown fields are ignored (clients send many optional ones); fields we cannot honour with a non-default
-value are rejected rather than silently ignored. Types are strict: ``max_tokens: true`` or
-``temperature: "1"`` is a 400, never coerced.
+Every field of OpenAI's and vLLM's chat and completions requests is either honoured or refused: the
+sampling fields that keep speculative decoding exact (they change the target's distribution the same
+way at every tree node) are honoured; a field this server cannot honour is a 400 naming it, unless it
+holds its default (``presence_penalty: 0`` is fine, ``0.5`` is not). Names neither API defines are
+ignored, as vLLM ignores them. Types are strict: ``max_tokens: true`` or ``temperature: "1"`` is a
+400, never coerced.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -26,6 +30,9 @@ from pydantic import (
 from ddtree_runtime.server.errors import APIError, encodable
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on biased tokens
+MAX_TOOLS = 128  # OpenAI's limit
 # Template variables are flags and short values; anything deeper is refused before a template recurses
 # through it (Jinja hits Python's recursion limit long before JSON's parser does).
 MAX_TEMPLATE_VALUE_DEPTH = 16
@@ -35,6 +42,67 @@ RESERVED_TEMPLATE_ARGS = frozenset({
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for function names
+
+# Fields of OpenAI's and vLLM's requests that this server does not honour, each with the values that
+# mean "not used" (sent by clients that fill in defaults). Anything else is a 400 naming the field.
+_PATH_DEPENDENT = "depends on the tokens before it on each tree path, which speculative decoding does not track"
+_UNHONOURED: dict[str, tuple[tuple, str]] = {
+    "presence_penalty": ((0, 0.0), _PATH_DEPENDENT),
+    "frequency_penalty": ((0, 0.0), _PATH_DEPENDENT),
+    "repetition_penalty": ((1, 1.0), _PATH_DEPENDENT),
+    "min_tokens": ((0,), "suppressing stop tokens before the n-th token depends on each tree node's depth"),
+    "logprobs": ((False, 0), "log-probabilities are not returned by this server"),
+    "top_logprobs": ((0,), "log-probabilities are not returned by this server"),
+    "prompt_logprobs": ((0,), "log-probabilities are not returned by this server"),
+    "best_of": ((1,), "only one sequence is generated per request"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "beam search is not supported"),
+    "response_format": (({"type": "text"},), "structured output is not supported"),
+    "guided_json": ((), "structured output is not supported"),
+    "guided_regex": ((), "structured output is not supported"),
+    "guided_choice": ((), "structured output is not supported"),
+    "guided_grammar": ((), "structured output is not supported"),
+    "guided_decoding_backend": ((), "structured output is not supported"),
+    "guided_whitespace_pattern": ((), "structured output is not supported"),
+    "structured_outputs": ((), "structured output is not supported"),
+    "allowed_token_ids": ((), "token allow-lists are not supported"),
+    "bad_words": (([],), "bad-word lists are not supported"),
+    "include_stop_str_in_output": ((False,), "stop strings are always cut from the output"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated: a prompt too long is a 400"),
+    "prompt_embeds": ((), "prompt embeddings are not supported"),
+    "logits_processors": ((), "custom logits processors are not supported"),
+    "return_tokens_as_token_ids": ((False,), "tokens are returned as text"),
+    "chat_template": ((), "the model's own chat template is used; a client's template is not run"),
+    "add_generation_prompt": ((True,), "the assistant's turn is always opened"),
+    "continue_final_message": ((False,), "continuing the final message is not supported"),
+    "documents": ((), "documents are not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "the reasoning effort is not adjustable; use chat_template_kwargs"),
+    "web_search_options": ((), "web search is not supported"),
+    "store": ((False,), "completions are not stored"),
+    "parallel_tool_calls": ((True,), "every tool call the model writes is returned"),
+    "functions": ((), "the deprecated functions field is not supported; use tools"),
+    "function_call": ((), "the deprecated function_call field is not supported; use tool_choice"),
+    "echo": ((False,), "echo is not supported"),
+    "suffix": (("",), "suffix is not supported"),
+}
+
+
+def refuse_unhonoured(body: dict) -> None:
+    """A 400 naming the first field this server cannot honour that holds more than its default."""
+    for name, (defaults, why) in _UNHONOURED.items():
+        if name in body and body[name] is not None and not _is_default(body[name], defaults):
+            raise APIError(400, f"{name}: not supported: {why}", param=name)
+
+
+def _is_default(value: Any, defaults: tuple) -> bool:
+    # bool is an int in Python: `logprobs: false` is a default, `presence_penalty: false` is not a number
+    return any(value == d and type(value) is type(d) or (type(d) in (int, float) and type(value) in (int, float)
+                                                         and value == d) for d in defaults)
 
 
 class SpeculativeOptions(BaseModel):
@@ -57,34 +125,25 @@ class _Sampling(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 = all tokens
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    logit_bias: dict[str, StrictFloat] | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch's generators accept
     n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
-    logprobs: Any = None
-    best_of: StrictInt | None = None
+    user: StrictStr | None = None  # who asked: nothing to honour, accepted as OpenAI accepts it
 
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
             raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only best_of=1 is supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
         return v
 
     @field_validator("stop")
@@ -94,10 +153,27 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {key}: a bias must be between -100 and 100, got {bias}")
+        return v
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(key): float(bias) for key, bias in (self.logit_bias or {}).items()}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -115,12 +191,46 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionCall(BaseModel):
+    """A call the assistant made earlier in the conversation; `arguments` is a JSON object's text."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            parsed = json.loads(v)
+        except ValueError:
+            raise ValueError("must be a JSON object's text") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object's text")
+        return v
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    reasoning_content: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _calls_are_the_assistants(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -130,11 +240,54 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not FUNCTION_NAME.fullmatch(v):
+            raise ValueError("must be 1-64 letters, digits, '_', '.' or '-'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _shallow(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and _depth(v) > 2 * MAX_TEMPLATE_VALUE_DEPTH:  # a schema nests twice per level
+            raise ValueError(f"nests deeper than {2 * MAX_TEMPLATE_VALUE_DEPTH} levels")
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_dict(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -149,23 +302,53 @@ class ChatCompletionRequest(_Sampling):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tools are not supported")
+    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or ()]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise ValueError(f"two tools are named {twice!r}")
         return v
+
+    @model_validator(mode="after")
+    def _choice_needs_tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        names = {t.function.name for t in self.tools or ()}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice: no tool named {choice.function.name!r} is in tools",
+                           param="tool_choice")
+        if choice == "required" and not names:
+            raise APIError(400, "tool_choice: 'required' needs a non-empty tools list", param="tool_choice")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them (``developer`` is the newer name for ``system``)."""
+    def offered_tools(self) -> list[Tool]:
+        """The tools the model sees and may call: none with tool_choice "none"."""
+        return [] if self.tool_choice == "none" else list(self.tools or ())
+
+    def forced_function(self) -> str | None:
+        """The function tool_choice names, if it names one."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: ``developer`` is the newer name for ``system``;
+        a tool call's arguments are an object (Qwen's templates iterate over them), not JSON text."""
         out = []
         for m in self.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                msg["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                    for c in m.tool_calls
+                ]
             out.append(msg)
         return out
 
@@ -173,8 +356,6 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # A string, a list of token ids, or a one-element list of either (batched prompts are not supported).
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -185,20 +366,6 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
         return v
 
 
@@ -293,6 +460,7 @@ def _has_lone_surrogate(text: str) -> bool:
 
 
 def validate(model: type[BaseModel], body: dict) -> Any:
+    refuse_unhonoured(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

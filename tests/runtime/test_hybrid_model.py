@@ -166,8 +166,8 @@ def test_a_budget_that_cannot_fit_is_refused_at_start(tiny_hybrid_models, tmp_pa
     shutil.copytree(tiny_hybrid_models / "target", target)
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2 ** 31}))
-    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB for the caches and recurrent-state scratch, "
-                                         r"but .* GiB of cpu is free"):
+    with pytest.raises(ValueError, match=r"max context 1073741824 needs \d+\.\d GiB for the caches and a "
+                                         r"prefill's activations, but .* GiB of cpu is free: the longest"):
         Engine(EngineConfig(str(target), str(tiny_hybrid_models / "draft"), max_context=2 ** 30))
     with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings 2048"):
         Engine(EngineConfig(str(tiny_hybrid_models / "target"), str(tiny_hybrid_models / "draft"),

@@ -1,0 +1,48 @@
+"""How long a context the engine serves: the model's own positions unless configured, bounded by what
+its caches and a prefill's activations can take of the device's free memory, chosen once at start."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..model.config import Qwen3Config
+
+log = logging.getLogger(__name__)
+
+MIN_CONTEXT = 512  # below this a service is of no use: refuse to start instead
+
+
+def prefill_workspace_bytes(cfg: Qwen3Config, tokens: int, feature_layers: int, elem: int) -> int:
+    """A bound on a prefill's live activations over `tokens` prompt tokens: per token the MLP's gate|up
+    and their product (3 x intermediate), the residual stream, its normed copy and a layer's output
+    (3 x hidden) and the drafter's features (hidden per feature layer), doubled for the attention and
+    linear layers' own temporaries and the allocator. (The Qwen3.6-27B shape's prefill measured 250-300
+    KB per token above its weights and caches on an H200, docs/performance.md; this gives 373 KB.)"""
+    return 2 * elem * tokens * (3 * cfg.intermediate_size + (3 + feature_layers) * cfg.hidden_size)
+
+
+def serving_context(configured: int | None, positions: int, needed_bytes: Callable[[int], int], free: int,
+                    device: str) -> int:
+    """The engine's max context: `configured`, else the model's `positions` shortened to the longest
+    context whose caches and prefill (`needed_bytes(context)`, growing with it) fit in `free` bytes.
+    ValueError, naming the longest that fits, when a configured context cannot."""
+    if configured is not None and configured > positions:
+        raise ValueError(f"max_context {configured} exceeds the target's max_position_embeddings {positions}")
+    wanted = positions if configured is None else configured
+    if needed_bytes(wanted) <= free:
+        return wanted
+    lo, hi = 0, wanted  # needed_bytes(lo) fits (or lo is 0), needed_bytes(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if needed_bytes(mid) <= free else (lo, mid)
+    what = (f"max context {wanted}" if configured is not None
+            else f"the target's {positions} positions")
+    short = (f"{what} needs {needed_bytes(wanted) / 2**30:.1f} GiB for the caches and a prefill's activations, "
+             f"but {free / 2**30:.1f} GiB of {device} is free")
+    if configured is not None or lo < MIN_CONTEXT:
+        fix = f"the longest context that fits is {lo} tokens: set max context to that or less" \
+            if lo >= MIN_CONTEXT else f"not even {MIN_CONTEXT} tokens fit: use a larger device"
+        raise ValueError(f"{short}: {fix}, or lower the tree budget")
+    log.warning("%s; serving a context of %d tokens", short, lo)
+    return lo

@@ -1,0 +1,33 @@
+"""A request longer than the configured context is an OpenAI-style 400 (context_length_exceeded), and
+the server goes on serving: the next request is answered."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ddtree_runtime.server.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = 300
+
+
+def test_too_long_a_request_is_a_400_and_the_next_is_served(tiny_models):
+    args = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+            "--served-model-name", "tiny", "--max-context", str(CONTEXT)]
+    with ServerProcess(args) as srv:
+        srv.wait_ready()
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            for prompt, max_tokens, param in (([7] * (CONTEXT + 1), 4, "prompt"),
+                                              ([7] * (CONTEXT - 10), 11, "max_tokens")):
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["code"], error["type"], error["param"]) == (
+                    "context_length_exceeded", "invalid_request_error", param)
+                assert f"context is {CONTEXT} tokens" in error["message"]
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "1\n2\n3\n", "max_tokens": 8,
+                                                   "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 8

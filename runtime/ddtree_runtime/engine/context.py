@@ -7,19 +7,23 @@ import logging
 from collections.abc import Callable
 
 from ..model.config import Qwen3Config
+from .prefill import PREFILL_PIECE
 
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT = 512  # below this a service is of no use: refuse to start instead
 
 
-def prefill_workspace_bytes(cfg: Qwen3Config, tokens: int, feature_layers: int, elem: int) -> int:
-    """A bound on a prefill's live activations over `tokens` prompt tokens: per token the MLP's gate|up
-    and their product (3 x intermediate), the residual stream, its normed copy and a layer's output
-    (3 x hidden) and the drafter's features (hidden per feature layer), doubled for the attention and
-    linear layers' own temporaries and the allocator. (The Qwen3.6-27B shape's prefill measured 250-300
-    KB per token above its weights and caches on an H200, docs/performance.md; this gives 373 KB.)"""
-    return 2 * elem * tokens * (3 * cfg.intermediate_size + (3 + feature_layers) * cfg.hidden_size)
+def prefill_workspace_bytes(cfg: Qwen3Config, context: int, feature_layers: int, elem: int) -> int:
+    """A bound on a prefill's live activations at `context` prompt tokens, run in pieces (prefill.py):
+    per token of a piece the MLP's gate|up and their product (3 x intermediate), the residual stream,
+    its normed copy and a layer's output (3 x hidden), doubled for the attention and linear layers' own
+    temporaries and the allocator; plus the drafter's features (hidden per feature layer) of every
+    prompt token, kept whole. (The Qwen3.6-27B shape's prefill in one piece measured 250-300 KB per
+    token above its weights and caches on an H200, docs/performance.md; this gives 321 KB.)"""
+    piece = min(context, PREFILL_PIECE)
+    return elem * (2 * piece * (3 * cfg.intermediate_size + 3 * cfg.hidden_size)
+                   + context * feature_layers * cfg.hidden_size)
 
 
 def serving_context(configured: int | None, positions: int, needed_bytes: Callable[[int], int], free: int,

@@ -15,6 +15,7 @@ import torch
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
 from ..model.layers import fuse_projections
 from .context import prefill_workspace_bytes, serving_context
+from .prefill import prefill
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
@@ -245,8 +246,7 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, req: RequestState, prompt_ids: list[int]) -> int:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
-        pos = torch.arange(ids.shape[1], device=self.device)[None]
-        h, feats = self.target(ids, pos, self.target_cache, start=0)
+        h, feats = prefill(self.target, ids, self.target_cache)                 # [1, 1, H], [1, P, F]
         first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
         req.n_ctx, req.bonus, req.prompt_feats = ids.shape[1], first, feats
         return first

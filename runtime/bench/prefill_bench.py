@@ -28,7 +28,10 @@ import torch.nn.functional as F
 
 from gpu_bench import build_models, measure_ceilings, nbytes, sync
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.kv_cache import target_cache
+from ddtree_runtime.engine.prefill import prefill
 from ddtree_runtime.model import Qwen35Config
+from ddtree_runtime.model.layers import fuse_projections
 from ddtree_runtime.model.gdn_chunk import _fla_chunk, chunk_gated_delta, chunk_gated_delta_torch
 
 DECODE_ROUNDS, DECODE_WARMUP = 12, 4
@@ -51,6 +54,37 @@ def check_fla(device: torch.device) -> dict:
         return float((a.float() - b).norm() / b.norm())
     return {"fla_used": _fla_chunk() is not None and out.dtype == torch.bfloat16,
             "out_rel_err": err(out, ref), "state_rel_err": err(final, ref_final)}
+
+
+def check_pieces(device: torch.device) -> dict:
+    """The engine's prefill in pieces against one forward over the same prompt (4-layer real-width
+    shapes): ||h - ref|| / ||ref|| of the last hidden state and of the features, in bf16 (flash
+    attention lower-right, fla from a carried state) and float32, and whether SDPA takes the flash
+    kernel for a later piece's lower-right causal attention at the 27B's head shape."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    out = {}
+    for shape, dtype, length, piece in (("qwen3.6-27b-4layer", torch.bfloat16, 20000, 16384),
+                                        ("qwen3.6-27b-4layer", torch.float32, 5000, 2048),
+                                        ("qwen3-8b-4layer", torch.bfloat16, 20000, 16384)):
+        target, _ = build_models(shape, device, dtype)
+        fuse_projections(target)
+        target.feature_layers = [1, 2]
+        ids = torch.randint(0, target.config.vocab_size - 1, (1, length), device=device)
+        with torch.inference_mode():
+            runs = [prefill(target, ids, target_cache(target.config, length + 512, device, dtype), piece=p)
+                    for p in (length, piece)]
+        (h, f), (hp, fp) = runs
+        out[f"{shape}-{str(dtype)[6:]}-{length}-by-{piece}"] = {
+            "h_rel_err": float((hp.float() - h.float()).norm() / h.float().norm()),
+            "feats_rel_err": float((fp.float() - f.float()).norm() / f.float().norm())}
+        del target, runs
+        torch.cuda.empty_cache()
+    q = torch.randn(1, 24, 16384, 256, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(1, 4, 32768, 256, device=device, dtype=torch.bfloat16)
+    out["flash_for_lower_right_27b_heads"] = bool(can_use_flash_attention(
+        SDPAParams(q, kv, kv, None, 0.0, True, True)))
+    return out
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,6 +194,11 @@ def main() -> None:
     except Exception:  # noqa: BLE001 (the benchmark reports what failed and goes on)
         report["fla_check"] = {"error": traceback.format_exc()[-2000:]}
     print("fla check:", report["fla_check"], flush=True)
+    try:
+        report["pieces_check"] = check_pieces(device)
+    except Exception:  # noqa: BLE001
+        report["pieces_check"] = {"error": traceback.format_exc()[-2000:]}
+    print("pieces check:", report["pieces_check"], flush=True)
     rate = report["ceilings"]["matmul_flops_per_s"]
     save()
     g = torch.Generator().manual_seed(1)
@@ -173,7 +212,8 @@ def main() -> None:
                                      dtype="bfloat16", max_context=max(contexts) + 1024),
                         target=target, drafter=drafter)
         vocab = target.config.vocab_size
-        rows["target_bytes"], rows["max_context"] = nbytes(target), engine.max_context
+        rows["target_bytes"], rows["drafter_bytes"] = nbytes(target), nbytes(drafter)
+        rows["max_context"] = engine.max_context
         warm = torch.randint(0, vocab - 1, (1000,), generator=g).tolist()
         serve_once(engine, warm, DECODE_ROUNDS)              # Triton compiles, fla's autotuning, graphs
         rows["round_512"] = serve_once(engine, warm[:512], DECODE_ROUNDS)
@@ -182,22 +222,33 @@ def main() -> None:
         for ctx in contexts:
             prompt = torch.randint(0, vocab - 1, (ctx,), generator=g).tolist()
             row = rows[str(ctx)] = {"floors": floors(target, ctx, rate)}
+            torch.cuda.reset_peak_memory_stats()
             try:
                 first = serve_once(engine, prompt, DECODE_ROUNDS)
                 row.update(first)
+                row["serving_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
                 if ctx <= args.field_max:  # a second TTFT: the first at a new length may pay allocations
                     row["ttft_s_repeat"] = serve_once(engine, prompt, 0)["ttft_s"]
                 ids = torch.tensor([prompt], device=device)
                 if _fla_chunk() is not None and ctx <= args.field_max:
                     field_prefill(target, ids[:, :1024])
                     row["field_prefill_s"] = min(timed(lambda: field_prefill(target, ids), device) for _ in range(2))
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
             except Exception:  # noqa: BLE001
                 row["error"] = traceback.format_exc()[-2000:]
             torch.cuda.empty_cache()
             print(f"{shape} ctx {ctx}: {json.dumps({k: v for k, v in row.items() if k != 'error'})}"
                   + (f"\n{row['error']}" if "error" in row else ""), flush=True)
             save()
+        del engine
+        torch.cuda.empty_cache()
+        # the default context on this device: the target's positions as far as free memory holds them
+        target.config.max_position_embeddings = 262144
+        engine = Engine(EngineConfig(f"random-{shape}", None, mode="ddtree", tree_budget=16, device="cuda",
+                                     dtype="bfloat16"), target=target, drafter=drafter)
+        rows["default_max_context_of_262144"] = engine.max_context
+        rows["needed_gib_at_131072"] = engine._needed_bytes(131072) / 2 ** 30
+        print(f"{shape}: default max context {engine.max_context}", flush=True)
+        save()
         del engine, target, drafter
         torch.cuda.empty_cache()
 

@@ -18,12 +18,13 @@ def prefill_workspace_bytes(cfg: Qwen3Config, context: int, feature_layers: int,
     """A bound on a prefill's live activations at `context` prompt tokens, run in pieces (prefill.py):
     per token of a piece the MLP's gate|up and their product (3 x intermediate), the residual stream,
     its normed copy and a layer's output (3 x hidden), doubled for the attention and linear layers' own
-    temporaries and the allocator; plus the drafter's features (hidden per feature layer) of every
-    prompt token, kept whole. (The Qwen3.6-27B shape's prefill in one piece measured 250-300 KB per
-    token above its weights and caches on an H200, docs/performance.md; this gives 321 KB.)"""
+    temporaries and the allocator; per prompt token the drafter's features, kept whole, and its first
+    pass over them (hidden per feature layer, plus two). Measured above weights and caches on an H200
+    for the Qwen3.6-27B shape (docs/performance.md): 1.2 GiB at 4K, 9.4 at 32K in one piece, 11.5 at
+    128K in 16K pieces; this gives 1.3, 10.4 and 12.9 (17.0 in 32K pieces)."""
     piece = min(context, PREFILL_PIECE)
     return elem * (2 * piece * (3 * cfg.intermediate_size + 3 * cfg.hidden_size)
-                   + context * feature_layers * cfg.hidden_size)
+                   + context * (feature_layers + 2) * cfg.hidden_size)
 
 
 def serving_context(configured: int | None, positions: int, needed_bytes: Callable[[int], int], free: int,

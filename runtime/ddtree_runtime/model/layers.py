@@ -91,7 +91,8 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx:
     if cache is not None:
         k, v = cache.write(idx, start, k, v)
     if mask is None and q.shape[2] > 1 and q.shape[2] < k.shape[2]:
-        # no [T, start+T] mask is built: SDPA's flash kernel takes the lower-right causal variant as is
+        # no [T, start+T] mask is built: SDPA runs the lower-right causal variant in a fused kernel
+        # (slower than one causal pass with grouped KV heads on an H200: engine/prefill.py)
         mask = causal_lower_right(q.shape[2], k.shape[2])
     return attend(q, k, v, mask, mask is None and q.shape[2] > 1)
 

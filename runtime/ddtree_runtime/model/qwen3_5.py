@@ -2,7 +2,8 @@
 full-attention layer every few. Same interface as the Qwen3 target, so the engine, runner and drafter
 code do not change: full-attention layers use the KV cache and the tree's ancestor mask as before;
 linear-attention layers run the gated delta rule in parallel form over each node's own path
-(gated_delta.py), from the committed recurrent and conv state that the cache keeps (engine/kv_cache.py).
+(gated_delta.py), from the committed recurrent and conv state that the cache keeps (engine/kv_cache.py);
+a prompt takes the chunkwise-parallel form (gdn_chunk.py).
 
 HF checkpoints store the RMSNorm weights zero-centred (the norm scales by 1 + w); the loader turns
 them into plain scales (`from_hf_state`) so one RMSNorm serves every model."""

@@ -11,7 +11,7 @@ from .prefill import PREFILL_PIECE
 
 log = logging.getLogger(__name__)
 
-MIN_CONTEXT = 512  # below this a service is of no use: refuse to start instead
+MIN_CONTEXT = 512  # a default shortened below this is of no use: refuse to start instead
 
 
 def prefill_workspace_bytes(cfg: Qwen3Config, context: int, feature_layers: int, elem: int) -> int:
@@ -45,9 +45,11 @@ def serving_context(configured: int | None, positions: int, needed_bytes: Callab
             else f"the target's {positions} positions")
     short = (f"{what} needs {needed_bytes(wanted) / 2**30:.1f} GiB for the caches and a prefill's activations, "
              f"but {free / 2**30:.1f} GiB of {device} is free")
-    if configured is not None or lo < MIN_CONTEXT:
-        fix = f"the longest context that fits is {lo} tokens: set max context to that or less" \
-            if lo >= MIN_CONTEXT else f"not even {MIN_CONTEXT} tokens fit: use a larger device"
-        raise ValueError(f"{short}: {fix}, or lower the tree budget")
-    log.warning("%s; serving a context of %d tokens", short, lo)
-    return lo
+    if configured is None and lo >= MIN_CONTEXT:
+        log.warning("%s; serving a context of %d tokens", short, lo)
+        return lo
+    if configured is not None and lo > 0:
+        fix = f"the longest context that fits is {lo} tokens: set max context to that or less"
+    else:
+        fix = f"not even {MIN_CONTEXT} tokens fit: use a larger device"
+    raise ValueError(f"{short}: {fix}, or lower the tree budget")

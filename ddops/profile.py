@@ -102,6 +102,7 @@ class Serve:
     tree_budget: int = 16
     served_model_name: str | None = None
     extra_args: tuple[str, ...] = ()
+    max_context: int | None = None  # None: the runtime's default (the model's positions, as memory holds)
 
 
 @dataclass(frozen=True)
@@ -404,13 +405,14 @@ def _serve(top: Section) -> Serve:
     section = top.section("serve")
     if section is None:
         return Serve()
-    section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args"))
+    section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context"))
     # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
     return Serve(mode=section.str("mode", "ddtree", choices=MODES),
                  block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
                  tree_budget=section.int("tree_budget", 16, min=LIMITS.MIN_TREE_BUDGET, max=LIMITS.MAX_TREE_BUDGET),
                  served_model_name=section.str("served_model_name"),
-                 extra_args=tuple(section.str_list("extra_args")))
+                 extra_args=tuple(section.str_list("extra_args")),
+                 max_context=section.int("max_context", None, min=1))
 
 
 def _sglang(top: Section, engine: str) -> Sglang | None:

@@ -71,6 +71,8 @@ def exec_argv(profile: Profile) -> list[str]:
              "--port", str(profile.port), "--device", profile.device, "--dtype", profile.dtype]
     if profile.serve.served_model_name:
         argv += ["--served-model-name", profile.serve.served_model_name]
+    if profile.serve.max_context is not None:
+        argv += ["--max-context", str(profile.serve.max_context)]
     return argv + list(profile.serve.extra_args)
 
 

@@ -11,7 +11,8 @@ from ddtree_runtime.engine.kv_cache import HybridCache, target_cache, target_cac
 from ddtree_runtime.engine.runner import TargetRunner
 from ddtree_runtime.engine.tree import Tree, ancestor_mask
 from ddtree_runtime.model import Qwen35Config, load_target
-from ddtree_runtime.model.gated_delta import chain_paths, gated_delta, state_at, tree_paths
+from ddtree_runtime.model.gated_delta import gated_delta, state_at, tree_paths
+from ddtree_runtime.model.gdn_chunk import CHUNK as PROMPT_CHUNK
 
 VOCAB = 320
 LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -70,6 +71,18 @@ def test_prefill_matches_transformers(hf_pair):
     assert torch.allclose(ours.logits(torch.cat(resumed, dim=1))[0], ref[100:], atol=1e-4)
 
 
+@pytest.mark.parametrize("length", [PROMPT_CHUNK - 1, PROMPT_CHUNK + 1, 2 * PROMPT_CHUNK + 3,
+                                    5 * PROMPT_CHUNK - 7])
+def test_prefill_logits_match_transformers_across_chunk_boundaries(hf_pair, length):
+    hf, ours = hf_pair
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    cache = target_cache(ours.config, 512, "cpu", torch.float32)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        h, _ = ours(ids, torch.arange(length)[None], cache, start=0)
+    assert torch.allclose(ours.logits(h)[0], ref, atol=1e-4), (ours.logits(h)[0] - ref).abs().max()
+
+
 def test_parallel_form_equals_the_recurrence_on_every_path():
     """gated_delta over a tree == the token-by-token recurrence along each node's own path."""
     g = torch.Generator().manual_seed(2)
@@ -89,8 +102,6 @@ def test_parallel_form_equals_the_recurrence_on_every_path():
             s = s + k[:, :, j, :, None] * u[..., None, :]
         assert torch.allclose(out[:, :, node], (s * q[:, :, node, :, None]).sum(-2), atol=1e-5)
         assert torch.allclose(state_at(step, s0, torch.tensor(path)), s, atol=1e-5)
-    assert torch.equal(chain_paths(3, 4, torch.device("cpu")).window, torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4],
-                                                                                  [2, 3, 4, 5]]))
     window = tree_paths(mask, node_depths, 4).window
     assert window[9].tolist() == [3 + 3, 3 + 6, 3 + 8, 3 + 9]   # 9 <- 8 <- 6 <- 3: all tree nodes
     assert window[1].tolist() == [1, 2, 3, 4]                   # conv tail, root, itself
@@ -155,8 +166,8 @@ def test_a_budget_that_cannot_fit_is_refused_at_start(tiny_hybrid_models, tmp_pa
     shutil.copytree(tiny_hybrid_models / "target", target)
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2 ** 31}))
-    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB for the caches and recurrent-state scratch, "
-                                         r"but .* GiB of cpu is free"):
+    with pytest.raises(ValueError, match=r"max context 1073741824 needs \d+\.\d GiB for the caches and a "
+                                         r"prefill's activations, but .* GiB of cpu is free: the longest"):
         Engine(EngineConfig(str(target), str(tiny_hybrid_models / "draft"), max_context=2 ** 30))
     with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings 2048"):
         Engine(EngineConfig(str(tiny_hybrid_models / "target"), str(tiny_hybrid_models / "draft"),

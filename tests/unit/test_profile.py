@@ -46,6 +46,8 @@ def test_shipped_profiles_load(name):
     assert profile.name == name
     if profile.engine == "ddtree":
         assert profile.serve.block_size == 16 and profile.serve.tree_budget == 16
+    # the service the pivot replaces ran a 131,072-token context; the lab keeps the runtime's default
+    assert profile.serve.max_context == (131072 if name == "zlab-ddtree16" else None)
 
 
 def test_good_profile(tmp_path):
@@ -67,6 +69,8 @@ BAD = [
     ("serve: {mode: fast}", "must be one of ddtree, dflash, ar", None),
     ("serve: {block_size: 1}", "at least 2", None),           # the runtime's floor (limits.py)
     ("serve: {tree_budget: 1025}", "between 1 and 1024", None),  # the runtime's range
+    ("serve: {max_context: 0}", "at least 1", None),
+    ("serve: {max_context: 128k}", "must be an integer", None),
     ("port: " + "9" * 5000, "(5000 characters) is too large", "18 digits"),
     ("port: 0x" + "f" * 5000, "is too large", None),         # parses, but could not be printed
     ("port: 12345678901234567890", "is too large", None),

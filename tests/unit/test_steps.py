@@ -49,6 +49,15 @@ def test_exec_argv_and_render(profile):
     assert "OMP_NUM_THREADS=1" in r.env_text
 
 
+def test_max_context_reaches_the_unit_only_when_set(profile):
+    from dataclasses import replace
+    assert "--max-context" not in exec_argv(profile)
+    longer = replace(profile, serve=replace(profile.serve, max_context=131072))
+    argv = exec_argv(longer)
+    assert argv[argv.index("--max-context") + 1] == "131072"
+    assert " --max-context 131072" in render(longer, {}).unit_text
+
+
 def test_secrets_stay_out_of_unit_and_diff(profile):
     from dataclasses import replace
     p = replace(profile, secrets={"DDTREE_API_KEY": "K"})

@@ -14,6 +14,8 @@ import torch
 
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
 from ..model.layers import fuse_projections
+from .context import prefill_workspace_bytes, serving_context
+from .prefill import prefill
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
@@ -72,10 +74,6 @@ class Engine:
         fuse_projections(self.target)
         tcfg = self.target.config
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
-        self.max_context = config.max_context or min(tcfg.max_position_embeddings, 4096)
-        if self.max_context > tcfg.max_position_embeddings:
-            raise ValueError(f"max_context {self.max_context} exceeds the target's max_position_embeddings "
-                             f"{tcfg.max_position_embeddings}")
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter
@@ -92,6 +90,11 @@ class Engine:
                 raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
+        # sized with both models' weights in place, before any cache
+        self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self._needed_bytes,
+                                           _free_bytes(self.device), str(self.device))
+        if self.drafter is not None:
+            dcfg = self.drafter.config
             draft_capacity = DraftRunner.capacity_for(self.max_context, self.block_size)
             # refuse before allocating anything: both caches must fit together
             self._refuse_unless_fits(max(config.tree_budget, self.block_size) + 1, extra=target_cache_bytes(
@@ -140,6 +143,17 @@ class Engine:
     def _target_cache_bytes(self, tree_slots: int) -> int:
         return target_cache_bytes(self.target.config, TargetRunner.capacity_for(self.max_context, tree_slots),
                                   tree_bucket(tree_slots), self.target.lm_head.weight.element_size())
+
+    def _needed_bytes(self, context: int) -> int:
+        """What serving `context` tokens takes: both caches at the configured tree size and a prefill's
+        activations."""
+        elem = self.target.lm_head.weight.element_size()
+        tree_slots = max(self.config.tree_budget, self.block_size) + 1
+        need = target_cache_bytes(self.target.config, TargetRunner.capacity_for(context, tree_slots),
+                                  tree_bucket(tree_slots), elem)
+        if self.drafter is not None:
+            need += target_cache_bytes(self.drafter.config, DraftRunner.capacity_for(context, self.block_size), 1, elem)
+        return need + prefill_workspace_bytes(self.target.config, context, len(self.target.feature_layers), elem)
 
     def _refuse_unless_fits(self, tree_slots: int, extra: int = 0, reclaimable: int = 0) -> None:
         """ValueError unless the caches for tree_slots (+ extra bytes) fit in what is free, counting
@@ -233,8 +247,7 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, req: RequestState, prompt_ids: list[int]) -> int:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
-        pos = torch.arange(ids.shape[1], device=self.device)[None]
-        h, feats = self.target(ids, pos, self.target_cache, start=0)
+        h, feats = prefill(self.target, ids, self.target_cache)                 # [1, 1, H], [1, P, F]
         first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
         req.n_ctx, req.bonus, req.prompt_feats = ids.shape[1], first, feats
         return first

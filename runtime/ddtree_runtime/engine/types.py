@@ -19,7 +19,7 @@ class EngineConfig:
     tree_budget: int = 16
     device: str = "cpu"
     dtype: str = "float32"          # float32 | bfloat16 | float16
-    max_context: int | None = None  # default: min(target max_position_embeddings, 4096)
+    max_context: int | None = None  # default: the target's max_position_embeddings, as far as memory holds
 
 
 @dataclass

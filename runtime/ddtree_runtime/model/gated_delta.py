@@ -13,8 +13,9 @@ Unrolled from a start state S0, with G_t the sum of g over the token's path (its
     o_t = exp(G_t) S0^T q_t + sum_{j on the path} exp(G_t - G_j) (q_t . k_j) u_j
 
 Nothing here needs the path to be a chain: give each token its ancestor-or-self set as a mask and every
-token sees exactly its own path. A causal mask is a chunk of a prompt; a tree's ancestor mask verifies a
-whole draft tree in one pass, each node from its parent's state, with no state leaking across branches.
+token sees exactly its own path: a tree's ancestor mask verifies a whole draft tree in one pass, each
+node from its parent's state, with no state leaking across branches (prompts, tokens in a row, take
+the chunkwise form of gdn_chunk.py instead).
 Ancestors precede their descendants in the flattened order, so I + A is unit lower triangular and one
 triangular solve gives u. The state a node ends in is rebuilt only for the node that is kept (`state_at`).
 """
@@ -41,13 +42,6 @@ class Paths:
         eye = torch.eye(self.mask.shape[0], dtype=torch.bool, device=self.mask.device)
         self.strict = self.mask & ~eye
         self.summing = self.mask.t().float()
-
-
-def chain_paths(t: int, kernel: int, device: torch.device) -> Paths:
-    """T tokens in a row: each continues from the one before (a prompt chunk, a decode step)."""
-    rows = torch.arange(t, device=device)
-    window = rows[:, None] + torch.arange(kernel, device=device)  # row i, tap j: ext index i + j
-    return Paths(rows[None, :] <= rows[:, None], window)
 
 
 def tree_paths(mask: torch.Tensor, depth: torch.Tensor, kernel: int) -> Paths:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .kernels import (decode_attention, decode_attention_fits, residual_linear, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
@@ -82,16 +83,18 @@ class TreeInputs(NamedTuple):
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx: int, start: int,
                   mask: torch.Tensor | None, tree: TreeInputs | None) -> torch.Tensor:
     """Store k/v in layer `idx` of the cache and attend: a tree pass writes at its slots and attends with
-    its bias; a plain pass writes at `start` and is causal unless a mask is given."""
+    its bias; a plain pass writes at `start` and is causal unless a mask is given (a later piece of a
+    prompt, start > 0, causal with its queries aligned to the end of the keys)."""
     if tree is not None:
         k, v = cache.write_at(idx, tree.slots, k, v, tree.kv_len)
         return attend_decode(q, k, v, tree.bias)
     if cache is not None:
         k, v = cache.write(idx, start, k, v)
-    causal = mask is None and q.shape[2] > 1
-    if causal and start > 0:
-        raise ValueError("an offset multi-token forward needs an explicit mask")
-    return attend(q, k, v, mask, causal)
+    if mask is None and q.shape[2] > 1 and q.shape[2] < k.shape[2]:
+        # no [T, start+T] mask is built: SDPA runs the lower-right causal variant in a fused kernel
+        # (slower than one causal pass with grouped KV heads on an H200: engine/prefill.py)
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+    return attend(q, k, v, mask, mask is None and q.shape[2] > 1)
 
 
 class QKVProj(nn.Module):

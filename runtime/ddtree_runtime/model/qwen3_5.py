@@ -2,7 +2,8 @@
 full-attention layer every few. Same interface as the Qwen3 target, so the engine, runner and drafter
 code do not change: full-attention layers use the KV cache and the tree's ancestor mask as before;
 linear-attention layers run the gated delta rule in parallel form over each node's own path
-(gated_delta.py), from the committed recurrent and conv state that the cache keeps (engine/kv_cache.py).
+(gated_delta.py), from the committed recurrent and conv state that the cache keeps (engine/kv_cache.py);
+a prompt takes the chunkwise-parallel form (gdn_chunk.py).
 
 HF checkpoints store the RMSNorm weights zero-centred (the norm scales by 1 + w); the loader turns
 them into plain scales (`from_hf_state`) so one RMSNorm serves every model."""
@@ -16,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen35Config
-from .gated_delta import Paths, causal_conv, chain_paths, gated_delta, state_at, tree_paths
+from .gated_delta import Paths, causal_conv, gated_delta, tree_paths
+from .gdn_chunk import chunk_gated_delta, prompt_conv
 from .gdn_kernels import conv_heads, fused_fits, gated_norm
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows
 from .qwen3 import Qwen3ForCausalLM
 
-PREFILL_CHUNK = 64  # prompt tokens per parallel pass of a linear layer ([H, C, C] matrices per chunk)
 ZERO_CENTRED = re.compile(r"(^model\.norm|layernorm|self_attn\.[qk]_norm)\.weight$")
 
 
@@ -148,29 +149,23 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache, resume: bool) -> torch.Tensor:
-        """Tokens in a row, in chunks: from the cache's state when resuming (start > 0), else from
-        zeros (a prompt); the final state goes back to the cache (if any)."""
-        b, t, c = mixed.shape
-        kernel = self.kernel
+        """Tokens in a row (a prompt), chunkwise-parallel (gdn_chunk.py): from the cache's state when
+        resuming (start > 0), else from zeros; the final state goes back to the cache (if any).
+        Returns [B, Hv, T, dv]."""
+        b, t, _ = mixed.shape
         if resume:
             conv_state, state = cache.conv[self.slot], cache.state[self.slot]
         else:
-            conv_state, state = mixed.new_zeros(b, kernel - 1, c), None
-        outs = []
-        for lo in range(0, t, PREFILL_CHUNK):
-            chunk = mixed[:, lo:lo + PREFILL_CHUNK]
-            n = chunk.shape[1]
-            paths = chain_paths(n, kernel, mixed.device)
-            conv = causal_conv(chunk, conv_state, self.conv1d.weight[:, 0], paths.window)
-            q, k, v, bt, gt = self._heads(conv, beta[:, lo:lo + n], g[:, lo:lo + n])
-            out, step = gated_delta(q, k, v, gt, bt, state, paths)
-            outs.append(out)
-            state = state_at(step, state, torch.arange(n, device=mixed.device))
-            conv_state = torch.cat([conv_state.to(chunk.dtype), chunk], dim=1)[:, -(kernel - 1):]
+            conv_state, state = mixed.new_zeros(b, self.kernel - 1, self.conv_dim), None
+        conv, conv_state = prompt_conv(mixed, conv_state, self.conv1d.weight[:, 0])
+        nk = self.n_k * self.dk
+        q, k, v = conv.split([nk, nk, self.n_v * self.dv], dim=-1)
+        out, state = chunk_gated_delta(q.view(b, t, self.n_k, self.dk), k.view(b, t, self.n_k, self.dk),
+                                       v.view(b, t, self.n_v, self.dv), g, beta, state)
         if cache is not None:
             cache.conv[self.slot] = conv_state
             cache.state[self.slot] = state
-        return torch.cat(outs, dim=2)
+        return out.transpose(1, 2)
 
 
 class HybridLayer(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ def _runtime_limits() -> ModuleType:
 LIMITS = _runtime_limits()
 ENGINES = ("ddtree", "sglang")
 MODES = LIMITS.MODES
+# The runtime's parser names (SGLang's), for serve.tool_call_parser and serve.reasoning_parser.
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
+REASONING_PARSERS = ("qwen3",)
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 DTYPES = LIMITS.DTYPE_NAMES
 LOCAL = "local"  # `from.host: local` = the control machine running ddops
 CACHE = "${DDOPS_CACHE}"  # the one variable a local source path may start with
@@ -103,6 +108,11 @@ class Serve:
     served_model_name: str | None = None
     extra_args: tuple[str, ...] = ()
     max_context: int | None = None  # None: the runtime's default (the model's positions, as memory holds)
+    # What the chat endpoint makes of the model's text (the runtime's --tool-call-parser,
+    # --reasoning-parser, --chat-template-kwargs); None: the runtime's default.
+    tool_call_parser: str | None = None          # None: from the target's architecture
+    reasoning_parser: str | None = None          # None: reasoning left in the content
+    chat_template_kwargs: str | None = None      # a JSON object, keys sorted
 
 
 @dataclass(frozen=True)
@@ -405,14 +415,35 @@ def _serve(top: Section) -> Serve:
     section = top.section("serve")
     if section is None:
         return Serve()
-    section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context"))
+    section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context",
+                            "tool_call_parser", "reasoning_parser", "chat_template_kwargs"))
     # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
     return Serve(mode=section.str("mode", "ddtree", choices=MODES),
                  block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
                  tree_budget=section.int("tree_budget", 16, min=LIMITS.MIN_TREE_BUDGET, max=LIMITS.MAX_TREE_BUDGET),
                  served_model_name=section.str("served_model_name"),
                  extra_args=tuple(section.str_list("extra_args")),
-                 max_context=section.int("max_context", None, min=1))
+                 max_context=section.int("max_context", None, min=1),
+                 tool_call_parser=section.str("tool_call_parser", choices=TOOL_CALL_PARSERS),
+                 reasoning_parser=section.str("reasoning_parser", choices=REASONING_PARSERS),
+                 chat_template_kwargs=_template_kwargs(section))
+
+
+def _template_kwargs(serve: Section) -> str | None:
+    """`serve.chat_template_kwargs`: flat template variables (name: string, number or bool), as JSON."""
+    section = serve.section("chat_template_kwargs")
+    if section is None:
+        return None
+    values = {}
+    for key in section.keys():
+        value = section.data[key]
+        if not isinstance(key, str) or not _TEMPLATE_VARIABLE.fullmatch(key):
+            raise section.fail(key, f"invalid chat template variable name {key!r}")
+        if not isinstance(value, (str, int, float, bool)):
+            raise section.fail(key, f"`serve.chat_template_kwargs.{key}` must be a string, number or bool, "
+                               f"got {value!r}")
+        values[key] = value
+    return json.dumps(values, sort_keys=True)
 
 
 def _sglang(top: Section, engine: str) -> Sglang | None:

@@ -73,6 +73,11 @@ def exec_argv(profile: Profile) -> list[str]:
         argv += ["--served-model-name", profile.serve.served_model_name]
     if profile.serve.max_context is not None:
         argv += ["--max-context", str(profile.serve.max_context)]
+    for flag, value in (("--tool-call-parser", profile.serve.tool_call_parser),
+                        ("--reasoning-parser", profile.serve.reasoning_parser),
+                        ("--chat-template-kwargs", profile.serve.chat_template_kwargs)):
+        if value is not None:
+            argv += [flag, value]
     return argv + list(profile.serve.extra_args)
 
 

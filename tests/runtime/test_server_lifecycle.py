@@ -141,6 +141,13 @@ def test_fault_endpoint_is_absent_without_the_env(tiny_models):
     (["--target", "{target}", "--draft", "/tmp"], "--draft /tmp: no config.json"),
     (["--target", "{target}", "--draft", "{draft}", "--host", "0.0.0.0"],
      "--host 0.0.0.0 without an API key would let anyone who reaches the port use the model"),
+    (["--target", "{target}", "--draft", "{draft}", "--chat-template-kwargs", "thinking"],
+     "--chat-template-kwargs: not JSON"),
+    (["--target", "{target}", "--draft", "{draft}", "--chat-template-kwargs", "[true]"],
+     "--chat-template-kwargs: expected a JSON object"),
+    (["--target", "{target}", "--draft", "{draft}", "--chat-template-kwargs", '{{"tools": []}}'],
+     "--chat-template-kwargs: 'tools' is not a chat template variable"),
+    (["--target", "{target}", "--draft", "{draft}", "--tool-call-parser", "mistral"], "--tool-call-parser"),
 ])
 def test_bad_cli_input_is_one_line_and_exit_2(tiny_models, argv, message):
     argv = [a.format(target=tiny_models / "target", draft=tiny_models / "draft") for a in argv]

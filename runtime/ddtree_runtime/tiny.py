@@ -22,22 +22,14 @@ from .engine.kv_cache import target_cache
 from .model import DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from .model.qwen3_5 import to_hf_state
 from .tiny_corpus import ENDOFTEXT, IM_END, IM_START, documents, heldout_questions
+from .tiny_templates import CHAT_TEMPLATES
 
 MASK = "<|MASK|>"
 SPECIALS = [ENDOFTEXT, IM_START, IM_END, "<think>", "</think>", MASK]
+# Whole tokens but not special ones, as in the real Qwen tokenizers: text a client may also write.
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 VOCAB = 1024
 BLOCK = 16
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is not defined or not enable_thinking -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
 TARGET = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
               max_position_embeddings=2048, tie_word_embeddings=True)
@@ -46,7 +38,12 @@ HYBRID = dict(TARGET, layer_types=["linear_attention"] * 3 + ["full_attention"],
               linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
               linear_num_value_heads=4, partial_rotary_factor=0.25)
 ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, TARGET), "qwen3_5": (Qwen35Config, Qwen35ForCausalLM, HYBRID)}
-TRAIN_BATCH, TRAIN_LEN = 16, 64
+# 128-token windows: a tool-use conversation (tools block, question, call, result, answer) is ~90-120
+# tokens, and a model never trained past position 63 cannot answer a prompt that long.
+TRAIN_BATCH, TRAIN_LEN = 16, 128
+# 600 steps learn the tool-call layout but not to copy the city from the question into the call, and
+# lose a sum or two of the smoke prompts; twice as many learn both.
+TARGET_STEPS = 1200
 DRAFT_LAYERS = 2
 TARGET_LAYER_IDS = [0, 2, 3]
 
@@ -60,7 +57,7 @@ def log(msg: str) -> None:
 
 # ---- tokenizer -------------------------------------------------------------------------------------
 
-def build_tokenizer(docs: list[tuple[str, str]], out: Path):
+def build_tokenizer(docs: list[tuple[str, str]], out: Path, arch: str = "qwen3"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +71,8 @@ def build_tokenizer(docs: list[tuple[str, str]], out: Path):
     tok.train_from_iterator(plain, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
                                    additional_special_tokens=[IM_START, "<think>", "</think>", MASK])
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens(TOOL_TAGS)
+    fast.chat_template = CHAT_TEMPLATES[arch]
     fast.save_pretrained(str(out))
     return fast
 
@@ -299,7 +297,7 @@ def init_target(model: Qwen3ForCausalLM) -> None:
             p.data.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
 
 
-def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800, arch: str = "qwen3") -> dict:
+def build(out: Path, seed: int, target_steps: int = TARGET_STEPS, draft_steps: int = 800, arch: str = "qwen3") -> dict:
     t_start = time.time()
     torch.manual_seed(seed)
     random.seed(seed)
@@ -310,8 +308,8 @@ def build(out: Path, seed: int, target_steps: int = 600, draft_steps: int = 800,
         d.mkdir(parents=True)
     (out / ".complete").unlink(missing_ok=True)
 
-    docs = documents(20000, seed)
-    tok = build_tokenizer(docs, tdir)
+    docs = documents(20000, seed, arch)
+    tok = build_tokenizer(docs, tdir, arch)
     stream, starts = token_stream(tok, docs)
     starts_t = torch.tensor(starts)
     log(f"tokenizer: {len(tok)} tokens; corpus {len(docs)} docs, {len(stream)} tokens")
@@ -372,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ddtree-tiny", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output directory (gets target/ and draft/)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-steps", type=int, default=TARGET_STEPS)
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3",
                     help="target family: qwen3, or qwen3_5 (hybrid Gated DeltaNet + full attention)")

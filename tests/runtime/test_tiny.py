@@ -80,4 +80,5 @@ def test_hybrid_target_is_a_transformers_qwen3_5(tiny_hybrid_models):
     draft = json.loads((tiny_hybrid_models / "draft" / "config.json").read_text())
     assert draft["num_target_layers"] == m.config.num_hidden_layers
     res = json.loads((tiny_hybrid_models / "tiny_results.json").read_text())
-    assert res["ddtree_b16"] >= 3.0 and res["dflash_b15"] >= 3.0
+    # fixture v2 answers and stops (v1 ran on in repetitions a drafter guesses easily: dflash 8.9)
+    assert res["ddtree_b16"] >= 3.0 and res["dflash_b15"] >= 2.0

@@ -118,4 +118,4 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
     for i, (p, ref) in enumerate(zip(prompts, reference)):
         assert run(engine, p, mode="ddtree", tree_budget=32)[0] == ref, f"prompt {i} diverged"
     print(f"\nrounds accepted past a top branch rejected at depth {swapped_depth}: {diverged_then_continued}")
-    assert diverged_then_continued >= 20
+    assert diverged_then_continued >= 10  # fixture v2: 14 on qwen3 (its answers stop; v1 ran on)

@@ -32,8 +32,9 @@ def test_pieces_equal_one_forward(pair):
     for a, b in zip(whole, pieces):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert pieces[1].shape == (1, 150, 2 * target.config.hidden_size)
-    assert torch.allclose(caches[0].k[:, :, :, :150], caches[1].k[:, :, :, :150], atol=1e-5)
-    assert torch.allclose(caches[0].v[:, :, :, :150], caches[1].v[:, :, :, :150], atol=1e-5)
+    # float32 rounding: fixture v2's hybrid keys reach |8|, and differ by up to 1.5e-5 between the two
+    assert torch.allclose(caches[0].k[:, :, :, :150], caches[1].k[:, :, :, :150], atol=5e-5)
+    assert torch.allclose(caches[0].v[:, :, :, :150], caches[1].v[:, :, :, :150], atol=5e-5)
     if isinstance(caches[0], HybridCache):
         assert torch.allclose(caches[0].state, caches[1].state, atol=1e-5)
         assert torch.allclose(caches[0].conv, caches[1].conv, atol=1e-5)

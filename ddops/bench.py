@@ -8,14 +8,19 @@ also compared with AR's (greedy DDTree/DFlash are lossless, so they must match).
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .credentials import read_secrets
 from .errors import ConfigError, UsageError
+from .executor import Executor
+from .inventory import Host
+from .profile import MODES, load_profile, resolve_profile
+from .remote import run_probe
 
 DEFAULT_MODES = "ar,dflash,ddtree:16,ddtree:64"
-MODES = ("ar", "dflash", "ddtree")
 
 
 def parse_modes(text: str) -> list[dict[str, Any]]:
@@ -98,9 +103,28 @@ def bench_spec(*, port: int, api_key: str | None, model: str | None, max_tokens:
             "prompts": prompts, "modes": modes}
 
 
-def run_bench(executor, host, spec: dict[str, Any]) -> dict[str, Any]:
-    from .steps.base import run_probe
+def resolve_target(host: Host, profile_name: str | None, port: int | None,
+                   api_key_env: str | None) -> tuple[int, str | None, str | None]:
+    """(port, served model name, API key) for the bench: --port and --api-key-env first, then the
+    profile's, then the host's first service with a port."""
+    model, api_key = None, None
+    if profile_name:
+        profile = load_profile(resolve_profile(profile_name))
+        port = port or profile.port
+        model = profile.serve.served_model_name
+        api_key = read_secrets(profile).get("DDTREE_API_KEY")
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise UsageError(f"${api_key_env} is not set", fix=f"export {api_key_env}=... or drop --api-key-env")
+    if port is None:
+        port = next((s.port for s in host.services if s.port), None)
+        if port is None:
+            raise UsageError(f"no port for {host.name}: its services list none", fix="pass --port or --profile")
+    return port, model, api_key
 
+
+def run_bench(executor: Executor, host: Host, spec: dict[str, Any]) -> dict[str, Any]:
     n = len(spec["prompts"]) * len(spec["modes"]) + len(spec["modes"])
     out = run_probe(executor, host, "bench", stdin=spec, timeout=spec["timeout"] * n + 60)
     rows = out["results"]

@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from .errors import EXIT_FAILED, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
 from .progress import Activity
+from .views import as_dict, lab_table, stdout_console
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -92,9 +92,10 @@ def status(obj: Context, as_json: bool) -> None:
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
           break_lock: bool, as_json: bool) -> None:
     """Pivot a host from training to serving, gated on health and a real smoke test."""
-    from .pivot import Pivot, read_secrets, render_summary
+    from .credentials import read_secrets
+    from .pivot import Pivot, PivotOptions
     from .profile import check_against_inventory, load_profile, resolve_profile
-    from .steps.base import PivotRun
+    from .views import render_summary
 
     inventory = obj.inventory()
     profile = load_profile(resolve_profile(profile_name))
@@ -103,11 +104,11 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     interactive = sys.stdin.isatty() and not as_json
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
+    options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
+                           break_lock=break_lock)
     with obj.executor(inventory) as executor:
-        run = PivotRun(profile=profile, inventory=inventory, executor=executor, kill_training=kill_training,
-                       dry_run=dry_run, secrets=read_secrets(profile))
-        report = Pivot(run, console, yes=yes, no_rollback=no_rollback, break_lock=break_lock,
-                       confirm=lambda q: click.confirm(q, default=False, err=True)).execute()
+        report = Pivot(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
+                       confirm=lambda q: click.confirm(q, default=False, err=True)).execute().as_json()
     render_summary(report, console)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -124,8 +125,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
 def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, backup_id: str | None,
              as_json: bool) -> None:
     """Restore a unit's backup (or remove a unit that did not exist before), restart, health-gate."""
-    from . import history
-    from .rollback import list_backups, restore
+    from .rollback import list_backups, rollback_command
+    from .views import backups_table, rollback_line
 
     inventory = obj.inventory()
     host = inventory.host(host_name)
@@ -137,29 +138,14 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
             if as_json:
                 click.echo(json.dumps(backups, indent=2))
             else:
-                _print_backups(backups, unit, host.name)
+                stdout_console().print(backups_table(backups, unit, host.name))
             return
-        t0 = time.monotonic()
-        try:
-            with Activity(console, f"rolling back {unit} on {host.name}") as activity:
-                report = restore(executor, inventory, host, unit, backup_id, progress=activity.update)
-        except UsageError:
-            raise  # nothing was attempted (no such backup): nothing to record
-        except DdopsError as exc:
-            history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
-                                            "backup_id": backup_id, "error": exc.line(),
-                                            "wall_s": round(time.monotonic() - t0, 2)})
-            raise
-        history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "ok",
-                                        "backup_id": report["backup_id"], "restarted": report["restarted"],
-                                        "removed": report.get("removed", False), "wall_s": report["seconds"]})
+        with Activity(console, f"rolling back {unit} on {host.name}") as activity:
+            report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
-        what = "removed (it did not exist before)" if report.get("removed") else "restored and healthy"
-        console.print(f"[bold green]ROLLED BACK:[/] {unit} on {host.name} {what} from backup "
-                      f"{report['backup_id']}" + (f"; running again: {', '.join(report['restarted'])}"
-                                                  if report["restarted"] else "") + f" ({report['seconds']}s)")
+        console.print(rollback_line(report, unit, host.name))
 
 
 @cli.command("history")
@@ -169,7 +155,8 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
 def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
     """Pivots and rollbacks recorded on the hosts."""
     from . import history
-    from .steps.base import HISTORY_PATH
+    from .paths import HISTORY_PATH
+    from .views import history_table
 
     inventory = obj.inventory()
     hosts = [inventory.host(host_name)] if host_name else inventory.select(obj.limit)
@@ -191,17 +178,7 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
         err_console.print(f"no pivots or rollbacks recorded on {where} yet (each host keeps its own in "
                           f"{HISTORY_PATH})", soft_wrap=True)
         return
-    from rich.table import Table
-
-    table = Table(title="ddops history")
-    for column in ("when (UTC)", "host", "kind", "profile/unit", "outcome", "release", "backup", "wall", "by"):
-        table.add_column(column, overflow="fold")
-    for r in records:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("time", 0)))
-        table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
-                      r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
-                      f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
-    stdout_console().print(table)
+    stdout_console().print(history_table(records))
 
 
 @cli.command()
@@ -211,7 +188,7 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
 @click.pass_obj
 def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
     """The journal tail of a unit on a host."""
-    from .steps.base import journal_argv, unit_installed
+    from .remote import journal_argv, unit_installed
 
     inventory = obj.inventory()
     host = inventory.host(host_name)
@@ -252,28 +229,12 @@ def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
 def bench(obj: Context, host_name: str, profile_name: str | None, port: int | None, api_key_env: str | None,
           prompts_path: Path | None, modes: str, max_tokens: int, timeout: float, as_json: bool) -> None:
     """Tokens/s and mean acceptance length per speculative mode, per prompt and overall."""
-    from .bench import bench_spec, load_prompts, parse_modes, render, run_bench
+    from .bench import bench_spec, load_prompts, parse_modes, render, resolve_target, run_bench
 
     mode_list, prompts = parse_modes(modes), load_prompts(prompts_path)
     inventory = obj.inventory()
     host = inventory.host(host_name)
-    model, api_key = None, None
-    if profile_name:
-        from .pivot import read_secrets
-        from .profile import load_profile, resolve_profile
-
-        profile = load_profile(resolve_profile(profile_name))
-        port = port or profile.port
-        model = profile.serve.served_model_name
-        api_key = read_secrets(profile).get("DDTREE_API_KEY")
-    if api_key_env:
-        api_key = os.environ.get(api_key_env)
-        if not api_key:
-            raise UsageError(f"${api_key_env} is not set", fix=f"export {api_key_env}=... or drop --api-key-env")
-    if port is None:
-        port = next((s.port for s in host.services if s.port), None)
-        if port is None:
-            raise UsageError(f"no port for {host.name}: its services list none", fix="pass --port or --profile")
+    port, model, api_key = resolve_target(host, profile_name, port, api_key_env)
     spec = bench_spec(port=port, api_key=api_key, model=model, max_tokens=max_tokens, timeout=timeout,
                       prompts=prompts, modes=mode_list)
     if not as_json:
@@ -296,27 +257,13 @@ def demo(obj: Context, keep: bool) -> None:
     """The whole story on the local lab: up, status, a dry run, the pivot, a re-run, logs, rollback, history."""
     from .demo import run_demo
 
-    sys.exit(run_demo(obj, keep=keep, progress=_progress))
+    sys.exit(run_demo(obj.inventory_path, keep=keep, progress=_progress))
 
 
 def _default_unit(host) -> str:
     if not host.services:
         raise UsageError(f"{host.name} lists no services in the inventory", fix="pass --unit UNIT")
     return host.services[0].unit
-
-
-def _print_backups(backups: list, unit: str, host: str) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"backups of {unit} on {host} (newest last)")
-    for column in ("id", "created (UTC)", "profile", "unit existed", "restarts after rollback"):
-        table.add_column(column)
-    for b in backups:
-        m = b["meta"]
-        table.add_row(b["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.get("created", 0))),
-                      str(m.get("profile", "")), "yes" if m.get("unit_existed") else "no (rollback removes it)",
-                      ", ".join(m.get("restart_after_rollback") or []) or "-")
-    stdout_console().print(table)
 
 
 @cli.group()
@@ -333,7 +280,7 @@ def lab_up(obj: Context, extra: int) -> None:
     from .lab import lab_up as up
 
     states = up(obj.inventory_path, extra=extra, progress=_progress)
-    _print_lab(states)
+    stdout_console().print(lab_table(states))
 
 
 @lab.command("down")
@@ -341,7 +288,7 @@ def lab_down() -> None:
     """Power the lab hosts off cleanly."""
     from .lab import lab_down as down
 
-    _print_lab(down(progress=_progress))
+    stdout_console().print(lab_table(down(progress=_progress)))
 
 
 @lab.command("status")
@@ -352,33 +299,9 @@ def lab_status(as_json: bool) -> None:
 
     states = list_hosts()
     if as_json:
-        click.echo(json.dumps([_as_dict(s) for s in states], indent=2, default=str))
+        click.echo(json.dumps([as_dict(s) for s in states], indent=2, default=str))
     else:
-        _print_lab(states)
-
-
-def _as_dict(state: object) -> dict:
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(state) if is_dataclass(state) else dict(vars(state))
-
-
-def _print_lab(states: list) -> None:
-    from rich.table import Table
-
-    table = Table(title="ddops lab")
-    for column in ("host", "ssh port", "pid", "running", "sshd"):
-        table.add_column(column)
-    for s in states:
-        d = _as_dict(s)
-        table.add_row(str(d.get("name")), str(d.get("port")), str(d.get("pid") or "-"),
-                      "yes" if d.get("running") else "no", "answers" if d.get("sshd_ok") else "-")
-    stdout_console().print(table)
-
-
-def stdout_console() -> Console:
-    """A console for tables: wide when piped, so no column is cut to fit 80 characters."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        stdout_console().print(lab_table(states))
 
 
 def _progress(message: str) -> None:

@@ -16,8 +16,10 @@ from typing import Callable
 
 from .executor import Executor
 from .inventory import Inventory
-from .lab.tiny import DRAFT_DIR, DRAFT_HOST, QWEN3, cache_root, install
-from .steps.sync import rsync, rsync_argv
+from .lab.tiny import DRAFT_DIR, DRAFT_HOST, QWEN3, install
+from .paths import cache_root
+from .transfer import rsync, rsync_argv
+from .views import lab_table, stdout_console
 
 LAB_PROFILE = "lab-ddtree16"
 SERVING_HOST = "ct200"
@@ -42,8 +44,7 @@ def seed_drafter(inventory: Inventory, executor: Executor, progress: Callable[[s
           f"seed drafter on {DRAFT_HOST}")
 
 
-def run_demo(obj, *, keep: bool, progress: Callable[[str], None]) -> int:
-    from .cli import _print_lab  # noqa: PLC0415 - the CLI's table
+def run_demo(inventory_path: Path, *, keep: bool, progress: Callable[[str], None]) -> int:
     from .lab import lab_down, lab_status, lab_up
 
     started = time.monotonic()
@@ -59,8 +60,8 @@ def run_demo(obj, *, keep: bool, progress: Callable[[str], None]) -> int:
 
     was_running = any(s.running for s in lab_status())
     timed("the tiny models (fixtures)", lambda: ensure_tiny_models(progress))
-    _print_lab(timed("lab up", lambda: lab_up(obj.inventory_path, extra=0, progress=progress)))
-    me = [sys.executable, "-m", "ddops", "-i", str(obj.inventory_path)]
+    stdout_console().print(lab_table(timed("lab up", lambda: lab_up(inventory_path, extra=0, progress=progress))))
+    me = [sys.executable, "-m", "ddops", "-i", str(inventory_path)]
 
     def step(title: str, argv: list[str]) -> None:
         progress(f"{title}: ddops {' '.join(argv)}")

@@ -51,7 +51,7 @@ class CommandResult:
         return self.exit_code == 0
 
     def check(self, what: str) -> "CommandResult":
-        """Raise a StepFailed-style error naming the host when the command failed."""
+        """Raise a DdopsError naming the host and the last lines of output when the command failed."""
         if not self.ok:
             detail = (self.stderr.strip() or self.stdout.strip()).splitlines()[-3:]
             raise DdopsError(f"{what} failed on {self.host} (exit {self.exit_code}): {' | '.join(detail)}")

@@ -65,3 +65,159 @@ def check_identity(expect: Expect, facts: dict[str, Any]) -> Identity:
             identity.mismatches.append(f"GPU count is {identity.gpu_count}, expected {expect.gpu_count}")
     identity.ok = not identity.mismatches
     return identity
+
+
+# -- typed facts: what the pivot's steps read, parsed once from the probes' JSON ------------------
+
+@dataclass(frozen=True)
+class Training:
+    """The training job the facts probe found (`running` False when there is none)."""
+
+    running: bool = False
+    pid: int | None = None
+    pids: tuple[int, ...] = ()
+    unit: str | None = None
+    last_step: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "Training":
+        data = data or {}
+        return cls(running=bool(data.get("running")), pid=data.get("pid"), pids=tuple(data.get("pids") or ()),
+                   unit=(data.get("unit") or {}).get("unit"), last_step=data.get("last_step"))
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """One host's facts probe: who it is, its GPUs and its training job."""
+
+    hostname: str | None
+    gpu_count: int
+    training: Training
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)   # for the identity check
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HostFacts":
+        return cls(hostname=data.get("hostname"), gpu_count=len((data.get("gpus") or {}).get("list", [])),
+                   training=Training.from_json(data.get("training")), raw=data)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A model dir: relative path -> (size, mtime, sha256 of a small file or None), and its config.json."""
+
+    exists: bool = False
+    files: dict[str, tuple] = field(default_factory=dict)
+    bytes: int = 0
+    config: dict[str, Any] | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "Tree":
+        data = data or {}
+        return cls(exists=bool(data.get("exists")), files={k: tuple(v) for k, v in (data.get("files") or {}).items()},
+                   bytes=data.get("bytes", 0), config=data.get("config"))
+
+
+@dataclass(frozen=True)
+class FileFact:
+    """A file on the host: its checksum, and its text (secrets masked) for the diff."""
+
+    exists: bool = False
+    sha256: str | None = None
+    text: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "FileFact":
+        data = data or {}
+        return cls(exists=bool(data.get("exists")), sha256=data.get("sha256"), text=data.get("text"))
+
+
+@dataclass(frozen=True)
+class Imports:
+    """The venv's python: whether it exists, which modules import, and why the others do not."""
+
+    venv: bool = False
+    ok: frozenset[str] = frozenset()
+    errors: dict[str, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "Imports":
+        data = data or {}
+        modules = data.get("modules") or {}
+        return cls(venv=bool(data.get("venv")), ok=frozenset(m for m, r in modules.items() if r.get("ok")),
+                   errors={m: r.get("error") for m, r in modules.items() if not r.get("ok")})
+
+
+@dataclass(frozen=True)
+class UnitFact:
+    active_state: str | None = None
+    unit_file_state: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "UnitFact":
+        data = data or {}
+        return cls(active_state=data.get("ActiveState"), unit_file_state=data.get("UnitFileState"))
+
+    @property
+    def active(self) -> bool:
+        return self.active_state in ("active", "activating", "reloading")
+
+
+@dataclass(frozen=True)
+class Free:
+    checked: str           # the existing directory the free space was measured on
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """The inspect probe on one host: only the sections asked for are filled."""
+
+    trees: dict[str, Tree] = field(default_factory=dict)
+    free: dict[str, Free] = field(default_factory=dict)
+    port_holder: dict[str, Any] | None = None     # pid, cmdline, unit of whatever listens on the port
+    files: dict[str, FileFact] = field(default_factory=dict)
+    imports: Imports = field(default_factory=Imports)
+    units: dict[str, UnitFact] = field(default_factory=dict)
+    lock_holder: dict[str, Any] | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Inspection":
+        return cls(trees={p: Tree.from_json(t) for p, t in (data.get("trees") or {}).items()},
+                   free={p: Free(f["checked"], f["free_bytes"]) for p, f in (data.get("free") or {}).items()},
+                   port_holder=data.get("port"),
+                   files={p: FileFact.from_json(f) for p, f in (data.get("files") or {}).items()},
+                   imports=Imports.from_json(data.get("imports")),
+                   units={u: UnitFact.from_json(s) for u, s in (data.get("units") or {}).items()},
+                   lock_holder=data.get("lock"))
+
+    def tree(self, path: str) -> Tree:
+        return self.trees.get(path) or Tree()
+
+    def file(self, path: str) -> FileFact:
+        return self.files.get(path) or FileFact()
+
+    def unit(self, name: str) -> UnitFact:
+        return self.units.get(name) or UnitFact()
+
+
+@dataclass(frozen=True)
+class PivotFacts:
+    """Everything a pivot plans from, read once by preflight: the serving host's facts, every
+    involved host's inspection (the control machine's under "local"), and the runtime release here."""
+
+    serving: str
+    hosts: dict[str, HostFacts]
+    inspections: dict[str, Inspection]
+    release: str | None = None          # the runtime release `runtime.ship` would install
+
+    @property
+    def host(self) -> HostFacts:
+        return self.hosts[self.serving]
+
+    @property
+    def dest(self) -> Inspection:
+        return self.inspections[self.serving]
+
+    def source_tree(self, model) -> Tree:
+        """The tree a model syncs from (on its source host, or the control machine)."""
+        return self.inspections[model.source.host].tree(model.source.path)

@@ -10,7 +10,7 @@ from typing import Any
 
 from .executor import Executor
 from .inventory import Host
-from .steps.base import HISTORY_PATH, STATE_DIR
+from .paths import HISTORY_PATH, STATE_DIR
 
 _SECRET_WORDS = ("key", "token", "secret", "password")
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, UsageError
+from .errors import UsageError
 from .yamlsrc import Section, load_yaml
 
 ROLES = ("training", "serving", "eval", "node")

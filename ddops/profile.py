@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .errors import ConfigError
+from .paths import cache_root, env_path
 from .yamlsrc import CONTROL_CHARS, Section, load_yaml
 
 
@@ -176,7 +177,7 @@ class Profile:
 
     @property
     def env_file(self) -> str:
-        return f"/etc/ddops/{self.unit.removesuffix('.service')}.env"
+        return env_path(self.unit)
 
     @property
     def api_key_set(self) -> bool:
@@ -346,7 +347,7 @@ def _local_source(section: Section) -> str:
     if not raw.startswith(("/", "~/", CACHE + "/")):
         raise section.fail("path", f"local source path {raw!r} must be absolute",
                            f"start it with /, ~/ or {CACHE}/ (a relative path depends on where ddops runs)")
-    cache = os.environ.get("DDOPS_CACHE") or "~/.cache/ddops"
+    cache = str(cache_root())
     expanded = os.path.expanduser(cache + raw[len(CACHE):] if raw.startswith(CACHE) else raw)
     if CONTROL_CHARS.search(expanded):
         raise section.fail("path", f"local source path {raw!r} contains a newline or control character")

@@ -1,6 +1,7 @@
 """Rollback: put a backed-up unit (or its absence) back, restart what the pivot stopped, health-check.
 
-Used automatically by a pivot whose gate failed, and by `ddops rollback`.
+Used by `ddops rollback` (recorded in the host's history), and by a pivot that failed after it changed
+something: `undo` replays what its journal recorded.
 """
 
 from __future__ import annotations
@@ -8,15 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from .errors import StepFailed, UsageError
+from tenacity import Retrying
+
+from . import history
+from .errors import DdopsError, StepFailed, UsageError
 from .executor import Executor
+from .gates.health import wait_healthy
 from .inventory import Host, Inventory
-from .steps.base import backup_root, run_probe, unit_path
-from .steps.health import wait_healthy
-
-
-def env_path(unit: str) -> str:
-    return f"/etc/ddops/{unit.removesuffix('.service')}.env"
+from .plan import Operation
+from .paths import backup_root, env_path, unit_path
+from .remote import run_probe
 
 
 def list_backups(executor: Executor, host: Host, unit: str) -> list[dict[str, Any]]:
@@ -26,13 +28,6 @@ def list_backups(executor: Executor, host: Host, unit: str) -> list[dict[str, An
 def restore_spec(unit: str, backup_id: str) -> dict[str, Any]:
     return {"action": "restore", "unit": unit, "unit_path": unit_path(unit), "env_path": env_path(unit),
             "backup_root": backup_root(unit), "backup_id": backup_id}
-
-
-class _Ctx:
-    """The little of a PivotRun that the health gate needs."""
-
-    def __init__(self, executor: Executor, progress: Callable[[str], None]) -> None:
-        self.executor, self.progress = executor, progress
 
 
 def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None = None,
@@ -59,7 +54,6 @@ def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, bac
     report["files"] = {"before": out["before"], "after": out["after"]}
     if out["daemon_reload"]["rc"] != 0:
         raise StepFailed(f"daemon-reload failed on {host.name}: {out['daemon_reload']['stderr']}")
-    ctx = _Ctx(executor, progress)
     if meta.get("unit_existed"):
         executor.run(host, ["systemctl", "reset-failed", unit], timeout=60)
         result = executor.run(host, ["systemctl", "restart", unit], timeout=120)
@@ -68,7 +62,8 @@ def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, bac
         report["restarted"].append(unit)
         service = next((s for s in host.services if s.unit == unit), None)
         if service and service.port:
-            report["health"] = wait_healthy(ctx, host, unit, service.port, service.health or "/health", deadline_s)
+            report["health"] = wait_healthy(executor, host, unit, service.port, service.health or "/health",
+                                            deadline_s, progress=progress)
     else:
         executor.run(host, ["systemctl", "disable", unit], timeout=60)
         executor.run(host, ["systemctl", "reset-failed", unit], timeout=60)
@@ -82,13 +77,52 @@ def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, bac
     for other in meta.get("restart_after_rollback") or []:
         service = next((s for s in host.services if s.unit == other), None)
         if service and service.port:
-            report.setdefault("others", {})[other] = wait_healthy(ctx, host, other, service.port,
-                                                                  service.health or "/health", 60)
+            report.setdefault("others", {})[other] = wait_healthy(executor, host, other, service.port,
+                                                                  service.health or "/health", 60, progress=progress)
         else:
             state = _settle(executor, host, other)
             if state != "active":
                 raise StepFailed(f"{other} is {state} on {host.name} after the rollback")
     report["seconds"] = round(time.monotonic() - started, 2)
+    return report
+
+
+def rollback_command(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None,
+                     progress: Callable[[str], None]) -> dict[str, Any]:
+    """`ddops rollback`: restore, and record the attempt in the host's history, failed ones too."""
+    t0 = time.monotonic()
+    try:
+        report = restore(executor, inventory, host, unit, backup_id, progress=progress)
+    except UsageError:
+        raise  # nothing was attempted (no such backup): nothing to record
+    except DdopsError as exc:
+        history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
+                                        "backup_id": backup_id, "error": exc.line(),
+                                        "wall_s": round(time.monotonic() - t0, 2)})
+        raise
+    history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "ok",
+                                    "backup_id": report["backup_id"], "restarted": report["restarted"],
+                                    "removed": report.get("removed", False), "wall_s": report["seconds"]})
+    return report
+
+
+def undo(executor: Executor, inventory: Inventory, host: Host, operations: list[Operation], *,
+         retrying: Retrying, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Replay a pivot's undo operations, newest first. A restore puts back the unit and restarts what its
+    backup names (`restarts`), so a later start of one of those is not repeated; each undo is retried
+    while the host is briefly unreachable. Returns the restore's report, or the units started again."""
+    covered = {u for op in operations if "restore" in op.data for u in op.data.get("restarts", ())}
+    report: dict[str, Any] = {"restarted": []}
+    for op in reversed(operations):
+        if "restore" in op.data:
+            restored = retrying(restore, executor, inventory, host, op.data["unit"], op.data["restore"],
+                                progress=progress)
+            report = {**restored, "restarted": restored["restarted"] + report["restarted"]}
+        elif "start" in op.data and op.data["start"] not in covered:
+            unit = op.data["start"]
+            progress(f"starting {unit} again")
+            retrying(lambda u=unit: executor.run(host, ["systemctl", "start", u], timeout=120).check(f"starting {u}"))
+            report["restarted"].append(unit)
     return report
 
 

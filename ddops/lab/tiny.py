@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from ..paths import cache_root
 from .errors import LabError
 
 QWEN3, HYBRID = "tiny-models-seed0", "tiny-hybrid-seed0"
@@ -28,10 +29,6 @@ DRAFT_HOST, DRAFT_DIR = "eval-a6000", "tiny-draft"
 def fixtures_dir() -> Path:
     """DDOPS_FIXTURES, else `fixtures/` of the checkout ddops runs from."""
     return Path(os.environ.get("DDOPS_FIXTURES") or Path(__file__).resolve().parents[2] / "fixtures")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DDOPS_CACHE") or os.path.expanduser("~/.cache/ddops"))
 
 
 def sha256(path: Path) -> str:

@@ -1,17 +1,20 @@
-"""Stand-alone scripts that run on a remote host with its own python3 (stdlib only).
+"""Stand-alone scripts that read a host (stdlib only), run there with its own python3.
 
-Each gathers what ddops needs from a host in one SSH round trip and prints one JSON object.
+Each gathers what ddops needs from a host in one SSH round trip and prints one JSON object. Scripts
+that change a host live next door, in `ddops.actions`; `probe_source` serves both.
 """
 
 from importlib import resources
 
-
-# Probes travel as one script each, so code they share is prepended to their text here.
+# Scripts travel as one text each, so code they share is prepended to their text here.
 _SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat",)}
+_ACTIONS = ("unitfile", "stop_training", "lock")
 
 
 def probe_source(name: str) -> str:
-    """The text of probe `name` (e.g. "facts"), to send as `python3 -c TEXT ARGS`."""
-    files = resources.files(__package__)
+    """The text of probe or action `name` (e.g. "facts"), to send as `python3 -c TEXT ARGS`."""
+    package = "ddops.actions" if name in _ACTIONS else __package__
+    files = resources.files(package)
     parts = [*_SHARED_PARTS.get(name, ()), name]
     return "\n\n".join(files.joinpath(f"{part}.py").read_text() for part in parts)
+

@@ -1,7 +1,7 @@
 """ddops-probe inspect: what a pivot needs to know about one host, in one round trip.
 
 Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object with the
-sections asked for: model trees, free disk, port holder, files, venv imports, units, lock, backups.
+sections asked for: model trees, free disk, port holder, files, venv imports, units, lock.
 """
 import hashlib
 import json
@@ -166,23 +166,6 @@ def lock(path):
     return holder
 
 
-def backups(root):
-    out = []
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return out
-    for name in names:
-        meta = {}
-        try:
-            with open(os.path.join(root, name, "meta.json")) as fh:
-                meta = json.load(fh)
-        except (OSError, ValueError):
-            pass
-        out.append({"id": name, "meta": meta})
-    return out
-
-
 def main():
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     out = {"hostname": socket.gethostname()}
@@ -200,8 +183,6 @@ def main():
         out["units"] = units(args["units"])
     if "lock" in args:
         out["lock"] = lock(args["lock"])
-    if "backups" in args:
-        out["backups"] = backups(args["backups"])
     json.dump(out, sys.stdout)
 
 

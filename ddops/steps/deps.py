@@ -1,23 +1,23 @@
-"""Step 4, install missing runtime deps: probe imports in the venv, create it if absent, pip
-install what is missing (from the index, or from a wheelhouse ddops pushes), probe again."""
+"""Install missing runtime deps: probe imports in the venv, create it if absent, pip install what is
+missing (from the index, or from a wheelhouse ddops pushes), probe again."""
 
 from __future__ import annotations
 
 from ..errors import StepFailed
+from ..facts import Imports, Inspection
+from ..paths import WHEELHOUSE
+from ..plan import Operation, PlanContext, RunContext
 from ..profile import Profile
-from .base import Change, PivotRun, check, run_probe
-from .sync import rsync, rsync_argv
-
-WHEELHOUSE = "/var/cache/ddops/wheelhouse"
+from ..remote import check, run_probe
+from ..transfer import rsync, rsync_argv
 
 
-def missing_modules(profile: Profile, imports: dict) -> list[str]:
+def missing_modules(profile: Profile, imports: Imports) -> list[str]:
     if profile.engine != "ddtree":
         return []
-    if not imports.get("venv"):
+    if not imports.venv:
         return sorted(profile.runtime.packages)
-    mods = imports.get("modules", {})
-    return [m for m in sorted(profile.runtime.packages) if not mods.get(m, {}).get("ok")]
+    return [m for m in sorted(profile.runtime.packages) if m not in imports.ok]
 
 
 def venv_argv(profile: Profile) -> list[str]:
@@ -32,56 +32,58 @@ def pip_argv(profile: Profile, modules: list[str]) -> list[str]:
     return argv + [profile.runtime.packages[m] for m in modules]
 
 
-def plan_deps(profile: Profile, imports: dict) -> list[Change]:
+def plan_deps(profile: Profile, imports: Imports) -> list[Operation]:
     if profile.engine != "ddtree":
         return []
-    changes = []
-    if not imports.get("venv"):
-        changes.append(Change(f"create venv {profile.runtime.venv}"))
+    operations = []
+    if not imports.venv:
+        operations.append(Operation(f"create venv {profile.runtime.venv}", data={"venv": profile.runtime.venv}))
     missing = missing_modules(profile, imports)
     if missing:
         specs = [profile.runtime.packages[m] for m in missing]
         source = "the index" if profile.runtime.index else "a pushed wheelhouse"
-        changes.append(Change(f"pip install {' '.join(specs)} (from {source})", data={"modules": missing}))
-    return changes
+        operations.append(Operation(f"pip install {' '.join(specs)} (from {source})", data={"modules": missing}))
+    return operations
+
+
+def import_probe_args(profile: Profile) -> dict:
+    return {"imports": {"python": profile.runtime.python, "modules": sorted(profile.runtime.packages)}}
 
 
 class DepsStep:
     name = "deps"
     title = "Install runtime deps"
 
-    def plan(self, run: PivotRun) -> list[Change]:
-        return plan_deps(run.profile, run.inspect[run.profile.host].get("imports", {}))
+    def plan(self, ctx: PlanContext) -> list[Operation]:
+        return plan_deps(ctx.profile, ctx.facts.dest.imports)
 
-    def apply(self, run: PivotRun, changes: list[Change]) -> str:
-        profile, host, ex = run.profile, run.host, run.executor
-        imports = run.inspect[profile.host].get("imports", {})
-        if not imports.get("venv"):
-            run.progress(f"creating {profile.runtime.venv}")
+    def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
+        profile, host, ex = ctx.profile, ctx.host, ctx.executor
+        create = any("venv" in op.data for op in operations)
+        missing = [m for op in operations for m in op.data.get("modules", [])]
+        if create:
+            ctx.progress(f"creating {profile.runtime.venv}")
             check(ex.run(host, venv_argv(profile), timeout=300), "creating the venv")
-        missing = missing_modules(profile, imports)
         if missing:
             if not profile.runtime.index:
                 check(ex.run(host, ["mkdir", "-p", WHEELHOUSE]), "mkdir wheelhouse")
-                rsync(rsync_argv(run.inventory, profile.runtime.wheelhouse, WHEELHOUSE, dst_host=host),
-                      run.progress, "push wheelhouse")
-            run.progress(f"pip install {' '.join(missing)}")
-            last = []
+                rsync(rsync_argv(ctx.inventory, profile.runtime.wheelhouse, WHEELHOUSE, dst_host=host),
+                      ctx.progress, "push wheelhouse")
+            ctx.progress(f"pip install {' '.join(missing)}")
             result = ex.run(host, pip_argv(profile, missing), timeout=3600,
-                            on_output=lambda text: _tail(text, last, run.progress))
+                            on_output=lambda text: _last_lines(text, ctx.progress))
             check(result, "pip install " + " ".join(profile.runtime.packages[m] for m in missing))
-        after = run_probe(ex, host, "inspect", {"imports": {"python": profile.runtime.python,
-                                                            "modules": sorted(profile.runtime.packages)}},
-                          timeout=300)["imports"]
+        after = Inspection.from_json(run_probe(ex, host, "inspect", import_probe_args(profile), timeout=300)).imports
         still = missing_modules(profile, after)
         if still:
-            errors = "; ".join(f"{m}: {after['modules'].get(m, {}).get('error')}" for m in still)
+            errors = "; ".join(f"{m}: {after.errors.get(m)}" for m in still)
             raise StepFailed(f"still missing in {profile.runtime.venv} after install: {errors}")
-        run.changed["deps"] = True
-        return f"installed {', '.join(missing) or 'nothing'}" + ("; venv created" if not imports.get("venv") else "")
+        ctx.journal.change(self.name)  # packages added to a venv stay: the unit rollback is what matters
+        return f"installed {', '.join(missing) or 'nothing'}" + ("; venv created" if create else "")
 
 
-def _tail(text: str, last: list, progress) -> None:
+def _last_lines(text: str, progress) -> None:
+    """pip's output as progress notes, one line at a time."""
     for line in text.splitlines():
         if line.strip():
             progress(line.strip()[:100])

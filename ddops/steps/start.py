@@ -1,36 +1,35 @@
-"""Step 7, start: stop conflicting units, enable and (re)start the unit. Nothing restarts when
-nothing changed and the unit is already active."""
+"""Start: stop conflicting units, enable and (re)start the unit. Nothing restarts when nothing changed
+and the unit is already active."""
 
 from __future__ import annotations
 
-import time
+from ..facts import Inspection
+from ..plan import Operation, PlanContext, RunContext, start_again
+from ..profile import Profile
+from ..remote import check
 
-from .base import Change, PivotRun, check
-
-RESTART_TRIGGERS = ("training", "sync", "deps", "ship", "unit")
-
-
-def active(units: dict, name: str) -> bool:
-    return units.get(name, {}).get("ActiveState") in ("active", "activating", "reloading")
+# Earlier steps whose changes the running unit only picks up when it restarts.
+RESTART_AFTER = ("sync", "deps", "ship", "unit")
 
 
-def plan_start(profile, units: dict, planned: set[str]) -> list[Change]:
-    changes = [Change(f"stop conflicting {c}", data={"stop": c}) for c in profile.conflicts if active(units, c)]
-    state = units.get(profile.unit, {})
-    if state.get("UnitFileState") != "enabled" or "unit" in planned:
-        changes.append(Change(f"enable {profile.unit}", data={"enable": True}))
-    triggers = planned & {"sync", "deps", "ship", "unit"}
-    if triggers or not active(units, profile.unit):
+def plan_start(profile: Profile, units: Inspection, planned: set[str]) -> list[Operation]:
+    operations = [Operation(f"stop conflicting {c}", data={"stop": c}, undo=start_again(c))
+                  for c in profile.conflicts if units.unit(c).active]
+    unit = units.unit(profile.unit)
+    if unit.unit_file_state != "enabled" or "unit" in planned:
+        operations.append(Operation(f"enable {profile.unit}", data={"enable": True}))
+    triggers = planned & set(RESTART_AFTER)
+    if triggers or not unit.active:
         why = f"changed: {', '.join(sorted(triggers))}" if triggers else "not running"
-        changes.append(Change(f"restart {profile.unit} ({why})", data={"restart": True}))
-    return changes
+        operations.append(Operation(f"restart {profile.unit} ({why})", data={"restart": True}))
+    return operations
 
 
-def start_argvs(profile, changes: list[Change]) -> list[list[str]]:
-    argvs = [["systemctl", "stop", c.data["stop"]] for c in changes if "stop" in c.data]
-    if any(c.data.get("enable") for c in changes):
+def start_argvs(profile: Profile, operations: list[Operation]) -> list[list[str]]:
+    argvs = [["systemctl", "stop", op.data["stop"]] for op in operations if "stop" in op.data]
+    if any(op.data.get("enable") for op in operations):
         argvs.append(["systemctl", "enable", profile.unit])
-    if any(c.data.get("restart") for c in changes):
+    if any(op.data.get("restart") for op in operations):
         argvs += [["systemctl", "reset-failed", profile.unit], ["systemctl", "restart", profile.unit]]
     return argvs
 
@@ -39,21 +38,19 @@ class StartStep:
     name = "start"
     title = "Start"
 
-    def __init__(self) -> None:
-        self.planned: set[str] = set()
+    def plan(self, ctx: PlanContext) -> list[Operation]:
+        planned = {name for name, operations in ctx.before.items() if operations}
+        return plan_start(ctx.profile, ctx.facts.dest, planned)
 
-    def plan(self, run: PivotRun) -> list[Change]:
-        return plan_start(run.profile, run.inspect[run.profile.host].get("units", {}), self.planned)
-
-    def apply(self, run: PivotRun, changes: list[Change]) -> str:
-        for argv in start_argvs(run.profile, changes):
-            result = run.executor.run(run.host, argv, timeout=120)
+    def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
+        for argv in start_argvs(ctx.profile, operations):
+            result = ctx.executor.run(ctx.host, argv, timeout=120)
             if argv[1] == "reset-failed":
                 continue  # fails harmlessly for a unit that never failed
             check(result, " ".join(argv))
             if argv[1] == "stop":
-                run.stopped_units.append(argv[2])
+                ctx.journal.stopped_units.append(argv[2])
+                ctx.journal.undo.append(start_again(argv[2]))
             if argv[1] == "restart":
-                run.changed["restarted"] = True
-                run.gates["restarted_at"] = time.time()
-        return "; ".join(c.what for c in changes)
+                ctx.journal.change("restarted")
+        return "; ".join(op.what for op in operations)

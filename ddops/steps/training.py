@@ -1,27 +1,30 @@
-"""Step 2, stop training: SIGTERM, a grace period to checkpoint, SIGKILL only if it must; verified."""
+"""Stop training: SIGTERM, a grace period to checkpoint, SIGKILL only if it must; verified."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from ..errors import StepFailed
-from .base import Change, PivotRun, run_probe
+from ..facts import Training
+from ..inventory import Host
+from ..plan import Operation, PlanContext, RunContext, start_again
+from ..remote import run_probe
 
 
-def plan_training(facts: dict, kill_training: bool) -> list[Change]:
+def plan_training(training: Training, kill_training: bool, host: str) -> list[Operation]:
     """Stop a running job. Without --kill-training only a dry run gets this far (preflight refuses a real
     run), so the plan still shows what a real run would stop, and says it needs the flag."""
-    training = facts.get("training") or {}
-    if not training.get("running"):
+    if not training.running:
         return []
-    unit = (training.get("unit") or {}).get("unit")
-    return [Change(f"stop training pid {training.get('pid')}" + (f" ({unit})" if unit else "")
-                   + f" at step {training.get('last_step')}"
-                   + ("" if kill_training else " (a real run needs --kill-training)"),
-                   data={"pids": training.get("pids")})]
+    return [Operation(f"stop training pid {training.pid}" + (f" ({training.unit})" if training.unit else "")
+                      + f" at step {training.last_step}"
+                      + ("" if kill_training else " (a real run needs --kill-training)"),
+                      data={"pids": list(training.pids)}, undo=start_again(training.unit) if training.unit else None,
+                      requires=None if kill_training else f"a real run must stop training on {host}, so it needs "
+                                                          "--kill-training")]
 
 
-def stop_args(host, grace_s: float) -> dict:
+def stop_args(host: Host, grace_s: float) -> dict:
     spec = asdict(host.training)
     spec["grace_s"] = grace_s
     return spec
@@ -31,22 +34,23 @@ class TrainingStep:
     name = "training"
     title = "Stop training"
 
-    def plan(self, run: PivotRun) -> list[Change]:
-        return plan_training(run.facts[run.profile.host], run.kill_training)
+    def plan(self, ctx: PlanContext) -> list[Operation]:
+        return plan_training(ctx.facts.host.training, ctx.kill_training, ctx.profile.host)
 
-    def apply(self, run: PivotRun, changes: list[Change]) -> str:
-        grace = run.profile.training_grace_s
-        run.progress(f"SIGTERM, up to {grace:g}s for a final checkpoint")
-        out = run_probe(run.executor, run.host, "stop_training", stop_args(run.host, grace),
-                        timeout=grace + 120)
-        run.training = out
-        if out.get("unit") and not out.get("already_stopped"):
-            run.stopped_units.append(out["unit"])
-        run.changed["training"] = True
+    def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
+        grace = ctx.profile.training_grace_s
+        ctx.progress(f"SIGTERM, up to {grace:g}s for a final checkpoint")
+        out = run_probe(ctx.executor, ctx.host, "stop_training", stop_args(ctx.host, grace), timeout=grace + 120)
+        journal = ctx.journal
+        journal.training = out
+        stopped_unit = out.get("unit") if not out.get("already_stopped") else None
+        if stopped_unit:
+            journal.stopped_units.append(stopped_unit)
+        journal.change(self.name, undo=start_again(stopped_unit) if stopped_unit else None)
         if not out["stopped"]:
-            raise StepFailed(f"training is still running on {run.host.name} after SIGKILL: pids {out['left']}")
+            raise StepFailed(f"training is still running on {ctx.host.name} after SIGKILL: pids {out['left']}")
         if out.get("gpu_freed") is False:
-            raise StepFailed(f"training stopped on {run.host.name} but its GPU memory was not released")
+            raise StepFailed(f"training stopped on {ctx.host.name} but its GPU memory was not released")
         ckpt = out.get("checkpoint") or {}
         lost = (out["step_after"] - ckpt["step"]) if ckpt.get("step") is not None and out.get("step_after") is not None else None
         out["steps_lost"] = lost

@@ -1,4 +1,4 @@
-"""Step 6, render the unit: template -> unit text + environment file; diff; backup; atomic write.
+"""Render the unit: template -> unit text + environment file; diff; backup; atomic write.
 
 The unit file never holds a secret: the environment (and API key) lives in an EnvironmentFile with
 mode 0600. Diffs show secret values as `***`.
@@ -17,10 +17,13 @@ from pathlib import Path
 
 import jinja2
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StepFailed
+from ..facts import Inspection
+from ..paths import BACKUP_ROOT, backup_root, unit_path
+from ..plan import Operation, PlanContext, RunContext, restore_backup
 from ..profile import Profile
+from ..remote import run_probe
 from ..yamlsrc import CONTROL_CHARS
-from .base import BACKUP_ROOT, Change, PivotRun, backup_root, run_probe, unit_path
 
 # Used with fullmatch: `$` would also match before a trailing newline, which would end the line.
 _SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
@@ -159,18 +162,19 @@ def diff(old: str | None, new: str, path: str) -> str:
                                         tofile=f"{path} (rendered)"))
 
 
-def plan_unit(profile: Profile, rendered: Rendered, installed: dict) -> list[Change]:
-    """Changes from the installed files (inspect probe `files`): nothing when both checksums agree."""
+def plan_unit(profile: Profile, rendered: Rendered, installed: Inspection) -> list[Operation]:
+    """Writes from the installed files: nothing when both checksums agree. Both files are installed
+    together (one backup, one daemon-reload), so either write brings the other along if it differs."""
     upath, epath = unit_path(profile.unit), profile.env_file
-    unit_now, env_now = installed.get(upath, {}), installed.get(epath, {})
-    changes = []
-    if unit_now.get("sha256") != rendered.unit_sha256:
-        changes.append(Change(f"write {upath}" + (" (new)" if not unit_now.get("exists") else ""),
-                              detail=diff(unit_now.get("text"), rendered.unit_text, upath)))
-    if env_now.get("sha256") != rendered.env_sha256:
-        changes.append(Change(f"write {epath} (mode 0600)" + (" (new)" if not env_now.get("exists") else ""),
-                              detail=diff(env_now.get("text"), rendered.env_masked, epath)))
-    return changes
+    unit_now, env_now = installed.file(upath), installed.file(epath)
+    operations = []
+    if unit_now.sha256 != rendered.unit_sha256:
+        operations.append(Operation(f"write {upath}" + (" (new)" if not unit_now.exists else ""),
+                                    detail=diff(unit_now.text, rendered.unit_text, upath)))
+    if env_now.sha256 != rendered.env_sha256:
+        operations.append(Operation(f"write {epath} (mode 0600)" + (" (new)" if not env_now.exists else ""),
+                                    detail=diff(env_now.text, rendered.env_masked, epath)))
+    return operations
 
 
 def new_backup_id() -> str:
@@ -188,22 +192,21 @@ class UnitStep:
     name = "unit"
     title = "Render the unit"
 
-    def plan(self, run: PivotRun) -> list[Change]:
-        self.rendered = render(run.profile, run.secrets)
-        files = run.inspect[run.profile.host].get("files", {})
-        return plan_unit(run.profile, self.rendered, files)
+    def plan(self, ctx: PlanContext) -> list[Operation]:
+        return plan_unit(ctx.profile, ctx.rendered, ctx.facts.dest)
 
-    def apply(self, run: PivotRun, changes: list[Change]) -> str:
-        run.backup_id = new_backup_id()
-        units = run.inspect[run.profile.host].get("units", {})
-        again = list(run.stopped_units) + [c for c in run.profile.conflicts
-                                           if units.get(c, {}).get("ActiveState") in ("active", "activating")]
-        meta = {"profile": run.profile.name, "reason": "pivot", "restart_after_rollback": again}
-        out = run_probe(run.executor, run.host, "unitfile",
-                        stdin=install_spec(run.profile, self.rendered, run.backup_id, meta))
+    def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
+        journal, profile, units = ctx.journal, ctx.profile, ctx.facts.dest
+        running = [c for c in profile.conflicts if units.unit(c).active_state in ("active", "activating")]
+        meta = {"profile": profile.name, "reason": "pivot",
+                "restart_after_rollback": list(journal.stopped_units) + running}
+        backup_id = new_backup_id()
+        # Recorded before the action runs: an install that fails half-way is rolled back from its backup too.
+        journal.backup_id = backup_id
+        journal.undo.append(restore_backup(profile.unit, backup_id, meta["restart_after_rollback"]))
+        out = run_probe(ctx.executor, ctx.host, "unitfile", stdin=install_spec(profile, ctx.rendered, backup_id, meta))
         if out["daemon_reload"]["rc"] != 0:
-            from ..errors import StepFailed
-            raise StepFailed(f"systemctl daemon-reload failed on {run.host.name}: {out['daemon_reload']['stderr']}")
-        run.changed["unit"] = True
-        run.gates["unit"] = {"backup_id": run.backup_id, "before": out["before"], "after": out["after"]}
-        return f"installed; backup {run.backup_id} in {BACKUP_ROOT}/{run.profile.unit}"
+            raise StepFailed(f"systemctl daemon-reload failed on {ctx.host.name}: {out['daemon_reload']['stderr']}")
+        journal.change(self.name)
+        journal.unit_files = {"backup_id": backup_id, "before": out["before"], "after": out["after"]}
+        return f"installed; backup {backup_id} in {BACKUP_ROOT}/{profile.unit}"

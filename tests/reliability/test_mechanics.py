@@ -12,17 +12,17 @@ import pytest
 
 from ddops.errors import ConfigError, HostUnreachable
 from ddops.inventory import load_inventory
-from ddops.pivot import InterruptGuard
-from ddops.steps import health
-from ddops.steps.base import Interrupted, PivotRun
-from ddops.steps.sync import rsync_argv, rsync_failure
+from ddops.gates import health
+from ddops.plan import Interrupted, RunContext
+from ddops.signals import InterruptGuard
+from ddops.transfer import rsync_argv, rsync_failure
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = load_inventory(REPO / "inventories" / "lab.yaml")
 
 
-def fake_run() -> PivotRun:
-    return PivotRun(profile=SimpleNamespace(), inventory=LAB, executor=None)
+def fake_run() -> RunContext:
+    return RunContext(profile=SimpleNamespace(), inventory=LAB, executor=None)
 
 
 def test_ctrl_c_is_deferred_to_a_safe_point_and_counted():
@@ -51,7 +51,8 @@ def test_health_gate_waits_out_an_unreachable_host(monkeypatch):
 
     monkeypatch.setattr(health, "run_probe", probe)
     run = fake_run()
-    out = health.wait_healthy(run, LAB.host("ct200"), "ddtree.service", 8200, "/health", 30, 0.1)
+    out = health.wait_healthy(run.executor, LAB.host("ct200"), "ddtree.service", 8200, "/health", 30, 0.1,
+                              progress=run.progress, check_interrupt=run.check_interrupt)
     assert out["unreachable_polls"] == 2 and out["health"]["status"] == "ok"
 
 
@@ -60,7 +61,8 @@ def test_health_gate_stops_on_ctrl_c(monkeypatch):
     run = fake_run()
     run.interrupted = "SIGINT"
     with pytest.raises(Interrupted):
-        health.wait_healthy(run, LAB.host("ct200"), "ddtree.service", 8200, "/health", 30, 0.1)
+        health.wait_healthy(run.executor, LAB.host("ct200"), "ddtree.service", 8200, "/health", 30, 0.1,
+                            progress=run.progress, check_interrupt=run.check_interrupt)
 
 
 @pytest.mark.parametrize("code,meaning", [(11, "destination disk full"), (30, "stopped answering"),

@@ -7,18 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from ddops.facts import FileFact, Imports, Inspection, Training, Tree
+from ddops.gates.health import judge
 from ddops.history import scrub
+from ddops.hostlock import lock_problem
 from ddops.inventory import load_inventory
+from ddops.preflight import RUNTIME_TARGETS, check_models, check_port
 from ddops.profile import load_profile
 from ddops.rollback import restore_spec
 from ddops.steps.deps import pip_argv, plan_deps
-from ddops.steps.health import judge
-from ddops.steps.preflight import RUNTIME_TARGETS, check_models, check_port, lock_problem
 from ddops.steps.ship import plan_ship
 from ddops.steps.start import plan_start, start_argvs
-from ddops.steps.sync import plan_model, rsync_argv
+from ddops.steps.sync import plan_model
 from ddops.steps.training import plan_training
 from ddops.steps.unit import exec_argv, install_spec, plan_unit, render, systemd_quote
+from ddops.transfer import rsync_argv
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = load_inventory(REPO / "inventories" / "lab.yaml")
@@ -63,8 +66,12 @@ def test_secrets_stay_out_of_unit_and_diff(profile):
     p = replace(profile, secrets={"DDTREE_API_KEY": "K"})
     r = render(p, {"DDTREE_API_KEY": "s3cr3t"})
     assert "s3cr3t" not in r.unit_text and "s3cr3t" in r.env_text and "s3cr3t" not in r.env_masked
-    changes = plan_unit(p, r, {})
+    changes = plan_unit(p, r, Inspection())
     assert all("s3cr3t" not in c.detail for c in changes)
+
+
+def files(installed: dict) -> Inspection:
+    return Inspection.from_json({"files": installed})
 
 
 def test_plan_unit_fixtures(profile):
@@ -72,13 +79,13 @@ def test_plan_unit_fixtures(profile):
     upath, epath = "/etc/systemd/system/ddtree.service", "/etc/ddops/ddtree.env"
     same = {upath: {"exists": True, "sha256": r.unit_sha256, "text": r.unit_text},
             epath: {"exists": True, "sha256": r.env_sha256, "text": r.env_masked}}
-    assert plan_unit(profile, r, same) == []  # nothing differs: no change, no restart
+    assert plan_unit(profile, r, files(same)) == []  # nothing differs: no change, no restart
     old = dict(same)
     old[upath] = {"exists": True, "sha256": "x", "text": r.unit_text.replace("RestartSec=2", "RestartSec=9")}
-    changes = plan_unit(profile, r, old)
+    changes = plan_unit(profile, r, files(old))
     assert [c.what for c in changes] == [f"write {upath}"]
     assert "-RestartSec=9" in changes[0].detail and "+RestartSec=2" in changes[0].detail
-    new = plan_unit(profile, r, {})
+    new = plan_unit(profile, r, Inspection())
     assert [c.what for c in new] == [f"write {upath} (new)", f"write {epath} (mode 0600) (new)"]
 
 
@@ -101,7 +108,7 @@ def test_install_and_restore_specs(profile):
     ({"training": None}, True, []),
 ])
 def test_plan_training(facts, kill, expected):
-    assert [c.what for c in plan_training(facts, kill)] == expected
+    assert [c.what for c in plan_training(Training.from_json(facts["training"]), kill, "ct200")] == expected
 
 
 # -- sync ------------------------------------------------------------------------------------------
@@ -127,10 +134,11 @@ def test_rsync_pull_and_checksum_verify():
 def test_plan_model(profile):
     model = profile.model("draft")
     src = {"exists": True, "files": {"config.json": [10, 1, "aa"], "w.bin": [9_000_000, 5, None]}}
-    assert plan_model(model, src, {"exists": True, "files": dict(src["files"])}) == []
-    changed = plan_model(model, src, {"exists": True, "files": {"config.json": [10, 1, "bb"], "old": [1, 1, "c"]}})
+    tree = Tree.from_json
+    assert plan_model(model, tree(src), tree({"exists": True, "files": dict(src["files"])})) == []
+    changed = plan_model(model, tree(src), tree({"exists": True, "files": {"config.json": [10, 1, "bb"], "old": [1, 1, "c"]}}))
     assert len(changed) == 1 and "2 file(s)" in changed[0].what and "1 to delete" in changed[0].what
-    assert plan_model(model, src, {"exists": False})[0].data == {"role": "draft"}
+    assert plan_model(model, tree(src), tree({"exists": False}))[0].data == {"role": "draft"}
 
 
 # -- preflight -------------------------------------------------------------------------------------
@@ -149,7 +157,7 @@ DRAFT = {"exists": True, "bytes": 1, "config": {"block_size": 16, "num_target_la
 ])
 def test_check_models_drafter_config(profile, draft_config, problem):
     draft = {**DRAFT, "config": {**DRAFT["config"], **draft_config}}
-    problems = check_models(profile, {"target": TARGET, "draft": draft}, {})
+    problems = check_models(profile, {"target": Tree.from_json(TARGET), "draft": Tree.from_json(draft)})
     assert (problem is None and problems == []) or any(problem in p for p in problems)
 
 
@@ -161,7 +169,8 @@ def test_check_models_drafter_config(profile, draft_config, problem):
     ({"model_type": "qwen3_next", "num_hidden_layers": 4}, "serves qwen3 (Qwen3), qwen3_5 (Qwen3.5/3.6 hybrid)"),
 ])
 def test_check_models_target_architecture(profile, config, problem):
-    problems = check_models(profile, {"target": {**TARGET, "config": config}, "draft": DRAFT}, {})
+    problems = check_models(profile, {"target": Tree.from_json({**TARGET, "config": config}),
+                                      "draft": Tree.from_json(DRAFT)})
     assert (problem is None and problems == []) or (len(problems) == 1 and problem in problems[0]), problems
 
 
@@ -172,7 +181,8 @@ def test_preflight_knows_exactly_the_runtimes_targets():
 
 
 def test_check_models_missing(profile):
-    problems = check_models(profile, {"target": {"exists": False, "config": None}, "draft": DRAFT}, {})
+    problems = check_models(profile, {"target": Tree.from_json({"exists": False, "config": None}),
+                                      "draft": Tree.from_json(DRAFT)})
     assert "target model dir local:" in problems[0] and "does not exist" in problems[0]
 
 
@@ -181,7 +191,7 @@ def test_check_models_missing(profile):
     ({"unit": "sglang-qwen.service", "pid": 3, "cmdline": "python sglang"}, False), ({"unit": None, "pid": 9}, False),
 ])
 def test_check_port(profile, holder, ok):
-    assert (check_port(profile, {"port": holder}) == []) == ok
+    assert (check_port(profile, holder) == []) == ok
 
 
 def test_lock_problem_names_the_holder():
@@ -194,10 +204,11 @@ def test_lock_problem_names_the_holder():
 
 def test_plan_deps(profile):
     all_ok = {"venv": True, "modules": {m: {"ok": True} for m in profile.runtime.packages}}
-    assert plan_deps(profile, all_ok) == []
+    assert plan_deps(profile, Imports.from_json(all_ok)) == []
     one_missing = {"venv": True, "modules": {**all_ok["modules"], "safetensors": {"ok": False}}}
-    assert [c.what for c in plan_deps(profile, one_missing)] == ["pip install safetensors>=0.4 (from the index)"]
-    fresh = plan_deps(profile, {"venv": False})
+    assert [c.what for c in plan_deps(profile, Imports.from_json(one_missing))] == [
+        "pip install safetensors>=0.4 (from the index)"]
+    fresh = plan_deps(profile, Imports.from_json({"venv": False}))
     assert fresh[0].what == "create venv /opt/ddtree/venv" and len(fresh[1].data["modules"]) == 6
     assert pip_argv(profile, ["safetensors"])[-1] == "safetensors>=0.4"
 
@@ -210,16 +221,17 @@ def test_pip_argv_offline(profile):
 
 
 def test_plan_ship(profile):
-    assert plan_ship(profile, {"text": '{"release": "0.1.0+abc"}'}, "0.1.0+abc") == []
-    assert "now: 0.1.0+old" in plan_ship(profile, {"text": '{"release": "0.1.0+old"}'}, "0.1.0+abc")[0].what
-    assert "now: none" in plan_ship(profile, {}, "0.1.0+abc")[0].what
+    installed = FileFact.from_json
+    assert plan_ship(profile, installed({"text": '{"release": "0.1.0+abc"}'}), "0.1.0+abc") == []
+    assert "now: 0.1.0+old" in plan_ship(profile, installed({"text": '{"release": "0.1.0+old"}'}), "0.1.0+abc")[0].what
+    assert "now: none" in plan_ship(profile, installed({}), "0.1.0+abc")[0].what
 
 
 # -- start -----------------------------------------------------------------------------------------
 
 def test_start_nothing_changed_nothing_restarts(profile):
     units = {"ddtree.service": {"ActiveState": "active", "UnitFileState": "enabled"}}
-    assert plan_start(profile, units, set()) == []
+    assert plan_start(profile, Inspection.from_json({"units": units}), set()) == []
 
 
 def test_start_commands(profile):
@@ -227,7 +239,7 @@ def test_start_commands(profile):
     p = replace(profile, conflicts=("sglang-qwen.service",))
     units = {"ddtree.service": {"ActiveState": "inactive", "UnitFileState": "disabled"},
              "sglang-qwen.service": {"ActiveState": "active"}}
-    changes = plan_start(p, units, {"unit"})
+    changes = plan_start(p, Inspection.from_json({"units": units}), {"unit"})
     assert start_argvs(p, changes) == [["systemctl", "stop", "sglang-qwen.service"],
                                        ["systemctl", "enable", "ddtree.service"],
                                        ["systemctl", "reset-failed", "ddtree.service"],
@@ -273,8 +285,8 @@ def _log_console():
 
 
 def test_plan_view_in_a_log_writes_each_change_once_and_a_complete_final_table():
-    from ddops.pivot import PlanView, StepState
-    from ddops.steps.base import Change
+    from ddops.plan import Operation as Change
+    from ddops.views import PlanView, StepState
 
     sync = StepState("sync", "Sync model dirs", status="planned", changes=[
         Change("sync target local:/root/.cache/ddops/tiny-models-seed0/target -> /root/models/tiny-target: "
@@ -300,8 +312,8 @@ def test_plan_view_in_a_log_writes_each_change_once_and_a_complete_final_table()
 
 
 def test_a_plan_row_shows_every_change_whole():
-    from ddops.pivot import PlanView, StepState
-    from ddops.steps.base import Change
+    from ddops.plan import Operation as Change
+    from ddops.views import PlanView, StepState
 
     long = "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB"
     state = StepState("sync", "Sync model dirs", status="planned", changes=[Change("x" * 150), Change(long)])
@@ -313,7 +325,7 @@ def test_a_plan_row_shows_every_change_whole():
 def test_a_step_that_runs_long_gets_a_heartbeat_in_a_log(monkeypatch):
     import time
 
-    import ddops.pivot as pivot
+    import ddops.views as pivot
 
     monkeypatch.setattr(pivot, "HEARTBEAT_S", 0.5)
     state = pivot.StepState("health", "Health gate", status="running")
@@ -338,7 +350,7 @@ def test_a_step_that_runs_long_gets_a_heartbeat_in_a_log(monkeypatch):
      "'Hi' -> '' FAILED; DIFFERS from plain decoding"),
 ])
 def test_smoke_line_says_what_was_measured(result, line):
-    from ddops.pivot import smoke_line
+    from ddops.views import smoke_line
 
     assert smoke_line(result) == line
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("ddtree", "dflash", "ar")
+from ..limits import MODES  # noqa: F401 - the CLI's --mode choices, from their one home
+
 # A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
 # several times over (about 4 bytes of JSON a token), and bounds what parsing one request may cost.
 DEFAULT_MAX_BODY = 4 * 2**20

@@ -1,4 +1,4 @@
-"""ddops-probe unitfile: back up, install or restore a unit and its environment file, atomically.
+"""ddops-action unitfile: back up, install or restore a unit and its environment file, atomically.
 
 Reads its arguments as JSON on stdin (the environment file may hold secrets, which must not show
 in the process list). Actions: install, list, restore. Every write is temp file + fsync + rename.

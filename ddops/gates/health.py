@@ -1,4 +1,4 @@
-"""Step 8, health gate: poll /health with tenacity until it says ok, while watching the unit.
+"""The health gate: poll /health with tenacity until it says ok, while watching the unit.
 
 A crash (unit failed, auto-restart, a restart counted, main PID gone or changed) stops the wait at
 once and shows the journal tail; otherwise the profile's deadline applies.
@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_exponential, wait_random
 
 from ..errors import HostUnreachable, StepFailed
-from ..executor import CommandTimeout
-from .base import PivotRun, journal_tail, run_probe
+from ..executor import CommandTimeout, Executor
+from ..inventory import Host
+from ..plan import RunContext
+from ..remote import journal_tail, run_probe
+from . import GateResult
 
 
 FATAL_HEALTH = ("error", "failed")   # /health states a runtime never leaves by itself
@@ -59,20 +63,21 @@ def judge(poll: dict, first_pid: int | None, expect: dict | None = None) -> Verd
     return Verdict("waiting", f"/health: {health.get('error') or health.get('http_status')}", poll)
 
 
-def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_s: float,
-                 interval_s: float = 1.0, expect: dict | None = None) -> dict:
-    """Block until healthy; raise Crashed at once on a crash, StepFailed at the deadline."""
+def wait_healthy(executor: Executor, host: Host, unit: str, port: int, path: str, deadline_s: float,
+                 interval_s: float = 1.0, expect: dict | None = None, *,
+                 progress: Callable[[str], None] = lambda message: None,
+                 check_interrupt: Callable[[], None] = lambda: None) -> dict:
+    """Block until healthy; raise Crashed at once on a crash, StepFailed at the deadline.
+    `check_interrupt` runs before every poll: a Ctrl-C stops the wait there."""
     started = time.monotonic()
     first_pid: list[int] = []
     last: list[Verdict] = []
     unreachable: list[float] = []   # when polls found the host not answering
 
     def poll() -> Verdict:
-        check = getattr(run, "check_interrupt", None)
-        if check is not None:
-            check()
+        check_interrupt()
         try:
-            raw = run_probe(run.executor, host, "unitwatch", {"unit": unit, "port": port, "path": path},
+            raw = run_probe(executor, host, "unitwatch", {"unit": unit, "port": port, "path": path},
                             timeout=min(30.0, host.command_timeout))
         except (HostUnreachable, CommandTimeout) as exc:
             # A host that stops answering for a while is waited for, up to the deadline: the unit
@@ -80,16 +85,16 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
             unreachable.append(time.monotonic() - started)
             verdict = Verdict("waiting", f"{host.name} not answering: {exc.what}", {})
             last[:] = [verdict]
-            run.progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
+            progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
             return verdict
         pid = int(raw["unit"].get("MainPID") or 0)
         if pid and not first_pid:
             first_pid.append(pid)
         verdict = judge(raw, first_pid[0] if first_pid else None, expect)
         last[:] = [verdict]
-        run.progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
+        progress(f"{time.monotonic() - started:.0f}s/{deadline_s:.0f}s {verdict.reason}")
         if verdict.state == "crashed":
-            tail = journal_tail(run.executor, host, unit, 25)
+            tail = journal_tail(executor, host, unit, 25)
             raise Crashed(f"{unit} on {host.name} crashed after {time.monotonic() - started:.1f}s: "
                           f"{verdict.reason}\n--- journal tail ---\n{tail}")
         return verdict
@@ -100,7 +105,7 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
     try:
         verdict = retrying(poll)
     except RetryError:
-        tail = journal_tail(run.executor, host, unit, 25)
+        tail = journal_tail(executor, host, unit, 25)
         reason = last[0].reason if last else "no answer"
         raise StepFailed(f"{unit} on {host.name} not healthy within {deadline_s:.0f}s (last: {reason})"
                          f"\n--- journal tail ---\n{tail}") from None
@@ -109,25 +114,21 @@ def wait_healthy(run: PivotRun, host, unit: str, port: int, path: str, deadline_
             "unreachable_polls": len(unreachable)}
 
 
-class HealthStep:
+class HealthGate:
     name = "health"
     title = "Health gate"
 
-    def plan(self, run: PivotRun):
-        return []
-
-    def describe(self, run: PivotRun) -> str:
-        p = run.profile
+    def describe(self, ctx: RunContext) -> str:
+        p = ctx.profile
         expect = f" with mode {p.serve.mode}, block size {p.serve.block_size}" if p.engine == "ddtree" else ""
         return f"wait up to {p.health.deadline_s:g}s for {p.health.path} ok{expect}, watching {p.unit}"
 
-    def execute(self, run: PivotRun) -> str:
-        p = run.profile
+    def check(self, ctx: RunContext) -> GateResult:
+        p = ctx.profile
         expect = {"block_size": p.serve.block_size, "mode": p.serve.mode} if p.engine == "ddtree" else None
-        out = wait_healthy(run, run.host, p.unit, p.port, p.health.path, p.health.deadline_s,
-                           p.health.interval_s, expect)
-        run.gates["health"] = out
+        out = wait_healthy(ctx.executor, ctx.host, p.unit, p.port, p.health.path, p.health.deadline_s,
+                           p.health.interval_s, expect, progress=ctx.progress, check_interrupt=ctx.check_interrupt)
         body = out["health"] if isinstance(out["health"], dict) else {}
         extra = f" mode={body.get('mode')} block_size={body.get('block_size')}" if body.get("mode") else ""
         gap = f" (host did not answer {out['unreachable_polls']} poll(s))" if out["unreachable_polls"] else ""
-        return f"healthy after {out['seconds']}s{extra}{gap}"
+        return GateResult(f"healthy after {out['seconds']}s{extra}{gap}", out)

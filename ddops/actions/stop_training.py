@@ -1,4 +1,4 @@
-"""ddops-probe stop_training: stop the training job gracefully and prove it is gone.
+"""ddops-action stop_training: stop the training job gracefully and prove it is gone.
 
 SIGTERM (via its unit when it has one), wait up to the grace period for it to checkpoint and exit,
 then SIGKILL what is left; report last step, newest checkpoint and whether GPU memory was freed.

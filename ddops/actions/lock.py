@@ -1,4 +1,4 @@
-"""ddops-probe lock: the host's pivot lock, a JSON file created exclusively (O_EXCL).
+"""ddops-action lock: the host's pivot lock, a JSON file created exclusively (O_EXCL).
 
 Actions: acquire (fails with the holder when held), release (only our own token), clear (any).
 """

@@ -1,0 +1,44 @@
+"""Every path ddops uses, in one place: where it keeps state on a host, and its cache here.
+
+Steps, rollback, history and bench all read these; none of them owns a path of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# -- on the hosts --------------------------------------------------------------------------------
+STATE_DIR = "/var/lib/ddops"
+LOCK_PATH = f"{STATE_DIR}/pivot.lock"
+HISTORY_PATH = f"{STATE_DIR}/history.jsonl"
+BACKUP_ROOT = f"{STATE_DIR}/backups"
+UNIT_DIR = "/etc/systemd/system"
+ENV_DIR = "/etc/ddops"
+WHEELHOUSE = "/var/cache/ddops/wheelhouse"   # wheels ddops pushes for an offline pip install
+RELEASES = "/var/cache/ddops/releases"       # runtime wheels ddops ships
+RELEASE_FILE = "ddtree-release.json"         # next to the venv: which runtime release it holds
+
+
+def unit_path(unit: str) -> str:
+    return f"{UNIT_DIR}/{unit}"
+
+
+def env_path(unit: str) -> str:
+    """The unit's EnvironmentFile (mode 0600: it may hold secrets)."""
+    return f"{ENV_DIR}/{unit.removesuffix('.service')}.env"
+
+
+def backup_root(unit: str) -> str:
+    return f"{BACKUP_ROOT}/{unit}"
+
+
+def release_path(venv: str) -> str:
+    return f"{venv}/{RELEASE_FILE}"
+
+
+# -- on the control machine ----------------------------------------------------------------------
+
+def cache_root() -> Path:
+    """$DDOPS_CACHE, else ~/.cache/ddops: tiny models, host-to-host sync staging, built wheels."""
+    return Path(os.environ.get("DDOPS_CACHE") or os.path.expanduser("~/.cache/ddops"))

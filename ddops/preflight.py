@@ -1,0 +1,205 @@
+"""Preflight: every involved host checked in parallel before anything changes, and its facts read
+once, into the typed `PivotFacts` every step plans from.
+
+Reachable; identity matches `expect`; source model dirs exist; the drafter's config agrees with the
+profile and the target; free disk for the sync; the port is free or held by the unit being replaced;
+no other ddops run holds the host's lock. Every problem found is reported together.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from .errors import HostUnreachable, StepFailed
+from .executor import Executor
+from .facts import HostFacts, Inspection, PivotFacts, Tree, check_identity, gather
+from .hostlock import lock_problem
+from .inventory import Host, Inventory
+from .paths import LOCK_PATH, release_path, unit_path
+from .probes import probe_source
+from .profile import LOCAL, Profile
+from .release import release_id
+from .remote import run_probe
+# target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)
+RUNTIME_TARGETS = {"qwen3": "Qwen3", "qwen3_5": "Qwen3.5/3.6 hybrid", "qwen3_5_text": "Qwen3.5/3.6 hybrid"}
+
+
+def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
+    """The inspect probe's arguments for the serving host."""
+    dests = [m.path for m in profile.models]
+    units = [profile.unit, *profile.conflicts] + ([training_unit] if training_unit else [])
+    modules = sorted(profile.runtime.packages) if profile.engine == "ddtree" else []
+    return {"trees": dests, "free": dests, "port": profile.port,
+            "files": {unit_path(profile.unit): [], profile.env_file: sorted(profile.secrets),
+                      release_path(profile.runtime.venv): []},
+            "imports": {"python": profile.runtime.python, "modules": modules},
+            "units": units, "lock": LOCK_PATH}
+
+
+def source_args(profile: Profile, host: str) -> dict[str, Any]:
+    return {"trees": [m.source.path for m in profile.models if m.source and m.source.host == host]}
+
+
+def inspect_local(args: dict[str, Any]) -> dict[str, Any]:
+    """The same probe, run on the control machine (for `from: {host: local}` sources)."""
+    done = subprocess.run([sys.executable, "-c", probe_source("inspect"), json.dumps(args)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise StepFailed(f"inspecting local model dirs failed: {done.stderr.strip()[-300:]}")
+    return json.loads(done.stdout)
+
+
+def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
+    """Problems with the model dirs: missing, or a drafter that disagrees with profile or target.
+
+    `trees` maps role -> the tree the runtime will load (the source when synced, else the dest).
+    """
+    problems = []
+    for model in profile.models:
+        tree = trees[model.role]
+        where = trees_where(profile, model.role)
+        if not tree.exists:
+            problems.append(f"{model.role} model dir {where} does not exist")
+        elif tree.config is None:
+            problems.append(f"{model.role} model dir {where} has no readable config.json")
+    draft, target = trees.get("draft"), trees.get("target")
+    if profile.engine == "ddtree" and target and target.config:
+        problems += check_target_arch(target.config, trees_where(profile, "target"))
+    if profile.engine == "ddtree" and profile.serve.mode == "ar":
+        return problems
+    if draft and draft.config and target and target.config:
+        # multimodal checkpoints (Qwen3.5/3.6) keep the language model's config under text_config
+        dc, tc = draft.config, target.config.get("text_config") or target.config
+        inner = dc.get("dflash_config") or {}
+        block = dc.get("block_size", inner.get("block_size"))
+        wanted = profile.serve.block_size if profile.engine == "ddtree" else profile.sglang.num_draft_tokens
+        if block is None:
+            problems.append("drafter config.json has no block_size")
+        elif block < wanted:
+            problems.append(f"drafter block_size {block} is smaller than the profile's {wanted}")
+        if inner.get("mask_token_id", dc.get("mask_token_id")) is None:
+            problems.append("drafter config.json has no mask_token_id")
+        if not inner.get("target_layer_ids"):
+            problems.append("drafter config.json has no dflash_config.target_layer_ids")
+        n_target = tc.get("num_hidden_layers")
+        if dc.get("num_target_layers") != n_target:
+            problems.append(f"drafter num_target_layers {dc.get('num_target_layers')} != target's "
+                            f"num_hidden_layers {n_target}")
+        ids = inner.get("target_layer_ids") or []
+        if n_target and any(not 0 <= i < n_target for i in ids):
+            problems.append(f"drafter target_layer_ids {ids} out of range for {n_target} target layers")
+    return problems
+
+
+def trees_where(profile: Profile, role: str) -> str:
+    model = next(m for m in profile.models if m.role == role)
+    return f"{model.source.host}:{model.source.path}" if model.source else f"{profile.host}:{model.path}"
+
+
+def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
+    """The bundled runtime implements a few target families; anything else would fail at load on the host."""
+    kind = config.get("model_type")
+    if kind in RUNTIME_TARGETS:
+        return []
+    known = ", ".join(f"{k} ({v})" for k, v in RUNTIME_TARGETS.items())
+    return [f"target model {where} is model_type {kind!r} (architectures {config.get('architectures')}), which "
+            f"the bundled DDTree runtime does not implement; it serves {known} — use an SGLang profile "
+            f"(engine: sglang) for other models"]
+
+
+def check_disk(profile: Profile, trees: dict[str, Tree], dest: Inspection) -> list[str]:
+    problems = []
+    need_by_fs: dict[str, int] = {}
+    free_by_fs: dict[str, int] = {}
+    for model in profile.models:
+        if model.source is None:
+            continue
+        have = dest.tree(model.path).bytes
+        need = max(0, trees[model.role].bytes - have) + int(model.min_free_gib * 2**30)
+        fs = dest.free[model.path]
+        need_by_fs[fs.checked] = need_by_fs.get(fs.checked, 0) + need
+        free_by_fs[fs.checked] = fs.free_bytes
+    for fs, need in need_by_fs.items():
+        if need > free_by_fs[fs]:
+            problems.append(f"not enough disk on {profile.host}:{fs}: need {need / 2**30:.2f} GiB, "
+                            f"free {free_by_fs[fs] / 2**30:.2f} GiB")
+    return problems
+
+
+def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
+    """The port must be free, or held by the unit the pivot replaces."""
+    if holder is None or holder.get("unit") == profile.unit:
+        return []
+    return [f"port {profile.port} on {profile.host} is held by "
+            f"{holder.get('unit') or 'pid ' + str(holder.get('pid'))} ({(holder.get('cmdline') or '')[:80]})"
+            + (" — list it under `conflicts` to stop it" if holder.get("unit") else "")]
+
+
+def involved_hosts(profile: Profile, inventory: Inventory) -> list[Host]:
+    """The serving host, then every host a model syncs from."""
+    names = [profile.host] + [m.source.host for m in profile.models
+                              if m.source and m.source.host not in (LOCAL, profile.host)]
+    return [inventory.host(n) for n in dict.fromkeys(names)]
+
+
+def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kill_training: bool = False,
+              dry_run: bool = False, break_lock: bool = False) -> tuple[PivotFacts, str]:
+    """Gather and check; returns the facts and a one-line summary, or raises naming every problem found."""
+    hosts = involved_hosts(profile, inventory)
+    serving = inventory.host(profile.host)
+    training_unit = serving.training.unit if serving.training else None
+
+    def one(host: Host) -> tuple[dict, dict]:
+        facts = gather(executor, host)
+        args = serving_args(profile, training_unit) if host.name == profile.host else {"trees": []}
+        if host.name == profile.host or any(m.source and m.source.host == host.name for m in profile.models):
+            args["trees"] = list(dict.fromkeys(args["trees"] + source_args(profile, host.name)["trees"]))
+        return facts, run_probe(executor, host, "inspect", args, timeout=300)
+
+    outcomes = executor.fan_out(hosts, one)
+    problems: list[str] = []
+    unreachable = False
+    host_facts: dict[str, HostFacts] = {}
+    inspections: dict[str, Inspection] = {}
+    for host in hosts:
+        outcome = outcomes[host.name]
+        if outcome.error is not None:
+            unreachable |= outcome.unreachable
+            problems.append(outcome.error.line())
+            continue
+        facts, inspected = outcome.value
+        host_facts[host.name], inspections[host.name] = HostFacts.from_json(facts), Inspection.from_json(inspected)
+        identity = check_identity(host.expect, facts)
+        if not identity.ok:
+            problems.append(f"IDENTITY MISMATCH on {host.name}: {'; '.join(identity.mismatches)}")
+    local = [m.source.path for m in profile.models if m.source and m.source.host == LOCAL]
+    if local:
+        inspections[LOCAL] = Inspection.from_json(inspect_local({"trees": local}))
+    if problems:
+        _fail(problems, unreachable)
+    release = release_id(profile.runtime.ship) if profile.runtime.ship is not None else None
+    facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release)
+    dest = facts.dest
+    trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
+    problems += check_models(profile, trees)
+    problems += check_disk(profile, trees, dest)
+    problems += check_port(profile, dest.port_holder)
+    training = facts.host.training
+    if training.running and not kill_training and not dry_run:  # a dry run shows the stop
+        problems.append(f"training is running on {profile.host} (pid {training.pid}, step "
+                        f"{training.last_step}); pass --kill-training to stop it")
+    if dest.lock_holder is not None and not break_lock:
+        problems.append(lock_problem(profile.host, dest.lock_holder))
+    if problems:
+        _fail(problems, False)
+    return facts, (f"{len(hosts)} host(s) ok; {profile.host} is {facts.host.hostname} with "
+                   f"{facts.host.gpu_count} GPU(s)")
+
+
+def _fail(problems: list[str], unreachable: bool) -> None:
+    cls = HostUnreachable if unreachable else StepFailed
+    raise cls("preflight found " + (f"{len(problems)} problems: " if len(problems) > 1 else "a problem: ")
+              + "; ".join(problems), fix="nothing was changed")

@@ -1,0 +1,58 @@
+"""Running ddops's scripts and a few plain commands on a host, below every step.
+
+A probe (read-only) or an action (a change) is one script sent as `python3 -c TEXT`, its arguments as
+argv JSON, or as stdin JSON when they may hold secrets; it prints one JSON object back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import DdopsError, StepFailed
+from .executor import CommandResult, Executor
+from .inventory import Host
+from .probes import probe_source
+
+
+def run_probe(executor: Executor, host: Host, name: str, args: Any = None, *, stdin: Any = None,
+              timeout: float | None = None, python: str = "python3") -> dict[str, Any]:
+    """Run probe or action `name` on host; return its JSON."""
+    argv = [python, "-c", probe_source(name)]
+    if args is not None:
+        argv.append(json.dumps(args))
+    result = executor.run(host, argv, timeout=timeout,
+                          stdin=json.dumps(stdin) if stdin is not None else None)
+    if not result.ok:
+        detail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+        raise StepFailed(f"probe {name} failed on {host.name} (exit {result.exit_code}): {detail}")
+    try:
+        return json.loads(result.stdout)
+    except json.JSONDecodeError:
+        raise StepFailed(f"probe {name} on {host.name} printed something that is not JSON: "
+                         f"{result.stdout[:120]!r}", fix="check the login shell prints nothing") from None
+
+
+def check(result: CommandResult, what: str) -> None:
+    """Raise StepFailed naming the host and the command's last lines when it failed."""
+    if not result.ok:
+        detail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-3:]
+        raise StepFailed(f"{what} failed on {result.host} (exit {result.exit_code}): {' | '.join(detail)}")
+
+
+def journal_argv(unit: str, lines: int = 30) -> list[str]:
+    return ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
+
+
+def unit_installed(executor: Executor, host: Host, unit: str) -> bool:
+    """Whether systemd on host has a unit file for `unit` (a journal outlives its unit)."""
+    result = executor.run(host, ["systemctl", "show", unit, "--property=LoadState", "--value"], timeout=30)
+    return result.stdout.strip() not in ("not-found", "")
+
+
+def journal_tail(executor: Executor, host: Host, unit: str, lines: int = 30) -> str:
+    try:
+        result = executor.run(host, journal_argv(unit, lines), timeout=30)
+    except DdopsError as exc:
+        return f"(journal unavailable: {exc.line()})"
+    return result.stdout.strip()

@@ -1,0 +1,119 @@
+"""A pivot's report: what happened, the outcome in words, and the exit code. One object feeds the
+history record, `--json` and the summary, so the three never disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DdopsError, HostUnreachable
+from .plan import Interrupted, Journal
+from .profile import Profile
+from .views import StepState
+
+EXIT_INTERRUPTED = 130
+SUCCESS = ("ok", "unchanged", "dry-run", "aborted")
+
+
+@dataclass
+class Report:
+    profile: Profile
+    dry_run: bool
+    steps: list[StepState]
+    journal: Journal = field(default_factory=Journal)
+    release: str | None = None
+    outcome: str | None = None
+    state: str | None = None
+    error: DdopsError | None = None
+    failed_step: str | None = None
+    interrupted: str | None = None
+    rolled_back: bool | None = None        # None: no rollback was tried
+    rollback: dict[str, Any] | None = None   # what the rollback did
+    rollback_error: str | None = None
+    signals: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.journal.changed)
+
+    def gates(self) -> dict[str, Any]:
+        unit = {"unit": self.journal.unit_files} if self.journal.unit_files else {}
+        return {**unit, **self.journal.gates}
+
+    def conclude(self, no_rollback: bool) -> None:
+        """Set outcome and state from what happened."""
+        self.outcome, self.state = outcome(self, no_rollback)
+        if self.interrupted and self.error is not None:
+            self.state = f"interrupted by {self.interrupted} during {self.failed_step}; {self.state}"
+
+    @property
+    def exit_code(self) -> int:
+        if self.outcome in SUCCESS:
+            return EXIT_OK
+        if self.interrupted and isinstance(self.error, Interrupted):
+            return EXIT_INTERRUPTED
+        if isinstance(self.error, HostUnreachable) and not self.changed:
+            return EXIT_UNREACHABLE
+        return EXIT_FAILED
+
+    def history_record(self) -> dict[str, Any]:
+        """The line appended to the host's history (history.append scrubs anything secret-looking)."""
+        unit_files = self.journal.unit_files
+        return {"kind": "pivot", "profile": self.profile.name, "unit": self.profile.unit, "outcome": self.outcome,
+                "state": self.state, "release": self.release, "backup_id": self.journal.backup_id,
+                "unit_sha256": unit_files.get("after", {}).get("unit"),
+                "unit_sha256_before": unit_files.get("before", {}).get("unit"),
+                "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary}
+                          for s in self.steps if s.name != "record"],
+                "gates": {k: v for k, v in self.journal.gates.items() if k in ("health", "smoke")},
+                "training": self.journal.training, "stopped_units": self.journal.stopped_units,
+                "error": self.error.line() if self.error else None, "wall_s": self.wall_s}
+
+    def as_json(self) -> dict[str, Any]:
+        """What `--json` prints and the summary reads."""
+        out: dict[str, Any] = {"profile": self.profile.name, "host": self.profile.host, "dry_run": self.dry_run,
+                               "outcome": self.outcome, "state": self.state}
+        if self.failed_step is not None:
+            out["failed_step"] = self.failed_step
+            if self.failed_step != "preflight":
+                out["error_detail"] = self.error.line() if self.error else None
+        if self.rollback is not None:
+            out["rollback"] = self.rollback
+        if self.rolled_back is not None:
+            out["rolled_back"] = self.rolled_back
+        if self.rollback_error is not None:
+            out["rollback_error"] = self.rollback_error
+        if self.signals:
+            out["signals"] = self.signals
+        out.update(interrupted=self.interrupted, error=self.error.line() if self.error else None,
+                   release=self.release, backup_id=self.journal.backup_id, changed=sorted(self.journal.changed),
+                   stopped_units=self.journal.stopped_units, training=self.journal.training, gates=self.gates(),
+                   wall_s=self.wall_s,
+                   steps=[{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary,
+                           "changes": [op.what for op in s.changes]} for s in self.steps],
+                   exit_code=self.exit_code)
+        return out
+
+
+def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
+    """The host's state in one word and one sentence (README: OK, UNCHANGED, FAILED, ROLLED-BACK, ...)."""
+    p, journal = report.profile, report.journal
+    if report.error is None:
+        if not report.changed:
+            return "unchanged", f"{p.unit} on {p.host} was already in place; nothing restarted; gates passed"
+        return "ok", f"{p.unit} on {p.host} is active and healthy ({p.name})"
+    if not report.changed:
+        return "failed", f"nothing was changed on {p.host}; " + (
+            f"{p.unit} is as it was" if report.failed_step in ("health", "smoke") else "")
+    if report.rolled_back:
+        rep = report.rollback or {}
+        what = (f"{p.unit} removed (it did not exist before)" if rep.get("removed")
+                else f"previous {p.unit} restored and healthy" if journal.backup_id else f"{p.unit} untouched")
+        again = ", ".join(rep.get("restarted", []))
+        return "rolled-back", f"rolled back on {p.host}: {what}" + (f"; running again: {again}" if again else "")
+    if no_rollback:
+        return "failed", (f"--no-rollback: {p.host} is left as the failed pivot made it "
+                          f"(backup {journal.backup_id or 'none'}; `ddops rollback --host {p.host}` restores it)")
+    return "rollback-failed", (f"ROLLBACK FAILED on {p.host}: needs a human (backup {journal.backup_id or 'none'}; "
+                               f"units stopped by the pivot: {', '.join(journal.stopped_units) or 'none'})")

@@ -1,0 +1,233 @@
+"""What ddops shows in a terminal or a log: the live plan, the pivot's summary, and the tables of the
+other commands. Nothing here talks to a host; the flow and the CLI hand it what to show."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .plan import Operation
+from .progress import HEARTBEAT_S, NOTE_S
+
+
+def stdout_console() -> Console:
+    """A console for tables: wide when piped, so no column is cut to fit 80 characters."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+# -- the pivot's plan, live ------------------------------------------------------------------------
+
+ICONS = {"pending": ("·", "dim"), "running": ("▶", "bold yellow"), "done": ("✔", "green"),
+         "failed": ("✘", "bold red"), "skipped": ("–", "dim"), "planned": ("•", "cyan")}
+
+
+@dataclass
+class StepState:
+    """One row of the plan: a step or gate, its status, its planned operations and its summary."""
+
+    name: str
+    title: str
+    status: str = "pending"
+    summary: str = ""
+    changes: list[Operation] = field(default_factory=list)
+    seconds: float | None = None
+
+
+class PlanView:
+    """The plan while it runs: one row per step with pending / running / done / failed / skipped.
+
+    In a terminal the table updates live. Anywhere else (a CI log, `| tee`) a live table prints
+    nothing until the end, so the view writes a line when a step starts or ends, each new progress
+    note and a heartbeat, as ddops.progress does for a single wait; the final table is printed once,
+    complete, at the end.
+    """
+
+    def __init__(self, states: list[StepState], console: Console) -> None:
+        self.states, self.console = states, console
+        self.live: Live | None = None
+        self.logging = False                   # not a terminal: write lines instead of a live table
+        self.note = ""
+        self.logged: dict[str, str] = {}       # step name -> the status last written to the log
+        self.last_line = time.monotonic()
+        self.last_note = ""
+        self.step_started = time.monotonic()
+        self.lock = threading.Lock()
+        self.stop_heartbeat = threading.Event()
+
+    def table(self) -> Table:
+        table = Table(show_header=False, box=None, padding=(0, 1))
+        for s in self.states:
+            icon, style = ICONS[s.status]
+            took = f"{s.seconds:.1f}s" if s.seconds is not None else ""
+            detail = s.summary or "\n".join(c.what for c in s.changes)
+            if s.status == "running" and self.note:
+                detail = self.note
+            table.add_row(Text(icon, style=style), Text(s.title, style="bold" if s.status == "running" else ""),
+                          Text(s.status, style=style), Text(took, style="dim"), Text(detail, overflow="fold"))
+        return table
+
+    def refresh(self) -> None:
+        if self.live is not None:
+            self.live.update(self.table())
+        elif self.logging:
+            self.log_transitions()
+
+    def progress(self, message: str) -> None:
+        self.note = message
+        if self.live is not None:
+            self.live.update(self.table())
+        elif self.logging and message != self.last_note and time.monotonic() - self.last_line >= NOTE_S:
+            self.write(f"     {message}")
+            self.last_note = message
+
+    # -- the log -------------------------------------------------------------------------------------
+
+    def write(self, line: str, style: str = "") -> None:
+        with self.lock:
+            self.console.print(Text(line, style=style), soft_wrap=True)
+            self.last_line = time.monotonic()
+
+    def log_transitions(self) -> None:
+        for s in self.states:
+            if self.logged.get(s.name) == s.status or s.status in ("pending", "planned"):
+                continue
+            self.logged[s.name] = s.status
+            icon, style = ICONS[s.status]
+            if s.status == "running":
+                self.step_started, self.last_note = time.monotonic(), ""
+                self.write(f" {icon} {s.title} ...", style)
+            else:
+                took = f" {s.seconds:.1f}s" if s.seconds is not None else ""
+                self.write(f" {icon} {s.title}: {s.status}{took}" + (f": {s.summary}" if s.summary else ""), style)
+
+    def heartbeat(self) -> None:
+        while not self.stop_heartbeat.wait(1.0):
+            running = next((s for s in self.states if s.status == "running"), None)
+            if running is not None and time.monotonic() - self.last_line >= HEARTBEAT_S:
+                waited = time.monotonic() - self.step_started
+                self.write(f"     ... {running.title.lower()}, {waited:.0f}s" + (f": {self.note}" if self.note else ""),
+                           "dim")
+
+    def __enter__(self) -> "PlanView":
+        if self.console.is_terminal:
+            self.live = Live(self.table(), console=self.console, refresh_per_second=8, transient=False)
+            self.live.__enter__()
+        else:
+            self.logging = True
+            self.logged = {s.name: s.status for s in self.states}  # the plan above already shows these
+            threading.Thread(target=self.heartbeat, name="plan-heartbeat", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.update(self.table())
+            self.live.__exit__(*exc)
+            self.live = None
+            return
+        self.stop_heartbeat.set()
+        self.log_transitions()
+        self.note = ""
+        self.console.print(self.table())
+
+
+def show_plan(states: list[StepState], console: Console) -> None:
+    """The whole plan, then every unified diff it holds (secrets already masked)."""
+    console.print(PlanView(states, console).table())
+    for s in states:
+        for op in s.changes:
+            if op.detail and op.detail.startswith("---"):
+                console.print(Text(op.detail, style="dim"), soft_wrap=True)
+
+
+# -- the pivot's summary ---------------------------------------------------------------------------
+
+def render_summary(report: dict[str, Any], console: Console) -> None:
+    style = {"ok": "bold green", "unchanged": "bold green", "dry-run": "bold cyan", "rolled-back": "bold yellow",
+             "aborted": "yellow"}.get(report["outcome"], "bold red")
+    console.print(Text(f"{report['outcome'].upper()}: {report['state']}", style=style))
+    if report.get("error"):
+        console.print(Text(report["error"], style="red"))
+    if report.get("rollback_error"):
+        console.print(Text("rollback: " + report["rollback_error"], style="red"))
+    smoke = (report.get("gates") or {}).get("smoke")
+    if smoke:
+        for r in smoke["results"]:
+            console.print(Text(f"  smoke {smoke_line(r)}"), soft_wrap=True)
+        console.print(Text(f"  (one short request is no speed test: `ddops bench --host {report['host']}` measures "
+                           "tokens/s per mode)", style="dim"), soft_wrap=True)
+    console.print(f"  wall time {report['wall_s']}s; exit {report['exit_code']}")
+
+
+def smoke_line(r: dict[str, Any]) -> str:
+    """One smoke result in words: the answer as sent (whitespace shown), how it was drafted, lossless or not."""
+    text = r.get("text") or ""
+    shown = repr(text[:60]) + ("..." if len(text) > 60 else "")
+    line = f"{r['prompt']!r} -> {shown} {'ok' if r.get('ok') else 'FAILED'}"
+    tokens, rounds, accepted = r.get("completion_tokens"), r.get("rounds"), r.get("mean_acceptance_length")
+    if tokens is not None:
+        line += f": {tokens} token(s)"
+        if rounds and accepted is not None:
+            line += f", {rounds} draft-and-verify round(s), {accepted:g} tokens accepted per round"
+            if accepted * rounds > tokens:  # the runtime counts a round's accepted tokens before the stop cuts it
+                line += " (counted before the answer's end cut the last round)"
+    if "lossless" in r:
+        line += "; identical to plain decoding" if r["lossless"] else "; DIFFERS from plain decoding"
+    if r.get("seconds") is not None:
+        line += f"; {r['seconds']:.2f}s"
+    return line
+
+
+# -- the other commands' tables --------------------------------------------------------------------
+
+def lab_table(states: list) -> Table:
+    table = Table(title="ddops lab")
+    for column in ("host", "ssh port", "pid", "running", "sshd"):
+        table.add_column(column)
+    for s in states:
+        d = as_dict(s)
+        table.add_row(str(d.get("name")), str(d.get("port")), str(d.get("pid") or "-"),
+                      "yes" if d.get("running") else "no", "answers" if d.get("sshd_ok") else "-")
+    return table
+
+
+def as_dict(state: object) -> dict:
+    return asdict(state) if is_dataclass(state) else dict(vars(state))
+
+
+def backups_table(backups: list, unit: str, host: str) -> Table:
+    table = Table(title=f"backups of {unit} on {host} (newest last)")
+    for column in ("id", "created (UTC)", "profile", "unit existed", "restarts after rollback"):
+        table.add_column(column)
+    for b in backups:
+        m = b["meta"]
+        table.add_row(b["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.get("created", 0))),
+                      str(m.get("profile", "")), "yes" if m.get("unit_existed") else "no (rollback removes it)",
+                      ", ".join(m.get("restart_after_rollback") or []) or "-")
+    return table
+
+
+def history_table(records: list[dict[str, Any]]) -> Table:
+    table = Table(title="ddops history")
+    for column in ("when (UTC)", "host", "kind", "profile/unit", "outcome", "release", "backup", "wall", "by"):
+        table.add_column(column, overflow="fold")
+    for r in records:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("time", 0)))
+        table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
+                      r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
+                      f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
+    return table
+
+
+def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
+    what = "removed (it did not exist before)" if report.get("removed") else "restored and healthy"
+    return (f"[bold green]ROLLED BACK:[/] {unit} on {host} {what} from backup {report['backup_id']}"
+            + (f"; running again: {', '.join(report['restarted'])}" if report["restarted"] else "")
+            + f" ({report['seconds']}s)")

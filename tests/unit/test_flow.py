@@ -1,0 +1,301 @@
+"""The pivot without a lab: every step's plan pinned from fixture facts (the probes' JSON, as
+preflight reads it), and the flow (outcome, exit code, when to roll back, the no-change rule) run
+over a fake executor that answers the lock, history and rollback commands as a host would."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import ddops.pivot as pivot_module
+from ddops.errors import HostUnreachable, StepFailed
+from ddops.executor import CommandResult
+from ddops.facts import HostFacts, Inspection, PivotFacts
+from ddops.gates import GateFailed, GateResult
+from ddops.inventory import load_inventory
+from ddops.plan import Operation, PlanContext, restore_backup, start_again
+from ddops.probes import probe_source
+from ddops.profile import load_profile
+from ddops.steps import pivot_steps
+from ddops.steps.unit import render
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = load_inventory(REPO / "inventories" / "lab.yaml")
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "pivot_facts.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_profile(REPO / "playbooks" / "lab-ddtree16.yaml", repo_root=REPO)
+
+
+def fixture_facts(profile, release="0.1.0+new") -> PivotFacts:
+    local = json.loads(json.dumps(FIXTURE["inspect"]["local"]).replace("LOCAL_TARGET", profile.model("target").source.path))
+    inspections = {name: Inspection.from_json(data) for name, data in FIXTURE["inspect"].items() if name != "local"}
+    inspections["local"] = Inspection.from_json(local)
+    return PivotFacts(serving="ct200", hosts={n: HostFacts.from_json(f) for n, f in FIXTURE["facts"].items()},
+                      inspections=inspections, release=release)
+
+
+def deployed_facts(profile, facts: PivotFacts) -> PivotFacts:
+    """The same host after a pivot: training stopped, models synced, venv complete, unit in place and running."""
+    rendered = render(profile, {})
+    dest = facts.dest
+    trees = {**dest.trees, **{m.path: facts.source_tree(m) for m in profile.models}}
+    files = {**dest.files,
+             "/etc/systemd/system/ddtree.service": {"exists": True, "sha256": rendered.unit_sha256, "text": rendered.unit_text},
+             "/etc/ddops/ddtree.env": {"exists": True, "sha256": rendered.env_sha256, "text": rendered.env_masked},
+             "/opt/ddtree/venv/ddtree-release.json": {"exists": True, "sha256": "x", "text": json.dumps({"release": facts.release})}}
+    served = Inspection.from_json({
+        "files": files, "imports": {"venv": True, "modules": {m: {"ok": True} for m in profile.runtime.packages}},
+        "units": {"ddtree.service": {"ActiveState": "active", "UnitFileState": "enabled"}}})
+    served = replace(served, trees=trees)
+    host = replace(facts.host, training=replace(facts.host.training, running=False))
+    return replace(facts, hosts={**facts.hosts, "ct200": host}, inspections={**facts.inspections, "ct200": served})
+
+
+def plans(profile, facts: PivotFacts, kill_training=True) -> dict[str, list[str]]:
+    before: dict[str, list[Operation]] = {}
+    for step in pivot_steps():
+        ctx = PlanContext(profile=profile, inventory=LAB, facts=facts, rendered=render(profile, {}),
+                          kill_training=kill_training, before=dict(before))
+        before[step.name] = step.plan(ctx)
+    return {name: [op.what for op in ops] for name, ops in before.items()}
+
+
+# -- every step's plan, from fixture facts ---------------------------------------------------------
+
+def test_every_step_plans_the_first_pivot_from_the_facts(profile):
+    target = profile.model("target").source.path
+    assert plans(profile, fixture_facts(profile)) == {
+        "training": ["stop training pid 412 (dflash-train.service) at step 1200"],
+        "sync": [f"sync target local:{target} -> /root/models/tiny-target: 2 file(s), 2.8 MiB",
+                 "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB"],
+        "deps": ["create venv /opt/ddtree/venv",
+                 "pip install fastapi>=0.110 safetensors>=0.4 tokenizers>=0.19 torch==2.13.0 transformers>=4.51 "
+                 "uvicorn>=0.29 (from the index)"],
+        "ship": ["install ddtree-runtime 0.1.0+new into /opt/ddtree/venv (now: none)"],
+        "unit": ["write /etc/systemd/system/ddtree.service (new)", "write /etc/ddops/ddtree.env (mode 0600) (new)"],
+        "start": ["enable ddtree.service", "restart ddtree.service (changed: deps, ship, sync, unit)"],
+    }
+
+
+def test_a_deployed_host_plans_nothing_and_nothing_restarts(profile):
+    assert plans(profile, deployed_facts(profile, fixture_facts(profile))) == {
+        "training": [], "sync": [], "deps": [], "ship": [], "unit": [], "start": []}
+
+
+def test_a_new_release_alone_restarts_the_unit(profile):
+    facts = deployed_facts(profile, fixture_facts(profile))
+    newer = plans(profile, replace(facts, release="0.1.0+newer"))
+    assert newer["ship"] == ["install ddtree-runtime 0.1.0+newer into /opt/ddtree/venv (now: 0.1.0+new)"]
+    assert newer["start"] == ["restart ddtree.service (changed: ship)"]
+    assert [k for k, v in newer.items() if v] == ["ship", "start"]
+
+
+def test_plans_are_data_with_their_undos(profile):
+    ctx = PlanContext(profile=profile, inventory=LAB, facts=fixture_facts(profile), rendered=render(profile, {}),
+                      kill_training=False)
+    training, = pivot_steps()[0].plan(ctx)
+    assert training.undo == start_again("dflash-train.service")
+    assert training.requires == "a real run must stop training on ct200, so it needs --kill-training"
+    assert training.data == {"pids": [412, 413]}
+    assert pivot_steps()[0].plan(ctx) == [training]  # the same facts, the same plan: plan() changes nothing
+
+
+# -- the flow over a fake executor -----------------------------------------------------------------
+
+@dataclass
+class FakeExecutor:
+    """Answers like ct200: the lock, the history append, the unitfile action and systemctl; a command in
+    `fail` exits 1, one in `unreachable` raises HostUnreachable. Every argv is kept in `commands`."""
+
+    fail: set[str] = field(default_factory=set)
+    unreachable: set[str] = field(default_factory=set)
+    commands: list[list[str]] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)
+    backups: list[dict] = field(default_factory=list)
+
+    def run(self, host, argv, *, timeout=None, stdin=None, on_output=None) -> CommandResult:
+        name = next((n for n in ("lock", "unitfile") if argv[:2] == ["python3", "-c"] and argv[2] == probe_source(n)),
+                    None)
+        shown = [name or argv[0], *argv[3:]] if name else list(argv)
+        self.commands.append(shown)
+        line = " ".join(shown)
+        if any(word in line for word in self.unreachable):
+            raise HostUnreachable(f"lost the SSH connection to {host.name}")
+        if any(word in line for word in self.fail):
+            return self.result(host, 1, "", f"{line}: failed")
+        if name == "lock":
+            return self.result(host, 0, json.dumps({"acquired": True, "released": True, "cleared": False}))
+        if name == "unitfile":
+            spec = json.loads(stdin)
+            out = self.backups if spec["action"] == "list" else {"before": {}, "after": {},
+                                                                   "daemon_reload": {"rc": 0, "stderr": ""}}
+            return self.result(host, 0, json.dumps(out))
+        if argv[:2] == ["bash", "-c"] and "history" in argv[-1]:
+            self.history.append(json.loads(stdin))
+        return self.result(host, 0, "")
+
+    @staticmethod
+    def result(host, code: int, stdout: str, stderr: str = "") -> CommandResult:
+        return CommandResult(host=host.name, command="", exit_code=code, stdout=stdout, stderr=stderr, duration_s=0)
+
+    def systemctl(self) -> list[str]:
+        return [" ".join(c[1:]) for c in self.commands if c[0] == "systemctl"]
+
+
+class FakeStep:
+    """Plans what it is given; its apply notes a change (with the undo it is given) or fails."""
+
+    def __init__(self, name: str, operations: list[Operation], *, undo: Operation | None = None,
+                 error: Exception | None = None, interrupt: bool = False) -> None:
+        self.name, self.title = name, name.title()
+        self.operations, self.undo, self.error, self.interrupt = operations, undo, error, interrupt
+        self.applied: list[list[Operation]] = []
+
+    def plan(self, ctx):
+        return list(self.operations)
+
+    def apply(self, ctx, operations):
+        self.applied.append(operations)
+        if self.interrupt:
+            ctx.interrupted = "SIGINT"
+        ctx.journal.change(self.name, undo=self.undo)
+        if self.error is not None:
+            raise self.error
+        return f"applied {len(operations)}"
+
+
+class FakeGate:
+    def __init__(self, name: str, error: Exception | None = None) -> None:
+        self.name, self.title, self.error, self.checked = name, name.title(), error, 0
+
+    def describe(self, ctx):
+        return f"check {self.name}"
+
+    def check(self, ctx):
+        self.checked += 1
+        if self.error is not None:
+            raise self.error
+        return GateResult(f"{self.name} ok", {"ok": True})
+
+
+def run_pivot(monkeypatch, profile, steps, gates=None, executor=None, **options):
+    executor = executor or FakeExecutor()
+    monkeypatch.setattr(pivot_module, "preflight", lambda *a, **k: (fixture_facts(profile), "1 host(s) ok"))
+    console = Console(file=io.StringIO(), width=160, force_terminal=False)
+    flow = pivot_module.Pivot(profile, LAB, executor, console, options=pivot_module.PivotOptions(yes=True, **options),
+                              steps=steps, gates=[FakeGate("health")] if gates is None else gates)
+    return flow.execute().as_json(), executor
+
+
+def op(what: str, **data) -> Operation:
+    return Operation(what, data=data)
+
+
+def test_nothing_to_change_applies_nothing_restarts_nothing_and_still_gates(monkeypatch, profile):
+    step, gate = FakeStep("unit", []), FakeGate("health")
+    report, ex = run_pivot(monkeypatch, profile, [step], [gate])
+    assert (report["outcome"], report["exit_code"]) == ("unchanged", 0)
+    assert step.applied == [] and gate.checked == 1 and ex.systemctl() == []
+    assert report["state"] == "ddtree.service on ct200 was already in place; nothing restarted; gates passed"
+    assert [s["status"] for s in report["steps"]] == ["done", "skipped", "done", "done"]
+    assert ex.history[-1]["outcome"] == "unchanged" and ex.history[-1]["gates"] == {"health": {"ok": True}}
+
+
+def test_a_step_gets_exactly_the_operations_it_planned(monkeypatch, profile):
+    planned = [op("write a", path="a"), op("write b", path="b")]
+    step = FakeStep("unit", planned)
+    report, ex = run_pivot(monkeypatch, profile, [FakeStep("sync", []), step])
+    assert step.applied == [planned]
+    assert (report["outcome"], report["exit_code"], report["changed"]) == ("ok", 0, ["unit"])
+    assert [json.loads(c[1])["action"] for c in ex.commands if c[0] == "lock"] == ["acquire", "release"]
+
+
+def test_a_failed_gate_after_a_change_replays_the_undos_newest_first(monkeypatch, profile):
+    steps = [FakeStep("training", [op("stop training")], undo=start_again("dflash-train.service")),
+             FakeStep("start", [op("stop conflicting sglang-qwen.service")], undo=start_again("sglang-qwen.service"))]
+    report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("not healthy within 5s"))])
+    assert (report["outcome"], report["exit_code"], report["failed_step"]) == ("rolled-back", 2, "health")
+    assert ex.systemctl() == ["start sglang-qwen.service", "start dflash-train.service"]
+    assert report["rollback"] == {"restarted": ["sglang-qwen.service", "dflash-train.service"]}
+    assert report["state"] == ("rolled back on ct200: ddtree.service untouched; "
+                               "running again: sglang-qwen.service, dflash-train.service")
+    assert ex.history[-1]["outcome"] == "rolled-back"
+
+
+def test_a_restore_restarts_what_its_backup_names_once(monkeypatch, profile):
+    backup = {"id": "B1", "meta": {"unit_existed": False, "restart_after_rollback": ["dflash-train.service"]}}
+    ex = FakeExecutor(backups=[backup])
+    monkeypatch.setattr("ddops.rollback._settle", lambda *a, **k: "active")
+    steps = [FakeStep("training", [op("stop training")], undo=start_again("dflash-train.service")),
+             FakeStep("unit", [op("write unit")], undo=restore_backup("ddtree.service", "B1", ["dflash-train.service"]))]
+    report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed"))], executor=ex)
+    assert report["outcome"] == "rolled-back" and report["rollback"]["restarted"] == ["dflash-train.service"]
+    assert ex.systemctl().count("start dflash-train.service") == 1
+    assert report["state"] == ("rolled back on ct200: ddtree.service removed (it did not exist before); "
+                               "running again: dflash-train.service")
+
+
+def test_a_failure_before_any_change_is_failed_and_rolls_nothing_back(monkeypatch, profile):
+    class Unchanged(FakeStep):
+        def apply(self, ctx, operations):
+            raise StepFailed("pip install failed")
+
+    report, ex = run_pivot(monkeypatch, profile, [Unchanged("deps", [op("pip install x")]), FakeStep("unit", [op("w")])])
+    assert (report["outcome"], report["exit_code"], report["changed"]) == ("failed", 2, [])
+    assert "rolled_back" not in report and ex.systemctl() == []
+    assert [s["status"] for s in report["steps"]] == ["done", "failed", "skipped", "skipped", "done"]
+
+
+def test_no_rollback_leaves_the_host_and_says_how_to_restore_it(monkeypatch, profile):
+    steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"))]
+    report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed"))], no_rollback=True)
+    assert (report["outcome"], report["exit_code"]) == ("failed", 2) and ex.systemctl() == []
+    assert report["state"].startswith("--no-rollback: ct200 is left as the failed pivot made it")
+
+
+def test_a_rollback_that_fails_needs_a_human(monkeypatch, profile):
+    ex = FakeExecutor(fail={"systemctl start dflash-train.service"})
+    steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"))]
+    report, _ = run_pivot(monkeypatch, profile, steps, [FakeGate("smoke", GateFailed("wrong answer", {"ok": False}))],
+                          executor=ex)
+    assert (report["outcome"], report["exit_code"], report["rolled_back"]) == ("rollback-failed", 2, False)
+    assert report["gates"]["smoke"] == {"ok": False}  # what the failed gate measured is kept
+    assert report["state"].startswith("ROLLBACK FAILED on ct200: needs a human")
+
+
+def test_an_unreachable_host_before_any_change_exits_4(monkeypatch, profile):
+    report, _ = run_pivot(monkeypatch, profile, [FakeStep("sync", [op("sync")], error=HostUnreachable("gone"))])
+    # FakeStep notes its change before failing: a host lost after a change is a failed step (2), not 4
+    assert report["exit_code"] == 2
+
+    class Lost(FakeStep):
+        def apply(self, ctx, operations):
+            raise HostUnreachable("gone")
+
+    report, _ = run_pivot(monkeypatch, profile, [Lost("sync", [op("sync")])])
+    assert (report["outcome"], report["exit_code"]) == ("failed", 4)
+
+
+def test_ctrl_c_stops_at_the_next_safe_point_rolls_back_and_exits_130(monkeypatch, profile):
+    later = FakeStep("unit", [op("write")])
+    steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"), interrupt=True), later]
+    report, ex = run_pivot(monkeypatch, profile, steps)
+    assert later.applied == [] and (report["outcome"], report["exit_code"]) == ("rolled-back", 130)
+    assert report["state"].startswith("interrupted by SIGINT during unit; rolled back on ct200")
+    assert ex.systemctl() == ["start dflash-train.service"]
+
+
+def test_a_dry_run_changes_nothing_and_says_what_a_real_run_needs(monkeypatch, profile):
+    step = FakeStep("training", [Operation("stop training", requires="a real run needs --kill-training")])
+    report, ex = run_pivot(monkeypatch, profile, [step], dry_run=True)
+    assert (report["outcome"], report["exit_code"]) == ("dry-run", 0)
+    assert report["state"] == "nothing was changed; a real run needs --kill-training"
+    assert step.applied == [] and ex.commands == []  # not even the lock

@@ -5,16 +5,7 @@ Actions: acquire (fails with the holder when held), release (only our own token)
 import json
 import os
 import sys
-
-
-def read(path):
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {"unreadable": True}
+# read_json comes from hostlib.py, which probe_source() prepends to this script.
 
 
 def main():
@@ -25,7 +16,7 @@ def main():
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            json.dump({"acquired": False, "holder": read(path)}, sys.stdout)
+            json.dump({"acquired": False, "holder": read_json(path)}, sys.stdout)
             return
         with os.fdopen(fd, "w") as fh:
             json.dump(spec["holder"], fh)
@@ -33,14 +24,14 @@ def main():
             os.fsync(fh.fileno())
         json.dump({"acquired": True, "holder": spec["holder"]}, sys.stdout)
     elif action == "release":
-        holder = read(path)
+        holder = read_json(path)
         if holder and holder.get("token") == spec["token"]:
             os.unlink(path)
             json.dump({"released": True}, sys.stdout)
         else:
             json.dump({"released": False, "holder": holder}, sys.stdout)
     elif action == "clear":
-        holder = read(path)
+        holder = read_json(path)
         if holder is not None:
             os.unlink(path)
         json.dump({"cleared": holder is not None, "holder": holder}, sys.stdout)

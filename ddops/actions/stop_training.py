@@ -7,38 +7,17 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
-
-
-def run(argv, timeout=30):
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        return done.returncode, done.stdout, done.stderr
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return 127, "", str(exc)
+# run, matching_pids and last_step come from hostlib.py, which probe_source() prepends to this script.
 
 
 def find(pattern):
-    rx = re.compile(pattern)
-    me = {os.getpid(), os.getppid()}
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        if int(entry) in me:
-            continue
-        try:
-            with open("/proc/%s/cmdline" % entry, "rb") as fh:
-                cmd = " ".join(a.decode(errors="replace") for a in fh.read().split(b"\0") if a)
-        except OSError:
-            continue
-        if cmd and rx.search(cmd) and "ddops-probe" not in cmd:
-            pids.append(int(entry))
-    return pids
+    return [pid for pid, _ in matching_pids(pattern)]
 
 
 def unit_pids(unit):
-    code, out, _ = run(["systemctl", "show", unit, "--property=MainPID,ActiveState"])
+    code, out, _ = run(["systemctl", "show", unit, "--property=MainPID,ActiveState"], timeout=30)
     props = dict(l.split("=", 1) for l in out.splitlines() if "=" in l)
     pid = int(props.get("MainPID") or 0)
     return ([pid] if pid else []), props.get("ActiveState")
@@ -50,17 +29,6 @@ def alive(pid):
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def last_step(log):
-    try:
-        with open(log, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 65536))
-            steps = re.findall(r"\bstep[ =:]+(\d+)", fh.read().decode(errors="replace"))
-        return int(steps[-1]) if steps else None
-    except OSError:
-        return None
 
 
 def newest_checkpoint(folder):
@@ -76,7 +44,8 @@ def newest_checkpoint(folder):
 
 
 def gpu_pids():
-    code, out, _ = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
+    code, out, _ = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                       timeout=30)
     if code != 0:
         return None
     pids = []
@@ -127,7 +96,7 @@ def main():
     if unit:
         # The job is gone; make sure systemd will not bring it back, and forget a failed state.
         run(["systemctl", "stop", unit], timeout=60)
-        run(["systemctl", "reset-failed", unit])
+        run(["systemctl", "reset-failed", unit], timeout=30)
     remaining = find(pattern) if pattern else []
     if unit:
         main_pids, _ = unit_pids(unit)

@@ -7,14 +7,14 @@ that change a host live next door, in `ddops.actions`; `probe_source` serves bot
 from importlib import resources
 
 # Scripts travel as one text each, so code they share is prepended to their text here.
-_SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat",)}
+_SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat",), "facts": ("hostlib",),
+                 "inspect": ("hostlib",), "stop_training": ("hostlib",), "lock": ("hostlib",)}
 _ACTIONS = ("unitfile", "stop_training", "lock")
 
 
 def probe_source(name: str) -> str:
     """The text of probe or action `name` (e.g. "facts"), to send as `python3 -c TEXT ARGS`."""
-    package = "ddops.actions" if name in _ACTIONS else __package__
-    files = resources.files(package)
     parts = [*_SHARED_PARTS.get(name, ()), name]
-    return "\n\n".join(files.joinpath(f"{part}.py").read_text() for part in parts)
+    return "\n\n".join(resources.files("ddops.actions" if part in _ACTIONS else __package__)
+                       .joinpath(f"{part}.py").read_text() for part in parts)
 

@@ -4,24 +4,12 @@ Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON ob
 """
 import json
 import os
-import re
 import socket
-import subprocess
 import sys
 import time
 
 GPU_FIELDS = ["index", "name", "memory.used", "memory.total", "utilization.gpu"]
 UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState"]
-
-
-def run(argv, timeout=10):
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        return done.returncode, done.stdout, done.stderr
-    except FileNotFoundError:
-        return 127, "", "%s: command not found" % argv[0]
-    except subprocess.TimeoutExpired:
-        return 124, "", "%s timed out" % argv[0]
 
 
 def number(text):
@@ -55,14 +43,6 @@ def uptime_s():
         return float(fh.read().split()[0])
 
 
-def cmdline(pid):
-    try:
-        with open("/proc/%s/cmdline" % pid, "rb") as fh:
-            return " ".join(a.decode(errors="replace") for a in fh.read().split(b"\0") if a)
-    except OSError:
-        return ""
-
-
 def process(pid, command):
     """pid's record, with its elapsed time (None if it has gone meanwhile)."""
     try:
@@ -75,39 +55,13 @@ def process(pid, command):
 
 
 def processes(pattern):
-    """Processes whose command line matches pattern (not this probe, not its shell)."""
-    rx = re.compile(pattern)
-    me = {os.getpid(), os.getppid()}
+    """Processes whose command line matches pattern (not this probe, not its shell, no ddops script)."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in me:
-            continue
-        command = cmdline(entry)
-        # Probes (this one or a concurrent run's) carry their own source, hence this marker.
-        if not command or not rx.search(command) or "ddops-probe" in command:
-            continue
-        record = process(entry, command)
+    for pid, command in matching_pids(pattern):
+        record = process(pid, command)
         if record:
             found.append(record)
     return found
-
-
-def tail(path, size=65536):
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - size))
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
-def last_step(log_path):
-    text = tail(log_path) if log_path else None
-    if text is None:
-        return None
-    steps = re.findall(r"\bstep[ =:]+(\d+)", text)
-    return int(steps[-1]) if steps else None
 
 
 def newest_checkpoint(ckpt_dir):

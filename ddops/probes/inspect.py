@@ -82,14 +82,6 @@ def port_holder(port):
     return {"pid": None, "cmdline": None, "unit": None}
 
 
-def cmdline(pid):
-    try:
-        with open("/proc/%s/cmdline" % pid, "rb") as fh:
-            return " ".join(a.decode(errors="replace") for a in fh.read().split(b"\0") if a)
-    except OSError:
-        return None
-
-
 def unit_of(pid):
     try:
         with open("/proc/%s/cgroup" % pid) as fh:
@@ -155,17 +147,6 @@ def units(names):
     return out
 
 
-def lock(path):
-    try:
-        with open(path) as fh:
-            holder = json.load(fh)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {"unreadable": True}
-    return holder
-
-
 def main():
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     out = {"hostname": socket.gethostname()}
@@ -182,7 +163,7 @@ def main():
     if "units" in args:
         out["units"] = units(args["units"])
     if "lock" in args:
-        out["lock"] = lock(args["lock"])
+        out["lock"] = read_json(args["lock"])
     json.dump(out, sys.stdout)
 
 

@@ -1,0 +1,75 @@
+"""Shared by the facts and inspect probes and the stop_training and lock actions (probe_source
+prepends it to their text): running a command, reading a process, a log's last step, a JSON file.
+
+Every script that scans processes carries MARKER in its own text, so a scan skips ddops's scripts
+(this one's, or a concurrent run's, whose arguments may name the training pattern).
+"""
+import json
+import os
+import re
+import subprocess
+
+MARKER = "ddops-probe"
+
+
+def run(argv, timeout=10):
+    """(exit code, stdout, stderr); a missing command is 127 and a timeout 124, as a shell says."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout, done.stderr
+    except FileNotFoundError:
+        return 127, "", "%s: command not found" % argv[0]
+    except subprocess.TimeoutExpired:
+        return 124, "", "%s timed out" % argv[0]
+    except OSError as exc:
+        return 126, "", str(exc)
+
+
+def cmdline(pid):
+    """pid's command line, "" when it has gone or is a kernel thread."""
+    try:
+        with open("/proc/%s/cmdline" % pid, "rb") as fh:
+            return " ".join(a.decode(errors="replace") for a in fh.read().split(b"\0") if a)
+    except OSError:
+        return ""
+
+
+def matching_pids(pattern):
+    """(pid, command line) of processes whose command line matches pattern: not this script, not its
+    shell, not any other ddops script."""
+    rx = re.compile(pattern)
+    me = {os.getpid(), os.getppid()}
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if int(entry) in me:
+            continue
+        command = cmdline(entry)
+        if command and rx.search(command) and MARKER not in command:
+            found.append((int(entry), command))
+    return found
+
+
+def last_step(log_path, size=65536):
+    """The last `step N` in the log's last `size` bytes, or None."""
+    if not log_path:
+        return None
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - size))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    steps = re.findall(r"\bstep[ =:]+(\d+)", text)
+    return int(steps[-1]) if steps else None
+
+
+def read_json(path):
+    """A JSON file's content; None when it does not exist, {"unreadable": True} when it cannot be read."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"unreadable": True}

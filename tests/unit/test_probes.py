@@ -1,0 +1,54 @@
+"""The host scripts run here, on this machine's /proc, as a host runs them: the facts probe finds a
+training job and its last step, the stop_training action stops it, and neither mistakes ddops's own
+scripts (whose arguments name the same pattern) for the job; the lock action and the inspect probe
+read the lock alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from ddops.probes import probe_source
+
+
+def run(name: str, args: dict, *flags: str) -> dict:
+    done = subprocess.run([sys.executable, *flags, "-c", probe_source(name), json.dumps(args)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_facts_finds_the_job_and_stop_training_stops_it_but_no_ddops_script(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "train.log").write_text("step 5 loss 2.1\nstep=17 loss 1.9\n")
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # fake_train_job_zz"])
+    # another run's script, its arguments naming the pattern, as a concurrent pivot's probe would be
+    other = subprocess.Popen([sys.executable, "-c", "# ddops-probe\nimport time; time.sleep(60)",
+                              json.dumps({"pattern": "fake_train_job_zz"})])
+    try:
+        time.sleep(0.3)
+        spec = {"pattern": "fake_train_job_zz", "unit": None, "log": str(tmp_path / "train.log"),
+                "checkpoints": str(tmp_path / "ckpt")}
+        facts = run("facts", {"training": spec, "services": []}, "-I", "-S")
+        assert facts["training"]["pids"] == [job.pid] and facts["training"]["last_step"] == 17
+        out = run("stop_training", {**spec, "grace_s": 5})
+        assert out["pids"] == [job.pid] and out["stopped"] and out["graceful"] and out["step_after"] == 17
+        assert job.wait(timeout=10) == -15  # SIGTERM
+    finally:
+        job.kill()
+        other.kill()
+
+
+def test_the_lock_action_and_the_inspect_probe_read_the_lock_alike(tmp_path):
+    path = str(tmp_path / "pivot.lock")
+    assert run("inspect", {"lock": path})["lock"] is None
+    assert run("lock", {"action": "acquire", "path": path, "holder": {"token": "t1", "pid": 7}})["acquired"]
+    assert run("inspect", {"lock": path})["lock"] == {"token": "t1", "pid": 7}
+    assert run("lock", {"action": "acquire", "path": path, "holder": {"token": "t2"}})["holder"]["token"] == "t1"
+    assert not run("lock", {"action": "release", "path": path, "token": "t2"})["released"]
+    assert run("lock", {"action": "release", "path": path, "token": "t1"})["released"]
+    (tmp_path / "pivot.lock").write_text("{not json")
+    assert run("inspect", {"lock": path})["lock"] == {"unreadable": True}
+    assert run("lock", {"action": "clear", "path": path}) == {"cleared": True, "holder": {"unreadable": True}}

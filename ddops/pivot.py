@@ -60,7 +60,8 @@ class Pivot:
         self.states = ([StepState("preflight", "Preflight")] + [StepState(s.name, s.title) for s in self.steps]
                        + [StepState(g.name, g.title) for g in self.gates] + [StepState("record", "Record")])
         self.by_name = {s.name: s for s in self.states}
-        self.report = Report(profile=profile, dry_run=options.dry_run, steps=self.states, journal=self.ctx.journal)
+        self.report = Report(profile=profile, dry_run=options.dry_run, steps=self.states, journal=self.ctx.journal,
+                             gate_names=tuple(g.name for g in self.gates))
         self.lock_token: str | None = None
 
     # -- the flow --------------------------------------------------------------------------------

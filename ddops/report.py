@@ -21,6 +21,7 @@ class Report:
     dry_run: bool
     steps: list[StepState]
     journal: Journal = field(default_factory=Journal)
+    gate_names: tuple[str, ...] = ()        # which rows are gates: a failed gate changed nothing itself
     release: str | None = None
     outcome: str | None = None
     state: str | None = None
@@ -66,7 +67,7 @@ class Report:
                 "unit_sha256_before": unit_files.get("before", {}).get("unit"),
                 "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary}
                           for s in self.steps if s.name != "record"],
-                "gates": {k: v for k, v in self.journal.gates.items() if k in ("health", "smoke")},
+                "gates": self.journal.gates,
                 "training": self.journal.training, "stopped_units": self.journal.stopped_units,
                 "error": self.error.line() if self.error else None, "wall_s": self.wall_s}
 
@@ -105,7 +106,7 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
         return "ok", f"{p.unit} on {p.host} is active and healthy ({p.name})"
     if not report.changed:
         return "failed", f"nothing was changed on {p.host}; " + (
-            f"{p.unit} is as it was" if report.failed_step in ("health", "smoke") else "")
+            f"{p.unit} is as it was" if report.failed_step in report.gate_names else "")
     if report.rolled_back:
         rep = report.rollback or {}
         what = (f"{p.unit} removed (it did not exist before)" if rep.get("removed")

@@ -254,6 +254,13 @@ def test_a_failure_before_any_change_is_failed_and_rolls_nothing_back(monkeypatc
     assert [s["status"] for s in report["steps"]] == ["done", "failed", "skipped", "skipped", "done"]
 
 
+def test_a_gate_that_fails_when_nothing_changed_leaves_the_unit_as_it_was(monkeypatch, profile):
+    report, ex = run_pivot(monkeypatch, profile, [FakeStep("unit", [])], [FakeGate("smoke", StepFailed("wrong"))])
+    assert (report["outcome"], report["exit_code"], report["failed_step"]) == ("failed", 2, "smoke")
+    assert report["state"] == "nothing was changed on ct200; ddtree.service is as it was"
+    assert "rolled_back" not in report and ex.systemctl() == []
+
+
 def test_no_rollback_leaves_the_host_and_says_how_to_restore_it(monkeypatch, profile):
     steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"))]
     report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed"))], no_rollback=True)

@@ -24,12 +24,13 @@ class Interrupted(StepFailed):
 
 @dataclass(frozen=True)
 class Operation:
-    """One thing a step would do: in words, with optional detail (a diff, a file list), the data its
-    apply needs, (for a change that can be taken back) the operation that undoes it, and what a real
-    run would need that this one lacks (a dry run says so)."""
+    """One thing a step would do: in words, with optional detail (a diff, a file list), the commands it
+    runs on the host when they are known at plan time, the data its apply needs, (for a change that can
+    be taken back) the operation that undoes it, and what a real run would need that this one lacks."""
 
     what: str
     detail: str = ""
+    commands: tuple[tuple[str, ...], ...] = ()
     data: dict[str, Any] = field(default_factory=dict)
     undo: "Operation | None" = None
     requires: str | None = None

@@ -13,25 +13,24 @@ RESTART_AFTER = ("sync", "deps", "ship", "unit")
 
 
 def plan_start(profile: Profile, units: Inspection, planned: set[str]) -> list[Operation]:
-    operations = [Operation(f"stop conflicting {c}", data={"stop": c}, undo=start_again(c))
+    unit = profile.unit
+    operations = [Operation(f"stop conflicting {c}", commands=(("systemctl", "stop", c),), data={"stop": c},
+                            undo=start_again(c))
                   for c in profile.conflicts if units.unit(c).active]
-    unit = units.unit(profile.unit)
-    if unit.unit_file_state != "enabled" or "unit" in planned:
-        operations.append(Operation(f"enable {profile.unit}", data={"enable": True}))
+    state = units.unit(unit)
+    if state.unit_file_state != "enabled" or "unit" in planned:
+        operations.append(Operation(f"enable {unit}", commands=(("systemctl", "enable", unit),)))
     triggers = planned & set(RESTART_AFTER)
-    if triggers or not unit.active:
+    if triggers or not state.active:
         why = f"changed: {', '.join(sorted(triggers))}" if triggers else "not running"
-        operations.append(Operation(f"restart {profile.unit} ({why})", data={"restart": True}))
+        # reset-failed first: a unit that crash-looped before would otherwise refuse to start
+        operations.append(Operation(f"restart {unit} ({why})", data={"restart": True},
+                                    commands=(("systemctl", "reset-failed", unit), ("systemctl", "restart", unit))))
     return operations
 
 
-def start_argvs(profile: Profile, operations: list[Operation]) -> list[list[str]]:
-    argvs = [["systemctl", "stop", op.data["stop"]] for op in operations if "stop" in op.data]
-    if any(op.data.get("enable") for op in operations):
-        argvs.append(["systemctl", "enable", profile.unit])
-    if any(op.data.get("restart") for op in operations):
-        argvs += [["systemctl", "reset-failed", profile.unit], ["systemctl", "restart", profile.unit]]
-    return argvs
+def start_argvs(operations: list[Operation]) -> list[list[str]]:
+    return [list(argv) for op in operations for argv in op.commands]
 
 
 class StartStep:
@@ -43,14 +42,14 @@ class StartStep:
         return plan_start(ctx.profile, ctx.facts.dest, planned)
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
-        for argv in start_argvs(ctx.profile, operations):
-            result = ctx.executor.run(ctx.host, argv, timeout=120)
-            if argv[1] == "reset-failed":
-                continue  # fails harmlessly for a unit that never failed
-            check(result, " ".join(argv))
-            if argv[1] == "stop":
-                ctx.journal.stopped_units.append(argv[2])
-                ctx.journal.undo.append(start_again(argv[2]))
-            if argv[1] == "restart":
+        for op in operations:
+            for argv in op.commands:
+                result = ctx.executor.run(ctx.host, list(argv), timeout=120)
+                if argv[1] != "reset-failed":  # which fails harmlessly for a unit that never failed
+                    check(result, " ".join(argv))
+            if "stop" in op.data:
+                ctx.journal.stopped_units.append(op.data["stop"])
+                ctx.journal.undo.append(op.undo)
+            if op.data.get("restart"):
                 ctx.journal.change("restarted")
         return "; ".join(op.what for op in operations)

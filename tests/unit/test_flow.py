@@ -106,6 +106,10 @@ def test_plans_are_data_with_their_undos(profile):
     assert training.requires == "a real run must stop training on ct200, so it needs --kill-training"
     assert training.data == {"pids": [412, 413]}
     assert pivot_steps()[0].plan(ctx) == [training]  # the same facts, the same plan: plan() changes nothing
+    start = pivot_steps()[-1].plan(replace(ctx, before={"unit": [Operation("write unit")]}))
+    assert [argv for op in start for argv in op.commands] == [
+        ("systemctl", "enable", "ddtree.service"), ("systemctl", "reset-failed", "ddtree.service"),
+        ("systemctl", "restart", "ddtree.service")]
 
 
 # -- the flow over a fake executor -----------------------------------------------------------------

@@ -240,7 +240,7 @@ def test_start_commands(profile):
     units = {"ddtree.service": {"ActiveState": "inactive", "UnitFileState": "disabled"},
              "sglang-qwen.service": {"ActiveState": "active"}}
     changes = plan_start(p, Inspection.from_json({"units": units}), {"unit"})
-    assert start_argvs(p, changes) == [["systemctl", "stop", "sglang-qwen.service"],
+    assert start_argvs(changes) == [["systemctl", "stop", "sglang-qwen.service"],
                                        ["systemctl", "enable", "ddtree.service"],
                                        ["systemctl", "reset-failed", "ddtree.service"],
                                        ["systemctl", "restart", "ddtree.service"]]

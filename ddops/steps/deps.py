@@ -37,12 +37,14 @@ def plan_deps(profile: Profile, imports: Imports) -> list[Operation]:
         return []
     operations = []
     if not imports.venv:
-        operations.append(Operation(f"create venv {profile.runtime.venv}", data={"venv": profile.runtime.venv}))
+        operations.append(Operation(f"create venv {profile.runtime.venv}", commands=(tuple(venv_argv(profile)),),
+                                    data={"venv": profile.runtime.venv}))
     missing = missing_modules(profile, imports)
     if missing:
         specs = [profile.runtime.packages[m] for m in missing]
         source = "the index" if profile.runtime.index else "a pushed wheelhouse"
-        operations.append(Operation(f"pip install {' '.join(specs)} (from {source})", data={"modules": missing}))
+        operations.append(Operation(f"pip install {' '.join(specs)} (from {source})",
+                                    commands=(tuple(pip_argv(profile, missing)),), data={"modules": missing}))
     return operations
 
 
@@ -59,27 +61,30 @@ class DepsStep:
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         profile, host, ex = ctx.profile, ctx.host, ctx.executor
-        create = any("venv" in op.data for op in operations)
-        missing = [m for op in operations for m in op.data.get("modules", [])]
-        if create:
-            ctx.progress(f"creating {profile.runtime.venv}")
-            check(ex.run(host, venv_argv(profile), timeout=300), "creating the venv")
-        if missing:
-            if not profile.runtime.index:
-                check(ex.run(host, ["mkdir", "-p", WHEELHOUSE]), "mkdir wheelhouse")
-                rsync(rsync_argv(ctx.inventory, profile.runtime.wheelhouse, WHEELHOUSE, dst_host=host),
-                      ctx.progress, "push wheelhouse")
-            ctx.progress(f"pip install {' '.join(missing)}")
-            result = ex.run(host, pip_argv(profile, missing), timeout=3600,
-                            on_output=lambda text: _last_lines(text, ctx.progress))
-            check(result, "pip install " + " ".join(profile.runtime.packages[m] for m in missing))
+        created, installed = False, []
+        for op in operations:
+            if "venv" in op.data:
+                ctx.progress(f"creating {profile.runtime.venv}")
+                check(ex.run(host, list(op.commands[0]), timeout=300), "creating the venv")
+                created = True
+            if "modules" in op.data:
+                modules = op.data["modules"]
+                if not profile.runtime.index:
+                    check(ex.run(host, ["mkdir", "-p", WHEELHOUSE]), "mkdir wheelhouse")
+                    rsync(rsync_argv(ctx.inventory, profile.runtime.wheelhouse, WHEELHOUSE, dst_host=host),
+                          ctx.progress, "push wheelhouse")
+                ctx.progress(f"pip install {' '.join(modules)}")
+                result = ex.run(host, list(op.commands[0]), timeout=3600,
+                                on_output=lambda text: _last_lines(text, ctx.progress))
+                check(result, "pip install " + " ".join(profile.runtime.packages[m] for m in modules))
+                installed += modules
         after = Inspection.from_json(run_probe(ex, host, "inspect", import_probe_args(profile), timeout=300)).imports
         still = missing_modules(profile, after)
         if still:
             errors = "; ".join(f"{m}: {after.errors.get(m)}" for m in still)
             raise StepFailed(f"still missing in {profile.runtime.venv} after install: {errors}")
         ctx.journal.change(self.name)  # packages added to a venv stay: the unit rollback is what matters
-        return f"installed {', '.join(missing) or 'nothing'}" + ("; venv created" if create else "")
+        return f"installed {', '.join(installed) or 'nothing'}" + ("; venv created" if created else "")
 
 
 def _last_lines(text: str, progress) -> None:

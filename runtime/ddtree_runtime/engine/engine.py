@@ -1,11 +1,16 @@
 """The DDTree engine: prefill, then rounds of draft -> build tree -> verify -> accept & commit.
 
-One request at a time (batch size 1). Both KV caches are allocated once at start-up for the worst case
-(max_context plus the largest tree) and reused by every request."""
+Continuous batching: `submit` queues a request, each `step` prefills up to one chunk of prompt tokens
+(admitting queued requests as cache slots free up) and runs one round for every request already
+decoding: all their trees verified by one target pass, then each its own walk and commit, and one
+drafter pass for all. A lone request takes the single-stream path (graphed, one host sync a round).
+Both caches are a pool allocated once at start-up: max_running slots (fewer if memory says so), each
+for the worst case (max_context plus the largest tree), reused by every request."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,16 +19,21 @@ import torch
 
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
 from ..model.layers import fuse_projections
+from .batch_runner import BatchDraftRunner, BatchTargetRunner
 from .context import prefill_workspace_bytes, serving_context
-from .prefill import prefill
+from .graphs import HostRead
 from .kv_cache import KVCache, target_cache, target_cache_bytes
+from .policy import round_budgets
+from .prefill import PREFILL_PIECE
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
-from .graphs import HostRead
-from .tree import TreeBuilder, Walk, build_chain, walk
+from .scheduler import Scheduler
+from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
 from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES
-from .types import EngineConfig, RequestState, RoundOutput, SamplingParams
+from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams
 
+
+log = logging.getLogger(__name__)
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
     ids: set[int] = set()
@@ -59,6 +69,10 @@ class Engine:
             raise ValueError(f"mode {config.mode!r} needs a draft_dir")
         if not MIN_TREE_BUDGET <= config.tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}]")
+        if config.max_running < 1 or config.prefill_chunk < 1 or not 0 < config.mem_fraction <= 1:
+            raise ValueError("need max_running >= 1, prefill_chunk >= 1 and 0 < mem_fraction <= 1")
+        if config.round_nodes is not None and config.round_nodes < 1:
+            raise ValueError("round_nodes must be >= 1 (or None: fixed tree budgets)")
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
@@ -90,41 +104,89 @@ class Engine:
                 raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
-        # sized with both models' weights in place, before any cache
+        tree_slots = max(config.tree_budget, self.block_size) + 1
+        # sized with both models' weights in place, before any cache: the context one request can have,
+        # then how many requests the pool holds at it (as many as asked, if that many slots fit)
         self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self._needed_bytes,
                                            _free_bytes(self.device), str(self.device))
+        self.slots = self._slots_that_fit(tree_slots, config.max_running)
+        if self.slots < config.max_running:
+            log.warning("%d requests at a time asked, %d fit at context %d (memory)", config.max_running,
+                        self.slots, self.max_context)
         if self.drafter is not None:
             dcfg = self.drafter.config
-            draft_capacity = DraftRunner.capacity_for(self.max_context, self.block_size)
-            # refuse before allocating anything: both caches must fit together
-            self._refuse_unless_fits(max(config.tree_budget, self.block_size) + 1, extra=target_cache_bytes(
-                dcfg, draft_capacity, 1, self.target.lm_head.weight.element_size()))
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
-                                       draft_capacity, self.device, self.target.lm_head.weight.dtype)
-            self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
+                                       DraftRunner.capacity_for(self.max_context, self.block_size), self.device,
+                                       self.target.lm_head.weight.dtype, batch=self.slots)
+            self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache.rows(0, 1), self.block_size,
                                             self.mask_token_id, self.device)
+            self.batch_draft = BatchDraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
+                                                self.mask_token_id, self.device)
         self.target_cache: KVCache | None = None
         self.runner: TargetRunner | None = None
-        self._target_slots = 0  # the tree size the target cache was sized for
-        self._alloc_target_cache(max(config.tree_budget, self.block_size) + 1)
+        self._target_slots = 0  # the tree size the target pool was sized for
+        self._alloc_target_cache(tree_slots)
         self.trees = TreeBuilder(self.device)
         self.readback = HostRead(Walk.size(self.block_size - 1), self.device)  # the round's one read
+        self.batch_readback = HostRead(self.slots * Walk.size(self.block_size - 1), self.device)
         self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
+        self.scheduler = Scheduler(self.slots)
+        self.stats = BatchStats()
+        self._next_id = 0
+
+    # ---- memory -----------------------------------------------------------------------------------
+
+    def _slot_bytes(self, tree_slots: int, context: int | None = None) -> int:
+        """One pool slot: the target's cache for the context and a tree of tree_slots nodes, and the
+        drafter's cache."""
+        cfg, elem = self.target.config, self.target.lm_head.weight.element_size()
+        context = self.max_context if context is None else context
+        need = target_cache_bytes(cfg, TargetRunner.capacity_for(context, tree_slots), tree_bucket(tree_slots), elem)
+        if self.drafter is not None:
+            need += target_cache_bytes(self.drafter.config, DraftRunner.capacity_for(context, self.block_size), 1,
+                                       elem)
+        return need
+
+    def _prefill_bytes(self, context: int) -> int:
+        """A prefill's activations at `context` prompt tokens (one prefill runs at a time)."""
+        return prefill_workspace_bytes(self.target.config, context, len(self.target.feature_layers),
+                                       self.target.lm_head.weight.element_size())
+
+    def _needed_bytes(self, context: int) -> int:
+        """What serving one request of `context` tokens takes: a slot at the configured tree size and a
+        prefill's activations."""
+        return self._slot_bytes(max(self.config.tree_budget, self.block_size) + 1, context) + self._prefill_bytes(context)
+
+    def _slots_that_fit(self, tree_slots: int, wanted: int, reclaimable: int = 0) -> int:
+        """min(wanted, the slots mem_fraction of the free memory holds beside a prefill's activations);
+        ValueError (before anything is allocated) when not even one does, so a budget or context too
+        big fails at start, plainly."""
+        need = self._slot_bytes(tree_slots)
+        free = _free_bytes(self.device) + reclaimable
+        fit = (int(free * self.config.mem_fraction) - self._prefill_bytes(self.max_context)) // need
+        if fit < 1:
+            what = " and recurrent-state scratch" if isinstance(self.target.config, Qwen35Config) else ""
+            raise ValueError(
+                f"tree budget {tree_slots - 1} at context {self.max_context} needs {need / 2**30:.1f} GiB "
+                f"for the caches{what}, but {free / 2**30:.1f} GiB of {self.device} is free: "
+                f"lower the tree budget or max context")
+        return min(wanted, fit)
 
     @property
     def can_serve(self) -> bool:
-        """False only if a re-allocation failed after the old cache was dropped and the old one could
+        """False only if a re-allocation failed after the old pool was dropped and the old one could
         not be put back (the server's /health reports it)."""
         return self.target_cache is not None and self.runner is not None
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
-        """Size the target cache for the context and a tree of tree_slots nodes; ValueError when the
-        device cannot hold it, raised before anything is dropped, so a budget too big fails at start,
-        plainly, and a request refused for one leaves the engine exactly as it was."""
+        """Size the target pool (self.slots rows) for the context and a tree of tree_slots nodes;
+        ValueError when the device cannot hold it, raised before anything is dropped, so a request
+        refused for one leaves the engine exactly as it was."""
         previous = self._target_slots
-        self._refuse_unless_fits(tree_slots, reclaimable=self._target_cache_bytes(previous) if previous else 0)
+        if previous:
+            self._check_resize(tree_slots)
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
-        self.target_cache = self.runner = None
+        self.target_cache = self.runner = self.batch_runner = None
         self._target_slots = 0
         try:
             self._build_target_cache(tree_slots)
@@ -136,44 +198,79 @@ class Engine:
     def _build_target_cache(self, tree_slots: int) -> None:
         cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
         capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
-        self.target_cache = target_cache(cfg, capacity, self.device, dtype, nodes=nodes)
-        self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
+        self.target_cache = target_cache(cfg, capacity, self.device, dtype, batch=self.slots, nodes=nodes)
+        self.runner = TargetRunner(self.target, self.target_cache.rows(0, 1), self.device,
+                                   max_depth=self.block_size - 1)
+        self.batch_runner = BatchTargetRunner(self.target, self.target_cache, self.device,
+                                              max_depth=self.block_size - 1)
         self._target_slots = tree_slots
 
-    def _target_cache_bytes(self, tree_slots: int) -> int:
-        return target_cache_bytes(self.target.config, TargetRunner.capacity_for(self.max_context, tree_slots),
-                                  tree_bucket(tree_slots), self.target.lm_head.weight.element_size())
+    def _tree_slots(self, req: RequestState) -> int:
+        return {"ar": 1, "dflash": self.block_size, "ddtree": req.budget + 1}[req.mode]
 
-    def _needed_bytes(self, context: int) -> int:
-        """What serving `context` tokens takes: both caches at the configured tree size and a prefill's
-        activations."""
-        elem = self.target.lm_head.weight.element_size()
-        tree_slots = max(self.config.tree_budget, self.block_size) + 1
-        need = target_cache_bytes(self.target.config, TargetRunner.capacity_for(context, tree_slots),
-                                  tree_bucket(tree_slots), elem)
-        if self.drafter is not None:
-            need += target_cache_bytes(self.drafter.config, DraftRunner.capacity_for(context, self.block_size), 1, elem)
-        return need + prefill_workspace_bytes(self.target.config, context, len(self.target.feature_layers), elem)
-
-    def _refuse_unless_fits(self, tree_slots: int, extra: int = 0, reclaimable: int = 0) -> None:
-        """ValueError unless the caches for tree_slots (+ extra bytes) fit in what is free, counting
-        the `reclaimable` bytes the current target cache gives back when it is replaced."""
-        cfg = self.target.config
-        need = extra + self._target_cache_bytes(tree_slots)
-        free = _free_bytes(self.device) + reclaimable
-        if need > free:
-            what = " and recurrent-state scratch" if isinstance(cfg, Qwen35Config) else ""
-            raise ValueError(
-                f"tree budget {tree_slots - 1} at context {self.max_context} needs {need / 2**30:.1f} GiB "
-                f"for the caches{what}, but {free / 2**30:.1f} GiB of {self.device} is free: "
-                f"lower the tree budget or max context")
+    def _pool_holds(self, tree_slots: int) -> bool:
+        return self.target_cache.holds(TargetRunner.capacity_for(self.max_context, tree_slots),
+                                       tree_bucket(tree_slots))
 
     # ---- public API -------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
-        """Validate now (ValueError), then return a generator of rounds; close it to cancel."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate now (ValueError: a request that can never be served), then queue the request;
+        returns its id. Its outputs come from `step`."""
         req = self._new_request(prompt_ids, params)
-        return self._rounds(list(prompt_ids), req)
+        self.scheduler.add(req)
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request wherever it is (between steps); its slot is free for the next one."""
+        req = self.scheduler.find(request_id)
+        if req is not None:
+            self._release(req)
+
+    @property
+    def has_work(self) -> bool:
+        return len(self.scheduler) > 0
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, RoundOutput]]:
+        """One step: prefill up to prefill_chunk prompt tokens (admitting queued requests while slots
+        are free), then one round for every request that was already decoding. Returns (request id,
+        output) for each request that produced tokens; a finished request has left the engine."""
+        outputs, joined = self._prefill_step()
+        running = self.scheduler.running
+        decoding = running[:len(running) - len(joined)]  # slots 0..B-1: the batch is a prefix of the pool
+        if len(decoding) == 1:
+            req = decoding[0]
+            rounds = [self._ar_step(req) if req.mode == "ar" else self._spec_round(req)]
+        else:
+            rounds = self._batch_round(decoding) if decoding else []
+        for req, (tokens, accepted) in zip(decoding, rounds):
+            req.rounds += 1
+            req.accepted_total += accepted
+            outputs.append((req.id, self._emit(req, tokens, accepted)))
+        for request_id, out in outputs:
+            if out.finished:
+                self.cancel(request_id)
+        self.stats.running = len(self.scheduler.running)
+        self.stats.waiting = len(self.scheduler.waiting)
+        return outputs
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
+        """One request on an idle engine: validate now (ValueError), then return a generator of its
+        rounds; close it to cancel. (A server submits and steps instead.)"""
+        if self.has_work:
+            raise RuntimeError("generate() needs an idle engine: use submit() and step() to batch")
+        return self._follow(self._new_request(prompt_ids, params))
+
+    def _follow(self, req: RequestState) -> Iterator[RoundOutput]:
+        self.scheduler.add(req)
+        try:
+            while not req.finished:
+                for request_id, out in self.step():
+                    if request_id == req.id:
+                        yield out
+        finally:
+            self.cancel(req.id)
 
     # ---- request setup ----------------------------------------------------------------------------
 
@@ -198,9 +295,6 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if p.temperature < 0 or not 0 < p.top_p <= 1:
             raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
-        slots = {"ar": 1, "dflash": self.block_size, "ddtree": budget + 1}[mode]
-        if not self.target_cache.holds(TargetRunner.capacity_for(self.max_context, slots), tree_bucket(slots)):
-            self._alloc_target_cache(slots)  # rare: a request asks for a bigger tree than configured
         gen = None
         if p.temperature > 0:
             gen = torch.Generator(device=self.device)
@@ -208,20 +302,43 @@ class Engine:
                 gen.seed()
             else:
                 gen.manual_seed(p.seed)
-        return RequestState(mode=mode, budget=budget, params=p,
-                            stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
-                            generator=gen)
+        req = RequestState(id=self._next_id, prompt_ids=list(prompt_ids), mode=mode, budget=budget, params=p,
+                           stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
+                           generator=gen)
+        if not self._pool_holds(self._tree_slots(req)):
+            # a bigger tree than the pool was sized for: the pool is re-sized when the engine is idle,
+            # so refuse now if even that could not hold it
+            self._check_resize(self._tree_slots(req))
+        self._next_id += 1
+        return req
 
-    def _rounds(self, prompt_ids: list[int], req: RequestState) -> Iterator[RoundOutput]:
-        # no grad-mode context manager spans a yield: the phases below each run in inference mode
-        out = self._emit(req, [self._prefill(req, prompt_ids)], 0)
-        yield out
-        while not out.finished:
-            tokens, accepted = self._ar_step(req) if req.mode == "ar" else self._spec_round(req)
-            req.rounds += 1
-            req.accepted_total += accepted
-            out = self._emit(req, tokens, accepted)
-            yield out
+    def _check_resize(self, tree_slots: int) -> None:
+        """ValueError unless a target pool of the same slots for trees of tree_slots nodes fits in
+        what is free once the current one is given back."""
+        current = sum(t.numel() * t.element_size() for t in self.target_cache._per_slot())
+        if self._slots_that_fit(tree_slots, self.slots, reclaimable=current) < self.slots:
+            raise ValueError(f"tree budget {tree_slots - 1} needs more memory than is free for the pool's "
+                             f"{self.slots} slots: lower the tree budget")
+
+    def _admissible(self, req: RequestState) -> bool:
+        """Whether the pool can take `req` now. A request for a bigger tree than the pool holds waits
+        until nothing else runs, then the pool is re-sized for it (same slots, bigger trees)."""
+        slots = self._tree_slots(req)
+        if self._pool_holds(slots):
+            return True
+        if self.scheduler.running:
+            return False
+        self._alloc_target_cache(slots)
+        return True
+
+    def _release(self, req: RequestState) -> None:
+        for src, dst in self.scheduler.remove(req):
+            self.target_cache.move(src, dst)
+            if self.drafter is not None:
+                self.draft_cache.move(src, dst)
+        req.finished = True
+        req.drafted = req.ahead = None
+        req.prompt_feats = None
 
     def _emit(self, req: RequestState, tokens: list[int], accepted: int) -> RoundOutput:
         """Cut the round's tokens at the first stop token or at max_new_tokens."""
@@ -242,25 +359,80 @@ class Engine:
     def _choose(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
         return choose_tokens(logits, req.params, req.generator)
 
-    # ---- phases -----------------------------------------------------------------------------------
+    # ---- prefill ----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _prefill(self, req: RequestState, prompt_ids: list[int]) -> int:
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
-        h, feats = prefill(self.target, ids, self.target_cache)                 # [1, 1, H], [1, P, F]
+    def _prefill_step(self) -> tuple[list[tuple[int, RoundOutput]], list[RequestState]]:
+        """Prefill up to prefill_chunk prompt tokens, from the request in progress on and then the
+        queue's head while slots are free: a long prompt takes several steps, between which the
+        running requests keep decoding. Returns the first tokens and the requests that joined."""
+        outputs, joined = [], []
+        # with nothing decoding there is no one to stall: a prompt goes in pieces as large as prefill.py's
+        left = self.config.prefill_chunk if self.scheduler.running else max(self.config.prefill_chunk, PREFILL_PIECE)
+        self.stats.prefill_tokens = 0
+        while left > 0:
+            try:
+                req = self.scheduler.next_prefill(self._admissible)
+            except Exception as exc:  # noqa: BLE001 - re-sizing the pool for it failed: it fails, alone
+                failed = self.scheduler.waiting.popleft()
+                failed.finished = True
+                outputs.append((failed.id, RoundOutput([], 0, True, "error", error=exc)))
+                continue
+            if req is None:
+                break
+            take = min(left, len(req.prompt_ids) - req.prefilled, PREFILL_PIECE)
+            first = self._prefill_chunk(req, take)
+            left -= take
+            self.stats.prefill_tokens += take
+            if first is not None:
+                self.scheduler.start_running(req)
+                joined.append(req)
+                outputs.append((req.id, self._emit(req, [first], 0)))
+        return outputs, joined
+
+    def _prefill_chunk(self, req: RequestState, take: int) -> int | None:
+        """Prompt tokens prefilled..prefilled+take into the request's slot; at the prompt's end, the
+        first token (and, for a speculative request, the first draft). Returns the first token then."""
+        lo, hi = req.prefilled, req.prefilled + take
+        ids = torch.tensor([req.prompt_ids[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
+        pos = torch.arange(lo, hi, device=self.device)[None]
+        # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
+        h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
+        req.prefilled = hi
+        if req.mode != "ar":
+            if req.prompt_feats is None:  # the whole prompt's, filled chunk by chunk (no concatenation)
+                req.prompt_feats = feats.new_empty(1, len(req.prompt_ids), feats.shape[-1])
+            req.prompt_feats[:, lo:hi] = feats
+        if hi < len(req.prompt_ids):
+            return None
         first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
-        req.n_ctx, req.bonus, req.prompt_feats = ids.shape[1], first, feats
+        req.n_ctx, req.bonus = hi, first
+        if req.mode != "ar":
+            req.drafted = self._draft_prompt(req)
         return first
 
-    @torch.inference_mode()
+    def _draft_prompt(self, req: RequestState) -> torch.Tensor:
+        """The first drafter pass of a request, eager: its context is every prompt position (features
+        from the prefill) plus the block [bonus, MASK * (block_size-1)] -> logits for depths 1..Q-1."""
+        n, bs = req.n_ctx, self.block_size
+        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
+        block[0, 0] = req.bonus
+        emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
+        block_pos = torch.arange(n, n + bs, device=self.device)[None]
+        ctx_pos = torch.arange(n, device=self.device)[None]
+        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache.rows(req.slot, req.slot + 1))
+        req.prompt_feats = None
+        return self.target.logits(h[0, 1:])
+
+    # ---- a lone request: the single-stream path ---------------------------------------------------
+
     def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
         """One token; the next step is queued (from the device's token) before this one's token is
         read, so the device never waits for the host between steps."""
         self._phase("step")
         token = req.ahead
-        if token is None:  # the first step after the prefill
+        if token is None:  # the first step after the prefill or after batched rounds
             token = self._choose(req, self.runner.run(req.bonus, req.n_ctx).logits)
-        self.target_cache.compact(req.n_ctx, [0], self.root_node)  # no-op for KV; advances a recurrent state
+        self.runner.cache.compact(req.n_ctx, [0], self.root_node)  # no-op for KV; advances a recurrent state
         req.n_ctx += 1
         self.readback.start(token)
         req.ahead = self._choose(req, self.runner.run(token, req.n_ctx).logits)
@@ -268,47 +440,97 @@ class Engine:
         self._phase("end")
         return [req.bonus], 0
 
-    @torch.inference_mode()
+    def _depth(self, req: RequestState, budget: int) -> int:
+        return self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, budget)
+
     def _spec_round(self, req: RequestState) -> tuple[list[int], int]:
         """Build the tree from the draft, verify, choose and walk, then queue the next round's drafter
         pass from the walk's device-side result: one host sync a round (the walk's result), and the
         device is busy with the next draft while the host reads it."""
-        depth = self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, req.budget)
-        if req.drafted is None:  # the first round: the drafter takes in the whole prompt
-            self._phase("draft")
-            req.drafted = self._draft_prompt(req, depth)
         self._phase("tree")
+        budget = round_budgets([req.budget], 1, self.config.round_nodes)[0]
         if req.mode == "dflash":
             tree = build_chain(req.drafted)
         else:
-            tree = self.trees.build(req.drafted, req.budget)
+            tree = self.trees.build(req.drafted[:self._depth(req, budget)], budget)
         self._phase("verify")
         out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
+        self.stats.batch_size, self.stats.tree_nodes = 1, tree.size
         self._phase("commit")
         target = self._choose(req, out.logits)                          # the target's token per node
         result = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
         self.readback.start(result)
         self._phase("draft")
         length, bonus, rows = Walk.on_device(result, self.block_size - 1)
-        req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)[:depth]
+        req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)
         self._phase("commit")
         accepted = Walk.read(self.readback.wait(), self.block_size - 1)
         # the accepted path's KV, moved to right after the context (by the walk's own device copy of it)
-        self.target_cache.compact(req.n_ctx, accepted.path, rows[:len(accepted.path)])
+        self.runner.cache.compact(req.n_ctx, accepted.path, rows[:len(accepted.path)])
         req.n_ctx += len(accepted.path)
         req.bonus = accepted.next_token
         self._phase("end")
         return accepted.tokens[1:] + [req.bonus], len(accepted.path) - 1
 
-    def _draft_prompt(self, req: RequestState, depth: int) -> torch.Tensor:
-        """The first drafter pass of a request, eager: its context is every prompt position (features
-        from the prefill) plus the block [bonus, MASK * (block_size-1)] -> logits for depths 1..depth."""
-        n, bs = req.n_ctx, self.block_size
-        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = req.bonus
-        emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
-        block_pos = torch.arange(n, n + bs, device=self.device)[None]
-        ctx_pos = torch.arange(n, device=self.device)[None]
-        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache)
-        req.prompt_feats = None
-        return self.target.logits(h[0, 1:depth + 1])
+    # ---- a batch: one verify pass for every request's tree ----------------------------------------
+
+    def _batch_round(self, reqs: list[RequestState]) -> list[tuple[list[int], int]]:
+        """draft (queued by the last round) -> each request's tree -> one verify pass over all of them
+        -> each row's walk -> one drafter pass for the next round, queued before the host reads the
+        walks -> each row's commit. Rows are slots 0..B-1."""
+        depth = self.block_size - 1
+        settled = [self._settle(req) for req in reqs]
+        self._phase("tree")
+        budgets = round_budgets([req.budget for req in reqs], len(reqs), self.config.round_nodes)
+        trees = [self._batch_tree(req, budget) for req, budget in zip(reqs, budgets)]
+        self._phase("verify")
+        starts = [req.n_ctx for req in reqs]
+        out = self.batch_runner.run([req.bonus for req in reqs], starts, trees)
+        sizes = [1 if tree is None else tree.size for tree in trees]
+        self.stats.batch_size, self.stats.tree_nodes = len(reqs), sum(sizes)
+        self._phase("commit")
+        target = out.logits.argmax(dim=-1)                               # [B, T] the target's token per node
+        for row, req in enumerate(reqs):
+            if req.params.temperature > 0 or req.params.logit_bias:  # sampled or biased: as alone, own generator
+                target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]])
+        result = walk_rows(out.tokens, out.parents, out.depths, out.mask, target, depth)   # [B', W]
+        n = len(reqs)
+        self.batch_readback.start(result[:n].flatten())
+        drafted = None
+        if any(req.mode != "ar" for req in reqs):
+            self._phase("draft")
+            drafted = self.batch_draft.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
+        self._phase("commit")
+        host = self.batch_readback.wait()
+        start = torch.tensor(starts, device=self.device)
+        self.target_cache.rows(0, n).compact_rows(start, result[:n, 2:3 + depth], result[:n, 0])
+        rounds, width = [], Walk.size(depth)
+        for row, req in enumerate(reqs):
+            accepted = Walk.read(host[row * width:(row + 1) * width], depth)
+            req.n_ctx += len(accepted.path)
+            req.bonus = accepted.next_token
+            if req.mode != "ar":
+                req.drafted = drafted[row]
+            rounds.append((settled[row] + accepted.tokens[1:] + [req.bonus], len(accepted.path) - 1))
+        self._phase("end")
+        return rounds
+
+    def _settle(self, req: RequestState) -> list[int]:
+        """An AR request coming from the single-stream path has its next pass already run and its
+        token chosen (req.ahead): commit that pass and take the token, as its next step would."""
+        if req.ahead is None:
+            return []
+        self.runner.cache.compact(req.n_ctx, [0], self.root_node)  # it ran alone: it is in slot 0
+        req.n_ctx += 1
+        req.bonus = int(req.ahead[0])
+        req.ahead = None
+        return [req.bonus]
+
+    def _batch_tree(self, req: RequestState, budget: int) -> Tree | None:
+        if req.mode == "ar":
+            return None
+        if req.mode == "dflash":
+            return build_chain(req.drafted)
+        tree = self.trees.build(req.drafted[:self._depth(req, budget)], budget)
+        # a graphed build returns the same static buffer to every request of this budget
+        return Tree(tree.nodes.clone()) if self.trees.use_graphs else tree

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from ..model.config import Qwen35Config, Qwen3Config
-from ..model.gated_delta import Step, state_at
+from ..model.gated_delta import Step, state_along, state_at
 
 
 class KVCache:
-    """k, v: [n_layers, batch, n_kv_heads, capacity, head_dim]. The engine serves one request at a
-    time (batch 1); batch > 1 is for offline generation (tiny-model distillation), no tree compaction."""
+    """k, v: [n_layers, batch, n_kv_heads, capacity, head_dim]. The engine's pool: one batch row (a
+    slot) per running request; a pass over the first B slots works on `rows(0, B)`, a view."""
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int,
                  device: torch.device | str, dtype: torch.dtype, batch: int = 1) -> None:
@@ -24,6 +24,24 @@ class KVCache:
         """Whether this cache serves `capacity` slots with tree passes of up to `nodes` nodes."""
         return capacity <= self.capacity
 
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    def rows(self, lo: int, hi: int) -> KVCache:
+        """The same cache restricted to batch rows lo..hi-1: views, so a pass over them writes here."""
+        view = object.__new__(type(self))
+        view.__dict__.update({name: _rows(value, lo, hi) for name, value in self.__dict__.items()})
+        return view
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy batch row `src` over row `dst` (a request changing slots when another one leaves)."""
+        for t in self._per_slot():
+            t[:, dst] = t[:, src]
+
+    def _per_slot(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([B, Hkv, T, D]) at [start, start+T) and return views of the cache up to start+T."""
         end = start + k.shape[2]
@@ -35,10 +53,16 @@ class KVCache:
 
     def write_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([B, Hkv, T, D]) at cache slots `slots` ([T] long, on the device) and return views
-        of the first `length` entries: no host-side offsets, so a CUDA graph can replay it."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        """Store k, v ([B, Hkv, T, D]) at cache slots `slots` ([T] long, on the device, or [B, T]: each
+        row its own) and return views of the first `length` entries: no host-side offsets, so a CUDA
+        graph can replay it."""
+        if slots.dim() == 1:
+            self.k[layer].index_copy_(2, slots, k)
+            self.v[layer].index_copy_(2, slots, v)
+        else:
+            index = slots[:, None, :, None].expand_as(k)
+            self.k[layer].scatter_(2, index, k)
+            self.v[layer].scatter_(2, index, v)
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
     def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
@@ -58,6 +82,18 @@ class KVCache:
     def _path_index(self, path: list[int], nodes: torch.Tensor | None) -> torch.Tensor:
         """The path's node indices on the device: `nodes` when given (see compact)."""
         return torch.tensor(path, device=self.k.device) if nodes is None else nodes
+
+    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
+        """`compact` for every row at once, from device values only (a batched round's walk): row b
+        keeps its tree nodes nodes[b, :length[b]] (root first) of the pass written at start[b].
+        start, length: [B]; nodes: [B, P]. Slots past a row's path get copies of its root: they are
+        beyond its context, free."""
+        b, p = nodes.shape
+        rows = torch.arange(b, device=nodes.device)[:, None]
+        dst = start[:, None] + torch.arange(p, device=nodes.device)          # [B, P]
+        src = start[:, None] + nodes
+        for t in (self.k, self.v):
+            t[:, rows, :, dst] = t[:, rows, :, src]                         # [B, P, L, H, D] moved
 
 
 class HybridCache(KVCache):
@@ -99,6 +135,21 @@ class HybridCache(KVCache):
         self.step.u[layer, :, :, :t] = step.u
         self.step.g[layer, :, :, :t] = step.g
 
+    def _per_slot(self) -> list[torch.Tensor]:
+        """What a request keeps between rounds (the scratch is rewritten by every tree pass)."""
+        return [self.k, self.v, self.conv, self.state]
+
+    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
+        """Also advance each row's linear-layer state and conv tail along its own accepted path."""
+        super().compact_rows(start, nodes, length)
+        self.state.copy_(state_along(self.step, self.state, nodes, length))
+        k1 = self.conv.shape[2]
+        picked = self.inputs.gather(2, nodes[None, :, :, None].expand(*self.inputs.shape[:2], -1,
+                                                                       self.inputs.shape[3]))
+        tail = torch.cat([self.conv, picked], dim=2)                        # [n, B, K-1+P, C]
+        keep = length[:, None] + torch.arange(k1, device=nodes.device)     # the K-1 rows ending the path
+        self.conv.copy_(tail.gather(2, keep[None, :, :, None].expand(*self.conv.shape)))
+
     def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
         """Also advance every linear layer's state to the end of the accepted path; what rejected
         branches wrote to the scratch is never read."""
@@ -107,6 +158,15 @@ class HybridCache(KVCache):
         self.state.copy_(state_at(self.step, self.state, idx))
         tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
         self.conv.copy_(tail[:, :, -self.conv.shape[2]:])
+
+
+def _rows(value, lo: int, hi: int):
+    """A cache attribute restricted to batch rows lo..hi-1 (dim 1 of every per-row tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value[:, lo:hi]
+    if isinstance(value, Step):
+        return Step(*(t[:, lo:hi] for t in (value.k, value.u, value.g)))
+    return value
 
 
 def target_cache_bytes(cfg: Qwen3Config, capacity: int, nodes: int, elem: int) -> int:

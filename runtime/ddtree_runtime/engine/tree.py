@@ -47,10 +47,10 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """[N] parent indices (a root or padding node points at itself) -> [N, N] ancestor-or-self mask, as
     the reachability (I + P)^(2^s) >= (I + P)^max_depth: ceil(log2 max_depth) squarings, a fixed number
     of device ops whatever the tree (CUDA-graph friendly). Positive counts stay positive in any float
-    dtype, so bf16 products are exact enough."""
-    n = parents.shape[0]
+    dtype, so bf16 products are exact enough. A batch of trees, [B, N] -> [B, N, N], works alike."""
+    n = parents.shape[-1]
     rows = torch.arange(n, device=parents.device)
-    reach = ((parents[:, None] == rows[None, :]) | (rows[:, None] == rows[None, :])).float()
+    reach = ((parents[..., :, None] == rows) | (rows[:, None] == rows[None, :])).float()
     for _ in range(max(0, max_depth - 1).bit_length()):
         reach = (reach @ reach).clamp_(max=1.0)
     return reach > 0
@@ -208,3 +208,21 @@ def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask
     nodes.scatter_(0, row, torch.arange(tokens.shape[0], device=tokens.device))
     nodes = nodes[:max_depth + 1]
     return torch.cat([depths[leaf] + 1, target[leaf], nodes, tokens[nodes]])
+
+
+def walk_rows(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
+              target: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """walk() for a batch of trees, one per row (a batched round): [B, N] tokens, parents, depths and
+    target tokens, [B, N, N] ancestor masks -> [B, Walk.size(max_depth)], row b as walk() gives it
+    for tree b. Padding nodes (their own parents, at depth 0) never outrank the root."""
+    b, n = tokens.shape
+    matches = tokens == target.gather(1, parents)
+    matches[:, :1].fill_(True)
+    on_path = (mask.float() @ (~matches).float()[..., None])[..., 0] == 0     # [B, N]
+    leaf = torch.argmax(on_path * (depths + 1), dim=1, keepdim=True)          # [B, 1]
+    leaf_row = mask.gather(1, leaf[..., None].expand(b, 1, n))[:, 0]          # [B, N] the leaf's path
+    row = torch.where(leaf_row, depths, max_depth + 1)
+    nodes = torch.zeros(b, max_depth + 2, dtype=torch.long, device=tokens.device)
+    nodes.scatter_(1, row, torch.arange(n, device=tokens.device).expand(b, n))
+    nodes = nodes[:, :max_depth + 1]
+    return torch.cat([depths.gather(1, leaf) + 1, target.gather(1, leaf), nodes, tokens.gather(1, nodes)], dim=1)

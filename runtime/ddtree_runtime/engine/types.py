@@ -20,6 +20,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"          # float32 | bfloat16 | float16
     max_context: int | None = None  # default: the target's max_position_embeddings, as far as memory holds
+    max_running: int = 1            # requests decoded together (cache slots in the pool)
+    mem_fraction: float = 0.9       # at most this share of the free device memory goes to the pool
+    prefill_chunk: int = 512        # prompt tokens prefilled per step, so running streams keep going
+    round_nodes: int | None = None  # adaptive tree budget: tree nodes per round over all requests
 
 
 @dataclass
@@ -44,22 +48,38 @@ class RoundOutput:
     token_ids: list[int]        # newly committed this round, truncated at a stop token / max_new_tokens
     accepted: int               # draft tokens accepted by verification (0 for ar and the prefill round)
     finished: bool
-    finish_reason: str | None   # "stop" | "length" | None
+    finish_reason: str | None   # "stop" | "length" | "error" | None
+    error: Exception | None = None  # with "error": why the request failed (ValueError: the request's fault)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler finds a request in its queues
 class RequestState:
     """Everything one generation carries between rounds."""
+    id: int
+    prompt_ids: list[int]
     mode: str
     budget: int
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator | None
+    slot: int = -1            # the cache pool row it holds while prefilling or running
+    prefilled: int = 0        # prompt tokens already in the cache
     n_ctx: int = 0            # tokens whose KV sits in the target cache (all committed but the bonus)
     bonus: int = -1           # last committed token: next round's tree root
     generated: int = 0        # tokens emitted so far
     prompt_feats: torch.Tensor | None = None  # [1, P, F] the prompt's target features, for the first draft
-    drafted: torch.Tensor | None = None  # [D, V] draft logits for the next round, queued on the device
+    drafted: torch.Tensor | None = None  # [block-1, V] draft logits for the next round, queued on the device
     ahead: torch.Tensor | None = None    # [1] the next AR token, chosen on the device, not yet read
     rounds: int = 0
     accepted_total: int = 0
+    finished: bool = False
+
+
+@dataclass
+class BatchStats:
+    """The last step's shape, for /metrics."""
+    running: int = 0          # requests in the batch (decoding)
+    waiting: int = 0          # requests queued, not yet admitted (prefilling one excluded)
+    batch_size: int = 0       # rows of the last verify pass (0: no round ran)
+    tree_nodes: int = 0       # real tree nodes (roots included) verified in the last round
+    prefill_tokens: int = 0   # prompt tokens prefilled in the last step

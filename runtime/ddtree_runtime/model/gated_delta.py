@@ -32,30 +32,33 @@ import torch.nn.functional as F
 class Paths:
     """Which earlier tokens each of T tokens continues from (all on the device, fixed shapes), computed
     once per pass and shared by every linear layer."""
-    mask: torch.Tensor    # [T, T] bool, mask[i, j]: j is i or one of its ancestors
-    window: torch.Tensor  # [T, K] long: the conv window of token i, oldest first, as indices into
-                          # [conv state (K-1 rows), the T new tokens]
+    mask: torch.Tensor    # [T, T] bool, mask[i, j]: j is i or one of its ancestors ([B, 1, T, T]: a
+                          # batch of trees, one per sequence)
+    window: torch.Tensor  # [T, K] long ([B, T, K]): the conv window of token i, oldest first, as
+                          # indices into [conv state (K-1 rows), the T new tokens]
     strict: torch.Tensor = field(init=False)   # [T, T] bool: strict ancestors only
     summing: torch.Tensor = field(init=False)  # [T, T] float32: mask transposed, sums a quantity over each path
 
     def __post_init__(self) -> None:
-        eye = torch.eye(self.mask.shape[0], dtype=torch.bool, device=self.mask.device)
+        eye = torch.eye(self.mask.shape[-1], dtype=torch.bool, device=self.mask.device)
         self.strict = self.mask & ~eye
-        self.summing = self.mask.t().float()
+        self.summing = self.mask.transpose(-1, -2).float()
 
 
 def tree_paths(mask: torch.Tensor, depth: torch.Tensor, kernel: int) -> Paths:
     """Nodes of a tree (mask [T, T] ancestor-or-self, depth [T], root depth 0; the root continues the
-    committed sequence). Node i's conv window holds its own ancestors, then the committed tail."""
-    t = mask.shape[0]
-    self_ext = torch.arange(t, device=mask.device) + kernel - 1
+    committed sequence), or of a batch of trees (mask [B, T, T], depth [B, T]). Node i's conv window
+    holds its own ancestors, then the committed tail."""
+    t = mask.shape[-1]
+    self_ext = (torch.arange(t, device=mask.device) + kernel - 1).expand_as(depth)
     taps = [self_ext]
     for back in range(1, kernel):
         # the ancestor `back` steps up sits at depth - back; past the root, read the conv state
-        at_depth = mask & (depth[None, :] == (depth - back)[:, None])
+        at_depth = mask & (depth[..., None, :] == (depth - back)[..., :, None])
         ancestor = at_depth.to(torch.int8).argmax(dim=-1) + kernel - 1
         taps.append(torch.where(depth >= back, ancestor, depth + kernel - 1 - back))
-    return Paths(mask, torch.stack(taps[::-1], dim=-1))
+    window = torch.stack(taps[::-1], dim=-1)
+    return Paths(mask if mask.dim() == 2 else mask[:, None], window)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -63,7 +66,10 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     """Depthwise causal conv + SiLU along each token's path. x: [B, T, C] new inputs; conv_state:
     [B, K-1, C] the committed tail; weight: [C, K]; window: [T, K]. Returns [B, T, C]."""
     ext = torch.cat([conv_state.to(x.dtype), x], dim=1)           # [B, K-1+T, C]
-    taps = ext[:, window]                                         # [B, T, K, C]
+    if window.dim() == 2:
+        taps = ext[:, window]                                     # [B, T, K, C]
+    else:  # each sequence its own windows, [B, T, K]
+        taps = ext[torch.arange(x.shape[0], device=x.device)[:, None, None], window]
     return F.silu((taps * weight.t().to(x.dtype)).sum(dim=2))
 
 
@@ -80,7 +86,10 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """q, k: [B, H, T, dk] (normalised, q scaled), v: [B, H, T, dv], g, beta: [B, H, T], all float32;
     state: [B, H, dk, dv] float32 or None (zeros); paths: each token's ancestors.
     Returns outputs [B, H, T, dv] and the Step for `state_at`."""
-    pathsum = g @ paths.summing                                   # [B, H, T]: G_i = sum over i's path
+    if paths.summing.dim() == 2:
+        pathsum = g @ paths.summing                               # [B, H, T]: G_i = sum over i's path
+    else:  # a tree per sequence: summing [B, 1, T, T]
+        pathsum = (g[..., None, :] @ paths.summing)[..., 0, :]
     gap = pathsum[..., :, None] - pathsum[..., None, :]           # [B, H, T, T]: G_i - G_j
     decay = torch.where(paths.mask, gap, float("-inf")).exp()     # 0 off the path (no overflow there)
     a = torch.where(paths.strict, (k @ k.transpose(-1, -2)) * decay * beta[..., None], 0.0)
@@ -105,3 +114,19 @@ def state_at(step: Step, state: torch.Tensor | None, path: torch.Tensor) -> torc
     if state is not None:
         new = new + last.exp()[..., None] * state
     return new
+
+
+def state_along(step: Step, state: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """state_at for a batch, each sequence its own path: step tensors [n, B, H, T, ...], state
+    [n, B, H, dk, dv], nodes [B, P] (the path's nodes, root first, anything past length[b]) and
+    length [B]. Nodes past a path's end get weight 0."""
+    n, b, h = step.g.shape[:3]
+    p = nodes.shape[1]
+    idx = nodes[None, :, None, :].expand(n, b, h, p)
+    g = step.g.gather(3, idx)                                              # [n, B, H, P]
+    last = g.gather(3, (length - 1)[None, :, None, None].expand(n, b, h, 1))
+    on_path = torch.arange(p, device=nodes.device)[None, :] < length[:, None]  # [B, P]
+    w = torch.where(on_path[None, :, None, :], (last - g).exp(), 0.0)
+    k = step.k.gather(3, idx[..., None].expand(n, b, h, p, step.k.shape[-1])) * w[..., None]
+    u = step.u.gather(3, idx[..., None].expand(n, b, h, p, step.u.shape[-1]))
+    return k.transpose(-1, -2) @ u + last.exp()[..., None] * state

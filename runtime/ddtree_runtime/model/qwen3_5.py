@@ -210,6 +210,9 @@ class Qwen35ForCausalLM(Qwen3ForCausalLM):
         # one set of node paths for all linear layers; the root sits at the first slot's position
         if static is None:
             return None
-        depth = pos[0] - static.slots[0]
+        if static.slots.dim() == 1:
+            depth = pos[0] - static.slots[0]
+        else:  # a batch of trees, each sequence its own slots: [B, T]
+            depth = pos - static.slots[:, :1]
         return static._replace(paths=tree_paths(static.tree, depth, self.config.linear_conv_kernel_dim))
 

@@ -1,0 +1,208 @@
+"""Continuous batching, greedy: every request's output in a batch is token-identical to the same request
+served alone and to transformers' greedy decode, for the Qwen3 and the hybrid target, with mixed
+prompts, lengths, modes and budgets, requests arriving mid-batch, others cancelled mid-batch, long
+prompts prefilled in chunks beside running streams, and (the deep-rejection case) trees whose top
+branch is rejected deep, with neighbours in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree_runtime.engine.engine as engine_module
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.tree import Walk
+from ddtree_runtime.tiny_corpus import documents, heldout_questions
+
+MAX_NEW = 40
+# (mode, tree_budget) per request, cycled over the prompts: a batch always mixes them
+MIXES = [("ddtree", None), ("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 32)]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def models(request):
+    return request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
+
+
+@pytest.fixture(scope="module")
+def engine(models) -> Engine:
+    # a small prefill chunk: the plain-text prompts below take several steps to prefill
+    return Engine(EngineConfig(str(models / "target"), str(models / "draft"), tree_budget=32, max_running=6,
+                               prefill_chunk=16))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> list[list[int]]:
+    tok = engine.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+             for q in heldout_questions(8, seed=321)]
+    plain = [h[: len(h) // 2] for h, _ in documents(200, seed=77) if not h.startswith("<|")][:6]
+    return chats + [tok(p, add_special_tokens=False)["input_ids"] for p in plain]
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompts, engine) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(models / "target"), dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                            eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.tokenizer.pad_token_id)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def params(i: int, **kw) -> SamplingParams:
+    mode, budget = MIXES[i % len(MIXES)]
+    return SamplingParams(max_new_tokens=MAX_NEW, mode=mode, tree_budget=budget, **kw)
+
+
+def alone(engine: Engine, prompt: list[int], p: SamplingParams) -> list[int]:
+    return [t for r in engine.generate(prompt, p) for t in r.token_ids]
+
+
+def serve(engine: Engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]],
+          cancel_at: dict[int, int] | None = None) -> tuple[list[list[int]], list[bool]]:
+    """Step the engine; at step s submit arrivals[s] (in order) and cancel the request numbered
+    n at step cancel_at[n]. Returns every submitted request's tokens and whether it finished."""
+    ids, tokens, finished = [], {}, {}
+    cancel_at = cancel_at or {}
+    step = 0
+    while engine.has_work or any(s >= step for s in arrivals):
+        for prompt, p in arrivals.get(step, []):
+            ids.append(engine.submit(prompt, p))
+            tokens[ids[-1]], finished[ids[-1]] = [], False
+        for n, s in cancel_at.items():
+            if s == step:
+                engine.cancel(ids[n])
+        for request_id, out in engine.step():
+            tokens[request_id] += out.token_ids
+            finished[request_id] |= out.finished
+        step += 1
+    return [tokens[i] for i in ids], [finished[i] for i in ids]
+
+
+def test_batch_is_lossless_with_arrivals_and_cancellations(engine, prompts, reference):
+    n = len(prompts)
+    # half arrive together, the rest one every other step while the first ones decode
+    arrivals: dict[int, list] = {0: [(prompts[i], params(i)) for i in range(n // 2)]}
+    for k, i in enumerate(range(n // 2, n)):
+        arrivals[2 * k + 1] = [(prompts[i], params(i))]
+    # two more (repeats of the long prompts) arrive mid-batch and are cancelled mid-batch
+    arrivals[3].append((prompts[-1], params(0)))
+    arrivals[5].append((prompts[-2], params(1)))
+    submitted = [prompt for s in sorted(arrivals) for prompt, _ in arrivals[s]]
+    cancelled = [n // 2 + 2, n // 2 + 4]  # their places in submission order
+    assert submitted[cancelled[0]] is prompts[-1] and submitted[cancelled[1]] is prompts[-2]
+    outs, finished = serve(engine, arrivals, cancel_at={cancelled[0]: 9, cancelled[1]: 7})
+    expected = reference
+    kept = [k for k in range(len(submitted)) if k not in cancelled]
+    for k, ref in zip(kept, expected):
+        assert finished[k]
+        assert outs[k] == ref, f"request {k} diverged from the target's greedy decode"
+    assert not any(finished[k] for k in cancelled), "cancelled requests must not finish"
+    assert not engine.has_work and engine.scheduler.running == []
+
+
+def test_batch_output_equals_alone_for_every_mix(engine, prompts):
+    """Each request of a full batch (every mode and budget at once) against itself served alone."""
+    batch = [(prompts[i], params(i + 2)) for i in range(engine.slots)]
+    outs, _ = serve(engine, {0: batch})
+    for (prompt, p), out in zip(batch, outs):
+        assert out == alone(engine, prompt, p), f"{p.mode}@{p.tree_budget} differs batched vs alone"
+
+
+def test_requests_beyond_the_slots_wait_and_long_prompts_do_not_stall(engine, prompts, reference):
+    """More requests than slots: the extra ones wait, then run, and no more than the slots ever run
+    at once; a long prompt prefilled in chunks while others decode lets them emit at every step."""
+    # AR (a token a step) so the first ones are still running when the last slots fill
+    ids = [engine.submit(prompts[i % 8], SamplingParams(max_new_tokens=MAX_NEW, mode="ar"))
+           for i in range(engine.slots + 3)]
+    assert len(engine.scheduler.waiting) == engine.slots + 3
+    tokens = {i: [] for i in ids}
+    most_running, neighbours_during_long_prefill, step, long_id = 0, [], 0, None
+    while engine.has_work:
+        if step == 2:
+            long_id = engine.submit(prompts[-1] * 3, SamplingParams(max_new_tokens=8))  # several chunks
+            tokens[long_id] = []
+        long_prefilling = long_id is not None and getattr(engine.scheduler.prefilling, "id", None) == long_id
+        outs = engine.step()
+        most_running = max(most_running, len(engine.scheduler.running))
+        assert len(engine.scheduler.running) + (engine.scheduler.prefilling is not None) <= engine.slots
+        if long_prefilling:
+            neighbours_during_long_prefill.append(sum(i != long_id for i, _ in outs))
+        for i, out in outs:
+            tokens[i] += out.token_ids
+        step += 1
+    assert most_running == engine.slots
+    for k, i in enumerate(ids):
+        assert tokens[i] == reference[k % 8]
+    assert len(tokens[long_id]) == 8
+    assert len(neighbours_during_long_prefill) >= 3 and all(neighbours_during_long_prefill)
+
+
+def test_cancel_while_prefilling_then_serve(engine, prompts, reference):
+    running = engine.submit(prompts[0], params(0))
+    tokens = [t for _, out in engine.step() for t in out.token_ids]
+    long_id = engine.submit(prompts[-1] * 3, params(0))
+    for step in range(3):
+        tokens += [t for i, out in engine.step() for t in out.token_ids if i == running]
+    assert engine.scheduler.prefilling is not None and engine.scheduler.prefilling.id == long_id
+    engine.cancel(long_id)
+    while engine.has_work:
+        tokens += [t for i, out in engine.step() for t in out.token_ids if i == running]
+    assert tokens == reference[0]
+    outs, _ = serve(engine, {0: [(p, params(i)) for i, p in enumerate(prompts[:3])]})
+    assert outs == reference[:3]
+
+
+def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, prompts, reference, monkeypatch):
+    """As test_engine_lossless's deep-rejection test, in batches: the tree's top branch goes wrong
+    at depth 3 and grows on below it (k/v and, on the hybrid, recurrent states of nodes then
+    rejected) while neighbours share the pass. Output must not change."""
+    swapped_depth = 3
+    original_build, original_walk = engine.trees.build, engine_module.walk_rows
+    diverged_then_continued = 0
+
+    def build(draft_logits, budget):
+        logits = draft_logits.clone()
+        row = logits[swapped_depth - 1]
+        first, second = row.topk(2).indices.tolist()
+        row[first], row[second] = row[second].clone(), row[first].clone()
+        return original_build(logits, budget)
+
+    def walk_rows(tokens, parents, depths, mask, target, max_depth):
+        nonlocal diverged_then_continued
+        result = original_walk(tokens, parents, depths, mask, target, max_depth)
+        for row in range(tokens.shape[0]):
+            path = Walk.read(result[row].tolist(), max_depth).path
+            top, rows_parents = [0], parents[row].tolist()
+            for node in range(1, len(rows_parents)):
+                if rows_parents[node] == top[-1]:
+                    top.append(node)
+            if (len(path) > swapped_depth + 1 and len(top) > swapped_depth + 1
+                    and path[:swapped_depth] == top[:swapped_depth] and path[swapped_depth] != top[swapped_depth]):
+                diverged_then_continued += 1
+        return result
+
+    monkeypatch.setattr(engine.trees, "build", build)
+    monkeypatch.setattr(engine_module, "walk_rows", walk_rows)
+    arrivals = {0: [(p, SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)) for p in prompts[:6]],
+                4: [(p, SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)) for p in prompts[6:]]}
+    outs, _ = serve(engine, arrivals)
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out == ref, f"prompt {i} diverged"
+    print(f"\nbatched rounds accepted past a top branch rejected at depth {swapped_depth}: {diverged_then_continued}")
+    assert diverged_then_continued >= 10
+
+
+def test_the_engine_serves_cleanly_after_cancelling_everything(engine, prompts, reference):
+    arrivals = {0: [(p, params(i)) for i, p in enumerate(prompts[:engine.slots + 2])]}
+    serve(engine, arrivals, cancel_at={i: 1 + i % 3 for i in range(engine.slots + 2)})
+    assert not engine.has_work
+    outs, _ = serve(engine, {0: [(p, params(i)) for i, p in enumerate(prompts[:4])]})
+    assert outs == reference[:4]

@@ -1,0 +1,108 @@
+"""Admission and the pool: a request that can never be served is refused at submit (ValueError, the
+server's 400); one that must wait waits; the pool's slots come from the memory there is; the scheduler
+keeps the running requests in the first slots; the adaptive policy shares a round's nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+import ddtree_runtime.engine.engine as engine_module
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.policy import round_budgets
+from ddtree_runtime.engine.scheduler import Scheduler
+from ddtree_runtime.engine.types import RequestState
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models) -> Engine:
+    return Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256,
+                               max_running=4))
+
+
+def _chat(engine: Engine, q: str) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+
+
+def _serve(engine: Engine) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    while engine.has_work:
+        for i, out in engine.step():
+            tokens.setdefault(i, []).extend(out.token_ids)
+    return tokens
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submit(engine):
+    with pytest.raises(ValueError, match="exceeds the context limit 256"):
+        engine.submit([1] * 200, SamplingParams(max_new_tokens=100))
+    with pytest.raises(ValueError):
+        engine.submit([1, 2], SamplingParams(max_new_tokens=4, mode="beam"))
+    assert not engine.has_work
+
+
+def test_generate_needs_an_idle_engine(engine):
+    engine.submit([1, 2], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.generate([1, 2], SamplingParams(max_new_tokens=2))
+    _serve(engine)
+
+
+def test_a_bigger_tree_than_the_pool_holds_waits_for_an_idle_engine(engine):
+    """The pool is sized for the configured budget; a request for a much bigger tree waits until the
+    running ones are done, then the pool is re-sized for it; the requests behind it wait too."""
+    prompt = _chat(engine, "Count from 1 to 60.")
+    reference = [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=30, mode="ar")) for t in r.token_ids]
+    first = engine.submit(prompt, SamplingParams(max_new_tokens=30))
+    early = [t for _ in range(2) for _, out in engine.step() for t in out.token_ids]
+    big = engine.submit(prompt, SamplingParams(max_new_tokens=30, tree_budget=300))
+    after = engine.submit(prompt, SamplingParams(max_new_tokens=30, mode="dflash"))
+    early += [t for _, out in engine.step() for t in out.token_ids]
+    assert [r.id for r in engine.scheduler.waiting] == [big, after]
+    tokens = _serve(engine)
+    assert early + tokens[first] == reference
+    assert tokens[big] == reference and tokens[after] == reference
+
+
+def test_pool_slots_come_from_free_memory(tiny_models, monkeypatch):
+    config = EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256, max_running=8,
+                          mem_fraction=0.5)
+    probe = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256))
+    slot = probe._slot_bytes(probe.config.tree_budget + 1)
+    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: int(2 * slot * 3.5))  # half: 3.5 slots
+    eng = Engine(config)
+    assert eng.slots == 3 and eng.target_cache.slots == 3 and eng.draft_cache.slots == 3
+    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: slot)
+    with pytest.raises(ValueError, match="GiB for the caches, but .* GiB of cpu is free"):
+        Engine(config)
+
+
+def _request(i: int) -> RequestState:
+    return RequestState(id=i, prompt_ids=[1], mode="ar", budget=1, params=SamplingParams(max_new_tokens=1),
+                        stop_ids=frozenset(), generator=None)
+
+
+def test_scheduler_keeps_running_requests_in_the_first_slots():
+    s = Scheduler(slots=3)
+    reqs = [_request(i) for i in range(5)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(3):
+        s.start_running(s.next_prefill(lambda r: True))
+    assert [r.slot for r in s.running] == [0, 1, 2]
+    assert s.next_prefill(lambda r: True) is None  # no free slot: the rest wait
+    assert s.remove(reqs[0]) == [(2, 0)]  # the last running one moves into the freed slot
+    assert [r.id for r in s.running] == [2, 1] and [r.slot for r in s.running] == [0, 1]
+    prefilling = s.next_prefill(lambda r: True)
+    assert prefilling is reqs[3] and prefilling.slot == 2
+    assert s.remove(reqs[2]) == [(1, 0), (2, 1)]  # and the prefilling one follows down
+    assert [r.id for r in s.running] == [1] and prefilling.slot == 1
+    assert s.remove(reqs[4]) == [] and s.remove(prefilling) == [] and len(s) == 1
+    assert s.find(1) is reqs[1] and s.find(3) is None
+
+
+def test_round_budgets_share_the_round_nodes():
+    assert round_budgets([16, 32, 4], 3, None) == [16, 32, 4]           # fixed: each its own
+    assert round_budgets([16, 32, 4], 3, 272) == [16, 32, 4]            # 90 nodes each: 65 - 1 >= all
+    assert round_budgets([16] * 16, 16, 272) == [16] * 16               # 17 each
+    assert round_budgets([16] * 32, 32, 272) == [4] * 32                # 8 each: down to a 5-node bucket
+    assert round_budgets([16] * 64, 64, 128) == [1] * 64                # at least the root and one node

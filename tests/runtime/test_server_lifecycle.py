@@ -188,7 +188,10 @@ def test_second_sigterm_cancels_at_once_and_streams_end_cleanly(tiny_models):
 def test_retry_after_is_the_admitted_work_estimated_from_measured_jobs(tiny_models):
     """Issue 12, item 3: a 429's Retry-After comes from how long jobs take here and how many are
     ahead: the held job plus two waiting, each as long as the one measured first (not a fixed 1 s)."""
-    with ServerProcess(_args(tiny_models, "--max-queue", "2"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+    # one request at a time: with --max-running N the waiting ones would go N at a time (the
+    # estimate divides by N; test_batch_server checks that)
+    with ServerProcess(_args(tiny_models, "--max-queue", "2", "--max-running", "1"),
+                       env={"DDTREE_TEST_FAULTS": "1"}) as srv:
         srv.wait_ready()
         httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.1})
         body = {"model": "target", "prompt": "1\n2\n3\n4\n", "max_tokens": 15, "temperature": 0,

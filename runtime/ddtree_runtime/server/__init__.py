@@ -10,7 +10,8 @@ object overrides mode and tree budget). With an API key set, /metrics needs it a
 caller without it only ``status``, ``mode`` and ``block_size`` (routes.PUBLIC_HEALTH).
 
 Layout: ``cli`` parses flags into a ``ServerConfig``; ``app`` builds the FastAPI app; ``worker``
-owns the engine on one thread behind a bounded queue; ``generation`` turns engine rounds into text
+owns the engine on one thread and steps it for up to --max-running requests at once (continuous
+batching), behind a bounded queue; ``generation`` turns engine rounds into text
 for one request (``detok`` holds back partial characters and stop strings); ``routes`` speaks the
 OpenAI wire format; ``schemas`` validates requests; ``metrics`` renders Prometheus text;
 ``draining`` makes SIGTERM finish in-flight work first; ``testing`` runs the server as a subprocess.

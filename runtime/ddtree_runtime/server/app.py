@@ -33,8 +33,17 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
     metrics = Metrics()
     worker = EngineWorker(config, metrics, engine_factory)
     ctx = ServerContext(config, worker, metrics)
-    metrics.add_gauge("queue_depth", "Requests waiting for the engine worker.", worker.queue_depth)
+    metrics.add_gauge("queue_depth", "Requests waiting for a free engine slot.", worker.queue_depth)
     metrics.add_gauge("engine_busy", "1 while the engine works on a request.", lambda: 1 if worker.working() else 0)
+    metrics.add_gauge("running_requests", "Requests in the engine (decoding or prefilling).", worker.running)
+    metrics.add_gauge("max_running_requests", "Requests the engine runs at once (--max-running, or what fit).",
+                      worker.capacity)
+    metrics.add_gauge("batch_size", "Requests verified together in the last round.",
+                      lambda: worker.engine_stats("batch_size"))
+    metrics.add_gauge("round_tree_nodes", "Tree nodes (roots included) verified in the last round, all requests.",
+                      lambda: worker.engine_stats("tree_nodes"))
+    metrics.add_gauge("tokens_per_second", "Tokens committed per second, all requests, over the last 10 s.",
+                      worker.tokens_per_second)
     metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
     metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
                       lambda: 1 if worker.health()[0] == READY else 0)

@@ -51,7 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without an API key (anyone who reaches the port may use it)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (default: float32)")
-    p.add_argument("--max-queue", type=int, default=16, metavar="N", help="requests waiting before 429 (default: 16)")
+    p.add_argument("--max-running", type=int, default=16, metavar="N",
+                   help="requests decoded together, each round one batch (default: 16)")
+    p.add_argument("--mem-fraction", type=float, default=0.9, metavar="F",
+                   help="share of the free device memory the KV pool may take; fewer slots than --max-running "
+                        "if it holds fewer (default: 0.9)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step, so running requests keep decoding (default: 512)")
+    p.add_argument("--round-nodes", type=int, metavar="N",
+                   help="adaptive tree budget: tree nodes verified per round over all running requests, shared "
+                        "between them (default: off, each request's own budget)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests waiting behind the running ones before 429 (default: 16)")
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
                    help=f"largest request body; larger is a 413 (default: {DEFAULT_MAX_BODY})")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the target's name)")
@@ -78,6 +89,11 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     _positive(args.block_size, "--block-size")
     _positive(args.tree_budget, "--tree-budget")
     _positive(args.max_queue, "--max-queue")
+    _positive(args.max_running, "--max-running")
+    _positive(args.prefill_chunk, "--prefill-chunk")
+    _positive(args.round_nodes, "--round-nodes")
+    if not 0 < args.mem_fraction <= 1:
+        raise UsageError(f"--mem-fraction {args.mem_fraction}: must be in (0, 1]")
     _positive(args.max_body, "--max-body")
     _positive(args.max_context, "--max-context")
     if not 0 <= args.port <= 65535:
@@ -105,6 +121,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         device=args.device,
         dtype=args.dtype,
         max_context=args.max_context,
+        max_running=args.max_running,
+        mem_fraction=args.mem_fraction,
+        prefill_chunk=args.prefill_chunk,
+        round_nodes=args.round_nodes,
         host=args.host,
         port=args.port,
         api_key=api_key or None,

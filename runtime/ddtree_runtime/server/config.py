@@ -23,6 +23,10 @@ class ServerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_context: int | None = None
+    max_running: int = 16                 # requests decoded together (like SGLang's --max-running-requests)
+    mem_fraction: float = 0.9             # share of the free device memory the cache pool may take
+    prefill_chunk: int = 512              # prompt tokens prefilled per step beside the running requests
+    round_nodes: int | None = None        # adaptive tree budget: tree nodes per round over all requests
     # How the server behaves.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -49,4 +53,8 @@ class ServerConfig:
             "device": self.device,
             "dtype": self.dtype,
             "max_context": self.max_context,
+            "max_running": self.max_running,
+            "mem_fraction": self.mem_fraction,
+            "prefill_chunk": self.prefill_chunk,
+            "round_nodes": self.round_nodes,
         }

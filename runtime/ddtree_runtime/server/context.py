@@ -75,6 +75,9 @@ class ServerContext:
             "model": self.model_name(),
             "target_arch": getattr(engine, "arch", None),
             "draft_model": getattr(engine, "draft_name", None),
+            "max_running": self.worker.capacity(),
+            "running": self.worker.running(),
+            "waiting": self.worker.queue_depth(),
         }
 
     # -- gates --

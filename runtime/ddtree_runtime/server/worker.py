@@ -1,9 +1,11 @@
-"""The engine worker: one thread owns the (not thread-safe) engine and serves jobs in order.
+"""The engine worker: one thread owns the (not thread-safe) engine and steps it for every running job.
 
-Requests wait in a bounded queue; a full queue is the caller's 429. Results go back to the request's
+Requests wait in a bounded queue; a full queue is the caller's 429. The worker moves jobs from the
+queue into the engine while it has a free slot (up to --max-running, or fewer if memory allowed fewer)
+and steps the engine: each step is one round for every running job. Results go back to each request's
 event loop as events (``RoundEvent`` ... then ``DoneEvent`` or ``ErrorEvent``). A job is cancelled by
-setting its flag: the worker checks it between rounds and closes the engine's generator; a job still
-waiting is also taken off the queue (``withdraw``), so an abandoned request frees its place at once.
+setting its flag: the worker checks it between steps and takes the request out of the engine; a job
+still waiting is also taken off the queue (``withdraw``), so an abandoned request frees its place at once.
 
 Health is the worker's own word: ``ready`` only after the warm-up generation succeeded, and only
 while the thread is alive and the engine can still serve (``Engine.can_serve``).
@@ -31,6 +33,7 @@ WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
 IDLE_POLL_S = 0.1  # how often an idle worker looks at its stop and kill flags
 RECENT_JOBS = 32  # job durations kept for the Retry-After estimate
+TOKEN_RATE_WINDOW_S = 10.0  # /metrics' tokens per second: over this many seconds
 
 
 # --- events sent from the worker thread to a request -------------------------------------------
@@ -76,6 +79,15 @@ class Job:
             pass
 
 
+@dataclass
+class _Running:
+    """A job the engine holds: its request id there, and what the metrics need."""
+    job: Job
+    request_id: int
+    admitted: float          # time.monotonic() at admission
+    outputs: int = 0
+
+
 class QueueFull(Exception):
     pass
 
@@ -98,11 +110,11 @@ class _WorkerKilled(BaseException):
 class Faults:
     """Test-only knobs (the app exposes them at POST /_test/fault when DDTREE_TEST_FAULTS=1).
 
-    kill_worker: the worker thread dies at its next job (or within 0.1 s if idle).
+    kill_worker: the worker thread dies at its next step (or within 0.1 s if idle).
     engine_errors: the next N jobs raise inside the engine loop (the worker must survive).
-    round_delay_s: sleep this long after each round (makes generations slow enough to observe).
-    paused: the worker takes the next job off the queue and holds it there, unstarted (so the queue
-        fills deterministically: one held job, then max_queue waiting).
+    round_delay_s: sleep this long after each step (makes generations slow enough to observe).
+    paused: the worker takes the next job off the queue and holds it there, unstarted, and steps
+        nothing (so the queue fills deterministically: one held job, then max_queue waiting).
     """
 
     kill_worker: bool = False
@@ -129,9 +141,10 @@ class EngineWorker:
         self._has_work = threading.Condition()  # guards _waiting
         self._state = STARTING
         self._detail = "loading model"
-        self._current: Job | None = None
-        self._current_since = 0.0
+        self._running: dict[int, _Running] = {}  # by engine request id
+        self._held: Job | None = None            # the job a paused worker holds (test fault)
         self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds each recent job held the engine
+        self._committed: deque[tuple[float, int]] = deque()  # (time, tokens) over the last rate window
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
 
@@ -171,27 +184,50 @@ class EngineWorker:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    def running(self) -> int:
+        """Jobs in the engine now."""
+        return len(self._running)
+
+    def capacity(self) -> int:
+        """Jobs the engine runs at once: --max-running, or the slots its memory allowed."""
+        return getattr(self.engine, "slots", self.config.max_running)
+
+    def engine_stats(self, name: str) -> float:
+        """A field of the engine's BatchStats (0 before the engine is loaded)."""
+        return getattr(getattr(self.engine, "stats", None), name, 0)
+
+    def tokens_per_second(self) -> float:
+        """Tokens committed per second over the last TOKEN_RATE_WINDOW_S seconds."""
+        cutoff = time.monotonic() - TOKEN_RATE_WINDOW_S
+        return sum(n for t, n in list(self._committed) if t >= cutoff) / TOKEN_RATE_WINDOW_S
+
     def retry_after_s(self) -> int:
-        """Seconds until the work already admitted is done, from recent jobs' durations: the running
-        job's expected remainder plus one mean duration per waiting job (at least 1)."""
+        """Seconds until the work already admitted is done, from recent jobs' durations: the longest
+        expected remainder of the running jobs, plus one mean duration for each batch of waiting jobs
+        the engine's slots take at once (at least 1)."""
         durations = list(self._durations)
         if not durations:
             return 1
         mean = sum(durations) / len(durations)
-        remaining = max(mean - (time.monotonic() - self._current_since), 0.0) if self._current else 0.0
-        return max(1, math.ceil(remaining + mean * self.queue_depth()))
+        now = time.monotonic()
+        remaining = max((max(mean - (now - r.admitted), 0.0) for r in list(self._running.values())), default=0.0)
+        if self._held is not None:
+            remaining = max(remaining, mean)
+        return max(1, math.ceil(remaining + mean * math.ceil(self.queue_depth() / self.capacity())))
 
     def working(self) -> bool:
         """A job is on the engine right now."""
-        return self._current is not None
+        return bool(self._running) or self._held is not None
 
     def busy(self) -> bool:
-        return self._current is not None or bool(self._waiting)
+        return self.working() or bool(self._waiting)
 
     def cancel_all(self, reason: str) -> None:
-        current = self._current
-        if current is not None:
-            current.cancel(reason)
+        for r in list(self._running.values()):
+            r.job.cancel(reason)
+        held = self._held
+        if held is not None:
+            held.cancel(reason)
         with self._has_work:
             for job in self._waiting:
                 job.cancel(reason)
@@ -244,88 +280,123 @@ class EngineWorker:
         if produced == 0:
             raise RuntimeError("warm-up generation produced no tokens")
 
-    def _next_job(self) -> Job | None:
+    def _next_job(self, wait: bool) -> Job | None:
         with self._has_work:
-            if not self._waiting:
+            if not self._waiting and wait:
                 self._has_work.wait(IDLE_POLL_S)
-            if not self._waiting:
-                return None
-            job = self._waiting.popleft()
-            self._current, self._current_since = job, time.monotonic()
-            return job
+            return self._waiting.popleft() if self._waiting else None
 
     def _serve(self) -> None:
-        while True:
-            job = self._next_job()
-            if job is None:
-                if self._stopping:
-                    return
+        try:
+            while True:
                 if self.faults.kill_worker:
                     raise _WorkerKilled("killed by test fault")
-                continue
-            while self.faults.paused and not self.faults.kill_worker and not job.cancelled.is_set():
-                time.sleep(0.01)
-            if job.cancelled.is_set():
-                self._current = None
-                job.emit(DoneEvent())
-                continue
-            state, detail = self.health()
-            if state != READY:  # queued before the engine broke
-                self._current = None
-                job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
-                continue
-            self._current_since = time.monotonic()  # a paused (test fault) hold is not engine time
-            try:
-                self._run_job(job)
-            except BaseException:  # the thread is dying: this request must not wait forever
-                job.emit(ErrorEvent(503, "the engine worker died"))
-                raise
-            finally:
-                self._durations.append(time.monotonic() - self._current_since)
-                self._current = None
+                if self.faults.paused or self._held is not None:
+                    self._hold()
+                    continue
+                self._admit()
+                if not self._running:
+                    if self._stopping:
+                        return
+                    with self._has_work:
+                        if not self._waiting:
+                            self._has_work.wait(IDLE_POLL_S)
+                    continue
+                self._step()
+        except BaseException:  # the thread is dying: no request may wait forever
+            for r in self._running.values():
+                r.job.emit(ErrorEvent(503, "the engine worker died"))
+            if self._held is not None:
+                self._held.emit(ErrorEvent(503, "the engine worker died"))
+            raise
 
-    def _run_job(self, job: Job) -> None:
-        if self.faults.kill_worker:
-            raise _WorkerKilled("killed by test fault")
-        rounds = 0
-        generator = None
+    def _hold(self) -> None:
+        """The paused test fault: hold one job unstarted, step nothing; on resume it is admitted first."""
+        if self._held is None:
+            self._held = self._next_job(wait=True)
+        if self.faults.paused and not self.faults.kill_worker and not (self._held and self._held.cancelled.is_set()):
+            time.sleep(0.01)
+            return
+        held, self._held = self._held, None
+        if held is not None:
+            self._start(held)
+
+    def _admit(self) -> None:
+        """Move waiting jobs into the engine while it has a free slot."""
+        while len(self._running) < self.capacity():
+            job = self._next_job(wait=False)
+            if job is None:
+                return
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.emit(DoneEvent())
+            return
+        state, detail = self.health()
+        if state != READY:  # queued before the engine broke
+            job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
+            return
         try:
             if self.faults.engine_errors > 0:
                 self.faults.engine_errors -= 1
                 raise RuntimeError("injected engine fault")
-            generator = self.engine.generate(job.prompt_ids, job.params)
-            started = time.perf_counter()
-            for out in generator:
-                elapsed = time.perf_counter() - started
-                if rounds == 0:  # the engine's first output is the prefill, not a speculative round
-                    self.metrics.observe_prefill(elapsed, len(out.token_ids))
-                else:
-                    self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
-                rounds += 1
-                job.emit(RoundEvent(out))
-                if out.finished:
-                    break
-                if job.cancelled.is_set():
-                    log.info("generation cancelled after %d round(s): %s", rounds, job.cancel_reason)
-                    break
-                if self.faults.round_delay_s:
-                    time.sleep(self.faults.round_delay_s)
-                started = time.perf_counter()
-        except ValueError as exc:
-            if rounds == 0:  # the engine rejected the parameters before doing anything
-                job.emit(ErrorEvent(400, str(exc)))
-            else:
-                log.exception("engine error during generation")
-                job.emit(ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
+            request_id = self.engine.submit(job.prompt_ids, job.params)
+        except ValueError as exc:  # the engine rejected the parameters before doing anything
+            job.emit(ErrorEvent(400, str(exc)))
             return
         except Exception as exc:  # the request fails, the worker carries on
-            log.exception("engine error during generation")
+            log.exception("engine error at admission")
             job.emit(ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
             return
-        finally:
-            if generator is not None:
-                generator.close()
-        job.emit(DoneEvent())
+        self._running[request_id] = _Running(job, request_id, time.monotonic())
+
+    def _step(self) -> None:
+        """One engine step for every running job: cancellations first, then the round, then each
+        job's output (and its end)."""
+        for r in list(self._running.values()):
+            if r.job.cancelled.is_set():
+                log.info("generation cancelled after %d round(s): %s", r.outputs, r.job.cancel_reason)
+                self._finish(r, DoneEvent())
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # every running job fails; the engine drops them and serves the next
+            log.exception("engine error during generation")
+            for r in list(self._running.values()):
+                self._finish(r, ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
+            return
+        elapsed = time.perf_counter() - started
+        now = time.monotonic()
+        for request_id, out in outputs:
+            r = self._running.get(request_id)
+            if r is None:
+                continue
+            if out.error is not None:
+                status = 400 if isinstance(out.error, ValueError) else 500
+                self._finish(r, ErrorEvent(status, f"{out.error}" if status == 400 else
+                                           f"engine error: {type(out.error).__name__}: {out.error}"))
+                continue
+            if r.outputs == 0:  # the engine's first output is the prefill, not a speculative round
+                self.metrics.observe_prefill(now - r.admitted, len(out.token_ids))
+            else:
+                self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
+            r.outputs += 1
+            self._committed.append((now, len(out.token_ids)))
+            r.job.emit(RoundEvent(out))
+            if out.finished:
+                self._finish(r, DoneEvent())
+        while self._committed and self._committed[0][0] < now - TOKEN_RATE_WINDOW_S:
+            self._committed.popleft()
+        if self.faults.round_delay_s:
+            time.sleep(self.faults.round_delay_s)
+
+    def _finish(self, r: _Running, event: DoneEvent | ErrorEvent) -> None:
+        """The job leaves the engine (a no-op there if it already finished) with its last event."""
+        del self._running[r.request_id]
+        self.engine.cancel(r.request_id)
+        self._durations.append(time.monotonic() - r.admitted)
+        r.job.emit(event)
 
     def _fail_pending(self, message: str) -> None:
         with self._has_work:

@@ -168,7 +168,8 @@ class EngineWorker:
         if state != READY:
             raise NotReady(state, detail)
         with self._has_work:
-            if len(self._waiting) >= self.config.max_queue:
+            # the queue is max_queue places behind the running jobs: jobs for free slots pass through it
+            if len(self._waiting) >= self.config.max_queue + self._free_slots():
                 raise QueueFull
             self._waiting.append(job)
             self._has_work.notify()
@@ -187,6 +188,10 @@ class EngineWorker:
     def running(self) -> int:
         """Jobs in the engine now."""
         return len(self._running)
+
+    def _free_slots(self) -> int:
+        """Slots the worker fills at its next step (none while the paused test fault holds one job)."""
+        return 0 if self.faults.paused else max(0, self.capacity() - len(self._running))
 
     def capacity(self) -> int:
         """Jobs the engine runs at once: --max-running, or the slots its memory allowed."""

@@ -244,6 +244,7 @@ class Engine:
             rounds = [self._ar_step(req) if req.mode == "ar" else self._spec_round(req)]
         else:
             rounds = self._batch_round(decoding) if decoding else []
+        self.stats.rounds += bool(rounds)
         for req, (tokens, accepted) in zip(decoding, rounds):
             req.rounds += 1
             req.accepted_total += accepted
@@ -437,6 +438,7 @@ class Engine:
         self.readback.start(token)
         req.ahead = self._choose(req, self.runner.run(token, req.n_ctx).logits)
         req.bonus = self.readback.wait()[0]
+        self.stats.batch_size, self.stats.tree_nodes = 1, 1
         self._phase("end")
         return [req.bonus], 0
 

@@ -83,3 +83,4 @@ class BatchStats:
     batch_size: int = 0       # rows of the last verify pass (0: no round ran)
     tree_nodes: int = 0       # real tree nodes (roots included) verified in the last round
     prefill_tokens: int = 0   # prompt tokens prefilled in the last step
+    rounds: int = 0           # steps that ran a round, since start

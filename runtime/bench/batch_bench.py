@@ -97,6 +97,23 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
 
 
+def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:
+    """Greedy tokens of mixed requests batched against each alone (on CUDA the batched passes take other
+    kernels than a lone one's: in float32 they must still agree)."""
+    mixes = [("ddtree", 16), ("ar", None), ("dflash", None), ("ddtree", 4)]
+    params = [SamplingParams(max_new_tokens=max_new, mode=m, tree_budget=b) for m, b in mixes]
+    jobs = [(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+    alone = [[t for r in engine.generate(p, q) for t in r.token_ids] for p, q in jobs]
+    ids = [engine.submit(p, q) for p, q in jobs]
+    batched = {i: [] for i in ids}
+    while engine.has_work:
+        for i, out in engine.step():
+            batched[i] += out.token_ids
+    same = [batched[i] == a for i, a in zip(ids, alone)]
+    return {"requests": len(jobs), "identical": sum(same), "first_difference": next(
+        (j for j, ok in enumerate(same) if not ok), None)}
+
+
 def tiny_prompts(engine: Engine, n: int) -> list[list[int]]:
     """Plain-text openings of unseen documents: they run on to max_new_tokens (a chat answer stops
     after a few tokens), so every request does the same amount of work."""
@@ -122,10 +139,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="--models: runs per measurement, the fastest kept")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--check", action="store_true", help="only check batched greedy == alone, then exit")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU: torch threads (one: on a shared machine two contend and the figures swing)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="bench/results/runtime-batch-bench.json")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     batches = [int(b) for b in args.batches.split(",")]
     chosen = [c for c in cases(args.round_nodes) if args.cases is None or c[0] in args.cases.split(",")]
@@ -152,6 +174,9 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name(0) if device.type == 'cuda' else platform.processor() or 'cpu'}; "
           f"{engine.slots} slots; {args.models or args.shape}", flush=True)
 
+    if args.check:
+        print("check:", json.dumps(check_batched_equals_alone(engine, prompts[:8], 48)), flush=True)
+        return
     results = []
     for name, mode, budget, round_nodes in chosen:
         engine.config.round_nodes = round_nodes

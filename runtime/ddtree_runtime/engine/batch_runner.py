@@ -33,6 +33,15 @@ class BatchPass(NamedTuple):
     parents: torch.Tensor         # [B, T]
     depths: torch.Tensor          # [B, T]
     mask: torch.Tensor            # [B, T, T]
+    start: torch.Tensor           # [B] each row's first slot
+
+
+def stage(dst: torch.Tensor, host: torch.Tensor, values: list[int]) -> None:
+    """Copy host ints into a device tensor without waiting for the device: through `host`, a pinned
+    buffer on CUDA (a pageable copy would wait for all queued work). The caller reuses `host` only once
+    the copy is done: after a read queued behind it has been waited for."""
+    host[:len(values)] = torch.tensor(values, dtype=torch.long)
+    dst.copy_(host[:len(values)], non_blocking=True)
 
 
 class _Bucket:
@@ -45,6 +54,7 @@ class _Bucket:
         self.layout[:3 * batch * size].view(3, batch, size)[1] = torch.arange(size, device=device)
         self.layout[3 * batch * size:] = pad_start
         self.ints = self.layout.clone()
+        self.host = torch.zeros(2 * batch, dtype=torch.long, pin_memory=device.type == "cuda")
         self.nodes = self.ints[:3 * batch * size].view(3, batch, size)
         self.ids, self.parents, self.depths = self.nodes[0], self.nodes[1], self.nodes[2]   # [B, T]
         self.start = self.ints[3 * batch * size:]                                         # [B]
@@ -75,8 +85,8 @@ class BatchTargetRunner:
             b = self.buckets[(batch, size, kv_len)] = _Bucket(batch, size, kv_len, self.cache.capacity - size,
                                                               self.device, self.cache.k.dtype)
         b.ints.copy_(b.layout)
-        b.ids[:n, 0].copy_(torch.tensor(roots))   # pageable host memory: copied before this returns
-        b.start[:n].copy_(torch.tensor(starts))
+        stage(b.ids[:n, 0], b.host[:batch], roots)
+        stage(b.start[:n], b.host[batch:], starts)
         for row, tree in enumerate(trees):
             if tree is not None:
                 b.nodes[:, row, 1:tree.size].copy_(tree.nodes)
@@ -88,7 +98,7 @@ class BatchTargetRunner:
             b.graph.replay()
             out = b.out
         logits, feats, mask = out
-        return BatchPass(logits, feats, b.ids, b.parents, b.depths, mask)
+        return BatchPass(logits, feats, b.ids, b.parents, b.depths, mask, b.start)
 
     def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         tree = ancestor_mask(b.parents, min(self.max_depth, b.size - 1))    # [B, T, T]
@@ -109,6 +119,10 @@ class _DraftBucket:
         self.batch, self.kv_len = batch, kv_len
         self.ids = torch.full((batch, block), mask_token_id, dtype=torch.long, device=device)  # [B, Q]
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
+        # two staging buffers, used in turn: this pass is queued after the round's read, so only the
+        # next round's read covers its copy
+        self.host = torch.zeros(2, batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.turn = 0
         self.n = torch.zeros(batch, dtype=torch.long, device=device)
         self.feats = torch.zeros(batch, block, feat_dim, dtype=dtype, device=device)           # [B, Q, F]
         self.offsets = torch.arange(block, device=device)
@@ -145,7 +159,8 @@ class BatchDraftRunner:
                                                              self.cache.k.dtype, self.mask_token_id)
         b.ids[:, 0].copy_(bonus)
         pad = self.cache.capacity - 2 * self.block  # pad rows write past any context
-        b.start.copy_(torch.tensor(starts + [pad] * (batch - n)))
+        b.turn ^= 1
+        stage(b.start, b.host[b.turn], starts + [pad] * (batch - n))
         torch.add(length, b.start, out=b.n)
         torch.gather(feats, 1, rows[..., None].expand(-1, -1, feats.shape[-1]), out=b.feats)
         b.feats.masked_fill_((b.offsets[None, :] >= length[:, None])[..., None], 0)

@@ -504,8 +504,7 @@ class Engine:
             drafted = self.batch_draft.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
         self._phase("commit")
         host = self.batch_readback.wait()
-        start = torch.tensor(starts, device=self.device)
-        self.target_cache.rows(0, n).compact_rows(start, result[:n, 2:3 + depth], result[:n, 0])
+        self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0])
         rounds, width = [], Walk.size(depth)
         for row, req in enumerate(reqs):
             accepted = Walk.read(host[row * width:(row + 1) * width], depth)

@@ -75,8 +75,9 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 
 def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingParams, rounds: int,
-                  warmup: int) -> dict:
-    """Admit every prompt, then time `rounds` steps back to back with all of them running."""
+                  warmup: int, timer=None) -> dict:
+    """Admit every prompt, then time `rounds` steps back to back with all of them running; then as
+    many again with `timer` (gpu_bench.PhaseTimer: a sync at each phase boundary) as the phase hook."""
     ids = [engine.submit(p, params) for p in prompts]
     while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
         engine.step()
@@ -90,9 +91,18 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
     sync(engine.device)
     round_s = (time.perf_counter() - t0) / rounds
     nodes, batch = engine.stats.tree_nodes, engine.stats.batch_size
+    phases = {}
+    if timer is not None:
+        engine.phase_hook = timer
+        try:
+            for _ in range(rounds):
+                engine.step()
+        finally:
+            engine.phase_hook = None
+        phases = timer.medians_ms()
     for i in ids:
         engine.cancel(i)
-    return {"round_ms": 1e3 * round_s, "batch_size": batch, "round_tree_nodes": nodes,
+    return {"round_ms": 1e3 * round_s, "batch_size": batch, "round_tree_nodes": nodes, "phases_ms": phases,
             "tokens_per_s": tokens / (rounds * round_s),
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
 
@@ -160,7 +170,7 @@ def main() -> None:
     else:
         import sys
         sys.path.insert(0, str(Path(__file__).parent))
-        from gpu_bench import build_models
+        from gpu_bench import PhaseTimer, build_models
 
         target, drafter = build_models(args.shape, device, getattr(torch, dtype))
         max_new = (args.rounds + args.warmup + 4) * 17
@@ -194,7 +204,7 @@ def main() -> None:
             else:
                 params = SamplingParams(max_new_tokens=(args.rounds + args.warmup + 4) * 17, mode=mode,
                                         tree_budget=budget)
-                r = steady_rounds(engine, prompts[:b], params, args.rounds, args.warmup)
+                r = steady_rounds(engine, prompts[:b], params, args.rounds, args.warmup, PhaseTimer(device))
             r.update(case=name, batch=b)
             results.append(r)
             print(json.dumps(r), flush=True)
@@ -209,12 +219,14 @@ def main() -> None:
                   f"{r['vs_one_alone']:>9.2f}{r['vs_one_after_another']:>9.2f}{r['mean_acceptance_length']:>6.2f}"
                   f"{r['mean_round_tree_nodes']:>7.0f}{r['mean_ttft_s']:>8.2f}")
     else:
+        phases = ("step", "tree", "verify", "commit", "draft")
         print(f"{'case':<14}{'B':>4}{'round ms':>10}{'xB=1':>7}{'nodes':>7}"
-              + "".join(f"{'tok/s@' + str(t):>11}" for t in TAUS))
+              + "".join(f"{'tok/s@' + str(t):>11}" for t in TAUS) + "".join(f"{p:>8}" for p in phases))
         for r in results:
             one = next(x for x in results if x["case"] == r["case"] and x["batch"] == 1)
             print(f"{r['case']:<14}{r['batch']:>4}{r['round_ms']:>10.2f}{r['round_ms'] / one['round_ms']:>7.2f}"
-                  f"{r['round_tree_nodes']:>7}" + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS))
+                  f"{r['round_tree_nodes']:>7}" + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS)
+                  + "".join(f"{r['phases_ms'].get(p, 0):>8.2f}" for p in phases))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"label": args.label, "source": args.models or args.shape, "device": str(device),

@@ -56,6 +56,30 @@ def test_decode_attention_matches_a_float_reference():
     assert len(out.splitlines()) == 5
 
 
+def test_batched_decode_attention_gives_each_sequence_its_own_keys_and_bias():
+    """A batched round: one launch for B sequences, each over its own cache row and bias (and the
+    drafter's bias, one row for all queries of a sequence), equal to each sequence alone."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
+                                              (4, 2, 16, 32, 200, True)]:
+            b = 3
+            q = torch.randn(b, hq, t, d, dtype=torch.float16)
+            cache = torch.randn(2, b + 1, hkv, length + 50, d, dtype=torch.float16)   # a pool: rows 0..b-1
+            k, v = cache[0, :b, :, :length], cache[1, :b, :, :length]
+            allowed = torch.rand(b, 1 if shared else t, length) < 0.6
+            allowed[..., 0] = True
+            bias = torch.where(allowed, 0.0, float("-inf")).to(torch.float16)[:, None]   # [B, 1, T or 1, L]
+            assert K.decode_attention_fits(q, k)
+            batched = K.decode_attention(q, k, v, bias)
+            for i in range(b):
+                alone = K.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], bias[i:i + 1])
+                assert torch.equal(batched[i:i + 1], alone), (hq, t, i)
+            print(hq, hkv, t)
+    """)
+    assert len(out.splitlines()) == 3
+
+
 def test_rope_and_the_kv_write_match_torch():
     interpret("""
         K._use_triton = lambda x: True
@@ -150,6 +174,55 @@ def test_fused_gated_deltanet_tree_pass_matches_torch():
                                    torch.tensor([depths]) + 10)
             with torch.no_grad():
                 return layer(x, cache, 10, inputs), cache
+
+        (a, ca), (b, cb) = tree_pass(False), tree_pass(True)
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        for name in ("k", "u", "g"):
+            assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+    """)
+
+
+def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
+    """A batched round's linear layer: three sequences, each its own tree, conv tail and state."""
+    interpret("""
+        from ddtree_runtime.engine.kv_cache import target_cache
+        from ddtree_runtime.engine.tree import ancestor_mask
+        from ddtree_runtime.model import Qwen35Config
+        from ddtree_runtime.model.layers import TreeInputs, fuse_projections
+        from ddtree_runtime.model.qwen3_5 import Qwen35ForCausalLM
+
+        cfg = Qwen35Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4)
+        model = Qwen35ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.uniform_(-1, 1)
+        fuse_projections(model)
+        trees = [[0, 0, 0, 1, 1, 2, 3, 3, 6, 8, 5, 9], list(range(-1, 11)), [0] * 12]   # a tree, a chain, a star
+        trees[1][0] = 0
+        parents = torch.tensor(trees)
+        depths = torch.zeros(3, 12, dtype=torch.long)
+        for i in range(1, 12):
+            depths[:, i] = depths.gather(1, parents[:, i:i + 1])[:, 0] + 1
+        starts = torch.tensor([10, 20, 5])
+        layer = model.model.layers[1].linear_attn
+        x = torch.randn(3, 12, 32)
+
+        def tree_pass(fused):
+            G._use_triton = lambda t: fused
+            cache = target_cache(cfg, 64, "cpu", torch.float32, batch=3, nodes=17)
+            g = torch.Generator().manual_seed(5)
+            cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
+            cache.state.copy_(torch.randn(cache.state.shape, generator=g))
+            mask = ancestor_mask(parents, 11)
+            slots = starts[:, None] + torch.arange(12)
+            inputs = model.prepare(TreeInputs(slots, None, 64, mask), starts[:, None] + depths)
+            with torch.no_grad():
+                return layer(x, cache, 0, inputs), cache
 
         (a, ca), (b, cb) = tree_pass(False), tree_pass(True)
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

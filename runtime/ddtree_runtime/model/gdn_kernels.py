@@ -28,12 +28,18 @@ if triton is not None:
         return y * tl.sigmoid(y)
 
     @triton.jit
-    def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, s_mix, T, C, KM1, q_scale,
-                           NK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, s_mixb, s_mix, s_win, T, C,
+                           KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                            K: tl.constexpr):
-        t, h = tl.program_id(0), tl.program_id(1)
+        t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # node, value head, sequence
+        HV = tl.num_programs(1)
+        mixed_ptr += b * s_mixb
+        state_ptr += b * KM1 * C
+        q_ptr += b * HV * T * DK
+        k_ptr += b * HV * T * DK
+        v_ptr += b * HV * T * DV
         kh = h // GROUP
-        ext = tl.load(win_ptr + t * K + tl.arange(0, K))
+        ext = tl.load(win_ptr + b * s_win + t * K + tl.arange(0, K))
         from_state = ext < KM1
         dk = tl.arange(0, DK)
         q = _conv_silu(mixed_ptr, state_ptr, w_ptr, ext, from_state, kh * DK + dk, s_mix, C, KM1, K)
@@ -47,8 +53,11 @@ if triton is not None:
         tl.store(v_ptr + (h * T + t) * DV + dv, v)
 
     @triton.jit
-    def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, s_z, T, H, eps, DV: tl.constexpr):
-        t, h = tl.program_id(0), tl.program_id(1)
+    def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, s_zb, s_z, T, H, eps, DV: tl.constexpr):
+        t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # node, value head, sequence
+        core_ptr += b * H * T * DV
+        z_ptr += b * s_zb
+        out_ptr += b * T * H * DV
         d = tl.arange(0, DV)
         ty = out_ptr.dtype.element_ty
         x = tl.load(core_ptr + (h * T + t) * DV + d).to(ty).to(tl.float32)   # the output, in the model dtype
@@ -59,31 +68,34 @@ if triton is not None:
 
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
-    """One sequence on CUDA, power-of-two head dims and conv width (the Qwen3.5/3.6 shapes)."""
-    return (_use_triton(mixed) and mixed.shape[0] == 1 and mixed.stride(-1) == 1
+    """On CUDA, power-of-two head dims and conv width (the Qwen3.5/3.6 shapes)."""
+    return (_use_triton(mixed) and mixed.stride(-1) == 1
             and all(n & (n - 1) == 0 for n in (dk, dv, kernel)))
 
 
 def conv_heads(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
                n_k: int, n_v: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixed [1, T, C] new inputs (rows may be strided), conv_state [1, K-1, C], weight [C, K], window
-    [T, K] -> q, k [1, Hv, T, dk] (L2-normalised, q scaled by dk^-0.5), v [1, Hv, T, dv], float32."""
-    t, c = mixed.shape[1], mixed.shape[2]
+    """mixed [B, T, C] new inputs (rows may be strided), conv_state [B, K-1, C], weight [C, K], window
+    [T, K] (or [B, T, K]: each sequence its own tree) -> q, k [B, Hv, T, dk] (L2-normalised, q scaled
+    by dk^-0.5), v [B, Hv, T, dv], float32."""
+    b, t, c = mixed.shape
     kernel = weight.shape[1]
-    q = torch.empty(1, n_v, t, dk, device=mixed.device, dtype=torch.float32)
+    q = torch.empty(b, n_v, t, dk, device=mixed.device, dtype=torch.float32)
     k = torch.empty_like(q)
-    v = torch.empty(1, n_v, t, dv, device=mixed.device, dtype=torch.float32)
-    _conv_heads_kernel[(t, n_v)](mixed, conv_state.contiguous(), weight.contiguous(), window.contiguous(), q, k, v,
-                                 mixed.stride(1), t, c, kernel - 1, dk ** -0.5,
-                                 NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel)
+    v = torch.empty(b, n_v, t, dv, device=mixed.device, dtype=torch.float32)
+    window = window.contiguous()
+    _conv_heads_kernel[(t, n_v, b)](mixed, conv_state.contiguous(), weight.contiguous(), window, q, k, v,
+                                    mixed.stride(0), mixed.stride(1), t * kernel if window.dim() == 3 else 0,
+                                    t, c, kernel - 1, dk ** -0.5,
+                                    NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel)
     return q, k, v
 
 
 def gated_norm(core: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                dtype: torch.dtype) -> torch.Tensor:
-    """core [1, Hv, T, dv] float32, z [1, T, Hv*dv] (rows may be strided) -> RMSNorm(core) * w * SiLU(z)
-    as [1, T, Hv*dv] in `dtype`."""
-    _, h, t, dv = core.shape
-    out = torch.empty(1, t, h * dv, device=core.device, dtype=dtype)
-    _gated_norm_kernel[(t, h)](core.contiguous(), z, weight, out, z.stride(1), t, h, eps, DV=dv)
+    """core [B, Hv, T, dv] float32, z [B, T, Hv*dv] (rows may be strided) -> RMSNorm(core) * w * SiLU(z)
+    as [B, T, Hv*dv] in `dtype`."""
+    b, h, t, dv = core.shape
+    out = torch.empty(b, t, h * dv, device=core.device, dtype=dtype)
+    _gated_norm_kernel[(t, h, b)](core.contiguous(), z, weight, out, z.stride(0), z.stride(1), t, h, eps, DV=dv)
     return out

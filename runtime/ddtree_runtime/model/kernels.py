@@ -183,11 +183,17 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
 if triton is not None:
     @triton.jit
     def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, ml_ptr,
-                                 sq_h, sq_t, sk_h, sk_n, sv_h, sv_n, sb_t,
-                                 T, L, rows_pad, scale, SPLIT: tl.constexpr,
+                                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t,
+                                 HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr,
                                  G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        # one program per (KV head, KV split, block of rows); rows are (query head of the group, query)
-        kvh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # one program per (sequence x KV head, KV split, block of rows); rows are (query head of the
+        # group, query)
+        bh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, kvh = bh // HKV, bh % HKV
+        q_ptr += b * sq_b
+        k_ptr += b * sk_b
+        v_ptr += b * sv_b
+        bias_ptr += b * sb_b
         n_splits = tl.num_programs(1)
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         g, t = r // T, r % T
@@ -214,19 +220,20 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
-        row = (kvh * n_splits + split) * rows_pad + r
+        row = (bh * n_splits + split) * rows_pad + r
         tl.store(o_ptr + row[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + 2 * row, m)
         tl.store(ml_ptr + 2 * row + 1, l)
 
     @triton.jit
-    def _decode_attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, so_h, so_t, T, rows_pad, n_splits,
+    def _decode_attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, so_b, so_h, so_t, HKV, T, rows_pad, n_splits,
                                    G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        # one program per (KV head, row): merge the splits' partial softmaxes
-        kvh, r = tl.program_id(0), tl.program_id(1)
+        # one program per (sequence x KV head, row): merge the splits' partial softmaxes
+        bh, r = tl.program_id(0), tl.program_id(1)
+        b, kvh = bh // HKV, bh % HKV
         s = tl.arange(0, BLOCK_S)
         ok = s < n_splits
-        row = (kvh * n_splits + s) * rows_pad + r
+        row = (bh * n_splits + s) * rows_pad + r
         m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
         l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
         w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
@@ -234,7 +241,7 @@ if triton is not None:
         o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         out = tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
         g, t = r // T, r % T
-        tl.store(out_ptr + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
 
 
 # Tuned on an H200 in CUDA graphs (runtime/bench/attn_probe.py, one layer of Qwen3-8B heads: 32 query
@@ -261,36 +268,41 @@ def decode_split(length: int, queries: int, row_blocks: int, kv_heads: int) -> i
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Shapes the split-KV kernel takes: one sequence, 16-bit, a power-of-two head dim, few query rows."""
+    """Shapes the split-KV kernel takes: 16-bit, a power-of-two head dim, few query rows a sequence."""
     d = q.shape[-1]
     rows = q.shape[2] * q.shape[1] // k.shape[1]
-    return (_use_triton(q) and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+    return (_use_triton(q) and q.dtype in (torch.bfloat16, torch.float16)
             and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS
             and k.stride(-1) == 1 and q.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Attention of a few queries over a long KV (flash-decoding): q [1, Hq, T, D], k/v [1, Hkv, L, D],
-    bias additive, broadcastable to [1, 1, T, L] -> [1, Hq, T, D]. The KV length is split across
-    programs and each KV head's query heads share one read of its keys (grouped heads), then a second
-    kernel merges the splits. SDPA here runs one block per query head over all of L: ~25 us a layer for
+    """Attention of a few queries over a long KV (flash-decoding): q [B, Hq, T, D], k/v [B, Hkv, L, D],
+    bias additive, broadcastable to [B, 1, T, L] -> [B, Hq, T, D]; each sequence of a batch (a batched
+    round's rows) is its own set of programs. The KV length is split across programs and each KV
+    head's query heads share one read of its keys (grouped heads), then a second kernel merges the
+    splits. SDPA here runs one block per query head over all of L: ~25 us a layer for
     a 17-node tree at 1K context on an H200, most of a verify's cost beyond an AR step."""
-    _, hq, t, d = q.shape
+    batch, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = g * t
     block_r = min(max(16, triton.next_power_of_2(rows)), DECODE_BLOCK_ROWS)
     rows_pad = -(-rows // block_r) * block_r
-    split = decode_split(length, t, rows_pad // block_r, hkv)
+    split = decode_split(length, t, rows_pad // block_r, batch * hkv)
     n_splits = -(-length // split)
-    bias2 = bias.reshape(bias.shape[-2], length)  # [T or 1, L]
-    part = torch.empty(hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
-    ml = torch.empty(hkv, n_splits, rows_pad, 2, device=q.device, dtype=torch.float32)
-    _decode_attn_part_kernel[(hkv, n_splits, rows_pad // block_r)](
-        q, k, v, bias2, part, ml, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        bias2.stride(0) if bias2.shape[0] > 1 else 0, t, length, rows_pad, d ** -0.5, SPLIT=split,
+    bias3 = bias.reshape(bias.shape[0], bias.shape[-2], length)  # [B or 1, T or 1, L]
+    if bias3.stride(-1) != 1:
+        bias3 = bias3.contiguous()
+    part = torch.empty(batch * hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(batch * hkv, n_splits, rows_pad, 2, device=q.device, dtype=torch.float32)
+    _decode_attn_part_kernel[(batch * hkv, n_splits, rows_pad // block_r)](
+        q, k, v, bias3, part, ml, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), bias3.stride(0) if bias3.shape[0] > 1 else 0,
+        bias3.stride(1) if bias3.shape[1] > 1 else 0, hkv, t, length, rows_pad, d ** -0.5, SPLIT=split,
         G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32, num_warps=DECODE_WARPS)
-    out = torch.empty(1, hq, t, d, device=q.device, dtype=q.dtype)
-    _decode_attn_reduce_kernel[(hkv, rows)](part, ml, out, out.stride(1), out.stride(2), t, rows_pad, n_splits,
-                                            G=g, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
+    out = torch.empty(batch, hq, t, d, device=q.device, dtype=q.dtype)
+    _decode_attn_reduce_kernel[(batch * hkv, rows)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), hkv,
+                                                    t, rows_pad, n_splits, G=g, D=d,
+                                                    BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
     return out

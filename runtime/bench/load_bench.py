@@ -1,0 +1,137 @@
+"""End-to-end load through the HTTP server: N concurrent clients, a fixed number of requests, then stop.
+
+    PYTHONPATH=runtime python runtime/bench/load_bench.py --target DIR --draft DIR [--max-running 16] \
+        [--concurrency 1,8,16] [--requests 32] [--max-tokens 64] [--out F]
+    PYTHONPATH=runtime python runtime/bench/load_bench.py --url http://HOST:PORT --concurrency 8 ...
+
+With --target it starts ddtree-serve itself (testing.ServerProcess, 127.0.0.1, a free port) and stops it
+at the end; with --url it drives a running server. Each client streams completions (temperature 0,
+`stream_options.include_usage` for the token count) one after another until the fixed number is
+done. Per concurrency level it reports the aggregate completion tokens/s, time to first token and
+request latency (p50 / p99), and the wall time against the one-client level's. Not a test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def one_request(client: httpx.Client, body: dict) -> dict:
+    """Stream one completion: time to first text, whole latency, completion tokens."""
+    started = time.perf_counter()
+    first, tokens = None, 0
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("text") and first is None:
+                first = time.perf_counter() - started
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return {"ttft_s": first if first is not None else time.perf_counter() - started,
+            "latency_s": time.perf_counter() - started, "tokens": tokens}
+
+
+def load(url: str, concurrency: int, requests: int, bodies: list[dict]) -> dict:
+    """`concurrency` clients take requests from one counter until `requests` are done."""
+    results: list[dict] = []
+    lock, taken = threading.Lock(), [0]
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            while True:
+                with lock:
+                    if taken[0] >= requests:
+                        return
+                    i = taken[0]
+                    taken[0] += 1
+                out = one_request(client, bodies[i % len(bodies)])
+                with lock:
+                    results.append(out)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    ttft, latency = [r["ttft_s"] for r in results], [r["latency_s"] for r in results]
+    return {"concurrency": concurrency, "requests": len(results), "wall_s": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "latency_p50_s": percentile(latency, 0.5), "latency_p99_s": percentile(latency, 0.99),
+            "latency_mean_s": statistics.fmean(latency)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url")
+    where.add_argument("--target", help="start ddtree-serve on this target (with --draft)")
+    ap.add_argument("--draft")
+    ap.add_argument("--mode", default="ddtree")
+    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--server-arg", action="append", default=[], help="more ddtree-serve flags (repeatable)")
+    ap.add_argument("--concurrency", default="1,8,16")
+    ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--out", default="bench/results/runtime-load-bench.json")
+    args = ap.parse_args()
+    # plain counting openings: every request runs to max_tokens on the tiny models
+    bodies = [{"model": args.model, "prompt": "".join(f"{i + j}\n" for j in range(4)), "max_tokens": args.max_tokens,
+               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}} for i in range(50)]
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    server = None
+    url = args.url
+    if args.target:
+        from ddtree_runtime.server.testing import ServerProcess
+
+        flags = ["--target", args.target, "--mode", args.mode, "--served-model-name", args.model,
+                 "--max-running", str(args.max_running), "--max-queue", str(max(levels) * 2), *args.server_arg]
+        if args.draft:
+            flags += ["--draft", args.draft]
+        server = ServerProcess(flags).start()
+        server.wait_ready()
+        url = server.url
+    try:
+        load(url, 1, min(4, args.requests), bodies)  # warm-up
+        results = []
+        for c in levels:
+            r = load(url, c, args.requests, bodies)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    one = next((r for r in results if r["concurrency"] == 1), results[0])
+    print(f"\n{'clients':>8}{'wall s':>9}{'tok/s':>9}{'x 1 client':>11}{'ttft p50':>10}{'ttft p99':>10}"
+          f"{'lat p50':>9}{'lat p99':>9}")
+    for r in results:
+        print(f"{r['concurrency']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{r['tokens_per_s'] / one['tokens_per_s']:>11.2f}"
+              f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['latency_p50_s']:>9.3f}{r['latency_p99_s']:>9.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"url": args.url, "target": args.target, "mode": args.mode,
+                               "max_running": args.max_running, "max_tokens": args.max_tokens,
+                               "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ddtree_runtime.engine.tree import (Walk, ancestor_mask, build_chain, build_tree, top_tokens, tree_size,
+from ddtree_runtime.engine.tree import (Walk, ancestor_mask, build_chain, build_tree, build_trees, top_tokens, tree_size,
                                         walk)
 
 
@@ -165,3 +165,13 @@ def test_walk_of_a_rejected_root_is_the_root_alone():
     target[0] = 0                                   # accepted all the way: the last node's token follows
     got = Walk.read(walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3).tolist(), 3)
     assert got == ([0, 1, 2, 3], [3, 0, 1, 2], 3)
+
+
+def test_build_trees_builds_each_rows_tree():
+    """The batched build (a batched round's requests of one budget) gives each row build_tree's tree."""
+    g = torch.Generator().manual_seed(7)
+    for budget, depth, vocab in [(16, 15, 300), (33, 7, 3), (7, 3, 2), (1, 15, 20), (64, 15, 50)]:
+        x = torch.randn(4, depth, vocab, generator=g) * 3
+        nodes = build_trees(x, budget)
+        for row in range(4):
+            assert torch.equal(nodes[row], build_tree(x[row], budget).nodes), (budget, row)

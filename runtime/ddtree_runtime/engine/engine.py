@@ -484,7 +484,7 @@ class Engine:
         settled = [self._settle(req) for req in reqs]
         self._phase("tree")
         budgets = round_budgets([req.budget for req in reqs], len(reqs), self.config.round_nodes)
-        trees = [self._batch_tree(req, budget) for req, budget in zip(reqs, budgets)]
+        trees = self._batch_trees(reqs, budgets)
         self._phase("verify")
         starts = [req.n_ctx for req in reqs]
         out = self.batch_runner.run([req.bonus for req in reqs], starts, trees)
@@ -527,11 +527,21 @@ class Engine:
         req.ahead = None
         return [req.bonus]
 
-    def _batch_tree(self, req: RequestState, budget: int) -> Tree | None:
-        if req.mode == "ar":
-            return None
-        if req.mode == "dflash":
-            return build_chain(req.drafted)
-        tree = self.trees.build(req.drafted[:self._depth(req, budget)], budget)
-        # a graphed build returns the same static buffer to every request of this budget
-        return Tree(tree.nodes.clone()) if self.trees.use_graphs else tree
+    def _batch_trees(self, reqs: list[RequestState], budgets: list[int]) -> list[Tree | None]:
+        """Each request's tree (None: AR): the DDTree requests of one budget built together."""
+        trees: list[Tree | None] = [build_chain(req.drafted) if req.mode == "dflash" else None for req in reqs]
+        groups: dict[int, list[int]] = {}
+        for row, req in enumerate(reqs):
+            if req.mode == "ddtree":
+                groups.setdefault(budgets[row], []).append(row)
+        for budget, rows in groups.items():
+            depth = min(self.block_size - 1, budget)
+            if len(rows) == 1:
+                tree = self.trees.build(reqs[rows[0]].drafted[:depth], budget)
+                # a graphed build returns the same static buffer to every request of this budget
+                trees[rows[0]] = Tree(tree.nodes.clone()) if self.trees.use_graphs else tree
+                continue
+            nodes = self.trees.build_rows(torch.stack([reqs[row].drafted[:depth] for row in rows]), budget)
+            for i, row in enumerate(rows):
+                trees[row] = Tree(nodes[i])  # staged by the verify before the next build
+        return trees

@@ -130,6 +130,35 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     return Tree(torch.stack([ids[level, rank], parents, level + 1]))
 
 
+def build_trees(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
+    """build_tree for R drafts at once (the requests of a batched round that share a budget and a
+    depth): [R, D, V] -> the draft nodes [R, 3, N-1], row r as build_tree makes them for draft r. One
+    sequence of device ops for all R, instead of R builds."""
+    rows, depth, vocab = draft_logits.shape[0], min(draft_logits.shape[1], budget), draft_logits.shape[2]
+    k = min(budget, vocab)
+    n = tree_size(budget, depth, vocab) - 1
+    lp, ids = torch.log_softmax(draft_logits[:, :depth].float(), dim=-1).topk(k, dim=-1)     # [R, D, K]
+    dev = lp.device
+    scores = torch.full((rows, depth, budget), float("-inf"), device=dev)
+    pick = torch.zeros((rows, depth, budget), dtype=torch.long, device=dev)
+    scores[:, 0, :k] = lp[:, 0]
+    pick[:, 0, :k] = torch.arange(k, device=dev)
+    below = torch.tensor(float("-inf"), device=dev)
+    for d in range(1, depth):
+        ceiling = torch.nextafter(scores[:, d - 1], below)[..., None]                       # [R, B, 1]
+        child = torch.minimum(scores[:, d - 1, :, None] + lp[:, d, None, :], ceiling)        # [R, B, K]
+        torch.topk(child.flatten(1), budget, dim=-1, out=(scores[:, d], pick[:, d]))
+    chosen = scores.flatten(1).topk(n, dim=-1).indices                                      # [R, n] best first
+    level, slot = chosen // budget, chosen % budget
+    node_of = torch.zeros(rows, depth * budget, dtype=torch.long, device=dev)
+    node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=dev).expand(rows, n))
+    flat = pick.flatten(1).gather(1, chosen)
+    parent_slot, rank = flat // k, flat % k
+    above = node_of.gather(1, (level - 1).clamp(min=0) * budget + parent_slot)
+    parents = torch.where(level > 0, above, 0)
+    return torch.stack([ids.flatten(1).gather(1, level * k + rank), parents, level + 1], dim=1)
+
+
 def build_chain(draft_logits: torch.Tensor) -> Tree:
     """DFlash's single path: the top-1 token at every depth. draft_logits: [D, V]."""
     d = draft_logits.shape[0]
@@ -145,12 +174,29 @@ def build_tree_on_gpu(draft_logits: torch.Tensor, budget: int) -> Tree:
 
 class TreeBuilder:
     """The tree build of a round: on CUDA the Triton build, captured with its top-k as one CUDA graph
-    per (budget, draft shape); build_tree elsewhere."""
+    per (budget, draft shape); build_tree elsewhere. Several drafts of one budget (a batched round):
+    build_trees, graphed on CUDA."""
 
     def __init__(self, device: torch.device) -> None:
-        self.use_graphs = device.type == "cuda" and tree_kernel.triton is not None
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.cuda = device.type == "cuda"
+        self.use_graphs = self.cuda and tree_kernel.triton is not None
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree]] = {}
+
+    def build_rows(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
+        """build_trees (R drafts [R, D, V] -> [R, 3, N-1]), graphed on CUDA per (R, budget, shape);
+        the result is a static buffer: stage it before the next build of that shape."""
+        if not self.cuda:
+            return build_trees(draft_logits, budget)
+        key = ("rows", budget, *draft_logits.shape, draft_logits.dtype)
+        if key not in self.graphs:
+            logits = draft_logits.clone()
+            graph, nodes = capture(lambda: build_trees(logits, budget), draft_logits.device, self.pool)
+            self.graphs[key] = (graph, logits, nodes)
+        graph, logits, nodes = self.graphs[key]
+        logits.copy_(draft_logits)
+        graph.replay()
+        return nodes
 
     def build(self, draft_logits: torch.Tensor, budget: int) -> Tree:
         if not self.use_graphs:

@@ -123,7 +123,8 @@ def main() -> None:
     print(f"\n{'clients':>8}{'wall s':>9}{'tok/s':>9}{'x 1 client':>11}{'ttft p50':>10}{'ttft p99':>10}"
           f"{'lat p50':>9}{'lat p99':>9}")
     for r in results:
-        print(f"{r['concurrency']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{r['tokens_per_s'] / one['tokens_per_s']:>11.2f}"
+        speedup = r["tokens_per_s"] / one["tokens_per_s"]
+        print(f"{r['concurrency']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{speedup:>11.2f}"
               f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['latency_p50_s']:>9.3f}{r['latency_p99_s']:>9.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

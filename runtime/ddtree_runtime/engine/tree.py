@@ -143,7 +143,7 @@ def build_trees(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
     pick = torch.zeros((rows, depth, budget), dtype=torch.long, device=dev)
     scores[:, 0, :k] = lp[:, 0]
     pick[:, 0, :k] = torch.arange(k, device=dev)
-    below = torch.tensor(float("-inf"), device=dev)
+    below = torch.full((), float("-inf"), device=dev)  # a device fill: graph capture takes no host copy
     for d in range(1, depth):
         ceiling = torch.nextafter(scores[:, d - 1], below)[..., None]                       # [R, B, 1]
         child = torch.minimum(scores[:, d - 1, :, None] + lp[:, d, None, :], ceiling)        # [R, B, K]

@@ -172,3 +172,22 @@ def test_a_budget_that_cannot_fit_is_refused_at_start(tiny_hybrid_models, tmp_pa
     with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings 2048"):
         Engine(EngineConfig(str(tiny_hybrid_models / "target"), str(tiny_hybrid_models / "draft"),
                             max_context=4096))
+
+
+def test_advance_along_moves_each_sequence_along_its_own_path():
+    """The batched commit: each sequence's state advanced in place along its own path (of its own
+    length), as state_at gives it for that sequence alone."""
+    from ddtree_runtime.model.gated_delta import Step, advance_along
+
+    g = torch.Generator().manual_seed(4)
+    n, b, h, t, dk, dv = 2, 3, 2, 9, 4, 5
+    step = Step(torch.randn(n, b, h, t, dk, generator=g), torch.randn(n, b, h, t, dv, generator=g),
+                -torch.rand(n, b, h, t, generator=g).cumsum(-1))
+    state = torch.randn(n, b, h, dk, dv, generator=g)
+    paths = [[0, 2, 5], [0], [0, 1, 3, 4, 8]]
+    nodes = torch.tensor([p + [0] * (5 - len(p)) for p in paths])
+    expected = [state_at(Step(step.k[:, i], step.u[:, i], step.g[:, i]), state[:, i], torch.tensor(p))
+                for i, p in enumerate(paths)]
+    advance_along(step, state, nodes, torch.tensor([len(p) for p in paths]))
+    for i in range(b):
+        assert torch.allclose(state[:, i], expected[i], atol=1e-5)

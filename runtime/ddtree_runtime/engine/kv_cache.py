@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..model.config import Qwen35Config, Qwen3Config
-from ..model.gated_delta import Step, state_along, state_at
+from ..model.gated_delta import Step, advance_along, state_at
 
 
 class KVCache:
@@ -142,7 +142,7 @@ class HybridCache(KVCache):
     def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
         """Also advance each row's linear-layer state and conv tail along its own accepted path."""
         super().compact_rows(start, nodes, length)
-        self.state.copy_(state_along(self.step, self.state, nodes, length))
+        advance_along(self.step, self.state, nodes, length)
         k1 = self.conv.shape[2]
         picked = self.inputs.gather(2, nodes[None, :, :, None].expand(*self.inputs.shape[:2], -1,
                                                                        self.inputs.shape[3]))

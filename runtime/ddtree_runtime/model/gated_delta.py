@@ -116,17 +116,22 @@ def state_at(step: Step, state: torch.Tensor | None, path: torch.Tensor) -> torc
     return new
 
 
-def state_along(step: Step, state: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """state_at for a batch, each sequence its own path: step tensors [n, B, H, T, ...], state
-    [n, B, H, dk, dv], nodes [B, P] (the path's nodes, root first, anything past length[b]) and
-    length [B]. Nodes past a path's end get weight 0."""
+def advance_along(step: Step, state: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
+    """state_at for a batch, each sequence its own path, written into `state` in place (it is the
+    largest tensor a batched commit touches: read and written once per layer, no temporaries of its
+    size): step tensors [n, B, H, T, ...], state [n, B, H, dk, dv], nodes [B, P] (the path's nodes,
+    root first, anything past length[b]) and length [B]. Nodes past a path's end get weight 0."""
     n, b, h = step.g.shape[:3]
     p = nodes.shape[1]
+    dk, dv = state.shape[-2:]
     idx = nodes[None, :, None, :].expand(n, b, h, p)
     g = step.g.gather(3, idx)                                              # [n, B, H, P]
     last = g.gather(3, (length - 1)[None, :, None, None].expand(n, b, h, 1))
     on_path = torch.arange(p, device=nodes.device)[None, :] < length[:, None]  # [B, P]
     w = torch.where(on_path[None, :, None, :], (last - g).exp(), 0.0)
-    k = step.k.gather(3, idx[..., None].expand(n, b, h, p, step.k.shape[-1])) * w[..., None]
-    u = step.u.gather(3, idx[..., None].expand(n, b, h, p, step.u.shape[-1]))
-    return k.transpose(-1, -2) @ u + last.exp()[..., None] * state
+    k = step.k.gather(3, idx[..., None].expand(n, b, h, p, dk)) * w[..., None]
+    u = step.u.gather(3, idx[..., None].expand(n, b, h, p, dv))
+    state.mul_(last.exp()[..., None])
+    for layer in range(n):  # a layer's [B, H, dk, dv] is contiguous in the pool, whatever B
+        state[layer].view(-1, dk, dv).baddbmm_(k[layer].reshape(-1, p, dk).transpose(1, 2),
+                                                u[layer].reshape(-1, p, dv))

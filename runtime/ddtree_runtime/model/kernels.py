@@ -268,10 +268,12 @@ def decode_split(length: int, queries: int, row_blocks: int, kv_heads: int) -> i
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Shapes the split-KV kernel takes: 16-bit, a power-of-two head dim, few query rows a sequence."""
+    """Shapes the split-KV kernel takes: 16-bit, a power-of-two head dim, few query rows a sequence;
+    one query a sequence only for a single sequence (a batch of AR steps ran faster in SDPA on an H200:
+    7.0 against 6.6 ms a step for 16 sequences of Qwen3-8B, bench/results/runtime-batch-bench-8b-v*)."""
     d = q.shape[-1]
     rows = q.shape[2] * q.shape[1] // k.shape[1]
-    return (_use_triton(q) and q.dtype in (torch.bfloat16, torch.float16)
+    return (_use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and (q.shape[0] == 1 or q.shape[2] > 1)
             and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS
             and k.stride(-1) == 1 and q.stride(-1) == 1)
 

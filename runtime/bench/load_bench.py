@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--mode", default="ddtree")
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--server-arg", action="append", default=[], help="more ddtree-serve flags (repeatable)")
+    ap.add_argument("--threads", type=int, help="the started server's CPU threads (OMP_NUM_THREADS; on a shared "
+                    "CPU one thread gives steadier figures)")
     ap.add_argument("--concurrency", default="1,8,16")
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -106,7 +108,8 @@ def main() -> None:
                  "--max-running", str(args.max_running), "--max-queue", str(max(levels) * 2), *args.server_arg]
         if args.draft:
             flags += ["--draft", args.draft]
-        server = ServerProcess(flags).start()
+        env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+        server = ServerProcess(flags, env=env).start()
         server.wait_ready()
         url = server.url
     try:

@@ -67,12 +67,13 @@ def test_pool_slots_come_from_free_memory(tiny_models, monkeypatch):
     config = EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256, max_running=8,
                           mem_fraction=0.5)
     probe = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256))
-    slot = probe._slot_bytes(probe.config.tree_budget + 1)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: int(2 * slot * 3.5))  # half: 3.5 slots
+    slot, prefill = probe._slot_bytes(probe.config.tree_budget + 1), probe._prefill_bytes(256)
+    # half of it holds a prefill's activations and 3.5 slots
+    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: int(2 * (prefill + slot * 3.5)))
     eng = Engine(config)
     assert eng.slots == 3 and eng.target_cache.slots == 3 and eng.draft_cache.slots == 3
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: slot)
-    with pytest.raises(ValueError, match="GiB for the caches, but .* GiB of cpu is free"):
+    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: slot + prefill - 1)
+    with pytest.raises(ValueError, match="GiB for the caches and a prefill's activations, but .* GiB of cpu is free"):
         Engine(config)
 
 

@@ -158,12 +158,15 @@ class Engine:
         return self._slot_bytes(max(self.config.tree_budget, self.block_size) + 1, context) + self._prefill_bytes(context)
 
     def _slots_that_fit(self, tree_slots: int, wanted: int, reclaimable: int = 0) -> int:
-        """min(wanted, the slots mem_fraction of the free memory holds beside a prefill's activations);
-        ValueError (before anything is allocated) when not even one does, so a budget or context too
-        big fails at start, plainly."""
+        """min(wanted, the slots mem_fraction of the free memory holds beside a prefill's activations,
+        and at least the one that all of it holds); ValueError (before anything is allocated) when not
+        even one fits, so a budget or context too big fails at start, plainly."""
         need = self._slot_bytes(tree_slots)
         free = _free_bytes(self.device) + reclaimable
-        fit = (int(free * self.config.mem_fraction) - self._prefill_bytes(self.max_context)) // need
+        prefill = self._prefill_bytes(self.max_context)
+        fit = (int(free * self.config.mem_fraction) - prefill) // need
+        if fit < 1 and need + prefill <= free:  # one request may use all there is (serving_context's measure)
+            fit = 1
         if fit < 1:
             what = " and recurrent-state scratch" if isinstance(self.target.config, Qwen35Config) else ""
             raise ValueError(

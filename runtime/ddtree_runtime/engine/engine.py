@@ -32,8 +32,8 @@ from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
 from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams
 
-
 log = logging.getLogger(__name__)
+
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
     ids: set[int] = set()

@@ -149,7 +149,7 @@ def build_trees(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
         child = torch.minimum(scores[:, d - 1, :, None] + lp[:, d, None, :], ceiling)        # [R, B, K]
         torch.topk(child.flatten(1), budget, dim=-1, out=(scores[:, d], pick[:, d]))
     chosen = scores.flatten(1).topk(n, dim=-1).indices                                      # [R, n] best first
-    level, slot = chosen // budget, chosen % budget
+    level = chosen // budget
     node_of = torch.zeros(rows, depth * budget, dtype=torch.long, device=dev)
     node_of.scatter_(1, chosen, torch.arange(1, n + 1, device=dev).expand(rows, n))
     flat = pick.flatten(1).gather(1, chosen)

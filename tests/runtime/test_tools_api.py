@@ -42,7 +42,8 @@ REASONED = REASONING + "\n"  # as vLLM returns it: the newline before </think> i
 
 
 class ScriptedEngine:
-    """Stands in for the Engine: replies with text chosen from the prompt, a few tokens a round."""
+    """Stands in for the Engine: replies with text chosen from the prompt, a few tokens a round (through
+    generate, and the batching API the server's worker uses: submit, step, cancel)."""
 
     block_size, draft_name, max_context, can_serve = 4, "draft", 2048, True
 
@@ -50,6 +51,22 @@ class ScriptedEngine:
         self.tokenizer, self.arch, self.model_name = tokenizer, arch, MODEL
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.prompts: list[str] = []
+        self.running: dict[int, object] = {}  # request id -> its rounds, for the batching API below
+
+    def submit(self, prompt_ids, params) -> int:
+        request_id = len(self.prompts)
+        self.running[request_id] = self.generate(prompt_ids, params)
+        return request_id
+
+    def step(self):
+        outputs = [(request_id, next(rounds)) for request_id, rounds in list(self.running.items())]
+        for request_id, out in outputs:
+            if out.finished:
+                del self.running[request_id]
+        return outputs
+
+    def cancel(self, request_id: int) -> None:
+        self.running.pop(request_id, None)
 
     def reply(self, prompt: str) -> str:
         call = CALLS[self.arch]

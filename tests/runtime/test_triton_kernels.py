@@ -61,7 +61,7 @@ def test_batched_decode_attention_gives_each_sequence_its_own_keys_and_bias():
     drafter's bias, one row for all queries of a sequence), equal to each sequence alone."""
     out = interpret("""
         K._use_triton = lambda x: True
-        for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
+        for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 3, 128, 256, False),
                                               (4, 2, 16, 32, 200, True)]:
             b = 3
             q = torch.randn(b, hq, t, d, dtype=torch.float16)
@@ -76,6 +76,10 @@ def test_batched_decode_attention_gives_each_sequence_its_own_keys_and_bias():
                 alone = K.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], bias[i:i + 1])
                 assert torch.equal(batched[i:i + 1], alone), (hq, t, i)
             print(hq, hkv, t)
+        # a batch of single queries (AR steps) stays with SDPA, which ran them faster
+        one = torch.randn(3, 8, 1, 64, dtype=torch.float16)
+        assert not K.decode_attention_fits(one, torch.randn(3, 2, 100, 64, dtype=torch.float16))
+        assert K.decode_attention_fits(one[:1], torch.randn(1, 2, 100, 64, dtype=torch.float16))
     """)
     assert len(out.splitlines()) == 3
 

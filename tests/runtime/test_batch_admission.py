@@ -107,3 +107,27 @@ def test_round_budgets_share_the_round_nodes():
     assert round_budgets([16] * 16, 16, 272) == [16] * 16               # 17 each
     assert round_budgets([16] * 32, 32, 272) == [4] * 32                # 8 each: down to a 5-node bucket
     assert round_budgets([16] * 64, 64, 128) == [1] * 64                # at least the root and one node
+
+
+def test_a_round_that_fails_leaves_the_engine_serving(engine, monkeypatch):
+    """A batched round raising (a device error, say): the caller drops the batch (the server's worker
+    answers each request 500 and cancels it); the next requests are served as if nothing happened."""
+    prompts = [_chat(engine, q) for q in ("Count from 1 to 60.", "What is 2+3?", "Name three colours.")]
+    params = SamplingParams(max_new_tokens=20)
+    alone = [[t for r in engine.generate(p, params) for t in r.token_ids] for p in prompts]
+    ids = [engine.submit(p, params) for p in prompts]
+    engine.step()  # all three prefilled
+    real_run = engine.batch_runner.run
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated device error")
+    monkeypatch.setattr(engine.batch_runner, "run", fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.step()
+    for i in ids:
+        engine.cancel(i)
+    assert not engine.has_work
+    monkeypatch.setattr(engine.batch_runner, "run", real_run)
+    ids = [engine.submit(p, params) for p in prompts]
+    tokens = _serve(engine)
+    assert [tokens[i] for i in ids] == alone

@@ -224,8 +224,11 @@ class Engine:
         self.scheduler.add(req)
         return req.id
 
+    @torch.inference_mode()
     def cancel(self, request_id: int) -> None:
-        """Drop a request wherever it is (between steps); its slot is free for the next one."""
+        """Drop a request wherever it is (between steps); its slot is free for the next one. (In
+        inference mode: a departure moves cache rows, and a pool re-sized inside a step is made of
+        inference tensors.)"""
         req = self.scheduler.find(request_id)
         if req is not None:
             self._release(req)

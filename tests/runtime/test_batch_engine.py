@@ -56,6 +56,11 @@ def reference(models, prompts, engine) -> list[list[int]]:
     return out
 
 
+def long_prompt(prompts: list[list[int]]) -> list[int]:
+    """120 tokens: eight prefill chunks of the engine fixture's 16."""
+    return (prompts[-1] * 120)[:120]
+
+
 def params(i: int, **kw) -> SamplingParams:
     mode, budget = MIXES[i % len(MIXES)]
     return SamplingParams(max_new_tokens=MAX_NEW, mode=mode, tree_budget=budget, **kw)
@@ -117,45 +122,50 @@ def test_batch_output_equals_alone_for_every_mix(engine, prompts):
 
 
 def test_requests_beyond_the_slots_wait_and_long_prompts_do_not_stall(engine, prompts, reference):
-    """More requests than slots: the extra ones wait, then run, and no more than the slots ever run
-    at once; a long prompt prefilled in chunks while others decode lets them emit at every step."""
-    # AR (a token a step) so the first ones are still running when the last slots fill
-    ids = [engine.submit(prompts[i % 8], SamplingParams(max_new_tokens=MAX_NEW, mode="ar"))
-           for i in range(engine.slots + 3)]
-    assert len(engine.scheduler.waiting) == engine.slots + 3
+    """A long prompt prefilled in chunks while others decode lets them emit at every step of its
+    prefill; requests beyond the slots wait, then run, and no more than the slots ever run at once."""
+    # AR past any stop (a token a step, MAX_NEW steps): the first ones still run while the rest arrive
+    keep = SamplingParams(max_new_tokens=MAX_NEW, mode="ar", ignore_eos=True)
+    expected = [alone(engine, prompts[i], keep) for i in range(8)]
+    ids = [engine.submit(prompts[i], keep) for i in range(engine.slots - 1)]
     tokens = {i: [] for i in ids}
-    most_running, neighbours_during_long_prefill, step, long_id = 0, [], 0, None
+    most_running, neighbours_during_long_prefill, waited, step, long_id = 0, [], False, 0, None
     while engine.has_work:
-        if step == 2:
-            long_id = engine.submit(prompts[-1] * 3, SamplingParams(max_new_tokens=8))  # several chunks
-            tokens[long_id] = []
+        if step == 4:  # the last slot: prefilled 16 tokens a step beside the decoding ones
+            long_id = engine.submit(long_prompt(prompts), SamplingParams(max_new_tokens=8))
+            extra = [engine.submit(prompts[i], keep) for i in range(3)]  # no slot left: they wait
+            ids += extra
+            tokens.update({i: [] for i in [long_id, *extra]})
         long_prefilling = long_id is not None and getattr(engine.scheduler.prefilling, "id", None) == long_id
         outs = engine.step()
         most_running = max(most_running, len(engine.scheduler.running))
+        waited |= bool(engine.scheduler.waiting) and len(engine.scheduler.running) == engine.slots
         assert len(engine.scheduler.running) + (engine.scheduler.prefilling is not None) <= engine.slots
         if long_prefilling:
             neighbours_during_long_prefill.append(sum(i != long_id for i, _ in outs))
         for i, out in outs:
             tokens[i] += out.token_ids
         step += 1
-    assert most_running == engine.slots
+    assert most_running == engine.slots and waited
     for k, i in enumerate(ids):
-        assert tokens[i] == reference[k % 8]
+        assert tokens[i] == expected[k if k < engine.slots - 1 else k - (engine.slots - 1)]
     assert len(tokens[long_id]) == 8
     assert len(neighbours_during_long_prefill) >= 3 and all(neighbours_during_long_prefill)
 
 
 def test_cancel_while_prefilling_then_serve(engine, prompts, reference):
-    running = engine.submit(prompts[0], params(0))
+    keep = SamplingParams(max_new_tokens=MAX_NEW, mode="ar", ignore_eos=True)  # decodes all along
+    expected = alone(engine, prompts[0], keep)
+    running = engine.submit(prompts[0], keep)
     tokens = [t for _, out in engine.step() for t in out.token_ids]
-    long_id = engine.submit(prompts[-1] * 3, params(0))
+    long_id = engine.submit(long_prompt(prompts), params(0))
     for step in range(3):
         tokens += [t for i, out in engine.step() for t in out.token_ids if i == running]
     assert engine.scheduler.prefilling is not None and engine.scheduler.prefilling.id == long_id
     engine.cancel(long_id)
     while engine.has_work:
         tokens += [t for i, out in engine.step() for t in out.token_ids if i == running]
-    assert tokens == reference[0]
+    assert tokens == expected
     outs, _ = serve(engine, {0: [(p, params(i)) for i, p in enumerate(prompts[:3])]})
     assert outs == reference[:3]
 
@@ -199,11 +209,13 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
     monkeypatch.setattr(engine.trees, "build", build)
     monkeypatch.setattr(engine.trees, "build_rows", build_rows)
     monkeypatch.setattr(engine_module, "walk_rows", walk_rows)
-    arrivals = {0: [(p, SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)) for p in prompts[:6]],
-                4: [(p, SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)) for p in prompts[6:]]}
-    outs, _ = serve(engine, arrivals)
-    for i, (out, ref) in enumerate(zip(outs, reference)):
-        assert out == ref, f"prompt {i} diverged"
+    deep = SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)
+    # two batchings of the same requests: some arriving later, then all at once
+    for arrivals in ({0: [(p, deep) for p in prompts[:6]], 4: [(p, deep) for p in prompts[6:]]},
+                     {0: [(p, deep) for p in prompts]}):
+        outs, _ = serve(engine, arrivals)
+        for i, (out, ref) in enumerate(zip(outs, reference)):
+            assert out == ref, f"prompt {i} diverged"
     print(f"\nbatched rounds accepted past a top branch rejected at depth {swapped_depth}: {diverged_then_continued}")
     assert diverged_then_continued >= 10
 

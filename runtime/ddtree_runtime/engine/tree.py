@@ -11,7 +11,8 @@ one host sync reads the walk's result: path length, next token, path nodes and t
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -181,7 +182,7 @@ class TreeBuilder:
         self.cuda = device.type == "cuda"
         self.use_graphs = self.cuda and tree_kernel.triton is not None
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree | torch.Tensor]] = {}
 
     def build_rows(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
         """build_trees (R drafts [R, D, V] -> [R, 3, N-1]), graphed on CUDA per (R, budget, shape);
@@ -189,27 +190,25 @@ class TreeBuilder:
         if not self.cuda:
             return build_trees(draft_logits, budget)
         key = ("rows", budget, *draft_logits.shape, draft_logits.dtype)
-        if key not in self.graphs:
-            logits = draft_logits.clone()
-            graph, nodes = capture(lambda: build_trees(logits, budget), draft_logits.device, self.pool)
-            self.graphs[key] = (graph, logits, nodes)
-        graph, logits, nodes = self.graphs[key]
-        logits.copy_(draft_logits)
-        graph.replay()
-        return nodes
+        return self._replayed(key, lambda logits: build_trees(logits, budget), draft_logits)
 
     def build(self, draft_logits: torch.Tensor, budget: int) -> Tree:
         if not self.use_graphs:
             return build_tree(draft_logits, budget)
         key = (budget, *draft_logits.shape, draft_logits.dtype)
+        return self._replayed(key, lambda logits: build_tree_on_gpu(logits, budget), draft_logits)
+
+    def _replayed(self, key: tuple, build: Callable[[torch.Tensor], Any], draft_logits: torch.Tensor) -> Any:
+        """build(logits) captured once per key over a static copy of the input, then replayed on new
+        draft logits; returns the capture's static output."""
         if key not in self.graphs:
             logits = draft_logits.clone()
-            graph, tree = capture(lambda: build_tree_on_gpu(logits, budget), draft_logits.device, self.pool)
-            self.graphs[key] = (graph, logits, tree)
-        graph, logits, tree = self.graphs[key]
+            graph, out = capture(lambda: build(logits), draft_logits.device, self.pool)
+            self.graphs[key] = (graph, logits, out)
+        graph, logits, out = self.graphs[key]
         logits.copy_(draft_logits)
         graph.replay()
-        return tree
+        return out
 
 
 class Walk(NamedTuple):

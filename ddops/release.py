@@ -15,9 +15,9 @@ from .paths import cache_root
 def source_digest(package_dir: str) -> str:
     root = Path(package_dir)
     h = hashlib.sha256()
-    # What goes into the wheel: the package's modules and the build metadata (not bench output).
+    # What goes into the wheel: the package's modules and the build metadata (not bench output or devtools).
     files = sorted([p for p in root.rglob("*.py") if "__pycache__" not in p.parts and "egg-info" not in str(p)
-                    and not p.relative_to(root).parts[0] in ("bench", "tests", "build")]
+                    and not p.relative_to(root).parts[0] in ("bench", "tests", "build", "devtools")]
                    + [root / "pyproject.toml"])
     for p in files:
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")

@@ -5,7 +5,7 @@
 
 Builds each pair with ddtree-tiny (seed 0; a few minutes of CPU each), or takes an already built
 `--from` dir, and writes its MANIFEST.json: the fixture version (one more than before), the digest
-of the recipe (ddtree_runtime/tiny.py + tiny_corpus.py), the torch version, and the sha256 of every
+of the recipe (ddtree_devtools/tiny.py + tiny_corpus.py), the torch version, and the sha256 of every
 file, which ddops checks before it installs the pair. Commit the result; the smoke prompts of the lab
 profiles must still pass on it (`make test`).
 """
@@ -31,7 +31,7 @@ SEED = 0
 
 def recipe_digest() -> str:
     """Which recipe made the pair (recorded, so a later rebuild can tell whether it should differ)."""
-    from ddtree_runtime import tiny, tiny_corpus
+    from ddtree_devtools import tiny, tiny_corpus
 
     h = hashlib.sha256()
     for module in (tiny, tiny_corpus):
@@ -47,7 +47,7 @@ def build(name: str, built: Path | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / name
         if built is None:
-            from ddtree_runtime.tiny import build as build_pair
+            from ddtree_devtools.tiny import build as build_pair
 
             build_pair(out, SEED, arch=PAIRS[name])
         else:

@@ -34,4 +34,4 @@ fi
 
 # torch is pinned to the CPU wheel that pip's find-links holds: a plain `torch` pulls a multi-GB CUDA build.
 echo "--> pip: ddops, the runtime and the test tools"
-with_heartbeat "pip install" python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "torch==2.13.0" -e "./runtime" -e ".[test]"
+with_heartbeat "pip install" python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "torch==2.13.0" -e "./runtime" -e "./runtime/devtools" -e ".[test]"

@@ -127,7 +127,7 @@ def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new
 def tiny_prompts(engine: Engine, n: int) -> list[list[int]]:
     """Plain-text openings of unseen documents: they run on to max_new_tokens (a chat answer stops
     after a few tokens), so every request does the same amount of work."""
-    from ddtree_runtime.tiny_corpus import documents
+    from ddtree_devtools.tiny_corpus import documents
 
     plain = [h[: len(h) // 2] for h, _ in documents(2000, seed=99) if not h.startswith("<|")]
     ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in plain]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.tiny_corpus import documents, heldout_questions
+from ddtree_devtools.tiny_corpus import documents, heldout_questions
 
 CASES = [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
 
@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     if not (args.models / ".complete").exists():
-        from ddtree_runtime.tiny import build
+        from ddtree_devtools.tiny import build
 
         build(args.models, 0)
     engine = Engine(EngineConfig(str(args.models / "target"), str(args.models / "draft"),

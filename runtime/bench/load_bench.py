@@ -102,7 +102,7 @@ def main() -> None:
     server = None
     url = args.url
     if args.target:
-        from ddtree_runtime.server.testing import ServerProcess
+        from ddtree_devtools.server_process import ServerProcess
 
         flags = ["--target", args.target, "--mode", args.mode, "--served-model-name", args.model,
                  "--max-running", str(args.max_running), "--max-queue", str(max(levels) * 2), *args.server_arg]

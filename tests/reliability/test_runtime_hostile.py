@@ -19,7 +19,7 @@ import httpx
 import pytest
 from faultlab import FIGURES
 
-from ddtree_runtime.server.testing import HOST, ServerProcess
+from ddtree_devtools.server_process import HOST, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +188,7 @@ ATTACKS = [
 def server(tiny_models):
     args = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
             "--served-model-name", MODEL, "--max-queue", "2"]
-    with ServerProcess(args, env={"DDTREE_API_KEY": KEY, "DDTREE_TEST_FAULTS": ""}) as srv:
+    with ServerProcess(args, env={"DDTREE_API_KEY": KEY}) as srv:
         srv.wait_ready()
         yield srv
         FIGURES["runtime_hostile_inputs"] = dict(TALLY)

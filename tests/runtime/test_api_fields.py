@@ -8,7 +8,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from ddtree_runtime.server.testing import ServerProcess
+from ddtree_devtools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from ddtree_runtime.server.output_parsers import HermesParser, Qwen3CoderParser
 from ddtree_runtime.server.prompts import ControlTokens, render_chat
 from ddtree_runtime.server.schemas import ChatCompletionRequest
-from ddtree_runtime.tiny_templates import CHAT_TEMPLATES
+from ddtree_devtools.tiny_templates import CHAT_TEMPLATES
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]

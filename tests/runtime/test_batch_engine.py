@@ -12,7 +12,7 @@ import torch
 import ddtree_runtime.engine.engine as engine_module
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
-from ddtree_runtime.tiny_corpus import documents, heldout_questions
+from ddtree_devtools.tiny_corpus import documents, heldout_questions
 
 MAX_NEW = 40
 # (mode, tree_budget) per request, cycled over the prompts: a batch always mixes them

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from ddtree_runtime.server.testing import ServerProcess
+from ddtree_devtools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ MODES = [{"mode": "ddtree"}, {"mode": "ar"}, {"mode": "dflash"}, {"mode": "ddtre
 def server(tiny_models):
     args = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
             "--served-model-name", "tiny", "--max-running", "3", "--max-queue", "1"]
-    with ServerProcess(args, env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+    with ServerProcess(args, faults=True) as srv:
         srv.wait_ready()
         yield srv
 

@@ -11,7 +11,7 @@ import pytest
 
 from ddops.bench import bench_spec, parse_modes, summarize
 from ddops.probes import probe_source
-from ddtree_runtime.server.testing import ServerProcess
+from ddtree_devtools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

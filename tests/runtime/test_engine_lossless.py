@@ -10,7 +10,7 @@ import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
-from ddtree_runtime.tiny_corpus import documents, heldout_questions
+from ddtree_devtools.tiny_corpus import documents, heldout_questions
 
 N_PROMPTS = 50
 MAX_NEW = 40

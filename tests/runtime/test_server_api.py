@@ -1,9 +1,9 @@
 """ddtree-serve end to end: a real server process, the real engine and tiny models, the official
 ``openai`` client. One server for the module (model load + warm-up takes seconds).
 
-The server runs with DDTREE_TEST_FAULTS=1, which adds POST /_test/fault: it pauses the worker (to
+The server runs through ddtree_devtools.serve, which adds POST /_test/fault: it pauses the engine (to
 fill the queue deterministically), slows rounds down (to disconnect mid-generation) and injects
-engine errors. See ddtree_runtime.server.worker.Faults.
+engine errors. See ddtree_devtools.faults.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from ddtree_runtime.server.testing import ServerProcess
+from ddtree_devtools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ PROMPT = "1\n2\n3\n4\n"
 def server(tiny_models):
     args = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
             "--served-model-name", MODEL, "--max-queue", "2", "--drain-timeout", "5"]
-    with ServerProcess(args, env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+    with ServerProcess(args, faults=True) as srv:
         srv.wait_ready()
         yield srv
 

@@ -14,7 +14,7 @@ from ddtree_runtime.engine import Engine, EngineConfig
 from ddtree_runtime.engine import engine as engine_module
 from ddtree_runtime.server.app import create_app
 from ddtree_runtime.server.config import ServerConfig
-from ddtree_runtime.server.testing import ServerProcess
+from ddtree_devtools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 """ddtree-serve's life: start-up health, API keys, a dying worker, SIGTERM draining, bad CLI input.
 
-Uses DDTREE_TEST_FAULTS=1 (test-only): DDTREE_TEST_STARTUP_DELAY_S holds the model load back so the
-``starting`` health is observable, and POST /_test/fault {"kill_worker": true} kills the engine worker
-thread, {"round_delay_s": S} slows every round.
+Uses the devtools server (``ServerProcess(faults=True)``): DDTREE_TEST_STARTUP_DELAY_S holds the model
+load back so the ``starting`` health is observable, and POST /_test/fault {"kill_worker": true} kills the
+engine worker thread, {"round_delay_s": S} slows every round.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from ddtree_runtime.server.cli import _is_loopback
-from ddtree_runtime.server.testing import ServerProcess
+from ddtree_devtools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ def _client(srv: ServerProcess, key: str) -> openai.OpenAI:
 
 
 def test_startup_health_auth_and_sigterm_drain(tiny_models):
-    env = {"DDTREE_TEST_FAULTS": "1", "DDTREE_TEST_STARTUP_DELAY_S": "1.5", "DDTREE_API_KEY": KEY}
-    with ServerProcess(_args(tiny_models, "--drain-timeout", "20"), env=env) as srv:
+    env = {"DDTREE_TEST_STARTUP_DELAY_S": "1.5", "DDTREE_API_KEY": KEY}
+    with ServerProcess(_args(tiny_models, "--drain-timeout", "20"), env=env, faults=True) as srv:
         # The listener is up before the model: health says "starting" (503), then "ok". Without the key,
         # only the status (issue 12, item 6); the detail is for the key holder.
         code, body = srv.wait_listening()
@@ -98,7 +98,7 @@ def test_startup_health_auth_and_sigterm_drain(tiny_models):
 
 
 def test_dead_worker_turns_health_to_error(tiny_models):
-    with ServerProcess(_args(tiny_models), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+    with ServerProcess(_args(tiny_models), faults=True) as srv:
         srv.wait_ready()
         httpx.post(srv.url + "/_test/fault", json={"kill_worker": True})
         body = srv.wait_status("error", timeout=10)
@@ -110,7 +110,7 @@ def test_dead_worker_turns_health_to_error(tiny_models):
 
 
 def test_drain_timeout_cancels_what_is_still_running(tiny_models):
-    with ServerProcess(_args(tiny_models, "--drain-timeout", "1"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+    with ServerProcess(_args(tiny_models, "--drain-timeout", "1"), faults=True) as srv:
         srv.wait_ready()
         httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.2})
         body = {"model": "target", "prompt": "1\n2\n", "max_tokens": 400, "stream": True, "temperature": 0,
@@ -124,7 +124,7 @@ def test_drain_timeout_cancels_what_is_still_running(tiny_models):
         assert srv.wait_exit(30) == 0
 
 
-def test_fault_endpoint_is_absent_without_the_env(tiny_models):
+def test_fault_endpoint_is_absent_from_the_served_runtime(tiny_models):
     # No model load needed: the route answers 404 whatever the engine's state.
     with ServerProcess(_args(tiny_models)) as srv:
         srv.wait_listening()
@@ -167,7 +167,7 @@ def test_second_sigterm_cancels_at_once_and_streams_end_cleanly(tiny_models):
     """Issue 12, item 5: the first SIGTERM drains (a 120 s drain here); the second cancels what runs.
     The stream in flight ends with an error event and [DONE] (not a cut-off chunked body), the process
     exits 0, and its log has no traceback."""
-    with ServerProcess(_args(tiny_models, "--drain-timeout", "120"), env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+    with ServerProcess(_args(tiny_models, "--drain-timeout", "120"), faults=True) as srv:
         srv.wait_ready()
         httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.2})
         body = {"model": "target", "prompt": "1\n2\n3\n4\n", "max_tokens": 400, "stream": True,
@@ -191,7 +191,7 @@ def test_retry_after_is_the_admitted_work_estimated_from_measured_jobs(tiny_mode
     # one request at a time: with --max-running N the waiting ones would go N at a time (the
     # estimate divides by N; test_batch_server checks that)
     with ServerProcess(_args(tiny_models, "--max-queue", "2", "--max-running", "1"),
-                       env={"DDTREE_TEST_FAULTS": "1"}) as srv:
+                       faults=True) as srv:
         srv.wait_ready()
         httpx.post(srv.url + "/_test/fault", json={"round_delay_s": 0.1})
         body = {"model": "target", "prompt": "1\n2\n3\n4\n", "max_tokens": 15, "temperature": 0,

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ddtree_runtime.server.testing import ServerProcess
-from ddtree_runtime.tiny_corpus import TOOLS
+from ddtree_devtools.server_process import ServerProcess
+from ddtree_devtools.tiny_corpus import TOOLS
 
 agents = pytest.importorskip("agents")
 

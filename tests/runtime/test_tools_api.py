@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 from ddtree_runtime.engine.types import RoundOutput
 from ddtree_runtime.server.app import create_app
 from ddtree_runtime.server.config import ServerConfig
-from ddtree_runtime.server.testing import HOST, free_port
-from ddtree_runtime.tiny_templates import CHAT_TEMPLATES
+from ddtree_devtools.server_process import HOST, free_port
+from ddtree_devtools.tiny_templates import CHAT_TEMPLATES
 
 pytestmark = pytest.mark.slow
 

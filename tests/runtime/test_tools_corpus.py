@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime import tiny, tiny_corpus
-from ddtree_runtime.tiny_templates import CHAT_TEMPLATES
+from ddtree_devtools import tiny, tiny_corpus
+from ddtree_devtools.tiny_templates import CHAT_TEMPLATES
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])

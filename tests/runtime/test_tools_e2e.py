@@ -11,8 +11,8 @@ import json
 import openai
 import pytest
 
-from ddtree_runtime.server.testing import ServerProcess
-from ddtree_runtime.tiny_corpus import CITIES, TOOLS
+from ddtree_devtools.server_process import ServerProcess
+from ddtree_devtools.tiny_corpus import CITIES, TOOLS
 
 pytestmark = pytest.mark.slow
 

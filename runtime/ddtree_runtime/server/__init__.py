@@ -14,8 +14,8 @@ owns the engine on one thread and steps it for up to --max-running requests at o
 batching), behind a bounded queue; ``generation`` turns engine rounds into text
 for one request (``detok`` holds back partial characters and stop strings); ``routes`` speaks the
 OpenAI wire format; ``schemas`` validates requests; ``metrics`` renders Prometheus text;
-``draining`` makes SIGTERM finish in-flight work first; ``testing`` runs the server as a subprocess.
+``draining`` makes SIGTERM finish in-flight work first.
 
-Test-only: with DDTREE_TEST_FAULTS=1 the app adds POST /_test/fault (see ``worker.Faults``) and
-honours DDTREE_TEST_STARTUP_DELAY_S; never set them in production.
+Nothing here is test-only: the fault switch, the subprocess harness and the tiny models live in the
+ddtree-devtools package (runtime/devtools), which the served wheel leaves out.
 """

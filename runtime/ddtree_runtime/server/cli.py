@@ -13,6 +13,8 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ddtree_runtime.server.config import DEFAULT_MAX_BODY, MODES, ServerConfig
 from ddtree_runtime.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -21,8 +23,6 @@ from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
 log = logging.getLogger("ddtree_runtime.server")
 
 API_KEY_ENV = "DDTREE_API_KEY"
-FAULTS_ENV = "DDTREE_TEST_FAULTS"  # "1": enable POST /_test/fault (tests only)
-STARTUP_DELAY_ENV = "DDTREE_TEST_STARTUP_DELAY_S"  # with FAULTS_ENV: sleep before loading the model
 DTYPES = ("float32", "float16", "bfloat16")
 GRACEFUL_CLOSE_S = 5.0  # after draining: how long uvicorn waits for idle connections to close
 
@@ -107,11 +107,6 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         raise UsageError(f"--host {args.host} without an API key would let anyone who reaches the port use "
                          f"the model: set {API_KEY_ENV} or --api-key (or pass --insecure-no-auth)")
     template_kwargs = _template_kwargs(args.chat_template_kwargs)
-    faults = environ.get(FAULTS_ENV) == "1"
-    try:
-        startup_delay = float(environ.get(STARTUP_DELAY_ENV, "0")) if faults else 0.0
-    except ValueError:
-        raise UsageError(f"{STARTUP_DELAY_ENV}: expected seconds") from None
     return ServerConfig(
         target_dir=target,
         draft_dir=draft,
@@ -135,8 +130,6 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template_kwargs=template_kwargs,
-        test_faults=faults,
-        test_startup_delay_s=startup_delay,
     )
 
 
@@ -176,7 +169,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] | None = None) -> int:
+    """Parse, build the app (``make_app``: app.create_app unless a wrapper brings its own) and serve
+    until SIGTERM has drained it. Exit 2 on a usage error."""
     try:
         args = build_parser().parse_args(argv)
         config = config_from_args(args, dict(os.environ))
@@ -195,10 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{bar}\nWARNING: ddtree-serve is listening on {config.host} WITHOUT an API key.\n"
               f"Anyone who can reach this port can use the model. Set {API_KEY_ENV} or --api-key.\n{bar}",
               file=sys.stderr)
-    if config.test_faults:
-        log.warning("%s=1: test fault endpoint POST /_test/fault is enabled", FAULTS_ENV)
 
-    app = create_app(config)
+    app = (make_app or create_app)(config)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
                                timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on")
     server = DrainingServer(uv_config, app.state.ddtree)

@@ -39,9 +39,6 @@ class ServerConfig:
     tool_call_parser: str | None = None  # hermes | qwen3_coder; None: from the target's architecture
     reasoning_parser: str | None = None  # qwen3: <think>...</think> -> reasoning_content; None: off
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the service's template defaults
-    # DDTREE_TEST_FAULTS=1: adds POST /_test/fault (see worker.Faults). Never set in production.
-    test_faults: bool = False
-    test_startup_delay_s: float = 0.0
 
     def engine_kwargs(self) -> dict:
         return {

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoints, /health, /metrics and the test-only fault switch."""
+"""The OpenAI-compatible endpoints, /health and /metrics."""
 
 from __future__ import annotations
 
@@ -226,18 +226,3 @@ class _Shape:
         else:
             choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish}
         return {**self.envelope(), "choices": [choice]}
-
-
-@router.post("/_test/fault", include_in_schema=False)
-async def test_fault(request: Request) -> JSONResponse:
-    """Test-only (DDTREE_TEST_FAULTS=1; 404 otherwise): set worker.Faults fields from the JSON body."""
-    ctx = _ctx(request)
-    if not ctx.config.test_faults:
-        raise APIError(404, "Not Found")
-    faults = ctx.worker.faults
-    body = parse_body(await _read_body(request, ctx.config.max_body))
-    for key, value in body.items():
-        if not hasattr(faults, key):
-            raise APIError(400, f"unknown fault {key!r}", param=key)
-        setattr(faults, key, value)
-    return JSONResponse({"faults": vars(faults)})

@@ -31,7 +31,7 @@ log = logging.getLogger("ddtree_runtime.server")
 STARTING, READY, ERROR = "starting", "ready", "error"
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
-IDLE_POLL_S = 0.1  # how often an idle worker looks at its stop and kill flags
+IDLE_POLL_S = 0.1  # how often an idle worker looks at its stop flag
 RECENT_JOBS = 32  # job durations kept for the Retry-After estimate
 TOKEN_RATE_WINDOW_S = 10.0  # /metrics' tokens per second: over this many seconds
 
@@ -99,30 +99,6 @@ class NotReady(Exception):
         self.detail = detail
 
 
-# --- test faults ---------------------------------------------------------------------------------
-
-
-class _WorkerKilled(BaseException):
-    """Raised inside the worker thread by the kill fault; nothing catches it, so the thread dies."""
-
-
-@dataclass
-class Faults:
-    """Test-only knobs (the app exposes them at POST /_test/fault when DDTREE_TEST_FAULTS=1).
-
-    kill_worker: the worker thread dies at its next step (or within 0.1 s if idle).
-    engine_errors: the next N jobs raise inside the engine loop (the worker must survive).
-    round_delay_s: sleep this long after each step (makes generations slow enough to observe).
-    paused: the worker takes the next job off the queue and holds it there, unstarted, and steps
-        nothing (so the queue fills deterministically: one held job, then max_queue waiting).
-    """
-
-    kill_worker: bool = False
-    engine_errors: int = 0
-    round_delay_s: float = 0.0
-    paused: bool = False
-
-
 # --- the worker ----------------------------------------------------------------------------------
 
 class EngineWorker:
@@ -134,15 +110,13 @@ class EngineWorker:
     ) -> None:
         self.config = config
         self.metrics = metrics
-        self.faults = Faults()
         self.engine: Any = None
-        self._engine_factory = engine_factory or _load_engine
+        self._engine_factory = engine_factory or load_engine
         self._waiting: deque[Job] = deque()
         self._has_work = threading.Condition()  # guards _waiting
         self._state = STARTING
         self._detail = "loading model"
         self._running: dict[int, _Running] = {}  # by engine request id
-        self._held: Job | None = None            # the job a paused worker holds (test fault)
         self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds each recent job held the engine
         self._committed: deque[tuple[float, int]] = deque()  # (time, tokens) over the last rate window
         self._stopping = False
@@ -190,8 +164,8 @@ class EngineWorker:
         return len(self._running)
 
     def _free_slots(self) -> int:
-        """Slots the worker fills at its next step (none while the paused test fault holds one job)."""
-        return 0 if self.faults.paused else max(0, self.capacity() - len(self._running))
+        """Slots the worker fills at its next step."""
+        return max(0, self.capacity() - len(self._running))
 
     def capacity(self) -> int:
         """Jobs the engine runs at once: --max-running, or the slots its memory allowed."""
@@ -216,13 +190,11 @@ class EngineWorker:
         mean = sum(durations) / len(durations)
         now = time.monotonic()
         remaining = max((max(mean - (now - r.admitted), 0.0) for r in list(self._running.values())), default=0.0)
-        if self._held is not None:
-            remaining = max(remaining, mean)
         return max(1, math.ceil(remaining + mean * math.ceil(self.queue_depth() / self.capacity())))
 
     def working(self) -> bool:
         """A job is on the engine right now."""
-        return bool(self._running) or self._held is not None
+        return bool(self._running)
 
     def busy(self) -> bool:
         return self.working() or bool(self._waiting)
@@ -230,9 +202,6 @@ class EngineWorker:
     def cancel_all(self, reason: str) -> None:
         for r in list(self._running.values()):
             r.job.cancel(reason)
-        held = self._held
-        if held is not None:
-            held.cancel(reason)
         with self._has_work:
             for job in self._waiting:
                 job.cancel(reason)
@@ -266,8 +235,6 @@ class EngineWorker:
         self._state, self._detail = state, detail
 
     def _load(self) -> None:
-        if self.config.test_startup_delay_s:
-            time.sleep(self.config.test_startup_delay_s)
         c = self.config
         log.info("--> loading target %s, drafter %s (mode %s, %s, %s)", c.target_dir, c.draft_dir, c.mode,
                  c.device, c.dtype)
@@ -285,20 +252,13 @@ class EngineWorker:
         if produced == 0:
             raise RuntimeError("warm-up generation produced no tokens")
 
-    def _next_job(self, wait: bool) -> Job | None:
+    def _next_job(self) -> Job | None:
         with self._has_work:
-            if not self._waiting and wait:
-                self._has_work.wait(IDLE_POLL_S)
             return self._waiting.popleft() if self._waiting else None
 
     def _serve(self) -> None:
         try:
             while True:
-                if self.faults.kill_worker:
-                    raise _WorkerKilled("killed by test fault")
-                if self.faults.paused or self._held is not None:
-                    self._hold()
-                    continue
                 self._admit()
                 if not self._running:
                     if self._stopping:
@@ -311,25 +271,12 @@ class EngineWorker:
         except BaseException:  # the thread is dying: no request may wait forever
             for r in self._running.values():
                 r.job.emit(ErrorEvent(503, "the engine worker died"))
-            if self._held is not None:
-                self._held.emit(ErrorEvent(503, "the engine worker died"))
             raise
-
-    def _hold(self) -> None:
-        """The paused test fault: hold one job unstarted, step nothing; on resume it is admitted first."""
-        if self._held is None:
-            self._held = self._next_job(wait=True)
-        if self.faults.paused and not self.faults.kill_worker and not (self._held and self._held.cancelled.is_set()):
-            time.sleep(0.01)
-            return
-        held, self._held = self._held, None
-        if held is not None:
-            self._start(held)
 
     def _admit(self) -> None:
         """Move waiting jobs into the engine while it has a free slot."""
         while len(self._running) < self.capacity():
-            job = self._next_job(wait=False)
+            job = self._next_job()
             if job is None:
                 return
             self._start(job)
@@ -343,9 +290,6 @@ class EngineWorker:
             job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
             return
         try:
-            if self.faults.engine_errors > 0:
-                self.faults.engine_errors -= 1
-                raise RuntimeError("injected engine fault")
             request_id = self.engine.submit(job.prompt_ids, job.params)
         except ValueError as exc:  # the engine rejected the parameters before doing anything
             job.emit(ErrorEvent(400, str(exc)))
@@ -393,8 +337,6 @@ class EngineWorker:
                 self._finish(r, DoneEvent())
         while self._committed and self._committed[0][0] < now - TOKEN_RATE_WINDOW_S:
             self._committed.popleft()
-        if self.faults.round_delay_s:
-            time.sleep(self.faults.round_delay_s)
 
     def _finish(self, r: _Running, event: DoneEvent | ErrorEvent) -> None:
         """The job leaves the engine (a no-op there if it already finished) with its last event."""
@@ -409,7 +351,8 @@ class EngineWorker:
                 self._waiting.popleft().emit(ErrorEvent(503, message))
 
 
-def _load_engine(config: ServerConfig) -> Any:
+def load_engine(config: ServerConfig) -> Any:
+    """The engine the worker builds unless the app is given another factory."""
     from ddtree_runtime.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(**config.engine_kwargs()))

@@ -1,8 +1,10 @@
-"""Run ``ddtree-serve`` as a real subprocess on a free 127.0.0.1 port (for tests and lab checks).
+"""Run ``ddtree-serve`` as a real subprocess on a free 127.0.0.1 port (for tests and benchmarks).
 
     with ServerProcess(["--target", t, "--draft", d]) as srv:
         srv.wait_ready()
         httpx.get(srv.url + "/health")
+
+``faults=True`` runs it through ``ddtree_devtools.serve``, which adds POST /_test/fault (``faults``).
 
 The server's output goes to a log file, shown by ``srv.log_tail()`` when something goes wrong.
 """
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import ddtree_runtime
 
+import ddtree_devtools
+
 HOST = "127.0.0.1"
 
 
@@ -33,19 +37,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None,
+                 faults: bool = False) -> None:
+        self.module = "ddtree_devtools.serve" if faults else "ddtree_runtime.server"
         self.port = port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self._args = [*args, "--host", HOST, "--port", str(self.port)]
-        # The child imports the same ddtree_runtime as this process, installed or not.
-        package_root = str(Path(ddtree_runtime.__file__).resolve().parents[1])
-        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+        # The child imports the same ddtree_runtime (and devtools) as this process, installed or not.
+        roots = [str(Path(package.__file__).resolve().parents[1]) for package in (ddtree_runtime, ddtree_devtools)]
+        path = os.pathsep.join(p for p in (*roots, os.environ.get("PYTHONPATH", "")) if p)
         self._env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = tempfile.NamedTemporaryFile(prefix="ddtree-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "ddtree_runtime.server", *self._args]
+        cmd = [sys.executable, "-m", self.module, *self._args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
         return self
 

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .engine.kv_cache import target_cache
-from .model import DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-from .model.qwen3_5 import to_hf_state
+from ddtree_runtime.engine.kv_cache import target_cache
+from ddtree_runtime.model import (DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config,
+                                  Qwen3ForCausalLM)
+from ddtree_runtime.model.qwen3_5 import to_hf_state
 from .tiny_corpus import ENDOFTEXT, IM_END, IM_START, documents, heldout_questions
 from .tiny_templates import CHAT_TEMPLATES
 
@@ -268,7 +269,7 @@ def chat_prompts(tok, questions: list[str]) -> list[list[int]]:
 def measure_acceptance(engine, prompts: list[list[int]], mode: str, budget: int,
                        max_new: int = 64) -> float:
     """Mean acceptance length (accepted + 1 per speculative round) over greedy generations."""
-    from .engine import SamplingParams
+    from ddtree_runtime.engine import SamplingParams
 
     lengths = []
     for p in prompts:
@@ -279,7 +280,7 @@ def measure_acceptance(engine, prompts: list[list[int]], mode: str, budget: int,
 
 
 def answer(engine, prompt: list[int]) -> str:
-    from .engine import SamplingParams
+    from ddtree_runtime.engine import SamplingParams
 
     ids = [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=48, mode="ar"))
            for t in r.token_ids]
@@ -348,7 +349,7 @@ def build(out: Path, seed: int, target_steps: int = TARGET_STEPS, draft_steps: i
     train_drafter(drafter, target, seqs, feats, prompt_len, draft_steps, mask_id, g)
     save_drafter(drafter, ddir)
 
-    from .engine import Engine, EngineConfig
+    from ddtree_runtime.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(str(tdir), str(ddir)))
     sanity = chat_prompts(tok, ["What is 2+3?", "Repeat the word cat 5 times."])

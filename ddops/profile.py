@@ -109,6 +109,11 @@ class Serve:
     served_model_name: str | None = None
     extra_args: tuple[str, ...] = ()
     max_context: int | None = None  # None: the runtime's default (the model's positions, as memory holds)
+    # Batching (the runtime's --max-running, --max-queue, --mem-fraction); None: the runtime's default
+    # (16 running, 16 waiting, 0.9 of the free device memory for its pools).
+    max_running: int | None = None
+    max_queue: int | None = None
+    mem_fraction: float | None = None
     # What the chat endpoint makes of the model's text (the runtime's --tool-call-parser,
     # --reasoning-parser, --chat-template-kwargs); None: the runtime's default.
     tool_call_parser: str | None = None          # None: from the target's architecture
@@ -417,6 +422,7 @@ def _serve(top: Section) -> Serve:
     if section is None:
         return Serve()
     section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context",
+                            "max_running", "max_queue", "mem_fraction",
                             "tool_call_parser", "reasoning_parser", "chat_template_kwargs"))
     # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
     return Serve(mode=section.str("mode", "ddtree", choices=MODES),
@@ -425,6 +431,9 @@ def _serve(top: Section) -> Serve:
                  served_model_name=section.str("served_model_name"),
                  extra_args=tuple(section.str_list("extra_args")),
                  max_context=section.int("max_context", None, min=1),
+                 max_running=section.int("max_running", None, min=1, max=LIMITS.MAX_RUNNING),
+                 max_queue=section.int("max_queue", None, min=1, max=LIMITS.MAX_QUEUE),
+                 mem_fraction=section.number("mem_fraction", None, min=LIMITS.MIN_MEM_FRACTION, max=1),
                  tool_call_parser=section.str("tool_call_parser", choices=TOOL_CALL_PARSERS),
                  reasoning_parser=section.str("reasoning_parser", choices=REASONING_PARSERS),
                  chat_template_kwargs=_template_kwargs(section))

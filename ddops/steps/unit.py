@@ -74,8 +74,10 @@ def exec_argv(profile: Profile) -> list[str]:
              "--port", str(profile.port), "--device", profile.device, "--dtype", profile.dtype]
     if profile.serve.served_model_name:
         argv += ["--served-model-name", profile.serve.served_model_name]
-    if profile.serve.max_context is not None:
-        argv += ["--max-context", str(profile.serve.max_context)]
+    for flag, number in (("--max-context", profile.serve.max_context), ("--max-running", profile.serve.max_running),
+                         ("--max-queue", profile.serve.max_queue), ("--mem-fraction", profile.serve.mem_fraction)):
+        if number is not None:
+            argv += [flag, str(number)]
     for flag, value in (("--tool-call-parser", profile.serve.tool_call_parser),
                         ("--reasoning-parser", profile.serve.reasoning_parser),
                         ("--chat-template-kwargs", profile.serve.chat_template_kwargs)):

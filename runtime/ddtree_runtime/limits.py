@@ -11,3 +11,6 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MIN_BLOCK_SIZE = 2        # the root plus at least one draft position
 MIN_TREE_BUDGET = 1
 MAX_TREE_BUDGET = 1024    # the largest tree the engine sizes its caches and graph buckets for
+MAX_RUNNING = 1024        # requests batched at once: a ceiling on the slot pool, far above one GPU's worth
+MAX_QUEUE = 100_000       # requests waiting behind them
+MIN_MEM_FRACTION = 0.01   # of free device memory for the pools; less holds nothing useful

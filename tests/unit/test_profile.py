@@ -48,6 +48,8 @@ def test_shipped_profiles_load(name):
         assert profile.serve.block_size == 16 and profile.serve.tree_budget == 16
     # the service the pivot replaces ran a 131,072-token context; the lab keeps the runtime's default
     assert profile.serve.max_context == (131072 if name == "zlab-ddtree16" else None)
+    # ...and 16 requests at once (its --max-running-requests)
+    assert profile.serve.max_running == (16 if name == "zlab-ddtree16" else None)
 
 
 def test_good_profile(tmp_path):
@@ -71,6 +73,11 @@ BAD = [
     ("serve: {tree_budget: 1025}", "between 1 and 1024", None),  # the runtime's range
     ("serve: {max_context: 0}", "at least 1", None),
     ("serve: {max_context: 128k}", "must be an integer", None),
+    ("serve: {max_running: 0}", "between 1 and 1024", None),     # limits.py, as the runtime's CLI
+    ("serve: {max_queue: 100001}", "between 1 and 100000", None),
+    ("serve: {mem_fraction: 0}", "between 0.01 and 1", None),
+    ("serve: {mem_fraction: 1.5}", "between 0.01 and 1", None),
+    ("serve: {mem_fraction: most}", "must be a number", None),
     ("port: " + "9" * 5000, "(5000 characters) is too large", "18 digits"),
     ("port: 0x" + "f" * 5000, "is too large", None),         # parses, but could not be printed
     ("port: 12345678901234567890", "is too large", None),

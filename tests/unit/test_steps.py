@@ -61,6 +61,32 @@ def test_max_context_reaches_the_unit_only_when_set(profile):
     assert " --max-context 131072" in render(longer, {}).unit_text
 
 
+def test_batching_settings_reach_the_unit_only_when_set(profile):
+    from dataclasses import replace
+    assert not {"--max-running", "--max-queue", "--mem-fraction"} & set(exec_argv(profile))
+    busy = replace(profile, serve=replace(profile.serve, max_running=16, max_queue=64, mem_fraction=0.85))
+    argv = exec_argv(busy)
+    assert [argv[argv.index(f) + 1] for f in ("--max-running", "--max-queue", "--mem-fraction")] == ["16", "64", "0.85"]
+    assert " --max-running 16 --max-queue 64 --mem-fraction 0.85" in render(busy, {}).unit_text
+
+
+def test_the_runtime_cli_accepts_every_shipped_profile_s_command_line(tmp_path):
+    """The unit's ExecStart, parsed by the runtime's own CLI: every flag exists, every value passes
+    its checks (model paths swapped for a directory that has a config.json)."""
+    from ddops.profile import load_profile, resolve_profile
+    from ddtree_runtime.server.cli import build_parser, config_from_args
+
+    (tmp_path / "config.json").write_text("{}")
+    for name in ("lab-ddtree16", "lab-hybrid-ddtree16", "zlab-ddtree16"):
+        prof = load_profile(resolve_profile(name, REPO / "playbooks"), repo_root=REPO)
+        argv = exec_argv(prof)[1:]
+        for flag in ("--target", "--draft"):
+            argv[argv.index(flag) + 1] = str(tmp_path)
+        config = config_from_args(build_parser().parse_args(argv), {"DDTREE_API_KEY": "k"})
+        assert config.max_running == (prof.serve.max_running or 16)
+        assert config.max_context == prof.serve.max_context
+
+
 def test_secrets_stay_out_of_unit_and_diff(profile):
     from dataclasses import replace
     p = replace(profile, secrets={"DDTREE_API_KEY": "K"})

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ddtree_runtime.limits import MAX_QUEUE, MAX_RUNNING, MIN_MEM_FRACTION
 from ddtree_runtime.server.config import DEFAULT_MAX_BODY, MODES, ServerConfig
 from ddtree_runtime.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
@@ -88,12 +89,12 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     draft = _model_dir(args.draft, "--draft") if args.draft is not None else None
     _positive(args.block_size, "--block-size")
     _positive(args.tree_budget, "--tree-budget")
-    _positive(args.max_queue, "--max-queue")
-    _positive(args.max_running, "--max-running")
+    _positive(args.max_queue, "--max-queue", MAX_QUEUE)
+    _positive(args.max_running, "--max-running", MAX_RUNNING)
     _positive(args.prefill_chunk, "--prefill-chunk")
     _positive(args.round_nodes, "--round-nodes")
-    if not 0 < args.mem_fraction <= 1:
-        raise UsageError(f"--mem-fraction {args.mem_fraction}: must be in (0, 1]")
+    if not MIN_MEM_FRACTION <= args.mem_fraction <= 1:
+        raise UsageError(f"--mem-fraction {args.mem_fraction}: must be between {MIN_MEM_FRACTION} and 1")
     _positive(args.max_body, "--max-body")
     _positive(args.max_context, "--max-context")
     if not 0 <= args.port <= 65535:
@@ -155,9 +156,11 @@ def _template_kwargs(text: str) -> dict:
     return value
 
 
-def _positive(value: int | None, flag: str) -> None:
+def _positive(value: int | None, flag: str, ceiling: int | None = None) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{flag} {value}: must be >= 1")
+    if value is not None and ceiling is not None and value > ceiling:
+        raise UsageError(f"{flag} {value}: must be <= {ceiling}")
 
 
 def _is_loopback(host: str) -> bool:

@@ -3,11 +3,15 @@
 The requests run on the host itself (the `bench` probe, over its loopback, like the pivot's smoke
 step), so the figures are the server's and not the SSH link's. Each prompt is sent once per mode with
 the per-request `speculative` override, greedy; with `ar` among the modes, each other mode's text is
-also compared with AR's (greedy DDTree/DFlash are lossless, so they must match)."""
+also compared with AR's (greedy DDTree/DFlash are lossless, so they must match).
+
+With `--concurrency N` it is a load run instead: per mode, N clients at once stream `--requests`
+requests in all; the report gives aggregate tokens/s and the p50/p99 latency and time to first token."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -97,10 +101,53 @@ def summarize(rows: list[dict[str, Any]], modes: list[dict[str, Any]]) -> dict[s
     return overall
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank percentile (q in 0-100): a value that was measured, never an interpolation."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summarize_load(rows: list[dict[str, Any]], load: list[dict[str, Any]],
+                   modes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode of a load run: aggregate tokens/s (all tokens over the run's wall time), requests/s,
+    p50/p99 of each request's latency and time to first token, mean acceptance length by rounds."""
+    wall = {entry["mode"]: entry["wall_s"] for entry in load}
+    overall: dict[str, Any] = {}
+    for m in modes:
+        mine = [r for r in rows if r["mode"] == m["name"]]
+        ok = [r for r in mine if "error" not in r]
+        tokens = sum(r["completion_tokens"] for r in ok)
+        seconds = wall.get(m["name"], 0)
+        latency = [r["seconds"] for r in ok]
+        ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+        weighted = [(r["mean_acceptance_length"], r["rounds"]) for r in ok
+                    if r.get("mean_acceptance_length") is not None and r.get("rounds")]
+        rounds = sum(n for _, n in weighted)
+        overall[m["name"]] = {
+            "requests": len(mine), "errors": len(mine) - len(ok), "completion_tokens": tokens,
+            "wall_s": seconds, "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+            "requests_per_s": round(len(ok) / seconds, 3) if seconds else None,
+            "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "mean_acceptance_length": round(sum(a * n for a, n in weighted) / rounds, 3) if rounds else None}
+    return overall
+
+
 def bench_spec(*, port: int, api_key: str | None, model: str | None, max_tokens: int, timeout: float,
-               prompts: list[dict[str, str]], modes: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"port": port, "api_key": api_key, "model": model, "max_tokens": max_tokens, "timeout": timeout,
-            "prompts": prompts, "modes": modes}
+               prompts: list[dict[str, str]], modes: list[dict[str, Any]], concurrency: int = 1,
+               requests: int | None = None) -> dict[str, Any]:
+    """What the probe runs. A load run (concurrency > 1) sends `requests` per mode, by default two
+    per client and at least every prompt once."""
+    spec = {"port": port, "api_key": api_key, "model": model, "max_tokens": max_tokens, "timeout": timeout,
+            "prompts": prompts, "modes": modes, "concurrency": concurrency}
+    if concurrency > 1:
+        spec["requests"] = requests or max(2 * concurrency, len(prompts))
+    elif requests is not None:
+        raise UsageError("--requests goes with --concurrency N (N > 1)",
+                         fix="add --concurrency, or drop --requests to send each prompt once per mode")
+    return spec
 
 
 def resolve_target(host: Host, profile_name: str | None, port: int | None,
@@ -125,17 +172,26 @@ def resolve_target(host: Host, profile_name: str | None, port: int | None,
 
 
 def run_bench(executor: Executor, host: Host, spec: dict[str, Any]) -> dict[str, Any]:
-    n = len(spec["prompts"]) * len(spec["modes"]) + len(spec["modes"])
+    load = spec["concurrency"] > 1
+    # requests one after another (a load run: waves of `concurrency`), each within the timeout
+    waves = math.ceil(spec["requests"] / spec["concurrency"]) if load else len(spec["prompts"])
+    n = waves * len(spec["modes"]) + len(spec["modes"])
     out = run_probe(executor, host, "bench", stdin=spec, timeout=spec["timeout"] * n + 60)
     rows = out["results"]
+    overall = summarize_load(rows, out["load"], spec["modes"]) if load else summarize(rows, spec["modes"])
     report = {"host": host.name, "port": spec["port"], "max_tokens": spec["max_tokens"],
-              "modes": [m["name"] for m in spec["modes"]], "overall": summarize(rows, spec["modes"]),
-              "results": [{k: v for k, v in r.items() if k != "text"} for r in rows]}
+              "concurrency": spec["concurrency"], "modes": [m["name"] for m in spec["modes"]],
+              "overall": overall, "results": [{k: v for k, v in r.items() if k != "text"} for r in rows]}
+    if load:
+        report["requests"] = spec["requests"]
     report["errors"] = sum(1 for r in rows if "error" in r)
     return report
 
 
 def render(report: dict[str, Any], console) -> None:
+    if report["concurrency"] > 1:
+        render_load(report, console)
+        return
     from rich.table import Table
 
     modes = report["modes"]
@@ -170,6 +226,32 @@ def render(report: dict[str, Any], console) -> None:
         if "same_text_as_ar" in o and o["same_text_as_ar"] != o["compared_with_ar"]:
             console.print(f"[yellow]{m}: {o['same_text_as_ar']}/{o['compared_with_ar']} texts equal ar's "
                           "(greedy speculative decoding should match; bf16 near-ties can flip a token)[/]")
+    if report["errors"]:
+        first = next(r for r in report["results"] if "error" in r)
+        console.print(f"[red]{report['errors']} request(s) failed; first: {first['mode']} on "
+                      f"{first['prompt']}: {first['error']}[/]")
+
+
+def render_load(report: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"ddops bench on {report['host']}: {report['concurrency']} clients at once, "
+                        f"{report['requests']} requests per mode (max_tokens {report['max_tokens']}, greedy)")
+    for column in ("mode", "tokens/s", "requests/s", "latency p50", "p99", "first token p50", "p99",
+                   "acceptance", "errors"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+
+    def secs(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}s"
+
+    for name in report["modes"]:
+        o = report["overall"][name]
+        mal = o.get("mean_acceptance_length")
+        table.add_row(name, f"[bold]{o['tokens_per_s'] or 0:.1f}[/]", f"{o['requests_per_s'] or 0:.2f}",
+                      secs(o["latency_p50_s"]), secs(o["latency_p99_s"]), secs(o["ttft_p50_s"]),
+                      secs(o["ttft_p99_s"]), f"{mal:.2f}" if mal else "-",
+                      f"[red]{o['errors']}[/]" if o["errors"] else "0")
+    console.print(table)
     if report["errors"]:
         first = next(r for r in report["results"] if "error" in r)
         console.print(f"[red]{report['errors']} request(s) failed; first: {first['mode']} on "

@@ -224,11 +224,17 @@ def logs(obj: Context, host_name: str, unit: str | None, lines: int) -> None:
 @click.option("--max-tokens", type=click.IntRange(1, 32768), default=256, show_default=True)
 @click.option("--timeout", type=click.FloatRange(1, 3600), default=300, show_default=True,
               help="Seconds per request.")
+@click.option("--concurrency", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="Clients at once: above 1, a load run (aggregate tokens/s, p50/p99 latency and first token).")
+@click.option("--requests", "requests", type=click.IntRange(1, 100000), default=None,
+              help="Requests per mode in a load run [default: two per client, at least each prompt once].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
 def bench(obj: Context, host_name: str, profile_name: str | None, port: int | None, api_key_env: str | None,
-          prompts_path: Path | None, modes: str, max_tokens: int, timeout: float, as_json: bool) -> None:
-    """Tokens/s and mean acceptance length per speculative mode, per prompt and overall."""
+          prompts_path: Path | None, modes: str, max_tokens: int, timeout: float, concurrency: int,
+          requests: int | None, as_json: bool) -> None:
+    """Tokens/s and mean acceptance length per speculative mode, per prompt and overall; with
+    --concurrency N, aggregate tokens/s and latency under N concurrent clients."""
     from .bench import bench_spec, load_prompts, parse_modes, render, resolve_target, run_bench
 
     mode_list, prompts = parse_modes(modes), load_prompts(prompts_path)
@@ -236,9 +242,11 @@ def bench(obj: Context, host_name: str, profile_name: str | None, port: int | No
     host = inventory.host(host_name)
     port, model, api_key = resolve_target(host, profile_name, port, api_key_env)
     spec = bench_spec(port=port, api_key=api_key, model=model, max_tokens=max_tokens, timeout=timeout,
-                      prompts=prompts, modes=mode_list)
+                      prompts=prompts, modes=mode_list, concurrency=concurrency, requests=requests)
     if not as_json:
-        _progress(f"{len(prompts)} prompt(s) x {len(mode_list)} mode(s) on {host.name}:{port}")
+        _progress(f"{spec['requests']} requests per mode from {concurrency} clients at once, "
+                  f"{len(mode_list)} mode(s) on {host.name}:{port}" if concurrency > 1 else
+                  f"{len(prompts)} prompt(s) x {len(mode_list)} mode(s) on {host.name}:{port}")
     with obj.executor(inventory) as executor:
         report = run_bench(executor, host, spec)
     if as_json:

@@ -3,12 +3,17 @@ prompt and speculative mode (the per-request `speculative` override), timed here
 the control machine is not in the figures.
 
 Arguments come as JSON on stdin (they may hold the API key): port, api_key, model, max_tokens, timeout,
-prompts [{id, prompt}], modes [{name, mode, tree_budget}]. Prints {results: [...]}, one row per
-prompt and mode, in the order run (modes interleaved per prompt, so drift hits every mode alike).
+prompts [{id, prompt}], modes [{name, mode, tree_budget}], and for a load run concurrency and requests.
+Prints {results: [...]}, one row per prompt and mode, in the order run (modes interleaved per prompt,
+so drift hits every mode alike). With concurrency > 1, per mode: `requests` streamed requests (the
+prompts in turn) from `concurrency` clients at once; each row also has the request's time to first
+text, and {load: [{mode, wall_s}]} says how long each mode's run took in all.
 """
 import json
 import sys
-# chat() comes from loopback_chat.py, which probe_source() prepends to this script.
+import threading
+import time
+# chat() and chat_stream() come from loopback_chat.py, which probe_source() prepends to this script.
 
 
 def speculative(mode):
@@ -18,11 +23,53 @@ def speculative(mode):
     return out
 
 
+def load_run(spec, mode):
+    """`requests` streamed requests from `concurrency` threads; returns (rows, wall seconds)."""
+    prompts, total = spec["prompts"], spec["requests"]
+    rows, taken, lock = [None] * total, [0], threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                n = taken[0]
+                taken[0] += 1
+            if n >= total:
+                return
+            item = prompts[n % len(prompts)]
+            out = chat_stream(spec, item["prompt"], spec["max_tokens"], speculative(mode), 300)
+            row = {"prompt": item["id"], "mode": mode["name"], "seconds": round(out["seconds"], 4)}
+            if "error" in out:
+                row["error"] = out["error"]
+            else:
+                stats = out["usage"].get("speculative") or {}
+                row.update(completion_tokens=out["usage"].get("completion_tokens") or 0,
+                           finish_reason=out["finish_reason"], rounds=stats.get("rounds"),
+                           mean_acceptance_length=stats.get("mean_acceptance_length"),
+                           ttft=None if out["ttft"] is None else round(out["ttft"], 4))
+            rows[n] = row
+
+    threads = [threading.Thread(target=client) for _ in range(min(spec["concurrency"], total))]
+    started = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows, time.time() - started
+
+
 def main():
     spec = json.loads(sys.stdin.read())
     # warm up each mode once (the runtime captures its CUDA graphs on first use of a shape)
     for mode in spec["modes"]:
         chat(spec, spec["prompts"][0]["prompt"], 16, speculative(mode), 300)
+    if spec.get("concurrency", 1) > 1:
+        results, load = [], []
+        for mode in spec["modes"]:
+            rows, wall = load_run(spec, mode)
+            results += rows
+            load.append({"mode": mode["name"], "wall_s": round(wall, 4)})
+        json.dump({"results": results, "load": load}, sys.stdout)
+        return
     results = []
     for item in spec["prompts"]:
         for mode in spec["modes"]:

@@ -127,6 +127,22 @@ def test_bench_against_the_deployed_runtime(pivot_lab, tmp_path):
     assert dd["mean_acceptance_length"] > 1.5 and dd["tokens_per_s"] > 0
 
 
+def test_bench_load_run_against_the_deployed_runtime(pivot_lab):
+    """`ddops bench --concurrency N` over SSH and `pct exec`: every request streamed to its end."""
+    done = ddops(pivot_lab, "bench", "--host", "ct200", "--profile", str(PROFILE), "--modes", "ddtree:16",
+                 "--concurrency", "3", "--requests", "6", "--max-tokens", "16", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["concurrency"] == 3 and report["requests"] == 6 and report["errors"] == 0
+    load = report["overall"]["ddtree:16"]
+    assert load["requests"] == 6 and load["tokens_per_s"] > 0 and load["wall_s"] > 0
+    assert 0 < load["ttft_p50_s"] <= load["latency_p99_s"]
+    assert all(r["finish_reason"] in ("stop", "length") for r in report["results"])
+    text = ddops(pivot_lab, "bench", "--host", "ct200", "--profile", str(PROFILE), "--modes", "ar",
+                 "--concurrency", "2", "--requests", "2", "--max-tokens", "8")
+    assert text.returncode == 0 and "2 clients at once" in text.stdout and "first token p50" in text.stdout
+
+
 def test_missing_package_installed_before_start(pivot_lab):
     ct200(pivot_lab, "/opt/ddtree/venv/bin/pip uninstall -y -q uvicorn", timeout=120)
     done, report = pivot(pivot_lab)

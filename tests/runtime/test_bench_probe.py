@@ -1,5 +1,6 @@
 """The `ddops bench` probe against a real ddtree-serve on the tiny models: it runs each mode through
-the per-request override, and greedy speculative text equals AR's."""
+the per-request override, and greedy speculative text equals AR's; a load run streams every request
+to its end from several clients at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from ddops.bench import bench_spec, parse_modes, summarize
+from ddops.bench import bench_spec, parse_modes, summarize, summarize_load
 from ddops.probes import probe_source
 from ddtree_devtools.server_process import ServerProcess
 
@@ -35,3 +36,29 @@ def test_bench_probe_modes_and_losslessness(tiny_models):
         assert overall[name]["same_text_as_ar"] == len(prompts)
     assert overall["ddtree:16"]["mean_acceptance_length"] > 1.5
     assert overall["ar"]["mean_acceptance_length"] in (None, 1.0)
+
+
+def test_bench_probe_load_run(tiny_models):
+    args = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+            "--served-model-name", "tiny", "--max-running", "4"]
+    with ServerProcess(args) as srv:
+        srv.wait_ready()
+        modes = parse_modes("ar,ddtree:16")
+        prompts = [{"id": "count", "prompt": "Count from 3 to 20."}, {"id": "add", "prompt": "What is 2+3?"}]
+        spec = bench_spec(port=srv.port, api_key=None, model="tiny", max_tokens=24, timeout=60,
+                          prompts=prompts, modes=modes, concurrency=4, requests=6)
+        out = subprocess.run([sys.executable, "-c", probe_source("bench")], input=json.dumps(spec),
+                             capture_output=True, text=True, timeout=300, check=True)
+    data = json.loads(out.stdout)
+    rows = data["results"]
+    assert len(rows) == 6 * len(modes) and not any("error" in r for r in rows), rows
+    assert [r["prompt"] for r in rows[:6]] == ["count", "add"] * 3   # the prompts in turn
+    for r in rows:
+        assert r["finish_reason"] in ("stop", "length") and r["completion_tokens"] > 0
+        assert 0 < r["ttft"] <= r["seconds"]
+    overall = summarize_load(rows, data["load"], modes)
+    for name in ("ar", "ddtree:16"):
+        o = overall[name]
+        assert o["requests"] == 6 and o["errors"] == 0 and o["tokens_per_s"] > 0
+        assert o["latency_p50_s"] <= o["latency_p99_s"] and o["ttft_p50_s"] <= o["latency_p99_s"]
+    assert overall["ddtree:16"]["mean_acceptance_length"] > 1.5

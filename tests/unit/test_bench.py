@@ -56,3 +56,41 @@ def test_summarize_weights_acceptance_by_rounds_and_compares_with_ar():
     assert dd["tokens_per_s"] == 20.0 and dd["speedup_vs_ar"] == 2.0 and dd["errors"] == 1
     assert dd["mean_acceptance_length"] == 2.5  # (4*5 + 2*15) / 20
     assert (dd["same_text_as_ar"], dd["compared_with_ar"]) == (1, 2)
+
+
+def test_percentile_is_nearest_rank():
+    from ddops.bench import percentile
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0
+
+
+def test_load_summary_is_aggregate_over_wall_time():
+    from ddops.bench import summarize_load
+    modes = parse_modes("ar,ddtree:16")
+    rows = [{"prompt": "a", "mode": "ar", "seconds": 1.0, "ttft": 0.1, "completion_tokens": 10, "rounds": 10,
+             "mean_acceptance_length": 1.0},
+            {"prompt": "b", "mode": "ar", "seconds": 2.0, "ttft": 0.3, "completion_tokens": 30, "rounds": 30,
+             "mean_acceptance_length": 1.0},
+            {"prompt": "a", "mode": "ddtree:16", "seconds": 1.0, "ttft": 0.2, "completion_tokens": 40,
+             "rounds": 10, "mean_acceptance_length": 4.0},
+            {"prompt": "b", "mode": "ddtree:16", "seconds": 9.0, "error": "HTTP 429: queue full"}]
+    out = summarize_load(rows, [{"mode": "ar", "wall_s": 2.0}, {"mode": "ddtree:16", "wall_s": 1.0}], modes)
+    # two requests overlapped in 2 s of wall time: 40 tokens / 2 s, not 40 / (1 + 2)
+    assert out["ar"]["tokens_per_s"] == 20.0 and out["ar"]["requests_per_s"] == 1.0
+    assert out["ar"]["latency_p50_s"] == 1.0 and out["ar"]["latency_p99_s"] == 2.0
+    assert out["ar"]["ttft_p99_s"] == 0.3 and out["ar"]["errors"] == 0
+    assert out["ddtree:16"]["errors"] == 1 and out["ddtree:16"]["tokens_per_s"] == 40.0
+    assert out["ddtree:16"]["mean_acceptance_length"] == 4.0
+
+
+def test_requests_needs_concurrency():
+    from ddops.bench import bench_spec
+    prompts = [{"id": f"p{i}", "prompt": "x"} for i in range(10)]
+    kw = dict(port=1, api_key=None, model=None, max_tokens=8, timeout=5, prompts=prompts, modes=parse_modes("ar"))
+    assert bench_spec(**kw, concurrency=8)["requests"] == 16       # two per client
+    assert bench_spec(**kw, concurrency=2)["requests"] == 10       # at least each prompt once
+    assert bench_spec(**kw, concurrency=4, requests=7)["requests"] == 7
+    with pytest.raises(UsageError, match="--requests goes with --concurrency"):
+        bench_spec(**kw, requests=7)

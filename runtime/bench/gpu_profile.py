@@ -2,9 +2,11 @@
 drafter's pass and the tree build, each replayed many times from its CUDA graph under torch.profiler.
 
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py [--shape qwen3-8b] [--context 512] [--nodes 17]
+    PYTHONPATH=runtime python runtime/bench/gpu_profile.py --batch 16    # a batched round, all rows decoding
 
 Prints, per pass, the mean GPU time per replay and the kernels that take it (summed over a replay), and
-writes JSON. Random weights (gpu_bench.build_models): the cost of a pass does not depend on them."""
+writes JSON. With --batch B: B requests decode together and the whole engine step (verify, walks, the
+batched drafter pass, tree builds, commits) is profiled: GPU time per engine phase, then per kernel. Random weights (gpu_bench.build_models): the cost of a pass does not depend on them."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import SHAPES, build_models  # noqa: E402
@@ -42,6 +44,59 @@ def kernel_table(fn, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
     return sum(r[1] for r in rows), rows
 
 
+def profile_batched_step(args, target, drafter) -> None:
+    """B requests of `context` random tokens, all decoding; then `reps` engine steps under the profiler,
+    each engine phase inside a record_function range (so its kernels' GPU time adds up under it)."""
+    engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
+                                 dtype="bfloat16", max_context=args.context + 512, max_running=args.batch),
+                    target=target, drafter=drafter)
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    params = SamplingParams(max_new_tokens=480, tree_budget=args.nodes - 1, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.submit(torch.randint(0, vocab - 1, (args.context,), generator=g).tolist(), params)
+    for _ in range(args.batch + 6):  # every prefill done, then rounds with every graph captured
+        engine.step()
+    torch.cuda.synchronize()
+    ranges: list = []
+
+    def enter_phase(name: str) -> None:
+        if ranges:
+            ranges.pop().__exit__(None, None, None)
+        ranges.append(record_function(f"phase:{name}"))
+        ranges[-1].__enter__()
+
+    engine.phase_hook = enter_phase
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.reps):
+            engine.step()
+            enter_phase("host")
+        torch.cuda.synchronize()
+        ranges.pop().__exit__(None, None, None)
+    engine.phase_hook = None
+    phases: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        if ev.key.startswith("phase:"):
+            phases[ev.key[6:]] += ev.device_time_total / args.reps
+    print("GPU time per step by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
+                                                      sorted(phases.items(), key=lambda kv: -kv[1])))
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name].append(ev.device_time)
+    rows = sorted(((name[:100], sum(t) / args.reps, len(t) // args.reps) for name, t in per_kernel.items()),
+                  key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"batched step, {args.batch} requests, ddtree@{args.nodes - 1}, context {args.context}: "
+          f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
+    for kname, us, count in rows[:args.top]:
+        print(f"  {us:8.1f} us  x{count:<4} {kname}")
+    report = {"shape": args.shape, "context": args.context, "batch": args.batch, "gpu_us": total,
+              "phases_us": dict(phases), "kernels": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,10 +105,14 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=17, help="tree size of the verify pass (root + budget)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--batch", type=int, default=0, help="profile a batched engine step of this many requests")
     ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     target, drafter = build_models(args.shape, device, torch.bfloat16)
+    if args.batch:
+        profile_batched_step(args, target, drafter)
+        return
     engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
                                  dtype="bfloat16", max_context=args.context + 256), target=target, drafter=drafter)
     g = torch.Generator().manual_seed(0)

@@ -83,4 +83,7 @@ class Qwen3ForCausalLM(nn.Module):
         return static
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()
+        """float32 logits for h [..., H]. The rows go to the LM head as one 2-D GEMM: a strided 3-D slice
+        (the batched drafter's h[:, 1:]) would run as a batched GEMM that reads the whole head once per
+        batch row (4.8 ms instead of 0.3 ms at 16 requests on an H200)."""
+        return self.lm_head(h.reshape(-1, h.shape[-1])).float().view(*h.shape[:-1], -1)

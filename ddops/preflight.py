@@ -3,7 +3,8 @@ once, into the typed `PivotFacts` every step plans from.
 
 Reachable; identity matches `expect`; source model dirs exist; the drafter's config agrees with the
 profile and the target; free disk for the sync; the port is free or held by the unit being replaced;
-no other ddops run holds the host's lock. Every problem found is reported together.
+a training stop that would lose more steps than allowed has a checkpoint request to try first; no other
+ddops run holds the host's lock. Every problem found is reported together.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
-from .facts import HostFacts, Inspection, PivotFacts, Tree, check_identity, gather
+from .facts import HostFacts, Inspection, PivotFacts, Training, Tree, check_identity, gather
 from .hostlock import lock_problem
 from .inventory import Host, Inventory
 from .paths import LOCK_PATH, release_path, unit_path
@@ -145,8 +146,22 @@ def involved_hosts(profile: Profile, inventory: Inventory) -> list[Host]:
     return [inventory.host(n) for n in dict.fromkeys(names)]
 
 
+def check_kill_cost(profile: Profile, training: Training, accepted: float | None) -> list[str]:
+    """A kill that loses more steps than this run allows, with no checkpoint request to try first, is
+    refused here (with a request, the stop_training action decides after trying it)."""
+    limit = profile.training_stop.limit(accepted)
+    if not training.running or profile.training_stop.request or not training.over(limit):
+        return []
+    how = f"--accept-lost-steps {training.lost_steps}" if training.lost_steps is not None else "--accept-lost-steps all"
+    return [f"stopping training on {profile.host} costs more than the {limit} lost step(s) this run allows "
+            f"(training.max_lost_steps or --accept-lost-steps): at step {training.last_step}, {training.cost()}; "
+            f"pass {how}, name a checkpoint request (training.checkpoint_signal or checkpoint_command), or wait "
+            "for its next checkpoint"]
+
+
 def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kill_training: bool = False,
-              dry_run: bool = False, break_lock: bool = False) -> tuple[PivotFacts, str]:
+              dry_run: bool = False, break_lock: bool = False,
+              accept_lost_steps: float | None = None) -> tuple[PivotFacts, str]:
     """Gather and check; returns the facts and a one-line summary, or raises naming every problem found."""
     hosts = involved_hosts(profile, inventory)
     serving = inventory.host(profile.host)
@@ -191,6 +206,8 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "
                         f"{training.last_step}); pass --kill-training to stop it")
+    elif not dry_run:  # a dry run shows the cost and what a real run needs
+        problems += check_kill_cost(profile, training, accept_lost_steps)
     if dest.lock_holder is not None and not break_lock:
         problems.append(lock_problem(profile.host, dest.lock_holder))
     if problems:

@@ -125,6 +125,62 @@ class Sglang:
     extra_args: tuple[str, ...] = ()
 
 
+# -- training stop: what a kill would cost, and how to ask for a checkpoint first (issue 17) --------
+
+# Signals a trainer may take as "write a checkpoint now". Never one that stops a process by convention
+# (TERM, INT, QUIT, KILL): the request must leave the job running when it is ignored.
+CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+@dataclass(frozen=True)
+class TrainingStop:
+    """`training:` beyond the grace period. A checkpoint request (a signal or a command run on the host)
+    is sent first, then up to `checkpoint_wait_s` for a newer checkpoint before SIGTERM. A kill that
+    would lose more than `max_lost_steps` steps (None: no limit) is refused without --accept-lost-steps."""
+
+    checkpoint_signal: str | None = None
+    checkpoint_command: tuple[str, ...] = ()
+    checkpoint_wait_s: float = 120.0
+    max_lost_steps: int | None = None
+
+    def limit(self, accepted: float | None) -> int | None:
+        """The most steps this run may lose: --accept-lost-steps when given (inf: no limit), else the profile's."""
+        if accepted is None:
+            return self.max_lost_steps
+        return None if accepted == float("inf") else int(accepted)
+
+    @property
+    def request(self) -> str | None:
+        """The checkpoint request in words, or None when the profile names none."""
+        if self.checkpoint_signal:
+            return self.checkpoint_signal
+        return " ".join(self.checkpoint_command) if self.checkpoint_command else None
+
+
+def _training_stop(section: Section | None) -> TrainingStop:
+    if section is None:
+        return TrainingStop()
+    signal_name = section.str("checkpoint_signal")
+    if signal_name is not None:
+        signal_name = signal_name.upper()
+        signal_name = signal_name if signal_name.startswith("SIG") else "SIG" + signal_name
+        if signal_name not in CHECKPOINT_SIGNALS:
+            raise section.fail("checkpoint_signal", f"`training.checkpoint_signal` must be one of "
+                               f"{', '.join(CHECKPOINT_SIGNALS)}, got {section.data['checkpoint_signal']!r}",
+                               "name the signal the trainer takes as 'write a checkpoint now'; a stop signal "
+                               "would end the job the request is meant to keep")
+    command = tuple(section.str_list("checkpoint_command"))
+    if signal_name and command:
+        raise section.fail("checkpoint_command", "`training` names both a checkpoint_signal and a "
+                           "checkpoint_command", "keep the one the trainer understands")
+    return TrainingStop(checkpoint_signal=signal_name, checkpoint_command=command,
+                        checkpoint_wait_s=section.number("checkpoint_wait_s", 120.0, min=1, max=7200),
+                        max_lost_steps=section.int("max_lost_steps", None, min=0))
+
+
+# -- end of the training-stop block ----------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Health:
     path: str = "/health"
@@ -170,6 +226,7 @@ class Profile:
     health: Health
     smoke: Smoke
     description: str = ""
+    training_stop: TrainingStop = TrainingStop()
     lines: dict[str, str] = field(default_factory=dict, compare=False)  # key -> file:line, for errors
 
     def model(self, role: str) -> Model | None:
@@ -256,14 +313,17 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
     training = top.section("training")
     grace = 30.0
     if training is not None:
-        training.reject_unknown(("grace_s",))
+        training.reject_unknown(("grace_s", "checkpoint_signal", "checkpoint_command", "checkpoint_wait_s",
+                                 "max_lost_steps"))
         grace = training.number("grace_s", 30.0, min=0, max=3600)
+    training_stop = _training_stop(training)
     lines = {k: top.where(k) for k in top.keys()}
     return Profile(path=path, name=name, engine=engine, host=top.str("host", required=True), unit=unit,
                    port=port, bind=bind, device=device, dtype=top.str("dtype", "bfloat16", choices=DTYPES),
                    gpus=gpus, models=models, runtime=runtime, serve=serve, sglang=sglang, env=env,
                    secrets=secrets, conflicts=conflicts, training_grace_s=grace, health=_health(top),
-                   smoke=_smoke(top, engine), description=top.one_line("description", ""), lines=lines)
+                   smoke=_smoke(top, engine), description=top.one_line("description", ""),
+                   training_stop=training_stop, lines=lines)
 
 
 def _bind(top: Section) -> str:

@@ -237,6 +237,16 @@ class Inspection:
 
 
 @dataclass(frozen=True)
+class ServerFlags:
+    """The flags the server that will run the unit takes (ddops.serverflags), or why they are unknown."""
+
+    source: str                                  # which server, in words
+    flags: frozenset[str] = frozenset()
+    error: str | None = None
+    missing: bool = False                        # the server is not installed there at all
+
+
+@dataclass(frozen=True)
 class PivotFacts:
     """Everything a pivot plans from, read once by preflight: the serving host's facts, every
     involved host's inspection (the control machine's under "local"), and the runtime release here."""
@@ -245,6 +255,7 @@ class PivotFacts:
     hosts: dict[str, HostFacts]
     inspections: dict[str, Inspection]
     release: str | None = None          # the runtime release `runtime.ship` would install
+    server_flags: ServerFlags | None = None   # what the unit's server takes (None: not asked)
 
     @property
     def host(self) -> HostFacts:

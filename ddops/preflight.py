@@ -3,8 +3,9 @@ once, into the typed `PivotFacts` every step plans from.
 
 Reachable; identity matches `expect`; source model dirs exist; the drafter's config agrees with the
 profile and the target; free disk for the sync; the port is free or held by the unit being replaced;
-a training stop that would lose more steps than allowed has a checkpoint request to try first; no other
-ddops run holds the host's lock. Every problem found is reported together.
+every flag the unit passes exists in the server that will run it (ddops.serverflags); a training stop
+that would lose more steps than allowed has a checkpoint request to try first; no other ddops run holds
+the host's lock. Every problem found is reported together.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
-from .facts import HostFacts, Inspection, PivotFacts, Training, Tree, check_identity, gather
+from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
 from .hostlock import lock_problem
 from .inventory import Host, Inventory
 from .paths import LOCK_PATH, release_path, unit_path
@@ -24,6 +25,9 @@ from .probes import probe_source
 from .profile import LOCAL, Profile
 from .release import release_id
 from .remote import run_probe
+from .serverflags import check_flags, host_flags, shipped_flags, ships_server
+from .serverflags import summary as flags_summary
+from .steps.unit import exec_argv
 # target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)
 RUNTIME_TARGETS = {"qwen3": "Qwen3", "qwen3_5": "Qwen3.5/3.6 hybrid", "qwen3_5_text": "Qwen3.5/3.6 hybrid"}
 
@@ -167,14 +171,18 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     serving = inventory.host(profile.host)
     training_unit = serving.training.unit if serving.training else None
 
-    def one(host: Host) -> tuple[dict, dict]:
+    def one(host: Host) -> tuple[dict, dict, ServerFlags | None]:
         facts = gather(executor, host)
         args = serving_args(profile, training_unit) if host.name == profile.host else {"trees": []}
         if host.name == profile.host or any(m.source and m.source.host == host.name for m in profile.models):
             args["trees"] = list(dict.fromkeys(args["trees"] + source_args(profile, host.name)["trees"]))
-        return facts, run_probe(executor, host, "inspect", args, timeout=300)
+        inspected = run_probe(executor, host, "inspect", args, timeout=300)
+        # the installed server's own --help, unless the pivot ships the release that will run
+        flags = host_flags(executor, host, profile) if host.name == profile.host and not ships_server(profile) else None
+        return facts, inspected, flags
 
     outcomes = executor.fan_out(hosts, one)
+    server_flags: ServerFlags | None = None
     problems: list[str] = []
     unreachable = False
     host_facts: dict[str, HostFacts] = {}
@@ -185,8 +193,9 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
             unreachable |= outcome.unreachable
             problems.append(outcome.error.line())
             continue
-        facts, inspected = outcome.value
+        facts, inspected, flags = outcome.value
         host_facts[host.name], inspections[host.name] = HostFacts.from_json(facts), Inspection.from_json(inspected)
+        server_flags = flags or server_flags
         identity = check_identity(host.expect, facts)
         if not identity.ok:
             problems.append(f"IDENTITY MISMATCH on {host.name}: {'; '.join(identity.mismatches)}")
@@ -196,12 +205,17 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     if problems:
         _fail(problems, unreachable)
     release = release_id(profile.runtime.ship) if profile.runtime.ship is not None else None
-    facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release)
+    if ships_server(profile):
+        server_flags = shipped_flags(profile.runtime.ship, release)
+    facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release,
+                       server_flags=server_flags)
     dest = facts.dest
     trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
     problems += check_models(profile, trees)
     problems += check_disk(profile, trees, dest)
     problems += check_port(profile, dest.port_holder)
+    argv = exec_argv(profile)
+    problems += check_flags(profile, argv, server_flags)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "
@@ -212,8 +226,9 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
         problems.append(lock_problem(profile.host, dest.lock_holder))
     if problems:
         _fail(problems, False)
+    flags_note = flags_summary(server_flags, argv)
     return facts, (f"{len(hosts)} host(s) ok; {profile.host} is {facts.host.hostname} with "
-                   f"{facts.host.gpu_count} GPU(s)")
+                   f"{facts.host.gpu_count} GPU(s)" + (f"; {flags_note}" if flags_note else ""))
 
 
 def _fail(problems: list[str], unreachable: bool) -> None:

@@ -30,6 +30,8 @@ from .serverflags import summary as flags_summary
 from .steps.unit import exec_argv
 # target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)
 RUNTIME_TARGETS = {"qwen3": "Qwen3", "qwen3_5": "Qwen3.5/3.6 hybrid", "qwen3_5_text": "Qwen3.5/3.6 hybrid"}
+# model_types with linear-attention layers (SGLang keeps their state in its mamba cache)
+HYBRID_TARGETS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next")
 
 
 def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
@@ -73,6 +75,8 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
     draft, target = trees.get("draft"), trees.get("target")
     if profile.engine == "ddtree" and target and target.config:
         problems += check_target_arch(target.config, trees_where(profile, "target"))
+    if profile.engine == "sglang" and target and target.config:
+        problems += check_mamba_strategy(profile, target.config)
     if profile.engine == "ddtree" and profile.serve.mode == "ar":
         return problems
     if draft and draft.config and target and target.config:
@@ -115,6 +119,23 @@ def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
             f"(engine: sglang) for other models"]
 
 
+def is_hybrid(config: dict[str, Any]) -> bool:
+    """A target with linear-attention (Gated DeltaNet / Mamba-style) layers: Qwen3.5/3.6, Qwen3-Next."""
+    text = config.get("text_config") or config
+    return (config.get("model_type") in HYBRID_TARGETS or text.get("model_type") in HYBRID_TARGETS
+            or "linear_attention" in (text.get("layer_types") or []))
+
+
+def check_mamba_strategy(profile: Profile, config: dict[str, Any]) -> list[str]:
+    """SGLang's DFLASH on a hybrid target needs `--mamba-scheduler-strategy extra_buffer` (z-lab's recipe)."""
+    strategy = profile.sglang.mamba_scheduler_strategy
+    if not is_hybrid(config) or strategy == "extra_buffer":
+        return []
+    return [f"target model {trees_where(profile, 'target')} is a hybrid ({config.get('model_type')}, linear-attention "
+            f"layers) and SGLang's DFLASH on it needs `--mamba-scheduler-strategy extra_buffer`, but the profile "
+            f"passes {strategy or 'none (auto)'}; set `sglang.mamba_scheduler_strategy: extra_buffer`"]
+
+
 def check_disk(profile: Profile, trees: dict[str, Tree], dest: Inspection) -> list[str]:
     problems = []
     need_by_fs: dict[str, int] = {}
@@ -135,8 +156,8 @@ def check_disk(profile: Profile, trees: dict[str, Tree], dest: Inspection) -> li
 
 
 def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
-    """The port must be free, or held by the unit the pivot replaces."""
-    if holder is None or holder.get("unit") == profile.unit:
+    """The port must be free, or held by the unit the pivot replaces or one it stops first (a conflict)."""
+    if holder is None or holder.get("unit") in (profile.unit, *profile.conflicts):
         return []
     return [f"port {profile.port} on {profile.host} is held by "
             f"{holder.get('unit') or 'pid ' + str(holder.get('pid'))} ({(holder.get('cmdline') or '')[:80]})"

@@ -116,6 +116,12 @@ class Serve:
     chat_template_kwargs: str | None = None      # a JSON object, keys sorted
 
 
+# SGLang's --mamba-scheduler-strategy choices (python/sglang/srt/server_args.py). Speculative decoding on
+# a hybrid (Gated DeltaNet) target such as Qwen3.5/3.6 needs extra_buffer: z-lab's recipe passes it, and
+# some SGLang builds refuse to start DFLASH on such a target without it (preflight checks the target).
+MAMBA_STRATEGIES = ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy")
+
+
 @dataclass(frozen=True)
 class Sglang:
     python: str
@@ -123,6 +129,7 @@ class Sglang:
     tp_size: int = 1
     dp_attention: bool = False
     extra_args: tuple[str, ...] = ()
+    mamba_scheduler_strategy: str | None = None   # None: SGLang's default (auto)
 
 
 # -- training stop: what a kill would cost, and how to ask for a checkpoint first (issue 17) --------
@@ -516,7 +523,7 @@ def _sglang(top: Section, engine: str) -> Sglang | None:
     if section is None:
         raise top.fail(None, "`engine: sglang` needs an `sglang:` section")
     section.reject_unknown(("python", "num_draft_tokens", "tp_size", "dp_attention", "extra_args",
-                            "draft_block_size"))
+                            "draft_block_size", "mamba_scheduler_strategy"))
     dp = section.bool("dp_attention", False)
     if dp:
         raise section.fail("dp_attention", "SGLang rejects DFLASH speculative decoding with dp-attention",
@@ -529,8 +536,12 @@ def _sglang(top: Section, engine: str) -> Sglang | None:
     extra = tuple(section.str_list("extra_args"))
     if any(a.startswith("--enable-dp-attention") for a in extra):
         raise section.fail("extra_args", "SGLang rejects DFLASH with --enable-dp-attention")
+    if any(a.startswith("--mamba-scheduler-strategy") for a in extra):
+        raise section.fail("extra_args", "`--mamba-scheduler-strategy` in `sglang.extra_args`",
+                           "set `sglang.mamba_scheduler_strategy` instead (preflight checks it against the target)")
     return Sglang(python=_executable(section, "python"), num_draft_tokens=tokens,
-                  tp_size=section.int("tp_size", 1, min=1, max=64), dp_attention=dp, extra_args=extra)
+                  tp_size=section.int("tp_size", 1, min=1, max=64), dp_attention=dp, extra_args=extra,
+                  mamba_scheduler_strategy=section.str("mamba_scheduler_strategy", choices=MAMBA_STRATEGIES))
 
 
 def _health(top: Section) -> Health:

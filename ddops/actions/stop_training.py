@@ -55,11 +55,10 @@ def gpu_pids():
 
 
 def is_newer(checkpoint, before):
+    """Written after `before` (a trainer that rotates its checkpoints may delete `before` meanwhile)."""
     if checkpoint is None:
         return False
-    if before is None:
-        return True
-    return checkpoint["mtime"] > before["mtime"] or checkpoint["path"] != before["path"]
+    return before is None or checkpoint["mtime"] > before["mtime"]
 
 
 def request_checkpoint(spec, pids):

@@ -79,6 +79,28 @@ def status(obj: Context, as_json: bool) -> None:
     sys.exit(exit_code(records))
 
 
+class LostSteps(click.ParamType):
+    """`--accept-lost-steps`: a number of steps (0 or more), or `all` (read as infinity)."""
+
+    name = "N|all"
+
+    def convert(self, value, param, ctx) -> float:
+        if isinstance(value, float):
+            return value
+        if str(value).strip().lower() == "all":
+            return float("inf")
+        try:
+            steps = int(value)
+        except ValueError:
+            steps = -1
+        if steps < 0:
+            self.fail(f"{value!r} is not a number of steps (0 or more) or `all`", param, ctx)
+        return float(steps)
+
+
+LOST_STEPS = LostSteps()
+
+
 @cli.command()
 @click.option("--deploy", "profile_name", required=True, metavar="PROFILE",
               help="Deploy profile: a name in playbooks/ (e.g. zlab-ddtree16) or a path to a .yaml file.")
@@ -87,10 +109,13 @@ def status(obj: Context, as_json: bool) -> None:
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan without asking.")
 @click.option("--no-rollback", is_flag=True, help="Leave a failed pivot as it is instead of rolling back.")
 @click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first (only if its holder is dead).")
+@click.option("--accept-lost-steps", "accept_lost_steps", type=LOST_STEPS, default=None, metavar="N|all",
+              help="Stop training even if that loses up to N steps since its newest checkpoint (`all`: any "
+                   "number); replaces the profile's training.max_lost_steps for this run. --yes never does.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
-          break_lock: bool, as_json: bool) -> None:
+          break_lock: bool, accept_lost_steps: float | None, as_json: bool) -> None:
     """Pivot a host from training to serving, gated on health and a real smoke test."""
     from .credentials import read_secrets
     from .pivot import Pivot, PivotOptions
@@ -105,7 +130,7 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
-                           break_lock=break_lock)
+                           break_lock=break_lock, accept_lost_steps=accept_lost_steps)
     with obj.executor(inventory) as executor:
         report = Pivot(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                        confirm=lambda q: click.confirm(q, default=False, err=True)).execute().as_json()

@@ -77,13 +77,49 @@ class Training:
     pid: int | None = None
     pids: tuple[int, ...] = ()
     unit: str | None = None
-    last_step: int | None = None
+    last_step: int | None = None               # the last `step N` in its log
+    checkpoints_dir: str | None = None         # where it writes checkpoints (the inventory's), if known
+    checkpoint_path: str | None = None         # the checkpoint written last there
+    checkpoint_step: int | None = None         # that checkpoint's step, from its name
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> "Training":
         data = data or {}
+        newest = data.get("newest_checkpoint") or {}
         return cls(running=bool(data.get("running")), pid=data.get("pid"), pids=tuple(data.get("pids") or ()),
-                   unit=(data.get("unit") or {}).get("unit"), last_step=data.get("last_step"))
+                   unit=(data.get("unit") or {}).get("unit"), last_step=data.get("last_step"),
+                   checkpoints_dir=data.get("checkpoints"), checkpoint_path=newest.get("path"),
+                   checkpoint_step=newest.get("step"))
+
+    @property
+    def lost_steps(self) -> int | None:
+        """The steps a kill now would lose: the log's last step past the newest checkpoint's (all of them
+        when there is no checkpoint yet); None when the log, the checkpoints dir or the checkpoint's step
+        is not known."""
+        if self.last_step is None or self.checkpoints_dir is None:
+            return None
+        if self.checkpoint_path is None:
+            return self.last_step
+        if self.checkpoint_step is None:
+            return None
+        return max(0, self.last_step - self.checkpoint_step)
+
+    def over(self, limit: int | None) -> bool:
+        """Whether a kill now loses more than `limit` steps (None: no limit); an unknown loss is over any."""
+        return limit is not None and (self.lost_steps is None or self.lost_steps > limit)
+
+    def cost(self) -> str:
+        """What a kill now costs, in words (the plan's line and preflight's refusal)."""
+        if self.last_step is None:
+            return "its log shows no `step N`: the steps a kill loses are unknown"
+        if self.checkpoints_dir is None:
+            return "no checkpoints dir in the inventory: the steps a kill loses are unknown"
+        if self.checkpoint_path is None:
+            return f"no checkpoint yet in {self.checkpoints_dir}: a kill now loses all {self.last_step} steps"
+        if self.checkpoint_step is None:
+            return f"newest checkpoint {self.checkpoint_path} has no step in its name: the steps a kill loses are unknown"
+        return (f"newest checkpoint step {self.checkpoint_step} ({self.checkpoint_path}): "
+                f"a kill now loses {self.lost_steps} step(s)")
 
 
 @dataclass(frozen=True)
@@ -201,6 +237,16 @@ class Inspection:
 
 
 @dataclass(frozen=True)
+class ServerFlags:
+    """The flags the server that will run the unit takes (ddops.serverflags), or why they are unknown."""
+
+    source: str                                  # which server, in words
+    flags: frozenset[str] = frozenset()
+    error: str | None = None
+    missing: bool = False                        # the server is not installed there at all
+
+
+@dataclass(frozen=True)
 class PivotFacts:
     """Everything a pivot plans from, read once by preflight: the serving host's facts, every
     involved host's inspection (the control machine's under "local"), and the runtime release here."""
@@ -209,6 +255,7 @@ class PivotFacts:
     hosts: dict[str, HostFacts]
     inspections: dict[str, Inspection]
     release: str | None = None          # the runtime release `runtime.ship` would install
+    server_flags: ServerFlags | None = None   # what the unit's server takes (None: not asked)
 
     @property
     def host(self) -> HostFacts:

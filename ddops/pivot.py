@@ -44,6 +44,7 @@ class PivotOptions:
     yes: bool = False
     no_rollback: bool = False
     break_lock: bool = False
+    accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
 
 
 class Pivot:
@@ -78,7 +79,8 @@ class Pivot:
             with Activity(self.console, "preflight"):
                 ctx.facts, pre.summary = preflight(ctx.profile, ctx.inventory, ctx.executor,
                                                    kill_training=options.kill_training, dry_run=options.dry_run,
-                                                   break_lock=options.break_lock)
+                                                   break_lock=options.break_lock,
+                                                   accept_lost_steps=options.accept_lost_steps)
             pre.status = "done"
         except DdopsError as exc:
             pre.status, pre.summary = "failed", exc.line()
@@ -124,7 +126,7 @@ class Pivot:
             state = self.by_name[step.name]
             plan_ctx = PlanContext(profile=self.ctx.profile, inventory=self.ctx.inventory, facts=self.ctx.facts,
                                    rendered=self.ctx.rendered, kill_training=self.options.kill_training,
-                                   before=dict(before))
+                                   accept_lost_steps=self.options.accept_lost_steps, before=dict(before))
             state.changes = before[step.name] = step.plan(plan_ctx)
             state.status, state.summary = ("planned", "") if state.changes else ("skipped", "no change")
         for gate in self.gates:

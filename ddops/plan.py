@@ -26,7 +26,8 @@ class Interrupted(StepFailed):
 class Operation:
     """One thing a step would do: in words, with optional detail (a diff, a file list), the commands it
     runs on the host when they are known at plan time, the data its apply needs, (for a change that can
-    be taken back) the operation that undoes it, and what a real run would need that this one lacks."""
+    be taken back) the operation that undoes it, what a real run would need that this one lacks, and
+    the figures the plan read (shown by --json)."""
 
     what: str
     detail: str = ""
@@ -34,6 +35,7 @@ class Operation:
     data: dict[str, Any] = field(default_factory=dict)
     undo: "Operation | None" = None
     requires: str | None = None
+    figures: dict[str, Any] = field(default_factory=dict)   # what the plan measured, for --json (no secrets)
 
 
 # The undo operations rollback knows how to replay (ddops.rollback.undo).
@@ -58,6 +60,7 @@ class PlanContext:
     facts: PivotFacts
     rendered: Any                   # steps.unit.Rendered: rendered once, before any host is touched
     kill_training: bool = False
+    accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
     before: dict[str, list[Operation]] = field(default_factory=dict)   # earlier steps' plans, by step name
 
     @property

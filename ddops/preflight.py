@@ -3,7 +3,9 @@ once, into the typed `PivotFacts` every step plans from.
 
 Reachable; identity matches `expect`; source model dirs exist; the drafter's config agrees with the
 profile and the target; free disk for the sync; the port is free or held by the unit being replaced;
-no other ddops run holds the host's lock. Every problem found is reported together.
+every flag the unit passes exists in the server that will run it (ddops.serverflags); a training stop
+that would lose more steps than allowed has a checkpoint request to try first; no other ddops run holds
+the host's lock. Every problem found is reported together.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
-from .facts import HostFacts, Inspection, PivotFacts, Tree, check_identity, gather
+from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
 from .hostlock import lock_problem
 from .inventory import Host, Inventory
 from .paths import LOCK_PATH, release_path, unit_path
@@ -23,8 +25,13 @@ from .probes import probe_source
 from .profile import LOCAL, Profile
 from .release import release_id
 from .remote import run_probe
+from .serverflags import check_flags, host_flags, shipped_flags, ships_server
+from .serverflags import summary as flags_summary
+from .steps.unit import exec_argv
 # target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)
 RUNTIME_TARGETS = {"qwen3": "Qwen3", "qwen3_5": "Qwen3.5/3.6 hybrid", "qwen3_5_text": "Qwen3.5/3.6 hybrid"}
+# model_types with linear-attention layers (SGLang keeps their state in its mamba cache)
+HYBRID_TARGETS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next")
 
 
 def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
@@ -68,6 +75,8 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
     draft, target = trees.get("draft"), trees.get("target")
     if profile.engine == "ddtree" and target and target.config:
         problems += check_target_arch(target.config, trees_where(profile, "target"))
+    if profile.engine == "sglang" and target and target.config:
+        problems += check_mamba_strategy(profile, target.config)
     if profile.engine == "ddtree" and profile.serve.mode == "ar":
         return problems
     if draft and draft.config and target and target.config:
@@ -110,6 +119,23 @@ def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
             f"(engine: sglang) for other models"]
 
 
+def is_hybrid(config: dict[str, Any]) -> bool:
+    """A target with linear-attention (Gated DeltaNet / Mamba-style) layers: Qwen3.5/3.6, Qwen3-Next."""
+    text = config.get("text_config") or config
+    return (config.get("model_type") in HYBRID_TARGETS or text.get("model_type") in HYBRID_TARGETS
+            or "linear_attention" in (text.get("layer_types") or []))
+
+
+def check_mamba_strategy(profile: Profile, config: dict[str, Any]) -> list[str]:
+    """SGLang's DFLASH on a hybrid target needs `--mamba-scheduler-strategy extra_buffer` (z-lab's recipe)."""
+    strategy = profile.sglang.mamba_scheduler_strategy
+    if not is_hybrid(config) or strategy == "extra_buffer":
+        return []
+    return [f"target model {trees_where(profile, 'target')} is a hybrid ({config.get('model_type')}, linear-attention "
+            f"layers) and SGLang's DFLASH on it needs `--mamba-scheduler-strategy extra_buffer`, but the profile "
+            f"passes {strategy or 'none (auto)'}; set `sglang.mamba_scheduler_strategy: extra_buffer`"]
+
+
 def check_disk(profile: Profile, trees: dict[str, Tree], dest: Inspection) -> list[str]:
     problems = []
     need_by_fs: dict[str, int] = {}
@@ -130,8 +156,8 @@ def check_disk(profile: Profile, trees: dict[str, Tree], dest: Inspection) -> li
 
 
 def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
-    """The port must be free, or held by the unit the pivot replaces."""
-    if holder is None or holder.get("unit") == profile.unit:
+    """The port must be free, or held by the unit the pivot replaces or one it stops first (a conflict)."""
+    if holder is None or holder.get("unit") in (profile.unit, *profile.conflicts):
         return []
     return [f"port {profile.port} on {profile.host} is held by "
             f"{holder.get('unit') or 'pid ' + str(holder.get('pid'))} ({(holder.get('cmdline') or '')[:80]})"
@@ -145,21 +171,39 @@ def involved_hosts(profile: Profile, inventory: Inventory) -> list[Host]:
     return [inventory.host(n) for n in dict.fromkeys(names)]
 
 
+def check_kill_cost(profile: Profile, training: Training, accepted: float | None) -> list[str]:
+    """A kill that loses more steps than this run allows, with no checkpoint request to try first, is
+    refused here (with a request, the stop_training action decides after trying it)."""
+    limit = profile.training_stop.limit(accepted)
+    if not training.running or profile.training_stop.request or not training.over(limit):
+        return []
+    how = f"--accept-lost-steps {training.lost_steps}" if training.lost_steps is not None else "--accept-lost-steps all"
+    return [f"stopping training on {profile.host} costs more than the {limit} lost step(s) this run allows "
+            f"(training.max_lost_steps or --accept-lost-steps): at step {training.last_step}, {training.cost()}; "
+            f"pass {how}, name a checkpoint request (training.checkpoint_signal or checkpoint_command), or wait "
+            "for its next checkpoint"]
+
+
 def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kill_training: bool = False,
-              dry_run: bool = False, break_lock: bool = False) -> tuple[PivotFacts, str]:
+              dry_run: bool = False, break_lock: bool = False,
+              accept_lost_steps: float | None = None) -> tuple[PivotFacts, str]:
     """Gather and check; returns the facts and a one-line summary, or raises naming every problem found."""
     hosts = involved_hosts(profile, inventory)
     serving = inventory.host(profile.host)
     training_unit = serving.training.unit if serving.training else None
 
-    def one(host: Host) -> tuple[dict, dict]:
+    def one(host: Host) -> tuple[dict, dict, ServerFlags | None]:
         facts = gather(executor, host)
         args = serving_args(profile, training_unit) if host.name == profile.host else {"trees": []}
         if host.name == profile.host or any(m.source and m.source.host == host.name for m in profile.models):
             args["trees"] = list(dict.fromkeys(args["trees"] + source_args(profile, host.name)["trees"]))
-        return facts, run_probe(executor, host, "inspect", args, timeout=300)
+        inspected = run_probe(executor, host, "inspect", args, timeout=300)
+        # the installed server's own --help, unless the pivot ships the release that will run
+        flags = host_flags(executor, host, profile) if host.name == profile.host and not ships_server(profile) else None
+        return facts, inspected, flags
 
     outcomes = executor.fan_out(hosts, one)
+    server_flags: ServerFlags | None = None
     problems: list[str] = []
     unreachable = False
     host_facts: dict[str, HostFacts] = {}
@@ -170,8 +214,9 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
             unreachable |= outcome.unreachable
             problems.append(outcome.error.line())
             continue
-        facts, inspected = outcome.value
+        facts, inspected, flags = outcome.value
         host_facts[host.name], inspections[host.name] = HostFacts.from_json(facts), Inspection.from_json(inspected)
+        server_flags = flags or server_flags
         identity = check_identity(host.expect, facts)
         if not identity.ok:
             problems.append(f"IDENTITY MISMATCH on {host.name}: {'; '.join(identity.mismatches)}")
@@ -181,22 +226,30 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     if problems:
         _fail(problems, unreachable)
     release = release_id(profile.runtime.ship) if profile.runtime.ship is not None else None
-    facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release)
+    if ships_server(profile):
+        server_flags = shipped_flags(profile.runtime.ship, release)
+    facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release,
+                       server_flags=server_flags)
     dest = facts.dest
     trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
     problems += check_models(profile, trees)
     problems += check_disk(profile, trees, dest)
     problems += check_port(profile, dest.port_holder)
+    argv = exec_argv(profile)
+    problems += check_flags(profile, argv, server_flags)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "
                         f"{training.last_step}); pass --kill-training to stop it")
+    elif not dry_run:  # a dry run shows the cost and what a real run needs
+        problems += check_kill_cost(profile, training, accept_lost_steps)
     if dest.lock_holder is not None and not break_lock:
         problems.append(lock_problem(profile.host, dest.lock_holder))
     if problems:
         _fail(problems, False)
+    flags_note = flags_summary(server_flags, argv)
     return facts, (f"{len(hosts)} host(s) ok; {profile.host} is {facts.host.hostname} with "
-                   f"{facts.host.gpu_count} GPU(s)")
+                   f"{facts.host.gpu_count} GPU(s)" + (f"; {flags_note}" if flags_note else ""))
 
 
 def _fail(problems: list[str], unreachable: bool) -> None:

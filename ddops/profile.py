@@ -121,6 +121,12 @@ class Serve:
     chat_template_kwargs: str | None = None      # a JSON object, keys sorted
 
 
+# SGLang's --mamba-scheduler-strategy choices (python/sglang/srt/server_args.py). Speculative decoding on
+# a hybrid (Gated DeltaNet) target such as Qwen3.5/3.6 needs extra_buffer: z-lab's recipe passes it, and
+# some SGLang builds refuse to start DFLASH on such a target without it (preflight checks the target).
+MAMBA_STRATEGIES = ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy")
+
+
 @dataclass(frozen=True)
 class Sglang:
     python: str
@@ -128,6 +134,63 @@ class Sglang:
     tp_size: int = 1
     dp_attention: bool = False
     extra_args: tuple[str, ...] = ()
+    mamba_scheduler_strategy: str | None = None   # None: SGLang's default (auto)
+
+
+# -- training stop: what a kill would cost, and how to ask for a checkpoint first (issue 17) --------
+
+# Signals a trainer may take as "write a checkpoint now". Never one that stops a process by convention
+# (TERM, INT, QUIT, KILL): the request must leave the job running when it is ignored.
+CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+@dataclass(frozen=True)
+class TrainingStop:
+    """`training:` beyond the grace period. A checkpoint request (a signal or a command run on the host)
+    is sent first, then up to `checkpoint_wait_s` for a newer checkpoint before SIGTERM. A kill that
+    would lose more than `max_lost_steps` steps (None: no limit) is refused without --accept-lost-steps."""
+
+    checkpoint_signal: str | None = None
+    checkpoint_command: tuple[str, ...] = ()
+    checkpoint_wait_s: float = 120.0
+    max_lost_steps: int | None = None
+
+    def limit(self, accepted: float | None) -> int | None:
+        """The most steps this run may lose: --accept-lost-steps when given (inf: no limit), else the profile's."""
+        if accepted is None:
+            return self.max_lost_steps
+        return None if accepted == float("inf") else int(accepted)
+
+    @property
+    def request(self) -> str | None:
+        """The checkpoint request in words, or None when the profile names none."""
+        if self.checkpoint_signal:
+            return self.checkpoint_signal
+        return " ".join(self.checkpoint_command) if self.checkpoint_command else None
+
+
+def _training_stop(section: Section | None) -> TrainingStop:
+    if section is None:
+        return TrainingStop()
+    signal_name = section.str("checkpoint_signal")
+    if signal_name is not None:
+        signal_name = signal_name.upper()
+        signal_name = signal_name if signal_name.startswith("SIG") else "SIG" + signal_name
+        if signal_name not in CHECKPOINT_SIGNALS:
+            raise section.fail("checkpoint_signal", f"`training.checkpoint_signal` must be one of "
+                               f"{', '.join(CHECKPOINT_SIGNALS)}, got {section.data['checkpoint_signal']!r}",
+                               "name the signal the trainer takes as 'write a checkpoint now'; a stop signal "
+                               "would end the job the request is meant to keep")
+    command = tuple(section.str_list("checkpoint_command"))
+    if signal_name and command:
+        raise section.fail("checkpoint_command", "`training` names both a checkpoint_signal and a "
+                           "checkpoint_command", "keep the one the trainer understands")
+    return TrainingStop(checkpoint_signal=signal_name, checkpoint_command=command,
+                        checkpoint_wait_s=section.number("checkpoint_wait_s", 120.0, min=1, max=7200),
+                        max_lost_steps=section.int("max_lost_steps", None, min=0))
+
+
+# -- end of the training-stop block ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -175,6 +238,7 @@ class Profile:
     health: Health
     smoke: Smoke
     description: str = ""
+    training_stop: TrainingStop = TrainingStop()
     lines: dict[str, str] = field(default_factory=dict, compare=False)  # key -> file:line, for errors
 
     def model(self, role: str) -> Model | None:
@@ -261,14 +325,17 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
     training = top.section("training")
     grace = 30.0
     if training is not None:
-        training.reject_unknown(("grace_s",))
+        training.reject_unknown(("grace_s", "checkpoint_signal", "checkpoint_command", "checkpoint_wait_s",
+                                 "max_lost_steps"))
         grace = training.number("grace_s", 30.0, min=0, max=3600)
+    training_stop = _training_stop(training)
     lines = {k: top.where(k) for k in top.keys()}
     return Profile(path=path, name=name, engine=engine, host=top.str("host", required=True), unit=unit,
                    port=port, bind=bind, device=device, dtype=top.str("dtype", "bfloat16", choices=DTYPES),
                    gpus=gpus, models=models, runtime=runtime, serve=serve, sglang=sglang, env=env,
                    secrets=secrets, conflicts=conflicts, training_grace_s=grace, health=_health(top),
-                   smoke=_smoke(top, engine), description=top.one_line("description", ""), lines=lines)
+                   smoke=_smoke(top, engine), description=top.one_line("description", ""),
+                   training_stop=training_stop, lines=lines)
 
 
 def _bind(top: Section) -> str:
@@ -465,7 +532,7 @@ def _sglang(top: Section, engine: str) -> Sglang | None:
     if section is None:
         raise top.fail(None, "`engine: sglang` needs an `sglang:` section")
     section.reject_unknown(("python", "num_draft_tokens", "tp_size", "dp_attention", "extra_args",
-                            "draft_block_size"))
+                            "draft_block_size", "mamba_scheduler_strategy"))
     dp = section.bool("dp_attention", False)
     if dp:
         raise section.fail("dp_attention", "SGLang rejects DFLASH speculative decoding with dp-attention",
@@ -478,8 +545,12 @@ def _sglang(top: Section, engine: str) -> Sglang | None:
     extra = tuple(section.str_list("extra_args"))
     if any(a.startswith("--enable-dp-attention") for a in extra):
         raise section.fail("extra_args", "SGLang rejects DFLASH with --enable-dp-attention")
+    if any(a.startswith("--mamba-scheduler-strategy") for a in extra):
+        raise section.fail("extra_args", "`--mamba-scheduler-strategy` in `sglang.extra_args`",
+                           "set `sglang.mamba_scheduler_strategy` instead (preflight checks it against the target)")
     return Sglang(python=_executable(section, "python"), num_draft_tokens=tokens,
-                  tp_size=section.int("tp_size", 1, min=1, max=64), dp_attention=dp, extra_args=extra)
+                  tp_size=section.int("tp_size", 1, min=1, max=64), dp_attention=dp, extra_args=extra,
+                  mamba_scheduler_strategy=section.str("mamba_scheduler_strategy", choices=MAMBA_STRATEGIES))
 
 
 def _health(top: Section) -> Health:

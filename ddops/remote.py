@@ -7,7 +7,7 @@ argv JSON, or as stdin JSON when they may hold secrets; it prints one JSON objec
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from .errors import DdopsError, StepFailed
 from .executor import CommandResult, Executor
@@ -15,19 +15,34 @@ from .inventory import Host
 from .probes import probe_source
 
 
+# A script's progress line on stdout (actions that wait say what they wait for); the rest is its JSON.
+PROGRESS_PREFIX = "ddops-progress: "
+
+
 def run_probe(executor: Executor, host: Host, name: str, args: Any = None, *, stdin: Any = None,
-              timeout: float | None = None, python: str = "python3") -> dict[str, Any]:
-    """Run probe or action `name` on host; return its JSON."""
+              timeout: float | None = None, python: str = "python3",
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run probe or action `name` on host; return its JSON. Its progress lines go to `progress` as they come."""
     argv = [python, "-c", probe_source(name)]
     if args is not None:
         argv.append(json.dumps(args))
-    result = executor.run(host, argv, timeout=timeout,
-                          stdin=json.dumps(stdin) if stdin is not None else None)
+    pending = [""]
+
+    def on_output(chunk: str) -> None:
+        lines = (pending[0] + chunk).split("\n")
+        pending[0] = lines.pop()
+        for line in lines:
+            if line.startswith(PROGRESS_PREFIX):
+                progress(line[len(PROGRESS_PREFIX):])
+
+    result = executor.run(host, argv, timeout=timeout, stdin=json.dumps(stdin) if stdin is not None else None,
+                          **({"on_output": on_output} if progress is not None else {}))
     if not result.ok:
         detail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise StepFailed(f"probe {name} failed on {host.name} (exit {result.exit_code}): {detail}")
+    stdout = "\n".join(line for line in result.stdout.splitlines() if not line.startswith(PROGRESS_PREFIX))
     try:
-        return json.loads(result.stdout)
+        return json.loads(stdout)
     except json.JSONDecodeError:
         raise StepFailed(f"probe {name} on {host.name} printed something that is not JSON: "
                          f"{result.stdout[:120]!r}", fix="check the login shell prints nothing") from None

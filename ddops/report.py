@@ -92,7 +92,9 @@ class Report:
                    stopped_units=self.journal.stopped_units, training=self.journal.training, gates=self.gates(),
                    wall_s=self.wall_s,
                    steps=[{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary,
-                           "changes": [op.what for op in s.changes]} for s in self.steps],
+                           "changes": [op.what for op in s.changes],
+                           **({"figures": [op.figures for op in s.changes if op.figures]}
+                              if any(op.figures for op in s.changes) else {})} for s in self.steps],
                    exit_code=self.exit_code)
         return out
 

@@ -1,15 +1,25 @@
-"""ddops-action stop_training: stop the training job gracefully and prove it is gone.
+"""ddops-action stop_training: stop the training job, after asking it for a checkpoint, and prove it is gone.
 
-SIGTERM (via its unit when it has one), wait up to the grace period for it to checkpoint and exit,
-then SIGKILL what is left; report last step, newest checkpoint and whether GPU memory was freed.
+With a checkpoint request (a signal or a command), send it and wait, up to its bound, for a checkpoint
+newer than the one there was. Then, at the point of no return, read what a kill loses (the log's last
+step past the newest checkpoint's): more than the run's limit and the job is left running, `refused`.
+Else SIGTERM (via its unit when it has one), wait up to the grace period for it to checkpoint and exit,
+SIGKILL what is left; report last step, newest checkpoint and whether GPU memory was freed.
 """
 import json
 import os
-import re
 import signal
 import sys
 import time
-# run, matching_pids and last_step come from hostlib.py, which probe_source() prepends to this script.
+# run, matching_pids, last_step and newest_checkpoint come from hostlib.py, which probe_source() prepends.
+
+PROGRESS = "ddops-progress: "   # remote.PROGRESS_PREFIX: a line the control machine shows as it comes
+POLL_S = 0.1
+
+
+def say(message):
+    sys.stdout.write(PROGRESS + message + "\n")
+    sys.stdout.flush()
 
 
 def find(pattern):
@@ -31,18 +41,6 @@ def alive(pid):
         return False
 
 
-def newest_checkpoint(folder):
-    try:
-        entries = [os.path.join(folder, e) for e in os.listdir(folder) if not e.startswith(".")]
-    except OSError:
-        return None
-    if not entries:
-        return None
-    path = max(entries, key=os.path.getmtime)
-    m = re.search(r"(\d+)", os.path.basename(path))
-    return {"path": path, "step": int(m.group(1)) if m else None, "mtime": os.path.getmtime(path)}
-
-
 def gpu_pids():
     code, out, _ = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                        timeout=30)
@@ -56,6 +54,61 @@ def gpu_pids():
     return pids
 
 
+def is_newer(checkpoint, before):
+    """Written after `before` (a trainer that rotates its checkpoints may delete `before` meanwhile)."""
+    if checkpoint is None:
+        return False
+    return before is None or checkpoint["mtime"] > before["mtime"]
+
+
+def request_checkpoint(spec, pids):
+    """Send the checkpoint request; wait, saying so, until a newer checkpoint is there or the bound passes."""
+    before = newest_checkpoint(spec.get("checkpoints"))
+    wait_s = float(spec.get("checkpoint_wait_s") or 0)
+    request = {"sent": None, "new_checkpoint": False, "waited_s": 0.0}
+    if spec.get("checkpoint_signal"):
+        number = getattr(signal, spec["checkpoint_signal"])
+        for pid in pids:
+            try:
+                os.kill(pid, number)
+            except OSError:
+                pass
+        request["sent"] = spec["checkpoint_signal"]
+    else:
+        code, out, err = run(spec["checkpoint_command"], timeout=min(wait_s, 300))
+        request.update(sent=" ".join(spec["checkpoint_command"]), command_rc=code,
+                       command_output=(err or out).strip()[-300:])
+    started = time.time()
+    said = 0.0
+    while time.time() - started < wait_s:
+        if is_newer(newest_checkpoint(spec.get("checkpoints")), before):
+            request["new_checkpoint"] = True
+            break
+        if not any(alive(p) for p in pids):
+            break   # the job ended meanwhile: nothing left to wait for
+        waited = time.time() - started
+        if waited - said >= 2:
+            say("%s sent; %.0fs/%.0fs for a checkpoint newer than %s"
+                % (request["sent"], waited, wait_s, (before or {}).get("path") or "none"))
+            said = waited
+        time.sleep(POLL_S)
+    request["waited_s"] = round(time.time() - started, 2)
+    return request
+
+
+def lost_now(spec):
+    """(last step, newest checkpoint, steps a kill now loses or None when unknown)."""
+    step = last_step(spec.get("log"))
+    checkpoint = newest_checkpoint(spec.get("checkpoints"))
+    if step is None or not spec.get("checkpoints"):
+        return step, checkpoint, None
+    if checkpoint is None:
+        return step, checkpoint, step
+    if checkpoint["step"] is None:
+        return step, checkpoint, None
+    return step, checkpoint, max(0, step - checkpoint["step"])
+
+
 def main():
     spec = json.loads(sys.argv[1])
     unit, pattern, grace = spec.get("unit"), spec.get("pattern"), float(spec.get("grace_s", 30))
@@ -65,10 +118,19 @@ def main():
         main_pids, unit_state = unit_pids(unit)
         pids = sorted(set(pids) | set(main_pids))
     out = {"pids": pids, "unit": unit, "step_before": last_step(spec.get("log")), "signal": None,
-           "killed": [], "graceful": True}
+           "killed": [], "graceful": True, "limit": spec.get("limit"), "request": None}
     if not pids:
         out.update(stopped=True, already_stopped=True, step_after=out["step_before"],
                    checkpoint=newest_checkpoint(spec.get("checkpoints")), gpu_freed=True, left=[])
+        json.dump(out, sys.stdout)
+        return
+    if spec.get("checkpoint_signal") or spec.get("checkpoint_command"):
+        out["request"] = request_checkpoint(spec, pids)
+    step, checkpoint, lost = lost_now(spec)
+    out.update(step_now=step, lost_at_kill=lost)
+    limit = spec.get("limit")
+    if limit is not None and (lost is None or lost > limit) and any(alive(p) for p in pids):
+        out.update(refused=True, stopped=False, checkpoint=checkpoint, left=[p for p in pids if alive(p)])
         json.dump(out, sys.stdout)
         return
     started = time.time()

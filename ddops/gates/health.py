@@ -53,6 +53,8 @@ def judge(poll: dict, first_pid: int | None, expect: dict | None = None) -> Verd
     if isinstance(body, dict) and body.get("status") in FATAL_HEALTH:
         # The process is up but its engine is dead (failed to load, worker died): it will not recover.
         return Verdict("crashed", f"/health reports {body.get('status')}: {body.get('detail') or ''}".strip(), poll)
+    if health.get("http_status") == 200 and body is None and not expect:
+        return Verdict("healthy", "ok", poll)   # SGLang's /health: 200 with an empty body
     if health.get("http_status") == 200 and isinstance(body, dict) and body.get("status") in ("ok", None):
         for key, value in (expect or {}).items():
             if body.get(key) != value:

@@ -189,7 +189,11 @@ def populate(hd: HostDir, host: LabHost, keys: LabKeys, guest_keys: dict[str, st
         (hd.root / "root/train/checkpoints").mkdir(parents=True, exist_ok=True)
         w.enable("dflash-train.service")
     if "sglang" in host.fixtures:
-        w.asset("sglang_stub.py", "opt/sglang/sglang_stub.py", 0o755)
+        # The stand-in SGLang as the module `sglang.launch_server` of the system python3, which
+        # /opt/sglang/venv/bin/python is (the lab's SGLang install: profiles name that interpreter).
+        w.text("usr/lib/python3/dist-packages/sglang/__init__.py", '"""ddops lab stand-in for SGLang."""\n')
+        w.asset("sglang_stub.py", "usr/lib/python3/dist-packages/sglang/launch_server.py")
+        w.link("opt/sglang/venv/bin/python", "/usr/bin/python3")
         w.asset("sglang-qwen.service", "etc/systemd/system/sglang-qwen.service")
         w.enable("sglang-qwen.service")
     if "models" in host.fixtures:

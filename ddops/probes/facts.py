@@ -64,18 +64,6 @@ def processes(pattern):
     return found
 
 
-def newest_checkpoint(ckpt_dir):
-    try:
-        entries = [os.path.join(ckpt_dir, e) for e in os.listdir(ckpt_dir)]
-    except OSError:
-        return None
-    entries = [e for e in entries if not os.path.basename(e).startswith(".")]
-    if not entries:
-        return None
-    newest = max(entries, key=os.path.getmtime)
-    return {"path": newest, "mtime": os.path.getmtime(newest)}
-
-
 def training(spec):
     if not spec:
         return None
@@ -93,7 +81,8 @@ def training(spec):
         "pids": [p["pid"] for p in found],
         "unit": unit,
         "last_step": last_step(spec.get("log")),
-        "newest_checkpoint": newest_checkpoint(spec["checkpoints"]) if spec.get("checkpoints") else None,
+        "checkpoints": spec.get("checkpoints"),
+        "newest_checkpoint": newest_checkpoint(spec.get("checkpoints")),
     }
 
 

@@ -1,5 +1,6 @@
 """Shared by the facts and inspect probes and the stop_training and lock actions (probe_source
-prepends it to their text): running a command, reading a process, a log's last step, a JSON file.
+prepends it to their text): running a command, reading a process, a log's last step, the newest
+checkpoint and its step, a JSON file.
 
 Every script that scans processes carries MARKER in its own text, so a scan skips ddops's scripts
 (this one's, or a concurrent run's, whose arguments may name the training pattern).
@@ -62,6 +63,41 @@ def last_step(log_path, size=65536):
         return None
     steps = re.findall(r"\bstep[ =:]+(\d+)", text)
     return int(steps[-1]) if steps else None
+
+
+# A checkpoint's step from its name: `step_1200.ckpt`, `checkpoint-1200`, `ckpt1200`, `epoch_2_step_1200`;
+# else the name's last number (`model_1200.pt`).
+_STEP_IN_NAME = re.compile(r"(?:step|checkpoint|ckpt|iter)[_-]?(\d+)", re.IGNORECASE)
+
+
+def checkpoint_step(name):
+    """The training step a checkpoint's file or directory name says, or None."""
+    named = _STEP_IN_NAME.findall(name)
+    if named:
+        return int(named[-1])
+    numbers = re.findall(r"\d+", name)
+    return int(numbers[-1]) if numbers else None
+
+
+def newest_checkpoint(folder):
+    """The checkpoint written last in folder (dot-files and `*.tmp`, which are still being written, skipped):
+    its path, step (from its name) and mtime; None when there is none."""
+    if not folder:
+        return None
+    try:
+        names = [e for e in os.listdir(folder) if not e.startswith(".") and not e.endswith((".tmp", ".partial"))]
+    except OSError:
+        return None
+    entries = []
+    for name in names:
+        try:
+            entries.append((os.path.getmtime(os.path.join(folder, name)), name))
+        except OSError:  # removed meanwhile (a trainer rotating its checkpoints)
+            continue
+    if not entries:
+        return None
+    mtime, name = max(entries)
+    return {"path": os.path.join(folder, name), "step": checkpoint_step(name), "mtime": mtime}
 
 
 def read_json(path):

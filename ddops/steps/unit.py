@@ -63,6 +63,8 @@ def exec_argv(profile: Profile) -> list[str]:
                 "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft.path,
                 "--speculative-num-draft-tokens", str(sg.num_draft_tokens), "--tp-size", str(sg.tp_size),
                 "--host", profile.bind, "--port", str(profile.port)]
+        if sg.mamba_scheduler_strategy:
+            argv += ["--mamba-scheduler-strategy", sg.mamba_scheduler_strategy]
         if profile.serve.served_model_name:
             argv += ["--served-model-name", profile.serve.served_model_name]
         return argv + list(sg.extra_args)

@@ -73,7 +73,9 @@ def plans(profile, facts: PivotFacts, kill_training=True) -> dict[str, list[str]
 def test_every_step_plans_the_first_pivot_from_the_facts(profile):
     target = profile.model("target").source.path
     assert plans(profile, fixture_facts(profile)) == {
-        "training": ["stop training pid 412 (dflash-train.service) at step 1200"],
+        "training": ["stop training pid 412 (dflash-train.service) at step 1200\n  newest checkpoint step 1180 "
+                     "(/root/train/checkpoints/step_1180.ckpt): a kill now loses 20 step(s); this run allows 20\n"
+                     "  first SIGUSR1, then up to 30s for a newer checkpoint"],
         "sync": [f"sync target local:{target} -> /root/models/tiny-target: 2 file(s), 2.8 MiB",
                  "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB"],
         "deps": ["create venv /opt/ddtree/venv",
@@ -104,7 +106,9 @@ def test_plans_are_data_with_their_undos(profile):
     training, = pivot_steps()[0].plan(ctx)
     assert training.undo == start_again("dflash-train.service")
     assert training.requires == "a real run must stop training on ct200, so it needs --kill-training"
-    assert training.data == {"pids": [412, 413]}
+    assert training.data == {"pids": [412, 413], "limit": 20}
+    assert training.figures == {"step": 1200, "checkpoint_step": 1180, "checkpoint": "/root/train/checkpoints/step_1180.ckpt",
+                                "lost_steps": 20, "limit": 20, "checkpoint_request": "SIGUSR1"}
     assert pivot_steps()[0].plan(ctx) == [training]  # the same facts, the same plan: plan() changes nothing
     start = pivot_steps()[-1].plan(replace(ctx, before={"unit": [Operation("write unit")]}))
     assert [argv for op in start for argv in op.commands] == [

@@ -5,7 +5,9 @@ Continuous batching: `submit` queues a request, each `step` prefills up to one c
 decoding: all their trees verified by one target pass, then each its own walk and commit, and one
 drafter pass for all. A lone request takes the single-stream path (graphed, one host sync a round).
 Both caches are a pool allocated once at start-up: max_running slots (fewer if memory says so), each
-for the worst case (max_context plus the largest tree), reused by every request."""
+for the worst case (max_context plus the largest tree), reused by every request. A request that leaves
+keeps its row as a cached sequence until the row is needed, and a prompt that starts with one skips
+that prefix's prefill (prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .graphs import HostRead
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .policy import round_budgets
 from .prefill import PREFILL_PIECE
+from .prefix_cache import CachedSequence, PrefixCache, snapshot_point
 from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import choose_tokens
 from .scheduler import Scheduler
@@ -44,6 +47,14 @@ def _eos_ids(tokenizer, target_dir: str) -> set[int]:
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     return ids
+
+
+def _turn_token(tokenizer) -> int | None:
+    """The chat template's turn-start token (ChatML's <|im_start|>, all Qwen templates), if it has one."""
+    if tokenizer is None:
+        return None
+    token = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    return token if isinstance(token, int) and token != tokenizer.unk_token_id else None
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -73,6 +84,8 @@ class Engine:
             raise ValueError("need max_running >= 1, prefill_chunk >= 1 and 0 < mem_fraction <= 1")
         if config.round_nodes is not None and config.round_nodes < 1:
             raise ValueError("round_nodes must be >= 1 (or None: fixed tree budgets)")
+        if config.prefix_cache_rows < 0:
+            raise ValueError("prefix_cache_rows must be >= 0")
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
@@ -105,19 +118,28 @@ class Engine:
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
         tree_slots = max(config.tree_budget, self.block_size) + 1
+        # finished requests' rows kept for prefix reuse; a hybrid reuses only where a state was kept
+        self.prefix = PrefixCache(snapshots_only=self.arch == "qwen3_5") if config.prefix_cache else None
+        self.turn_token = _turn_token(self.tokenizer)  # where a hybrid's prompt state is kept (prefix_cache.py)
         # sized with both models' weights in place, before any cache: the context one request can have,
-        # then how many requests the pool holds at it (as many as asked, if that many slots fit)
+        # then how many requests the pool holds at it (as many as asked, if that many slots fit), then
+        # the rows that only hold cached sequences
         self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self._needed_bytes,
                                            _free_bytes(self.device), str(self.device))
-        self.slots = self._slots_that_fit(tree_slots, config.max_running)
+        extra = config.prefix_cache_rows if config.prefix_cache else 0
+        self.rows = self._slots_that_fit(tree_slots, config.max_running + extra)  # the pool's rows
+        self.slots = min(self.rows, config.max_running)                            # of them, running requests'
         if self.slots < config.max_running:
             log.warning("%d requests at a time asked, %d fit at context %d (memory)", config.max_running,
                         self.slots, self.max_context)
+        if self.rows - self.slots < extra:
+            log.warning("%d prefix-cache rows asked, %d fit at context %d (memory)", extra,
+                        self.rows - self.slots, self.max_context)
         if self.drafter is not None:
             dcfg = self.drafter.config
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
                                        DraftRunner.capacity_for(self.max_context, self.block_size), self.device,
-                                       self.target.lm_head.weight.dtype, batch=self.slots)
+                                       self.target.lm_head.weight.dtype, batch=self.rows)
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache.rows(0, 1), self.block_size,
                                             self.mask_token_id, self.device)
             self.batch_draft = BatchDraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
@@ -141,7 +163,8 @@ class Engine:
         drafter's cache."""
         cfg, elem = self.target.config, self.target.lm_head.weight.element_size()
         context = self.max_context if context is None else context
-        need = target_cache_bytes(cfg, TargetRunner.capacity_for(context, tree_slots), tree_bucket(tree_slots), elem)
+        need = target_cache_bytes(cfg, TargetRunner.capacity_for(context, tree_slots), tree_bucket(tree_slots), elem,
+                                  snapshots=self.prefix is not None)
         if self.drafter is not None:
             need += target_cache_bytes(self.drafter.config, DraftRunner.capacity_for(context, self.block_size), 1,
                                        elem)
@@ -182,12 +205,15 @@ class Engine:
         return self.target_cache is not None and self.runner is not None
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
-        """Size the target pool (self.slots rows) for the context and a tree of tree_slots nodes;
+        """Size the target pool (self.rows rows) for the context and a tree of tree_slots nodes;
         ValueError when the device cannot hold it, raised before anything is dropped, so a request
-        refused for one leaves the engine exactly as it was."""
+        refused for one leaves the engine exactly as it was (but for the cached sequences: a new pool
+        starts empty)."""
         previous = self._target_slots
         if previous:
             self._check_resize(tree_slots)
+        if self.prefix is not None:
+            self.prefix.clear()
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self.target_cache = self.runner = self.batch_runner = None
         self._target_slots = 0
@@ -201,7 +227,8 @@ class Engine:
     def _build_target_cache(self, tree_slots: int) -> None:
         cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
         capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
-        self.target_cache = target_cache(cfg, capacity, self.device, dtype, batch=self.slots, nodes=nodes)
+        self.target_cache = target_cache(cfg, capacity, self.device, dtype, batch=self.rows, nodes=nodes,
+                                         snapshots=self.prefix is not None)
         self.runner = TargetRunner(self.target, self.target_cache.rows(0, 1), self.device,
                                    max_depth=self.block_size - 1)
         self.batch_runner = BatchTargetRunner(self.target, self.target_cache, self.device,
@@ -252,6 +279,7 @@ class Engine:
             rounds = self._batch_round(decoding) if decoding else []
         self.stats.rounds += bool(rounds)
         for req, (tokens, accepted) in zip(decoding, rounds):
+            req.produced += tokens
             req.rounds += 1
             req.accepted_total += accepted
             outputs.append((req.id, self._emit(req, tokens, accepted)))
@@ -320,12 +348,12 @@ class Engine:
         return req
 
     def _check_resize(self, tree_slots: int) -> None:
-        """ValueError unless a target pool of the same slots for trees of tree_slots nodes fits in
+        """ValueError unless a target pool of the same rows for trees of tree_slots nodes fits in
         what is free once the current one is given back."""
         current = sum(t.numel() * t.element_size() for t in self.target_cache._per_slot())
-        if self._slots_that_fit(tree_slots, self.slots, reclaimable=current) < self.slots:
+        if self._slots_that_fit(tree_slots, self.rows, reclaimable=current) < self.rows:
             raise ValueError(f"tree budget {tree_slots - 1} needs more memory than is free for the pool's "
-                             f"{self.slots} slots: lower the tree budget")
+                             f"{self.rows} slots: lower the tree budget")
 
     def _admissible(self, req: RequestState) -> bool:
         """Whether the pool can take `req` now. A request for a bigger tree than the pool holds waits
@@ -339,13 +367,86 @@ class Engine:
         return True
 
     def _release(self, req: RequestState) -> None:
-        for src, dst in self.scheduler.remove(req):
-            self.target_cache.move(src, dst)
-            if self.drafter is not None:
-                self.draft_cache.move(src, dst)
+        """Take `req` out; the rows behind it move down, and a request that was decoding leaves its
+        row as a cached sequence (moved to the first idle row) when prefix reuse is on."""
+        row, keep = req.slot, self.prefix is not None and req in self.scheduler.running
+        # valid positions of each row that may move (a lone AR request's next pass has written n_ctx)
+        valid = {r.slot: r.n_ctx + 1 for r in self.scheduler.running}
+        if self.scheduler.prefilling is not None:
+            valid[self.scheduler.prefilling.slot] = self.scheduler.prefilling.prefilled
+        moves = self.scheduler.remove(req)
+        src, dst = [s for s, _ in moves], [d for _, d in moves]
+        if keep:
+            idle = len(self.scheduler.running) + (self.scheduler.prefilling is not None)  # the freed row
+            if idle != row:
+                src.append(row)
+                dst.append(idle)
+            draft_len = 0 if self.drafter is None else req.n_ctx if req.mode != "ar" else req.draft_ctx
+            self.prefix.add(idle, (req.prompt_ids + req.produced)[:req.n_ctx], req.snapshot_at, draft_len)
+        self._move_rows(dst, src, max((valid[s] for s in src), default=0))
         req.finished = True
         req.drafted = req.ahead = None
         req.prompt_feats = None
+        self._prefix_stats()
+
+    def _move_rows(self, dst: list[int], src: list[int], length: int) -> None:
+        self.target_cache.permute(dst, src, length)
+        if self.drafter is not None:
+            self.draft_cache.permute(dst, src, length)
+
+    # ---- prefix reuse -----------------------------------------------------------------------------
+
+    def _place(self, req: RequestState) -> None:
+        """Set up the row of a request just admitted (row = len(running)): move any cached sequence
+        there out of its way, and start it from the cached prefix that saves the most prefill."""
+        req.placed = True
+        if self.prefix is None:
+            return
+        row = req.slot
+        hit = self.prefix.lookup(req.prompt_ids, speculative=req.mode != "ar")
+        resident = self.prefix.by_row.get(row)
+        if resident is not None:
+            self._rehome(resident, hit.seq if hit is not None else None)
+        if hit is not None:
+            seq = hit.seq
+            self.target_cache.copy_prefix(seq.row, row, hit.length, hit.from_snapshot)
+            req.draft_ctx = min(hit.length, seq.draft_len) if self.drafter is not None else 0
+            if req.draft_ctx:
+                self.draft_cache.copy_prefix(seq.row, row, req.draft_ctx)
+            if seq.row == row:  # taken over where it lies: the request writes past the prefix
+                self.prefix.pop(row)
+            req.prefilled = req.reused = hit.length
+        req.snapshot_at = len(req.prompt_ids)
+        if self.prefix.snapshots_only:
+            req.snapshot_at = snapshot_point(req.prompt_ids, self.turn_token, req.reused)
+        self._prefix_stats()
+
+    def _rehome(self, seq: CachedSequence, keep: CachedSequence | None) -> None:
+        """Move `seq` out of a row an admission needs: to a free idle row; else, if it is `keep` (the
+        one being reused), leave it to be taken over in place; else over the least recently used other
+        cached sequence (never `keep`), unless `seq` is itself the least recently used: then drop it."""
+        occupied = len(self.scheduler.running) + 1  # the running rows and the one being admitted
+        free = [r for r in range(occupied, self.rows) if r not in self.prefix.by_row]
+        if free:
+            dest = free[0]
+        elif seq is keep:
+            return
+        else:
+            victim = self.prefix.least_recent(spare=(keep,))
+            self.prefix.evict(victim)
+            if victim is seq:
+                return
+            dest = victim.row
+        self._move_rows([dest], [seq.row], seq.end)
+        self.prefix.pop(seq.row)
+        seq.row = dest
+        self.prefix.by_row[dest] = seq
+
+    def _prefix_stats(self) -> None:
+        if self.prefix is not None:
+            p, s = self.prefix.stats, self.stats
+            s.prefix_lookups, s.prefix_hits, s.prefix_tokens_saved = p.lookups, p.hits, p.tokens_saved
+            s.prefix_evictions, s.prefix_cached = p.evictions, len(self.prefix)
 
     def _emit(self, req: RequestState, tokens: list[int], accepted: int) -> RoundOutput:
         """Cut the round's tokens at the first stop token or at max_new_tokens."""
@@ -386,11 +487,16 @@ class Engine:
                 continue
             if req is None:
                 break
+            if not req.placed:
+                self._place(req)
             take = min(left, len(req.prompt_ids) - req.prefilled, PREFILL_PIECE)
+            if req.prefilled < req.snapshot_at < len(req.prompt_ids):  # a hybrid's state is kept there
+                take = min(take, req.snapshot_at - req.prefilled)
             first = self._prefill_chunk(req, take)
             left -= take
             self.stats.prefill_tokens += take
             if first is not None:
+                req.produced.append(first)
                 self.scheduler.start_running(req)
                 joined.append(req)
                 outputs.append((req.id, self._emit(req, [first], 0)))
@@ -406,9 +512,11 @@ class Engine:
         h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
         req.prefilled = hi
         if req.mode != "ar":
-            if req.prompt_feats is None:  # the whole prompt's, filled chunk by chunk (no concatenation)
-                req.prompt_feats = feats.new_empty(1, len(req.prompt_ids), feats.shape[-1])
-            req.prompt_feats[:, lo:hi] = feats
+            if req.prompt_feats is None:  # the computed prompt's, filled chunk by chunk (no concatenation)
+                req.prompt_feats = feats.new_empty(1, len(req.prompt_ids) - req.reused, feats.shape[-1])
+            req.prompt_feats[:, lo - req.reused:hi - req.reused] = feats
+        if hi == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
+            self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
         if hi < len(req.prompt_ids):
             return None
         first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
@@ -419,14 +527,17 @@ class Engine:
 
     def _draft_prompt(self, req: RequestState) -> torch.Tensor:
         """The first drafter pass of a request, eager: its context is every prompt position (features
-        from the prefill) plus the block [bonus, MASK * (block_size-1)] -> logits for depths 1..Q-1."""
-        n, bs = req.n_ctx, self.block_size
+        from the prefill, written to the drafter's cache after the reused prefix's, which came with it:
+        a position's drafter k/v depend on that position's target features alone) plus the block
+        [bonus, MASK * (block_size-1)] -> logits for depths 1..Q-1."""
+        n, bs, lo = req.n_ctx, self.block_size, req.reused
         block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = req.bonus
         emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
         block_pos = torch.arange(n, n + bs, device=self.device)[None]
-        ctx_pos = torch.arange(n, device=self.device)[None]
-        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache.rows(req.slot, req.slot + 1))
+        ctx_pos = torch.arange(lo, n, device=self.device)[None]
+        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache.rows(req.slot, req.slot + 1),
+                         ctx_start=lo)
         req.prompt_feats = None
         return self.target.logits(h[0, 1:])
 

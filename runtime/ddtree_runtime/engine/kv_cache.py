@@ -34,13 +34,34 @@ class KVCache:
         view.__dict__.update({name: _rows(value, lo, hi) for name, value in self.__dict__.items()})
         return view
 
-    def move(self, src: int, dst: int) -> None:
-        """Copy batch row `src` over row `dst` (a request changing slots when another one leaves)."""
-        for t in self._per_slot():
-            t[:, dst] = t[:, src]
+    def permute(self, dst: list[int], src: list[int], length: int) -> None:
+        """Row dst[i] takes row src[i]'s content (requests changing slots when one leaves, a finished
+        one's row kept as a cached sequence): the rows form a permutation, so each tensor's source rows
+        are read before any is written, a layer at a time (the temporary is one layer's rows). Of the KV
+        only the first `length` positions move: past every moved row's context a row is free."""
+        if not dst:
+            return
+        d, s = (torch.tensor(rows, device=self.k.device) for rows in (dst, src))
+        for t in (self.k, self.v):
+            for layer in t[..., :length, :]:           # [B, Hkv, length, D]
+                layer.index_copy_(0, d, layer.index_select(0, s))
+        for t in self._states():
+            for layer in t:
+                layer.index_copy_(0, d, layer.index_select(0, s))
+
+    def copy_prefix(self, src: int, dst: int, length: int, from_snapshot: bool = False) -> None:
+        """Row dst starts with row src's first `length` positions (a cached prefix reused; src == dst:
+        already there). `from_snapshot`: a hybrid cache's state at the end of src's prompt."""
+        if src != dst:
+            for t in (self.k, self.v):
+                t[:, dst, :, :length] = t[:, src, :, :length]
+
+    def _states(self) -> list[torch.Tensor]:
+        """Per-row tensors a request keeps between rounds besides the KV ([n, B, ...], moved whole)."""
+        return []
 
     def _per_slot(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
+        return [self.k, self.v, *self._states()]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([B, Hkv, T, D]) at [start, start+T) and return views of the cache up to start+T."""
@@ -105,7 +126,7 @@ class HybridCache(KVCache):
     n_linear x nodes x (Hv x (dk + dv + 1) floats + conv_dim values)."""
 
     def __init__(self, cfg: Qwen35Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 batch: int = 1, nodes: int = 1) -> None:
+                 batch: int = 1, nodes: int = 1, snapshots: bool = False) -> None:
         super().__init__(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)
         n, hv = len(cfg.linear_layers), cfg.linear_num_value_heads
         dk, dv, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -117,6 +138,9 @@ class HybridCache(KVCache):
         self.step = Step(torch.zeros(n, batch, hv, nodes, dk, device=device, dtype=f32),
                          torch.zeros(n, batch, hv, nodes, dv, device=device, dtype=f32),
                          torch.zeros(n, batch, hv, nodes, device=device, dtype=f32))
+        # with prefix reuse, each row's conv tail and state at the end of its prompt (engine/prefix_cache.py)
+        self.snap_conv = torch.zeros_like(self.conv) if snapshots else None
+        self.snap_state = torch.zeros_like(self.state) if snapshots else None
 
     @staticmethod
     def scratch_bytes(cfg: Qwen35Config, nodes: int, elem: int) -> int:
@@ -135,9 +159,25 @@ class HybridCache(KVCache):
         self.step.u[layer, :, :, :t] = step.u
         self.step.g[layer, :, :, :t] = step.g
 
-    def _per_slot(self) -> list[torch.Tensor]:
-        """What a request keeps between rounds (the scratch is rewritten by every tree pass)."""
-        return [self.k, self.v, self.conv, self.state]
+    def _states(self) -> list[torch.Tensor]:
+        """What a request keeps between rounds besides the KV (the scratch is rewritten by every tree
+        pass), and the end-of-prompt snapshot where there is one."""
+        snaps = [self.snap_conv, self.snap_state] if self.snap_state is not None else []
+        return [self.conv, self.state, *snaps]
+
+    def snapshot(self, row: int) -> None:
+        """Keep row's state as it is now (the end of its prompt) beside the live one."""
+        self.snap_conv[:, row] = self.conv[:, row]
+        self.snap_state[:, row] = self.state[:, row]
+
+    def copy_prefix(self, src: int, dst: int, length: int, from_snapshot: bool = False) -> None:
+        """Also the linear layers' state at `length`: src's live state (its sequence's end) or its
+        end-of-prompt snapshot."""
+        super().copy_prefix(src, dst, length)
+        conv, state = (self.snap_conv, self.snap_state) if from_snapshot else (self.conv, self.state)
+        if from_snapshot or src != dst:
+            self.conv[:, dst] = conv[:, src]
+            self.state[:, dst] = state[:, src]
 
     def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
         """Also advance each row's linear-layer state and conv tail along its own accepted path."""
@@ -169,20 +209,23 @@ def _rows(value, lo: int, hi: int):
     return value
 
 
-def target_cache_bytes(cfg: Qwen3Config, capacity: int, nodes: int, elem: int) -> int:
+def target_cache_bytes(cfg: Qwen3Config, capacity: int, nodes: int, elem: int, snapshots: bool = False) -> int:
     """Device memory a target's cache takes, plus the largest per-layer workspace of a tree pass that
-    grows with the tree (the hybrid's [Hv, nodes, nodes] float32 matrices: a handful are live at once)."""
+    grows with the tree (the hybrid's [Hv, nodes, nodes] float32 matrices: a handful are live at once);
+    `snapshots`: a hybrid's end-of-prompt state copy too."""
     kv = 2 * cfg.kv_layers * cfg.num_key_value_heads * capacity * cfg.head_dim * elem
     if not isinstance(cfg, Qwen35Config):
         return kv
     conv_tail = len(cfg.linear_layers) * elem * (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim
     workspace = 6 * 4 * cfg.linear_num_value_heads * nodes * nodes
-    return kv + cfg.linear_state_bytes + conv_tail + HybridCache.scratch_bytes(cfg, nodes, elem) + workspace
+    state = (cfg.linear_state_bytes + conv_tail) * (2 if snapshots else 1)
+    return kv + state + HybridCache.scratch_bytes(cfg, nodes, elem) + workspace
 
 
 def target_cache(cfg: Qwen3Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 batch: int = 1, nodes: int = 1) -> KVCache:
-    """The cache a target of this config needs; `nodes` is the largest tree pass it must hold."""
+                 batch: int = 1, nodes: int = 1, snapshots: bool = False) -> KVCache:
+    """The cache a target of this config needs; `nodes` is the largest tree pass it must hold;
+    `snapshots`: a hybrid keeps each row's end-of-prompt state (prefix reuse)."""
     if isinstance(cfg, Qwen35Config):
-        return HybridCache(cfg, capacity, device, dtype, batch, nodes)
+        return HybridCache(cfg, capacity, device, dtype, batch, nodes, snapshots)
     return KVCache(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)

@@ -24,6 +24,8 @@ class EngineConfig:
     mem_fraction: float = 0.9       # at most this share of the free device memory goes to the pool
     prefill_chunk: int = 512        # prompt tokens prefilled per step, so running streams keep going
     round_nodes: int | None = None  # adaptive tree budget: tree nodes per round over all requests
+    prefix_cache: bool = True       # keep finished requests' rows as cached sequences for prefix reuse
+    prefix_cache_rows: int = 0      # pool rows beyond max_running that only hold cached sequences
 
 
 @dataclass
@@ -67,6 +69,12 @@ class RequestState:
     n_ctx: int = 0            # tokens whose KV sits in the target cache (all committed but the bonus)
     bonus: int = -1           # last committed token: next round's tree root
     generated: int = 0        # tokens emitted so far
+    produced: list[int] = field(default_factory=list)  # every token committed (the cache holds prompt +
+    #                           produced[:-1]; a round cut at a stop may commit more than it emits)
+    reused: int = 0           # prompt tokens whose cache came from a cached sequence
+    draft_ctx: int = 0        # positions of the drafter's context inherited with them (AR requests)
+    placed: bool = False      # its row has been set up for it (a cached prefix looked for)
+    snapshot_at: int = 0      # where a hybrid's prompt state is kept for later reuse (prefix_cache.py)
     prompt_feats: torch.Tensor | None = None  # [1, P, F] the prompt's target features, for the first draft
     drafted: torch.Tensor | None = None  # [block-1, V] draft logits for the next round, queued on the device
     ahead: torch.Tensor | None = None    # [1] the next AR token, chosen on the device, not yet read
@@ -84,3 +92,8 @@ class BatchStats:
     tree_nodes: int = 0       # real tree nodes (roots included) verified in the last round
     prefill_tokens: int = 0   # prompt tokens prefilled in the last step
     rounds: int = 0           # steps that ran a round, since start
+    prefix_lookups: int = 0   # since start: admissions that looked for a cached prefix
+    prefix_hits: int = 0      # ... that reused one
+    prefix_tokens_saved: int = 0  # prompt tokens reused instead of prefilled
+    prefix_evictions: int = 0     # cached sequences dropped for room
+    prefix_cached: int = 0        # cached sequences held now

@@ -44,6 +44,16 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
                       lambda: worker.engine_stats("tree_nodes"))
     metrics.add_gauge("tokens_per_second", "Tokens committed per second, all requests, over the last 10 s.",
                       worker.tokens_per_second)
+    metrics.add_counter("prefix_cache_lookups_total", "Admitted requests that looked for a cached prefix.",
+                        lambda: worker.engine_stats("prefix_lookups"))
+    metrics.add_counter("prefix_cache_hits_total", "Admitted requests that reused a cached prefix.",
+                        lambda: worker.engine_stats("prefix_hits"))
+    metrics.add_counter("prefix_cache_tokens_saved_total", "Prompt tokens reused from cached prefixes, not prefilled.",
+                        lambda: worker.engine_stats("prefix_tokens_saved"))
+    metrics.add_counter("prefix_cache_evictions_total", "Cached sequences dropped to free a slot.",
+                        lambda: worker.engine_stats("prefix_evictions"))
+    metrics.add_gauge("prefix_cache_sequences", "Finished requests' sequences held for prefix reuse.",
+                      lambda: worker.engine_stats("prefix_cached"))
     metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
     metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
                       lambda: 1 if worker.health()[0] == READY else 0)

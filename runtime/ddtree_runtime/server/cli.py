@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round-nodes", type=int, metavar="N",
                    help="adaptive tree budget: tree nodes verified per round over all running requests, shared "
                         "between them (default: off, each request's own budget)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not keep finished requests' KV for prompts that start with them (default: kept in "
+                        "idle slots until a request needs the slot, least recently used first)")
+    p.add_argument("--prefix-cache-rows", type=int, default=0, metavar="N",
+                   help="slots beyond --max-running that only hold cached prefixes, each the memory of one "
+                        "running request (default: 0, idle running slots only)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="requests waiting behind the running ones before 429 (default: 16)")
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
@@ -93,6 +99,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     _positive(args.max_running, "--max-running", MAX_RUNNING)
     _positive(args.prefill_chunk, "--prefill-chunk")
     _positive(args.round_nodes, "--round-nodes")
+    if args.prefix_cache_rows < 0:
+        raise UsageError(f"--prefix-cache-rows {args.prefix_cache_rows}: must be >= 0")
+    if args.prefix_cache_rows and not args.prefix_cache:
+        raise UsageError("--prefix-cache-rows needs the prefix cache: drop --no-prefix-cache")
     if not MIN_MEM_FRACTION <= args.mem_fraction <= 1:
         raise UsageError(f"--mem-fraction {args.mem_fraction}: must be between {MIN_MEM_FRACTION} and 1")
     _positive(args.max_body, "--max-body")
@@ -121,6 +131,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         mem_fraction=args.mem_fraction,
         prefill_chunk=args.prefill_chunk,
         round_nodes=args.round_nodes,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_rows=args.prefix_cache_rows,
         host=args.host,
         port=args.port,
         api_key=api_key or None,

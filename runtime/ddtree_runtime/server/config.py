@@ -27,6 +27,8 @@ class ServerConfig:
     mem_fraction: float = 0.9             # share of the free device memory the cache pool may take
     prefill_chunk: int = 512              # prompt tokens prefilled per step beside the running requests
     round_nodes: int | None = None        # adaptive tree budget: tree nodes per round over all requests
+    prefix_cache: bool = True             # reuse cached prefixes of finished requests (engine/prefix_cache.py)
+    prefix_cache_rows: int = 0            # pool rows beyond max_running that only hold cached sequences
     # How the server behaves.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -54,4 +56,6 @@ class ServerConfig:
             "mem_fraction": self.mem_fraction,
             "prefill_chunk": self.prefill_chunk,
             "round_nodes": self.round_nodes,
+            "prefix_cache": self.prefix_cache,
+            "prefix_cache_rows": self.prefix_cache_rows,
         }

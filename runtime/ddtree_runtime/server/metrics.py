@@ -67,8 +67,8 @@ class Metrics:
         self._round_latency = _Histogram(ROUND_LATENCY_BUCKETS)
         self._prefill_latency = _Histogram(REQUEST_LATENCY_BUCKETS)
         self._acceptance = _Histogram(tuple(float(i) for i in range(1, max_acceptance_length + 1)))
-        # Read at scrape time: (name, help, callable returning a number).
-        self._gauges: list[tuple[str, str, Callable[[], float]]] = []
+        # Read at scrape time: (name, help, callable returning a number, type).
+        self._gauges: list[tuple[str, str, Callable[[], float], str]] = []
 
     def set_max_acceptance_length(self, n: int) -> None:
         """The engine's block size is only known once it loads; rebuild the (still empty) buckets."""
@@ -77,7 +77,11 @@ class Metrics:
                 self._acceptance = _Histogram(tuple(float(i) for i in range(1, max(n, 1) + 1)))
 
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        self._gauges.append((name, help_text, read))
+        self._gauges.append((name, help_text, read, "gauge"))
+
+    def add_counter(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """A counter kept elsewhere (the engine's own totals), read at scrape time."""
+        self._gauges.append((name, help_text, read, "counter"))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -129,10 +133,10 @@ class Metrics:
                 f"# TYPE {PREFIX}_round_duration_seconds histogram",
                 *self._round_latency.lines(f"{PREFIX}_round_duration_seconds"),
             ]
-        for name, help_text, read in self._gauges:
+        for name, help_text, read, kind in self._gauges:
             lines += [
                 f"# HELP {PREFIX}_{name} {help_text}",
-                f"# TYPE {PREFIX}_{name} gauge",
+                f"# TYPE {PREFIX}_{name} {kind}",
                 f"{PREFIX}_{name} {_number(float(read()))}",
             ]
         return "\n".join(lines) + "\n"

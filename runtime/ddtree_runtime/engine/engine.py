@@ -584,12 +584,25 @@ class Engine:
         req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)
         self._phase("commit")
         accepted = Walk.read(self.readback.wait(), self.block_size - 1)
+        tokens = accepted.tokens[1:] + [accepted.next_token]
+        keep = self._emitted(req, tokens)  # a finishing round commits only what it emits (see _emitted)
         # the accepted path's KV, moved to right after the context (by the walk's own device copy of it)
-        self.runner.cache.compact(req.n_ctx, accepted.path, rows[:len(accepted.path)])
-        req.n_ctx += len(accepted.path)
-        req.bonus = accepted.next_token
+        self.runner.cache.compact(req.n_ctx, accepted.path[:keep], rows[:keep])
+        req.n_ctx += keep
+        req.bonus = tokens[keep - 1]
         self._phase("end")
-        return accepted.tokens[1:] + [req.bonus], len(accepted.path) - 1
+        return tokens[:keep], len(accepted.path) - 1
+
+    @staticmethod
+    def _emitted(req: RequestState, tokens: list[int]) -> int:
+        """How many of a round's tokens the request emits (`_emit`: up to a stop or max_new_tokens). A
+        round that finishes the request commits only those, so the cache it leaves behind ends where
+        the client's text does, which is where a next turn can continue it (a hybrid's state cannot be
+        wound back to there later)."""
+        for i, t in enumerate(tokens):
+            if t in req.stop_ids or req.generated + i + 1 >= req.params.max_new_tokens:
+                return i + 1
+        return len(tokens)
 
     # ---- a batch: one verify pass for every request's tree ----------------------------------------
 
@@ -621,15 +634,21 @@ class Engine:
             drafted = self.batch_draft.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
         self._phase("commit")
         host = self.batch_readback.wait()
-        self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0])
         rounds, width = [], Walk.size(depth)
         for row, req in enumerate(reqs):
             accepted = Walk.read(host[row * width:(row + 1) * width], depth)
-            req.n_ctx += len(accepted.path)
-            req.bonus = accepted.next_token
+            tokens = settled[row] + accepted.tokens[1:] + [accepted.next_token]
+            # a finishing row commits only what it emits (_emitted), its root at least
+            keep = max(self._emitted(req, tokens), len(settled[row]) + 1)
+            path = keep - len(settled[row])
+            if path < len(accepted.path):
+                result[row, 0] = path  # the commit's length (the drafter pass queued before read the walk's)
+            req.n_ctx += path
+            req.bonus = tokens[keep - 1]
             if req.mode != "ar":
                 req.drafted = drafted[row]
-            rounds.append((settled[row] + accepted.tokens[1:] + [req.bonus], len(accepted.path) - 1))
+            rounds.append((tokens[:keep], len(accepted.path) - 1))
+        self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0])
         self._phase("end")
         return rounds
 

@@ -31,7 +31,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     lo = 0
-    while lo < n and a[lo:lo + COMPARE_BLOCK] == b[lo:lo + COMPARE_BLOCK]:
+    while lo + COMPARE_BLOCK <= n and a[lo:lo + COMPARE_BLOCK] == b[lo:lo + COMPARE_BLOCK]:
         lo += COMPARE_BLOCK
     hi = min(n, lo + COMPARE_BLOCK)
     while lo < hi and a[lo] == b[lo]:

@@ -233,3 +233,66 @@ def test_snapshots_are_sized_into_the_pool(tiny_hybrid_models):
     assert size(on) - size(off) == state.numel() * state.element_size() + on.target_cache.conv.numel() * \
         on.target_cache.conv.element_size()
     assert torch.equal(on.target_cache.snap_state, torch.zeros_like(state))
+
+
+@pytest.mark.slow
+def test_through_the_server_same_text_and_counters(tiny_hybrid_models):
+    """A two-turn chat (and a completion continued with its own text) through ddtree-serve, with reuse
+    on and with --no-prefix-cache: the same text; /metrics counts the hits and the tokens saved."""
+    import httpx
+
+    from ddtree_runtime.server.testing import ServerProcess
+
+    models = tiny_hybrid_models
+    base = ["--target", str(models / "target"), "--draft", str(models / "draft"), "--served-model-name", "tiny",
+            "--max-running", "2"]
+    question, follow = heldout_questions(2, seed=44)
+
+    def converse(srv: ServerProcess) -> list[str]:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            def ask(messages):
+                body = {"model": "tiny", "messages": messages, "max_tokens": MAX_NEW, "temperature": 0}
+                return c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+            messages = [{"role": "user", "content": question}]
+            first = ask(messages)
+            second = ask(messages + [{"role": "assistant", "content": first}, {"role": "user", "content": follow}])
+            prompt = f"{question}\n"
+            text = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW,
+                                                   "temperature": 0}).json()["choices"][0]["text"]
+            more = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt + text + "\nWhy?\n",
+                                                   "max_tokens": MAX_NEW, "temperature": 0}).json()
+            return [first, second, text, more["choices"][0]["text"]]
+
+    def counters(srv: ServerProcess) -> dict[str, float]:
+        lines = httpx.get(srv.url + "/metrics").text.splitlines()
+        assert "# TYPE ddtree_prefix_cache_hits_total counter" in lines
+        return {k: float(v) for k, v in (line.split(" ") for line in lines if line.startswith("ddtree_prefix"))}
+
+    with ServerProcess(base + ["--prefix-cache-rows", "1"]) as srv:
+        srv.wait_ready()
+        before = counters(srv)  # the warm-up generation looked once
+        texts = converse(srv)
+        after = counters(srv)
+    with ServerProcess(base + ["--no-prefix-cache"]) as srv:
+        srv.wait_ready()
+        assert converse(srv) == texts
+        assert counters(srv)["ddtree_prefix_cache_lookups_total"] == 0
+    assert after["ddtree_prefix_cache_lookups_total"] - before["ddtree_prefix_cache_lookups_total"] == 4
+    assert after["ddtree_prefix_cache_hits_total"] - before["ddtree_prefix_cache_hits_total"] >= 2
+    assert after["ddtree_prefix_cache_tokens_saved_total"] > before["ddtree_prefix_cache_tokens_saved_total"]
+    assert 1 <= after["ddtree_prefix_cache_sequences"] <= 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefix-cache-rows", "-1"], "--prefix-cache-rows -1: must be >= 0"),
+    (["--no-prefix-cache", "--prefix-cache-rows", "2"], "--prefix-cache-rows needs the prefix cache"),
+])
+def test_prefix_cache_flags_are_checked(tiny_models, argv, message):
+    from ddtree_runtime.server.cli import UsageError, build_parser, config_from_args
+
+    base = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
+    with pytest.raises(UsageError, match=message):
+        config_from_args(build_parser().parse_args(base + argv), {})
+    config = config_from_args(build_parser().parse_args(base + ["--prefix-cache-rows", "2"]), {})
+    assert config.engine_kwargs()["prefix_cache_rows"] == 2 and config.engine_kwargs()["prefix_cache"]
+    assert not config_from_args(build_parser().parse_args(base + ["--no-prefix-cache"]), {}).prefix_cache

@@ -449,15 +449,13 @@ class Engine:
             s.prefix_evictions, s.prefix_cached = p.evictions, len(self.prefix)
 
     def _emit(self, req: RequestState, tokens: list[int], accepted: int) -> RoundOutput:
-        """Cut the round's tokens at the first stop token or at max_new_tokens."""
-        kept: list[int] = []
-        for t in tokens:
-            kept.append(t)
-            req.generated += 1
-            if t in req.stop_ids:
-                return RoundOutput(kept, accepted, True, "stop")
-            if req.generated >= req.params.max_new_tokens:
-                return RoundOutput(kept, accepted, True, "length")
+        """Cut the round's tokens at the first stop token or at max_new_tokens (`_emitted`)."""
+        kept = tokens[:self._emitted(req, tokens)]
+        req.generated += len(kept)
+        if kept and kept[-1] in req.stop_ids:
+            return RoundOutput(kept, accepted, True, "stop")
+        if req.generated >= req.params.max_new_tokens:
+            return RoundOutput(kept, accepted, True, "length")
         return RoundOutput(kept, accepted, False, None)
 
     def _phase(self, name: str) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.prefix_cache import common_prefix, snapshot_point
-from ddtree_runtime.tiny_corpus import heldout_questions
+from ddtree_devtools.tiny_corpus import heldout_questions
 
 MAX_NEW = 24
 MODES = ("ar", "dflash", "ddtree")
@@ -241,7 +241,7 @@ def test_through_the_server_same_text_and_counters(tiny_hybrid_models):
     on and with --no-prefix-cache: the same text; /metrics counts the hits and the tokens saved."""
     import httpx
 
-    from ddtree_runtime.server.testing import ServerProcess
+    from ddtree_devtools.server_process import ServerProcess
 
     models = tiny_hybrid_models
     base = ["--target", str(models / "target"), "--draft", str(models / "draft"), "--served-model-name", "tiny",

@@ -114,6 +114,9 @@ class Serve:
     max_running: int | None = None
     max_queue: int | None = None
     mem_fraction: float | None = None
+    # Prefix reuse across turns (--no-prefix-cache, --prefix-cache-rows): on by default, no extra rows.
+    prefix_cache: bool = True
+    prefix_cache_rows: int | None = None
     # What the chat endpoint makes of the model's text (the runtime's --tool-call-parser,
     # --reasoning-parser, --chat-template-kwargs); None: the runtime's default.
     tool_call_parser: str | None = None          # None: from the target's architecture
@@ -489,21 +492,27 @@ def _serve(top: Section) -> Serve:
     if section is None:
         return Serve()
     section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context",
-                            "max_running", "max_queue", "mem_fraction",
+                            "max_running", "max_queue", "mem_fraction", "prefix_cache", "prefix_cache_rows",
                             "tool_call_parser", "reasoning_parser", "chat_template_kwargs"))
     # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
-    return Serve(mode=section.str("mode", "ddtree", choices=MODES),
-                 block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
-                 tree_budget=section.int("tree_budget", 16, min=LIMITS.MIN_TREE_BUDGET, max=LIMITS.MAX_TREE_BUDGET),
-                 served_model_name=section.str("served_model_name"),
-                 extra_args=tuple(section.str_list("extra_args")),
-                 max_context=section.int("max_context", None, min=1),
-                 max_running=section.int("max_running", None, min=1, max=LIMITS.MAX_RUNNING),
-                 max_queue=section.int("max_queue", None, min=1, max=LIMITS.MAX_QUEUE),
-                 mem_fraction=section.number("mem_fraction", None, min=LIMITS.MIN_MEM_FRACTION, max=1),
-                 tool_call_parser=section.str("tool_call_parser", choices=TOOL_CALL_PARSERS),
-                 reasoning_parser=section.str("reasoning_parser", choices=REASONING_PARSERS),
-                 chat_template_kwargs=_template_kwargs(section))
+    serve = Serve(mode=section.str("mode", "ddtree", choices=MODES),
+                  block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
+                  tree_budget=section.int("tree_budget", 16, min=LIMITS.MIN_TREE_BUDGET, max=LIMITS.MAX_TREE_BUDGET),
+                  served_model_name=section.str("served_model_name"),
+                  extra_args=tuple(section.str_list("extra_args")),
+                  max_context=section.int("max_context", None, min=1),
+                  max_running=section.int("max_running", None, min=1, max=LIMITS.MAX_RUNNING),
+                  max_queue=section.int("max_queue", None, min=1, max=LIMITS.MAX_QUEUE),
+                  mem_fraction=section.number("mem_fraction", None, min=LIMITS.MIN_MEM_FRACTION, max=1),
+                  prefix_cache=section.bool("prefix_cache", True),
+                  prefix_cache_rows=section.int("prefix_cache_rows", None, min=0, max=LIMITS.MAX_RUNNING),
+                  tool_call_parser=section.str("tool_call_parser", choices=TOOL_CALL_PARSERS),
+                  reasoning_parser=section.str("reasoning_parser", choices=REASONING_PARSERS),
+                  chat_template_kwargs=_template_kwargs(section))
+    if serve.prefix_cache_rows and not serve.prefix_cache:
+        raise section.fail("prefix_cache_rows", "`serve.prefix_cache_rows` needs the prefix cache",
+                           fix="drop it, or set `prefix_cache: true`")
+    return serve
 
 
 def _template_kwargs(serve: Section) -> str | None:

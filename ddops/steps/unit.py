@@ -77,9 +77,12 @@ def exec_argv(profile: Profile) -> list[str]:
     if profile.serve.served_model_name:
         argv += ["--served-model-name", profile.serve.served_model_name]
     for flag, number in (("--max-context", profile.serve.max_context), ("--max-running", profile.serve.max_running),
-                         ("--max-queue", profile.serve.max_queue), ("--mem-fraction", profile.serve.mem_fraction)):
+                         ("--max-queue", profile.serve.max_queue), ("--mem-fraction", profile.serve.mem_fraction),
+                         ("--prefix-cache-rows", profile.serve.prefix_cache_rows)):
         if number is not None:
             argv += [flag, str(number)]
+    if not profile.serve.prefix_cache:
+        argv.append("--no-prefix-cache")
     for flag, value in (("--tool-call-parser", profile.serve.tool_call_parser),
                         ("--reasoning-parser", profile.serve.reasoning_parser),
                         ("--chat-template-kwargs", profile.serve.chat_template_kwargs)):

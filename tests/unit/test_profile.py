@@ -78,6 +78,8 @@ BAD = [
     ("serve: {mem_fraction: 0}", "between 0.01 and 1", None),
     ("serve: {mem_fraction: 1.5}", "between 0.01 and 1", None),
     ("serve: {mem_fraction: most}", "must be a number", None),
+    ("serve: {prefix_cache: false, prefix_cache_rows: 4}", "needs the prefix cache", "prefix_cache: true"),
+    ("serve: {prefix_cache: maybe}", "true or false", None),
     ("port: " + "9" * 5000, "(5000 characters) is too large", "18 digits"),
     ("port: 0x" + "f" * 5000, "is too large", None),         # parses, but could not be printed
     ("port: 12345678901234567890", "is too large", None),

@@ -68,6 +68,11 @@ def test_batching_settings_reach_the_unit_only_when_set(profile):
     argv = exec_argv(busy)
     assert [argv[argv.index(f) + 1] for f in ("--max-running", "--max-queue", "--mem-fraction")] == ["16", "64", "0.85"]
     assert " --max-running 16 --max-queue 64 --mem-fraction 0.85" in render(busy, {}).unit_text
+    assert "--no-prefix-cache" not in argv
+    cold = replace(profile, serve=replace(profile.serve, prefix_cache=False))
+    assert exec_argv(cold)[-1] == "--no-prefix-cache"
+    rows = exec_argv(replace(profile, serve=replace(profile.serve, prefix_cache_rows=8)))
+    assert rows[rows.index("--prefix-cache-rows") + 1] == "8"
 
 
 def test_the_runtime_cli_accepts_every_shipped_profile_s_command_line(tmp_path):

@@ -87,10 +87,13 @@ def status(obj: Context, as_json: bool) -> None:
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan without asking.")
 @click.option("--no-rollback", is_flag=True, help="Leave a failed pivot as it is instead of rolling back.")
 @click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first (only if its holder is dead).")
+@click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Replicas replaced at once when a pivot changes replicas already serving (a rolling "
+                   "restart: drain, restart, gate, readmit, batch by batch; halts at the first failure).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
-          break_lock: bool, as_json: bool) -> None:
+          break_lock: bool, batch: int, as_json: bool) -> None:
     """Pivot a host from training to serving, gated on health and a real smoke test."""
     from .credentials import read_secrets
     from .pivot import Pivot, PivotOptions
@@ -105,7 +108,7 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
-                           break_lock=break_lock)
+                           break_lock=break_lock, batch=batch)
     with obj.executor(inventory) as executor:
         report = Pivot(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                        confirm=lambda q: click.confirm(q, default=False, err=True)).execute().as_json()
@@ -117,7 +120,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
 
 @cli.command()
 @click.option("--host", "host_name", required=True, help="The host to roll back.")
-@click.option("--unit", default=None, help="The unit [default: the host's first service].")
+@click.option("--unit", default=None, help="The unit [default: the host's first service]; for replicas, "
+                                          "the template (e.g. ddtree@.service): all its replicas are restored.")
 @click.option("--list", "list_only", is_flag=True, help="List the unit's backups and exit.")
 @click.option("--to", "backup_id", default=None, metavar="BACKUP_ID", help="Restore this backup [default: newest].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

@@ -94,10 +94,14 @@ def status(obj: Context, as_json: bool) -> None:
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
           break_lock: bool, batch: int, as_json: bool) -> None:
-    """Pivot a host from training to serving, gated on health and a real smoke test."""
+    """Pivot a host from training to serving, gated on health and a real smoke test.
+
+    A profile whose `host` is an inventory group is pivoted host by host, halting at the first failure.
+    """
     from .credentials import read_secrets
-    from .pivot import Pivot, PivotOptions
+    from .pivot import PivotOptions
     from .profile import check_against_inventory, load_profile, resolve_profile
+    from .rollout import rollout
     from .views import render_summary
 
     inventory = obj.inventory()
@@ -110,8 +114,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
                            break_lock=break_lock, batch=batch)
     with obj.executor(inventory) as executor:
-        report = Pivot(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
-                       confirm=lambda q: click.confirm(q, default=False, err=True)).execute().as_json()
+        report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
+                         confirm=lambda q: click.confirm(q, default=False, err=True))
     render_summary(report, console)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))

@@ -634,12 +634,13 @@ def _balancer(top: Section) -> Balancer:
 
 
 def check_against_inventory(profile: Profile, inventory) -> None:
-    """Every host the profile names must be in the inventory."""
+    """Every host the profile names must be in the inventory (`host` may name a group of them)."""
     from .errors import ConfigError as _CE
 
-    names = [profile.host] + [m.source.host for m in profile.models if m.source and m.source.host != LOCAL]
+    serving = inventory.groups.get(profile.host, [profile.host])   # a group: pivoted host by host
+    names = serving + [m.source.host for m in profile.models if m.source and m.source.host != LOCAL]
     for name in names:
         if name not in inventory.hosts:
             raise _CE(f"profile names host {name!r}, which is not in {inventory.path}",
-                      where=profile.where("host") if name == profile.host else profile.where("models"),
-                      fix=f"known hosts: {', '.join(inventory.hosts)}")
+                      where=profile.where("host") if name in serving else profile.where("models"),
+                      fix=f"known hosts: {', '.join(inventory.hosts)}; groups: {', '.join(inventory.groups)}")

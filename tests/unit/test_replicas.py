@@ -367,3 +367,67 @@ def test_dry_run_prints_the_rolling_plan_and_touches_nothing(monkeypatch, tmp_pa
     assert report["outcome"] == "dry-run" and ex.commands == []
     text = out.getvalue()
     assert "Rolling restart" in text and "batch 2/2: ddtree@2.service" in text and "--tree-budget 8" in text
+
+
+# -- host by host --------------------------------------------------------------------------------------
+
+class HostGate:
+    """Passes, except on the hosts in `bad`; remembers the hosts it checked, in order."""
+
+    def __init__(self, bad: set[str], seen: list[str]) -> None:
+        self.name, self.title, self.bad, self.seen = "health", "Health", bad, seen
+
+    def describe(self, ctx):
+        return "check"
+
+    def check(self, ctx):
+        self.seen.append(ctx.profile.host)
+        if ctx.profile.host in self.bad:
+            raise StepFailed(f"not healthy on {ctx.profile.host}")
+        return GateResult("ok", {})
+
+
+def group_rollout(monkeypatch, bad: set[str]):
+    from ddops.plan import start_again
+    from ddops.rollout import rollout
+
+    plain = load_profile(REPO / "playbooks" / "lab-ddtree16.yaml", repo_root=REPO)
+    group = replace(plain, host="serving")     # the lab's serving role: ct200, then llm-two
+    monkeypatch.setattr(pivot_module, "preflight", lambda profile, *a, **k: (
+        replace(fixture_facts(profile), serving=profile.host,
+                hosts={**fixture_facts(profile).hosts, "llm-two": fixture_facts(profile).host},
+                inspections={**fixture_facts(profile).inspections, "llm-two": fixture_facts(profile).dest}), "ok"))
+    seen: list[str] = []
+
+    class Change:
+        name, title = "unit", "Unit"
+
+        def plan(self, ctx):
+            return [Operation(f"write the unit on {ctx.profile.host}")]
+
+        def apply(self, ctx, operations):
+            ctx.journal.change("unit", undo=start_again("x.service"))
+            return "written"
+
+    ex = FakeCt200(manifest="{}")
+    console = Console(file=io.StringIO(), width=160, force_terminal=False)
+    report = rollout(group, LAB, ex, console, options=pivot_module.PivotOptions(yes=True),
+                     steps=[Change()], gates=[HostGate(bad, seen)])
+    return report, seen
+
+
+def test_a_group_is_pivoted_host_by_host(monkeypatch):
+    report, seen = group_rollout(monkeypatch, set())
+    assert seen == ["ct200", "llm-two"] and report["hosts"] == ["ct200", "llm-two"]
+    assert (report["outcome"], report["exit_code"], report["halted_at"]) == ("ok", 0, None)
+    assert [r["host"] for r in report["reports"]] == ["ct200", "llm-two"]
+
+
+def test_a_group_rollout_halts_at_the_first_failed_host(monkeypatch):
+    report, seen = group_rollout(monkeypatch, {"ct200"})
+    assert seen == ["ct200"]                       # llm-two never touched
+    assert (report["outcome"], report["exit_code"], report["halted_at"]) == ("rolled-back", 2, "ct200")
+    assert report["not_reached"] == ["llm-two"] and "not reached: llm-two" in report["state"]
+    report, seen = group_rollout(monkeypatch, {"llm-two"})
+    assert seen == ["ct200", "llm-two"] and report["halted_at"] == "llm-two"
+    assert report["reports"][0]["outcome"] == "ok" and "done before it: ct200" in report["state"]

@@ -431,3 +431,29 @@ def test_a_group_rollout_halts_at_the_first_failed_host(monkeypatch):
     report, seen = group_rollout(monkeypatch, {"llm-two"})
     assert seen == ["ct200", "llm-two"] and report["halted_at"] == "llm-two"
     assert report["reports"][0]["outcome"] == "ok" and "done before it: ct200" in report["state"]
+
+
+# -- nothing a profile holds can add a line or a word to the balancer's config -------------------------
+
+# each starts with / so that a health path gets past its own check and meets HAProxy's
+HOSTILE = ["/x\n    server evil 10.0.0.1:80", "/a b", "/health#comment", '/q"uote', "/back\\slash", "/${HOME}", "/a'b"]
+
+
+@pytest.mark.parametrize("payload", HOSTILE)
+@pytest.mark.parametrize("key", ["name", "bind", "health__path"])
+def test_values_that_reach_haproxy_cfg_are_refused_at_load(tmp_path, key, payload):
+    changes = {key: payload} if key != "bind" else {key: payload, "secrets": {"DDTREE_API_KEY": {"env": "K"}}}
+    with pytest.raises(ConfigError):
+        load_profile(variant(tmp_path, **changes), repo_root=REPO)
+
+
+def test_the_config_has_exactly_the_directives_of_a_plain_render(tmp_path, profile):
+    """A bind host name, an API key and a long health path change values, never the config's shape."""
+    other = load_profile(variant(tmp_path, bind="serving.example.org", health__path="/v1/health-check_2",
+                                 secrets={"DDTREE_API_KEY": {"env": "K"}}), repo_root=REPO)
+
+    def shape(p):
+        config = next(f.text for f in render(p, {"DDTREE_API_KEY": "k\ney"}).files if f.path.endswith(".cfg"))
+        return [line.split()[0] for line in config.splitlines() if line.strip() and not line.startswith("#")]
+
+    assert shape(other) == shape(profile)

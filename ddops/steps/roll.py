@@ -14,7 +14,7 @@ import time
 from .. import balancer
 from ..errors import DdopsError, StepFailed
 from ..facts import Inspection
-from ..plan import RESTART_AFTER, Operation, PlanContext, RunContext, roll_back_replicas
+from ..plan import RESTART_AFTER, Interrupted, Operation, PlanContext, RunContext, roll_back_replicas
 from ..profile import Profile
 from ..remote import check
 
@@ -82,6 +82,9 @@ class RollStep:
             if not ready["ok"]:
                 raise StepFailed(f"HAProxy did not see {', '.join(units)} UP within {profile.balancer.ready_timeout_s:g}s "
                                  f"after readmitting them: {ready['states']}")
+        except Interrupted:  # Ctrl-C: stopped at a safe point inside the batch; rolled back like a failure
+            record.update(failed_at=stage, error="interrupted", total_s=round(time.monotonic() - started, 2))
+            raise
         except DdopsError as exc:
             record.update(failed_at=stage, error=exc.line().split("\n")[0], total_s=round(time.monotonic() - started, 2))
             serving = f"; {', '.join(others)} kept serving the old release" if others else ""

@@ -210,6 +210,15 @@ def test_a_new_balancer_config_reloads_haproxy_without_a_restart(profile, tmp_pa
                                "readmit" for n in (1, 2)]
 
 
+def test_fewer_replicas_stop_the_ones_dropped(profile, tmp_path):
+    three = load_profile(variant(tmp_path, gpus=[0, 1, 2], serve__replicas=3), repo_root=REPO)
+    facts = fixture_facts(profile)
+    facts = replace(facts, hosts={**facts.hosts, "ct200": replace(facts.host, gpu_count=3)})
+    planned = plans(profile, deployed(profile, facts, deployed_profile=three))
+    assert planned["start"][0] == "stop and disable ddtree@3.service (no longer a replica)"
+    assert "write /etc/haproxy/haproxy.cfg" in planned["unit"]
+
+
 # -- preflight -----------------------------------------------------------------------------------------
 
 def test_preflight_reads_every_replica_port_unit_and_file(profile):
@@ -354,6 +363,19 @@ def test_a_failed_batch_halts_is_rolled_back_and_the_rest_never_stops(monkeypatc
                                   "drained": True, "sessions_left": 0, "failed_at": "health",
                                   "error": "ddtree@1.service crashed on start",
                                   "total_s": report["rolling"][0]["total_s"]}]
+
+
+def test_ctrl_c_during_a_batch_exits_130_after_rolling_it_back(monkeypatch, tmp_path, profile):
+    class CtrlC(BatchGate):
+        def check(self, ctx):
+            ctx.interrupted = "SIGINT"
+            ctx.check_interrupt()
+
+    flow, ex = rolling_pivot(monkeypatch, tmp_path, profile, [CtrlC("health")])
+    report = flow.execute().as_json()
+    assert (report["outcome"], report["exit_code"]) == ("rolled-back", 130), report
+    assert report["rolling"][0]["error"] == "interrupted"
+    assert ex.timeline == ["drain r1", "restart ddtree@1.service", "drain r1", "restart ddtree@1.service", "ready r1"]
 
 
 def test_dry_run_prints_the_rolling_plan_and_touches_nothing(monkeypatch, tmp_path, profile):

@@ -97,7 +97,8 @@ def haproxy_command(path, line):
 
 def haproxy_servers(path, backend):
     """A backend's servers from `show stat`: name -> status (UP, DOWN, DRAIN, MAINT...), current
-    sessions, queue, weight and last check."""
+    sessions, queue, weight, last check, and the requests HAProxy had to retry or send elsewhere and the
+    connection or response errors it saw (counters since it started)."""
     text = haproxy_command(path, "show stat")
     lines = [l for l in text.splitlines() if l.strip()]
     if not lines or not lines[0].startswith("# "):
@@ -110,5 +111,7 @@ def haproxy_servers(path, backend):
             continue
         out[row["svname"]] = {"status": row.get("status"), "sessions": int(row.get("scur") or 0),
                               "queued": int(row.get("qcur") or 0), "weight": int(row.get("weight") or 0),
-                              "check": row.get("check_status")}
+                              "check": row.get("check_status"), "retries": int(row.get("wretr") or 0),
+                              "redispatches": int(row.get("wredis") or 0), "errors": int(row.get("eresp") or 0)
+                              + int(row.get("econ") or 0)}
     return out

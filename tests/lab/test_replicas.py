@@ -119,6 +119,13 @@ def main_pids(lab) -> dict[str, str]:
             for u in ("ddtree@1.service", "ddtree@2.service")}
 
 
+def balancer_counters(lab) -> dict[str, tuple[int, int, int]]:
+    """Each replica's retries, redispatches and connection/response errors as HAProxy counts them."""
+    status = json.loads(ddops(lab, "--limit", "ct200", "status", "--json").stdout)[0]
+    return {r["server"]: (r["balancer"]["retries"], r["balancer"]["redispatches"], r["balancer"]["errors"])
+            for r in status["replicas"][0]["replicas"]}
+
+
 @pytest.fixture(scope="module")
 def replicas_lab(lab):
     """ct200 training, no runtime of ours; at the end, everything the tests installed is rolled back."""
@@ -166,6 +173,7 @@ def test_rolling_redeploy_drops_no_request(replicas_lab, tmp_path):
     lab = replicas_lab
     expected = chat()["choices"][0]["message"]["content"]   # greedy and lossless: every budget gives this text
     before = main_pids(lab)
+    counters_before = balancer_counters(lab)
     started = time.monotonic()
     with LoadClient(expected) as client:
         time.sleep(3)   # the client is in full flow before the redeploy starts
@@ -187,6 +195,10 @@ def test_rolling_redeploy_drops_no_request(replicas_lab, tmp_path):
         Path(os.environ["DDOPS_ROLLING_FIGURES"]).write_text(json.dumps(figures, indent=1) + "\n")
     assert client.sent >= 20, figures
     assert client.failures == [], figures
+    # and none of it was saved by HAProxy retrying or redispatching a request a replica dropped: the
+    # drain kept every request away from a replica before it restarted
+    assert all(b["drained"] and b["sessions_left"] == 0 for b in rolling), rolling
+    assert balancer_counters(lab) == counters_before
     for unit in before:
         port = 8200 + int(unit[7])
         body = json.loads(ct200(lab, f"python3 -c \"import urllib.request as u; print(u.urlopen("

@@ -9,7 +9,7 @@ from typing import Any
 from .errors import DdopsError
 from .executor import Executor
 from .inventory import Expect, Host
-from .paths import REPLICAS_DIR
+from .paths import REPLICAS_DIR, replicas_manifest
 from .probes import probe_source
 
 
@@ -203,6 +203,14 @@ class Inspection:
 
     def unit(self, name: str) -> UnitFact:
         return self.units.get(name) or UnitFact()
+
+    def installed_replicas(self, template: str) -> list[str]:
+        """The replica units the installed replicas manifest of `template` lists (none when absent)."""
+        text = self.file(replicas_manifest(template)).text
+        try:
+            return [r["unit"] for r in json.loads(text)["replicas"]] if text else []
+        except (ValueError, KeyError, TypeError):
+            return []
 
 
 @dataclass(frozen=True)

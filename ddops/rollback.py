@@ -8,12 +8,11 @@ first and readmitted once healthy, so the service stays up while it goes back.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
 from tenacity import Retrying
-
-import json
 
 from . import balancer, history
 from .errors import DdopsError, StepFailed, UsageError
@@ -169,8 +168,10 @@ def restore_replicas(executor: Executor, host: Host, template: str, backup_id: s
     restored = read_manifest(executor, host, template) if meta.get("unit_existed") else None
     was_running = set(meta.get("replicas_before") or [])
     keep = [r for r in (restored or {}).get("replicas", []) if r["unit"] in was_running]
-    for replica in (current or {}).get("replicas", []) + (restored or {}).get("replicas", []):
-        if replica not in keep and is_active(executor, host, replica["unit"]):
+    kept = {r["unit"] for r in keep}
+    others = {r["unit"]: r for r in (current or {}).get("replicas", []) + (restored or {}).get("replicas", [])}
+    for replica in others.values():
+        if replica["unit"] not in kept and is_active(executor, host, replica["unit"]):
             progress(f"stopping {replica['unit']} (not running before)")
             executor.run(host, ["systemctl", "disable", "--now", replica["unit"]], timeout=120)
             report.setdefault("stopped", []).append(replica["unit"])

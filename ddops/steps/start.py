@@ -4,10 +4,7 @@ balancer; replicas already serving are left to the rolling restart (steps.roll),
 
 from __future__ import annotations
 
-import json
-
 from ..facts import Inspection
-from ..paths import replicas_manifest
 from ..plan import RESTART_AFTER, Operation, PlanContext, RunContext, start_again
 from ..profile import Profile
 from ..remote import check
@@ -36,7 +33,8 @@ def plan_start_replicas(profile: Profile, units: Inspection, planned: set[str], 
     operations = [Operation(f"stop conflicting {c}", commands=(("systemctl", "stop", c),), data={"stop": c},
                             undo=start_again(c))
                   for c in profile.conflicts if units.unit(c).active]
-    for unit in dropped_replicas(profile, units):
+    members = {r.unit for r in profile.replicas.members}
+    for unit in [u for u in units.installed_replicas(profile.unit) if u not in members]:
         operations.append(Operation(f"stop and disable {unit} (no longer a replica)", data={"stop": unit},
                                     commands=(("systemctl", "disable", "--now", unit),), undo=start_again(unit)))
     for replica in profile.replicas.members:
@@ -61,17 +59,6 @@ def plan_start_replicas(profile: Profile, units: Inspection, planned: set[str], 
         operations.append(Operation(f"reload {balancer.unit} ({balancer.config} changed)",
                                     commands=(("systemctl", "reload", balancer.unit),)))
     return operations
-
-
-def dropped_replicas(profile: Profile, installed: Inspection) -> list[str]:
-    """Replicas the installed manifest lists and the profile no longer has (fewer replicas than before)."""
-    text = installed.file(replicas_manifest(profile.unit)).text
-    try:
-        before = [r["unit"] for r in json.loads(text)["replicas"]] if text else []
-    except (ValueError, KeyError, TypeError):
-        return []
-    keep = {r.unit for r in profile.replicas.members}
-    return [unit for unit in before if unit not in keep]
 
 
 def start_argvs(operations: list[Operation]) -> list[list[str]]:

@@ -1,4 +1,6 @@
-"""Render the unit: template -> unit text + environment file; diff; backup; atomic write.
+"""Render the unit: template -> unit text + environment file; diff; backup; atomic write. A replicated
+profile's template unit brings its per-replica env files, HAProxy's config and the replicas manifest,
+installed and backed up with it.
 
 The unit file never holds a secret: the environment (and API key) lives in an EnvironmentFile with
 mode 0600. Diffs show secret values as `***`.
@@ -22,7 +24,7 @@ from ..errors import ConfigError, StepFailed
 from ..facts import Inspection
 from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, unit_path
 from ..plan import Operation, PlanContext, RunContext, restore_backup
-from ..profile import Profile
+from ..profile import Profile, Replica
 from ..remote import check, run_probe
 from ..yamlsrc import CONTROL_CHARS
 
@@ -203,7 +205,7 @@ def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
 
 # -- replicas behind HAProxy (issue 17) ----------------------------------------------------------------
 
-def instance_env(profile: Profile, replica) -> str:
+def instance_env(profile: Profile, replica: Replica) -> str:
     """A replica's own env file: its index, port and GPUs (read after the shared one, so these win)."""
     lines = [f"# Managed by ddops (profile {profile.name}): replica {replica.index} of {profile.replicas.count}.",
              f"DDOPS_REPLICA={replica.index}", f"DDOPS_REPLICA_PORT={replica.port}"]
@@ -302,8 +304,11 @@ class UnitStep:
                 "restart_after_rollback": list(journal.stopped_units) + running}
         if profile.replicated:
             check_haproxy_config(ctx)
-            meta["replicas_before"] = [u for u, state in units.units.items() if "@" in u and state.active
-                                       and u.startswith(profile.unit.removesuffix("@.service") + "@")]
+            # what runs now: rollback restarts these (and stops any other replica); a replica this pivot
+            # drops is still running when the backup is taken
+            members = [r.unit for r in profile.replicas.members]
+            meta["replicas_before"] = [u for u in members if units.unit(u).active] + [
+                u for u in units.installed_replicas(profile.unit) if u not in members]
         backup_id = new_backup_id()
         # Recorded before the action runs: an install that fails half-way is rolled back from its backup too.
         journal.backup_id = backup_id

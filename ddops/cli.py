@@ -112,14 +112,21 @@ LOST_STEPS = LostSteps()
 @click.option("--accept-lost-steps", "accept_lost_steps", type=LOST_STEPS, default=None, metavar="N|all",
               help="Stop training even if that loses up to N steps since its newest checkpoint (`all`: any "
                    "number); replaces the profile's training.max_lost_steps for this run. --yes never does.")
+@click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Replicas replaced at once when a pivot changes replicas already serving (a rolling "
+                   "restart: drain, restart, gate, readmit, batch by batch; halts at the first failure).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
-          break_lock: bool, accept_lost_steps: float | None, as_json: bool) -> None:
-    """Pivot a host from training to serving, gated on health and a real smoke test."""
+          break_lock: bool, accept_lost_steps: float | None, batch: int, as_json: bool) -> None:
+    """Pivot a host from training to serving, gated on health and a real smoke test.
+
+    A profile whose `host` is an inventory group is pivoted host by host, halting at the first failure.
+    """
     from .credentials import read_secrets
-    from .pivot import Pivot, PivotOptions
+    from .pivot import PivotOptions
     from .profile import check_against_inventory, load_profile, resolve_profile
+    from .rollout import rollout
     from .views import render_summary
 
     inventory = obj.inventory()
@@ -130,10 +137,10 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
-                           break_lock=break_lock, accept_lost_steps=accept_lost_steps)
+                           break_lock=break_lock, accept_lost_steps=accept_lost_steps, batch=batch)
     with obj.executor(inventory) as executor:
-        report = Pivot(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
-                       confirm=lambda q: click.confirm(q, default=False, err=True)).execute().as_json()
+        report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
+                         confirm=lambda q: click.confirm(q, default=False, err=True))
     render_summary(report, console)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -142,7 +149,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
 
 @cli.command()
 @click.option("--host", "host_name", required=True, help="The host to roll back.")
-@click.option("--unit", default=None, help="The unit [default: the host's first service].")
+@click.option("--unit", default=None, help="The unit [default: the host's first service]; for replicas, "
+                                          "the template (e.g. ddtree@.service): all its replicas are restored.")
 @click.option("--list", "list_only", is_flag=True, help="List the unit's backups and exit.")
 @click.option("--to", "backup_id", default=None, metavar="BACKUP_ID", help="Restore this backup [default: newest].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

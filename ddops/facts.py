@@ -9,6 +9,7 @@ from typing import Any
 from .errors import DdopsError
 from .executor import Executor
 from .inventory import Expect, Host
+from .paths import REPLICAS_DIR, replicas_manifest
 from .probes import probe_source
 
 
@@ -26,7 +27,7 @@ class Identity:
 
 def probe_args(host: Host) -> dict[str, Any]:
     training = asdict(host.training) if host.training else None
-    return {"training": training, "services": [asdict(s) for s in host.services]}
+    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR}
 
 
 def gather(executor: Executor, host: Host) -> dict[str, Any]:
@@ -215,6 +216,8 @@ class Inspection:
     imports: Imports = field(default_factory=Imports)
     units: dict[str, UnitFact] = field(default_factory=dict)
     lock_holder: dict[str, Any] | None = None
+    ports: dict[int, dict[str, Any] | None] = field(default_factory=dict)   # replicas: each port's holder
+    commands: dict[str, str | None] = field(default_factory=dict)          # command -> its path, None if absent
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Inspection":
@@ -224,7 +227,9 @@ class Inspection:
                    files={p: FileFact.from_json(f) for p, f in (data.get("files") or {}).items()},
                    imports=Imports.from_json(data.get("imports")),
                    units={u: UnitFact.from_json(s) for u, s in (data.get("units") or {}).items()},
-                   lock_holder=data.get("lock"))
+                   lock_holder=data.get("lock"),
+                   ports={int(p): h for p, h in (data.get("ports") or {}).items()},
+                   commands=dict(data.get("commands") or {}))
 
     def tree(self, path: str) -> Tree:
         return self.trees.get(path) or Tree()
@@ -234,6 +239,14 @@ class Inspection:
 
     def unit(self, name: str) -> UnitFact:
         return self.units.get(name) or UnitFact()
+
+    def installed_replicas(self, template: str) -> list[str]:
+        """The replica units the installed replicas manifest of `template` lists (none when absent)."""
+        text = self.file(replicas_manifest(template)).text
+        try:
+            return [r["unit"] for r in json.loads(text)["replicas"]] if text else []
+        except (ValueError, KeyError, TypeError):
+            return []
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,14 @@ def release_path(venv: str) -> str:
     return f"{venv}/{RELEASE_FILE}"
 
 
+REPLICAS_DIR = f"{STATE_DIR}/replicas"      # one manifest per template unit: its replicas and balancer
+
+
+def replicas_manifest(template: str) -> str:
+    """What a replicated deployment is (ports, GPUs, balancer): status and rollback read it on the host."""
+    return f"{REPLICAS_DIR}/{template.removesuffix('.service')}.json"
+
+
 # -- on the control machine ----------------------------------------------------------------------
 
 def cache_root() -> Path:

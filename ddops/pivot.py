@@ -45,6 +45,7 @@ class PivotOptions:
     no_rollback: bool = False
     break_lock: bool = False
     accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
+    batch: int = 1            # replicas replaced at once by a rolling restart
 
 
 class Pivot:
@@ -56,8 +57,9 @@ class Pivot:
                  gates: list[Gate] | None = None) -> None:
         self.console, self.options, self.confirm = console, options, confirm
         self.ctx = RunContext(profile=profile, inventory=inventory, executor=executor, secrets=secrets or {})
-        self.steps = pivot_steps() if steps is None else steps
+        self.steps = pivot_steps(profile) if steps is None else steps
         self.gates: list[Gate] = [HealthGate(), SmokeGate()] if gates is None else gates
+        self.ctx.gates = self.gates   # a step that restarts serving replicas checks each batch with them
         self.states = ([StepState("preflight", "Preflight")] + [StepState(s.name, s.title) for s in self.steps]
                        + [StepState(g.name, g.title) for g in self.gates] + [StepState("record", "Record")])
         self.by_name = {s.name: s for s in self.states}
@@ -126,7 +128,8 @@ class Pivot:
             state = self.by_name[step.name]
             plan_ctx = PlanContext(profile=self.ctx.profile, inventory=self.ctx.inventory, facts=self.ctx.facts,
                                    rendered=self.ctx.rendered, kill_training=self.options.kill_training,
-                                   accept_lost_steps=self.options.accept_lost_steps, before=dict(before))
+                                   accept_lost_steps=self.options.accept_lost_steps, before=dict(before),
+                                   batch=self.options.batch)
             state.changes = before[step.name] = step.plan(plan_ctx)
             state.status, state.summary = ("planned", "") if state.changes else ("skipped", "no change")
         for gate in self.gates:

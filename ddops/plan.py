@@ -15,7 +15,11 @@ from .errors import StepFailed
 from .executor import Executor
 from .facts import PivotFacts
 from .inventory import Host, Inventory
-from .profile import Profile
+from .profile import Profile, Replica
+
+
+# Earlier steps whose changes a running unit (or replica) only picks up when it restarts.
+RESTART_AFTER = ("sync", "deps", "ship", "unit")
 
 
 class Interrupted(StepFailed):
@@ -51,6 +55,13 @@ def restore_backup(unit: str, backup_id: str, restarts: list[str]) -> Operation:
                      data={"restore": backup_id, "unit": unit, "restarts": list(restarts)})
 
 
+def roll_back_replicas(template: str, units: list[str]) -> Operation:
+    """The undo of restarting replicas on a new release: after the backup is restored, restart them on it
+    one at a time, each drained first and readmitted once healthy (ddops.rollback)."""
+    return Operation(f"return {', '.join(units)} to the previous release", data={"roll_back": list(units),
+                                                                                  "template": template})
+
+
 @dataclass(frozen=True)
 class PlanContext:
     """What a plan reads: the profile, the facts preflight gathered, the rendered unit and the flags."""
@@ -62,6 +73,7 @@ class PlanContext:
     kill_training: bool = False
     accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
     before: dict[str, list[Operation]] = field(default_factory=dict)   # earlier steps' plans, by step name
+    batch: int = 1                  # replicas replaced at once by a rolling redeploy (--batch)
 
     @property
     def host(self) -> Host:
@@ -80,6 +92,7 @@ class Journal:
     training: dict[str, Any] | None = None       # the stop_training action's report
     unit_files: dict[str, Any] = field(default_factory=dict)   # checksums before and after the install
     gates: dict[str, Any] = field(default_factory=dict)        # gate name -> its result
+    rolling: list[dict[str, Any]] = field(default_factory=list)   # a rolling redeploy's batches, as they ran
 
     def change(self, what: str, undo: Operation | None = None) -> None:
         """Note that `what` changed on the host, and how to take it back if that can be done."""
@@ -103,10 +116,20 @@ class RunContext:
     journal: Journal = field(default_factory=Journal)
     progress: Callable[[str], None] = lambda message: None
     interrupted: str | None = None    # set by Ctrl-C: the pivot stops at the next safe point
+    gates: list[Any] = field(default_factory=list)   # the run's gates: a rolling restart checks each batch with them
+    only: tuple[Replica, ...] | None = None          # set while a batch is checked: the gates look at these only
 
     @property
     def host(self) -> Host:
         return self.inventory.host(self.profile.host)
+
+    def serving(self) -> tuple[Replica, ...]:
+        """What the gates check: the batch being replaced, else every replica, else the one unit."""
+        if self.only is not None:
+            return self.only
+        if self.profile.replicated:
+            return self.profile.replicas.members
+        return (Replica(index=0, unit=self.profile.unit, port=self.profile.port, gpus=()),)
 
     def check_interrupt(self) -> None:
         """Called at safe points (between steps, between health polls): stop here if asked to."""

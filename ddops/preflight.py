@@ -20,7 +20,7 @@ from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
 from .hostlock import lock_problem
 from .inventory import Host, Inventory
-from .paths import LOCK_PATH, release_path, unit_path
+from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
 from .profile import LOCAL, Profile
 from .release import release_id
@@ -39,11 +39,14 @@ def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
     dests = [m.path for m in profile.models]
     units = [profile.unit, *profile.conflicts] + ([training_unit] if training_unit else [])
     modules = sorted(profile.runtime.packages) if profile.engine == "ddtree" else []
-    return {"trees": dests, "free": dests, "port": profile.port,
+    args = {"trees": dests, "free": dests, "port": profile.port,
             "files": {unit_path(profile.unit): [], profile.env_file: sorted(profile.secrets),
                       release_path(profile.runtime.venv): []},
             "imports": {"python": profile.runtime.python, "modules": modules},
             "units": units, "lock": LOCK_PATH}
+    if profile.replicated:
+        add_replica_args(profile, args)
+    return args
 
 
 def source_args(profile: Profile, host: str) -> dict[str, Any]:
@@ -164,6 +167,41 @@ def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
             + (" — list it under `conflicts` to stop it" if holder.get("unit") else "")]
 
 
+# -- replicas behind the balancer (issue 17) -----------------------------------------------------------
+
+def add_replica_args(profile: Profile, args: dict[str, Any]) -> None:
+    """What the inspect probe reads for replicas: every replica's port and unit, the balancer's unit,
+    config and command, the per-replica env files and the replicas manifest."""
+    members, balancer = profile.replicas.members, profile.balancer
+    args["ports"] = [r.port for r in members]
+    args["units"] = list(dict.fromkeys(args["units"] + [r.unit for r in members] + [balancer.unit]))
+    args["files"].update({env_path(r.unit): [] for r in members})
+    args["files"].update({balancer.config: [], replicas_manifest(profile.unit): []})
+    args["commands"] = ["haproxy"]
+
+
+def check_replicas(profile: Profile, facts: PivotFacts) -> list[str]:
+    """Enough GPUs for replicas x GPUs each; the public port free or the balancer's (or a unit the pivot
+    stops); each replica's port free or held by that replica."""
+    replicas, dest, problems = profile.replicas, facts.dest, []
+    have = facts.host.gpu_count
+    if replicas.gpus_each and (have < replicas.gpus_needed
+                               or any(g >= have for r in replicas.members for g in r.gpus)):
+        pinned = "; ".join(f"{r.unit} on GPU {','.join(map(str, r.gpus))}" for r in replicas.members)
+        problems.append(f"{profile.host} has {have} GPU(s); {replicas.count} replica(s) x {replicas.gpus_each} "
+                        f"GPU(s) need {replicas.gpus_needed} ({pinned})")
+    holder = dest.port_holder
+    if holder is not None and holder.get("unit") not in (profile.balancer.unit, *profile.conflicts):
+        problems += check_port(profile, holder)
+    for replica in replicas.members:
+        holder = dest.ports.get(replica.port)
+        if holder is not None and holder.get("unit") not in (replica.unit, *profile.conflicts):
+            problems.append(f"replica port {replica.port} on {profile.host} (for {replica.unit}) is held by "
+                            f"{holder.get('unit') or 'pid ' + str(holder.get('pid'))} "
+                            f"({(holder.get('cmdline') or '')[:80]})")
+    return problems
+
+
 def involved_hosts(profile: Profile, inventory: Inventory) -> list[Host]:
     """The serving host, then every host a model syncs from."""
     names = [profile.host] + [m.source.host for m in profile.models
@@ -234,7 +272,7 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
     problems += check_models(profile, trees)
     problems += check_disk(profile, trees, dest)
-    problems += check_port(profile, dest.port_holder)
+    problems += check_replicas(profile, facts) if profile.replicated else check_port(profile, dest.port_holder)
     argv = exec_argv(profile)
     problems += check_flags(profile, argv, server_flags)
     training = facts.host.training

@@ -71,7 +71,8 @@ _PROTECTED = {"/", "/root", "/home", "/etc", "/usr", "/var", "/opt", "/dev", "/d
 _SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys",
                  "/run", "/var/lib", "/var/log", "/var/spool")
 _TOP = ("name", "description", "engine", "host", "unit", "port", "bind", "device", "dtype", "gpus",
-        "models", "runtime", "serve", "sglang", "env", "secrets", "conflicts", "training", "health", "smoke")
+        "models", "runtime", "serve", "sglang", "env", "secrets", "conflicts", "training", "health", "smoke",
+        "balancer")
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,15 @@ class Profile:
     smoke: Smoke
     description: str = ""
     training_stop: TrainingStop = TrainingStop()
+    # -- replicas behind a balancer (issue 17): None for a plain one-unit profile ---------------------
+    replicas: "Replicas | None" = None
+    balancer: "Balancer | None" = None
     lines: dict[str, str] = field(default_factory=dict, compare=False)  # key -> file:line, for errors
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the runtime runs as instances of a template unit behind HAProxy."""
+        return self.replicas is not None
 
     def model(self, role: str) -> Model | None:
         return next((m for m in self.models if m.role == role), None)
@@ -333,12 +342,16 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
         grace = training.number("grace_s", 30.0, min=0, max=3600)
     training_stop = _training_stop(training)
     lines = {k: top.where(k) for k in top.keys()}
+    replicas, balancer = replicas_and_balancer(top, unit, port, gpus)
+    if replicas is not None and engine != "ddtree":
+        raise top.fail("engine", "replicas behind the balancer run the ddtree engine only",
+                       "SGLang spreads one server over GPUs itself (`sglang.tp_size`)")
     return Profile(path=path, name=name, engine=engine, host=top.str("host", required=True), unit=unit,
                    port=port, bind=bind, device=device, dtype=top.str("dtype", "bfloat16", choices=DTYPES),
                    gpus=gpus, models=models, runtime=runtime, serve=serve, sglang=sglang, env=env,
                    secrets=secrets, conflicts=conflicts, training_grace_s=grace, health=_health(top),
                    smoke=_smoke(top, engine), description=top.one_line("description", ""),
-                   training_stop=training_stop, lines=lines)
+                   training_stop=training_stop, replicas=replicas, balancer=balancer, lines=lines)
 
 
 def _bind(top: Section) -> str:
@@ -493,7 +506,7 @@ def _serve(top: Section) -> Serve:
         return Serve()
     section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context",
                             "max_running", "max_queue", "mem_fraction", "prefix_cache", "prefix_cache_rows",
-                            "tool_call_parser", "reasoning_parser", "chat_template_kwargs"))
+                            "tool_call_parser", "reasoning_parser", "chat_template_kwargs", "replicas"))
     # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
     serve = Serve(mode=section.str("mode", "ddtree", choices=MODES),
                   block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
@@ -598,13 +611,124 @@ def _smoke(top: Section, engine: str) -> Smoke:
                  lossless_check=lossless, timeout_s=section.number("timeout_s", 120.0, min=1, max=3600))
 
 
+# -- replicas and the balancer (issue 17) --------------------------------------------------------------
+# A replicated profile names a template unit (`ddtree@.service`); replica N runs as `ddtree@N.service`
+# on its own port and GPUs, and HAProxy serves the profile's `port` in front of them all.
+
+_TEMPLATE_UNIT = re.compile(r"[A-Za-z0-9._:-]+@\.service")
+# What HAProxy's config may carry unquoted: a health path (no `#`, quote, backslash or `$` that its
+# parser would read as a comment, a quote or a variable).
+HAPROXY_WORD = re.compile(r"[A-Za-z0-9/_.~:+=,-]+")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One instance of the template unit: its index (1-based, the `%i`), unit, port and GPUs."""
+
+    index: int
+    unit: str                 # e.g. ddtree@1.service
+    port: int
+    gpus: tuple[int, ...]     # CUDA_VISIBLE_DEVICES; () = not pinned (gpus_each: 0)
+
+    @property
+    def server(self) -> str:
+        """Its name in the balancer's backend."""
+        return f"r{self.index}"
+
+
+@dataclass(frozen=True)
+class Replicas:
+    count: int
+    gpus_each: int
+    first_port: int
+    members: tuple[Replica, ...]
+
+    @property
+    def gpus_needed(self) -> int:
+        return self.count * self.gpus_each
+
+
+@dataclass(frozen=True)
+class Balancer:
+    """HAProxy in front of the replicas (Debian's package, its config rendered by ddops)."""
+
+    backend: str = "replicas"
+    drain_timeout_s: float = 120.0      # how long a drain waits for a replica's sessions to reach 0
+    ready_timeout_s: float = 60.0       # how long a readmitted replica may take to be UP in HAProxy
+    check_interval_s: float = 1.0       # HAProxy's active health check interval
+    timeout_s: float = 600.0            # client and server timeouts: a long generation is not an error
+    socket: str = "/run/haproxy/admin.sock"
+    config: str = "/etc/haproxy/haproxy.cfg"
+    unit: str = "haproxy.service"
+
+
+def template_instance(template: str, index: int) -> str:
+    """`ddtree@.service`, 2 -> `ddtree@2.service`."""
+    return template.replace("@.service", f"@{index}.service")
+
+
+def replicas_and_balancer(top: Section, unit: str, port: int, gpus: str | None) -> tuple[Replicas | None,
+                                                                                        Balancer | None]:
+    """`serve.replicas` (a count, or `{count, gpus_each, first_port}`) and `balancer:`; both only with a
+    template unit, which needs them."""
+    serve = top.section("serve")
+    raw = serve.data.get("replicas") if serve is not None else None
+    template = _TEMPLATE_UNIT.fullmatch(unit) is not None
+    if raw is None:
+        if template:
+            raise top.fail("unit", f"{unit} is a template unit: it needs `serve.replicas`",
+                           "add `replicas: 2` under `serve:`, or name a plain unit like ddtree.service")
+        if top.section("balancer") is not None:
+            raise top.fail("balancer", "`balancer:` is only for replicas (`serve.replicas` and a template unit)")
+        return None, None
+    if not template:
+        raise serve.fail("replicas", f"replicas run as instances of a template unit, and {unit} is not one",
+                         f"set `unit: {unit.removesuffix('.service')}@.service`")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        count = serve.int("replicas", min=1, max=64)
+        gpus_each, first_port = 1, port + 1
+    else:
+        section = serve.section("replicas", required=True)
+        section.reject_unknown(("count", "gpus_each", "first_port"))
+        count = section.int("count", required=True, min=1, max=64)
+        gpus_each = section.int("gpus_each", 1, min=0, max=64)
+        first_port = section.int("first_port", port + 1, min=1, max=65535)
+    if first_port + count - 1 > 65535 or first_port <= port < first_port + count:
+        raise serve.fail("replicas", f"replica ports {first_port}-{first_port + count - 1} must fit below 65536 "
+                         f"and leave the public port {port} to the balancer", "set `replicas.first_port`")
+    pool = [int(g) for g in gpus.split(",")] if gpus is not None else list(range(count * gpus_each))
+    if len(pool) < count * gpus_each:
+        raise top.fail("gpus", f"{count} replicas x {gpus_each} GPU(s) need {count * gpus_each} GPUs, "
+                       f"`gpus` lists {len(pool)}", "list more GPUs, or fewer replicas")
+    health = top.section("health")
+    path = health.data.get("path", "/health") if health is not None else "/health"
+    if isinstance(path, str) and not HAPROXY_WORD.fullmatch(path):
+        raise health.fail("path", f"`health.path` {path!r} cannot go into HAProxy's health check as it is",
+                          "use letters, digits and / _ . ~ : + = , - only")
+    members = tuple(Replica(index=i + 1, unit=template_instance(unit, i + 1), port=first_port + i,
+                            gpus=tuple(pool[i * gpus_each:(i + 1) * gpus_each])) for i in range(count))
+    return Replicas(count=count, gpus_each=gpus_each, first_port=first_port, members=members), _balancer(top)
+
+
+def _balancer(top: Section) -> Balancer:
+    section = top.section("balancer")
+    if section is None:
+        return Balancer()
+    section.reject_unknown(("drain_timeout_s", "ready_timeout_s", "check_interval_s", "timeout_s"))
+    return Balancer(drain_timeout_s=section.number("drain_timeout_s", 120.0, min=0, max=3600),
+                    ready_timeout_s=section.number("ready_timeout_s", 60.0, min=1, max=3600),
+                    check_interval_s=section.number("check_interval_s", 1.0, min=0.1, max=60),
+                    timeout_s=section.number("timeout_s", 600.0, min=1, max=86400))
+
+
 def check_against_inventory(profile: Profile, inventory) -> None:
-    """Every host the profile names must be in the inventory."""
+    """Every host the profile names must be in the inventory (`host` may name a group of them)."""
     from .errors import ConfigError as _CE
 
-    names = [profile.host] + [m.source.host for m in profile.models if m.source and m.source.host != LOCAL]
+    serving = inventory.groups.get(profile.host, [profile.host])   # a group: pivoted host by host
+    names = serving + [m.source.host for m in profile.models if m.source and m.source.host != LOCAL]
     for name in names:
         if name not in inventory.hosts:
             raise _CE(f"profile names host {name!r}, which is not in {inventory.path}",
-                      where=profile.where("host") if name == profile.host else profile.where("models"),
-                      fix=f"known hosts: {', '.join(inventory.hosts)}")
+                      where=profile.where("host") if name in serving else profile.where("models"),
+                      fix=f"known hosts: {', '.join(inventory.hosts)}; groups: {', '.join(inventory.groups)}")

@@ -69,7 +69,8 @@ class Report:
                           for s in self.steps if s.name != "record"],
                 "gates": self.journal.gates,
                 "training": self.journal.training, "stopped_units": self.journal.stopped_units,
-                "error": self.error.line() if self.error else None, "wall_s": self.wall_s}
+                "error": self.error.line() if self.error else None, "wall_s": self.wall_s,
+                **({"rolling": self.journal.rolling} if self.journal.rolling else {})}
 
     def as_json(self) -> dict[str, Any]:
         """What `--json` prints and the summary reads."""
@@ -87,6 +88,8 @@ class Report:
             out["rollback_error"] = self.rollback_error
         if self.signals:
             out["signals"] = self.signals
+        if self.journal.rolling:
+            out["rolling"] = self.journal.rolling
         out.update(interrupted=self.interrupted, error=self.error.line() if self.error else None,
                    release=self.release, backup_id=self.journal.backup_id, changed=sorted(self.journal.changed),
                    stopped_units=self.journal.stopped_units, training=self.journal.training, gates=self.gates(),
@@ -109,6 +112,8 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
     if not report.changed:
         return "failed", f"nothing was changed on {p.host}; " + (
             f"{p.unit} is as it was" if report.failed_step in report.gate_names else "")
+    if report.rolled_back and any(not b["ok"] for b in journal.rolling):
+        return "rolled-back", rolling_state(report)
     if report.rolled_back:
         rep = report.rollback or {}
         what = (f"{p.unit} removed (it did not exist before)" if rep.get("removed")
@@ -120,3 +125,15 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
                           f"(backup {journal.backup_id or 'none'}; `ddops rollback --host {p.host}` restores it)")
     return "rollback-failed", (f"ROLLBACK FAILED on {p.host}: needs a human (backup {journal.backup_id or 'none'}; "
                                f"units stopped by the pivot: {', '.join(journal.stopped_units) or 'none'})")
+
+
+def rolling_state(report: Report) -> str:
+    """A rolled-back rolling restart in words: which batch failed, what was returned, what kept serving."""
+    p, rolling = report.profile, report.journal.rolling
+    failed = next(b for b in rolling if not b["ok"])
+    touched = {u for b in rolling for u in b["replicas"]}
+    untouched = [r.unit for r in p.replicas.members if r.unit not in touched]
+    back = ", ".join(u for b in rolling for u in b["replicas"])
+    return (f"rolled back on {p.host}: batch {failed['batch']} ({', '.join(failed['replicas'])}) failed at "
+            f"{failed.get('failed_at')}; {back} returned to the previous release and healthy"
+            + (f"; {', '.join(untouched)} never stopped serving" if untouched else ""))

@@ -1,23 +1,26 @@
 """Rollback: put a backed-up unit (or its absence) back, restart what the pivot stopped, health-check.
 
 Used by `ddops rollback` (recorded in the host's history), and by a pivot that failed after it changed
-something: `undo` replays what its journal recorded.
+something: `undo` replays what its journal recorded. A template unit's backup holds its replicas'
+files and the balancer's config too; its replicas are restarted one at a time, each drained in HAProxy
+first and readmitted once healthy, so the service stays up while it goes back.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
 from tenacity import Retrying
 
-from . import history
+from . import balancer, history
 from .errors import DdopsError, StepFailed, UsageError
 from .executor import Executor
 from .gates.health import wait_healthy
 from .inventory import Host, Inventory
 from .plan import Operation
-from .paths import backup_root, env_path, unit_path
+from .paths import backup_root, env_path, replicas_manifest, unit_path
 from .remote import run_probe
 
 
@@ -30,9 +33,7 @@ def restore_spec(unit: str, backup_id: str) -> dict[str, Any]:
             "backup_root": backup_root(unit), "backup_id": backup_id}
 
 
-def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None = None,
-            *, progress: Callable[[str], None] = lambda m: None, deadline_s: float = 300.0) -> dict[str, Any]:
-    """Restore backup `backup_id` (default: newest) of unit on host; returns a report (raises on failure)."""
+def choose_backup(executor: Executor, host: Host, unit: str, backup_id: str | None) -> dict[str, Any]:
     backups = list_backups(executor, host, unit)
     if not backups:
         raise UsageError(f"no backups of {unit} on {host.name}", fix="nothing to roll back to")
@@ -43,6 +44,17 @@ def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, bac
         if chosen is None:
             raise UsageError(f"no backup {backup_id!r} of {unit} on {host.name}",
                              fix=f"known: {', '.join(b['id'] for b in backups)}")
+    return chosen
+
+
+def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None = None,
+            *, progress: Callable[[str], None] = lambda m: None, deadline_s: float = 300.0,
+            only: list[str] | None = None) -> dict[str, Any]:
+    """Restore backup `backup_id` (default: newest) of unit on host; returns a report (raises on failure).
+    For a template unit, `only` names the replicas to restart (None: every one that ran before)."""
+    if "@." in unit:
+        return restore_replicas(executor, host, unit, backup_id, only=only, progress=progress, deadline_s=deadline_s)
+    chosen = choose_backup(executor, host, unit, backup_id)
     meta = chosen["meta"]
     started = time.monotonic()
     report: dict[str, Any] = {"host": host.name, "unit": unit, "backup_id": chosen["id"], "meta": meta,
@@ -68,6 +80,14 @@ def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, bac
         executor.run(host, ["systemctl", "disable", unit], timeout=60)
         executor.run(host, ["systemctl", "reset-failed", unit], timeout=60)
         report["removed"] = True
+    restart_others(executor, host, meta, report, progress)
+    report["seconds"] = round(time.monotonic() - started, 2)
+    return report
+
+
+def restart_others(executor: Executor, host: Host, meta: dict[str, Any], report: dict[str, Any],
+                   progress: Callable[[str], None]) -> None:
+    """Start again what the pivot stopped (its backup names them) and check they serve."""
     for other in meta.get("restart_after_rollback") or []:
         progress(f"starting {other} again")
         result = executor.run(host, ["systemctl", "start", other], timeout=120)
@@ -83,7 +103,112 @@ def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, bac
             state = _settle(executor, host, other)
             if state != "active":
                 raise StepFailed(f"{other} is {state} on {host.name} after the rollback")
+
+
+# -- replicas (a template unit behind HAProxy) ---------------------------------------------------------
+
+def read_manifest(executor: Executor, host: Host, template: str) -> dict[str, Any] | None:
+    """The replicas manifest the last install left on the host, or None."""
+    result = executor.run(host, ["cat", replicas_manifest(template)], timeout=30)
+    if not result.ok:
+        return None
+    try:
+        return json.loads(result.stdout)
+    except ValueError:
+        return None
+
+
+def is_active(executor: Executor, host: Host, unit: str) -> bool:
+    return executor.run(host, ["systemctl", "is-active", unit], timeout=30).stdout.strip() in ("active", "activating",
+                                                                                              "reloading")
+
+
+def replace_replica(executor: Executor, host: Host, replica: dict[str, Any], manifest: dict[str, Any],
+                    deadline_s: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Restart one replica without the service going away: drained first when the balancer runs,
+    readmitted once healthy (and UP in HAProxy)."""
+    bal = manifest["balancer"]
+    in_balancer = is_active(executor, host, bal["unit"])
+    out: dict[str, Any] = {"unit": replica["unit"]}
+    if in_balancer:
+        progress(f"draining {replica['unit']}")
+        out["drain_s"] = balancer.call(executor, host, bal, "drain", [replica["server"]],
+                                       timeout_s=bal.get("drain_timeout_s", 120))["waited_s"]
+    executor.run(host, ["systemctl", "reset-failed", replica["unit"]], timeout=60)
+    result = executor.run(host, ["systemctl", "restart", replica["unit"]], timeout=120)
+    if not result.ok:
+        raise StepFailed(f"restarting {replica['unit']} failed on {host.name}: {result.stderr.strip()[-200:]}")
+    out["health"] = wait_healthy(executor, host, replica["unit"], replica["port"], manifest.get("health_path", "/health"),
+                                 deadline_s, progress=progress)
+    if in_balancer:
+        ready = balancer.call(executor, host, bal, "ready", [replica["server"]], timeout_s=bal.get("ready_timeout_s", 60))
+        if not ready["ok"]:
+            raise StepFailed(f"HAProxy on {host.name} does not see {replica['unit']} UP after the rollback: "
+                             f"{ready['states']}")
+        out["readmit_s"] = ready["waited_s"]
+    return out
+
+
+def restore_replicas(executor: Executor, host: Host, template: str, backup_id: str | None, *,
+                     only: list[str] | None, progress: Callable[[str], None], deadline_s: float) -> dict[str, Any]:
+    """Put a template unit's files back (its replicas' env files, the balancer's config, the manifest),
+    reload HAProxy if its config changed, stop replicas the backup did not run, and restart the ones it
+    did (those in `only`, when given) one at a time."""
+    chosen = choose_backup(executor, host, template, backup_id)
+    meta = chosen["meta"]
+    started = time.monotonic()
+    report: dict[str, Any] = {"host": host.name, "unit": template, "backup_id": chosen["id"], "meta": meta,
+                              "restarted": [], "health": None}
+    progress(f"restoring {template} and its replicas from backup {chosen['id']}")
+    current = read_manifest(executor, host, template)
+    out = run_probe(executor, host, "unitfile", stdin=restore_spec(template, chosen["id"]))
+    report["files"] = {"before": out["before"], "after": out["after"], "changed": out.get("changed", [])}
+    if out["daemon_reload"]["rc"] != 0:
+        raise StepFailed(f"daemon-reload failed on {host.name}: {out['daemon_reload']['stderr']}")
+    restored = read_manifest(executor, host, template) if meta.get("unit_existed") else None
+    was_running = set(meta.get("replicas_before") or [])
+    keep = [r for r in (restored or {}).get("replicas", []) if r["unit"] in was_running]
+    kept = {r["unit"] for r in keep}
+    others = {r["unit"]: r for r in (current or {}).get("replicas", []) + (restored or {}).get("replicas", [])}
+    for replica in others.values():
+        if replica["unit"] not in kept and is_active(executor, host, replica["unit"]):
+            progress(f"stopping {replica['unit']} (not running before)")
+            executor.run(host, ["systemctl", "disable", "--now", replica["unit"]], timeout=120)
+            report.setdefault("stopped", []).append(replica["unit"])
+    bal = (restored or current or {}).get("balancer")
+    if bal and bal["config"] in report["files"]["changed"] and is_active(executor, host, bal["unit"]):
+        result = executor.run(host, ["systemctl", "reload", bal["unit"]], timeout=120)
+        if not result.ok:
+            raise StepFailed(f"reloading {bal['unit']} with the restored config failed on {host.name}: "
+                             f"{result.stderr.strip()[-200:]}")
+        report["balancer_reloaded"] = True
+    if restored is None:
+        report["removed"] = True
+    report["replicas"] = {}
+    for replica in keep:
+        if only is not None and replica["unit"] not in only:
+            continue
+        report["replicas"][replica["unit"]] = replace_replica(executor, host, replica, restored, deadline_s, progress)
+        report["restarted"].append(replica["unit"])
+    if report["replicas"]:
+        report["health"] = {"replicas": {u: r["health"] for u, r in report["replicas"].items()}}
+    restart_others(executor, host, meta, report, progress)
     report["seconds"] = round(time.monotonic() - started, 2)
+    return report
+
+
+def reroll(executor: Executor, host: Host, template: str, units: list[str], *, progress: Callable[[str], None],
+           deadline_s: float = 300.0) -> dict[str, Any]:
+    """Restart replicas on the files in place (a rolling restart that changed no file, e.g. a new runtime
+    release alone, has no backup to restore): one at a time, drained and readmitted."""
+    manifest = read_manifest(executor, host, template)
+    if manifest is None:
+        raise StepFailed(f"no replicas manifest for {template} on {host.name}: cannot restart its replicas")
+    report: dict[str, Any] = {"restarted": [], "replicas": {}}
+    for replica in manifest["replicas"]:
+        if replica["unit"] in units:
+            report["replicas"][replica["unit"]] = replace_replica(executor, host, replica, manifest, deadline_s, progress)
+            report["restarted"].append(replica["unit"])
     return report
 
 
@@ -112,12 +237,24 @@ def undo(executor: Executor, inventory: Inventory, host: Host, operations: list[
     backup names (`restarts`), so a later start of one of those is not repeated; each undo is retried
     while the host is briefly unreachable. Returns the restore's report, or the units started again."""
     covered = {u for op in operations if "restore" in op.data for u in op.data.get("restarts", ())}
+    # Replicas a rolling restart replaced: a restore of their template restarts them (and only them) on
+    # the restored files; without one, they are restarted on the files in place.
+    rolled = {op.data["template"]: [] for op in operations if "roll_back" in op.data}
+    for op in operations:
+        if "roll_back" in op.data:
+            rolled[op.data["template"]] += op.data["roll_back"]
+    restored_templates = {op.data["unit"] for op in operations if "restore" in op.data}
     report: dict[str, Any] = {"restarted": []}
     for op in reversed(operations):
         if "restore" in op.data:
+            only = rolled.get(op.data["unit"], []) if "@." in op.data["unit"] else None
             restored = retrying(restore, executor, inventory, host, op.data["unit"], op.data["restore"],
-                                progress=progress)
+                                progress=progress, only=only)
             report = {**restored, "restarted": restored["restarted"] + report["restarted"]}
+        elif "roll_back" in op.data and op.data["template"] not in restored_templates:
+            again = retrying(reroll, executor, host, op.data["template"], op.data["roll_back"], progress=progress)
+            report = {**report, "replicas": {**report.get("replicas", {}), **again["replicas"]},
+                      "restarted": again["restarted"] + report["restarted"]}
         elif "start" in op.data and op.data["start"] not in covered:
             unit = op.data["start"]
             progress(f"starting {unit} again")

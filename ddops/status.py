@@ -25,13 +25,14 @@ def _record(host: Host, outcome: Outcome[dict[str, Any]]) -> dict[str, Any]:
     record: dict[str, Any] = {"host": host.name, "reached_as": host.label, "reachable": not outcome.unreachable,
                               "error": outcome.error.line() if outcome.error else None,
                               "identity": None, "gpus": [], "gpu_error": None, "training": None,
-                              "services": [], "runtime": []}
+                              "services": [], "runtime": [], "replicas": []}
     if outcome.value is None:
         return record
     facts = outcome.value
     identity = check_identity(host.expect, facts)
     record.update(identity=asdict(identity), gpus=facts["gpus"]["list"], gpu_error=facts["gpus"]["error"],
-                  training=facts["training"], services=facts["services"], runtime=facts["runtime"])
+                  training=facts["training"], services=facts["services"], runtime=facts["runtime"],
+                  replicas=facts.get("replicas") or [])
     return record
 
 
@@ -51,6 +52,9 @@ def render(records: list[dict[str, Any]], console: Console) -> None:
         table.add_row(Text(r["host"], style="bold"), _identity_cell(r), _gpu_cell(r), _training_cell(r),
                       _services_cell(r), _runtime_cell(r))
     console.print(table)
+    for r in records:
+        for deployment in r.get("replicas") or []:
+            console.print(replicas_table(r["host"], deployment))
     for r in records:
         if r["identity"] and not r["identity"]["ok"]:
             console.print(f"[bold red]IDENTITY MISMATCH on {r['host']}: "
@@ -135,3 +139,29 @@ def _health_summary(h: dict[str, Any]) -> str:
     budget = detail.get("tree_budget")
     mode = detail["mode"] + (f"@{budget}" if detail["mode"] == "ddtree" and budget is not None else "")
     return f"{detail.get('model', '')}{arch} {mode}".strip()
+
+
+def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
+    """One replicated deployment: the balancer's endpoint, then each replica's unit, health and how
+    HAProxy sees it (UP, DRAIN, DOWN...)."""
+    bal = deployment["balancer"]
+    public = "healthy" if bal["health"]["healthy"] else "UNHEALTHY " + _health_summary(bal["health"])
+    state = (bal["state"] or {}).get("ActiveState") or "unknown"
+    table = Table(title=f"{deployment['template']} on {host} ({deployment.get('profile')}): "
+                        f"{bal['unit']} {state} on port {bal['port']}, {public}"
+                        + (f" ({bal['error']})" if bal.get("error") else ""))
+    for column in ("replica", "port", "GPUs", "unit", "runtime", "in HAProxy"):
+        table.add_column(column, overflow="fold")
+    for rep in deployment["replicas"]:
+        unit = rep["state"] or {}
+        active = unit.get("ActiveState") or "unknown"
+        restarts = f" restarts={unit['NRestarts']}" if unit.get("NRestarts") else ""
+        health = rep["health"]
+        seen = (rep.get("balancer") or {}).get("status") or "-"
+        table.add_row(rep["unit"], str(rep["port"]), ",".join(map(str, rep.get("gpus") or [])) or "-",
+                      Text(f"{active}/{unit.get('SubState')}{restarts}",
+                           style={"active": "green", "failed": "bold red"}.get(active, "yellow")),
+                      Text(("healthy " if health["healthy"] else "UNHEALTHY ") + _health_summary(health),
+                           style="green" if health["healthy"] else "red"),
+                      Text(seen, style="green" if seen == "UP" else "yellow"))
+    return table

@@ -150,6 +150,13 @@ def show_plan(states: list[StepState], console: Console) -> None:
 # -- the pivot's summary ---------------------------------------------------------------------------
 
 def render_summary(report: dict[str, Any], console: Console) -> None:
+    if "reports" in report:  # host by host: each host's summary, then the rollout's
+        for one in report["reports"]:
+            console.print(Text(f"{one['host']}:", style="bold"))
+            render_summary(one, console)
+        console.print(Text(f"ROLLOUT {report['outcome'].upper()}: {report['state']}",
+                           style="bold green" if report["exit_code"] == 0 else "bold red"), soft_wrap=True)
+        return
     style = {"ok": "bold green", "unchanged": "bold green", "dry-run": "bold cyan", "rolled-back": "bold yellow",
              "aborted": "yellow"}.get(report["outcome"], "bold red")
     console.print(Text(f"{report['outcome'].upper()}: {report['state']}", style=style))
@@ -163,14 +170,26 @@ def render_summary(report: dict[str, Any], console: Console) -> None:
             console.print(Text(f"  smoke {smoke_line(r)}"), soft_wrap=True)
         console.print(Text(f"  (one short request is no speed test: `ddops bench --host {report['host']}` measures "
                            "tokens/s per mode)", style="dim"), soft_wrap=True)
+    for batch in report.get("rolling") or []:
+        console.print(Text(f"  rolling {rolling_line(batch)}", style="" if batch["ok"] else "red"), soft_wrap=True)
     console.print(f"  wall time {report['wall_s']}s; exit {report['exit_code']}")
+
+
+def rolling_line(batch: dict[str, Any]) -> str:
+    """One batch of a rolling restart: how long each stage took, or where it failed."""
+    line = f"batch {batch['batch']} {', '.join(batch['replicas'])}: "
+    if not batch["ok"]:
+        return line + f"FAILED at {batch.get('failed_at')}: {batch.get('error')}"
+    left = f" ({batch['sessions_left']} session(s) left at the drain timeout)" if batch.get("sessions_left") else ""
+    return line + (f"drained in {batch['drain_s']}s{left}, restarted and gated in {batch['restart_and_gates_s']}s, "
+                   f"readmitted in {batch['readmit_s']}s; {batch['total_s']}s out of the balancer")
 
 
 def smoke_line(r: dict[str, Any]) -> str:
     """One smoke result in words: the answer as sent (whitespace shown), how it was drafted, lossless or not."""
     text = r.get("text") or ""
     shown = repr(text[:60]) + ("..." if len(text) > 60 else "")
-    line = f"{r['prompt']!r} -> {shown} {'ok' if r.get('ok') else 'FAILED'}"
+    line = (f"{r['replica']}: " if r.get("replica") else "") + f"{r['prompt']!r} -> {shown} {'ok' if r.get('ok') else 'FAILED'}"
     tokens, rounds, accepted = r.get("completion_tokens"), r.get("rounds"), r.get("mean_acceptance_length")
     if tokens is not None:
         line += f": {tokens} token(s)"

@@ -2,6 +2,8 @@
 
 Reads its arguments as JSON on stdin (the environment file may hold secrets, which must not show
 in the process list). Actions: install, list, restore. Every write is temp file + fsync + rename.
+A replicated profile's other files (per-replica env files, the balancer's config, the replicas
+manifest) come as `files` and are backed up, installed and restored with the unit, as one.
 """
 import hashlib
 import json
@@ -63,17 +65,32 @@ def backup(spec):
         if os.path.exists(src):
             shutil.copy2(src, os.path.join(folder, name))
             os.chmod(os.path.join(folder, name), 0o600)
+    extra = []
+    for number, item in enumerate(spec.get("files") or []):
+        existed = os.path.exists(item["path"])
+        extra.append({"path": item["path"], "mode": item["mode"], "existed": existed, "sha256": sha(item["path"]),
+                      "copy": "file%d" % number})
+        if existed:
+            shutil.copy2(item["path"], os.path.join(folder, "file%d" % number))
+            os.chmod(os.path.join(folder, "file%d" % number), 0o600)
+    if extra:
+        meta["files"] = extra
     write_atomic(os.path.join(folder, "meta.json"), json.dumps(meta, indent=1) + "\n", 0o600)
     return meta
 
 
 def install(spec):
     meta = backup(spec)
+    for item in spec.get("files") or []:
+        write_atomic(item["path"], item["text"], item["mode"])
     write_atomic(spec["env_path"], spec["env_text"], 0o600)
     write_atomic(spec["unit_path"], spec["unit_text"], 0o644)
     reload = systemctl("daemon-reload")
-    return {"backup_id": spec["backup_id"], "before": {"unit": meta["unit_sha256"], "env": meta["env_sha256"]},
-            "after": {"unit": sha(spec["unit_path"]), "env": sha(spec["env_path"])}, "daemon_reload": reload}
+    out = {"backup_id": spec["backup_id"], "before": {"unit": meta["unit_sha256"], "env": meta["env_sha256"]},
+           "after": {"unit": sha(spec["unit_path"]), "env": sha(spec["env_path"])}, "daemon_reload": reload}
+    if spec.get("files"):
+        out["files"] = {item["path"]: sha(item["path"]) for item in spec["files"]}
+    return out
 
 
 def listing(spec):
@@ -102,9 +119,21 @@ def restore(spec):
                 write_atomic(dest, fh.read(), mode)
         else:
             remove(dest)
+    changed = []
+    for item in meta.get("files") or []:
+        src = os.path.join(folder, item["copy"])
+        now = sha(item["path"])
+        if item["existed"]:
+            with open(src) as fh:
+                write_atomic(item["path"], fh.read(), item["mode"])
+        else:
+            remove(item["path"])
+        if sha(item["path"]) != now:
+            changed.append(item["path"])
     reload = systemctl("daemon-reload")
     return {"backup_id": spec["backup_id"], "meta": meta, "before": before,
-            "after": {"unit": sha(spec["unit_path"]), "env": sha(spec["env_path"])}, "daemon_reload": reload}
+            "after": {"unit": sha(spec["unit_path"]), "env": sha(spec["env_path"])}, "daemon_reload": reload,
+            "changed": changed}
 
 
 def main():

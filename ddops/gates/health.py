@@ -12,6 +12,7 @@ from typing import Callable
 
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_exponential, wait_random
 
+from .. import balancer
 from ..errors import HostUnreachable, StepFailed
 from ..executor import CommandTimeout, Executor
 from ..inventory import Host
@@ -123,9 +124,14 @@ class HealthGate:
     def describe(self, ctx: RunContext) -> str:
         p = ctx.profile
         expect = f" with mode {p.serve.mode}, block size {p.serve.block_size}" if p.engine == "ddtree" else ""
+        if p.replicated:
+            return (f"wait up to {p.health.deadline_s:g}s for {p.health.path} ok{expect} on each of "
+                    f"{p.replicas.count} replica(s), then every one UP in HAProxy on port {p.port}")
         return f"wait up to {p.health.deadline_s:g}s for {p.health.path} ok{expect}, watching {p.unit}"
 
     def check(self, ctx: RunContext) -> GateResult:
+        if ctx.profile.replicated:
+            return self.check_replicas(ctx)
         p = ctx.profile
         expect = {"block_size": p.serve.block_size, "mode": p.serve.mode} if p.engine == "ddtree" else None
         out = wait_healthy(ctx.executor, ctx.host, p.unit, p.port, p.health.path, p.health.deadline_s,
@@ -134,3 +140,28 @@ class HealthGate:
         extra = f" mode={body.get('mode')} block_size={body.get('block_size')}" if body.get("mode") else ""
         gap = f" (host did not answer {out['unreachable_polls']} poll(s))" if out["unreachable_polls"] else ""
         return GateResult(f"healthy after {out['seconds']}s{extra}{gap}", out)
+
+    def check_replicas(self, ctx: RunContext) -> GateResult:
+        """Each replica in turn (they start together, so the first wait covers most of the others'); then,
+        unless a batch is being checked, HAProxy must see every replica UP."""
+        p = ctx.profile
+        expect = {"block_size": p.serve.block_size, "mode": p.serve.mode}
+        replicas = {}
+        for replica in ctx.serving():
+            replicas[replica.unit] = wait_healthy(ctx.executor, ctx.host, replica.unit, replica.port, p.health.path,
+                                                  p.health.deadline_s, p.health.interval_s, expect,
+                                                  progress=lambda m, u=replica.unit: ctx.progress(f"{u}: {m}"),
+                                                  check_interrupt=ctx.check_interrupt)
+        data: dict = {"replicas": replicas}
+        summary = f"{len(replicas)} replica(s) healthy (slowest {max(o['seconds'] for o in replicas.values())}s)"
+        if ctx.only is None:
+            servers = [r.server for r in p.replicas.members]
+            out = balancer.call(ctx.executor, ctx.host, balancer.as_spec(p), "up", servers,
+                                timeout_s=p.balancer.ready_timeout_s)
+            data["balancer"] = {"port": p.port, "up": out["ok"], "waited_s": out["waited_s"], "servers": out["states"]}
+            if not out["ok"]:
+                down = {n: s.get("status") for n, s in out["states"].items() if s.get("status") != "UP"}
+                raise StepFailed(f"HAProxy on {ctx.host.name} does not see every replica UP within "
+                                 f"{p.balancer.ready_timeout_s:g}s: {down}")
+            summary += f"; all {len(servers)} UP in HAProxy on port {p.port}"
+        return GateResult(summary, data)

@@ -1,4 +1,5 @@
-"""Gather one host's facts in one round trip: identity, GPUs, training job, units, runtime health.
+"""Gather one host's facts in one round trip: identity, GPUs, training job, units, runtime health,
+and each replicated deployment's replicas and balancer.
 
 Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object.
 """
@@ -124,6 +125,33 @@ def health(port, path):
     return {"url": url, "healthy": healthy, "http_status": code, "detail": detail}
 
 
+def replicated(folder):
+    """Each replicated deployment ddops installed here (its manifest): every replica's unit and health,
+    and the balancer's unit, its public health and how it sees each replica."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        manifest = read_json(os.path.join(folder, name))
+        if not isinstance(manifest, dict) or "replicas" not in manifest:
+            continue
+        bal = manifest["balancer"]
+        servers, error = {}, None
+        try:
+            servers = haproxy_servers(bal["socket"], bal["backend"])
+        except (OSError, RuntimeError) as exc:
+            error = "%s: %s" % (exc.__class__.__name__, exc)
+        path = manifest.get("health_path") or "/health"
+        replicas = [dict(r, state=unit_state(r["unit"]), health=health(r["port"], path),
+                         balancer=servers.get(r["server"])) for r in manifest["replicas"]]
+        out.append({"template": manifest["template"], "profile": manifest.get("profile"), "replicas": replicas,
+                    "balancer": {"unit": bal["unit"], "port": bal["port"], "state": unit_state(bal["unit"]),
+                                 "health": health(bal["port"], path), "error": error}})
+    return out
+
+
 def main():
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     started = time.time()
@@ -135,6 +163,8 @@ def main():
         "runtime": [dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"])
                     for s in args.get("services", []) if s.get("port")],
     }
+    if args.get("replicas_dir"):
+        facts["replicas"] = replicated(args["replicas_dir"])
     facts["probe_s"] = round(time.time() - started, 3)
     json.dump(facts, sys.stdout)
 

@@ -1,6 +1,6 @@
-"""Shared by the facts and inspect probes and the stop_training and lock actions (probe_source
+"""Shared by the facts and inspect probes and the stop_training, lock and balancer actions (probe_source
 prepends it to their text): running a command, reading a process, a log's last step, the newest
-checkpoint and its step, a JSON file.
+checkpoint and its step, a JSON file, HAProxy's runtime API.
 
 Every script that scans processes carries MARKER in its own text, so a scan skips ddops's scripts
 (this one's, or a concurrent run's, whose arguments may name the training pattern).
@@ -8,6 +8,7 @@ Every script that scans processes carries MARKER in its own text, so a scan skip
 import json
 import os
 import re
+import socket
 import subprocess
 
 MARKER = "ddops-probe"
@@ -109,3 +110,43 @@ def read_json(path):
         return None
     except (OSError, ValueError):
         return {"unreadable": True}
+
+
+def haproxy_command(path, line):
+    """One HAProxy runtime API command over its admin socket; HAProxy answers, then closes."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    try:
+        conn.connect(path)
+        conn.sendall((line + "\n").encode())
+        chunks = []
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        conn.close()
+    return b"".join(chunks).decode(errors="replace")
+
+
+def haproxy_servers(path, backend):
+    """A backend's servers from `show stat`: name -> status (UP, DOWN, DRAIN, MAINT...), current
+    sessions, queue, weight, last check, and the requests HAProxy had to retry or send elsewhere and the
+    connection or response errors it saw (counters since it started)."""
+    text = haproxy_command(path, "show stat")
+    lines = [l for l in text.splitlines() if l.strip()]
+    if not lines or not lines[0].startswith("# "):
+        raise RuntimeError("unexpected answer to `show stat`: %r" % text[:200])
+    header = lines[0][2:].split(",")
+    out = {}
+    for line in lines[1:]:
+        row = dict(zip(header, line.split(",")))
+        if row.get("pxname") != backend or row.get("svname") in ("FRONTEND", "BACKEND"):
+            continue
+        out[row["svname"]] = {"status": row.get("status"), "sessions": int(row.get("scur") or 0),
+                              "queued": int(row.get("qcur") or 0), "weight": int(row.get("weight") or 0),
+                              "check": row.get("check_status"), "retries": int(row.get("wretr") or 0),
+                              "redispatches": int(row.get("wredis") or 0), "errors": int(row.get("eresp") or 0)
+                              + int(row.get("econ") or 0)}
+    return out

@@ -1,11 +1,13 @@
 """ddops-probe inspect: what a pivot needs to know about one host, in one round trip.
 
 Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object with the
-sections asked for: model trees, free disk, port holder, files, venv imports, units, lock.
+sections asked for: model trees, free disk, port holder(s), files, venv imports, units, lock, and
+where commands are (`haproxy` for a replicated profile).
 """
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -156,6 +158,10 @@ def main():
         out["free"] = {p: free(p) for p in args["free"]}
     if "port" in args:
         out["port"] = port_holder(int(args["port"]))
+    if "ports" in args:
+        out["ports"] = {str(p): port_holder(int(p)) for p in args["ports"]}
+    if "commands" in args:
+        out["commands"] = {c: shutil.which(c) for c in args["commands"]}
     if "files" in args:
         out["files"] = {p: read_file(p, tuple(mask)) for p, mask in args["files"].items()}
     if "imports" in args:

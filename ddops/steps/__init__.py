@@ -8,7 +8,9 @@ the CLI or the flow.
 from __future__ import annotations
 
 from ..plan import Step
+from ..profile import Profile
 from .deps import DepsStep
+from .roll import RollStep
 from .ship import ShipStep
 from .start import StartStep
 from .sync import SyncStep
@@ -16,5 +18,9 @@ from .training import TrainingStep
 from .unit import UnitStep
 
 
-def pivot_steps() -> list[Step]:
-    return [TrainingStep(), SyncStep(), DepsStep(), ShipStep(), UnitStep(), StartStep()]
+def pivot_steps(profile: Profile | None = None) -> list[Step]:
+    """The steps in order; a replicated profile adds the rolling restart of replicas already serving."""
+    steps: list[Step] = [TrainingStep(), SyncStep(), DepsStep(), ShipStep(), UnitStep(), StartStep()]
+    if profile is not None and profile.replicated:
+        steps.append(RollStep())
+    return steps

@@ -1,5 +1,6 @@
 """Install missing runtime deps: probe imports in the venv, create it if absent, pip install what is
-missing (from the index, or from a wheelhouse ddops pushes), probe again."""
+missing (from the index, or from a wheelhouse ddops pushes), probe again. A replicated profile's
+balancer is Debian's `haproxy` package, installed with apt when the host lacks it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,20 @@ def plan_deps(profile: Profile, imports: Imports) -> list[Operation]:
     return operations
 
 
+APT_ENV = ["env", "DEBIAN_FRONTEND=noninteractive"]
+
+
+def plan_system_packages(profile: Profile, dest: Inspection) -> list[Operation]:
+    """HAProxy for replicas: apt-get install it (the package index refreshed first) when `haproxy` is absent."""
+    if not profile.replicated or dest.commands.get("haproxy"):
+        return []
+    return [Operation("apt-get install haproxy (the balancer in front of the replicas)",
+                      commands=(tuple(APT_ENV + ["apt-get", "update", "-q"]),
+                                tuple(APT_ENV + ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                                                 "haproxy"])),
+                      data={"apt": ["haproxy"]})]
+
+
 def import_probe_args(profile: Profile) -> dict:
     return {"imports": {"python": profile.runtime.python, "modules": sorted(profile.runtime.packages)}}
 
@@ -57,12 +72,18 @@ class DepsStep:
     title = "Install runtime deps"
 
     def plan(self, ctx: PlanContext) -> list[Operation]:
-        return plan_deps(ctx.profile, ctx.facts.dest.imports)
+        return plan_system_packages(ctx.profile, ctx.facts.dest) + plan_deps(ctx.profile, ctx.facts.dest.imports)
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         profile, host, ex = ctx.profile, ctx.host, ctx.executor
         created, installed = False, []
         for op in operations:
+            if "apt" in op.data:
+                for argv in op.commands:
+                    ctx.progress(" ".join(argv[2:]))
+                    check(ex.run(host, list(argv), timeout=900, on_output=lambda text: _last_lines(text, ctx.progress)),
+                          " ".join(argv[2:]))
+                installed += op.data["apt"]
             if "venv" in op.data:
                 ctx.progress(f"creating {profile.runtime.venv}")
                 check(ex.run(host, list(op.commands[0]), timeout=300), "creating the venv")

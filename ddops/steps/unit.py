@@ -1,4 +1,6 @@
-"""Render the unit: template -> unit text + environment file; diff; backup; atomic write.
+"""Render the unit: template -> unit text + environment file; diff; backup; atomic write. A replicated
+profile's template unit brings its per-replica env files, HAProxy's config and the replicas manifest,
+installed and backed up with it.
 
 The unit file never holds a secret: the environment (and API key) lives in an EnvironmentFile with
 mode 0600. Diffs show secret values as `***`.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import os
 import re
 import secrets as _secrets
@@ -19,10 +22,10 @@ import jinja2
 
 from ..errors import ConfigError, StepFailed
 from ..facts import Inspection
-from ..paths import BACKUP_ROOT, backup_root, unit_path
+from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, unit_path
 from ..plan import Operation, PlanContext, RunContext, restore_backup
-from ..profile import Profile
-from ..remote import run_probe
+from ..profile import Profile, Replica
+from ..remote import check, run_probe
 from ..yamlsrc import CONTROL_CHARS
 
 # Used with fullmatch: `$` would also match before a trailing newline, which would end the line.
@@ -54,8 +57,20 @@ def _c_escape(char: str) -> str:
     return char
 
 
+class FromEnvironment(str):
+    """An ExecStart= word written as it is, for systemd to expand: a replica's port comes from its
+    instance's env file. Only ddops puts one in an argv; a profile value is always a plain str."""
+
+
+REPLICA_PORT = FromEnvironment("${DDOPS_REPLICA_PORT}")
+
+
+def exec_start(argv: list[str]) -> str:
+    return " ".join(a if isinstance(a, FromEnvironment) else systemd_quote(a) for a in argv)
+
+
 def exec_argv(profile: Profile) -> list[str]:
-    """The runtime's command line, from the profile."""
+    """The runtime's command line, from the profile (a replica listens on loopback, on its own port)."""
     target, draft = profile.model("target"), profile.model("draft")
     if profile.engine == "sglang":
         sg = profile.sglang
@@ -71,9 +86,10 @@ def exec_argv(profile: Profile) -> list[str]:
     argv = [f"{profile.runtime.venv}/bin/ddtree-serve", "--target", target.path]
     if draft is not None:
         argv += ["--draft", draft.path]
+    host, port = ("127.0.0.1", REPLICA_PORT) if profile.replicated else (profile.bind, str(profile.port))
     argv += ["--mode", profile.serve.mode, "--block-size", str(profile.serve.block_size),
-             "--tree-budget", str(profile.serve.tree_budget), "--host", profile.bind,
-             "--port", str(profile.port), "--device", profile.device, "--dtype", profile.dtype]
+             "--tree-budget", str(profile.serve.tree_budget), "--host", host,
+             "--port", port, "--device", profile.device, "--dtype", profile.dtype]
     if profile.serve.served_model_name:
         argv += ["--served-model-name", profile.serve.served_model_name]
     for flag, number in (("--max-context", profile.serve.max_context), ("--max-running", profile.serve.max_running),
@@ -92,10 +108,24 @@ def exec_argv(profile: Profile) -> list[str]:
 
 
 @dataclass(frozen=True)
+class ManagedFile:
+    """A file a replicated profile installs beside its unit (backed up and restored with it)."""
+
+    path: str
+    text: str
+    mode: int
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
 class Rendered:
     unit_text: str
     env_text: str          # holds secret values: written to the host, never shown
     env_masked: str        # what may be shown
+    files: tuple[ManagedFile, ...] = ()    # replicas: instance env files, the balancer's config, the manifest
 
     @property
     def unit_sha256(self) -> str:
@@ -108,7 +138,7 @@ class Rendered:
 
 def env_lines(profile: Profile, secret_values: dict[str, str], *, masked: bool) -> str:
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": f"/var/cache/{profile.engine}/hf"}
-    if profile.gpus is not None:
+    if profile.gpus is not None and not profile.replicated:  # a replica's GPUs are in its instance env
         env["CUDA_VISIBLE_DEVICES"] = profile.gpus
     env.update(profile.env)
     lines = [f"# Managed by ddops (profile {profile.name}); mode 0600: may hold secrets."]
@@ -139,16 +169,25 @@ def _one_line(value, template: str):
     return value
 
 
-def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
-    """Render the profile's unit template (StrictUndefined: a missing variable is an error)."""
-    name = "sglang.service.j2" if profile.engine == "sglang" else "ddtree.service.j2"
+def _haproxy_word(value, template: str):
+    """A value in HAProxy's config is one word its parser reads as it is: no space, `#`, quote,
+    backslash or `$` (a comment, a quote, an escape, a variable). The profile validates what gets here."""
+    if isinstance(value, str) and not _HAPROXY_SAFE.fullmatch(value):
+        raise ConfigError(f"template {template} would write {value!r}, which HAProxy would not read as one word",
+                          where=str(templates_dir() / template), fix="render only validated profile fields")
+    return value
+
+
+_HAPROXY_SAFE = re.compile(r"[A-Za-z0-9@/_.~:+=,\[\]-]+")
+
+
+def render_template(name: str, finalize, **values) -> str:
+    """One template of templates/ (StrictUndefined: a missing variable is an error); every error is one line."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
-                             finalize=lambda value: _one_line(value, name))
+                             finalize=lambda value: finalize(value, name))
     try:
-        template = env.get_template(name)
-        unit_text = template.render(profile=profile,
-                                    exec_start=" ".join(systemd_quote(a) for a in exec_argv(profile)))
+        return env.get_template(name).render(**values)
     except jinja2.TemplateNotFound:
         raise ConfigError(f"unit template {name} not found in {templates_dir()}",
                           fix="set DDOPS_TEMPLATES to the templates folder") from None
@@ -159,8 +198,55 @@ def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
     except jinja2.UndefinedError as exc:
         raise ConfigError(f"template {name}: {exc.message}", where=str(templates_dir() / name),
                           fix="the template uses a variable the profile does not define") from None
+
+
+def render(profile: Profile, secret_values: dict[str, str]) -> Rendered:
+    """Render the profile's unit template, its env file and (replicas) the files beside them."""
+    if profile.replicated:
+        return render_replicated(profile, secret_values)
+    name = "sglang.service.j2" if profile.engine == "sglang" else "ddtree.service.j2"
+    unit_text = render_template(name, _one_line, profile=profile, exec_start=exec_start(exec_argv(profile)))
     return Rendered(unit_text=unit_text, env_text=env_lines(profile, secret_values, masked=False),
                     env_masked=env_lines(profile, secret_values, masked=True))
+
+
+# -- replicas behind HAProxy (issue 17) ----------------------------------------------------------------
+
+def instance_env(profile: Profile, replica: Replica) -> str:
+    """A replica's own env file: its index, port and GPUs (read after the shared one, so these win)."""
+    lines = [f"# Managed by ddops (profile {profile.name}): replica {replica.index} of {profile.replicas.count}.",
+             f"DDOPS_REPLICA={replica.index}", f"DDOPS_REPLICA_PORT={replica.port}"]
+    if replica.gpus:
+        lines.append("CUDA_VISIBLE_DEVICES=" + ",".join(str(g) for g in replica.gpus))
+    return "\n".join(lines) + "\n"
+
+
+def manifest(profile: Profile) -> dict:
+    """What the host keeps about a replicated deployment (status and rollback read it there)."""
+    b = profile.balancer
+    return {"profile": profile.name, "template": profile.unit, "health_path": profile.health.path,
+            "balancer": {"unit": b.unit, "port": profile.port, "bind": profile.bind, "backend": b.backend,
+                         "socket": b.socket, "config": b.config, "drain_timeout_s": b.drain_timeout_s,
+                         "ready_timeout_s": b.ready_timeout_s},
+            "replicas": [{"index": r.index, "unit": r.unit, "port": r.port, "gpus": list(r.gpus), "server": r.server}
+                         for r in profile.replicas.members]}
+
+
+def render_replicated(profile: Profile, secret_values: dict[str, str]) -> Rendered:
+    members, balancer = profile.replicas.members, profile.balancer
+    instance_pattern = env_path(profile.unit.replace("@.service", "@%i.service"))
+    unit_text = render_template("ddtree@.service.j2", _one_line, profile=profile, exec_start=exec_start(exec_argv(profile)),
+                                template_name=profile.unit, instance_example=members[0].unit,
+                                instance_env_pattern=instance_pattern)
+    haproxy = render_template("haproxy.cfg.j2", _haproxy_word, profile=profile, replicas=members, balancer=balancer,
+                              bind=profile.bind, health_path=profile.health.path,
+                              timeout_ms=str(int(balancer.timeout_s * 1000)),
+                              check_ms=str(int(balancer.check_interval_s * 1000)))
+    files = tuple(ManagedFile(env_path(r.unit), instance_env(profile, r), 0o600) for r in members) + (
+        ManagedFile(balancer.config, haproxy, 0o644),
+        ManagedFile(replicas_manifest(profile.unit), json.dumps(manifest(profile), indent=1) + "\n", 0o644))
+    return Rendered(unit_text=unit_text, env_text=env_lines(profile, secret_values, masked=False),
+                    env_masked=env_lines(profile, secret_values, masked=True), files=files)
 
 
 def diff(old: str | None, new: str, path: str) -> str:
@@ -181,6 +267,11 @@ def plan_unit(profile: Profile, rendered: Rendered, installed: Inspection) -> li
     if env_now.sha256 != rendered.env_sha256:
         operations.append(Operation(f"write {epath} (mode 0600)" + (" (new)" if not env_now.exists else ""),
                                     detail=diff(env_now.text, rendered.env_masked, epath)))
+    for managed in rendered.files:
+        now = installed.file(managed.path)
+        if now.sha256 != managed.sha256:
+            operations.append(Operation(f"write {managed.path}" + (" (new)" if not now.exists else ""),
+                                        detail=diff(now.text, managed.text, managed.path)))
     return operations
 
 
@@ -190,9 +281,20 @@ def new_backup_id() -> str:
 
 def install_spec(profile: Profile, rendered: Rendered, backup_id: str, meta: dict) -> dict:
     """The unitfile probe's stdin for an install (pinned by the unit tests)."""
-    return {"action": "install", "unit": profile.unit, "unit_path": unit_path(profile.unit),
+    spec = {"action": "install", "unit": profile.unit, "unit_path": unit_path(profile.unit),
             "env_path": profile.env_file, "unit_text": rendered.unit_text, "env_text": rendered.env_text,
             "backup_root": backup_root(profile.unit), "backup_id": backup_id, "meta": meta}
+    if rendered.files:
+        spec["files"] = [{"path": f.path, "text": f.text, "mode": f.mode} for f in rendered.files]
+    return spec
+
+
+def check_haproxy_config(ctx: RunContext) -> None:
+    """HAProxy reads the rendered config (`haproxy -c`) before it replaces the one in place."""
+    config = next(f for f in ctx.rendered.files if f.path == ctx.profile.balancer.config)
+    result = ctx.executor.run(ctx.host, ["bash", "-c", 'f=$(mktemp) && cat > "$f" && haproxy -c -q -f "$f"; '
+                                         'rc=$?; rm -f "$f"; exit $rc'], stdin=config.text, timeout=60)
+    check(result, "haproxy -c (checking the rendered balancer config)")
 
 
 class UnitStep:
@@ -207,6 +309,13 @@ class UnitStep:
         running = [c for c in profile.conflicts if units.unit(c).active_state in ("active", "activating")]
         meta = {"profile": profile.name, "reason": "pivot",
                 "restart_after_rollback": list(journal.stopped_units) + running}
+        if profile.replicated:
+            check_haproxy_config(ctx)
+            # what runs now: rollback restarts these (and stops any other replica); a replica this pivot
+            # drops is still running when the backup is taken
+            members = [r.unit for r in profile.replicas.members]
+            meta["replicas_before"] = [u for u in members if units.unit(u).active] + [
+                u for u in units.installed_replicas(profile.unit) if u not in members]
         backup_id = new_backup_id()
         # Recorded before the action runs: an install that fails half-way is rolled back from its backup too.
         journal.backup_id = backup_id

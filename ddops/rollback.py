@@ -245,6 +245,10 @@ def undo(executor: Executor, inventory: Inventory, host: Host, operations: list[
             rolled[op.data["template"]] += op.data["roll_back"]
     restored_templates = {op.data["unit"] for op in operations if "restore" in op.data}
     report: dict[str, Any] = {"restarted": []}
+    # The runtime release first: every unit restarted below must start on the code it ran before.
+    reinstalled = [op.data["reinstall"] for op in reversed(operations) if "reinstall" in op.data]
+    for previous in reinstalled:
+        retrying(reinstall, executor, host, previous, progress=progress)
     for op in reversed(operations):
         if "restore" in op.data:
             only = rolled.get(op.data["unit"], []) if "@." in op.data["unit"] else None
@@ -260,7 +264,20 @@ def undo(executor: Executor, inventory: Inventory, host: Host, operations: list[
             progress(f"starting {unit} again")
             retrying(lambda u=unit: executor.run(host, ["systemctl", "start", u], timeout=120).check(f"starting {u}"))
             report["restarted"].append(unit)
+    if reinstalled:
+        report["reinstalled"] = reinstalled[-1]["release"]
     return report
+
+
+def reinstall(executor: Executor, host: Host, previous: dict[str, str],
+              progress: Callable[[str], None] = lambda m: None) -> None:
+    """Put the runtime release that a pivot replaced back into the venv, and its record as it was."""
+    progress(f"reinstalling ddtree-runtime {previous['release']} (the release before the pivot)")
+    executor.run(host, [previous["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+                        "--force-reinstall", "-q", previous["wheel"]], timeout=600).check(
+        f"reinstalling ddtree-runtime {previous['release']} from {previous['wheel']}")
+    executor.run(host, ["bash", "-c", 'cat > "$1.tmp" && mv "$1.tmp" "$1"', "_", previous["record"]],
+                 stdin=previous["record_text"]).check("restoring the runtime release record")
 
 
 def _settle(executor: Executor, host: Host, unit: str, wait_s: float = 3.0) -> str:

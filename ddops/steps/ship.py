@@ -1,5 +1,7 @@
 """Ship the runtime: build a wheel of ./runtime here, push it, pip install it into the venv,
-record the release id (version + hash of the sources) next to the venv."""
+record the release id (version + hash of the sources) next to the venv. The wheels stay on the host
+(RELEASES/ID/), so a rollback reinstalls the release that was there before: a release that crashes is
+taken back with its unit, not left in the venv under the old unit."""
 
 from __future__ import annotations
 
@@ -17,16 +19,23 @@ from ..remote import check
 def plan_ship(profile: Profile, installed: FileFact, release: str | None) -> list[Operation]:
     if profile.runtime.ship is None or profile.engine != "ddtree":
         return []
-    current = None
+    record: dict = {}
     if installed.text:
         try:
-            current = json.loads(installed.text).get("release")
+            record = json.loads(installed.text)
         except ValueError:
-            current = None
+            record = {}
+    current = record.get("release") if isinstance(record, dict) else None
     if current == release:
         return []
+    data: dict = {"release": release}
+    if current and isinstance(record.get("wheel"), str) and "/" not in record["wheel"]:
+        # what a rollback reinstalls: the wheel ddops shipped for the release in place now
+        data["previous"] = {"release": current, "python": profile.runtime.python,
+                            "wheel": f"{RELEASES}/{current}/{record['wheel']}",
+                            "record": release_path(profile.runtime.venv), "record_text": installed.text}
     return [Operation(f"install ddtree-runtime {release} into {profile.runtime.venv} (now: {current or 'none'})",
-                      data={"release": release})]
+                      data=data)]
 
 
 class ShipStep:
@@ -39,7 +48,10 @@ class ShipStep:
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         profile, host, ex = ctx.profile, ctx.host, ctx.executor
-        release = operations[0].data["release"]
+        release, previous = operations[0].data["release"], operations[0].data.get("previous")
+        # noted before pip touches the venv: a failed install is taken back as well
+        ctx.journal.change(self.name, undo=None if previous is None else Operation(
+            f"reinstall ddtree-runtime {previous['release']}", data={"reinstall": previous}))
         wheel = build_wheel(profile.runtime.ship, release)
         remote = f"{RELEASES}/{release}/{wheel.name}"
         check(ex.run(host, ["bash", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"',
@@ -50,5 +62,4 @@ class ShipStep:
         record = json.dumps({"release": release, "wheel": wheel.name, "installed_at": time.time()}) + "\n"
         check(ex.run(host, ["bash", "-c", 'cat > "$1.tmp" && mv "$1.tmp" "$1"', "_",
                             release_path(profile.runtime.venv)], stdin=record), "recording the release")
-        ctx.journal.change(self.name)
         return f"release {release} installed"

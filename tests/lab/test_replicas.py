@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -223,6 +224,42 @@ def test_a_release_that_crashes_halts_at_the_first_batch(replicas_lab, tmp_path)
     assert after["ddtree@2.service"] == before["ddtree@2.service"]      # never restarted
     assert after["ddtree@1.service"] != before["ddtree@1.service"]      # back on the old release
     assert "--tree-budget 0" not in ct200(lab, "cat /etc/systemd/system/ddtree@.service")
+    assert client.failures == [] and client.sent > 0, (client.sent, client.failures)
+    status = json.loads(ddops(lab, "--limit", "ct200", "status", "--json").stdout)[0]
+    assert [(r["health"]["healthy"], r["balancer"]["status"]) for r in status["replicas"][0]["replicas"]] == [
+        (True, "UP"), (True, "UP")]
+
+
+def test_a_release_whose_code_cannot_start_goes_back_with_its_batch(replicas_lab, tmp_path):
+    """A new runtime *release* (its code, not a flag) whose engine cannot load: batch 1 fails its gate and
+    comes back on the release that was installed before (reinstalled before any restart), replica 2 never
+    stops serving, nothing fails for the clients."""
+    lab = replicas_lab
+    broken = tmp_path / "runtime"
+    shutil.copytree(REPO / "runtime", broken,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "devtools", "bench"))
+    worker = broken / "ddtree_runtime" / "server" / "worker.py"
+    marker = '    """The engine the worker builds unless the app is given another factory."""\n'
+    assert marker in worker.read_text()
+    worker.write_text(worker.read_text().replace(
+        marker, marker + '    raise RuntimeError("this release cannot load an engine")\n'))
+    doc = yaml.safe_load(PROFILE.read_text())
+    doc["runtime"]["ship"] = str(broken)
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(yaml.safe_dump(doc))
+    release_before = json.loads(ct200(lab, "cat /opt/ddtree/venv/ddtree-release.json"))["release"]
+    expected = chat()["choices"][0]["message"]["content"]
+    before = main_pids(lab)
+    with LoadClient(expected, threads=1) as client:
+        done, report = pivot(lab, profile)
+    assert done.returncode == 2 and report["outcome"] == "rolled-back", report
+    assert report["failed_step"] == "roll" and report["rollback"]["reinstalled"] == release_before, report
+    assert json.loads(ct200(lab, "cat /opt/ddtree/venv/ddtree-release.json"))["release"] == release_before
+    assert "cannot load an engine" not in ct200(lab, "cat /opt/ddtree/venv/lib/python3*/site-packages/"
+                                                     "ddtree_runtime/server/worker.py")
+    after = main_pids(lab)
+    assert after["ddtree@2.service"] == before["ddtree@2.service"]      # never restarted
+    assert after["ddtree@1.service"] != before["ddtree@1.service"]      # restarted on the old release
     assert client.failures == [] and client.sent > 0, (client.sent, client.failures)
     status = json.loads(ddops(lab, "--limit", "ct200", "status", "--json").stdout)[0]
     assert [(r["health"]["healthy"], r["balancer"]["status"]) for r in status["replicas"][0]["replicas"]] == [

@@ -100,6 +100,22 @@ def test_a_new_release_alone_restarts_the_unit(profile):
     assert [k for k, v in newer.items() if v] == ["ship", "start"]
 
 
+def test_a_new_release_plans_how_to_reinstall_the_one_in_place(profile):
+    facts = deployed_facts(profile, fixture_facts(profile))
+    record = json.dumps({"release": "0.1.0+new", "wheel": "ddtree_runtime-0.1.0-py3-none-any.whl"})
+    served = facts.inspections["ct200"]
+    files = {**served.files, "/opt/ddtree/venv/ddtree-release.json": replace(
+        served.files["/opt/ddtree/venv/ddtree-release.json"], text=record)}
+    facts = replace(facts, release="0.1.0+newer", inspections={**facts.inspections, "ct200": replace(served, files=files)})
+    ctx = PlanContext(profile=profile, inventory=LAB, facts=facts, rendered=render(profile, {}))
+    ship = next(step for step in pivot_steps() if step.name == "ship")
+    install, = ship.plan(ctx)
+    assert install.data["previous"] == {
+        "release": "0.1.0+new", "python": "/opt/ddtree/venv/bin/python",
+        "wheel": "/var/cache/ddops/releases/0.1.0+new/ddtree_runtime-0.1.0-py3-none-any.whl",
+        "record": "/opt/ddtree/venv/ddtree-release.json", "record_text": record}
+
+
 def test_plans_are_data_with_their_undos(profile):
     ctx = PlanContext(profile=profile, inventory=LAB, facts=fixture_facts(profile), rendered=render(profile, {}),
                       kill_training=False)
@@ -249,6 +265,27 @@ def test_a_restore_restarts_what_its_backup_names_once(monkeypatch, profile):
     assert ex.systemctl().count("start dflash-train.service") == 1
     assert report["state"] == ("rolled back on ct200: ddtree.service removed (it did not exist before); "
                                "running again: dflash-train.service")
+
+
+def test_a_rollback_reinstalls_the_previous_release_before_it_restarts_anything(monkeypatch, profile):
+    """A release that crashes on start: the old unit must come back on the old code, not on the new
+    release left in the venv."""
+    backup = {"id": "B1", "meta": {"unit_existed": True, "restart_after_rollback": ["ddtree.service"]}}
+    ex = FakeExecutor(backups=[backup])
+    monkeypatch.setattr("ddops.rollback._settle", lambda *a, **k: "active")
+    monkeypatch.setattr("ddops.rollback.wait_healthy", lambda *a, **k: None)  # the restored unit's health gate
+    previous = {"release": "0.1.0+old", "python": "/opt/ddtree/venv/bin/python", "wheel": "/var/cache/w.whl",
+                "record": "/opt/ddtree/venv/ddtree-release.json", "record_text": '{"release": "0.1.0+old"}'}
+    steps = [FakeStep("ship", [op("install 0.1.0+new")], undo=Operation("reinstall", data={"reinstall": previous})),
+             FakeStep("unit", [op("write unit")], undo=restore_backup("ddtree.service", "B1", ["ddtree.service"]))]
+    report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed on start"))],
+                           executor=ex)
+    assert report["outcome"] == "rolled-back" and report["rollback"]["reinstalled"] == "0.1.0+old"
+    shown = [" ".join(c) for c in ex.commands]
+    pip = next(i for i, c in enumerate(shown) if "pip install" in c and "/var/cache/w.whl" in c)
+    record = next(i for i, c in enumerate(shown) if c.endswith("/opt/ddtree/venv/ddtree-release.json"))
+    restore = next(i for i, c in enumerate(shown) if c.startswith("unitfile"))  # the backup's list, then restore
+    assert pip < record < restore, shown
 
 
 def test_a_failure_before_any_change_is_failed_and_rolls_nothing_back(monkeypatch, profile):

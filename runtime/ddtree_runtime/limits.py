@@ -11,3 +11,4 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MIN_BLOCK_SIZE = 2        # the root plus at least one draft position
 MIN_TREE_BUDGET = 1
 MAX_TREE_BUDGET = 1024    # the largest tree the engine sizes its caches and graph buckets for
+MAX_LOGPROBS = 20         # most likely tokens returned per token (OpenAI's top_logprobs limit, vLLM's default)

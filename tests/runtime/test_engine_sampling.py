@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.engine.sampling import adjusted_probs
+from ddtree_runtime.engine.sampling import adjusted_probs, choose_tokens
 
 N_SEEDS = 400
 
@@ -124,3 +124,13 @@ def test_top_p_truncates_the_tail():
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     probs = adjusted_probs(logits, 1.0, 0.8)  # 0.5 + 0.3 reaches 0.8 exactly: the third is dropped
     assert probs[0, 2] == 0
+
+
+def test_extreme_top_p_and_temperature_still_give_a_distribution():
+    """The smallest top_p a client can send keeps the top token (rounding must not drop it), and a
+    temperature near zero is the argmax (dividing by it would overflow to inf and NaN)."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    probs = adjusted_probs(logits, 1.0, 5e-324)
+    assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1)) and torch.all(probs.amax(dim=-1) == 1)
+    params = SamplingParams(max_new_tokens=1, temperature=5e-324)
+    assert torch.equal(choose_tokens(logits, params, torch.Generator()), logits.argmax(dim=-1))

@@ -1,5 +1,5 @@
-"""Target-side token choice: argmax at temperature 0, otherwise a sample from the temperature / min-p /
-top-k / top-p adjusted distribution, after any logit bias. Tree verification samples every node at
+"""Target-side token choice: argmax at temperature 0 (below GREEDY_BELOW), otherwise a sample from the
+temperature / min-p / top-k / top-p adjusted distribution, after any logit bias. Tree verification samples every node at
 once; the walk then only reads the samples of nodes it visits, each of which is a true draw from the
 target at that node. Every adjustment but one depends on the node's logits alone, never on its
 position or path, which is what keeps speculative decoding exact with them; the one, min_tokens,
@@ -15,6 +15,10 @@ from typing import NamedTuple
 import torch
 
 from .types import SamplingParams, TokenLogprob
+
+# Below this temperature the choice is the argmax (vLLM's threshold): dividing by a temperature near
+# zero overflows the logits to inf, and their softmax is NaN.
+GREEDY_BELOW = 1e-5
 
 
 def biased_logits(logits: torch.Tensor, logit_bias: dict[int, float]) -> torch.Tensor:
@@ -41,8 +45,9 @@ def adjusted_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     if top_p < 1.0:
         sp, si = probs.sort(dim=-1, descending=True)
         sp = sp / sp.sum(dim=-1, keepdim=True)
-        # keep a token if the mass before it is below top_p (so the top token always survives)
+        # keep a token if the mass before it is below top_p, and the top token whatever the rounding
         drop = (sp.cumsum(dim=-1) - sp) >= top_p
+        drop[:, :1] = False
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -51,7 +56,7 @@ def adjusted_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits: [N, V] -> tokens [N] long."""
     logits = biased_logits(logits, params.logit_bias)
-    if params.temperature <= 0.0:
+    if params.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = adjusted_probs(logits.float(), params.temperature, params.top_p, params.top_k, params.min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -88,15 +88,14 @@ def _build(app: FastAPI) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}},
         }
+    error = {"application/json": {"$ref": "#/components/schemas/Error"}}
     for (method, path), success in _SUCCESS.items():
-        operation = doc["paths"][path][method]
-        health_down = {"503": _response("Starting, failed or draining.", {"application/json": _OBJECT})}
-        operation["responses"] = {
-            "200": _response("OK", success),
-            **(health_down if path == "/health" else {}),
-            **{str(status): _response(_ERROR_MEANING[status], {"application/json": {"$ref": "#/components/schemas/Error"}})
-               for status in _ERRORS[(method, path)]},
-        }
+        responses = {"200": _response("OK", success)}
+        if path == "/health":
+            responses["503"] = _response("Starting, failed or draining.", {"application/json": _OBJECT})
+        for status in _ERRORS[(method, path)]:
+            responses[str(status)] = _response(_ERROR_MEANING[status], error)
+        doc["paths"][path][method]["responses"] = responses
     return doc
 
 

@@ -522,10 +522,11 @@ class Engine:
             left -= take
             self.stats.prefill_tokens += take
             if first is not None:
-                req.produced.append(first)
+                token, logprobs = first
+                req.produced.append(token)
                 self.scheduler.start_running(req)
                 joined.append(req)
-                outputs.append((req.id, self._emit(req, [first[0]], 0, first[1])))
+                outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
         return outputs, joined
 
     def _prefill_chunk(self, req: RequestState, take: int) -> tuple[int, list[TokenLogprob] | None] | None:

@@ -14,3 +14,4 @@ MAX_TREE_BUDGET = 1024    # the largest tree the engine sizes its caches and gra
 MAX_RUNNING = 1024        # requests batched at once: a ceiling on the slot pool, far above one GPU's worth
 MAX_QUEUE = 100_000       # requests waiting behind them
 MIN_MEM_FRACTION = 0.01   # of free device memory for the pools; less holds nothing useful
+MAX_LOGPROBS = 20         # most likely tokens returned per token (OpenAI's top_logprobs limit, vLLM's default)

@@ -127,7 +127,7 @@ ATTACKS = [
     Attack("stop-17-strings", T, completion(stop=[str(i) for i in range(17)]), 400, "stop"),
     Attack("n-2", C, chat(n=2), 400, "n"),
     Attack("best-of-3", T, completion(best_of=3), 400, "best_of"),
-    Attack("logprobs", C, chat(logprobs=True), 400, "logprobs"),
+    Attack("top-logprobs-21", C, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     Attack("tool-name-with-space", C, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
            "tools[0].function.name"),
     Attack("tools-not-functions", C, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400,

@@ -119,3 +119,43 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
         assert run(engine, p, mode="ddtree", tree_budget=32)[0] == ref, f"prompt {i} diverged"
     print(f"\nrounds accepted past a top branch rejected at depth {swapped_depth}: {diverged_then_continued}")
     assert diverged_then_continued >= 10  # fixture v2: 14 on qwen3 (its answers stop; v1 ran on)
+
+
+MIN_TOKENS = 30
+
+
+def test_min_tokens_and_logprobs_match_transformers_in_every_mode(models, engine, prompts, reference):
+    """min_tokens (the end token masked until that many tokens) and the returned log-probabilities
+    (the raw distribution's) against transformers' own min_new_tokens and logits: the same tokens and
+    log-probabilities in ar, dflash and ddtree, alone and batched."""
+    from transformers import AutoModelForCausalLM
+
+    chats = [i for i in range(N_PROMPTS - 15) if len(reference[i]) < MIN_TOKENS][:6]
+    assert len(chats) >= 3, "the test needs replies that end before min_tokens"
+    hf = AutoModelForCausalLM.from_pretrained(str(models / "target"), dtype=torch.float32).eval()
+    batched = Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4))
+    params = [SamplingParams(max_new_tokens=MAX_NEW, mode=mode, min_tokens=MIN_TOKENS, logprobs=2)
+              for mode in ("ar", "dflash", "ddtree")]
+    ids = {(i, j): batched.submit(prompts[i], q) for i in chats for j, q in enumerate(params)}
+    together: dict[int, list] = {n: [] for n in ids.values()}
+    while batched.has_work:
+        for n, out in batched.step():
+            together[n] += zip(out.token_ids, out.logprobs)
+    for i in chats:
+        prompt = torch.tensor([prompts[i]])
+        with torch.no_grad():
+            g = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=MAX_NEW,
+                            min_new_tokens=MIN_TOKENS, eos_token_id=sorted(engine.eos_ids),
+                            pad_token_id=engine.tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True)
+        ref = g.sequences[0, prompt.shape[1]:].tolist()
+        assert len(ref) > len(reference[i])
+        raw = [torch.log_softmax(step[0].float(), dim=-1) for step in g.logits]
+        for j, q in enumerate(params):
+            alone = [(t, lp) for out in engine.generate(prompts[i], q) for t, lp in zip(out.token_ids, out.logprobs)]
+            for got in (alone, together[ids[(i, j)]]):
+                assert [t for t, _ in got] == ref, f"prompt {i}, {q.mode}"
+                for (t, lp), dist in zip(got, raw):
+                    assert lp.logprob == pytest.approx(dist[t].item(), abs=1e-3)
+                    top = dist.topk(2)
+                    assert [tok for tok, _ in lp.top] == top.indices.tolist()
+                    assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-3)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.engine.sampling import adjusted_probs
+from ddtree_runtime.engine.sampling import adjusted_probs, choose_tokens
 
 N_SEEDS = 400
 
@@ -99,14 +99,20 @@ def _samples(engine: Engine, prompt: list[int], mode: str, seed0: int, **kw) -> 
     return outs, accepted
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
-def test_tree_sampling_matches_target_distribution(engine, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,min_tokens", [(1.0, 1.0, 0), (0.8, 0.9, 0), (1.0, 1.0, 4)])
+def test_tree_sampling_matches_target_distribution(engine, temperature, top_p, min_tokens):
+    """min_tokens masks the stop tokens at tree nodes by their depth: the tree still samples the
+    target's (masked) distribution, and no sample ends before min_tokens (without it the tiny hybrid
+    ends about 1 sample in 60 within 4 tokens here)."""
     tok = engine.tokenizer
     # a word-pattern opening: many plausible continuations at every position, yet the drafter still
     # gets draft tokens accepted, so the tree (not only the bonus token) decides the output
     prompt = tok("cat dog", add_special_tokens=False)["input_ids"]
-    tree, accepted = _samples(engine, prompt, "ddtree", 10_000, temperature=temperature, top_p=top_p)
-    plain, _ = _samples(engine, prompt, "ar", 50_000, temperature=temperature, top_p=top_p)
+    kw = {"temperature": temperature, "top_p": top_p, "min_tokens": min_tokens}
+    tree, accepted = _samples(engine, prompt, "ddtree", 10_000, **kw)
+    plain, _ = _samples(engine, prompt, "ar", 50_000, **kw)
+    if min_tokens:
+        assert all(-1 not in o and not set(o) & engine.eos_ids for o in tree + plain)
     assert accepted > N_SEEDS // 2, "the tree must actually accept draft tokens for this to test anything"
     for pos in (1, 2, 3):  # 0-based: output positions 2, 3, 4
         p, dof = homogeneity_pvalue(Counter(o[pos] for o in tree), Counter(o[pos] for o in plain))
@@ -114,7 +120,7 @@ def test_tree_sampling_matches_target_distribution(engine, temperature, top_p):
         assert dof >= 1, "degenerate distribution: the test would have no power"
         assert p > 1e-3
     # the same seed must reproduce the same tokens
-    again, _ = _samples(engine, prompt, "ddtree", 10_000, temperature=temperature, top_p=top_p)
+    again, _ = _samples(engine, prompt, "ddtree", 10_000, **kw)
     assert again[:20] == tree[:20]
 
 
@@ -124,3 +130,13 @@ def test_top_p_truncates_the_tail():
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     probs = adjusted_probs(logits, 1.0, 0.8)  # 0.5 + 0.3 reaches 0.8 exactly: the third is dropped
     assert probs[0, 2] == 0
+
+
+def test_extreme_top_p_and_temperature_still_give_a_distribution():
+    """The smallest top_p a client can send keeps the top token (rounding must not drop it), and a
+    temperature near zero is the argmax (dividing by it would overflow to inf and NaN)."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    probs = adjusted_probs(logits, 1.0, 5e-324)
+    assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1)) and torch.all(probs.amax(dim=-1) == 1)
+    params = SamplingParams(max_new_tokens=1, temperature=5e-324)
+    assert torch.equal(choose_tokens(logits, params, torch.Generator()), logits.argmax(dim=-1))

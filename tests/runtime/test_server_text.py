@@ -73,3 +73,15 @@ def test_incomplete_character_at_the_very_end_is_flushed():
     dec = IncrementalDecoder(ByteTokenizer())
     assert dec.push(list("ok".encode()) + [0xF0, 0x9F]) == ""  # held: the character may complete
     assert dec.flush() == "ok\ufffd"
+
+
+def test_a_stop_string_must_end_after_the_guarded_text():
+    """min_tokens as vLLM applies it to stop strings: one that ends in the first tokens' text does not
+    count (not even later); one that begins there and ends after it does."""
+    m = StopMatcher(["e"])
+    pieces = [(" is", False), (" Lee", False), (", and", False), (" I'm", True), (" a", True), (" student", True)]
+    assert "".join(m.push(text, armed) for text, armed in pieces) == " is Lee, and I'm a stud" and m.stopped
+    m = StopMatcher(["ab"])
+    assert m.push("xa", armed=False) + m.push("b c") == "x" and m.stopped
+    m = StopMatcher(["abc"])
+    assert m.push("xab", armed=False) + m.push("d") + m.flush() == "xabd" and not m.stopped

@@ -29,13 +29,17 @@ from .policy import round_budgets
 from .prefill import PREFILL_PIECE
 from .prefix_cache import CachedSequence, PrefixCache, snapshot_point
 from .runner import DraftRunner, TargetRunner, tree_bucket
-from .sampling import choose_tokens
+from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
 from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
-from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES
-from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams
+from ..limits import DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES
+from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+# A round's result for one request: the tokens it committed, the draft tokens accepted among them, and
+# their log-probabilities (None unless the request asked for them).
+Round = tuple[list[int], int, list[TokenLogprob] | None]
 
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
@@ -278,11 +282,11 @@ class Engine:
         else:
             rounds = self._batch_round(decoding) if decoding else []
         self.stats.rounds += bool(rounds)
-        for req, (tokens, accepted) in zip(decoding, rounds):
+        for req, (tokens, accepted, logprobs) in zip(decoding, rounds):
             req.produced += tokens
             req.rounds += 1
             req.accepted_total += accepted
-            outputs.append((req.id, self._emit(req, tokens, accepted)))
+            outputs.append((req.id, self._emit(req, tokens, accepted, logprobs)))
         for request_id, out in outputs:
             if out.finished:
                 self.cancel(request_id)
@@ -330,6 +334,10 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if p.temperature < 0 or not 0 < p.top_p <= 1:
             raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
+        if not 0 <= p.min_tokens <= p.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {p.max_new_tokens}], got {p.min_tokens}")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
         gen = None
         if p.temperature > 0:
             gen = torch.Generator(device=self.device)
@@ -337,9 +345,11 @@ class Engine:
                 gen.seed()
             else:
                 gen.manual_seed(p.seed)
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         req = RequestState(id=self._next_id, prompt_ids=list(prompt_ids), mode=mode, budget=budget, params=p,
-                           stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids),
-                           generator=gen)
+                           stop_ids=stop_ids, generator=gen)
+        if p.min_tokens and stop_ids:
+            req.stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
         if not self._pool_holds(self._tree_slots(req)):
             # a bigger tree than the pool was sized for: the pool is re-sized when the engine is idle,
             # so refuse now if even that could not hold it
@@ -385,7 +395,7 @@ class Engine:
             self.prefix.add(idle, (req.prompt_ids + req.produced)[:req.n_ctx], req.snapshot_at, draft_len)
         self._move_rows(dst, src, max((valid[s] for s in src), default=0))
         req.finished = True
-        req.drafted = req.ahead = None
+        req.drafted = req.ahead = req.ahead_logprobs = req.stop_tensor = None
         req.prompt_feats = None
         self._prefix_stats()
 
@@ -448,22 +458,40 @@ class Engine:
             s.prefix_lookups, s.prefix_hits, s.prefix_tokens_saved = p.lookups, p.hits, p.tokens_saved
             s.prefix_evictions, s.prefix_cached = p.evictions, len(self.prefix)
 
-    def _emit(self, req: RequestState, tokens: list[int], accepted: int) -> RoundOutput:
-        """Cut the round's tokens at the first stop token or at max_new_tokens (`_emitted`)."""
+    def _emit(self, req: RequestState, tokens: list[int], accepted: int,
+              logprobs: list[TokenLogprob] | None = None) -> RoundOutput:
+        """Cut the round's tokens (and their log-probabilities) at the first stop token or at
+        max_new_tokens (`_emitted`)."""
         kept = tokens[:self._emitted(req, tokens)]
         req.generated += len(kept)
+        logprobs = _cut(logprobs, len(kept))
         if kept and kept[-1] in req.stop_ids:
-            return RoundOutput(kept, accepted, True, "stop")
+            return RoundOutput(kept, accepted, True, "stop", logprobs=logprobs)
         if req.generated >= req.params.max_new_tokens:
-            return RoundOutput(kept, accepted, True, "length")
-        return RoundOutput(kept, accepted, False, None)
+            return RoundOutput(kept, accepted, True, "length", logprobs=logprobs)
+        return RoundOutput(kept, accepted, False, None, logprobs=logprobs)
 
     def _phase(self, name: str) -> None:
         if self.phase_hook is not None:
             self.phase_hook(name)
 
-    def _choose(self, req: RequestState, logits: torch.Tensor) -> torch.Tensor:
+    def _choose(self, req: RequestState, logits: torch.Tensor, position: int,
+                depths: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: [N, V] -> the target's token per row. `position`: which output token (0-based) row
+        0 chooses; a tree's rows choose position + their depth ([N] `depths`; None: every row chooses
+        `position`). The stop tokens are masked in the rows that choose one of the first min_tokens."""
+        if position < req.params.min_tokens and req.stop_tensor is not None:
+            early = None if depths is None else position + depths < req.params.min_tokens
+            logits = suppress_stops(logits, req.stop_tensor, early)
         return choose_tokens(logits, req.params, req.generator)
+
+    @staticmethod
+    def _logprobs(req: RequestState, logits: torch.Tensor, chosen: torch.Tensor) -> PendingLogprobs | None:
+        """The raw log-probabilities of the tokens chosen from `logits` ([N, V], chosen [N]), queued
+        for the host, if the request asked for them (None otherwise: nothing is computed)."""
+        if req.params.logprobs is None:
+            return None
+        return start_logprobs(logits, chosen, req.params.logprobs)
 
     # ---- prefill ----------------------------------------------------------------------------------
 
@@ -494,15 +522,17 @@ class Engine:
             left -= take
             self.stats.prefill_tokens += take
             if first is not None:
-                req.produced.append(first)
+                token, logprobs = first
+                req.produced.append(token)
                 self.scheduler.start_running(req)
                 joined.append(req)
-                outputs.append((req.id, self._emit(req, [first], 0)))
+                outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
         return outputs, joined
 
-    def _prefill_chunk(self, req: RequestState, take: int) -> int | None:
+    def _prefill_chunk(self, req: RequestState, take: int) -> tuple[int, list[TokenLogprob] | None] | None:
         """Prompt tokens prefilled..prefilled+take into the request's slot; at the prompt's end, the
-        first token (and, for a speculative request, the first draft). Returns the first token then."""
+        first token (and, for a speculative request, the first draft). Returns the first token (and its
+        log-probabilities if asked for) then."""
         lo, hi = req.prefilled, req.prefilled + take
         ids = torch.tensor([req.prompt_ids[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
         pos = torch.arange(lo, hi, device=self.device)[None]
@@ -517,11 +547,14 @@ class Engine:
             self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
         if hi < len(req.prompt_ids):
             return None
-        first = int(self._choose(req, self.target.logits(h[0, -1:]))[0])
+        logits = self.target.logits(h[0, -1:])
+        chosen = self._choose(req, logits, 0)
+        pending = self._logprobs(req, logits, chosen)
+        first = int(chosen[0])
         req.n_ctx, req.bonus = hi, first
         if req.mode != "ar":
             req.drafted = self._draft_prompt(req)
-        return first
+        return first, None if pending is None else pending.rows([0])
 
     def _draft_prompt(self, req: RequestState) -> torch.Tensor:
         """The first drafter pass of a request, eager: its context is every prompt position (features
@@ -541,26 +574,30 @@ class Engine:
 
     # ---- a lone request: the single-stream path ---------------------------------------------------
 
-    def _ar_step(self, req: RequestState) -> tuple[list[int], int]:
+    def _ar_step(self, req: RequestState) -> Round:
         """One token; the next step is queued (from the device's token) before this one's token is
         read, so the device never waits for the host between steps."""
         self._phase("step")
-        token = req.ahead
+        token, pending = req.ahead, req.ahead_logprobs
         if token is None:  # the first step after the prefill or after batched rounds
-            token = self._choose(req, self.runner.run(req.bonus, req.n_ctx).logits)
+            logits = self.runner.run(req.bonus, req.n_ctx).logits
+            token = self._choose(req, logits, req.generated)
+            pending = self._logprobs(req, logits, token)
         self.runner.cache.compact(req.n_ctx, [0], self.root_node)  # no-op for KV; advances a recurrent state
         req.n_ctx += 1
         self.readback.start(token)
-        req.ahead = self._choose(req, self.runner.run(token, req.n_ctx).logits)
+        logits = self.runner.run(token, req.n_ctx).logits
+        req.ahead = self._choose(req, logits, req.generated + 1)
+        req.ahead_logprobs = self._logprobs(req, logits, req.ahead)
         req.bonus = self.readback.wait()[0]
         self.stats.batch_size, self.stats.tree_nodes = 1, 1
         self._phase("end")
-        return [req.bonus], 0
+        return [req.bonus], 0, None if pending is None else pending.rows([0])
 
     def _depth(self, req: RequestState, budget: int) -> int:
         return self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, budget)
 
-    def _spec_round(self, req: RequestState) -> tuple[list[int], int]:
+    def _spec_round(self, req: RequestState) -> Round:
         """Build the tree from the draft, verify, choose and walk, then queue the next round's drafter
         pass from the walk's device-side result: one host sync a round (the walk's result), and the
         device is busy with the next draft while the host reads it."""
@@ -574,7 +611,8 @@ class Engine:
         out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
         self.stats.batch_size, self.stats.tree_nodes = 1, tree.size
         self._phase("commit")
-        target = self._choose(req, out.logits)                          # the target's token per node
+        target = self._choose(req, out.logits, req.generated, out.depths)  # the target's token per node
+        pending = self._logprobs(req, out.logits, target)
         result = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
         self.readback.start(result)
         self._phase("draft")
@@ -589,7 +627,9 @@ class Engine:
         req.n_ctx += keep
         req.bonus = tokens[keep - 1]
         self._phase("end")
-        return tokens[:keep], len(accepted.path) - 1
+        # the committed tokens are the ones chosen at the path's nodes: its tokens past the root, then the bonus
+        logprobs = None if pending is None else pending.rows(accepted.path[:keep])
+        return tokens[:keep], len(accepted.path) - 1, logprobs
 
     @staticmethod
     def _emitted(req: RequestState, tokens: list[int]) -> int:
@@ -604,11 +644,12 @@ class Engine:
 
     # ---- a batch: one verify pass for every request's tree ----------------------------------------
 
-    def _batch_round(self, reqs: list[RequestState]) -> list[tuple[list[int], int]]:
+    def _batch_round(self, reqs: list[RequestState]) -> list[Round]:
         """draft (queued by the last round) -> each request's tree -> one verify pass over all of them
         -> each row's walk -> one drafter pass for the next round, queued before the host reads the
         walks -> each row's commit. Rows are slots 0..B-1."""
         depth = self.block_size - 1
+        settled_logprobs = [_rows_of(req.ahead_logprobs) for req in reqs]  # taken before _settle drops them
         settled = [self._settle(req) for req in reqs]
         self._phase("tree")
         budgets = round_budgets([req.budget for req in reqs], len(reqs), self.config.round_nodes)
@@ -620,9 +661,14 @@ class Engine:
         self.stats.batch_size, self.stats.tree_nodes = len(reqs), sum(sizes)
         self._phase("commit")
         target = out.logits.argmax(dim=-1)                               # [B, T] the target's token per node
+        positions = [req.generated + len(settled[row]) for row, req in enumerate(reqs)]
         for row, req in enumerate(reqs):
-            if req.params.temperature > 0 or req.params.logit_bias:  # sampled or biased: as alone, own generator
-                target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]])
+            p = req.params
+            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:  # as alone, own generator
+                target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]], positions[row],
+                                                        out.depths[row, :sizes[row]])
+        pending = [self._logprobs(req, out.logits[row, :sizes[row]], target[row, :sizes[row]])
+                   for row, req in enumerate(reqs)]
         result = walk_rows(out.tokens, out.parents, out.depths, out.mask, target, depth)   # [B', W]
         n = len(reqs)
         self.batch_readback.start(result[:n].flatten())
@@ -645,7 +691,10 @@ class Engine:
             req.bonus = tokens[keep - 1]
             if req.mode != "ar":
                 req.drafted = drafted[row]
-            rounds.append((tokens[:keep], len(accepted.path) - 1))
+            logprobs = None
+            if pending[row] is not None:
+                logprobs = (settled_logprobs[row] + pending[row].rows(accepted.path))[:keep]
+            rounds.append((tokens[:keep], len(accepted.path) - 1, logprobs))
         self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0])
         self._phase("end")
         return rounds
@@ -658,7 +707,7 @@ class Engine:
         self.runner.cache.compact(req.n_ctx, [0], self.root_node)  # it ran alone: it is in slot 0
         req.n_ctx += 1
         req.bonus = int(req.ahead[0])
-        req.ahead = None
+        req.ahead = req.ahead_logprobs = None
         return [req.bonus]
 
     def _batch_trees(self, reqs: list[RequestState], budgets: list[int]) -> list[Tree | None]:
@@ -679,3 +728,11 @@ class Engine:
             for i, row in enumerate(rows):
                 trees[row] = Tree(nodes[i])  # staged by the verify before the next build
         return trees
+
+
+def _cut(logprobs: list[TokenLogprob] | None, n: int) -> list[TokenLogprob] | None:
+    return None if logprobs is None else logprobs[:n]
+
+
+def _rows_of(pending: PendingLogprobs | None) -> list[TokenLogprob]:
+    return [] if pending is None else pending.rows([0])

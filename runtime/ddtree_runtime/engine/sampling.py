@@ -1,14 +1,24 @@
-"""Target-side token choice: argmax at temperature 0, otherwise a sample from the temperature / min-p /
-top-k / top-p adjusted distribution, after any logit bias. Tree verification samples every node at
+"""Target-side token choice: argmax at temperature 0 (below GREEDY_BELOW), otherwise a sample from the
+temperature / min-p / top-k / top-p adjusted distribution, after any logit bias. Tree verification samples every node at
 once; the walk then only reads the samples of nodes it visits, each of which is a true draw from the
-target at that node. Every adjustment here depends on the node's logits alone, never on its position
-or path, which is what keeps speculative decoding exact with them."""
+target at that node. Every adjustment but one depends on the node's logits alone, never on its
+position or path, which is what keeps speculative decoding exact with them; the one, min_tokens,
+depends on the node's depth only (which output token it chooses), which every node knows.
+
+The log-probabilities returned to a client are the target's raw ones (before any of these
+adjustments), taken from the same verify pass, for the nodes the walk commits."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .types import SamplingParams
+from .types import SamplingParams, TokenLogprob
+
+# Below this temperature the choice is the argmax (vLLM's threshold): dividing by a temperature near
+# zero overflows the logits to inf, and their softmax is NaN.
+GREEDY_BELOW = 1e-5
 
 
 def biased_logits(logits: torch.Tensor, logit_bias: dict[int, float]) -> torch.Tensor:
@@ -35,8 +45,9 @@ def adjusted_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     if top_p < 1.0:
         sp, si = probs.sort(dim=-1, descending=True)
         sp = sp / sp.sum(dim=-1, keepdim=True)
-        # keep a token if the mass before it is below top_p (so the top token always survives)
+        # keep a token if the mass before it is below top_p, and the top token whatever the rounding
         drop = (sp.cumsum(dim=-1) - sp) >= top_p
+        drop[:, :1] = False
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -45,7 +56,54 @@ def adjusted_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits: [N, V] -> tokens [N] long."""
     logits = biased_logits(logits, params.logit_bias)
-    if params.temperature <= 0.0:
+    if params.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = adjusted_probs(logits.float(), params.temperature, params.top_p, params.top_k, params.min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def suppress_stops(logits: torch.Tensor, stop_ids: torch.Tensor, early: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [N, V] -> a copy with the stop tokens' logits at -inf in the rows that choose one of the
+    first min_tokens output tokens. stop_ids: [S] long; early: [N] bool, those rows (None: every row)."""
+    out = logits.float().clone()
+    if early is None:
+        out[:, stop_ids] = float("-inf")
+    else:
+        out[:, stop_ids] = out[:, stop_ids].masked_fill(early[:, None], float("-inf"))
+    return out
+
+
+class PendingLogprobs(NamedTuple):
+    """Log-probabilities of chosen tokens on their way to the host: the copy is queued (asynchronous on
+    CUDA) when the tokens are chosen, and read only once the walk says which nodes were committed.
+    packed: [N, 1 + 2k] float32 on the host, row n: the chosen token's log-prob, the k most likely
+    tokens' log-probs, then their ids (exact in float32: vocabularies are far below 2**24)."""
+    packed: torch.Tensor
+    top: int
+    done: torch.cuda.Event | None
+
+    def rows(self, nodes: list[int]) -> list[TokenLogprob]:
+        if self.done is not None:
+            self.done.synchronize()
+        k, out = self.top, []
+        for row in self.packed[nodes].tolist():
+            out.append(TokenLogprob(row[0], [(int(t), lp) for lp, t in zip(row[1:1 + k], row[1 + k:])]))
+        return out
+
+
+def start_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> PendingLogprobs:
+    """logits: [N, V] the target's raw logits, chosen: [N] the token chosen at each row -> their
+    log-probabilities and the `top` most likely tokens', copied to the host without waiting."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    parts = [logprobs.gather(1, chosen.view(-1, 1))]
+    if top > 0:
+        values, ids = logprobs.topk(top, dim=-1)
+        parts += [values, ids.float()]
+    packed = torch.cat(parts, dim=1)
+    if not packed.is_cuda:
+        return PendingLogprobs(packed, top, None)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return PendingLogprobs(host, top, done)

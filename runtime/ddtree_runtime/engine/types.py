@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .sampling import PendingLogprobs
 
 MODES = ("ddtree", "dflash", "ar")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -41,8 +45,24 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop_token_ids: frozenset[int] = frozenset()  # the engine adds the tokenizer's eos ids itself
     ignore_eos: bool = False        # ... unless this is set: then only stop_token_ids end the generation
+    # Depth-dependent, and still exact: a tree node knows which output token it chooses (the tokens
+    # emitted so far + its depth), so the stop tokens are masked at the nodes that choose one of the first
+    # min_tokens tokens, and nowhere else.
+    min_tokens: int = 0             # no stop token (stop_token_ids, and eos unless ignore_eos) before this many
+    # The target's own log-probabilities of the tokens it commits, from the verify pass: of its raw
+    # distribution (before logit_bias, min_tokens, temperature, top-k/p, min-p), as vLLM returns them by
+    # default. None: none are computed; k: the chosen token's and the k most likely tokens' (0..MAX_LOGPROBS).
+    logprobs: int | None = None
     mode: str | None = None         # per-request override of mode
     tree_budget: int | None = None  # per-request override of budget
+
+
+@dataclass
+class TokenLogprob:
+    """One committed token's log-probability under the target's raw distribution, and the most likely
+    tokens' (token id, log-probability), most likely first."""
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -52,6 +72,7 @@ class RoundOutput:
     finished: bool
     finish_reason: str | None   # "stop" | "length" | "error" | None
     error: Exception | None = None  # with "error": why the request failed (ValueError: the request's fault)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
 
 
 @dataclass(eq=False)  # compared by identity: the scheduler finds a request in its queues
@@ -78,6 +99,8 @@ class RequestState:
     prompt_feats: torch.Tensor | None = None  # [1, P, F] the prompt's target features, for the first draft
     drafted: torch.Tensor | None = None  # [block-1, V] draft logits for the next round, queued on the device
     ahead: torch.Tensor | None = None    # [1] the next AR token, chosen on the device, not yet read
+    ahead_logprobs: "PendingLogprobs | None" = None  # its log-probabilities, on their way to the host
+    stop_tensor: torch.Tensor | None = None  # stop_ids on the device, while min_tokens masks them
     rounds: int = 0
     accepted_total: int = 0
     finished: bool = False

@@ -17,13 +17,14 @@ from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError, error_body
 from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.openapi import OPENAPI_PATH, openapi_document
 from ddtree_runtime.server.routes import CLIENT_CLOSED, router
 from ddtree_runtime.server.worker import READY, EngineWorker
 
 log = logging.getLogger("ddtree_runtime.server")
 
 # Label values for request metrics; any other path is "other" (unbounded label values are a leak).
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", OPENAPI_PATH)
 UNCOUNTED_IN_FLIGHT = ("/health", "/metrics")
 
 
@@ -65,7 +66,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
         ctx.prep_pool.shutdown(wait=False, cancel_futures=True)
         worker.stop(timeout=5.0)
 
-    app = FastAPI(title="ddtree-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # the schema, public (server/openapi.py says why); no docs pages: they would load scripts from a CDN
+    app = FastAPI(title="ddtree-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=OPENAPI_PATH)
+    app.openapi = lambda: openapi_document(app)
     app.state.ddtree = ctx
     app.include_router(router)
 

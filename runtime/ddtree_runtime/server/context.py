@@ -15,6 +15,7 @@ from starlette.requests import Request
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import Generation, SpeculativeStats
+from ddtree_runtime.server.logprobs import TokenTexts
 from ddtree_runtime.server.metrics import Metrics
 from ddtree_runtime.server.output_parsers import (
     CALL_END,
@@ -53,6 +54,7 @@ class ServerContext:
         # one request at a time anyway, and a tokenizer is not safe to use from several at once.
         self.prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-prep")
         self._controls: ControlTokens | None = None  # the engine's tokenizer's, made on first use
+        self._token_texts: TokenTexts | None = None  # likewise
 
     # -- identity --
 
@@ -147,6 +149,14 @@ class ServerContext:
                 raise APIError(400, f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                param=field)
 
+    def token_texts(self, engine: Any, req: Any) -> TokenTexts | None:
+        """How returned tokens are shown beside their log-probabilities; None unless the request asked."""
+        if req.requested_logprobs() is None:
+            return None
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(engine.tokenizer)
+        return self._token_texts
+
     def control_tokens(self, engine: Any) -> ControlTokens:
         if self._controls is None:
             self._controls = ControlTokens(engine.tokenizer)
@@ -225,6 +235,8 @@ class ServerContext:
             logit_bias=req.token_bias(),
             stop_token_ids=frozenset(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens or 0,
+            logprobs=req.requested_logprobs(),
             mode=spec.mode if spec else None,
             tree_budget=spec.tree_budget if spec else None,
         )

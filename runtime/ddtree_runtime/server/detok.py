@@ -58,31 +58,41 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Cuts the output at the first stop string and holds back a tail that could begin one."""
+    """Cuts the output at the first stop string and holds back a tail that could begin one.
+
+    Text pushed with ``armed=False`` (the text of the first min_tokens tokens) cannot end a stop
+    string, as in vLLM: a stop string counts only if its last character comes after that text (it may
+    begin inside it)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
+        self._guarded = 0  # characters at the start of _held that came with armed=False
         self.stopped = False
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, armed: bool = True) -> str:
         """Text safe to emit now. Sets ``stopped`` (and drops the stop string and the rest) on a match."""
         if self.stopped or not text:
             return ""
         if not self._stops:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        guarded = self._guarded if armed else len(buf)  # disarmed text only ever comes first
+        # the first occurrence of each stop that ends past the guarded text
+        found = (buf.find(s, max(0, guarded - len(s) + 1)) for s in self._stops)
+        cut = min((i for i in found if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
-            self._held = ""
+            self._held, self._guarded = "", 0
             return buf[:cut]
         keep = self._partial_suffix(buf)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep]
+        emitted = len(buf) - keep
+        self._held = buf[emitted:]
+        self._guarded = max(0, guarded - emitted)
+        return buf[:emitted]
 
     def flush(self) -> str:
-        out, self._held = self._held, ""
+        out, self._held, self._guarded = self._held, "", 0
         return "" if self.stopped else out
 
     def _partial_suffix(self, buf: str) -> int:

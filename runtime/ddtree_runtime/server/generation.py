@@ -1,7 +1,8 @@
 """One request's generation: submit a job, turn engine rounds into text, watch for the client leaving.
 
 ``Generation.pieces()`` yields text as it becomes safe to show (one item per engine round, possibly
-empty) and records the finish reason, token counts and speculative stats as it goes.
+empty) and records the finish reason, token counts, the returned tokens' log-probabilities (when asked
+for) and speculative stats as it goes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from starlette.requests import Request
 
 from ddtree_runtime.server.detok import IncrementalDecoder, StopMatcher
 from ddtree_runtime.server.errors import APIError
+from ddtree_runtime.server.logprobs import ReturnedToken
 from ddtree_runtime.server.worker import DoneEvent, EngineWorker, ErrorEvent, Job, NotReady, QueueFull
 
 
@@ -58,8 +60,12 @@ class Generation:
         self._worker = worker
         self._decoder = IncrementalDecoder(tokenizer, hidden_ids)
         self._stops = StopMatcher(stops)
+        self._min_tokens = params.min_tokens  # the text of this many tokens cannot end a stop string
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
+        self.returned: list[ReturnedToken] = []  # with logprobs asked for: one per counted token
+        self._taken = 0  # returned tokens already handed to a stream
+        self._offset = 0  # characters decoded so far: where the next token's text starts
         self.finish_reason: str | None = None
         self.stats = stats
         self._job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
@@ -124,7 +130,7 @@ class Generation:
                     self.stats.rounds += 1
                     self.stats.accepted += out.accepted
                 self._prefilled = True
-                text = self._release(out.token_ids)
+                text = self._release(out.token_ids, out.logprobs)
                 if self._stops.stopped:
                     self._job.cancel("stop string")
                     self.finish_reason = "stop"
@@ -139,20 +145,30 @@ class Generation:
             if self._watcher is not None:
                 self._watcher.cancel()
 
-    def _release(self, token_ids: list[int]) -> str:
+    def take_returned(self) -> list[ReturnedToken]:
+        """The returned tokens (with log-probabilities) not yet taken: a stream's next chunk carries them."""
+        new, self._taken = self.returned[self._taken:], len(self.returned)
+        return new
+
+    def _release(self, token_ids: list[int], logprobs: list | None) -> str:
         """The text of a round's tokens, decoded one token at a time: tokens after the one that
-        completes a stop string are neither shown nor counted, so a reply's usage is the same in every
-        mode (an AR step ends at that token; a speculative round may have committed more past it)."""
+        completes a stop string are neither shown nor counted (nor their log-probabilities returned),
+        so a reply's usage is the same in every mode (an AR step ends at that token; a speculative
+        round may have committed more past it)."""
         pieces = []
-        for token in token_ids:
+        for i, token in enumerate(token_ids):
             self.completion_tokens += 1
-            pieces.append(self._stops.push(self._decoder.push([token])))
+            text = self._decoder.push([token])
+            if logprobs is not None:
+                self.returned.append(ReturnedToken(token, logprobs[i], self._offset))
+            self._offset += len(text)
+            pieces.append(self._stops.push(text, armed=self.completion_tokens > self._min_tokens))
             if self._stops.stopped:
                 break
         return "".join(pieces)
 
     def _finish(self, reason: str) -> str:
-        text = self._stops.push(self._decoder.flush())
+        text = self._stops.push(self._decoder.flush(), armed=self.completion_tokens > self._min_tokens)
         if self._stops.stopped:
             self.finish_reason = "stop"
             return text

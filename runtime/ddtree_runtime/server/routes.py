@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import ClientGone, Generation
+from ddtree_runtime.server.logprobs import ReturnedToken, TokenTexts, chat_content, completion_logprobs
 from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
 from ddtree_runtime.server.schemas import parse_body
 from ddtree_runtime.server.worker import READY
@@ -75,7 +76,9 @@ async def chat_completions(request: Request) -> Response:
     raw = await _read_body(request, ctx.config.max_body)
     req, prompt = await ctx.off_loop(ctx.prepare_chat, engine, raw)
     gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens())
-    return await _respond(ctx, request, gen, req, ctx.reply_splitter(engine, req, prompt))
+    shape = _Shape(ctx.reply_splitter(engine, req, prompt), ctx.model_name(), bool(ctx.config.reasoning_parser),
+                   ctx.token_texts(engine, req))
+    return await _respond(request, gen, req, shape)
 
 
 @router.post("/v1/completions")
@@ -86,7 +89,7 @@ async def completions(request: Request) -> Response:
     raw = await _read_body(request, ctx.config.max_body)
     req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
     gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
-    return await _respond(ctx, request, gen, req, None)
+    return await _respond(request, gen, req, _Shape(None, ctx.model_name(), False, ctx.token_texts(engine, req)))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -106,10 +109,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(ctx: ServerContext, request: Request, gen: Generation, req: Any,
-                   splitter: ReplySplitter | None) -> Response:
-    """The answer to a chat request (`splitter` splits its reply) or a text completion (None)."""
-    shape = _Shape(splitter, model=ctx.model_name(), reasoning=bool(ctx.config.reasoning_parser))
+async def _respond(request: Request, gen: Generation, req: Any, shape: "_Shape") -> Response:
+    """The answer to a chat request or a text completion, in `shape`'s form."""
     pieces = gen.pieces()
     if not req.stream:
         try:
@@ -135,10 +136,12 @@ async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator
     try:
         if shape.chat:
             yield _event(shape.chunk({"role": "assistant", "content": ""}))
+        shape.carry(gen.take_returned())
         for delta in shape.deltas(first):
             yield _event(shape.chunk(delta))
         try:
             async for piece in rest:
+                shape.carry(gen.take_returned())
                 for delta in shape.deltas(piece):
                     yield _event(shape.chunk(delta))
         except ClientGone:
@@ -147,6 +150,7 @@ async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator
             yield _event(exc.body())
             yield "data: [DONE]\n\n"
             return
+        shape.carry(gen.take_returned())
         for delta in shape.deltas("", final=True):
             yield _event(shape.chunk(delta))
         final = shape.chunk({}, finish=shape.finish_reason(gen))
@@ -165,13 +169,19 @@ def _event(payload: dict) -> str:
 
 class _Shape:
     """The OpenAI response and chunk objects for chat (the reply split into reasoning, content and
-    tool calls) or text completions."""
+    tool calls) or text completions, with the returned tokens' log-probabilities when `texts` is set
+    (the request asked for them). A stream's tokens ride on the next chunk it sends (text held back
+    for a stop string or an unfinished character waits, so its tokens wait too); all the chunks'
+    entries together are the unstreamed reply's."""
 
-    def __init__(self, splitter: ReplySplitter | None, model: str, reasoning: bool) -> None:
+    def __init__(self, splitter: ReplySplitter | None, model: str, reasoning: bool,
+                 texts: TokenTexts | None = None) -> None:
         self.splitter = splitter
         self.chat = splitter is not None
         self.reasoning = reasoning
         self.model = model
+        self.texts = texts
+        self._carried: list[ReturnedToken] = []  # streamed tokens not yet sent in a chunk
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -188,9 +198,21 @@ class _Shape:
             return "tool_calls"
         return gen.finish_reason
 
+    def carry(self, tokens: list[ReturnedToken]) -> None:
+        self._carried += tokens
+
+    def logprobs(self, tokens: list[ReturnedToken]) -> dict | None:
+        """The choice's logprobs object for these tokens (None when not asked for)."""
+        if self.texts is None:
+            return None
+        if self.chat:
+            return {"content": chat_content(self.texts, tokens), "refusal": None}
+        return completion_logprobs(self.texts, tokens)
+
     def full(self, text: str, gen: Generation) -> dict:
+        logprobs = self.logprobs(gen.returned)
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
             return {**self.envelope(stream=False), "choices": [choice], "usage": gen.usage()}
         head, tail = self.splitter.push(text), self.splitter.finish()
         calls = head.calls + tail.calls
@@ -200,7 +222,7 @@ class _Shape:
             message["reasoning_content"] = (head.reasoning + tail.reasoning) or None
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(gen)}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason(gen)}
         return {**self.envelope(stream=False), "choices": [choice], "usage": gen.usage()}
 
     def deltas(self, text: str, final: bool = False) -> list[dict]:
@@ -221,8 +243,11 @@ class _Shape:
         return out
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
+        """A chunk with this delta, carrying the tokens that came since the last chunk."""
+        logprobs = self.logprobs(self._carried) if self._carried else None
+        self._carried = []
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta.get("text", ""), "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta.get("text", ""), "logprobs": logprobs, "finish_reason": finish}
         return {**self.envelope(), "choices": [choice]}

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from ddtree_runtime.limits import MAX_LOGPROBS
 from ddtree_runtime.server.errors import APIError, encodable
 
 MAX_STOP_STRINGS = 16
@@ -51,10 +52,7 @@ _UNHONOURED: dict[str, tuple[tuple, str]] = {
     "presence_penalty": ((0, 0.0), _PATH_DEPENDENT),
     "frequency_penalty": ((0, 0.0), _PATH_DEPENDENT),
     "repetition_penalty": ((1, 1.0), _PATH_DEPENDENT),
-    "min_tokens": ((0,), "suppressing stop tokens before the n-th token depends on each tree node's depth"),
-    "logprobs": ((False, 0), "log-probabilities are not returned by this server"),
-    "top_logprobs": ((0,), "log-probabilities are not returned by this server"),
-    "prompt_logprobs": ((0,), "log-probabilities are not returned by this server"),
+    "prompt_logprobs": ((0,), "log-probabilities of prompt tokens are not returned by this server"),
     "best_of": ((1,), "only one sequence is generated per request"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "beam search is not supported"),
@@ -131,6 +129,7 @@ class _Sampling(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
+    min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's: no stop token before this many
     skip_special_tokens: StrictBool = True
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch's generators accept
     n: StrictInt | None = None
@@ -166,6 +165,19 @@ class _Sampling(BaseModel):
             if not -100 <= bias <= 100:
                 raise ValueError(f"token {key}: a bias must be between -100 and 100, got {bias}")
         return v
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> "_Sampling":
+        limit = self.requested_max_tokens()
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            raise APIError(400, f"min_tokens: {self.min_tokens} is more than the {limit} tokens asked for at most",
+                           param="min_tokens")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        """How many most likely tokens to return beside each chosen token's log-probability; None: no
+        log-probabilities at all."""
+        return None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -288,6 +300,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -320,8 +334,17 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "tool_choice: 'required' needs a non-empty tools list", param="tool_choice")
         return self
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return self
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def offered_tools(self) -> list[Tool]:
         """The tools the model sees and may call: none with tool_choice "none"."""
@@ -356,6 +379,11 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # A string, a list of token ids, or a one-element list of either (batched prompts are not supported).
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    # the legacy API's form: the chosen token's log-probability and the `logprobs` most likely tokens'
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -188,7 +188,8 @@ def test_logs_names_the_unit_and_says_when_it_is_not_installed(lab) -> None:
 
 
 def test_history_with_nothing_recorded_says_so(lab) -> None:
-    done = ddops("-i", str(lab.inventory_path), "history", "--host", "llm-two")  # no test pivots llm-two
+    # eval-a6000 only ever serves as a sync source: nothing pivots it (llm-two is pivoted by the SGLang tests)
+    done = ddops("-i", str(lab.inventory_path), "history", "--host", "eval-a6000")
     assert done.returncode == 0 and done.stdout == ""
-    assert done.stderr.strip() == ("no pivots or rollbacks recorded on llm-two yet (each host keeps its own in "
+    assert done.stderr.strip() == ("no pivots or rollbacks recorded on eval-a6000 yet (each host keeps its own in "
                                    "/var/lib/ddops/history.jsonl)")

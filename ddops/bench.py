@@ -70,6 +70,14 @@ def load_prompts(path: Path | None) -> list[dict[str, str]]:
     return prompts
 
 
+def mean_acceptance(rows: list[dict[str, Any]]) -> float | None:
+    """The mean acceptance length over requests, each weighted by its rounds (None: no request had any)."""
+    weighted = [(r["mean_acceptance_length"], r["rounds"]) for r in rows
+                if r.get("mean_acceptance_length") is not None and r.get("rounds")]
+    rounds = sum(n for _, n in weighted)
+    return round(sum(a * n for a, n in weighted) / rounds, 3) if rounds else None
+
+
 def summarize(rows: list[dict[str, Any]], modes: list[dict[str, Any]]) -> dict[str, Any]:
     """Per mode over all prompts: tokens/s (total tokens / total seconds), mean acceptance length
     (weighted by rounds), speed-up over ar, and how many texts equal ar's."""
@@ -80,12 +88,9 @@ def summarize(rows: list[dict[str, Any]], modes: list[dict[str, Any]]) -> dict[s
         ok = [r for r in mine if "error" not in r]
         tokens = sum(r["completion_tokens"] for r in ok)
         seconds = sum(r["seconds"] for r in ok)
-        weighted = [(r["mean_acceptance_length"], r["rounds"]) for r in ok
-                    if r.get("mean_acceptance_length") is not None and r.get("rounds")]
-        rounds = sum(n for _, n in weighted)
         entry = {"prompts": len(mine), "errors": len(mine) - len(ok), "completion_tokens": tokens,
                  "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
-                 "mean_acceptance_length": round(sum(a * n for a, n in weighted) / rounds, 3) if rounds else None}
+                 "mean_acceptance_length": mean_acceptance(ok)}
         if m["mode"] != "ar" and ar_text:
             compared = [r for r in ok if r["prompt"] in ar_text]
             entry["same_text_as_ar"] = sum(r["text"] == ar_text[r["prompt"]] for r in compared)
@@ -122,16 +127,13 @@ def summarize_load(rows: list[dict[str, Any]], load: list[dict[str, Any]],
         seconds = wall.get(m["name"], 0)
         latency = [r["seconds"] for r in ok]
         ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
-        weighted = [(r["mean_acceptance_length"], r["rounds"]) for r in ok
-                    if r.get("mean_acceptance_length") is not None and r.get("rounds")]
-        rounds = sum(n for _, n in weighted)
         overall[m["name"]] = {
             "requests": len(mine), "errors": len(mine) - len(ok), "completion_tokens": tokens,
             "wall_s": seconds, "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
             "requests_per_s": round(len(ok) / seconds, 3) if seconds else None,
             "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "mean_acceptance_length": round(sum(a * n for a, n in weighted) / rounds, 3) if rounds else None}
+            "mean_acceptance_length": mean_acceptance(ok)}
     return overall
 
 

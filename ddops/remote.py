@@ -55,6 +55,12 @@ def check(result: CommandResult, what: str) -> None:
         raise StepFailed(f"{what} failed on {result.host} (exit {result.exit_code}): {' | '.join(detail)}")
 
 
+def write_file_argv(path: str) -> list[str]:
+    """A command that writes its stdin to `path` on the host atomically (a temp file, then a rename),
+    creating the folder if needed."""
+    return ["bash", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"', "_", path]
+
+
 def journal_argv(unit: str, lines: int = 30) -> list[str]:
     return ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
 

@@ -21,7 +21,7 @@ from .gates.health import wait_healthy
 from .inventory import Host, Inventory
 from .plan import Operation
 from .paths import backup_root, env_path, replicas_manifest, unit_path
-from .remote import run_probe
+from .remote import run_probe, write_file_argv
 
 
 def list_backups(executor: Executor, host: Host, unit: str) -> list[dict[str, Any]]:
@@ -276,8 +276,8 @@ def reinstall(executor: Executor, host: Host, previous: dict[str, str],
     executor.run(host, [previous["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
                         "--force-reinstall", "-q", previous["wheel"]], timeout=600).check(
         f"reinstalling ddtree-runtime {previous['release']} from {previous['wheel']}")
-    executor.run(host, ["bash", "-c", 'cat > "$1.tmp" && mv "$1.tmp" "$1"', "_", previous["record"]],
-                 stdin=previous["record_text"]).check("restoring the runtime release record")
+    executor.run(host, write_file_argv(previous["record"]), stdin=previous["record_text"]).check(
+        "restoring the runtime release record")
 
 
 def _settle(executor: Executor, host: Host, unit: str, wait_s: float = 3.0) -> str:

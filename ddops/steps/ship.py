@@ -13,7 +13,7 @@ from ..paths import RELEASES, release_path
 from ..plan import Operation, PlanContext, RunContext
 from ..profile import Profile
 from ..release import build_wheel
-from ..remote import check
+from ..remote import check, write_file_argv
 
 
 def plan_ship(profile: Profile, installed: FileFact, release: str | None) -> list[Operation]:
@@ -54,12 +54,11 @@ class ShipStep:
             f"reinstall ddtree-runtime {previous['release']}", data={"reinstall": previous}))
         wheel = build_wheel(profile.runtime.ship, release)
         remote = f"{RELEASES}/{release}/{wheel.name}"
-        check(ex.run(host, ["bash", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"',
-                            "_", remote], stdin=wheel.read_bytes()), "pushing the wheel")
+        check(ex.run(host, write_file_argv(remote), stdin=wheel.read_bytes()), "pushing the wheel")
         check(ex.run(host, [profile.runtime.python, "-m", "pip", "install", "--disable-pip-version-check",
                             "--no-deps", "--force-reinstall", "-q", remote], timeout=600),
               "pip install the runtime wheel")
         record = json.dumps({"release": release, "wheel": wheel.name, "installed_at": time.time()}) + "\n"
-        check(ex.run(host, ["bash", "-c", 'cat > "$1.tmp" && mv "$1.tmp" "$1"', "_",
-                            release_path(profile.runtime.venv)], stdin=record), "recording the release")
+        check(ex.run(host, write_file_argv(release_path(profile.runtime.venv)), stdin=record),
+              "recording the release")
         return f"release {release} installed"

@@ -26,6 +26,9 @@ from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: 
 from ddtree_runtime.engine.tree import build_tree  # noqa: E402
 
 
+PHASE = "phase:"  # the record_function ranges of profile_batched_step
+
+
 def kernel_table(fn, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
     """Mean GPU microseconds per call of fn and (kernel, us per call, launches per call), largest first."""
     for _ in range(3):
@@ -35,11 +38,18 @@ def kernel_table(fn, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return kernel_rows(prof, reps)
+
+
+def kernel_rows(prof, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
+    """From a profile of `reps` calls: GPU microseconds per call and (kernel, us per call, launches per
+    call), largest first."""
     per_kernel: dict[str, list[float]] = defaultdict(list)
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        # a record_function range (the batched step's phases) shows on the GPU too: not a kernel
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith(PHASE):
             per_kernel[ev.name].append(ev.device_time)
-    rows = sorted(((name[:90], sum(t) / reps, len(t) // reps) for name, t in per_kernel.items()),
+    rows = sorted(((name[:100], sum(t) / reps, len(t) // reps) for name, t in per_kernel.items()),
                   key=lambda r: -r[1])
     return sum(r[1] for r in rows), rows
 
@@ -63,7 +73,7 @@ def profile_batched_step(args, target, drafter) -> None:
     def enter_phase(name: str) -> None:
         if ranges:
             ranges.pop().__exit__(None, None, None)
-        ranges.append(record_function(f"phase:{name}"))
+        ranges.append(record_function(PHASE + name))
         ranges[-1].__enter__()
 
     engine.phase_hook = enter_phase
@@ -76,17 +86,11 @@ def profile_batched_step(args, target, drafter) -> None:
     engine.phase_hook = None
     phases: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
-        if ev.key.startswith("phase:"):
-            phases[ev.key[6:]] += ev.device_time_total / args.reps
+        if ev.key.startswith(PHASE):
+            phases[ev.key[len(PHASE):]] += ev.device_time_total / args.reps
     print("GPU time per step by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
                                                       sorted(phases.items(), key=lambda kv: -kv[1])))
-    per_kernel: dict[str, list[float]] = defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name].append(ev.device_time)
-    rows = sorted(((name[:100], sum(t) / args.reps, len(t) // args.reps) for name, t in per_kernel.items()),
-                  key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
+    total, rows = kernel_rows(prof, args.reps)
     print(f"batched step, {args.batch} requests, ddtree@{args.nodes - 1}, context {args.context}: "
           f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
     for kname, us, count in rows[:args.top]:

@@ -38,16 +38,20 @@ def _children(tree) -> dict[tuple[int, int], int]:
     return {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
 
 
+@pytest.mark.parametrize("drafts", [None, 3])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("vocab,budget", [(300, 16), (1187 * 4, 64), (97, 8), (5, 16)])
-def test_top_tokens_are_the_log_softmax_top_k(vocab, budget, chunked):
-    # chunked (as on CUDA) per row: 300 -> 100 chunks of 3, fewer than the budget; 97 is prime: one chunk
-    logits = _logits(15, vocab, vocab)
+def test_top_tokens_are_the_log_softmax_top_k(vocab, budget, chunked, drafts):
+    # chunked (as on CUDA) per row: 300 -> 100 chunks of 3, fewer than the budget; 97 is prime: one chunk.
+    # drafts: one draft [D, V], or a batched round's [R, D, V] (each draft its own logits)
+    logits = _logits(15, vocab, vocab) if drafts is None else torch.stack(
+        [_logits(15, vocab, vocab + r) for r in range(drafts)])
     lp, ids, n = top_tokens(logits, budget, chunked)
     depth = min(15, budget)                           # a tree of `budget` nodes reaches no deeper
-    exact = torch.log_softmax(logits[:depth], dim=-1)
+    exact = torch.log_softmax(logits[..., :depth, :], dim=-1)
+    assert lp.shape == ids.shape == (*logits.shape[:-2], depth, min(budget, vocab))
     assert torch.allclose(lp, exact.topk(min(budget, vocab), dim=-1).values, atol=1e-5)
-    assert torch.allclose(exact.gather(1, ids), lp, atol=1e-5)
+    assert torch.allclose(exact.gather(-1, ids), lp, atol=1e-5)
     assert n == tree_size(budget, depth, vocab) - 1
 
 
@@ -175,3 +179,4 @@ def test_build_trees_builds_each_rows_tree():
         nodes = build_trees(x, budget)
         for row in range(4):
             assert torch.equal(nodes[row], build_tree(x[row], budget).nodes), (budget, row)
+        assert torch.equal(build_trees(x, budget, chunked=True), nodes), budget  # the CUDA top-K form

@@ -75,25 +75,28 @@ def _vocab_chunks(vocab: int) -> int:
 
 def top_tokens(draft_logits: torch.Tensor, budget: int,
                chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """[D, V] draft logits -> the per-depth top-K log-probs (float32, descending) and tokens, [D', K]
-    for the depths a tree of `budget` nodes can reach, and the number of draft nodes it will have.
+    """[..., D, V] draft logits (one draft [D, V], or a batched round's [R, D, V]) -> the per-depth
+    top-K log-probs (float32, descending) and tokens, [..., D', K] for the depths a tree of `budget`
+    nodes can reach, and the number of draft nodes it will have.
 
-    On CUDA each row is cut into chunks first (top-K and log-sum-exp per chunk, then over the chunks): a
-    row per thread block is 15 blocks for an H200's 132 processors, and a top-K over a whole 152K row is
-    a multi-pass radix select; 128 chunks a row fill the device. A CPU takes a row at a time well
-    (`chunked` overrides the choice, for tests)."""
-    depth, vocab = min(draft_logits.shape[0], budget), draft_logits.shape[1]
+    On CUDA each row is cut into chunks first (top-K and log-sum-exp per chunk, then over the chunks),
+    one set of kernels for all the rows of all the drafts: a row per thread block is 15 blocks for an
+    H200's 132 processors, and a top-K over a whole 152K row is a multi-pass radix select; 128 chunks a
+    row fill the device. A CPU takes a row at a time well (`chunked` overrides the choice, for tests)."""
+    depth, vocab = min(draft_logits.shape[-2], budget), draft_logits.shape[-1]
     k, chunks = min(budget, vocab), _vocab_chunks(vocab)
     n = tree_size(budget, depth, vocab) - 1
+    logits = draft_logits[..., :depth, :].float()
     if not (draft_logits.is_cuda if chunked is None else chunked):
-        lp, ids = torch.log_softmax(draft_logits[:depth].float(), dim=-1).topk(k, dim=-1)
+        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
         return lp, ids, n
     width = vocab // chunks
-    x = draft_logits[:depth].float().view(depth, chunks, width)
-    lse = torch.logsumexp(torch.logsumexp(x, dim=-1), dim=-1, keepdim=True)              # [D, 1]
-    part, part_ids = x.topk(min(k, width), dim=-1)                                        # [D, C, k']
-    top, pick = part.flatten(1).topk(k, dim=-1)                                           # [D, K]
-    ids = (part_ids + torch.arange(0, vocab, width, device=x.device)[:, None]).flatten(1).gather(1, pick)
+    x = logits.unflatten(-1, (chunks, width))                                                  # [..., D, C, W]
+    lse = torch.logsumexp(torch.logsumexp(x, dim=-1), dim=-1, keepdim=True)                  # [..., D, 1]
+    part, part_ids = x.topk(min(k, width), dim=-1)                                           # [..., D, C, k']
+    top, pick = part.flatten(-2).topk(k, dim=-1)                                             # [..., D, K]
+    starts = torch.arange(0, vocab, width, device=x.device)[:, None]
+    ids = (part_ids + starts).flatten(-2).gather(-1, pick)
     return top - lse, ids, n
 
 
@@ -131,14 +134,13 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     return Tree(torch.stack([ids[level, rank], parents, level + 1]))
 
 
-def build_trees(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
+def build_trees(draft_logits: torch.Tensor, budget: int, chunked: bool | None = None) -> torch.Tensor:
     """build_tree for R drafts at once (the requests of a batched round that share a budget and a
     depth): [R, D, V] -> the draft nodes [R, 3, N-1], row r as build_tree makes them for draft r. One
-    sequence of device ops for all R, instead of R builds."""
-    rows, depth, vocab = draft_logits.shape[0], min(draft_logits.shape[1], budget), draft_logits.shape[2]
-    k = min(budget, vocab)
-    n = tree_size(budget, depth, vocab) - 1
-    lp, ids = torch.log_softmax(draft_logits[:, :depth].float(), dim=-1).topk(k, dim=-1)     # [R, D, K]
+    sequence of device ops for all R, instead of R builds (torch, the reference for build_trees_on_gpu;
+    `chunked` as in top_tokens)."""
+    lp, ids, n = top_tokens(draft_logits, budget, chunked)                                   # [R, D, K]
+    rows, depth, k = lp.shape
     dev = lp.device
     scores = torch.full((rows, depth, budget), float("-inf"), device=dev)
     pick = torch.zeros((rows, depth, budget), dtype=torch.long, device=dev)
@@ -167,16 +169,23 @@ def build_chain(draft_logits: torch.Tensor) -> Tree:
     return Tree(torch.stack([draft_logits.argmax(dim=-1), steps, steps + 1]))  # node i+1's parent: node i
 
 
-def build_tree_on_gpu(draft_logits: torch.Tensor, budget: int) -> Tree:
-    """build_tree with the levels and the choice in one Triton program (tree_kernel.py)."""
+def build_trees_on_gpu(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
+    """build_trees with the chunked top-K of all R drafts' rows at once, then each draft's levels and
+    choice in one Triton program of a launch over the drafts (tree_kernel.py): [R, D, V] -> [R, 3, N-1]."""
     lp, ids, n = top_tokens(draft_logits, budget)
-    return Tree(tree_kernel.build_tree_nodes(lp, ids, budget, n))
+    return tree_kernel.build_tree_nodes_rows(lp, ids, budget, n)
+
+
+def build_tree_on_gpu(draft_logits: torch.Tensor, budget: int) -> Tree:
+    """build_tree the way build_trees_on_gpu builds a batch: the batch of one draft [D, V]."""
+    return Tree(build_trees_on_gpu(draft_logits[None], budget)[0])
 
 
 class TreeBuilder:
     """The tree build of a round: on CUDA the Triton build, captured with its top-k as one CUDA graph
     per (budget, draft shape); build_tree elsewhere. Several drafts of one budget (a batched round):
-    build_trees, graphed on CUDA."""
+    the same per (R, budget, draft shape), one program per draft (build_trees_on_gpu); build_trees
+    elsewhere (graphed on CUDA without Triton)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -185,12 +194,14 @@ class TreeBuilder:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree | torch.Tensor]] = {}
 
     def build_rows(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
-        """build_trees (R drafts [R, D, V] -> [R, 3, N-1]), graphed on CUDA per (R, budget, shape);
-        the result is a static buffer: stage it before the next build of that shape."""
+        """build_trees (R drafts [R, D, V] -> [R, 3, N-1]), graphed on CUDA per (R, budget, shape)
+        (build_trees_on_gpu where Triton is installed); the result is a static buffer: stage it before
+        the next build of that shape."""
         if not self.cuda:
             return build_trees(draft_logits, budget)
+        build = build_trees_on_gpu if self.use_graphs else build_trees
         key = ("rows", budget, *draft_logits.shape, draft_logits.dtype)
-        return self._replayed(key, lambda logits: build_trees(logits, budget), draft_logits)
+        return self._replayed(key, lambda logits: build(logits, budget), draft_logits)
 
     def build(self, draft_logits: torch.Tensor, budget: int) -> Tree:
         if not self.use_graphs:

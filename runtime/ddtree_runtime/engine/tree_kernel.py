@@ -1,6 +1,7 @@
 """The best-first tree build as one Triton program (CUDA): the same tree as tree.build_tree, in a few
 microseconds of one thread block instead of a few torch kernels a level (each level is a dependent
-top-k, and the torch top-k is a multi-pass radix select: 0.5-3 ms a build on an H200).
+top-k, and the torch top-k is a multi-pass radix select: 0.5-3 ms a build on an H200). A batched round's
+drafts of one budget are one launch, a program (thread block) per draft over its own rows and scratch.
 
 Per level, the candidates are only the pairs (parent slot i, token rank j) with (i+1)(j+1) <= budget
 (a pair outside cannot be in the top `budget`: that many pairs rank at least as high), packed as
@@ -45,10 +46,20 @@ if triton is not None:
 
     @triton.jit
     def _build_tree_kernel(lp_ptr, ids_ptr, pi_ptr, pj_ptr, scores_ptr, pick_ptr, keys_ptr, node_ptr,
-                           out_ptr, K, B, P, n, D: tl.constexpr,
+                           out_ptr, K, B, P, n, KEYS, D: tl.constexpr,
                            BP: tl.constexpr, PP: tl.constexpr, DBP: tl.constexpr, NP: tl.constexpr):
+        # program r builds draft r's tree from its lp, ids [D, K] into its out [3, n], over its scratch:
         # scores [D, B] float32: the best B path scores of each length, best first;
-        # pick [D, B] int32: parent slot * K + token rank of each; node [D * B]: node number of a slot
+        # pick [D, B] int32: parent slot * K + token rank of each; node [D * B]: node number of a slot;
+        # keys [KEYS]: the sort buffer
+        row = tl.program_id(0).to(tl.int64)
+        lp_ptr += row * D * K
+        ids_ptr += row * D * K
+        scores_ptr += row * D * B
+        pick_ptr += row * D * B
+        node_ptr += row * D * B
+        keys_ptr += row * KEYS
+        out_ptr += row * 3 * n
         slot = tl.arange(0, BP)
         in_b = slot < B
         tl.store(scores_ptr + slot, tl.load(lp_ptr + slot, mask=in_b & (slot < K), other=float("-inf")),
@@ -99,22 +110,24 @@ if triton is not None:
         tl.store(out_ptr + 2 * n + r, (level + 1).to(tl.int64), mask=rl)
 
 
-def build_tree_nodes(lp: torch.Tensor, ids: torch.Tensor, budget: int, n: int) -> torch.Tensor:
-    """lp, ids: [D, K] per-depth top-K log-probs (float32, descending) and their tokens -> the tree's
-    [3, n] draft nodes (tokens, parents, depths), as tree.build_tree makes them."""
-    depth, k = lp.shape
+def build_tree_nodes_rows(lp: torch.Tensor, ids: torch.Tensor, budget: int, n: int) -> torch.Tensor:
+    """lp, ids: [R, D, K] per-depth top-K log-probs (float32, descending) and their tokens, for R
+    drafts -> their trees' [R, 3, n] draft nodes (tokens, parents, depths), row r as tree.build_tree
+    makes draft r's; one launch, a program per draft."""
+    rows, depth, k = lp.shape
+    lp, ids = lp.contiguous(), ids.contiguous()
     pi, pj = candidate_pairs(budget, k, lp.device)
     pp = triton.next_power_of_2(max(2, pi.shape[0]))
     dbp = triton.next_power_of_2(max(2, depth * budget))
-    dev = lp.device
-    scores = torch.empty(depth, budget, dtype=torch.float32, device=dev)
-    pick = torch.empty(depth, budget, dtype=torch.int32, device=dev)
-    keys = torch.empty(max(pp, dbp), dtype=torch.int64, device=dev)
-    node = torch.empty(depth * budget, dtype=torch.int32, device=dev)
-    out = torch.empty(3, n, dtype=torch.long, device=dev)
     widest = max(pp, dbp)
-    _build_tree_kernel[(1,)](lp, ids, pi, pj, scores, pick, keys, node, out, k, budget, pi.shape[0], n,
-                             D=depth, BP=triton.next_power_of_2(budget), PP=pp, DBP=dbp,
-                             NP=triton.next_power_of_2(max(2, n)),
-                             num_warps=4 if widest <= 1024 else 8 if widest <= 4096 else 16)
+    dev = lp.device
+    scores = torch.empty(rows, depth, budget, dtype=torch.float32, device=dev)
+    pick = torch.empty(rows, depth, budget, dtype=torch.int32, device=dev)
+    keys = torch.empty(rows, widest, dtype=torch.int64, device=dev)
+    node = torch.empty(rows, depth * budget, dtype=torch.int32, device=dev)
+    out = torch.empty(rows, 3, n, dtype=torch.long, device=dev)
+    _build_tree_kernel[(rows,)](lp, ids, pi, pj, scores, pick, keys, node, out, k, budget, pi.shape[0], n,
+                                widest, D=depth, BP=triton.next_power_of_2(budget), PP=pp, DBP=dbp,
+                                NP=triton.next_power_of_2(max(2, n)),
+                                num_warps=4 if widest <= 1024 else 8 if widest <= 4096 else 16)
     return out

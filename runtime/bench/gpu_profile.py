@@ -2,7 +2,7 @@
 drafter's pass and the tree build, each replayed many times from its CUDA graph under torch.profiler.
 
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py [--shape qwen3-8b] [--context 512] [--nodes 17]
-    PYTHONPATH=runtime python runtime/bench/gpu_profile.py --batch 16    # a batched round, all rows decoding
+    PYTHONPATH=runtime python runtime/bench/gpu_profile.py --batch 16 [--mode ar]   # a batched round, all rows decoding
 
 Prints, per pass, the mean GPU time per replay and the kernels that take it (summed over a replay), and
 writes JSON. With --batch B: B requests decode together and the whole engine step (verify, walks, the
@@ -62,7 +62,7 @@ def profile_batched_step(args, target, drafter) -> None:
                     target=target, drafter=drafter)
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
-    params = SamplingParams(max_new_tokens=480, tree_budget=args.nodes - 1, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=480, tree_budget=args.nodes - 1, ignore_eos=True, mode=args.mode)
     for _ in range(args.batch):
         engine.submit(torch.randint(0, vocab - 1, (args.context,), generator=g).tolist(), params)
     for _ in range(args.batch + 6):  # every prefill done, then rounds with every graph captured
@@ -91,11 +91,12 @@ def profile_batched_step(args, target, drafter) -> None:
     print("GPU time per step by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
                                                       sorted(phases.items(), key=lambda kv: -kv[1])))
     total, rows = kernel_rows(prof, args.reps)
-    print(f"batched step, {args.batch} requests, ddtree@{args.nodes - 1}, context {args.context}: "
+    case = "ar" if args.mode == "ar" else f"{args.mode}@{args.nodes - 1}"
+    print(f"batched step, {args.batch} requests, {case}, context {args.context}: "
           f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
     for kname, us, count in rows[:args.top]:
         print(f"  {us:8.1f} us  x{count:<4} {kname}")
-    report = {"shape": args.shape, "context": args.context, "batch": args.batch, "gpu_us": total,
+    report = {"shape": args.shape, "context": args.context, "batch": args.batch, "case": case, "gpu_us": total,
               "phases_us": dict(phases), "kernels": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -110,6 +111,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--batch", type=int, default=0, help="profile a batched engine step of this many requests")
+    ap.add_argument("--mode", choices=("ar", "dflash", "ddtree"), default="ddtree",
+                    help="--batch: every request's speculative mode")
     ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")
     args = ap.parse_args()
     device = torch.device("cuda")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
-from ..model.layers import fuse_projections
+from ..model.layers import TreeInputs, fuse_projections
 from .batch_runner import BatchDraftRunner, BatchTargetRunner
 from .context import prefill_workspace_bytes, serving_context
 from .graphs import HostRead
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # A round's result for one request: the tokens it committed, the draft tokens accepted among them, and
 # their log-probabilities (None unless the request asked for them).
 Round = tuple[list[int], int, list[TokenLogprob] | None]
+
+# The most attention-bias elements (rows x queries x keys) one grouped prefill pass builds (_group_holds):
+# 64M, 128 MB in 16 bits; a group that would need more runs as several passes.
+GROUP_BIAS = 1 << 26
 
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
@@ -500,9 +504,10 @@ class Engine:
         queue's head while slots are free: a long prompt takes several steps, between which the
         running requests keep decoding. Returns the first tokens and the requests that joined."""
         outputs, joined = [], []
+        group: list[tuple[RequestState, int]] = []  # prompts' last pieces, run as one pass (_prefill_rows)
         # with nothing decoding there is no one to stall: a prompt goes in pieces as large as prefill.py's
         left = self.config.prefill_chunk if self.scheduler.running else max(self.config.prefill_chunk, PREFILL_PIECE)
-        self.stats.prefill_tokens = 0
+        self.stats.prefill_tokens = self.stats.prefill_passes = 0
         while left > 0:
             try:
                 req = self.scheduler.next_prefill(self._admissible)
@@ -518,16 +523,55 @@ class Engine:
             take = min(left, len(req.prompt_ids) - req.prefilled, PREFILL_PIECE)
             if req.prefilled < req.snapshot_at < len(req.prompt_ids):  # a hybrid's state is kept there
                 take = min(take, req.snapshot_at - req.prefilled)
-            first = self._prefill_chunk(req, take)
             left -= take
             self.stats.prefill_tokens += take
-            if first is not None:
-                token, logprobs = first
-                req.produced.append(token)
+            if self._groupable(req, take):
+                if not self._group_holds(group, req, take):
+                    self._prefill_group(group, outputs)
+                # the request joins now (the next admission takes the next slot); its pass runs with the group's
                 self.scheduler.start_running(req)
                 joined.append(req)
-                outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
+                group.append((req, take))
+                continue
+            self._prefill_group(group, outputs)
+            first = self._prefill_chunk(req, take)
+            if first is not None:
+                self.scheduler.start_running(req)
+                joined.append(req)
+                self._joined(req, first, outputs)
+        self._prefill_group(group, outputs)
         return outputs, joined
+
+    def _joined(self, req: RequestState, first: tuple[int, list[TokenLogprob] | None],
+                outputs: list[tuple[int, RoundOutput]]) -> None:
+        token, logprobs = first
+        req.produced.append(token)
+        outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
+
+    def _groupable(self, req: RequestState, take: int) -> bool:
+        """Whether this piece may share a prefill pass with other requests' (_prefill_rows): the last
+        of its prompt, no longer than a chunk, on an attention-only target (a hybrid's recurrent state
+        would run on over the padding of a shorter row)."""
+        return self.arch == "qwen3" and take <= self.config.prefill_chunk and req.prefilled + take == len(req.prompt_ids)
+
+    @staticmethod
+    def _group_holds(group: list[tuple[RequestState, int]], req: RequestState, take: int) -> bool:
+        """Whether the group's pass can take one more row: its padded tokens within one prefill piece
+        (the activations the pool was sized for) and its attention bias within GROUP_BIAS elements."""
+        rows = [*group, (req, take)]
+        width = max(t for _, t in rows)
+        keys = max(r.prefilled + t for r, t in rows)
+        return len(rows) * width <= PREFILL_PIECE and len(rows) * width * keys <= GROUP_BIAS
+
+    def _prefill_group(self, group: list[tuple[RequestState, int]], outputs: list[tuple[int, RoundOutput]]) -> None:
+        """Run the deferred last pieces (one pass for two or more, the lone path for one), then empty it."""
+        if len(group) == 1:
+            req, take = group[0]
+            self._joined(req, self._prefill_chunk(req, take), outputs)
+        elif group:
+            for req, first in zip([r for r, _ in group], self._prefill_rows(group)):
+                self._joined(req, first, outputs)
+        group.clear()
 
     def _prefill_chunk(self, req: RequestState, take: int) -> tuple[int, list[TokenLogprob] | None] | None:
         """Prompt tokens prefilled..prefilled+take into the request's slot; at the prompt's end, the
@@ -538,6 +582,40 @@ class Engine:
         pos = torch.arange(lo, hi, device=self.device)[None]
         # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
         h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
+        self.stats.prefill_passes += 1
+        self._prefilled(req, take, feats)
+        if hi < len(req.prompt_ids):
+            return None
+        return self._first_token(req, self.target.logits(h[0, -1:]))
+
+    def _prefill_rows(self, group: list[tuple[RequestState, int]]) -> list[tuple[int, list[TokenLogprob] | None]]:
+        """The last pieces of several prompts in one target pass: row i is group[i]'s piece at its own
+        offset over its own cache row (the group holds consecutive slots), padded to the longest piece
+        and causal within its row, so a burst of short prompts reads the weights once instead of once
+        each. The padding's k/v land past a row's prompt, where the first round writes over them before
+        anything may read there. Returns each request's first token, as _prefill_chunk does."""
+        reqs, takes = [r for r, _ in group], [t for _, t in group]
+        n, width, dev = len(group), max(takes), self.device
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, (req, take) in enumerate(group):
+            ids[i, :take] = torch.tensor(req.prompt_ids[req.prefilled:req.prefilled + take])
+        pos = torch.tensor([req.prefilled for req in reqs], device=dev)[:, None] + torch.arange(width, device=dev)
+        kv_len = max(req.prefilled + take for req, take in group)
+        cols = torch.arange(kv_len, device=dev)
+        bias = torch.zeros((), dtype=self.target_cache.k.dtype, device=dev).expand(n, 1, width, kv_len)
+        bias = bias.masked_fill(cols > pos[:, None, :, None], float("-inf"))       # [n, 1, W, L] causal per row
+        slots = pos.clamp(max=self.target_cache.capacity - 1)
+        rows = self.target_cache.rows(reqs[0].slot, reqs[0].slot + n)
+        h, feats = self.target(ids.to(dev), pos, rows, static=TreeInputs(slots, bias, kv_len, None))
+        self.stats.prefill_passes += 1
+        for i, (req, take) in enumerate(group):
+            self._prefilled(req, take, None if feats is None else feats[i:i + 1, :take])
+        last = self.target.logits(h[torch.arange(n, device=dev), torch.tensor(takes, device=dev) - 1])  # [n, V]
+        return [self._first_token(req, last[i:i + 1]) for i, req in enumerate(reqs)]
+
+    def _prefilled(self, req: RequestState, take: int, feats: torch.Tensor | None) -> None:
+        """Book `take` more prompt tokens as computed, keeping their features for the first draft."""
+        lo, hi = req.prefilled, req.prefilled + take
         req.prefilled = hi
         if req.mode != "ar":
             if req.prompt_feats is None:  # the computed prompt's, filled chunk by chunk (no concatenation)
@@ -545,13 +623,13 @@ class Engine:
             req.prompt_feats[:, lo - req.reused:hi - req.reused] = feats
         if hi == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
             self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
-        if hi < len(req.prompt_ids):
-            return None
-        logits = self.target.logits(h[0, -1:])
+
+    def _first_token(self, req: RequestState, logits: torch.Tensor) -> tuple[int, list[TokenLogprob] | None]:
+        """The prompt is in: choose the first token from the last position's logits [1, V], and draft."""
         chosen = self._choose(req, logits, 0)
         pending = self._logprobs(req, logits, chosen)
         first = int(chosen[0])
-        req.n_ctx, req.bonus = hi, first
+        req.n_ctx, req.bonus = len(req.prompt_ids), first
         if req.mode != "ar":
             req.drafted = self._draft_prompt(req)
         return first, None if pending is None else pending.rows([0])

@@ -114,6 +114,7 @@ class BatchStats:
     batch_size: int = 0       # rows of the last verify pass (0: no round ran)
     tree_nodes: int = 0       # real tree nodes (roots included) verified in the last round
     prefill_tokens: int = 0   # prompt tokens prefilled in the last step
+    prefill_passes: int = 0   # ... in this many target passes (a burst of short prompts shares one)
     rounds: int = 0           # steps that ran a round, since start
     prefix_lookups: int = 0   # since start: admissions that looked for a cached prefix
     prefix_hits: int = 0      # ... that reused one

@@ -79,7 +79,7 @@ class BatchTargetRunner:
         n = len(roots)
         batch = batch_bucket(n, self.cache.slots)
         size = tree_bucket(max(1 if t is None else t.size for t in trees))
-        kv_len = kv_len_for(max(starts) + size, self.cache.capacity)
+        kv_len = kv_len_for(max(starts) + size, self.cache.capacity, self.use_graphs)
         b = self.buckets.get((batch, size, kv_len))
         if b is None:
             b = self.buckets[(batch, size, kv_len)] = _Bucket(batch, size, kv_len, self.cache.capacity - size,
@@ -152,7 +152,7 @@ class BatchDraftRunner:
         real row's context length before the round. Returns logits [B, Q-1, V] (a static buffer)."""
         n = len(starts)
         batch = rows.shape[0]
-        kv_len = kv_len_for(max(starts) + 2 * self.block, self.cache.capacity)
+        kv_len = kv_len_for(max(starts) + 2 * self.block, self.cache.capacity, self.use_graphs)
         b = self.buckets.get((batch, kv_len))
         if b is None:
             b = self.buckets[(batch, kv_len)] = _DraftBucket(batch, self.block, self.feat_dim, kv_len, self.device,

@@ -611,7 +611,49 @@ class Engine:
         for i, (req, take) in enumerate(group):
             self._prefilled(req, take, None if feats is None else feats[i:i + 1, :take])
         last = self.target.logits(h[torch.arange(n, device=dev), torch.tensor(takes, device=dev) - 1])  # [n, V]
-        return [self._first_token(req, last[i:i + 1]) for i, req in enumerate(reqs)]
+        firsts = [self._first_token(req, last[i:i + 1], draft=False) for i, req in enumerate(reqs)]
+        if sum(req.mode != "ar" for req in reqs) > 1:
+            self._draft_prompts(reqs)
+        else:
+            for req in reqs:
+                if req.mode != "ar":
+                    req.drafted = self._draft_prompt(req)
+        return firsts
+
+    def _draft_prompts(self, reqs: list[RequestState]) -> None:
+        """_draft_prompt for a prefill group (consecutive slots) in one drafter pass: row i's context is
+        its computed prompt (zero-padded to the longest; the padding's k/v land past its context, under
+        its block or masked, as the per-round pass's do), then its block. An AR row takes part at the
+        last cache slot only, so nothing it holds is touched."""
+        dev, bs, n = self.device, self.block_size, len(reqs)
+        spec = [req.mode != "ar" for req in reqs]
+        width = max(req.n_ctx - req.reused for req, s in zip(reqs, spec) if s)
+        feats = next(req.prompt_feats for req, s in zip(reqs, spec) if s)
+        ctx = feats.new_zeros(n, width, feats.shape[-1])
+        block = torch.full((n, bs), self.mask_token_id, dtype=torch.long, device=dev)
+        for i, req in enumerate(reqs):
+            if spec[i]:
+                ctx[i, :req.n_ctx - req.reused] = req.prompt_feats[0]
+                req.prompt_feats = None
+            block[i, 0] = req.bonus
+        lo = torch.tensor([req.reused for req in reqs], device=dev)[:, None]
+        end = torch.tensor([req.n_ctx for req in reqs], device=dev)[:, None]
+        ctx_pos, block_pos = lo + torch.arange(width, device=dev), end + torch.arange(bs, device=dev)
+        last = self.draft_cache.capacity - 1
+        live = torch.tensor(spec, device=dev)[:, None]
+        ctx_slots = torch.where(live, ctx_pos.clamp(max=last), last)
+        block_slots = torch.where(live, block_pos, last)
+        kv_len = max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs
+        cols = torch.arange(kv_len, device=dev)
+        bias = torch.zeros((), dtype=self.draft_cache.k.dtype, device=dev).expand(n, 1, 1, kv_len)
+        bias = bias.masked_fill((cols >= torch.where(live, end + bs, 1))[:, None, None], float("-inf"))
+        rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
+        h = self.drafter(self.target.model.embed_tokens(block), block_pos, ctx, ctx_pos, rows, mask=bias,
+                         static=(ctx_slots, block_slots, kv_len))
+        drafted = self.target.logits(h[:, 1:])                          # [n, bs-1, V]
+        for i, req in enumerate(reqs):
+            if spec[i]:
+                req.drafted = drafted[i]
 
     def _prefilled(self, req: RequestState, take: int, feats: torch.Tensor | None) -> None:
         """Book `take` more prompt tokens as computed, keeping their features for the first draft."""
@@ -624,13 +666,15 @@ class Engine:
         if hi == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
             self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
 
-    def _first_token(self, req: RequestState, logits: torch.Tensor) -> tuple[int, list[TokenLogprob] | None]:
-        """The prompt is in: choose the first token from the last position's logits [1, V], and draft."""
+    def _first_token(self, req: RequestState, logits: torch.Tensor,
+                     draft: bool = True) -> tuple[int, list[TokenLogprob] | None]:
+        """The prompt is in: choose the first token from the last position's logits [1, V], and draft
+        (unless the caller drafts for several requests at once)."""
         chosen = self._choose(req, logits, 0)
         pending = self._logprobs(req, logits, chosen)
         first = int(chosen[0])
         req.n_ctx, req.bonus = len(req.prompt_ids), first
-        if req.mode != "ar":
+        if draft and req.mode != "ar":
             req.drafted = self._draft_prompt(req)
         return first, None if pending is None else pending.rows([0])
 
@@ -757,6 +801,7 @@ class Engine:
         self._phase("commit")
         host = self.batch_readback.wait()
         rounds, width = [], Walk.size(depth)
+        moved = 0  # the longest committed path not already in place (compact_rows)
         for row, req in enumerate(reqs):
             accepted = Walk.read(host[row * width:(row + 1) * width], depth)
             tokens = settled[row] + accepted.tokens[1:] + [accepted.next_token]
@@ -765,6 +810,8 @@ class Engine:
             path = keep - len(settled[row])
             if path < len(accepted.path):
                 result[row, 0] = path  # the commit's length (the drafter pass queued before read the walk's)
+            if accepted.path[:path] != list(range(path)):
+                moved = max(moved, path)
             req.n_ctx += path
             req.bonus = tokens[keep - 1]
             if req.mode != "ar":
@@ -773,7 +820,8 @@ class Engine:
             if pending[row] is not None:
                 logprobs = (settled_logprobs[row] + pending[row].rows(accepted.path))[:keep]
             rounds.append((tokens[:keep], len(accepted.path) - 1, logprobs))
-        self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0])
+        # only the KV of paths that are not in place already moves (none for a batch of AR steps)
+        self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0], moved)
         self._phase("end")
         return rounds
 

@@ -104,12 +104,18 @@ class KVCache:
         """The path's node indices on the device: `nodes` when given (see compact)."""
         return torch.tensor(path, device=self.k.device) if nodes is None else nodes
 
-    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
+    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor,
+                     moved: int | None = None) -> None:
         """`compact` for every row at once, from device values only (a batched round's walk): row b
         keeps its tree nodes nodes[b, :length[b]] (root first) of the pass written at start[b].
         start, length: [B]; nodes: [B, P]. Slots past a row's path get copies of its root: they are
-        beyond its context, free."""
+        beyond its context, free. `moved`: the host's bound on the path entries that change place
+        (past it every row's path is in place: an AR step, a path down the first branches; 0: none
+        moves); None: up to P."""
+        nodes = nodes if moved is None else nodes[:, :moved]
         b, p = nodes.shape
+        if p == 0:
+            return
         rows = torch.arange(b, device=nodes.device)[:, None]
         dst = start[:, None] + torch.arange(p, device=nodes.device)          # [B, P]
         src = start[:, None] + nodes
@@ -179,9 +185,11 @@ class HybridCache(KVCache):
             self.conv[:, dst] = conv[:, src]
             self.state[:, dst] = state[:, src]
 
-    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
-        """Also advance each row's linear-layer state and conv tail along its own accepted path."""
-        super().compact_rows(start, nodes, length)
+    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor,
+                     moved: int | None = None) -> None:
+        """Also advance each row's linear-layer state and conv tail along its own accepted path (the
+        whole path: a state advances even where no KV moves)."""
+        super().compact_rows(start, nodes, length, moved)
         advance_along(self.step, self.state, nodes, length)
         k1 = self.conv.shape[2]
         picked = self.inputs.gather(2, nodes[None, :, :, None].expand(*self.inputs.shape[:2], -1,

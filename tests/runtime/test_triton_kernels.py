@@ -164,6 +164,32 @@ def test_rope_and_the_kv_write_match_torch():
         assert (cache_k.double() - want_k).abs().max() < 3e-3      # written slots, and the others kept
         assert torch.equal(cache_v, want_v)
         assert not K.rms_norm_rope_to_cache(k.float(), v.float(), w, eps, cos, sin, cache_k, cache_v, slots)
+
+        # a batched pass: row b's k/v go to cache row b at its own slots, through a view of the pool's
+        # first rows (the last row and every other slot stay as they were), equal to RoPE + scatter
+        b = 3
+        y = torch.randn(b, t, (hq + 2 * hkv) * d, dtype=torch.float16)
+        k = y[..., hq * d:(hq + hkv) * d].view(b, t, hkv, d)
+        v = y[..., (hq + hkv) * d:].view(b, t, hkv, d)
+        ang = torch.rand(b, 1, t, d) * 6
+        cos, sin = ang.cos().half(), ang.sin().half()
+        slots = torch.tensor([[7, 3, 9, 0, 12], [0, 1, 2, 3, 4], [11, 12, 13, 14, 15]])
+        pool_k = torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16)     # [layers, pool rows, Hkv, capacity, D]
+        pool_v = torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16)
+        want_k, want_v = pool_k.double(), pool_v.clone()
+        rows = torch.arange(b)[:, None, None]
+        heads = torch.arange(hkv)[None, :, None]
+        want_k[1, rows, heads, slots[:, None, :]] = ref_rope(k)
+        want_v[1, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
+        assert (pool_k.double() - want_k).abs().max() < 3e-3
+        assert torch.equal(pool_v, want_v)
+        # all rows at the same slots ([T]), as index_copy_ writes them
+        same = torch.tensor([2, 5, 6, 8, 1])
+        want_v[1, :b][:, :, same] = v.transpose(1, 2)
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], same)
+        assert torch.equal(pool_v, want_v)
+        assert not K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1], pool_v[1], slots)  # 4 rows for 3
     """)
 
 
@@ -286,4 +312,43 @@ def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         for name in ("k", "u", "g"):
             assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+    """)
+
+
+def test_batched_tree_pass_through_the_kernels_matches_torch():
+    """A batched round of a Qwen3 target end to end with every kernel (the fused KV write into each row's
+    cache row, the split-KV attention with per-row lengths) against the torch path: the same logits and
+    the same cache, other pool rows untouched."""
+    interpret("""
+        from ddtree_runtime.engine.batch_runner import BatchTargetRunner
+        from ddtree_runtime.engine.kv_cache import KVCache
+        from ddtree_runtime.engine.tree import Tree
+        from ddtree_runtime.model import Qwen3Config, Qwen3ForCausalLM
+        from ddtree_runtime.model.layers import fuse_projections
+
+        cfg = Qwen3Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        model = Qwen3ForCausalLM(cfg).eval().half()
+        fuse_projections(model)
+        trees = [Tree(torch.tensor([[5, 6, 7, 8], [0, 1, 1, 0], [1, 2, 2, 1]])), None,
+                 Tree(torch.tensor([[9, 10], [0, 1], [1, 2]]))]
+        # k, v: [layers, pool rows, Hkv, capacity, D]; three requests run as a batch of 4 (row 3 a pad row)
+        start = torch.randn(2, 2, 6, 2, 1024, 32).half()
+
+        def batched_round(fused):
+            K._use_triton = lambda x: fused
+            cache = KVCache(2, 2, 32, 1024, "cpu", torch.float16, batch=6)
+            cache.k.copy_(start[0])
+            cache.v.copy_(start[1])
+            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            with torch.no_grad():
+                out = runner.run([3, 4, 1], [40, 7, 300], trees)
+            return out.logits.clone(), cache
+
+        (a, ca), (b, cb) = batched_round(False), batched_round(True)
+        assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+        assert (ca.k.float() - cb.k.float()).abs().max() < 1e-2
+        assert torch.equal(ca.v[0], cb.v[0])       # layer 0's v is copied as is (later layers' inputs differ)
+        assert (ca.v.float() - cb.v.float()).abs().max() < 1e-2
+        assert torch.equal(cb.k[:, 4:], start[0, :, 4:]) and torch.equal(cb.v[:, 4:], start[1, :, 4:])
     """)

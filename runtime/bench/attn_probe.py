@@ -1,17 +1,41 @@
-"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU, per
-tree size and KV length, with an additive tree bias: SDPA, the GEMM form, the split-KV kernel at
-several splits, row blocks and warp counts, and the kernel as configured (`rule`). Decides
-kernels.decode_split, DECODE_BLOCK_ROWS, DECODE_WARPS and where attend_decode uses the kernel.
+"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU, with
+an additive tree bias: SDPA, the split-KV kernel at a grid of launch shapes, and the kernel as the
+rules in kernels.py configure it. Decides kernels.DECODE_ONE_SEQUENCE, DECODE_BATCH and
+DECODE_BATCHED_ONE_QUERY (and where attend_decode uses the kernel).
 
-    PYTHONPATH=runtime python runtime/bench/attn_probe.py"""
+    PYTHONPATH=runtime python runtime/bench/attn_probe.py             # one sequence, T 1..257
+    PYTHONPATH=runtime python runtime/bench/attn_probe.py --batched   # batched rounds, with row lengths
 
+--batched: B sequences, each over its own cache row of a kv_len bucket L whose real keys end earlier
+(a batched round's rows: lengths = start + T, about 529 of a 1024 bucket, 4100 of 4608), bias as the
+batch runner builds it (the context, then the tree's ancestors, nothing past the row's length). Per
+case it prints SDPA, `old` (the one-sequence rule, which batched rounds ran before, no lengths),
+`rule` (the rules now, with lengths), `rule-nolen` (the same without), and the grid's best with and
+without lengths; the JSON holds every grid point (rRsSwW-len / -nolen: BLOCK_R R, split S keys, W
+warps). The T=1 rows are the batched AR step: whether `rule` beats SDPA there decides
+DECODE_BATCHED_ONE_QUERY."""
+
+import argparse
+import json
 import statistics
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ddtree_runtime.model import kernels
+from ddtree_runtime.model.kernels import DecodeLaunch, decode_attention, decode_launch
 from ddtree_runtime.model.layers import attend_grouped
+
+HQ, HKV, D = 32, 8, 128
+DEVICE = "cuda"
+# the batched sweep's grid; partial-softmax workspaces above this are skipped (they cost more than
+# the keys and never win)
+GRID_BLOCK_ROWS = (16, 32, 64, 128)
+GRID_SPLITS = (64, 128, 256, 512, 1024)
+GRID_WARPS = (4, 8)
+MAX_WORKSPACE = 512 << 20
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -35,34 +59,120 @@ def timed(fn, reps: int = 20) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    del graph
     return statistics.median(times) * 1e3 / reps
 
 
-def main() -> None:
+def single_sequence() -> None:
+    """One sequence: T queries over 1K / 4.6K keys, the grid at each, and the one-sequence rule."""
     dev, dt = "cuda", torch.bfloat16
-    rule = kernels.decode_split
     for length in (1024, 4608):
-        kbuf = torch.randn(1, 8, 8192, 128, device=dev, dtype=dt)
+        kbuf = torch.randn(1, HKV, 8192, D, device=dev, dtype=dt)
         vbuf = torch.randn_like(kbuf)
         k, v = kbuf[:, :, :length], vbuf[:, :, :length]  # strided views, as the cache gives them
         for t in (1, 17, 33, 65, 129, 257):
-            q = torch.randn(1, 32, t, 128, device=dev, dtype=dt)
+            q = torch.randn(1, HQ, t, D, device=dev, dtype=dt)
             ok = torch.rand(t, length, device=dev) < 0.9
             ok[:, 0] = True
             bias = torch.zeros(t, length, device=dev, dtype=dt).masked_fill(~ok, float("-inf"))[None, None]
             row = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
                                                                         enable_gqa=True)),
                    "gemm": timed(lambda: attend_grouped(q, k, v, bias))}
-            for split in (128, 256, 512, 1024):
+            for split in (64, 128, 256, 512, 1024):
                 for block_rows in (64, 128):
                     for warps in (4, 8):
-                        kernels.decode_split = lambda *_: split
-                        kernels.DECODE_BLOCK_ROWS, kernels.DECODE_WARPS = block_rows, warps
-                        name = f"s{split}r{block_rows}w{warps}"
-                        row[name] = timed(lambda: kernels.decode_attention(q, k, v, bias))
-            kernels.decode_split, kernels.DECODE_BLOCK_ROWS, kernels.DECODE_WARPS = rule, 64, 4
-            row["rule"] = timed(lambda: kernels.decode_attention(q, k, v, bias))
+                        launch = DecodeLaunch(block_rows, split, warps)
+                        row[f"s{split}r{block_rows}w{warps}"] = timed(lambda: decode_attention(q, k, v, bias,
+                                                                                                launch=launch))
+            row["rule"] = timed(lambda: decode_attention(q, k, v, bias))
             print(f"L {length:5} T {t:3}: " + "  ".join(f"{name} {us:5.1f}us" for name, us in row.items()), flush=True)
+
+
+def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generator) -> dict:
+    """One batched case's timings: rows of about `real` keys (start + T, a little apart per row) in
+    a kv_len bucket of `bucket`."""
+    dev, dt = DEVICE, torch.bfloat16
+    kbuf = torch.randn(batch, HKV, bucket + 512, D, device=dev, dtype=dt)
+    vbuf = torch.randn_like(kbuf)
+    k, v = kbuf[:, :, :bucket], vbuf[:, :, :bucket]  # strided views of the pool's rows, as in a pass
+    lengths = (real + torch.randint(-32, 33, (batch,), generator=gen)).clamp(t, bucket)
+    start = lengths - t
+    cols = torch.arange(bucket)
+    rel = cols[None, :] - start[:, None]                                          # [B, L]
+    ancestors = torch.tril(torch.rand(batch, t, t, generator=gen) < 0.5) | torch.eye(t, dtype=torch.bool)
+    in_tree = ancestors.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1))
+    allowed = (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree)           # [B, T, L]
+    bias = torch.zeros(batch, 1, t, bucket, dtype=dt).masked_fill(~allowed[:, None], float("-inf")).to(dev)
+    lengths = lengths.to(dev)
+    q = torch.randn(batch, HQ, t, D, device=dev, dtype=dt)
+    rows = HQ // HKV * t
+
+    def kernel(launch: DecodeLaunch | None, with_lengths: bool) -> float:
+        return timed(lambda: decode_attention(q, k, v, bias, lengths if with_lengths else None, launch=launch))
+
+    old = decode_launch(batch, t, rows, bucket, HKV, rule=kernels.DECODE_ONE_SEQUENCE)
+    case = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)),
+            "old": kernel(old, False), "rule": kernel(None, True), "rule-nolen": kernel(None, False)}
+    grid = {}
+    for block_rows in GRID_BLOCK_ROWS if t > 1 else (16,):
+        rows_pad = -(-rows // block_rows) * block_rows
+        for split in sorted({*GRID_SPLITS, triton.next_power_of_2(bucket)}):  # and one split (no reduce)
+            n_splits = -(-bucket // split)
+            if n_splits > 1 and batch * HKV * n_splits * rows_pad * D * 4 > MAX_WORKSPACE:
+                continue
+            for warps in GRID_WARPS:
+                launch = DecodeLaunch(block_rows, split, warps)
+                name = f"r{block_rows}s{split}w{warps}"
+                grid[f"{name}-len"] = kernel(launch, True)
+                grid[f"{name}-nolen"] = kernel(launch, False)
+    case["grid"] = grid
+    case["launch_old"] = old._asdict()
+    case["launch_rule"] = decode_launch(batch, t, rows, bucket, HKV)._asdict()
+    return case
+
+
+def batched(batches: list[int], queries: list[int], buckets: list[int], out: str) -> None:
+    """The batched sweep: a table line per case, every timing in the JSON at `out`."""
+    gen = torch.Generator().manual_seed(0)
+    real_for = {1024: 529, 4608: 4100}
+    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "heads": [HQ, HKV, D], "unit": "us per call (CUDA graph)",
+              "rules": {"one_sequence": kernels.DECODE_ONE_SEQUENCE._asdict(), "batch": kernels.DECODE_BATCH._asdict(),
+                        "batched_one_query": kernels.DECODE_BATCHED_ONE_QUERY},
+              "cases": []}
+    print(f"{'B':>3} {'T':>3} {'L':>5} {'real':>5} | {'sdpa':>7} {'old':>7} {'rule':>7} {'rule-nl':>7} | "
+          f"best with lengths              | best without lengths")
+    for bucket in buckets:
+        real = real_for.get(bucket, bucket * 9 // 10)
+        for t in queries:
+            for batch in batches:
+                case = batched_case(batch, t, bucket, real, gen)
+                case.update(batch=batch, queries=t, bucket=bucket, real=real)
+                report["cases"].append(case)
+                grid = case["grid"]
+                best = {tag: min((us, name) for name, us in grid.items() if name.endswith(tag))
+                        for tag in ("-len", "-nolen")}
+                print(f"{batch:3} {t:3} {bucket:5} {real:5} | {case['sdpa']:7.1f} {case['old']:7.1f} "
+                      f"{case['rule']:7.1f} {case['rule-nolen']:7.1f} | "
+                      f"{best['-len'][1]:>20} {best['-len'][0]:7.1f}  | "
+                      f"{best['-nolen'][1]:>20} {best['-nolen'][0]:7.1f}", flush=True)
+                torch.cuda.empty_cache()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batched", action="store_true", help="the batched sweep (default: one sequence)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 17])
+    ap.add_argument("--buckets", type=int, nargs="+", default=[1024, 4608])
+    ap.add_argument("--out", default="bench/results/runtime-attn-probe-batched.json")
+    args = ap.parse_args()
+    if args.batched:
+        batched(args.batches, args.queries, args.buckets, args.out)
+    else:
+        single_sequence()
 
 
 if __name__ == "__main__":

@@ -20,3 +20,5 @@ def test_grouped_and_decode_attention_match_sdpa(t, length):
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=bias)
     torch.testing.assert_close(attend_grouped(q, k, v, bias), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attend_decode(q, k, v, bias), ref, rtol=1e-5, atol=1e-5)
+    # per-row key lengths only cut the kernel's loop; the torch forms attend by the bias alone
+    assert torch.equal(attend_decode(q, k, v, bias, torch.tensor([length])), attend_decode(q, k, v, bias))

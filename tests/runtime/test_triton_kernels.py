@@ -16,9 +16,19 @@ pytest.importorskip("triton")
 
 PRELUDE = """
 import torch
+import triton.runtime.interpreter as interpreter
 import ddtree_runtime.model.kernels as K
 import ddtree_runtime.model.gdn_kernels as G
 torch.manual_seed(0)
+
+# the interpreter holds a scalar as a one-element array, which numpy 2 no longer turns into an int:
+# a loop bound computed from program ids or loaded values (decode attention's per-row key lengths)
+# needs it to
+patch_tensor = interpreter._patch_lang_tensor
+def patch_tensor_with_index(tensor):
+    patch_tensor(tensor)
+    tensor.__index__ = lambda self: int(self.handle.data.item())
+interpreter._patch_lang_tensor = patch_tensor_with_index
 """
 
 
@@ -58,9 +68,11 @@ def test_decode_attention_matches_a_float_reference():
 
 def test_batched_decode_attention_gives_each_sequence_its_own_keys_and_bias():
     """A batched round: one launch for B sequences, each over its own cache row and bias (and the
-    drafter's bias, one row for all queries of a sequence), equal to each sequence alone."""
+    drafter's bias, one row for all queries of a sequence), equal to each sequence alone, at the
+    batch rule's launch and at fixed ones (row blocks of 16/32/64, several splits or one)."""
     out = interpret("""
         K._use_triton = lambda x: True
+        launches = [None, K.DecodeLaunch(16, 64, 4), K.DecodeLaunch(32, 128, 4), K.DecodeLaunch(64, 1024, 4)]
         for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 3, 128, 256, False),
                                               (4, 2, 16, 32, 200, True)]:
             b = 3
@@ -71,17 +83,59 @@ def test_batched_decode_attention_gives_each_sequence_its_own_keys_and_bias():
             allowed[..., 0] = True
             bias = torch.where(allowed, 0.0, float("-inf")).to(torch.float16)[:, None]   # [B, 1, T or 1, L]
             assert K.decode_attention_fits(q, k)
-            batched = K.decode_attention(q, k, v, bias)
-            for i in range(b):
-                alone = K.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], bias[i:i + 1])
-                assert torch.equal(batched[i:i + 1], alone), (hq, t, i)
+            for launch in launches:
+                fixed = launch or K.decode_launch(b, t, hq // hkv * t, length, hkv)
+                batched = K.decode_attention(q, k, v, bias, launch=launch)
+                for i in range(b):
+                    alone = K.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], bias[i:i + 1], launch=fixed)
+                    assert torch.equal(batched[i:i + 1], alone), (hq, t, i, launch)
             print(hq, hkv, t)
-        # a batch of single queries (AR steps) stays with SDPA, which ran them faster
+        # a batch of single queries (AR steps) stays with SDPA, which ran them faster, unless the rule
+        # says the kernel wins with per-row lengths
         one = torch.randn(3, 8, 1, 64, dtype=torch.float16)
-        assert not K.decode_attention_fits(one, torch.randn(3, 2, 100, 64, dtype=torch.float16))
-        assert K.decode_attention_fits(one[:1], torch.randn(1, 2, 100, 64, dtype=torch.float16))
+        keys = torch.randn(3, 2, 100, 64, dtype=torch.float16)
+        assert not K.decode_attention_fits(one, keys)
+        assert K.decode_attention_fits(one, keys, torch.full((3,), 100)) == K.DECODE_BATCHED_ONE_QUERY
+        assert K.decode_attention_fits(one[:1], keys[:1])
     """)
     assert len(out.splitlines()) == 3
+
+
+def test_decode_attention_with_row_lengths_reads_only_each_rows_keys():
+    """Per-row key lengths (a batched round's start + T): the same result as the bias alone when the
+    bias masks the keys past them (random keys there, as a bucket's padding holds stale ones), the keys
+    past them ignored even where the bias allows them (the loop really stops), rows of different lengths,
+    splits entirely past a row's length, and single queries (batched AR steps)."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        def ref(q, k, v, bias):
+            g = q.shape[1] // k.shape[1]
+            s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
+            return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
+        hq, hkv, d, bucket = 4, 2, 64, 320
+        lengths = torch.tensor([40, 320, 131, 1])     # row 0: four of five 64-key splits past its length
+        b = len(lengths)
+        cache = torch.randn(2, b, hkv, bucket + 16, d, dtype=torch.float16)
+        k, v = cache[0, :, :, :bucket], cache[1, :, :, :bucket]
+        before = lengths[:, None] > torch.arange(bucket)                            # [B, L]
+        for t in (17, 1):
+            q = torch.randn(b, hq, t, d, dtype=torch.float16)
+            allowed = (torch.rand(b, t, bucket) < 0.7) & before[:, None]
+            allowed[..., 0] = True
+            masked = torch.where(allowed, 0.0, float("-inf")).to(torch.float16)[:, None]    # [B, 1, T, L]
+            open_past = torch.where(allowed | ~before[:, None], 0.0, float("-inf")).to(torch.float16)[:, None]
+            for launch in (K.DecodeLaunch(16, 64, 4), K.DecodeLaunch(32, 128, 4), K.DecodeLaunch(64, 512, 4),
+                           K.decode_launch(b, t, hq // hkv * t, bucket, hkv)):
+                cut = K.decode_attention(q, k, v, masked, lengths, launch=launch)
+                assert torch.equal(cut, K.decode_attention(q, k, v, masked, launch=launch)), launch
+                err = (cut.double() - ref(q, k, v, masked)).abs().max().item()
+                assert err < 2e-3, (t, launch, err)
+                # the bias lets each row see past its length: with lengths those keys are still ignored
+                assert torch.equal(K.decode_attention(q, k, v, open_past, lengths, launch=launch), cut), launch
+                assert not torch.allclose(K.decode_attention(q, k, v, open_past, launch=launch), cut, atol=1e-2)
+            print(t, err)
+    """)
+    assert len(out.splitlines()) == 2
 
 
 def test_rope_and_the_kv_write_match_torch():
@@ -110,6 +164,32 @@ def test_rope_and_the_kv_write_match_torch():
         assert (cache_k.double() - want_k).abs().max() < 3e-3      # written slots, and the others kept
         assert torch.equal(cache_v, want_v)
         assert not K.rms_norm_rope_to_cache(k.float(), v.float(), w, eps, cos, sin, cache_k, cache_v, slots)
+
+        # a batched pass: row b's k/v go to cache row b at its own slots, through a view of the pool's
+        # first rows (the last row and every other slot stay as they were), equal to RoPE + scatter
+        b = 3
+        y = torch.randn(b, t, (hq + 2 * hkv) * d, dtype=torch.float16)
+        k = y[..., hq * d:(hq + hkv) * d].view(b, t, hkv, d)
+        v = y[..., (hq + hkv) * d:].view(b, t, hkv, d)
+        ang = torch.rand(b, 1, t, d) * 6
+        cos, sin = ang.cos().half(), ang.sin().half()
+        slots = torch.tensor([[7, 3, 9, 0, 12], [0, 1, 2, 3, 4], [11, 12, 13, 14, 15]])
+        pool_k = torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16)     # [layers, pool rows, Hkv, capacity, D]
+        pool_v = torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16)
+        want_k, want_v = pool_k.double(), pool_v.clone()
+        rows = torch.arange(b)[:, None, None]
+        heads = torch.arange(hkv)[None, :, None]
+        want_k[1, rows, heads, slots[:, None, :]] = ref_rope(k)
+        want_v[1, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
+        assert (pool_k.double() - want_k).abs().max() < 3e-3
+        assert torch.equal(pool_v, want_v)
+        # all rows at the same slots ([T]), as index_copy_ writes them
+        same = torch.tensor([2, 5, 6, 8, 1])
+        want_v[1, :b][:, :, same] = v.transpose(1, 2)
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], same)
+        assert torch.equal(pool_v, want_v)
+        assert not K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1], pool_v[1], slots)  # 4 rows for 3
     """)
 
 
@@ -256,4 +336,43 @@ def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         for name in ("k", "u", "g"):
             assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+    """)
+
+
+def test_batched_tree_pass_through_the_kernels_matches_torch():
+    """A batched round of a Qwen3 target end to end with every kernel (the fused KV write into each row's
+    cache row, the split-KV attention with per-row lengths) against the torch path: the same logits and
+    the same cache, other pool rows untouched."""
+    interpret("""
+        from ddtree_runtime.engine.batch_runner import BatchTargetRunner
+        from ddtree_runtime.engine.kv_cache import KVCache
+        from ddtree_runtime.engine.tree import Tree
+        from ddtree_runtime.model import Qwen3Config, Qwen3ForCausalLM
+        from ddtree_runtime.model.layers import fuse_projections
+
+        cfg = Qwen3Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        model = Qwen3ForCausalLM(cfg).eval().half()
+        fuse_projections(model)
+        trees = [Tree(torch.tensor([[5, 6, 7, 8], [0, 1, 1, 0], [1, 2, 2, 1]])), None,
+                 Tree(torch.tensor([[9, 10], [0, 1], [1, 2]]))]
+        # k, v: [layers, pool rows, Hkv, capacity, D]; three requests run as a batch of 4 (row 3 a pad row)
+        start = torch.randn(2, 2, 6, 2, 1024, 32).half()
+
+        def batched_round(fused):
+            K._use_triton = lambda x: fused
+            cache = KVCache(2, 2, 32, 1024, "cpu", torch.float16, batch=6)
+            cache.k.copy_(start[0])
+            cache.v.copy_(start[1])
+            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            with torch.no_grad():
+                out = runner.run([3, 4, 1], [40, 7, 300], trees)
+            return out.logits.clone(), cache
+
+        (a, ca), (b, cb) = batched_round(False), batched_round(True)
+        assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+        assert (ca.k.float() - cb.k.float()).abs().max() < 1e-2
+        assert torch.equal(ca.v[0], cb.v[0])       # layer 0's v is copied as is (later layers' inputs differ)
+        assert (ca.v.float() - cb.v.float()).abs().max() < 1e-2
+        assert torch.equal(cb.k[:, 4:], start[0, :, 4:]) and torch.equal(cb.v[:, 4:], start[1, :, 4:])
     """)

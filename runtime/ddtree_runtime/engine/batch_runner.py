@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..model import Qwen3ForCausalLM
+from ..model.dflash import DraftInputs
 from ..model.layers import TreeInputs
 from .graphs import capture
 from .kv_cache import KVCache
@@ -108,8 +109,9 @@ class BatchTargetRunner:
         bias = torch.where(allowed, b.zero, b.neg_inf)[:, None]              # [B, 1, T, L]
         slots = b.start[:, None] + b.rows                                    # [B, T]
         pos = b.start[:, None] + b.depths                                    # [B, T]
+        lengths = (b.start + b.size).clamp(max=b.kv_len)                     # [B] keys past these are masked
         h, feats = self.target(b.ids, pos, self.cache.rows(0, b.batch),
-                               static=TreeInputs(slots, bias, b.kv_len, tree))
+                               static=TreeInputs(slots, bias, b.kv_len, tree, lengths=lengths))
         return self.target.logits(h), feats, tree
 
 
@@ -174,9 +176,10 @@ class BatchDraftRunner:
     def _forward(self, b: _DraftBucket) -> torch.Tensor:
         block_pos = b.n[:, None] + b.offsets                     # [B, Q] the block follows the context
         ctx_pos = b.start[:, None] + b.offsets                   # [B, C] where the new context sits
-        allowed = b.cols[None, :] < (b.n + self.block)[:, None]  # [B, L]
+        lengths = (b.n + self.block).clamp(max=b.kv_len)          # [B] the keys each row sees
+        allowed = b.cols[None, :] < lengths[:, None]             # [B, L]
         bias = torch.where(allowed, b.zero, b.neg_inf)[:, None, None]        # [B, 1, 1, L]
         emb = self.target.model.embed_tokens(b.ids)              # [B, Q, H]
         h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache.rows(0, b.batch), mask=bias,
-                         static=(ctx_pos, block_pos, b.kv_len))
+                         static=DraftInputs(ctx_pos, block_pos, b.kv_len, lengths))
         return self.target.logits(h[:, 1:])

@@ -8,11 +8,21 @@ mask inside the block). Only context k/v is cached, since the block is rebuilt e
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from .config import DFlashConfig
 from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_decode
+
+
+class DraftInputs(NamedTuple):
+    """The graphed drafter pass's device-side offsets (a plain 3-tuple is read as one without lengths)."""
+    ctx_slots: torch.Tensor               # [C] or [B, C] cache slots of the new context
+    block_slots: torch.Tensor             # [Q] or [B, Q] cache slots of the block
+    kv_len: int
+    lengths: torch.Tensor | None = None   # [B] keys each row's bias allows (layers.attend_decode)
 
 
 class DFlashLayer(LayerWeights):
@@ -26,10 +36,10 @@ class DFlashLayer(LayerWeights):
             # the graphed path (device-side offsets, see engine/runner.py): the block's k/v go to the
             # cache slots right after the context (free until the next round writes context there),
             # so attention reads one bucketed cache view with an additive bias and nothing is copied
-            ctx_slots, block_slots, kv_len = static
+            ctx_slots, block_slots, kv_len, lengths = DraftInputs(*static)
             attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots, kv_len)
             q, k, v = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots, kv_len)
-            x = attn.add_out(x, attend_decode(q, k, v, mask))
+            x = attn.add_out(x, attend_decode(q, k, v, mask, lengths))
             return self.mlp.add_to(x, self.post_attention_layernorm(x))
         q, kb, vb = attn.qkv(h, *rope_q)
         kc, vc = attn.kv(ctx, *rope_c)
@@ -58,7 +68,7 @@ class DFlashDrafter(nn.Module):
                 mask: torch.Tensor | None = None, *, static=None) -> torch.Tensor:
         """block_emb: [B, Q, H] target embeddings of the block; feats: [B, C, L*H] raw target features
         (with a cache: only the ones not cached yet, at positions ctx_start..); mask: bool
-        [B, 1, Q, C+Q] or None (see everything); static = (context slots [C], block slots [Q], kv_len):
+        [B, 1, Q, C+Q] or None (see everything); static = DraftInputs (context slots, block slots, kv_len):
         write the context and the block k/v at those cache slots and attend over the first kv_len cache
         entries (mask is then an additive bias over [kv_len]). Returns final-normed block hidden
         states [B, Q, H]."""

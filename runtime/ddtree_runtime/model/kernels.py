@@ -10,6 +10,8 @@ Triton's interpreter in tests/runtime/test_triton_kernels.py)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -36,15 +38,17 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, vout_ptr,
-                              heads, stride_tok, stride_oh, stride_ot, eps, HALF: tl.constexpr,
-                              HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
-        # one program per (token, head) row; x is [tokens, heads, 2*HALF] with heads and dims dense
-        # (tokens may be strided: a slice of the fused qkv output). The row goes to out at head *
-        # stride_oh + token * stride_ot, or, with slots, at a KV cache slot in place of the token; with
-        # v, the same row of v is copied there into vout (the whole KV write of a tree pass)
+                              heads, tokens, stride_tok, stride_ob, stride_oh, stride_ot, stride_sb, eps,
+                              HALF: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
+        # one program per (token, head) row; x is [B * tokens, heads, 2*HALF] with heads and dims dense
+        # (tokens may be strided: a slice of the fused qkv output). Row (b, token) goes to out at b *
+        # stride_ob + head * stride_oh + token * stride_ot, or, with slots ([B, tokens], row stride
+        # stride_sb: 0 where all rows share one [tokens]), at its KV cache slot in place of the token;
+        # with v, the same row of v is copied there into vout (the whole KV write of a tree pass)
         row = tl.program_id(0)
         tok = row // heads
         head = row % heads
+        seq = tok // tokens
         lo = tl.arange(0, HALF)
         hi = lo + HALF
         src = tok * stride_tok + head * 2 * HALF
@@ -57,10 +61,10 @@ if triton is not None:
         c2 = tl.load(cos_ptr + tok * 2 * HALF + hi).to(tl.float32)
         s1 = tl.load(sin_ptr + tok * 2 * HALF + lo).to(tl.float32)
         s2 = tl.load(sin_ptr + tok * 2 * HALF + hi).to(tl.float32)
-        place = tok
+        place = tok % tokens
         if HAS_SLOTS:
-            place = tl.load(slots_ptr + tok)
-        dst = head * stride_oh + place * stride_ot
+            place = tl.load(slots_ptr + seq * stride_sb + place)
+        dst = seq.to(tl.int64) * stride_ob + head * stride_oh + place * stride_ot
         ty = out_ptr.dtype.element_ty
         tl.store(out_ptr + dst + lo, (y1 * c1 - y2 * s1).to(ty))
         tl.store(out_ptr + dst + hi, (y2 * c2 + y1 * s2).to(ty))
@@ -155,26 +159,31 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
-    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, x, x, out, h, x.stride(1), d, h * d, eps,
-                                        HALF=d // 2, HAS_SLOTS=False, HAS_V=False)
+    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, x, x, out, h, t, x.stride(1), t * h * d, d, h * d, 0,
+                                        eps, HALF=d // 2, HAS_SLOTS=False, HAS_V=False)
     return out.transpose(1, 2)
 
 
 def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,
                            cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            slots: torch.Tensor) -> bool:
-    """A tree pass's whole KV write in one kernel: RMSNorm + RoPE of k ([1, T, Hkv, D]) and v as is,
-    into one layer's cache ([1, Hkv, capacity, D]) at `slots` ([T]), instead of the RoPE kernel and two
-    index copies. False (nothing written) where the kernel does not apply."""
+    """A tree pass's whole KV write in one kernel: RMSNorm + RoPE of k ([B, T, Hkv, D]) and v as is,
+    into one layer's cache rows ([B, Hkv, capacity, D], row b for sequence b) at `slots` ([T]: the same
+    for every row, or [B, T]: each row its own), instead of the RoPE kernel and two index copies or
+    scatters. False (nothing written) where the kernel does not apply."""
     b, t, h, d = k.shape
-    if not (_rope_fits(k, weight, cos) and b == 1 and v.shape == k.shape and _rows(k) and _rows(v)
-            and k.stride(1) == v.stride(1) and cache_k.dtype == k.dtype
-            and cache_k.stride() == cache_v.stride() and cache_k.stride(3) == 1 and cache_k.stride(2) == d):
+    if not (_rope_fits(k, weight, cos) and v.shape == k.shape and cos.shape[0] == b and _rows(k) and _rows(v)
+            and k.stride(1) == v.stride(1) and k.stride(0) == v.stride(0) and cache_k.dtype == k.dtype
+            and cache_k.shape[0] == b and cache_k.stride() == cache_v.stride() and cache_k.stride(3) == 1
+            and cache_k.stride(2) == d and slots.shape[-1] == t and slots.stride(-1) == 1
+            and (slots.dim() == 1 or slots.shape[0] == b)):
         return False
-    c = cos.reshape(t, d).contiguous()
-    s = sin.reshape(t, d).contiguous()
-    _rms_norm_rope_kernel[(t * h,)](k, weight, c, s, cache_k, slots, v, cache_v, h, k.stride(1),
-                                    cache_k.stride(1), d, eps, HALF=d // 2, HAS_SLOTS=True, HAS_V=True)
+    c = cos.reshape(b * t, d).contiguous()
+    s = sin.reshape(b * t, d).contiguous()
+    slot_rows = slots.stride(0) if slots.dim() == 2 else 0
+    _rms_norm_rope_kernel[(b * t * h,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, k.stride(1),
+                                        cache_k.stride(0), cache_k.stride(1), d, slot_rows, eps, HALF=d // 2,
+                                        HAS_SLOTS=True, HAS_V=True)
     return True
 
 
@@ -182,12 +191,16 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
 
 if triton is not None:
     @triton.jit
-    def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, ml_ptr,
-                                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t,
-                                 HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr,
-                                 G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr,
+                                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, so_b, so_h, so_t,
+                                 HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr, G: tl.constexpr,
+                                 D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr):
         # one program per (sequence x KV head, KV split, block of rows); rows are (query head of the
-        # group, query)
+        # group, query). With lengths, sequence b reads only its first lengths[b] keys (the rest are
+        # masked by its bias anyway): the key loop stops there, and a split starting past it writes no
+        # partial (the reduce skips it; split 0 always writes). DIRECT (one split): the program writes
+        # the normalised output itself and no reduce runs
         bh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bh // HKV, bh % HKV
         q_ptr += b * sq_b
@@ -205,9 +218,12 @@ if triton is not None:
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         lo = split * SPLIT
-        hi = tl.minimum(lo + SPLIT, L)
-        for off in range(0, SPLIT, BLOCK_N):
-            n = lo + off + tl.arange(0, BLOCK_N)
+        end = L
+        if HAS_LENGTHS:
+            end = tl.minimum(L, tl.load(len_ptr + b).to(tl.int32))
+        hi = tl.minimum(lo + SPLIT, end)
+        for first in range(lo, hi, BLOCK_N):
+            n = first + tl.arange(0, BLOCK_N)
             keep = n < hi
             kb = tl.load(k_ptr + kvh * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb)) * scale
@@ -220,19 +236,29 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
-        row = (bh * n_splits + split) * rows_pad + r
-        tl.store(o_ptr + row[:, None] * D + d[None, :], acc)
-        tl.store(ml_ptr + 2 * row, m)
-        tl.store(ml_ptr + 2 * row + 1, l)
+        if DIRECT:
+            o = acc / l[:, None]
+            tl.store(out_ptr + b * so_b + (kvh * G + g)[:, None] * so_h + t[:, None] * so_t + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        elif (split == 0) | (lo < hi):
+            row = (bh * n_splits + split) * rows_pad + r
+            tl.store(o_ptr + row[:, None] * D + d[None, :], acc)
+            tl.store(ml_ptr + 2 * row, m)
+            tl.store(ml_ptr + 2 * row + 1, l)
 
     @triton.jit
-    def _decode_attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, so_b, so_h, so_t, HKV, T, rows_pad, n_splits,
-                                   G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        # one program per (sequence x KV head, row): merge the splits' partial softmaxes
+    def _decode_attn_reduce_kernel(o_ptr, ml_ptr, len_ptr, out_ptr, so_b, so_h, so_t, HKV, T, L, rows_pad,
+                                   n_splits, SPLIT: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                                   BLOCK_S: tl.constexpr, HAS_LENGTHS: tl.constexpr):
+        # one program per (sequence x KV head, row): merge the splits' partial softmaxes (with lengths,
+        # only the splits that start before the sequence's length: the others wrote nothing)
         bh, r = tl.program_id(0), tl.program_id(1)
         b, kvh = bh // HKV, bh % HKV
+        written = n_splits
+        if HAS_LENGTHS:
+            written = tl.maximum(1, tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), SPLIT))
         s = tl.arange(0, BLOCK_S)
-        ok = s < n_splits
+        ok = s < written
         row = (bh * n_splits + s) * rows_pad + r
         m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
         l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
@@ -244,67 +270,113 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
 
 
-# Tuned on an H200 in CUDA graphs (runtime/bench/attn_probe.py, one layer of Qwen3-8B heads: 32 query
-# / 8 KV heads of 128; bench/results/runtime-attn-probe.txt). The kernel is latency-bound: what matters
-# is how many programs share the work. Best were about 128 programs (KV heads x splits x row blocks)
-# with 64-row blocks and 4 warps: 17 queries over 1K keys 8.9 us (SDPA 26.2), over 4.6K keys 22.2 us
-# (SDPA 99.2); 129 queries 22.8 / 69.7 us (SDPA 30.0 / 111.4). One query does best at 64-key splits
-# (5.1 / 9.0 us; SDPA 6.9 / 12.1). At 257 queries SDPA wins (each row block rereads the keys), so the
-# kernel takes up to 516 rows: 129 queries of four query heads per KV head (Qwen3-8B), 86 of six.
-DECODE_PROGRAMS = 128
-DECODE_SPLITS = (128, 1024)  # the split's bounds, in keys
-DECODE_SPLIT_ONE_QUERY = 64
-DECODE_BLOCK_ROWS = 64
-DECODE_WARPS = 4
+class DecodeRule(NamedTuple):
+    """How decode_attention shares out its work: the kernel is latency-bound, so what matters is how
+    many programs share the keys and how long each one's loop is."""
+    programs: int             # programs to aim for in all: sequences x KV heads x row blocks x splits
+    splits: tuple[int, int]   # bounds on the keys a program reads (powers of two)
+    block_rows: int           # the most query rows (query heads of a group x queries) a program takes
+    warps: int
+    one_query_split: int      # keys per program when each sequence has one query (an AR step)
+
+
+class DecodeLaunch(NamedTuple):
+    """One launch's shape: rows per program (at least 16, rows padded up to a multiple), keys per
+    program, warps."""
+    block_rows: int
+    split: int
+    warps: int
+
+
+# The launch rules, all in one place. One sequence: tuned on an H200 in CUDA graphs
+# (runtime/bench/attn_probe.py, one layer of Qwen3-8B heads: 32 query / 8 KV heads of 128;
+# bench/results/runtime-attn-probe.txt). Best were about 128 programs with 64-row blocks and 4 warps:
+# 17 queries over 1K keys 8.9 us (SDPA 26.2), over 4.6K keys 22.2 us (SDPA 99.2); 129 queries
+# 22.8 / 69.7 us (SDPA 30.0 / 111.4). One query does best at 64-key splits (5.1 / 9.0 us; SDPA 6.9 /
+# 12.1). At 257 queries SDPA wins (each row block rereads the keys), so the kernel takes up to 516 rows:
+# 129 queries of four query heads per KV head (Qwen3-8B), 86 of six.
+DECODE_ONE_SEQUENCE = DecodeRule(programs=128, splits=(128, 1024), block_rows=64, warps=4, one_query_split=64)
+# A batch (a batched round: B sequences, each over its own cache row with per-row key lengths). The
+# one-sequence rule gave 16 rows of 17-node trees at a 1K bucket one 1024-key split of 128-row blocks:
+# 256 long programs, 43 us a layer on an H200. Smaller row blocks (68 rows -> 96, not 128) and several
+# waves of programs over 132 SMs; PROVISIONAL until the probe's batched sweep (attn_probe.py --batched)
+# sets them.
+DECODE_BATCH = DecodeRule(programs=4 * 132, splits=(64, 1024), block_rows=32, warps=4, one_query_split=256)
+# Whether a batch of single queries (batched AR steps) takes the kernel, given per-row lengths (without
+# them SDPA ran faster: 7.0 against 6.6 ms a step for 16 sequences of Qwen3-8B,
+# bench/results/runtime-batch-bench-8b-v*); PROVISIONAL until the probe's T=1 rows decide.
+DECODE_BATCHED_ONE_QUERY = False
 DECODE_MAX_ROWS = 4 * 129
 
 
-def decode_split(length: int, queries: int, row_blocks: int, kv_heads: int) -> int:
-    """Keys per program: about DECODE_PROGRAMS programs in all, a power of two within DECODE_SPLITS."""
+def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: int,
+                  rule: DecodeRule | None = None) -> DecodeLaunch:
+    """The launch for `batch` sequences of `rows` query rows per KV head over `length` keys (the
+    bucket: per-row lengths are device values): the rule's row block, and keys per program such that
+    about rule.programs programs run, a power of two within rule.splits."""
+    rule = rule or (DECODE_BATCH if batch > 1 else DECODE_ONE_SEQUENCE)
+    block_rows = min(max(16, triton.next_power_of_2(rows)), rule.block_rows)
     if queries == 1:
-        return DECODE_SPLIT_ONE_QUERY
-    lo, hi = DECODE_SPLITS
-    return min(hi, max(lo, triton.next_power_of_2(length * row_blocks * kv_heads // DECODE_PROGRAMS)))
+        return DecodeLaunch(block_rows, rule.one_query_split, rule.warps)
+    row_blocks = -(-rows // block_rows)
+    lo, hi = rule.splits
+    split = min(hi, max(lo, triton.next_power_of_2(length * row_blocks * batch * kv_heads // rule.programs)))
+    return DecodeLaunch(block_rows, split, rule.warps)
 
 
-def decode_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None = None) -> bool:
     """Shapes the split-KV kernel takes: 16-bit, a power-of-two head dim, few query rows a sequence;
-    one query a sequence only for a single sequence (a batch of AR steps ran faster in SDPA on an H200:
-    7.0 against 6.6 ms a step for 16 sequences of Qwen3-8B, bench/results/runtime-batch-bench-8b-v*)."""
+    one query a sequence only for a single sequence, or for a batch with per-row lengths where
+    DECODE_BATCHED_ONE_QUERY says the kernel won."""
     d = q.shape[-1]
     rows = q.shape[2] * q.shape[1] // k.shape[1]
-    return (_use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and (q.shape[0] == 1 or q.shape[2] > 1)
+    one_query_ok = q.shape[0] == 1 or (DECODE_BATCHED_ONE_QUERY and lengths is not None)
+    return (_use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and (q.shape[2] > 1 or one_query_ok)
             and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS
             and k.stride(-1) == 1 and q.stride(-1) == 1)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """Attention of a few queries over a long KV (flash-decoding): q [B, Hq, T, D], k/v [B, Hkv, L, D],
     bias additive, broadcastable to [B, 1, T, L] -> [B, Hq, T, D]; each sequence of a batch (a batched
     round's rows) is its own set of programs. The KV length is split across programs and each KV
     head's query heads share one read of its keys (grouped heads), then a second kernel merges the
-    splits. SDPA here runs one block per query head over all of L: ~25 us a layer for
-    a 17-node tree at 1K context on an H200, most of a verify's cost beyond an AR step."""
+    splits (none with one split). SDPA here runs one block per query head over all of L: ~25 us a
+    layer for a 17-node tree at 1K context on an H200, most of a verify's cost beyond an AR step.
+
+    lengths: [B] ints on the device, how many leading keys sequence b may attend (its bias must mask
+    the rest, or they are ignored regardless): the bucket's padding past them costs no key reads.
+    launch: a fixed launch shape (the probe's sweep); by default decode_launch's."""
     batch, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = g * t
-    block_r = min(max(16, triton.next_power_of_2(rows)), DECODE_BLOCK_ROWS)
+    block_r, split, warps = launch or decode_launch(batch, t, rows, length, hkv)
     rows_pad = -(-rows // block_r) * block_r
-    split = decode_split(length, t, rows_pad // block_r, batch * hkv)
     n_splits = -(-length // split)
     bias3 = bias.reshape(bias.shape[0], bias.shape[-2], length)  # [B or 1, T or 1, L]
     if bias3.stride(-1) != 1:
         bias3 = bias3.contiguous()
-    part = torch.empty(batch * hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
-    ml = torch.empty(batch * hkv, n_splits, rows_pad, 2, device=q.device, dtype=torch.float32)
-    _decode_attn_part_kernel[(batch * hkv, n_splits, rows_pad // block_r)](
-        q, k, v, bias3, part, ml, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), bias3.stride(0) if bias3.shape[0] > 1 else 0,
-        bias3.stride(1) if bias3.shape[1] > 1 else 0, hkv, t, length, rows_pad, d ** -0.5, SPLIT=split,
-        G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32, num_warps=DECODE_WARPS)
     out = torch.empty(batch, hq, t, d, device=q.device, dtype=q.dtype)
-    _decode_attn_reduce_kernel[(batch * hkv, rows)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), hkv,
-                                                    t, rows_pad, n_splits, G=g, D=d,
-                                                    BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
+    direct = n_splits == 1
+    if direct:
+        part = ml = out  # unused
+    else:
+        part = torch.empty(batch * hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
+        ml = torch.empty(batch * hkv, n_splits, rows_pad, 2, device=q.device, dtype=torch.float32)
+    has_lengths = lengths is not None
+    if has_lengths and lengths.shape != (batch,):
+        raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
+    lens = lengths if has_lengths else out  # unused without lengths
+    _decode_attn_part_kernel[(batch * hkv, n_splits, rows_pad // block_r)](
+        q, k, v, bias3, lens, part, ml, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias3.stride(0) if bias3.shape[0] > 1 else 0,
+        bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0), out.stride(1), out.stride(2), hkv, t, length,
+        rows_pad, d ** -0.5, SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32,
+        HAS_LENGTHS=has_lengths, DIRECT=direct, num_warps=warps)
+    if not direct:
+        _decode_attn_reduce_kernel[(batch * hkv, rows)](
+            part, ml, lens, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, rows_pad, n_splits,
+            SPLIT=split, G=g, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_LENGTHS=has_lengths)
     return out

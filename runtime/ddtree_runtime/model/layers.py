@@ -78,6 +78,7 @@ class TreeInputs(NamedTuple):
     kv_len: int
     tree: torch.Tensor      # [T, T] bool, node j is node i or one of its ancestors
     paths: object = None    # gated_delta.Paths, filled by a hybrid model
+    lengths: torch.Tensor | None = None  # [B] keys each row may attend (a batched pass): see attend_decode
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx: int, start: int,
@@ -87,7 +88,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx:
     prompt, start > 0, causal with its queries aligned to the end of the keys)."""
     if tree is not None:
         k, v = cache.write_at(idx, tree.slots, k, v, tree.kv_len)
-        return attend_decode(q, k, v, tree.bias)
+        return attend_decode(q, k, v, tree.bias, tree.lengths)
     if cache is not None:
         k, v = cache.write(idx, start, k, v)
     if mask is None and q.shape[2] > 1 and q.shape[2] < k.shape[2]:
@@ -222,14 +223,18 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     return torch.matmul(p, v).view(b, hk, g, t, d).reshape(b, hq, t, d)
 
 
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                  lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the graphed decode path (bias additive, KV length bucketed). On CUDA in 16 bits the
     split-KV kernel (kernels.decode_attention) takes every shape it fits. Otherwise, as measured on an
     H200 (docs/performance.md): the batched-GEMM form wins for small blocks of queries over a long
     context (a 16-node tree or the drafter's block at 4K: 9.1 -> 7.7 ms per verify); SDPA wins for one
-    query (the AR step) and for large trees, whose float32 score matrix the GEMM form materialises."""
-    if decode_attention_fits(q, k):
-        return decode_attention(q, k, v, bias)
+    query (the AR step) and for large trees, whose float32 score matrix the GEMM form materialises.
+
+    lengths ([B] on the device, optional): row b's bias masks every key from lengths[b] on, so the
+    kernel stops reading there (the bucket's padding is free); the other forms rely on the bias."""
+    if decode_attention_fits(q, k, lengths):
+        return decode_attention(q, k, v, bias, lengths)
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)

@@ -18,7 +18,7 @@ class DecoderLayer(LayerWeights):
         h = self.input_layernorm(x)
         if static is not None:  # a tree pass: k/v stored at the nodes' slots, attention over the cache
             q, k, v = attn.qkv_to_cache(h, cos, sin, cache, idx, static.slots, static.kv_len)
-            o = attend_decode(q, k, v, static.bias)
+            o = attend_decode(q, k, v, static.bias, static.lengths)
         else:
             o = attend_cached(*attn.qkv(h, cos, sin), cache, idx, start, mask, None)
         x = attn.add_out(x, o)

@@ -190,6 +190,24 @@ def test_rope_and_the_kv_write_match_torch():
         assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], same)
         assert torch.equal(pool_v, want_v)
         assert not K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1], pool_v[1], slots)  # 4 rows for 3
+
+        # a batched AR step: one token a sequence, where torch's stride of the size-1 token dim is not the
+        # batch's step; q's RoPE and the KV write still read each sequence's own token
+        y = torch.randn(b, 1, (hq + 2 * hkv) * d, dtype=torch.float16)
+        q = y[..., :hq * d].view(b, 1, hq, d)
+        k = y[..., hq * d:(hq + hkv) * d].view(b, 1, hkv, d)
+        v = y[..., (hq + hkv) * d:].view(b, 1, hkv, d)
+        assert k.stride(1) != k.stride(0) and K._rows(k)
+        ang = torch.rand(b, 1, 1, d) * 6
+        cos, sin = ang.cos().half(), ang.sin().half()
+        assert (K.rms_norm_rope(q, w, eps, cos, sin).double() - ref_rope(q)).abs().max() < 3e-3
+        slots = torch.tensor([[4], [9], [0]])
+        want_k, want_v = pool_k.double(), pool_v.clone()
+        want_k[1, rows, heads, slots[:, None, :]] = ref_rope(k)
+        want_v[1, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
+        assert (pool_k.double() - want_k).abs().max() < 3e-3
+        assert torch.equal(pool_v, want_v)
     """)
 
 

@@ -142,10 +142,16 @@ def _rope_fits(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor) -> bool
     return _use_triton(x) and x.dtype == weight.dtype == cos.dtype and not d & (d - 1)
 
 
+def _token_stride(x: torch.Tensor) -> int:
+    """The step between consecutive tokens of [B, T, H, D] taken as B*T rows: with one token a sequence
+    (a batched AR step), torch's stride of the size-1 T dim is arbitrary and the batch's is the step."""
+    return x.stride(0) if x.shape[1] == 1 else x.stride(1)
+
+
 def _rows(x: torch.Tensor) -> bool:
-    """[B, T, H, D] with each token's heads and dims dense (tokens may be strided)."""
+    """[B, T, H, D] with each token's heads and dims dense (tokens may be strided, evenly across B)."""
     b, t, h, d = x.shape
-    return x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == t * x.stride(1)
+    return x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == t * _token_stride(x)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -159,7 +165,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
-    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, x, x, out, h, t, x.stride(1), t * h * d, d, h * d, 0,
+    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, x, x, out, h, t, _token_stride(x), t * h * d, d, h * d, 0,
                                         eps, HALF=d // 2, HAS_SLOTS=False, HAS_V=False)
     return out.transpose(1, 2)
 
@@ -173,7 +179,7 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
     scatters. False (nothing written) where the kernel does not apply."""
     b, t, h, d = k.shape
     if not (_rope_fits(k, weight, cos) and v.shape == k.shape and cos.shape[0] == b and _rows(k) and _rows(v)
-            and k.stride(1) == v.stride(1) and k.stride(0) == v.stride(0) and cache_k.dtype == k.dtype
+            and _token_stride(k) == _token_stride(v) and k.stride(0) == v.stride(0) and cache_k.dtype == k.dtype
             and cache_k.shape[0] == b and cache_k.stride() == cache_v.stride() and cache_k.stride(3) == 1
             and cache_k.stride(2) == d and slots.shape[-1] == t and slots.stride(-1) == 1
             and (slots.dim() == 1 or slots.shape[0] == b)):
@@ -181,7 +187,7 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
     slot_rows = slots.stride(0) if slots.dim() == 2 else 0
-    _rms_norm_rope_kernel[(b * t * h,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, k.stride(1),
+    _rms_norm_rope_kernel[(b * t * h,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, _token_stride(k),
                                         cache_k.stride(0), cache_k.stride(1), d, slot_rows, eps, HALF=d // 2,
                                         HAS_SLOTS=True, HAS_V=True)
     return True
@@ -296,16 +302,20 @@ class DecodeLaunch(NamedTuple):
 # 12.1). At 257 queries SDPA wins (each row block rereads the keys), so the kernel takes up to 516 rows:
 # 129 queries of four query heads per KV head (Qwen3-8B), 86 of six.
 DECODE_ONE_SEQUENCE = DecodeRule(programs=128, splits=(128, 1024), block_rows=64, warps=4, one_query_split=64)
-# A batch (a batched round: B sequences, each over its own cache row with per-row key lengths). The
-# one-sequence rule gave 16 rows of 17-node trees at a 1K bucket one 1024-key split of 128-row blocks:
-# 256 long programs, 43 us a layer on an H200. Smaller row blocks (68 rows -> 96, not 128) and several
-# waves of programs over 132 SMs; PROVISIONAL until the probe's batched sweep (attn_probe.py --batched)
-# sets them.
-DECODE_BATCH = DecodeRule(programs=4 * 132, splits=(64, 1024), block_rows=32, warps=4, one_query_split=256)
-# Whether a batch of single queries (batched AR steps) takes the kernel, given per-row lengths (without
-# them SDPA ran faster: 7.0 against 6.6 ms a step for 16 sequences of Qwen3-8B,
-# bench/results/runtime-batch-bench-8b-v*); PROVISIONAL until the probe's T=1 rows decide.
-DECODE_BATCHED_ONE_QUERY = False
+# A batch (a batched round: B sequences, each over its own cache row). Set from the probe's batched
+# sweep on an H200 (attn_probe.py --batched, bench/results/runtime-attn-probe-batched-1k.json; 1K
+# bucket, rows of ~529 real keys): 16 rows of 17-node trees do best with all 68 rows of a KV head in
+# one 128-row block and one 1024-key split, 8 warps (36.1 us a layer, against 55.6 with the
+# one-sequence rule's launch and 99.8 in SDPA); 32 rows 69.1 (107.8, 192.3). A batch of single
+# queries (AR steps) does best unsplit too: 14.0 us at 16 rows with per-row lengths (SDPA 21.3).
+DECODE_BATCH = DecodeRule(programs=128, splits=(128, 1024), block_rows=128, warps=8, one_query_split=1024)
+# Whether a batch of single queries (batched AR steps) takes the kernel, given per-row lengths: it
+# does (the figures above; without lengths the kernel only tied SDPA, 21.2 against 21.3 us).
+DECODE_BATCHED_ONE_QUERY = True
+# Per-row lengths stop a program's key loop early, but the loop's bound then waits on a loaded value:
+# for several queries a sequence the full bucket ran faster (36.1 against 42.8 us a layer at 16 rows
+# of 17 queries, the sweep above), so lengths are used for one-query passes only.
+DECODE_LENGTHS_MAX_QUERIES = 1
 DECODE_MAX_ROWS = 4 * 129
 
 
@@ -346,12 +356,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     layer for a 17-node tree at 1K context on an H200, most of a verify's cost beyond an AR step.
 
     lengths: [B] ints on the device, how many leading keys sequence b may attend (its bias must mask
-    the rest, or they are ignored regardless): the bucket's padding past them costs no key reads.
+    the rest, or they are ignored regardless): the bucket's padding past them costs no key reads (used
+    for up to DECODE_LENGTHS_MAX_QUERIES queries a sequence, unless a launch is given).
     launch: a fixed launch shape (the probe's sweep); by default decode_launch's."""
     batch, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = g * t
+    if t > DECODE_LENGTHS_MAX_QUERIES and launch is None:
+        lengths = None
     block_r, split, warps = launch or decode_launch(batch, t, rows, length, hkv)
     rows_pad = -(-rows // block_r) * block_r
     n_splits = -(-length // split)

@@ -1,7 +1,8 @@
 """The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
-build against the torch build, RMSNorm+RoPE and the fused KV write, the fused SiLU-and-multiply, and
-the Gated DeltaNet tree pass with its fused conv/heads and gated-norm kernels against the same layer."""
+build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
+the fused KV write, the fused SiLU-and-multiply, and the Gated DeltaNet tree pass with its fused
+conv/heads and gated-norm kernels against the same layer."""
 
 from __future__ import annotations
 
@@ -262,6 +263,60 @@ def test_batched_tree_build_kernel_gives_each_draft_its_torch_tree():
         assert nodes[1].tolist() == [[0] * 5, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
         assert torch.equal(nodes, build_trees(x, 5))
     """)
+
+def test_top_log_probs_kernel_is_the_log_softmax_top_k():
+    """tree.top_tokens' CUDA form (the tile pass, then a tournament per row): a vocabulary not a multiple
+    of the tile, one smaller than a tile, K = 1, 16, 33 and K = V, one draft [D, V] and a batched round's
+    [R, D, V] (different data per row: a program reading another row's logits would fail), logits at
+    50x (a plain exp overflows), depth capped by the budget (rows strided in the drafts' tensor)."""
+    interpret("""
+        from ddtree_runtime.engine.tree import top_tokens, tree_size
+        g = torch.Generator().manual_seed(2)
+        # (leading dims, depth, vocab, budget, scale)
+        for lead, depth, vocab, budget, scale in [((), 15, 300, 16, 3), ((2,), 15, 4999, 33, 3),
+                                                  ((3,), 15, 2500, 1, 3), ((2,), 5, 12, 16, 3),
+                                                  ((2,), 15, 2100, 16, 50), ((2,), 15, 97, 8, 3)]:
+            x = torch.randn(*lead, depth, vocab, generator=g) * scale
+            lp, ids, n = top_tokens(x, budget, chunked=True)
+            want_lp, want_ids, want_n = top_tokens(x, budget, chunked=False)
+            k = min(budget, vocab)
+            assert lp.shape == ids.shape == (*lead, min(depth, budget), k), (vocab, lp.shape)
+            assert lp.dtype == torch.float32 and ids.dtype == torch.int64
+            assert (lp - want_lp).abs().max() < 1e-5, (vocab, budget, (lp - want_lp).abs().max())
+            assert torch.equal(ids, want_ids), (vocab, budget)
+            assert n == want_n == tree_size(budget, min(depth, budget), vocab) - 1
+            print(vocab, budget)
+    """)
+
+
+def test_top_log_probs_kernel_breaks_ties_by_the_lower_token():
+    """Equal logits (bf16 logits tie often): the same values as torch's top-K, each id's log-prob, and
+    among equal values the lower token first; a constant row gives tokens 0..K-1."""
+    interpret("""
+        from ddtree_runtime.engine.tree import top_tokens
+        g = torch.Generator().manual_seed(3)
+        x = (torch.randn(2, 6, 3000, generator=g) * 3).bfloat16()
+        x[1, 2] = 1.5
+        lp, ids, _ = top_tokens(x, 16, chunked=True)
+        exact = torch.log_softmax(x.float(), dim=-1)
+        assert (lp - exact.topk(16, dim=-1).values).abs().max() < 1e-5
+        assert (exact.gather(-1, ids) - lp).abs().max() < 1e-5
+        same = lp[..., 1:] == lp[..., :-1]
+        assert same.any() and (ids[..., 1:] > ids[..., :-1])[same].all()
+        assert ids[1, 2].tolist() == list(range(16))
+    """)
+
+
+def test_batched_tree_build_over_the_kernels_top_k_is_the_torch_build():
+    """build_trees with the Triton top-K (as on CUDA) builds the same trees as with torch's."""
+    interpret("""
+        from ddtree_runtime.engine.tree import build_trees
+        g = torch.Generator().manual_seed(4)
+        for rows, budget, depth, vocab in [(2, 16, 15, 300), (3, 7, 3, 2)]:
+            x = torch.randn(rows, depth, vocab, generator=g) * 3
+            assert torch.equal(build_trees(x, budget, chunked=True), build_trees(x, budget)), budget
+    """)
+
 
 def test_fused_gated_deltanet_tree_pass_matches_torch():
     interpret("""

@@ -10,7 +10,6 @@ one host sync reads the walk's result: path length, next token, path nodes and t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -67,37 +66,29 @@ def tree_size(budget: int, depth: int, vocab: int) -> int:
     return paths + 1
 
 
-@functools.cache
-def _vocab_chunks(vocab: int) -> int:
-    """The most chunks up to 128 that divide the vocabulary evenly."""
-    return max(c for c in range(1, 129) if vocab % c == 0)
-
-
 def top_tokens(draft_logits: torch.Tensor, budget: int,
                chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """[..., D, V] draft logits (one draft [D, V], or a batched round's [R, D, V]) -> the per-depth
     top-K log-probs (float32, descending) and tokens, [..., D', K] for the depths a tree of `budget`
     nodes can reach, and the number of draft nodes it will have.
 
-    On CUDA each row is cut into chunks first (top-K and log-sum-exp per chunk, then over the chunks),
-    one set of kernels for all the rows of all the drafts: a row per thread block is 15 blocks for an
-    H200's 132 processors, and a top-K over a whole 152K row is a multi-pass radix select; 128 chunks a
-    row fill the device. A CPU takes a row at a time well (`chunked` overrides the choice, for tests)."""
+    On CUDA with Triton, tree_kernel.top_log_probs: one pass over all the rows of all the drafts in
+    tiles, then a program per row (a torch top-K over a whole 152K row is a multi-pass radix select
+    with one thread block per row: 15 blocks for an H200's 132 processors). Elsewhere (and on CUDA
+    without Triton) a row at a time in torch. `chunked` overrides the choice (True: the Triton form,
+    which on a CPU runs only under Triton's interpreter, for tests). Exactly equal log-probs: the Triton
+    form takes the lower token first; torch's top-K leaves the order among them unspecified."""
     depth, vocab = min(draft_logits.shape[-2], budget), draft_logits.shape[-1]
-    k, chunks = min(budget, vocab), _vocab_chunks(vocab)
+    k = min(budget, vocab)
     n = tree_size(budget, depth, vocab) - 1
-    logits = draft_logits[..., :depth, :].float()
-    if not (draft_logits.is_cuda if chunked is None else chunked):
-        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    logits = draft_logits[..., :depth, :]
+    if chunked is None:
+        chunked = draft_logits.is_cuda and tree_kernel.triton is not None
+    if chunked:
+        lp, ids = tree_kernel.top_log_probs(logits, k)
         return lp, ids, n
-    width = vocab // chunks
-    x = logits.unflatten(-1, (chunks, width))                                                  # [..., D, C, W]
-    lse = torch.logsumexp(torch.logsumexp(x, dim=-1), dim=-1, keepdim=True)                  # [..., D, 1]
-    part, part_ids = x.topk(min(k, width), dim=-1)                                           # [..., D, C, k']
-    top, pick = part.flatten(-2).topk(k, dim=-1)                                             # [..., D, K]
-    starts = torch.arange(0, vocab, width, device=x.device)[:, None]
-    ids = (part_ids + starts).flatten(-2).gather(-1, pick)
-    return top - lse, ids, n
+    lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return lp, ids, n
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -137,8 +128,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
 def build_trees(draft_logits: torch.Tensor, budget: int, chunked: bool | None = None) -> torch.Tensor:
     """build_tree for R drafts at once (the requests of a batched round that share a budget and a
     depth): [R, D, V] -> the draft nodes [R, 3, N-1], row r as build_tree makes them for draft r. One
-    sequence of device ops for all R, instead of R builds (torch, the reference for build_trees_on_gpu;
-    `chunked` as in top_tokens)."""
+    sequence of device ops for all R, instead of R builds (torch levels, the reference for
+    build_trees_on_gpu; `chunked` as in top_tokens)."""
     lp, ids, n = top_tokens(draft_logits, budget, chunked)                                   # [R, D, K]
     rows, depth, k = lp.shape
     dev = lp.device
@@ -170,8 +161,8 @@ def build_chain(draft_logits: torch.Tensor) -> Tree:
 
 
 def build_trees_on_gpu(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
-    """build_trees with the chunked top-K of all R drafts' rows at once, then each draft's levels and
-    choice in one Triton program of a launch over the drafts (tree_kernel.py): [R, D, V] -> [R, 3, N-1]."""
+    """build_trees with the top-K of all R drafts' rows at once (top_tokens), then each draft's levels
+    and choice in one Triton program of a launch over the drafts (tree_kernel.py): [R, D, V] -> [R, 3, N-1]."""
     lp, ids, n = top_tokens(draft_logits, budget)
     return tree_kernel.build_tree_nodes_rows(lp, ids, budget, n)
 

@@ -17,6 +17,7 @@ DECODE_BATCHED_ONE_QUERY."""
 
 import argparse
 import json
+import itertools
 import statistics
 from pathlib import Path
 
@@ -35,6 +36,8 @@ DEVICE = "cuda"
 GRID_BLOCK_ROWS = (16, 32, 64, 128)
 GRID_SPLITS = (64, 128, 256, 512, 1024)
 GRID_WARPS = (4, 8)
+GRID_STAGES = (3,)   # Triton's num_stages: the key loop's software pipelining
+GRID_KEYS = (64,)    # keys per loop iteration
 MAX_WORKSPACE = 512 << 20
 
 
@@ -120,11 +123,14 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
             n_splits = -(-bucket // split)
             if n_splits > 1 and batch * HKV * n_splits * rows_pad * D * 4 > MAX_WORKSPACE:
                 continue
-            for warps in GRID_WARPS:
-                launch = DecodeLaunch(block_rows, split, warps)
-                name = f"r{block_rows}s{split}w{warps}"
-                grid[f"{name}-len"] = kernel(launch, True)
-                grid[f"{name}-nolen"] = kernel(launch, False)
+            for warps, stages, keys in itertools.product(GRID_WARPS, GRID_STAGES, GRID_KEYS):
+                launch = DecodeLaunch(block_rows, split, warps, stages, keys)
+                name = f"r{block_rows}s{split}w{warps}" + ("" if (stages, keys) == (3, 64) else f"p{stages}k{keys}")
+                try:
+                    grid[f"{name}-len"] = kernel(launch, True)
+                    grid[f"{name}-nolen"] = kernel(launch, False)
+                except triton.runtime.errors.OutOfResources:  # too much shared memory for this device
+                    continue
     case["grid"] = grid
     case["launch_old"] = old._asdict()
     case["launch_rule"] = decode_launch(batch, t, rows, bucket, HKV)._asdict()
@@ -168,7 +174,12 @@ def main() -> None:
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 17])
     ap.add_argument("--buckets", type=int, nargs="+", default=[1024, 4608])
     ap.add_argument("--out", default="bench/results/runtime-attn-probe-batched.json")
+    ap.add_argument("--grid", nargs="+", default=[], metavar="DIM=V,V",
+                    help="narrow or widen the batched grid: block_rows=, splits=, warps=, stages=, keys=")
     args = ap.parse_args()
+    for spec in args.grid:
+        dim, values = spec.split("=")
+        globals()[f"GRID_{dim.upper()}"] = tuple(int(v) for v in values.split(","))
     if args.batched:
         batched(args.batches, args.queries, args.buckets, args.out)
     else:

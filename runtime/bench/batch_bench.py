@@ -15,7 +15,10 @@ B one after another (their sum: what batching saves).
 With `--shape` (random weights of a real shape, gpu_bench.build_models: they accept almost nothing, so
 this measures time): B requests of `--context` tokens are admitted, then steps are timed back to back
 once all run; it reports the step (round) time, its ratio to batch 1, and tokens/s at acceptance
-lengths tau (B x tau / round), as gpu_bench does for one stream. Not a test: figures depend on the machine."""
+lengths tau (B x tau / round), as gpu_bench does for one stream, and admit_ms: the time from the B
+submissions to every first token (a burst's time to first token; `--serial-prefill` prefills the burst
+one prompt a pass, as before grouped prefill, to show what grouping saves). Not a test: figures depend
+on the machine."""
 
 from __future__ import annotations
 
@@ -78,9 +81,13 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
                   warmup: int, timer=None) -> dict:
     """Admit every prompt, then time `rounds` steps back to back with all of them running; then as
     many again with `timer` (gpu_bench.PhaseTimer: a sync at each phase boundary) as the phase hook."""
+    sync(engine.device)
+    t0 = time.perf_counter()
     ids = [engine.submit(p, params) for p in prompts]
     while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
         engine.step()
+    sync(engine.device)
+    admit_s = time.perf_counter() - t0  # every prompt prefilled and its first token out (a burst's TTFT)
     for _ in range(warmup):
         engine.step()
     sync(engine.device)
@@ -102,7 +109,8 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
         phases = timer.medians_ms()
     for i in ids:
         engine.cancel(i)
-    return {"round_ms": 1e3 * round_s, "batch_size": batch, "round_tree_nodes": nodes, "phases_ms": phases,
+    return {"round_ms": 1e3 * round_s, "admit_ms": 1e3 * admit_s, "batch_size": batch, "round_tree_nodes": nodes,
+            "phases_ms": phases,
             "tokens_per_s": tokens / (rounds * round_s),
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
 
@@ -152,9 +160,12 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="only check batched greedy == alone, then exit")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (one: on a shared machine two contend and the figures swing)")
+    ap.add_argument("--serial-prefill", action="store_true", help="one prefill pass a prompt (for comparison)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="bench/results/runtime-batch-bench.json")
     args = ap.parse_args()
+    if args.serial_prefill:  # no prompt shares a pass: what the engine did before grouped prefill
+        Engine._groupable = lambda self, req, take: False
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -220,12 +231,12 @@ def main() -> None:
                   f"{r['mean_round_tree_nodes']:>7.0f}{r['mean_ttft_s']:>8.2f}")
     else:
         phases = ("step", "tree", "verify", "commit", "draft")
-        print(f"{'case':<14}{'B':>4}{'round ms':>10}{'xB=1':>7}{'nodes':>7}"
+        print(f"{'case':<14}{'B':>4}{'round ms':>10}{'xB=1':>7}{'nodes':>7}{'admit ms':>10}"
               + "".join(f"{'tok/s@' + str(t):>11}" for t in TAUS) + "".join(f"{p:>8}" for p in phases))
         for r in results:
             one = next(x for x in results if x["case"] == r["case"] and x["batch"] == 1)
             print(f"{r['case']:<14}{r['batch']:>4}{r['round_ms']:>10.2f}{r['round_ms'] / one['round_ms']:>7.2f}"
-                  f"{r['round_tree_nodes']:>7}" + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS)
+                  f"{r['round_tree_nodes']:>7}{r['admit_ms']:>10.1f}" + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS)
                   + "".join(f"{r['phases_ms'].get(p, 0):>8.2f}" for p in phases))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

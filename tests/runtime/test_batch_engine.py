@@ -226,3 +226,17 @@ def test_the_engine_serves_cleanly_after_cancelling_everything(engine, prompts, 
     assert not engine.has_work
     outs, _ = serve(engine, {0: [(p, params(i)) for i, p in enumerate(prompts[:4])]})
     assert outs == reference[:4]
+
+
+def test_drafts_of_one_batched_pass_reach_the_tree_build_without_a_copy():
+    """A batched round's drafts are rows of the drafter pass's output: the tree build reads them in
+    place (a view), and any other set of drafts is stacked."""
+    buffer = torch.randn(4, 15, 50)
+    rows = [buffer[i, :7] for i in range(4)]
+    view = engine_module._stacked(rows)
+    assert torch.equal(view, torch.stack(rows)) and view.data_ptr() == buffer.data_ptr()
+    mixed = [buffer[0, :7], torch.randn(15, 50)[:7], buffer[2, :7]]
+    copy = engine_module._stacked(mixed)
+    assert torch.equal(copy, torch.stack(mixed)) and copy.data_ptr() != buffer.data_ptr()
+    skipping = [buffer[0, :7], buffer[2, :7], buffer[3, :7]]
+    assert torch.equal(engine_module._stacked(skipping), torch.stack(skipping))

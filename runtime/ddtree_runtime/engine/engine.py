@@ -850,10 +850,23 @@ class Engine:
                 # a graphed build returns the same static buffer to every request of this budget
                 trees[rows[0]] = Tree(tree.nodes.clone()) if self.trees.use_graphs else tree
                 continue
-            nodes = self.trees.build_rows(torch.stack([reqs[row].drafted[:depth] for row in rows]), budget)
+            nodes = self.trees.build_rows(_stacked([reqs[row].drafted[:depth] for row in rows]), budget)
             for i, row in enumerate(rows):
                 trees[row] = Tree(nodes[i])  # staged by the verify before the next build
         return trees
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one [R, ...]: a view when they are evenly spaced rows of one buffer (the drafts of
+    a batched drafter pass, 146 MB at 16 requests of Qwen3-8B), else a stacked copy."""
+    first = rows[0]
+    step = rows[1].data_ptr() - first.data_ptr() if len(rows) > 1 else 0
+    even = step > 0 and step % first.element_size() == 0 and all(
+        r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.shape == first.shape
+        and r.stride() == first.stride() and r.data_ptr() - first.data_ptr() == i * step for i, r in enumerate(rows))
+    if not even:
+        return torch.stack(rows)
+    return first.as_strided((len(rows), *first.shape), (step // first.element_size(), *first.stride()))
 
 
 def _cut(logprobs: list[TokenLogprob] | None, n: int) -> list[TokenLogprob] | None:

@@ -288,10 +288,12 @@ class DecodeRule(NamedTuple):
 
 class DecodeLaunch(NamedTuple):
     """One launch's shape: rows per program (at least 16, rows padded up to a multiple), keys per
-    program, warps."""
+    program, warps; and the key loop's block and software-pipelining stages (Triton's num_stages)."""
     block_rows: int
     split: int
     warps: int
+    stages: int = 3
+    block_keys: int = 64
 
 
 # The launch rules, all in one place. One sequence: tuned on an H200 in CUDA graphs
@@ -365,13 +367,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     rows = g * t
     if t > DECODE_LENGTHS_MAX_QUERIES and launch is None:
         lengths = None
-    block_r, split, warps = launch or decode_launch(batch, t, rows, length, hkv)
+    block_r, split, warps, stages, block_keys = launch or decode_launch(batch, t, rows, length, hkv)
     rows_pad = -(-rows // block_r) * block_r
     n_splits = -(-length // split)
     bias3 = bias.reshape(bias.shape[0], bias.shape[-2], length)  # [B or 1, T or 1, L]
     if bias3.stride(-1) != 1:
         bias3 = bias3.contiguous()
-    out = torch.empty(batch, hq, t, d, device=q.device, dtype=q.dtype)
+    # laid out [B, T, Hq, D] (returned as a [B, Hq, T, D] view): the output projection reads each
+    # token's heads as one row, so its input needs no transposing copy
+    out = torch.empty(batch, t, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
     direct = n_splits == 1
     if direct:
         part = ml = out  # unused
@@ -386,8 +390,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         q, k, v, bias3, lens, part, ml, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias3.stride(0) if bias3.shape[0] > 1 else 0,
         bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0), out.stride(1), out.stride(2), hkv, t, length,
-        rows_pad, d ** -0.5, SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=64 if d <= 128 else 32,
-        HAS_LENGTHS=has_lengths, DIRECT=direct, num_warps=warps)
+        rows_pad, d ** -0.5, SPLIT=split, G=g, D=d, BLOCK_R=block_r,
+        BLOCK_N=min(block_keys, split) if d <= 128 else min(block_keys, 32), HAS_LENGTHS=has_lengths, DIRECT=direct,
+        num_warps=warps, num_stages=stages)
     if not direct:
         _decode_attn_reduce_kernel[(batch * hkv, rows)](
             part, ml, lens, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, rows_pad, n_splits,

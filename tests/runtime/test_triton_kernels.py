@@ -209,6 +209,26 @@ def test_rope_and_the_kv_write_match_torch():
         assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
         assert (pool_k.double() - want_k).abs().max() < 3e-3
         assert torch.equal(pool_v, want_v)
+
+        # head counts that are no power of two (a program takes all of a token's heads, padded to 8)
+        hq, hkv = 6, 3
+        y = torch.randn(b, t, (hq + 2 * hkv) * d, dtype=torch.float16)
+        q = y[..., :hq * d].view(b, t, hq, d)
+        k = y[..., hq * d:(hq + hkv) * d].view(b, t, hkv, d)
+        v = y[..., (hq + hkv) * d:].view(b, t, hkv, d)
+        ang = torch.rand(b, 1, t, d) * 6
+        cos, sin = ang.cos().half(), ang.sin().half()
+        assert (K.rms_norm_rope(q, w, eps, cos, sin).double() - ref_rope(q)).abs().max() < 3e-3
+        slots = torch.tensor([[7, 3, 9, 0, 12], [0, 1, 2, 3, 4], [11, 12, 13, 14, 15]])
+        pool_k = torch.randn(1, b + 1, hkv, 16, d, dtype=torch.float16)
+        pool_v = torch.randn(1, b + 1, hkv, 16, d, dtype=torch.float16)
+        want_k, want_v = pool_k.double(), pool_v.clone()
+        heads = torch.arange(hkv)[None, :, None]
+        want_k[0, rows, heads, slots[:, None, :]] = ref_rope(k)
+        want_v[0, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[0, :b], pool_v[0, :b], slots)
+        assert (pool_k.double() - want_k).abs().max() < 3e-3
+        assert torch.equal(pool_v, want_v)
     """)
 
 

@@ -28,7 +28,7 @@ def batch_bucket(n: int, slots: int) -> int:
 
 class BatchPass(NamedTuple):
     """A batched tree pass's outputs and trees, on the device (views of static buffers)."""
-    logits: torch.Tensor          # [B, T, V] float32
+    logits: torch.Tensor          # [B, T, V] in the model's dtype (float32 on the CPU)
     feats: torch.Tensor | None    # [B, T, F]
     tokens: torch.Tensor          # [B, T]
     parents: torch.Tensor         # [B, T]
@@ -112,7 +112,7 @@ class BatchTargetRunner:
         lengths = (b.start + b.size).clamp(max=b.kv_len)                     # [B] keys past these are masked
         h, feats = self.target(b.ids, pos, self.cache.rows(0, b.batch),
                                static=TreeInputs(slots, bias, b.kv_len, tree, lengths=lengths))
-        return self.target.logits(h), feats, tree
+        return self.target.logits(h, float32=False), feats, tree
 
 
 class _DraftBucket:
@@ -182,4 +182,4 @@ class BatchDraftRunner:
         emb = self.target.model.embed_tokens(b.ids)              # [B, Q, H]
         h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache.rows(0, b.batch), mask=bias,
                          static=DraftInputs(ctx_pos, block_pos, b.kv_len, lengths))
-        return self.target.logits(h[:, 1:])
+        return self.target.logits(h[:, 1:], float32=False)

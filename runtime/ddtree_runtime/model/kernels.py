@@ -39,22 +39,23 @@ if triton is not None:
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, vout_ptr,
                               heads, tokens, stride_tok, stride_ob, stride_oh, stride_ot, stride_sb, eps,
-                              HALF: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
-        # one program per (token, head) row; x is [B * tokens, heads, 2*HALF] with heads and dims dense
-        # (tokens may be strided: a slice of the fused qkv output). Row (b, token) goes to out at b *
-        # stride_ob + head * stride_oh + token * stride_ot, or, with slots ([B, tokens], row stride
-        # stride_sb: 0 where all rows share one [tokens]), at its KV cache slot in place of the token;
-        # with v, the same row of v is copied there into vout (the whole KV write of a tree pass)
-        row = tl.program_id(0)
-        tok = row // heads
-        head = row % heads
+                              HALF: tl.constexpr, HP: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
+        # one program per token, all its heads at once (a program per head was thousands of tiny
+        # programs at a batched pass's 272 tokens); x is [B * tokens, heads, 2*HALF] with heads and dims
+        # dense (tokens may be strided: a slice of the fused qkv output). Token (b, t) goes to out at b *
+        # stride_ob + head * stride_oh + t * stride_ot, or, with slots ([B, tokens], row stride
+        # stride_sb: 0 where all rows share one [tokens]), at its KV cache slot in place of t; with v,
+        # the same rows of v are copied there into vout (the whole KV write of a tree pass)
+        tok = tl.program_id(0)
         seq = tok // tokens
-        lo = tl.arange(0, HALF)
+        hh = tl.arange(0, HP)[:, None]
+        live = hh < heads
+        lo = tl.arange(0, HALF)[None, :]
         hi = lo + HALF
-        src = tok * stride_tok + head * 2 * HALF
-        x1 = tl.load(x_ptr + src + lo).to(tl.float32)
-        x2 = tl.load(x_ptr + src + hi).to(tl.float32)
-        r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        src = tok * stride_tok + hh * 2 * HALF
+        x1 = tl.load(x_ptr + src + lo, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + src + hi, mask=live, other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         y1 = x1 * r * tl.load(w_ptr + lo).to(tl.float32)
         y2 = x2 * r * tl.load(w_ptr + hi).to(tl.float32)
         c1 = tl.load(cos_ptr + tok * 2 * HALF + lo).to(tl.float32)
@@ -64,13 +65,13 @@ if triton is not None:
         place = tok % tokens
         if HAS_SLOTS:
             place = tl.load(slots_ptr + seq * stride_sb + place)
-        dst = seq.to(tl.int64) * stride_ob + head * stride_oh + place * stride_ot
+        dst = seq.to(tl.int64) * stride_ob + hh * stride_oh + place * stride_ot
         ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + dst + lo, (y1 * c1 - y2 * s1).to(ty))
-        tl.store(out_ptr + dst + hi, (y2 * c2 + y1 * s2).to(ty))
+        tl.store(out_ptr + dst + lo, (y1 * c1 - y2 * s1).to(ty), mask=live)
+        tl.store(out_ptr + dst + hi, (y2 * c2 + y1 * s2).to(ty), mask=live)
         if HAS_V:
-            tl.store(vout_ptr + dst + lo, tl.load(v_ptr + src + lo))
-            tl.store(vout_ptr + dst + hi, tl.load(v_ptr + src + hi))
+            tl.store(vout_ptr + dst + lo, tl.load(v_ptr + src + lo, mask=live), mask=live)
+            tl.store(vout_ptr + dst + hi, tl.load(v_ptr + src + hi, mask=live), mask=live)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
@@ -165,8 +166,8 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
-    _rms_norm_rope_kernel[(b * t * h,)](x, weight, c, s, out, x, x, out, h, t, _token_stride(x), t * h * d, d, h * d, 0,
-                                        eps, HALF=d // 2, HAS_SLOTS=False, HAS_V=False)
+    _rms_norm_rope_kernel[(b * t,)](x, weight, c, s, out, x, x, out, h, t, _token_stride(x), t * h * d, d, h * d, 0,
+                                    eps, HALF=d // 2, HP=triton.next_power_of_2(h), HAS_SLOTS=False, HAS_V=False)
     return out.transpose(1, 2)
 
 
@@ -187,9 +188,9 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
     c = cos.reshape(b * t, d).contiguous()
     s = sin.reshape(b * t, d).contiguous()
     slot_rows = slots.stride(0) if slots.dim() == 2 else 0
-    _rms_norm_rope_kernel[(b * t * h,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, _token_stride(k),
-                                        cache_k.stride(0), cache_k.stride(1), d, slot_rows, eps, HALF=d // 2,
-                                        HAS_SLOTS=True, HAS_V=True)
+    _rms_norm_rope_kernel[(b * t,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, _token_stride(k),
+                                    cache_k.stride(0), cache_k.stride(1), d, slot_rows, eps, HALF=d // 2,
+                                    HP=triton.next_power_of_2(h), HAS_SLOTS=True, HAS_V=True)
     return True
 
 

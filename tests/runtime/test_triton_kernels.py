@@ -22,6 +22,11 @@ import ddtree_runtime.model.kernels as K
 import ddtree_runtime.model.gdn_kernels as G
 torch.manual_seed(0)
 
+def ref(q, k, v, bias):  # grouped-head attention in float64: the decode attention kernel's reference
+    g = q.shape[1] // k.shape[1]
+    s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
+
 # the interpreter holds a scalar as a one-element array, which numpy 2 no longer turns into an int:
 # a loop bound computed from program ids or loaded values (decode attention's per-row key lengths)
 # needs it to
@@ -44,10 +49,6 @@ def interpret(body: str) -> str:
 def test_decode_attention_matches_a_float_reference():
     out = interpret("""
         K._use_triton = lambda x: True
-        def ref(q, k, v, bias):
-            g = q.shape[1] // k.shape[1]
-            s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
-            return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
         # (query heads, KV heads, queries, head dim, keys, one bias row for all queries)
         # the last case spans several blocks of query rows (129 queries x 4 heads per KV head)
         for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 1, 128, 256, False),
@@ -109,10 +110,6 @@ def test_decode_attention_with_row_lengths_reads_only_each_rows_keys():
     splits entirely past a row's length, and single queries (batched AR steps)."""
     out = interpret("""
         K._use_triton = lambda x: True
-        def ref(q, k, v, bias):
-            g = q.shape[1] // k.shape[1]
-            s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
-            return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
         hq, hkv, d, bucket = 4, 2, 64, 320
         lengths = torch.tensor([40, 320, 131, 1])     # row 0: four of five 64-key splits past its length
         b = len(lengths)

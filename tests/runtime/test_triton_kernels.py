@@ -2,7 +2,7 @@
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
 build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
 the fused KV write, the fused SiLU-and-multiply, and the Gated DeltaNet tree pass with its fused
-conv/heads and gated-norm kernels against the same layer."""
+conv/heads and gated-norm kernels against the same layer, and the commit's state advance against torch."""
 
 from __future__ import annotations
 
@@ -465,4 +465,58 @@ def test_batched_tree_pass_through_the_kernels_matches_torch():
         assert torch.equal(ca.v[0], cb.v[0])       # layer 0's v is copied as is (later layers' inputs differ)
         assert (ca.v.float() - cb.v.float()).abs().max() < 1e-2
         assert torch.equal(cb.k[:, 4:], start[0, :, 4:]) and torch.equal(cb.v[:, 4:], start[1, :, 4:])
+    """)
+
+
+def test_state_advance_kernel_matches_torch_advance_along():
+    """The commit's one-pass state advance against the torch advance_along: rows of every length (1: an
+    AR step, the full P, in between), tree paths out of node order with garbage past each length,
+    several layers, per-row data (a cross-row read shows), a state that is the first rows of a pool
+    (the rows past the batch untouched), the path's nodes and lengths as strided views of the walk's
+    result, and the single-stream form (one path for every row, expanded)."""
+    interpret("""
+        from ddtree_runtime.model.gated_delta import Step, advance_along, advance_along_torch, state_at
+
+        def case(n, b, pool, h, t, dk, dv, paths, launch=G.AdvanceLaunch()):
+            gen = torch.Generator().manual_seed(n * 100 + b)
+            k = torch.randn(n, pool, h, t, dk, generator=gen)
+            u = torch.randn(n, pool, h, t, dv, generator=gen)
+            g = -torch.rand(n, pool, h, t, generator=gen).cumsum(-1) * 0.3
+            state = torch.randn(n, pool, h, dk, dv, generator=gen)
+            p = max(len(path) for path in paths)
+            # the walk's result: [B, 2 + P] (length, bonus, nodes...), garbage nodes past each length
+            result = torch.randint(0, t, (b, 2 + p), generator=gen)
+            for row, path in enumerate(paths):
+                result[row, 0] = len(path)
+                result[row, 2:2 + len(path)] = torch.tensor(path)
+            nodes, length = result[:, 2:], result[:, 0]
+            step = Step(k[:, :b], u[:, :b], g[:, :b])
+            expected = state.clone()
+            advance_along_torch(step, expected[:, :b], nodes, length)
+            got = state.clone()
+            G.advance_state(step.k, step.u, step.g, got[:, :b], nodes, length, launch)
+            err = ((got - expected).abs().max() / expected.abs().max()).item()   # float32 rounding only
+            assert err < 1e-6, (n, b, paths, err)
+            assert torch.equal(got[:, b:], state[:, b:])
+            for row, path in enumerate(paths):  # and torch agrees with each row's state_at
+                alone = Step(k[:, row], u[:, row], g[:, row])
+                assert torch.allclose(got[:, row], state_at(alone, state[:, row], torch.tensor(path)), atol=1e-5)
+            print(n, b, err)
+
+        case(1, 1, 1, 2, 5, 16, 16, [[0]])                                       # an AR step alone
+        case(2, 3, 5, 2, 9, 16, 32, [[0, 2, 5], [0], [0, 1, 3, 4, 8]])         # tree paths, pool rows 3, 4 kept
+        case(3, 4, 4, 3, 8, 32, 16, [[0, 3, 7, 6], [0, 1], [0], [0, 5, 2, 4]])  # out of order, 3 layers
+        # tiles smaller than the head (several programs per head) and dims that are not powers of two
+        case(2, 2, 3, 2, 6, 24, 20, [[0, 1, 4], [0, 2]], G.AdvanceLaunch(8, 16, 1))
+
+        # the single-stream commit: one path for every row, expanded (stride-0 rows), via advance_along
+        G._use_triton = lambda x: True
+        n, b, h, t, dk, dv = 2, 2, 2, 6, 16, 16
+        step = Step(torch.randn(n, b, h, t, dk), torch.randn(n, b, h, t, dv), -torch.rand(n, b, h, t).cumsum(-1))
+        state = torch.randn(n, b, h, dk, dv)
+        path = torch.tensor([0, 2, 3])
+        expected = state.clone()
+        advance_along_torch(step, expected, path.expand(b, -1), torch.full((b,), 3))
+        advance_along(step, state, path.expand(b, -1), torch.full((b,), 3))
+        assert torch.allclose(state, expected, rtol=1e-5, atol=1e-6)
     """)

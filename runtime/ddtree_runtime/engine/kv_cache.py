@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..model.config import Qwen35Config, Qwen3Config
-from ..model.gated_delta import Step, advance_along, state_at
+from ..model.gated_delta import Step, advance_along
 
 
 class KVCache:
@@ -199,11 +199,14 @@ class HybridCache(KVCache):
         self.conv.copy_(tail.gather(2, keep[None, :, :, None].expand(*self.conv.shape)))
 
     def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
-        """Also advance every linear layer's state to the end of the accepted path; what rejected
-        branches wrote to the scratch is never read."""
+        """Also advance every linear layer's state to the end of the accepted path, in place (the
+        batched commit's advance, every row along this one path); what rejected branches wrote to the
+        scratch is never read."""
         super().compact(start, path, nodes)
         idx = self._path_index(path, nodes)
-        self.state.copy_(state_at(self.step, self.state, idx))
+        rows = self.state.shape[1]
+        advance_along(self.step, self.state, idx.expand(rows, -1),
+                      torch.full((rows,), len(path), device=idx.device))
         tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
         self.conv.copy_(tail[:, :, -self.conv.shape[2]:])
 

@@ -17,7 +17,8 @@ token sees exactly its own path: a tree's ancestor mask verifies a whole draft t
 node from its parent's state, with no state leaking across branches (prompts, tokens in a row, take
 the chunkwise form of gdn_chunk.py instead).
 Ancestors precede their descendants in the flattened order, so I + A is unit lower triangular and one
-triangular solve gives u. The state a node ends in is rebuilt only for the node that is kept (`state_at`).
+triangular solve gives u. The state a node ends in is rebuilt only for the node that is kept (`state_at`;
+`advance_along` in place, a path per sequence, as a commit does).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .gdn_kernels import advance_fits, advance_state
 
 
 @dataclass
@@ -118,9 +121,18 @@ def state_at(step: Step, state: torch.Tensor | None, path: torch.Tensor) -> torc
 
 def advance_along(step: Step, state: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
     """state_at for a batch, each sequence its own path, written into `state` in place (it is the
-    largest tensor a batched commit touches: read and written once per layer, no temporaries of its
-    size): step tensors [n, B, H, T, ...], state [n, B, H, dk, dv], nodes [B, P] (the path's nodes,
-    root first, anything past length[b]) and length [B]. Nodes past a path's end get weight 0."""
+    largest tensor a commit touches: on CUDA one Triton pass reads and writes it once): step tensors
+    [n, B, H, T, ...], state [n, B, H, dk, dv], nodes [B, P] (the path's nodes, root first, anything
+    past length[b]) and length [B] (each >= 1: an AR step still advances by its root)."""
+    if advance_fits(state):
+        advance_state(step.k, step.u, step.g, state, nodes, length)
+    else:
+        advance_along_torch(step, state, nodes, length)
+
+
+def advance_along_torch(step: Step, state: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
+    """advance_along in torch: no temporaries of the state's size, but two passes over it (the decay,
+    then a layer at a time the rank-P update). Nodes past a path's end get weight 0."""
     n, b, h = step.g.shape[:3]
     p = nodes.shape[1]
     dk, dv = state.shape[-2:]

@@ -4,10 +4,15 @@ Why: in torch a linear layer's tree pass is ~60 small kernels; replayed from a C
 costs microseconds, so the 48 linear layers of a Qwen3.6-27B pass spend milliseconds on launches alone.
 Two of the elementwise stretches fold into one kernel each: the path-gathered causal conv + SiLU + the
 split into q/k/v + L2 normalisation (+ q's scale), and the output's RMSNorm gated by SiLU(z).
+The commit's state advance is one more: the recurrent state is the largest tensor a commit touches
+(~151 MB a request at Qwen3.6-27B), and torch reads and writes it twice (the decay, then the rank-P
+update) besides the gathers; the kernel reads each tile once and writes it once.
 Numerics: the conv sums in float32 (the torch path sums in the model dtype); the gated norm rounds where
-the torch path does."""
+the torch path does; the state advance is float32 throughout, as in torch (summed in path order)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -66,6 +71,38 @@ if triton is not None:
         z = tl.load(z_ptr + t * s_z + h * DV + d).to(tl.float32)
         tl.store(out_ptr + (t * H + h) * DV + d, (y * z * tl.sigmoid(z)).to(ty))
 
+    @triton.jit
+    def _advance_kernel(state_ptr, k_ptr, u_ptr, g_ptr, nodes_ptr, length_ptr,
+                        s_sn, s_sb, s_sh, s_sk, s_sv, s_kn, s_kb, s_kh, s_kt, s_kd, s_un, s_ub, s_uh, s_ut, s_ud,
+                        s_gn, s_gb, s_gh, s_gt, s_nb, s_np, s_len, B, H,
+                        DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # one [BLOCK_K, BLOCK_V] tile of one (layer, sequence, head)'s state: read once, advanced along
+        # the sequence's whole path, written once
+        pid = tl.program_id(0)
+        h = (pid % H).to(tl.int64)
+        b = ((pid // H) % B).to(tl.int64)
+        layer = (pid // (H * B)).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_rows, in_cols = rows < DK, cols < DV
+        nodes_ptr += b * s_nb
+        k_ptr += layer * s_kn + b * s_kb + h * s_kh + rows * s_kd
+        u_ptr += layer * s_un + b * s_ub + h * s_uh + cols * s_ud
+        g_ptr += layer * s_gn + b * s_gb + h * s_gh
+        length = tl.load(length_ptr + b * s_len)
+        last = tl.load(g_ptr + tl.load(nodes_ptr + (length - 1) * s_np) * s_gt)   # G at the path's end
+        tile = (state_ptr + layer * s_sn + b * s_sb + h * s_sh
+                + rows[:, None] * s_sk + cols[None, :] * s_sv)
+        in_tile = in_rows[:, None] & in_cols[None, :]
+        acc = tl.load(tile, mask=in_tile, other=0.0) * tl.exp(last)
+        for p in range(0, length):
+            node = tl.load(nodes_ptr + p * s_np)
+            w = tl.exp(last - tl.load(g_ptr + node * s_gt))
+            k = tl.load(k_ptr + node * s_kt, mask=in_rows, other=0.0) * w
+            u = tl.load(u_ptr + node * s_ut, mask=in_cols, other=0.0)
+            acc += k[:, None] * u[None, :]
+        tl.store(tile, acc, mask=in_tile)
+
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
     """On CUDA, power-of-two head dims and conv width (the Qwen3.5/3.6 shapes)."""
@@ -99,3 +136,30 @@ def gated_norm(core: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     out = torch.empty(b, t, h * dv, device=core.device, dtype=dtype)
     _gated_norm_kernel[(t, h, b)](core.contiguous(), z, weight, out, z.stride(0), z.stride(1), t, h, eps, DV=dv)
     return out
+
+
+class AdvanceLaunch(NamedTuple):
+    """A state tile per program (BLOCK_K rows of dk x BLOCK_V of dv) and its warps."""
+    block_k: int = 32
+    block_v: int = 128
+    warps: int = 4
+
+
+def advance_fits(state: torch.Tensor) -> bool:
+    """On CUDA, a float32 state (the cache's)."""
+    return _use_triton(state) and state.dtype == torch.float32
+
+
+def advance_state(k: torch.Tensor, u: torch.Tensor, g: torch.Tensor, state: torch.Tensor, nodes: torch.Tensor,
+                  length: torch.Tensor, launch: AdvanceLaunch = AdvanceLaunch()) -> None:
+    """gated_delta.advance_along in one pass over the state: k [n, B, H, T, dk], u [n, B, H, T, dv],
+    g [n, B, H, T] (a Step), state [n, B, H, dk, dv] written in place, nodes [B, P] (each row's path,
+    root first; entries past length[b] are never read), length [B] (each >= 1). Any strides (pool
+    views, a column of the walk's result)."""
+    n, b, h, dk, dv = state.shape
+    block_k = min(launch.block_k, triton.next_power_of_2(dk))
+    block_v = min(launch.block_v, triton.next_power_of_2(dv))
+    grid = (n * b * h, triton.cdiv(dk, block_k), triton.cdiv(dv, block_v))
+    _advance_kernel[grid](state, k, u, g, nodes, length, *state.stride(), *k.stride(), *u.stride(), *g.stride(),
+                          *nodes.stride(), length.stride(0), b, h, DK=dk, DV=dv, BLOCK_K=block_k,
+                          BLOCK_V=block_v, num_warps=launch.warps)

@@ -92,7 +92,8 @@ def test_tensor_parallel_ranks_must_fit_the_hosts_gpus(profile):
     assert check_tensor_parallel(tp(profile, 2, gpus=None), two) == []
     assert check_tensor_parallel(tp(profile, 4, gpus=None), two) == [
         "llm-two has 2 GPU(s), but the profile's sglang.tp_size is 4: SGLang needs one GPU per tensor-parallel "
-        "rank and would never come up; set `sglang.tp_size` to at most 2, or deploy it to a host with at least 4 GPU(s)"]
+        "rank and would never come up; set `sglang.tp_size` to at most 2, or deploy it to a host with at least "
+        "4 GPU(s)"]
     assert check_tensor_parallel(tp(profile, 2, gpus="0"), two) == [
         "llm-two has 2 GPU(s) and the profile's `gpus: [0]` gives SGLang 1 of them, but the profile's "
         "sglang.tp_size is 2: SGLang needs one GPU per tensor-parallel rank and would never come up; set "
@@ -141,7 +142,8 @@ def stub_probes(monkeypatch, profile, gpus: int) -> None:
                  "units": {"sglang-qwen.service": {"ActiveState": "active"}}, "lock": None}
     local = {m.source.path: {"exists": True, "bytes": 1000, "config": tiny_tree(m.role).config}
              for m in profile.models}
-    flags = ServerFlags(source="SGLang's launch_server installed on llm-two", flags=frozenset(unit_flags(exec_argv(profile))))
+    flags = ServerFlags(source="SGLang's launch_server installed on llm-two",
+                        flags=frozenset(unit_flags(exec_argv(profile))))
     monkeypatch.setattr(preflight_module, "gather", lambda executor, host: llm_two_facts(gpus))
     monkeypatch.setattr(preflight_module, "run_probe", lambda executor, host, name, args, **kw: inspected)
     monkeypatch.setattr(preflight_module, "inspect_local", lambda args: {"trees": local})

@@ -38,6 +38,11 @@ class StepFailed(DdopsError):
     """A plan step failed on a host."""
 
 
+class Refused(StepFailed):
+    """A step declined to act, as the run's limits say it must, and left the host as it was (a training
+    stop that would still lose more steps than allowed after its checkpoint request)."""
+
+
 class HostUnreachable(DdopsError):
     """A host could not be reached over SSH."""
 

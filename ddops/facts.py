@@ -130,12 +130,14 @@ class HostFacts:
     hostname: str | None
     gpu_count: int
     training: Training
+    gpu_error: str | None = None   # why nvidia-smi could not list the GPUs (then gpu_count is 0, not known)
     raw: dict[str, Any] = field(repr=False, default_factory=dict)   # for the identity check
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "HostFacts":
-        return cls(hostname=data.get("hostname"), gpu_count=len((data.get("gpus") or {}).get("list", [])),
-                   training=Training.from_json(data.get("training")), raw=data)
+        gpus = data.get("gpus") or {}
+        return cls(hostname=data.get("hostname"), gpu_count=len(gpus.get("list", [])),
+                   training=Training.from_json(data.get("training")), gpu_error=gpus.get("error"), raw=data)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The pivot's flow: render -> preflight (facts) -> plan every step -> show the plan -> lock -> apply
 -> gates -> record; a failure after something changed replays the recorded undos.
 
-The outcome is one of: ok, unchanged (already in place, gates passed), dry-run, failed (nothing
-changed), rolled-back (the previous state is back and healthy), rollback-failed (the host needs a
-human: the summary says what is where). ddops.report words it and picks the exit code.
+The outcome is one of: ok, unchanged (already in place, gates passed), dry-run, refused (a step
+declined before any change: the training stop over its lost-steps limit), failed (nothing changed),
+rolled-back (the previous state is back and healthy), rollback-failed (the host needs a human: the
+summary says what is where). ddops.report words it and picks the exit code.
 """
 
 from __future__ import annotations

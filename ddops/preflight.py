@@ -3,9 +3,10 @@ once, into the typed `PivotFacts` every step plans from.
 
 Reachable; identity matches `expect`; source model dirs exist; the drafter's config agrees with the
 profile and the target; free disk for the sync; the port is free or held by the unit being replaced;
-every flag the unit passes exists in the server that will run it (ddops.serverflags); a training stop
-that would lose more steps than allowed has a checkpoint request to try first; no other ddops run holds
-the host's lock. Every problem found is reported together.
+an SGLang unit's tensor-parallel ranks fit the GPUs the host gives it; every flag the unit passes exists
+in the server that will run it (ddops.serverflags); a training stop that would lose more steps than
+allowed has a checkpoint request to try first; no other ddops run holds the host's lock. Every problem
+found is reported together.
 """
 
 from __future__ import annotations
@@ -167,6 +168,27 @@ def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
             + (" — list it under `conflicts` to stop it" if holder.get("unit") else "")]
 
 
+def check_tensor_parallel(profile: Profile, host: HostFacts) -> list[str]:
+    """SGLang starts one rank per GPU (`sglang.tp_size`) and never comes up with fewer GPUs visible to it:
+    the host's, or those of the profile's `gpus` (CUDA_VISIBLE_DEVICES) the host has. Refused here, before
+    the pivot stops what serves for a unit that cannot start. GPUs the facts probe could not list are not
+    taken for none (no count is known); the health gate still sees such a start fail."""
+    if profile.sglang is None or host.gpu_error:
+        return []
+    wanted, have = profile.sglang.tp_size, host.gpu_count
+    pinned = [int(g) for g in profile.gpus.split(",")] if profile.gpus is not None else None
+    visible = have if pinned is None else len({g for g in pinned if g < have})
+    if wanted <= visible:
+        return []
+    given = "" if pinned is None else (f" and the profile's `gpus: [{', '.join(map(str, pinned))}]` "
+                                       f"gives SGLang {visible} of them")
+    fixes = [f"set `sglang.tp_size` to at most {visible}"] if visible else []
+    fixes.append(f"list {wanted} of its GPUs (0 to {have - 1}) in `gpus`" if pinned is not None and have >= wanted
+                 else f"deploy it to a host with at least {wanted} GPU(s)")
+    return [f"{profile.host} has {have} GPU(s){given}, but the profile's sglang.tp_size is {wanted}: SGLang needs "
+            f"one GPU per tensor-parallel rank and would never come up; {', or '.join(fixes)}"]
+
+
 # -- replicas behind the balancer (issue 17) -----------------------------------------------------------
 
 def add_replica_args(profile: Profile, args: dict[str, Any]) -> None:
@@ -275,6 +297,7 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     problems += check_replicas(profile, facts) if profile.replicated else check_port(profile, dest.port_holder)
     argv = exec_argv(profile)
     problems += check_flags(profile, argv, server_flags)
+    problems += check_tensor_parallel(profile, facts.host)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DdopsError, HostUnreachable
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DdopsError, HostUnreachable, Refused
 from .plan import Interrupted, Journal
 from .profile import Profile
 from .views import StepState
@@ -103,12 +103,16 @@ class Report:
 
 
 def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
-    """The host's state in one word and one sentence (README: OK, UNCHANGED, FAILED, ROLLED-BACK, ...)."""
+    """The host's state in one word and one sentence (README: OK, UNCHANGED, REFUSED, FAILED, ROLLED-BACK, ...)."""
     p, journal = report.profile, report.journal
     if report.error is None:
         if not report.changed:
             return "unchanged", f"{p.unit} on {p.host} was already in place; nothing restarted; gates passed"
         return "ok", f"{p.unit} on {p.host} is active and healthy ({p.name})"
+    if isinstance(report.error, Refused) and not report.changed:
+        # not a broken pivot: one that declined, by the run's own limits, before its first change
+        return "refused", (f"the {report.failed_step} step refused: nothing was changed on {p.host}; "
+                           f"{p.unit} is as it was")
     if not report.changed:
         return "failed", f"nothing was changed on {p.host}; " + (
             f"{p.unit} is as it was" if report.failed_step in report.gate_names else "")

@@ -158,7 +158,7 @@ def render_summary(report: dict[str, Any], console: Console) -> None:
                            style="bold green" if report["exit_code"] == 0 else "bold red"), soft_wrap=True)
         return
     style = {"ok": "bold green", "unchanged": "bold green", "dry-run": "bold cyan", "rolled-back": "bold yellow",
-             "aborted": "yellow"}.get(report["outcome"], "bold red")
+             "refused": "bold yellow", "aborted": "yellow"}.get(report["outcome"], "bold red")
     console.print(Text(f"{report['outcome'].upper()}: {report['state']}", style=style))
     if report.get("error"):
         console.print(Text(report["error"], style="red"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..errors import StepFailed
+from ..errors import Refused, StepFailed
 from ..facts import Training
 from ..inventory import Host
 from ..plan import Operation, PlanContext, RunContext, start_again
@@ -83,7 +83,7 @@ class TrainingStep:
         journal = ctx.journal
         journal.training = out
         if out.get("refused"):
-            raise StepFailed(refusal(out, ctx.host.name),
+            raise Refused(refusal(out, ctx.host.name),
                              fix=f"nothing was changed: training still runs; pass --accept-lost-steps "
                                  f"{out.get('lost_at_kill') if out.get('lost_at_kill') is not None else 'all'} "
                                  "to accept the loss, or wait for its next checkpoint")

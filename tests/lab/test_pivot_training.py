@@ -1,7 +1,8 @@
 """The training stop that shows its cost, on the real lab: ct200's trainer held at step 25 with its
 newest checkpoint at step 20 (so every figure holds still while it is read). A trainer that ignores the
 checkpoint signal: the plan says a kill loses 5 steps, the pivot refuses without --accept-lost-steps
-(training untouched), and with it the kill loses exactly the 5 the plan said. A trainer that answers
+(training untouched; the history says refused, not failed), and with it the kill loses exactly the 5 the
+plan said. A trainer that answers
 the signal: it checkpoints at step 25 first, and the kill loses nothing."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ HELD = ("DFLASH_STEP_SECONDS=0.05\nDFLASH_CKPT_EVERY=10\nDFLASH_STALL_AT_STEP=25
         "DFLASH_FINAL_CHECKPOINT=0\n")   # checkpoints at steps 10 and 20, held at 25, nothing saved on SIGTERM
 RESET = ("systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service "
          "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock; systemctl daemon-reload; systemctl reset-failed")
-# What a refused pivot must leave as it was (the history gains a line saying it was refused).
+# What a refused pivot must leave as it was (the history, outside these, gains a line saying refused).
 FILES = r"""
 for p in /etc/systemd/system /etc/ddops /var/lib/ddops/backups /root/models /opt/ddtree/venv/ddtree-release.json /root/train/checkpoints; do
   [ -e "$p" ] && find "$p" -type f -o -type l | sort | xargs -r sha256sum
@@ -74,12 +75,14 @@ def test_a_trainer_that_ignores_the_request_loses_what_the_plan_said(training_la
 
     before = ct200(lab, FILES)
     done, report = pivot(lab, profile=profile)   # --kill-training --yes, no --accept-lost-steps
-    assert done.returncode == 2 and report["outcome"] == "failed", report
+    assert done.returncode == 2 and report["outcome"] == "refused" and report["changed"] == [], report
     assert report["error"].startswith("stopping training on ct200 would lose 5 step(s) (step 25, newest checkpoint "
                                       "step 20), more than the 0 this run allows; SIGUSR1 got no newer checkpoint")
     assert "--accept-lost-steps 5" in report["error"] and "\n" not in report["error"]
     assert ct200(lab, FILES) == before   # training still running, same pid; no file touched
     assert "ignoring it (--ignore-checkpoint-signal)" in ct200(lab, "tail -n 5 /root/train/train.log")
+    recorded = json.loads(ddops(lab, "history", "--host", "ct200", "--json").stdout)[-1]
+    assert (recorded["kind"], recorded["outcome"], recorded["error"]) == ("pivot", "refused", report["error"])
 
     done, report = pivot(lab, "--accept-lost-steps", "5", profile=profile)
     assert done.returncode == 0 and report["outcome"] == "ok", report

@@ -22,6 +22,7 @@ from ddops.plan import Operation, PlanContext, restore_backup, start_again
 from ddops.probes import probe_source
 from ddops.profile import load_profile
 from ddops.steps import pivot_steps
+from ddops.steps.training import TrainingStep
 from ddops.steps.unit import render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -297,6 +298,29 @@ def test_a_failure_before_any_change_is_failed_and_rolls_nothing_back(monkeypatc
     assert (report["outcome"], report["exit_code"], report["changed"]) == ("failed", 2, [])
     assert "rolled_back" not in report and ex.systemctl() == []
     assert [s["status"] for s in report["steps"]] == ["done", "failed", "skipped", "skipped", "done"]
+
+
+def test_a_training_stop_refused_after_its_checkpoint_request_is_recorded_as_refused(monkeypatch, profile):
+    """The stop_training action sent SIGUSR1, got no newer checkpoint and left the job running: the pivot
+    changed nothing, so neither the report nor the history line may call it a failed pivot."""
+    refused = {"refused": True, "stopped": False, "pids": [412, 413], "unit": "dflash-train.service", "limit": 0,
+               "step_now": 1205, "lost_at_kill": 25, "left": [412, 413],
+               "checkpoint": {"path": "/root/train/checkpoints/step_1180.ckpt", "step": 1180},
+               "request": {"sent": "SIGUSR1", "new_checkpoint": False, "waited_s": 30.0}}
+    asked: list[str] = []
+    monkeypatch.setattr("ddops.steps.training.run_probe",
+                        lambda executor, host, name, args, **kw: asked.append(name) or refused)
+    unit = FakeStep("unit", [op("write unit")])
+    report, ex = run_pivot(monkeypatch, profile, [TrainingStep(), unit], kill_training=True)
+    assert asked == ["stop_training"] and unit.applied == [] and ex.systemctl() == []
+    assert (report["outcome"], report["exit_code"], report["changed"]) == ("refused", 2, [])
+    assert report["state"] == "the training step refused: nothing was changed on ct200; ddtree.service is as it was"
+    assert report["error"].startswith("stopping training on ct200 would lose 25 step(s) (step 1205, newest "
+                                      "checkpoint step 1180), more than the 0 this run allows; SIGUSR1 got no newer")
+    assert "rolled_back" not in report and "\n" not in report["error"]
+    line, = ex.history
+    assert (line["kind"], line["outcome"], line["error"]) == ("pivot", "refused", report["error"])
+    assert line["training"]["refused"] and line["stopped_units"] == []
 
 
 def test_a_gate_that_fails_when_nothing_changed_leaves_the_unit_as_it_was(monkeypatch, profile):

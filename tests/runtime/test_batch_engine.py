@@ -12,7 +12,7 @@ import torch
 import ddtree_runtime.engine.engine as engine_module
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
-from ddtree_devtools.tiny_corpus import documents, heldout_questions
+from ddtree_devtools.tiny_corpus import mixed_prompts
 
 MAX_NEW = 40
 # (mode, tree_budget) per request, cycled over the prompts: a batch always mixes them
@@ -33,12 +33,7 @@ def engine(models) -> Engine:
 
 @pytest.fixture(scope="module")
 def prompts(engine) -> list[list[int]]:
-    tok = engine.tokenizer
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
-             for q in heldout_questions(8, seed=321)]
-    plain = [h[: len(h) // 2] for h, _ in documents(200, seed=77) if not h.startswith("<|")][:6]
-    return chats + [tok(p, add_special_tokens=False)["input_ids"] for p in plain]
+    return mixed_prompts(engine.tokenizer, 8, 321, 6, 77, cut=2)
 
 
 @pytest.fixture(scope="module")

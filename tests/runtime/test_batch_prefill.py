@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_devtools.tiny_corpus import documents, heldout_questions
+from ddtree_devtools.tiny_corpus import mixed_prompts
 
 MODES = [("ddtree", 16), ("ar", None), ("dflash", None), ("ddtree", 4)]
 
@@ -23,12 +23,7 @@ def engine(request) -> Engine:
 
 @pytest.fixture(scope="module")
 def prompts(engine) -> list[list[int]]:
-    tok = engine.tokenizer
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
-             for q in heldout_questions(4, seed=5)]
-    plain = [h[: len(h) // 3] for h, _ in documents(200, seed=8) if not h.startswith("<|")][:4]
-    out = chats + [tok(p, add_special_tokens=False)["input_ids"] for p in plain]
+    out = mixed_prompts(engine.tokenizer, 4, 5, 4, 8, cut=3)
     assert len({len(p) for p in out}) > 3 and all(len(p) <= 64 for p in out), [len(p) for p in out]
     return out
 

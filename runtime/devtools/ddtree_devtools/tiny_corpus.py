@@ -150,3 +150,13 @@ def heldout_questions(n: int, seed: int) -> list[str]:
         if len(a) > 12:
             out.append(q)
     return out
+
+
+def mixed_prompts(tokenizer, chats: int, chat_seed: int, plain: int, plain_seed: int, cut: int) -> list[list[int]]:
+    """Token ids of `chats` chat prompts (held-out questions) then `plain` plain-text openings (the first
+    1/cut of unseen documents, which run on to max_tokens): test prompts of mixed kinds and lengths."""
+    out = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+           for q in heldout_questions(chats, seed=chat_seed)]
+    texts = [h[: len(h) // cut] for h, _ in documents(200, seed=plain_seed) if not h.startswith("<|")][:plain]
+    return out + [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

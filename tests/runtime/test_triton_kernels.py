@@ -71,12 +71,12 @@ def test_decode_attention_matches_a_float_reference():
 def test_batched_decode_attention_gives_each_sequence_its_own_keys_and_bias():
     """A batched round: one launch for B sequences, each over its own cache row and bias (and the
     drafter's bias, one row for all queries of a sequence), equal to each sequence alone, at the
-    batch rule's launch and at fixed ones (row blocks of 16/32/64, several splits or one)."""
+    batch rule's launch and at fixed ones (16-row blocks over several splits, 64-row blocks in one)."""
     out = interpret("""
         K._use_triton = lambda x: True
-        launches = [None, K.DecodeLaunch(16, 64, 4), K.DecodeLaunch(32, 128, 4), K.DecodeLaunch(64, 1024, 4)]
-        for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 300, False), (8, 2, 3, 128, 256, False),
-                                              (4, 2, 16, 32, 200, True)]:
+        launches = [None, K.DecodeLaunch(16, 64, 4), K.DecodeLaunch(64, 1024, 4)]
+        for hq, hkv, t, d, length, shared in [(4, 2, 17, 64, 200, False), (8, 2, 3, 128, 160, False),
+                                              (4, 2, 16, 32, 150, True)]:
             b = 3
             q = torch.randn(b, hq, t, d, dtype=torch.float16)
             cache = torch.randn(2, b + 1, hkv, length + 50, d, dtype=torch.float16)   # a pool: rows 0..b-1
@@ -110,8 +110,8 @@ def test_decode_attention_with_row_lengths_reads_only_each_rows_keys():
     splits entirely past a row's length, and single queries (batched AR steps)."""
     out = interpret("""
         K._use_triton = lambda x: True
-        hq, hkv, d, bucket = 4, 2, 64, 320
-        lengths = torch.tensor([40, 320, 131, 1])     # row 0: four of five 64-key splits past its length
+        hq, hkv, d, bucket = 4, 2, 64, 256
+        lengths = torch.tensor([40, 256, 131, 1])     # row 0: three of four 64-key splits past its length
         b = len(lengths)
         cache = torch.randn(2, b, hkv, bucket + 16, d, dtype=torch.float16)
         k, v = cache[0, :, :, :bucket], cache[1, :, :, :bucket]
@@ -122,8 +122,7 @@ def test_decode_attention_with_row_lengths_reads_only_each_rows_keys():
             allowed[..., 0] = True
             masked = torch.where(allowed, 0.0, float("-inf")).to(torch.float16)[:, None]    # [B, 1, T, L]
             open_past = torch.where(allowed | ~before[:, None], 0.0, float("-inf")).to(torch.float16)[:, None]
-            for launch in (K.DecodeLaunch(16, 64, 4), K.DecodeLaunch(32, 128, 4), K.DecodeLaunch(64, 512, 4),
-                           K.decode_launch(b, t, hq // hkv * t, bucket, hkv)):
+            for launch in (K.DecodeLaunch(16, 64, 4), K.decode_launch(b, t, hq // hkv * t, bucket, hkv)):
                 cut = K.decode_attention(q, k, v, masked, lengths, launch=launch)
                 assert torch.equal(cut, K.decode_attention(q, k, v, masked, launch=launch)), launch
                 err = (cut.double() - ref(q, k, v, masked)).abs().max().item()
@@ -265,9 +264,9 @@ def test_batched_tree_build_kernel_gives_each_draft_its_torch_tree():
         from ddtree_runtime.engine.tree import build_tree, build_trees, build_trees_on_gpu
         g = torch.Generator().manual_seed(1)
         # (drafts, budget, depth, vocab): the engine's shape, a budget that is no power of two, a vocab too
-        # small to fill the budget, a budget of one, one draft
-        for rows, budget, depth, vocab in [(4, 16, 15, 300), (3, 33, 7, 3), (5, 7, 3, 2), (3, 1, 15, 20),
-                                           (1, 16, 15, 300), (6, 24, 9, 1187)]:
+        # small to fill the budget, a budget of one, a vocab over several top-K tiles
+        for rows, budget, depth, vocab in [(3, 16, 15, 300), (3, 33, 7, 3), (4, 7, 3, 2), (3, 1, 15, 20),
+                                           (2, 24, 9, 1187)]:
             x = torch.randn(rows, depth, vocab, generator=g) * 3
             nodes = build_trees_on_gpu(x, budget)
             assert torch.equal(nodes, build_trees(x, budget)), (rows, budget)
@@ -280,6 +279,7 @@ def test_batched_tree_build_kernel_gives_each_draft_its_torch_tree():
         assert nodes[1].tolist() == [[0] * 5, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
         assert torch.equal(nodes, build_trees(x, 5))
     """)
+
 
 def test_top_log_probs_kernel_is_the_log_softmax_top_k():
     """tree.top_tokens' CUDA form (the tile pass, then a tournament per row): a vocabulary not a multiple

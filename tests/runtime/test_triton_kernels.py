@@ -173,14 +173,19 @@ def test_rope_and_the_kv_write_match_torch():
         slots = torch.tensor([[7, 3, 9, 0, 12], [0, 1, 2, 3, 4], [11, 12, 13, 14, 15]])
         pool_k = torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16)     # [layers, pool rows, Hkv, capacity, D]
         pool_v = torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16)
-        want_k, want_v = pool_k.double(), pool_v.clone()
-        rows = torch.arange(b)[:, None, None]
-        heads = torch.arange(hkv)[None, :, None]
-        want_k[1, rows, heads, slots[:, None, :]] = ref_rope(k)
-        want_v[1, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
-        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
-        assert (pool_k.double() - want_k).abs().max() < 3e-3
-        assert torch.equal(pool_v, want_v)
+
+        def check_batched_write(k, v, slots, pool_k, pool_v):
+            # the write into layer 1 of the pool's first b rows equals RoPE + scatter; all else is kept
+            want_k, want_v = pool_k.double(), pool_v.clone()
+            rows, heads = torch.arange(b)[:, None, None], torch.arange(k.shape[2])[None, :, None]
+            want_k[1, rows, heads, slots[:, None, :]] = ref_rope(k)
+            want_v[1, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
+            assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
+            assert (pool_k.double() - want_k).abs().max() < 3e-3
+            assert torch.equal(pool_v, want_v)
+            return want_v
+
+        want_v = check_batched_write(k, v, slots, pool_k, pool_v)
         # all rows at the same slots ([T]), as index_copy_ writes them
         same = torch.tensor([2, 5, 6, 8, 1])
         want_v[1, :b][:, :, same] = v.transpose(1, 2)
@@ -198,13 +203,7 @@ def test_rope_and_the_kv_write_match_torch():
         ang = torch.rand(b, 1, 1, d) * 6
         cos, sin = ang.cos().half(), ang.sin().half()
         assert (K.rms_norm_rope(q, w, eps, cos, sin).double() - ref_rope(q)).abs().max() < 3e-3
-        slots = torch.tensor([[4], [9], [0]])
-        want_k, want_v = pool_k.double(), pool_v.clone()
-        want_k[1, rows, heads, slots[:, None, :]] = ref_rope(k)
-        want_v[1, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
-        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[1, :b], pool_v[1, :b], slots)
-        assert (pool_k.double() - want_k).abs().max() < 3e-3
-        assert torch.equal(pool_v, want_v)
+        check_batched_write(k, v, torch.tensor([[4], [9], [0]]), pool_k, pool_v)
 
         # head counts that are no power of two (a program takes all of a token's heads, padded to 8)
         hq, hkv = 6, 3
@@ -215,16 +214,8 @@ def test_rope_and_the_kv_write_match_torch():
         ang = torch.rand(b, 1, t, d) * 6
         cos, sin = ang.cos().half(), ang.sin().half()
         assert (K.rms_norm_rope(q, w, eps, cos, sin).double() - ref_rope(q)).abs().max() < 3e-3
-        slots = torch.tensor([[7, 3, 9, 0, 12], [0, 1, 2, 3, 4], [11, 12, 13, 14, 15]])
-        pool_k = torch.randn(1, b + 1, hkv, 16, d, dtype=torch.float16)
-        pool_v = torch.randn(1, b + 1, hkv, 16, d, dtype=torch.float16)
-        want_k, want_v = pool_k.double(), pool_v.clone()
-        heads = torch.arange(hkv)[None, :, None]
-        want_k[0, rows, heads, slots[:, None, :]] = ref_rope(k)
-        want_v[0, rows, heads, slots[:, None, :]] = v.transpose(1, 2)
-        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, pool_k[0, :b], pool_v[0, :b], slots)
-        assert (pool_k.double() - want_k).abs().max() < 3e-3
-        assert torch.equal(pool_v, want_v)
+        check_batched_write(k, v, slots, torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16),
+                            torch.randn(2, b + 1, hkv, 16, d, dtype=torch.float16))
     """)
 
 

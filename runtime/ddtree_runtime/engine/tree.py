@@ -175,8 +175,8 @@ def build_tree_on_gpu(draft_logits: torch.Tensor, budget: int) -> Tree:
 class TreeBuilder:
     """The tree build of a round: on CUDA the Triton build, captured with its top-k as one CUDA graph
     per (budget, draft shape); build_tree elsewhere. Several drafts of one budget (a batched round):
-    the same per (R, budget, draft shape), one program per draft (build_trees_on_gpu); build_trees
-    elsewhere (graphed on CUDA without Triton)."""
+    one launch over the drafts, a program each (build_trees_on_gpu, not graphed); build_trees elsewhere
+    (graphed on CUDA without Triton)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -185,18 +185,17 @@ class TreeBuilder:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree | torch.Tensor]] = {}
 
     def build_rows(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
-        """build_trees (R drafts [R, D, V] -> [R, 3, N-1]), graphed on CUDA per (R, budget, shape)
-        (build_trees_on_gpu where Triton is installed); the result is a static buffer: stage it before
-        the next build of that shape."""
+        """R drafts [R, D, V] -> their trees' nodes [R, 3, N-1]: build_trees_on_gpu, eagerly, where
+        Triton is installed; else build_trees (on CUDA graphed per (R, budget, shape), its result a static
+        buffer: stage it before the next build of that shape)."""
         if not self.cuda:
             return build_trees(draft_logits, budget)
         if self.use_graphs:
             # eager: a few launches, queued while the device still runs the drafter pass; a graph would
             # need the drafts copied into its static input first (146 MB at 16 requests of Qwen3-8B)
             return build_trees_on_gpu(draft_logits, budget)
-        build = build_trees
         key = ("rows", budget, *draft_logits.shape, draft_logits.dtype)
-        return self._replayed(key, lambda logits: build(logits, budget), draft_logits)
+        return self._replayed(key, lambda logits: build_trees(logits, budget), draft_logits)
 
     def build(self, draft_logits: torch.Tensor, budget: int) -> Tree:
         if not self.use_graphs:

@@ -1,15 +1,18 @@
-# The two commands of the README. Both install what is missing first (idempotent).
+# The two commands of the README. Both install what is missing first (idempotent), into .venv/.
 .PHONY: setup demo test fixtures
+
+VENV := $(CURDIR)/.venv/bin
+export PATH := $(VENV):$(PATH)
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
-	ddops demo
+	$(VENV)/ddops demo
 
 test: setup
-	python3 -m pytest
+	$(VENV)/python -m pytest
 
 # Rebuild the committed tiny model pairs (fixtures/README.md); minutes of CPU.
-fixtures:
-	python3 scripts/build_tiny_fixtures.py
+fixtures: setup
+	$(VENV)/python scripts/build_tiny_fixtures.py

@@ -71,8 +71,8 @@ def test_earliest_of_several_stops_wins():
 
 def test_incomplete_character_at_the_very_end_is_flushed():
     dec = IncrementalDecoder(ByteTokenizer())
-    assert dec.push(list("ok".encode()) + [0xF0, 0x9F]) == ""  # held: the character may complete
-    assert dec.flush() == "ok\ufffd"
+    assert dec.push(list("ok".encode()) + [0xF0, 0x9F]) == "ok"  # the rest is held: it may complete
+    assert dec.flush() == "\ufffd"
 
 
 def test_a_stop_string_must_end_after_the_guarded_text():
@@ -85,3 +85,33 @@ def test_a_stop_string_must_end_after_the_guarded_text():
     assert m.push("xa", armed=False) + m.push("b c") == "x" and m.stopped
     m = StopMatcher(["abc"])
     assert m.push("xab", armed=False) + m.push("d") + m.flush() == "xabd" and not m.stopped
+
+
+class RecordingTokenizer(ByteTokenizer):
+    """Records how many ids each decode is asked for."""
+
+    def __init__(self) -> None:
+        self.windows: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.windows.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_invalid_bytes_stream_out_instead_of_waiting_for_the_end():
+    """Bytes no later token can complete (random weights write them) are shown as U+FFFD as they come,
+    not held to the end of the generation, and each decode stays a short window."""
+    tok = RecordingTokenizer()
+    dec = IncrementalDecoder(tok)
+    shown = [dec.push([0xFF, 0x80 + i % 32]) for i in range(200)]  # never valid UTF-8
+    assert sum(1 for piece in shown if piece) >= 190
+    assert max(tok.windows) <= 8
+    sent = bytes(b for i in range(200) for b in (0xFF, 0x80 + i % 32))
+    assert "".join(shown) + dec.flush() == sent.decode("utf-8", errors="replace")
+
+
+def test_a_character_split_after_invalid_bytes_still_waits_for_its_end():
+    dec = IncrementalDecoder(ByteTokenizer())
+    # the last tokens are held (they may carry the lead of a character), the older invalid bytes shown
+    assert dec.push([0xFF] * 5 + list("é".encode())[:1]) == "\ufffd" * 3
+    assert dec.push(list("é".encode())[1:]) == "\ufffd" * 2 + "é"

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+# An incomplete UTF-8 character has at most 3 of its bytes, so at most the last 3 tokens carry it.
+MAX_PARTIAL = 3
 
 
 class IncrementalDecoder:
@@ -46,15 +48,30 @@ class IncrementalDecoder:
     def _step(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        before = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        if not final and text.endswith(REPLACEMENT_CHAR):
+        end = len(self._ids) if final else self._complete_end()
+        if end <= self._read:
             return ""  # wait for the rest of the character
+        before = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix : end])
         if not text.startswith(before):  # the tokenizer merged across the boundary; re-anchor
             before = ""
-            text = self._decode(self._ids[self._read :])
-        self._prefix, self._read = self._read, len(self._ids)
+            text = self._decode(self._ids[self._read : end])
+        self._prefix, self._read = self._read, end
         return text[len(before) :]
+
+    def _complete_end(self) -> int:
+        """How many tokens can be emitted now: all, unless the text ends in U+FFFD, which may be a
+        character the next tokens complete. Only the last MAX_PARTIAL tokens can carry such a part, so
+        then all but those (less, down to the last clean cut among them): a U+FFFD older than that is
+        an invalid sequence no token completes (random weights write such bytes), and it is shown as
+        it comes, so text never waits for the end of the generation and decode windows stay short."""
+        end = len(self._ids)
+        if not self._decode(self._ids[self._prefix : end]).endswith(REPLACEMENT_CHAR):
+            return end
+        for cut in range(end - 1, max(self._read, end - MAX_PARTIAL) - 1, -1):
+            if cut > self._read and not self._decode(self._ids[self._prefix : cut]).endswith(REPLACEMENT_CHAR):
+                return cut
+        return max(self._read, end - MAX_PARTIAL)
 
 
 class StopMatcher:

@@ -91,7 +91,7 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
         wanted = profile.serve.block_size if profile.engine == "ddtree" else profile.sglang.num_draft_tokens
         if block is None:
             problems.append("drafter config.json has no block_size")
-        elif block < wanted:
+        elif wanted is not None and block < wanted:
             problems.append(f"drafter block_size {block} is smaller than the profile's {wanted}")
         if inner.get("mask_token_id", dc.get("mask_token_id")) is None:
             problems.append("drafter config.json has no mask_token_id")

@@ -22,6 +22,7 @@ class PoolEstimate:
     gpu: Gpu | None = None
     capacity: Any = None              # ddtree_runtime.capacity.Capacity
     reason: str | None = None
+    longest_context: int | None = None    # where one request of max_context does not fit: what would
 
     @property
     def line(self) -> str:
@@ -66,16 +67,18 @@ def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolE
     if target is None or target.config is None or (profile.serve.mode != "ar" and (draft is None or draft.config is None)):
         return PoolEstimate(reason="a model's config.json is not readable yet")
     serve = profile.serve
+    models = (target.config, draft.config if draft is not None else None)
+    settings = dict(dtype=profile.dtype, mem_fraction=serve.mem_fraction, max_running=serve.max_running,
+                    tree_budget=serve.tree_budget, block_size=serve.block_size)
     try:
-        pools = [(g, CAPACITY.pool_capacity(g.memory_total_mib * 2**20, target.config,
-                                            draft.config if draft is not None else None, dtype=profile.dtype,
-                                            mem_fraction=serve.mem_fraction, max_running=serve.max_running,
-                                            max_context=serve.max_context, tree_budget=serve.tree_budget,
-                                            block_size=serve.block_size)) for g in wanted]
+        pools = [(g, CAPACITY.pool_capacity(g.memory_total_mib * 2**20, *models, max_context=serve.max_context,
+                                            **settings)) for g in wanted]
+        gpu, pool = min(pools, key=lambda p: p[1].pool_tokens)
+        longest = (CAPACITY.longest_context(gpu.memory_total_mib * 2**20, *models, **settings)
+                   if pool.requests(pool.max_context) < 1 else None)
     except (KeyError, TypeError, ValueError) as exc:
         return PoolEstimate(reason=f"the models' config.json lacks what the arithmetic needs ({exc!r})")
-    gpu, capacity = min(pools, key=lambda pool: pool[1].pool_tokens)
-    return PoolEstimate(gpu=gpu, capacity=capacity)
+    return PoolEstimate(gpu=gpu, capacity=pool, longest_context=longest)
 
 
 def check_fits(profile: Profile, pool: PoolEstimate | None) -> list[str]:
@@ -85,9 +88,8 @@ def check_fits(profile: Profile, pool: PoolEstimate | None) -> list[str]:
     c = pool.capacity
     if c.requests(c.max_context) >= 1:
         return []
-    longest = c.pool_tokens - c.reserve_tokens
-    shorter = (f"lower serve.max_context to {longest} or less, " if longest >= 1 else "")
-    return [f"one request of serve.max_context {c.max_context} does not fit on {profile.host}'s {pool.gpu.label} "
-            f"({profile.where('serve')}): {c.breakdown()} holds {c.pool_tokens:,} tokens and it needs "
-            f"{c.max_context + c.reserve_tokens:,}; {shorter}raise serve.mem_fraction, lower serve.max_running, "
-            f"or serve on a larger GPU"]
+    shorter = f"lower serve.max_context to {pool.longest_context} or less, " if pool.longest_context else ""
+    return [f"one request of serve.max_context {c.max_context} ({profile.where('serve')}) needs "
+            f"{c.max_context + c.reserve_tokens:,} tokens of KV pool, and on {profile.host}'s {pool.gpu.label} the "
+            f"pool holds {c.pool_tokens:,} ({c.breakdown()}); {shorter}raise serve.mem_fraction, lower "
+            f"serve.max_running, or serve on a larger GPU"]

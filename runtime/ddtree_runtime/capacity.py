@@ -193,10 +193,10 @@ class Capacity:
     def breakdown(self) -> str:
         """Where the memory goes, for a refusal or a plan's detail."""
         gib = 2**30
-        return (f"{self.memory_bytes / gib:.1f} GiB x mem_fraction {self.mem_fraction:g} = "
-                f"{self.memory_bytes * self.mem_fraction / gib:.1f} GiB, less weights {self.weights_bytes / gib:.1f}, "
-                f"workspaces {self.workspace_bytes / gib:.1f}, {self.max_running} x {self.request_bytes / gib:.2f} "
-                f"request state: {max(0, self.usable_bytes) / gib:.1f} GiB at {self.token_bytes:,} bytes a token")
+        return (f"{self.memory_bytes / gib:.1f} GiB x mem_fraction {self.mem_fraction:g}, less weights "
+                f"{self.weights_bytes / gib:.1f} GiB, workspaces {self.workspace_bytes / gib:.1f} GiB and "
+                f"{self.max_running} x {self.request_bytes / gib:.2f} GiB of request state, leaves "
+                f"{max(0, self.usable_bytes) / gib:.1f} GiB at {self.token_bytes:,} bytes a token")
 
 
 def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *,
@@ -222,3 +222,20 @@ def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config
                     request_bytes=target.state_bytes(elem) + target.tree_scratch_bytes(nodes, elem),
                     max_running=max_running, token_bytes=token, reserve_tokens=max(nodes, 2 * block),
                     max_context=context)
+
+
+def longest_context(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None,
+                    **settings: Any) -> int:
+    """The longest max_context at which one request fits (its prefill's workspace shrinks with it too);
+    0 when not even one token does. `settings`: pool_capacity's, but max_context."""
+    def fits(context: int) -> bool:
+        pool = pool_capacity(memory_bytes, target_config, draft_config, max_context=context, **settings)
+        return pool.requests(context) >= 1
+
+    lo, hi = 0, Shape.from_config(target_config).positions + 1   # fits(lo) (or lo is 0); not fits(hi)
+    if fits(hi - 1):
+        return hi - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -151,3 +151,31 @@ def test_a_new_declaration_shows_up_everywhere(tmp_path):
     assert (out["engine_default"], out["server"], out["engine_kwarg"]) == (7, 8, 8)
     assert out["9"][out["9"].index("--fake-knob") + 1] == "9"
     assert "`serve.fake_knob` must be between 2 and 9, got 10" in out["10"]
+
+
+def test_the_readme_lists_every_profile_setting_with_its_flag_and_default():
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `")}
+    for s in settings.PROFILE_SETTINGS:
+        flag, default = rows[f"`{s.name}`"][:2]
+        assert flag.startswith(f"`{s.flag}`"), s.name
+        if s.type in (int, float) and s.default is not None:
+            assert default == f"{s.default:g}", s.name
+
+
+def test_without_block_size_the_drafters_is_taken_everywhere(tmp_path):
+    """The runtime's default for the block size is the drafter's; ddops neither passes nor expects another."""
+    from ddops.facts import Tree
+    from ddops.gates.health import serving_shape
+    from ddops.preflight import check_models
+
+    profile = profile_from(tmp_path, BASE, {"serve": {"mode": "ddtree"}})
+    assert profile.serve.block_size is None and "--block-size" not in exec_argv(profile)
+    assert serving_shape(profile) == {"mode": "ddtree"}
+    target = Tree(exists=True, config={"model_type": "qwen3", "num_hidden_layers": 4})
+    draft = Tree(exists=True, config={"block_size": 8, "num_target_layers": 4,
+                                      "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]}})
+    assert check_models(profile, {"target": target, "draft": draft}) == []
+    sixteen = profile_from(tmp_path, BASE)
+    assert serving_shape(sixteen) == {"block_size": 16, "mode": "ddtree"}
+    assert any("smaller than the profile's 16" in p for p in check_models(sixteen, {"target": target, "draft": draft}))

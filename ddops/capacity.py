@@ -62,10 +62,10 @@ def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolE
     wanted = [gpus.get(i) for i in serving_gpus(profile)]
     if any(g is None or g.memory_total_mib is None for g in wanted):
         return PoolEstimate(reason=f"{profile.host} reports no memory for GPU {serving_gpus(profile)}")
-    target = trees.get("target")
-    draft = trees.get("draft") if profile.serve.mode != "ar" else None
-    if target is None or target.config is None or (profile.serve.mode != "ar" and (draft is None or draft.config is None)):
+    roles = ("target",) if profile.serve.mode == "ar" else ("target", "draft")
+    if any(trees.get(role) is None or trees[role].config is None for role in roles):
         return PoolEstimate(reason="a model's config.json is not readable yet")
+    target, draft = trees["target"], trees["draft"] if "draft" in roles else None
     serve = profile.serve
     models = (target.config, draft.config if draft is not None else None)
     settings = dict(dtype=profile.dtype, mem_fraction=serve.mem_fraction, max_running=serve.max_running,

@@ -39,7 +39,8 @@ class Setting:
     minimum: float | None = None
     maximum: float | None = None
     choices: tuple[str, ...] | None = None
-    pattern: str | None = None          # a str value must fullmatch it
+    pattern: str | None = None          # a str value must fullmatch it...
+    pattern_words: str | None = None    # ...which says this
     engine: bool = False                # an EngineConfig field: the server hands it to the engine
     profile: bool = False               # a deploy profile may set it under `serve:` (same name)
     flag_name: str | None = None        # the flag, when not --NAME-WITH-DASHES
@@ -75,19 +76,13 @@ class Setting:
         if self.choices is not None and value not in self.choices:
             return f"must be one of {', '.join(self.choices)}"
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
-            return f"expected {self.pattern_words}"
+            return f"expected {self.pattern_words or 'a value matching ' + self.pattern}"
         if self.minimum is not None and value < self.minimum:
             return f"must be >= {self.minimum:g}"
         if self.maximum is not None and value > self.maximum:
             return f"must be <= {self.maximum:g}"
         return None
 
-    @property
-    def pattern_words(self) -> str:
-        return {_DEVICE: "cpu, cuda or cuda:N"}.get(self.pattern, f"a value matching {self.pattern}")
-
-
-_DEVICE = r"cpu|cuda(:\d+)?"
 
 # In this order: the flags in --help, the fields of both configs, the flags of a deployed unit (which
 # ddops keeps in the order they had before this table, so a pivot that changes nothing rewrites no unit).
@@ -104,7 +99,8 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     # where it listens (a deploy profile's `bind` and `port`)
     Setting("host", str, "127.0.0.1", "bind address"),
     Setting("port", int, 8000, "bind port", minimum=0, maximum=65535),
-    Setting("device", str, "cpu", "cpu, cuda or cuda:N", pattern=_DEVICE, engine=True),
+    Setting("device", str, "cpu", "cpu, cuda or cuda:N", pattern=r"cpu|cuda(:\d+)?",
+            pattern_words="cpu, cuda or cuda:N", engine=True),
     Setting("dtype", str, "float32", "weights dtype", choices=DTYPE_NAMES, engine=True),
     Setting("served_model_name", str, None, "model id clients use", profile=True, metavar="NAME",
             default_words="the target's name"),

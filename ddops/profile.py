@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import os
 import re
 from dataclasses import dataclass, field

@@ -124,6 +124,20 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi lists it."""
+
+    index: int
+    name: str | None = None
+    memory_total_mib: int | None = None
+
+    @property
+    def label(self) -> str:
+        memory = f", {self.memory_total_mib:,} MiB" if self.memory_total_mib is not None else ""
+        return f"GPU {self.index} ({self.name or 'unknown'}{memory})"
+
+
+@dataclass(frozen=True)
 class HostFacts:
     """One host's facts probe: who it is, its GPUs and its training job."""
 
@@ -131,13 +145,18 @@ class HostFacts:
     gpu_count: int
     training: Training
     gpu_error: str | None = None   # why nvidia-smi could not list the GPUs (then gpu_count is 0, not known)
+    gpus: tuple[Gpu, ...] = ()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)   # for the identity check
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "HostFacts":
         gpus = data.get("gpus") or {}
-        return cls(hostname=data.get("hostname"), gpu_count=len(gpus.get("list", [])),
-                   training=Training.from_json(data.get("training")), gpu_error=gpus.get("error"), raw=data)
+        listed = gpus.get("list", [])
+        return cls(hostname=data.get("hostname"), gpu_count=len(listed),
+                   training=Training.from_json(data.get("training")), gpu_error=gpus.get("error"),
+                   gpus=tuple(Gpu(index=i if g.get("index") is None else g["index"], name=g.get("name"),
+                                  memory_total_mib=g.get("memory_total_mib")) for i, g in enumerate(listed)),
+                   raw=data)
 
 
 @dataclass(frozen=True)
@@ -271,6 +290,7 @@ class PivotFacts:
     inspections: dict[str, Inspection]
     release: str | None = None          # the runtime release `runtime.ship` would install
     server_flags: ServerFlags | None = None   # what the unit's server takes (None: not asked)
+    pool: Any = None                    # ddops.capacity.PoolEstimate: what the KV pool will hold (None: no GPU pool)
 
     @property
     def host(self) -> HostFacts:

@@ -92,9 +92,10 @@ class Pivot:
             return self.finish("failed", "preflight failed: nothing was changed anywhere", exc, started)
         pre.seconds = round(time.monotonic() - t0, 2)
         self.report.release = ctx.facts.release
+        self.report.pool = ctx.facts.pool.as_json() if ctx.facts.pool is not None else None
         self.plan_all()
         self.banner(f"Plan for {ctx.profile.host} ({ctx.profile.name})")
-        show_plan(self.states, self.console)
+        show_plan(self.states, self.console, ctx.facts.pool.line if ctx.facts.pool is not None else None)
         if options.dry_run:
             return self.finish("dry-run", self.dry_run_state(), None, started)
         changing = any(s.changes for s in self.states)

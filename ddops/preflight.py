@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
+from . import capacity
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
@@ -91,7 +93,7 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
         wanted = profile.serve.block_size if profile.engine == "ddtree" else profile.sglang.num_draft_tokens
         if block is None:
             problems.append("drafter config.json has no block_size")
-        elif block < wanted:
+        elif wanted is not None and block < wanted:
             problems.append(f"drafter block_size {block} is smaller than the profile's {wanted}")
         if inner.get("mask_token_id", dc.get("mask_token_id")) is None:
             problems.append("drafter config.json has no mask_token_id")
@@ -293,6 +295,8 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     dest = facts.dest
     trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
     problems += check_models(profile, trees)
+    facts = replace(facts, pool=capacity.estimate(profile, facts.host, trees))
+    problems += capacity.check_fits(profile, facts.pool)
     problems += check_disk(profile, trees, dest)
     problems += check_replicas(profile, facts) if profile.replicated else check_port(profile, dest.port_holder)
     argv = exec_argv(profile)

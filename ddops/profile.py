@@ -6,57 +6,30 @@ runtime's venv and required packages, conflicting units, the health deadline and
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import ipaddress
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
+from .bundled import LIMITS, SETTINGS
 from .errors import ConfigError
 from .paths import cache_root, env_path
 from .yamlsrc import CONTROL_CHARS, Section, load_yaml
 
 
-def _runtime_limits() -> ModuleType:
-    """The serve limits the bundled runtime enforces (runtime/ddtree_runtime/limits.py): their one source.
-
-    Read from this checkout's runtime/ when there is one: that is the runtime `runtime.ship` builds and
-    deploys, whatever version of it is installed here (setup.sh installs it editable, so they agree).
-    Else (ddops installed without the repo) from the installed ddtree_runtime. The module is stdlib-only
-    and imports nothing, so neither way pulls torch onto the control machine.
-    """
-    path = Path(__file__).resolve().parents[1] / "runtime" / "ddtree_runtime" / "limits.py"
-    if not path.is_file():
-        try:
-            from ddtree_runtime import limits
-        except ImportError:
-            raise ConfigError("cannot check deploy profiles: the DDTree runtime's limits (ddtree_runtime.limits) "
-                              "are not installed", fix="run ddops from its checkout, or `pip install ./runtime`") from None
-        return limits
-    spec = importlib.util.spec_from_file_location("ddops._runtime_limits", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LIMITS = _runtime_limits()
 ENGINES = ("ddtree", "sglang")
 MODES = LIMITS.MODES
-# The runtime's parser names (SGLang's), for serve.tool_call_parser and serve.reasoning_parser.
-TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
-REASONING_PARSERS = ("qwen3",)
-_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 DTYPES = LIMITS.DTYPE_NAMES
 LOCAL = "local"  # `from.host: local` = the control machine running ddops
 CACHE = "${DDOPS_CACHE}"  # the one variable a local source path may start with
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # Patterns are used with fullmatch: `$` would also match before a trailing newline.
 _UNIT = re.compile(r"[A-Za-z0-9@._:-]+\.service")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _IMPORT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_DEVICE = re.compile(SETTINGS.BY_NAME["device"].pattern)
 # A profile's name lands in unit and env-file comments, the unit's Description= (where `%` is a
 # specifier), reports and history: letters, digits and a few marks only.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+@-]{0,99}")
@@ -102,27 +75,13 @@ class Runtime:
         return f"{self.venv}/bin/python"
 
 
-@dataclass(frozen=True)
-class Serve:
-    mode: str = "ddtree"
-    block_size: int = 16
-    tree_budget: int = 16
-    served_model_name: str | None = None
-    extra_args: tuple[str, ...] = ()
-    max_context: int | None = None  # None: the runtime's default (the model's positions, as memory holds)
-    # Batching (the runtime's --max-running, --max-queue, --mem-fraction); None: the runtime's default
-    # (16 running, 16 waiting, 0.9 of the free device memory for its pools).
-    max_running: int | None = None
-    max_queue: int | None = None
-    mem_fraction: float | None = None
-    # Prefix reuse across turns (--no-prefix-cache, --prefix-cache-rows): on by default, no extra rows.
-    prefix_cache: bool = True
-    prefix_cache_rows: int | None = None
-    # What the chat endpoint makes of the model's text (the runtime's --tool-call-parser,
-    # --reasoning-parser, --chat-template-kwargs); None: the runtime's default.
-    tool_call_parser: str | None = None          # None: from the target's architecture
-    reasoning_parser: str | None = None          # None: reasoning left in the content
-    chat_template_kwargs: str | None = None      # a JSON object, keys sorted
+# `serve:` in a profile: the serve settings the runtime's table marks `profile` (same names, types, bounds
+# and defaults as ddtree-serve's flags), plus flags passed as they are; `given` names the settings the
+# profile sets (the unit passes those, and any other that differs from the runtime's default).
+Serve = SETTINGS.config_class(
+    "Serve", __name__, SETTINGS.PROFILE_SETTINGS, "A profile's serve settings (the runtime's settings.py).",
+    extra_fields=(("extra_args", tuple, dataclasses.field(default=())),
+                  ("given", frozenset, dataclasses.field(default=frozenset()))))
 
 
 # SGLang's --mamba-scheduler-strategy choices (python/sglang/srt/server_args.py). Speculative decoding on
@@ -504,45 +463,47 @@ def _serve(top: Section) -> Serve:
     section = top.section("serve")
     if section is None:
         return Serve()
-    section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context",
-                            "max_running", "max_queue", "mem_fraction", "prefix_cache", "prefix_cache_rows",
-                            "tool_call_parser", "reasoning_parser", "chat_template_kwargs", "replicas"))
-    # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
-    serve = Serve(mode=section.str("mode", "ddtree", choices=MODES),
-                  block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
-                  tree_budget=section.int("tree_budget", 16, min=LIMITS.MIN_TREE_BUDGET, max=LIMITS.MAX_TREE_BUDGET),
-                  served_model_name=section.str("served_model_name"),
-                  extra_args=tuple(section.str_list("extra_args")),
-                  max_context=section.int("max_context", None, min=1),
-                  max_running=section.int("max_running", None, min=1, max=LIMITS.MAX_RUNNING),
-                  max_queue=section.int("max_queue", None, min=1, max=LIMITS.MAX_QUEUE),
-                  mem_fraction=section.number("mem_fraction", None, min=LIMITS.MIN_MEM_FRACTION, max=1),
-                  prefix_cache=section.bool("prefix_cache", True),
-                  prefix_cache_rows=section.int("prefix_cache_rows", None, min=0, max=LIMITS.MAX_RUNNING),
-                  tool_call_parser=section.str("tool_call_parser", choices=TOOL_CALL_PARSERS),
-                  reasoning_parser=section.str("reasoning_parser", choices=REASONING_PARSERS),
-                  chat_template_kwargs=_template_kwargs(section))
+    section.reject_unknown([s.name for s in SETTINGS.PROFILE_SETTINGS] + ["extra_args", "replicas"])
+    # the runtime's own bounds; the block size's ceiling is the drafter's, checked by preflight
+    values = {s.name: _setting(section, s) for s in SETTINGS.PROFILE_SETTINGS}
+    serve = Serve(**values, extra_args=tuple(section.str_list("extra_args")),
+                  given=frozenset(s.name for s in SETTINGS.PROFILE_SETTINGS if s.name in section.data))
     if serve.prefix_cache_rows and not serve.prefix_cache:
         raise section.fail("prefix_cache_rows", "`serve.prefix_cache_rows` needs the prefix cache",
                            fix="drop it, or set `prefix_cache: true`")
     return serve
 
 
-def _template_kwargs(serve: Section) -> str | None:
-    """`serve.chat_template_kwargs`: flat template variables (name: string, number or bool), as JSON."""
-    section = serve.section("chat_template_kwargs")
-    if section is None:
-        return None
+def _setting(section: Section, setting) -> object:
+    """One serve setting from the profile, checked against the runtime's declaration of it."""
+    default = setting.default_value()
+    if setting.type is bool:
+        return section.bool(setting.name, default)
+    if setting.type is int:
+        return section.int(setting.name, default, min=setting.minimum, max=setting.maximum)
+    if setting.type is float:
+        return section.number(setting.name, default, min=setting.minimum, max=setting.maximum)
+    if setting.type is dict:
+        return _template_kwargs(section, setting.name) if setting.name in section.data else default
+    value = section.str(setting.name, default, choices=setting.choices)
+    if value is not default and setting.problem(value):
+        raise section.fail(setting.name, f"`serve.{setting.name}` {setting.problem(value)}, got {value!r}")
+    return value
+
+
+def _template_kwargs(serve: Section, key: str) -> dict:
+    """A JSON-object setting (`serve.chat_template_kwargs`): flat template variables (name: string,
+    number or bool)."""
+    section = serve.section(key, required=True)
     values = {}
-    for key in section.keys():
-        value = section.data[key]
-        if not isinstance(key, str) or not _TEMPLATE_VARIABLE.fullmatch(key):
-            raise section.fail(key, f"invalid chat template variable name {key!r}")
+    for name in section.keys():
+        value = section.data[name]
+        if not isinstance(name, str) or not _TEMPLATE_VARIABLE.fullmatch(name):
+            raise section.fail(name, f"invalid chat template variable name {name!r}")
         if not isinstance(value, (str, int, float, bool)):
-            raise section.fail(key, f"`serve.chat_template_kwargs.{key}` must be a string, number or bool, "
-                               f"got {value!r}")
-        values[key] = value
-    return json.dumps(values, sort_keys=True)
+            raise section.fail(name, f"`serve.{key}.{name}` must be a string, number or bool, got {value!r}")
+        values[name] = value
+    return values
 
 
 def _sglang(top: Section, engine: str) -> Sglang | None:

@@ -23,6 +23,7 @@ class Report:
     journal: Journal = field(default_factory=Journal)
     gate_names: tuple[str, ...] = ()        # which rows are gates: a failed gate changed nothing itself
     release: str | None = None
+    pool: dict[str, Any] | None = None      # what the KV pool will hold on the GPU (ddops.capacity)
     outcome: str | None = None
     state: str | None = None
     error: DdopsError | None = None
@@ -88,6 +89,8 @@ class Report:
             out["rollback_error"] = self.rollback_error
         if self.signals:
             out["signals"] = self.signals
+        if self.pool is not None:
+            out["pool"] = self.pool
         if self.journal.rolling:
             out["rolling"] = self.journal.rolling
         out.update(interrupted=self.interrupted, error=self.error.line() if self.error else None,

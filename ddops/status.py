@@ -122,7 +122,8 @@ def _runtime_cell(r: dict[str, Any]) -> Text:
             text.append(f"{h['url']}: - ({h['unit']} not installed)\n", style="dim")
             continue
         word = "healthy" if h["healthy"] else "UNHEALTHY"
-        text.append(f"{h['url']}: {word} {_health_summary(h)}".rstrip() + "\n",
+        load = f"; {load_summary(h)}" if h["healthy"] and load_summary(h) else ""
+        text.append(f"{h['url']}: {word} {_health_summary(h)}".rstrip() + load + "\n",
                     style="green" if h["healthy"] else "red")
     return text or Text("-", style="dim")
 
@@ -141,6 +142,20 @@ def _health_summary(h: dict[str, Any]) -> str:
     return f"{detail.get('model', '')}{arch} {mode}".strip()
 
 
+def load_summary(h: dict[str, Any]) -> str:
+    """Running requests over the capacity, and the paged pool's pages where the runtime reports them;
+    "" when /health does not say (a runtime with an API key shows its load only to callers with it)."""
+    detail = h.get("detail")
+    if not isinstance(detail, dict) or detail.get("max_running") is None:
+        return ""
+    line = f"running {detail.get('running', 0)}/{detail['max_running']}"
+    pool = h.get("pool") or {}
+    used, free = pool.get("ddtree_pages_used"), pool.get("ddtree_pages_free")
+    if used is not None and free is not None:
+        line += f", pages {used:g}/{used + free:g} used"
+    return line
+
+
 def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
     """One replicated deployment: the balancer's endpoint, then each replica's unit, health and how
     HAProxy sees it (UP, DRAIN, DOWN...)."""
@@ -150,7 +165,7 @@ def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
     table = Table(title=f"{deployment['template']} on {host} ({deployment.get('profile')}): "
                         f"{bal['unit']} {state} on port {bal['port']}, {public}"
                         + (f" ({bal['error']})" if bal.get("error") else ""))
-    for column in ("replica", "port", "GPUs", "unit", "runtime", "in HAProxy"):
+    for column in ("replica", "port", "GPUs", "unit", "runtime", "running", "in HAProxy"):
         table.add_column(column, overflow="fold")
     for rep in deployment["replicas"]:
         unit = rep["state"] or {}
@@ -163,5 +178,6 @@ def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
                            style={"active": "green", "failed": "bold red"}.get(active, "yellow")),
                       Text(("healthy " if health["healthy"] else "UNHEALTHY ") + _health_summary(health),
                            style="green" if health["healthy"] else "red"),
+                      Text(load_summary(health).removeprefix("running ") or "-"),
                       Text(seen, style="green" if seen == "UP" else "yellow"))
     return table

@@ -138,9 +138,12 @@ class PlanView:
         self.console.print(self.table())
 
 
-def show_plan(states: list[StepState], console: Console) -> None:
-    """The whole plan, then every unified diff it holds (secrets already masked)."""
+def show_plan(states: list[StepState], console: Console, capacity: str | None = None) -> None:
+    """The whole plan, what the runtime's KV pool will hold on the GPU (when it serves on one), then
+    every unified diff the plan holds (secrets already masked)."""
     console.print(PlanView(states, console).table())
+    if capacity:
+        console.print(Text(f"capacity: {capacity}", style="cyan"), soft_wrap=True)
     for s in states:
         for op in s.changes:
             if op.detail and op.detail.startswith("---"):

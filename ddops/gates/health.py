@@ -117,13 +117,21 @@ def wait_healthy(executor: Executor, host: Host, unit: str, port: int, path: str
             "unreachable_polls": len(unreachable)}
 
 
+def serving_shape(profile) -> dict:
+    """What /health must report: the profile's mode, and its block size when it sets one (else the
+    drafter's own, which preflight checked)."""
+    block = {"block_size": profile.serve.block_size} if profile.serve.block_size is not None else {}
+    return {**block, "mode": profile.serve.mode}
+
+
 class HealthGate:
     name = "health"
     title = "Health gate"
 
     def describe(self, ctx: RunContext) -> str:
         p = ctx.profile
-        expect = f" with mode {p.serve.mode}, block size {p.serve.block_size}" if p.engine == "ddtree" else ""
+        block = p.serve.block_size or "the drafter's"
+        expect = f" with mode {p.serve.mode}, block size {block}" if p.engine == "ddtree" else ""
         if p.replicated:
             return (f"wait up to {p.health.deadline_s:g}s for {p.health.path} ok{expect} on each of "
                     f"{p.replicas.count} replica(s), then every one UP in HAProxy on port {p.port}")
@@ -133,7 +141,7 @@ class HealthGate:
         if ctx.profile.replicated:
             return self.check_replicas(ctx)
         p = ctx.profile
-        expect = {"block_size": p.serve.block_size, "mode": p.serve.mode} if p.engine == "ddtree" else None
+        expect = serving_shape(p) if p.engine == "ddtree" else None
         out = wait_healthy(ctx.executor, ctx.host, p.unit, p.port, p.health.path, p.health.deadline_s,
                            p.health.interval_s, expect, progress=ctx.progress, check_interrupt=ctx.check_interrupt)
         body = out["health"] if isinstance(out["health"], dict) else {}
@@ -145,7 +153,7 @@ class HealthGate:
         """Each replica in turn (they start together, so the first wait covers most of the others'); then,
         unless a batch is being checked, HAProxy must see every replica UP."""
         p = ctx.profile
-        expect = {"block_size": p.serve.block_size, "mode": p.serve.mode}
+        expect = serving_shape(p)
         replicas = {}
         for replica in ctx.serving():
             replicas[replica.unit] = wait_healthy(ctx.executor, ctx.host, replica.unit, replica.port, p.health.path,

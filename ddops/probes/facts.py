@@ -10,6 +10,7 @@ import sys
 import time
 
 GPU_FIELDS = ["index", "name", "memory.used", "memory.total", "utilization.gpu"]
+POOL_METRICS = ("ddtree_pages_used", "ddtree_pages_free")
 UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState"]
 
 
@@ -122,7 +123,28 @@ def health(port, path):
         detail = body.strip()[:500]
     status = detail.get("status") if isinstance(detail, dict) else None
     healthy = code == 200 and status in (None, "ok", "healthy")
-    return {"url": url, "healthy": healthy, "http_status": code, "detail": detail}
+    out = {"url": url, "healthy": healthy, "http_status": code, "detail": detail}
+    if healthy and isinstance(detail, dict) and "running" in detail:  # a runtime that shows its load here
+        out["pool"] = pool_metrics(port)
+    return out
+
+
+def pool_metrics(port):
+    """The paged pool's gauges from /metrics (ddtree_pages_used, ddtree_pages_free), where the runtime
+    has them and serves /metrics without a key; {} otherwise."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=3) as resp:
+            text = resp.read(1 << 20).decode(errors="replace")
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in POOL_METRICS:
+            found[name] = number(value.strip())
+    return found
 
 
 def replicated(folder):

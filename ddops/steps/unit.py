@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jinja2
 
+from ..bundled import SETTINGS
 from ..errors import ConfigError, StepFailed
 from ..facts import Inspection
 from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, unit_path
@@ -83,28 +84,30 @@ def exec_argv(profile: Profile) -> list[str]:
         if profile.serve.served_model_name:
             argv += ["--served-model-name", profile.serve.served_model_name]
         return argv + list(sg.extra_args)
-    argv = [f"{profile.runtime.venv}/bin/ddtree-serve", "--target", target.path]
-    if draft is not None:
-        argv += ["--draft", draft.path]
     host, port = ("127.0.0.1", REPLICA_PORT) if profile.replicated else (profile.bind, str(profile.port))
-    argv += ["--mode", profile.serve.mode, "--block-size", str(profile.serve.block_size),
-             "--tree-budget", str(profile.serve.tree_budget), "--host", host,
-             "--port", port, "--device", profile.device, "--dtype", profile.dtype]
-    if profile.serve.served_model_name:
-        argv += ["--served-model-name", profile.serve.served_model_name]
-    for flag, number in (("--max-context", profile.serve.max_context), ("--max-running", profile.serve.max_running),
-                         ("--max-queue", profile.serve.max_queue), ("--mem-fraction", profile.serve.mem_fraction),
-                         ("--prefix-cache-rows", profile.serve.prefix_cache_rows)):
-        if number is not None:
-            argv += [flag, str(number)]
-    if not profile.serve.prefix_cache:
-        argv.append("--no-prefix-cache")
-    for flag, value in (("--tool-call-parser", profile.serve.tool_call_parser),
-                        ("--reasoning-parser", profile.serve.reasoning_parser),
-                        ("--chat-template-kwargs", profile.serve.chat_template_kwargs)):
-        if value is not None:
-            argv += [flag, value]
+    # the settings a profile sets outside `serve:`: always passed
+    placed = {"target_dir": target.path, "draft_dir": draft.path if draft is not None else None, "host": host,
+              "port": port, "device": profile.device, "dtype": profile.dtype}
+    argv = [f"{profile.runtime.venv}/bin/ddtree-serve"]
+    for setting in SETTINGS.SERVE_SETTINGS:
+        if setting.name in placed:
+            argv += [setting.flag, placed[setting.name]] if placed[setting.name] is not None else []
+        elif setting.profile:
+            argv += serve_flag(setting, profile.serve)
     return argv + list(profile.serve.extra_args)
+
+
+def serve_flag(setting, serve) -> list[str]:
+    """A `serve:` setting's flag and value, when the profile sets it or it differs from the runtime's
+    default (else the runtime's default holds, and the unit does not spell it out)."""
+    value = getattr(serve, setting.name)
+    if setting.name not in serve.given and value == setting.default:
+        return []
+    if setting.type is bool:
+        return [setting.flag] if value != setting.default else []
+    if setting.type is dict:
+        return [setting.flag, json.dumps(value, sort_keys=True)]
+    return [setting.flag, str(value)] if value is not None else []
 
 
 @dataclass(frozen=True)

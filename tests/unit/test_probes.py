@@ -52,3 +52,32 @@ def test_the_lock_action_and_the_inspect_probe_read_the_lock_alike(tmp_path):
     (tmp_path / "pivot.lock").write_text("{not json")
     assert run("inspect", {"lock": path})["lock"] == {"unreadable": True}
     assert run("lock", {"action": "clear", "path": path}) == {"cleared": True, "holder": {"unreadable": True}}
+
+
+def test_facts_reads_a_runtimes_load_and_its_pages_where_it_shows_them():
+    """/health's running / max_running, and the paged pool's gauges from /metrics (not the others)."""
+    import http.server
+    import threading
+
+    class Runtime(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (json.dumps({"status": "ok", "mode": "ddtree", "running": 3, "max_running": 16})
+                    if self.path == "/health" else
+                    "# TYPE ddtree_pages_used gauge\nddtree_pages_used 120\nddtree_pages_free 880\n"
+                    "ddtree_running_requests 3\n").encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Runtime)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        facts = run("facts", {"services": [{"unit": "ddtree.service", "port": server.server_address[1]}]})
+    finally:
+        server.shutdown()
+    runtime, = facts["runtime"]
+    assert runtime["healthy"] and runtime["detail"]["running"] == 3
+    assert runtime["pool"] == {"ddtree_pages_used": 120, "ddtree_pages_free": 880}

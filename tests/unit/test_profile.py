@@ -48,8 +48,9 @@ def test_shipped_profiles_load(name):
         assert profile.serve.block_size == 16 and profile.serve.tree_budget == 16
     # the service the pivot replaces ran a 131,072-token context; the lab keeps the runtime's default
     assert profile.serve.max_context == (131072 if name == "zlab-ddtree16" else None)
-    # ...and 16 requests at once (its --max-running-requests)
-    assert profile.serve.max_running == (16 if name == "zlab-ddtree16" else None)
+    # ...and 16 requests at once (its --max-running-requests), set there; elsewhere the runtime's default, 16
+    assert profile.serve.max_running == 16
+    assert ("max_running" in profile.serve.given) == (name == "zlab-ddtree16")
 
 
 def test_good_profile(tmp_path):
@@ -187,8 +188,10 @@ def test_limits_without_the_checkout(tmp_path, runtime_installed):
     code = (f"import sys; {block}from ddops.errors import ConfigError\n"
             "try:\n    import ddops.profile as p; print(p.__file__, p.LIMITS.__name__, p.LIMITS.MAX_TREE_BUDGET)\n"
             "except ConfigError as e:\n    print(e.line())")
+    # this checkout's runtime stands for the installed one (the venv's may be another checkout's)
+    path = os.pathsep.join([str(tmp_path), str(REPO / "runtime")] if runtime_installed else [str(tmp_path)])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+                          env={**os.environ, "PYTHONPATH": path})
     assert done.returncode == 0, done.stderr
     if runtime_installed:
         assert done.stdout.split() == [str(tmp_path / "ddops" / "profile.py"), "ddtree_runtime.limits", "1024"]

@@ -64,7 +64,8 @@ def test_max_context_reaches_the_unit_only_when_set(profile):
 def test_batching_settings_reach_the_unit_only_when_set(profile):
     from dataclasses import replace
     assert not {"--max-running", "--max-queue", "--mem-fraction"} & set(exec_argv(profile))
-    busy = replace(profile, serve=replace(profile.serve, max_running=16, max_queue=64, mem_fraction=0.85))
+    busy = replace(profile, serve=replace(profile.serve, max_running=16, max_queue=64, mem_fraction=0.85,
+                                          given=profile.serve.given | {"max_running", "max_queue", "mem_fraction"}))
     argv = exec_argv(busy)
     assert [argv[argv.index(f) + 1] for f in ("--max-running", "--max-queue", "--mem-fraction")] == ["16", "64", "0.85"]
     assert " --max-running 16 --max-queue 64 --mem-fraction 0.85" in render(busy, {}).unit_text

@@ -7,29 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..settings import ENGINE_SETTINGS, config_class
+
 if TYPE_CHECKING:
     from .sampling import PendingLogprobs
 
-MODES = ("ddtree", "dflash", "ar")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class EngineConfig:
-    target_dir: str
-    draft_dir: str | None           # None allowed only for mode "ar"
-    mode: str = "ddtree"            # ddtree | dflash | ar
-    block_size: int | None = None   # default: drafter config's block_size
-    tree_budget: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"          # float32 | bfloat16 | float16
-    max_context: int | None = None  # default: the target's max_position_embeddings, as far as memory holds
-    max_running: int = 1            # requests decoded together (cache slots in the pool)
-    mem_fraction: float = 0.9       # at most this share of the free device memory goes to the pool
-    prefill_chunk: int = 512        # prompt tokens prefilled per step, so running streams keep going
-    round_nodes: int | None = None  # adaptive tree budget: tree nodes per round over all requests
-    prefix_cache: bool = True       # keep finished requests' rows as cached sequences for prefix reuse
-    prefix_cache_rows: int = 0      # pool rows beyond max_running that only hold cached sequences
+# What the engine loads and how it serves: the engine settings of the serve table (settings.py), with
+# the same names and defaults as the server's flags; draft_dir None only for mode "ar", block_size None:
+# the drafter's, max_context None: the target's positions as far as memory holds.
+EngineConfig = config_class("EngineConfig", __name__, ENGINE_SETTINGS, "The engine's settings (settings.py).",
+                            frozen=False)
 
 
 @dataclass

@@ -1,61 +1,14 @@
-"""Server settings, fixed at start-up."""
+"""Server settings, fixed at start-up: one field per serve setting (settings.py), with its default."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
-from ..limits import MODES  # noqa: F401 - the CLI's --mode choices, from their one home
-
-# A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
-# several times over (about 4 bytes of JSON a token), and bounds what parsing one request may cost.
-DEFAULT_MAX_BODY = 4 * 2**20
+from ..settings import ENGINE_SETTINGS, SERVE_SETTINGS, config_class
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    # What the engine loads (turned into an EngineConfig on the worker thread).
-    target_dir: str
-    draft_dir: str | None
-    mode: str = "ddtree"
-    block_size: int | None = None
-    tree_budget: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_context: int | None = None
-    max_running: int = 16                 # requests decoded together (like SGLang's --max-running-requests)
-    mem_fraction: float = 0.9             # share of the free device memory the cache pool may take
-    prefill_chunk: int = 512              # prompt tokens prefilled per step beside the running requests
-    round_nodes: int | None = None        # adaptive tree budget: tree nodes per round over all requests
-    prefix_cache: bool = True             # reuse cached prefixes of finished requests (engine/prefix_cache.py)
-    prefix_cache_rows: int = 0            # pool rows beyond max_running that only hold cached sequences
-    # How the server behaves.
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_queue: int = 16
-    max_body: int = DEFAULT_MAX_BODY
-    served_model_name: str | None = None
-    drain_timeout: float = 30.0
-    # What the chat endpoint makes of the model's text and the template (issue 18).
-    tool_call_parser: str | None = None  # hermes | qwen3_coder; None: from the target's architecture
-    reasoning_parser: str | None = None  # qwen3: <think>...</think> -> reasoning_content; None: off
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the service's template defaults
+def _engine_kwargs(self) -> dict:
+    """The engine's settings, as EngineConfig takes them (built on the worker thread)."""
+    return {s.name: getattr(self, s.name) for s in ENGINE_SETTINGS}
 
-    def engine_kwargs(self) -> dict:
-        return {
-            "target_dir": self.target_dir,
-            "draft_dir": self.draft_dir,
-            "mode": self.mode,
-            "block_size": self.block_size,
-            "tree_budget": self.tree_budget,
-            "device": self.device,
-            "dtype": self.dtype,
-            "max_context": self.max_context,
-            "max_running": self.max_running,
-            "mem_fraction": self.mem_fraction,
-            "prefill_chunk": self.prefill_chunk,
-            "round_nodes": self.round_nodes,
-            "prefix_cache": self.prefix_cache,
-            "prefix_cache_rows": self.prefix_cache_rows,
-        }
+
+ServerConfig = config_class("ServerConfig", __name__, SERVE_SETTINGS, "The server's settings (settings.py).",
+                            namespace={"engine_kwargs": _engine_kwargs})

@@ -1,0 +1,241 @@
+"""What one GPU's memory holds for a target and its drafter: the KV pool in tokens, and so how many
+requests of a given length run at once. Pure arithmetic from the models' config.json dicts, with no
+torch, so ddops can show it in a pivot's plan (and refuse a profile that cannot serve one request of
+its max_context) and the runtime can log the same figures at start-up.
+
+    pool_tokens = (memory x mem_fraction - weights - workspaces - max_running x request_state) / token_bytes
+
+- weights: both models' parameters (counted from their configs) in the serving dtype;
+- workspaces: one prefill's activations at max_context (the engine's bound, engine/context.py);
+- request_state: what a running request holds outside the pool: a hybrid target's recurrent and conv
+  state per linear layer, and the tree pass's per-node scratch (engine/kv_cache.py, HybridCache);
+- token_bytes: a token's KV in the target's full-attention layers and in the drafter's layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The engine's own constants (engine/prefill.py PREFILL_PIECE, engine/runner.py TREE_BUCKETS; a test
+# checks they agree): a prompt is prefilled in pieces of this many tokens, and a tree pass is padded
+# to one of these sizes.
+PREFILL_PIECE = 32768
+TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
+SHORT_REQUEST = 8192    # the "requests of 8K" the plan and the start-up line count
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: multimodal checkpoints (Qwen3.5/3.6) keep it under text_config."""
+    return config.get("text_config") or config
+
+
+def _layer_kinds(text: dict[str, Any]) -> list[str]:
+    """Each layer's kind: the config's layer_types, else a full-attention layer every
+    full_attention_interval layers in a hybrid, else all full attention."""
+    n = text["num_hidden_layers"]
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    if text.get("model_type", "").startswith("qwen3_5"):
+        interval = text.get("full_attention_interval", 4)
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a config.json the arithmetic needs (a target, or a DFlash drafter)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    full_layers: int
+    linear_layers: int = 0
+    tied: bool = False
+    bias: bool = False
+    gated: bool = False           # a hybrid's full-attention layers gate their output (q_proj doubled)
+    conv_kernel: int = 4
+    key_heads: int = 0            # linear layers: Hk x dk keys, Hv x dv values
+    key_dim: int = 0
+    value_heads: int = 0
+    value_dim: int = 0
+    positions: int = 40960
+    feature_layers: int = 0       # a drafter: the target layers it reads
+    block_size: int = 0           # a drafter: its block size
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Shape":
+        text = _text(config)
+        kinds = _layer_kinds(text)
+        hybrid = "linear_attention" in kinds
+        heads = text["num_attention_heads"]
+        dflash = config.get("dflash_config") or {}
+        return cls(vocab=text["vocab_size"], hidden=text["hidden_size"], intermediate=text["intermediate_size"],
+                   heads=heads, kv_heads=text.get("num_key_value_heads", heads),
+                   head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+                   full_layers=kinds.count("full_attention"), linear_layers=kinds.count("linear_attention"),
+                   tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                   bias=bool(text.get("attention_bias", False)), gated=hybrid,
+                   conv_kernel=text.get("linear_conv_kernel_dim", 4),
+                   key_heads=text.get("linear_num_key_heads", 16) if hybrid else 0,
+                   key_dim=text.get("linear_key_head_dim", 128) if hybrid else 0,
+                   value_heads=text.get("linear_num_value_heads", 32) if hybrid else 0,
+                   value_dim=text.get("linear_value_head_dim", 128) if hybrid else 0,
+                   positions=text.get("max_position_embeddings", 40960),
+                   feature_layers=len(dflash.get("target_layer_ids") or []),
+                   block_size=int(config.get("block_size", dflash.get("block_size", 16))))
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: its q, k and v."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def token_bytes(self, elem: int) -> int:
+        """One token's K and V in every full-attention layer."""
+        return 2 * self.full_layers * self.kv_heads * self.head_dim * elem
+
+    def state_bytes(self, elem: int) -> int:
+        """A hybrid's per-request state: each linear layer's float32 recurrent state (Hv x dk x dv) and
+        its conv tail (kernel - 1 inputs); 0 for a plain transformer."""
+        recurrent = 4 * self.value_heads * self.key_dim * self.value_dim
+        return self.linear_layers * (recurrent + elem * (self.conv_kernel - 1) * self.conv_dim)
+
+    def tree_scratch_bytes(self, nodes: int, elem: int) -> int:
+        """A hybrid's per-request scratch for a tree pass of `nodes` nodes (inputs, keys, values, decays
+        per node and linear layer) and the per-layer [Hv, nodes, nodes] float32 matrices of one pass."""
+        if not self.linear_layers:
+            return 0
+        per_node = 4 * self.value_heads * (self.key_dim + self.value_dim + 1) + elem * self.conv_dim
+        return self.linear_layers * nodes * per_node + 6 * 4 * self.value_heads * nodes * nodes
+
+    def _layer_parameters(self) -> tuple[int, int]:
+        """Parameters of one full-attention layer and of one linear-attention layer (each with its MLP
+        and two norms)."""
+        h, q = self.hidden, self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        mlp_and_norms = 3 * h * self.intermediate + 2 * h
+        attention = h * q * (2 if self.gated else 1) + 2 * h * kv + q * h + 2 * self.head_dim
+        if self.bias:
+            attention += q * (2 if self.gated else 1) + 2 * kv + h
+        values = self.value_heads * self.value_dim
+        linear = (h * self.conv_dim + h * values + 2 * h * self.value_heads + self.conv_dim * self.conv_kernel
+                  + self.value_dim + values * h + 2 * self.value_heads)
+        return attention + mlp_and_norms, linear + mlp_and_norms
+
+    def target_parameters(self) -> int:
+        full, linear = self._layer_parameters()
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.full_layers * full + self.linear_layers * linear + self.hidden
+
+    def drafter_parameters(self) -> int:
+        """A DFlash drafter: its layers, the projection of the target's features, two norms; it shares
+        the target's embeddings and head."""
+        full, _ = self._layer_parameters()
+        return self.full_layers * full + self.hidden * self.feature_layers * self.hidden + 2 * self.hidden
+
+
+def tree_bucket(nodes: int) -> int:
+    return next((b for b in TREE_BUCKETS if nodes <= b), TREE_BUCKETS[-1])
+
+
+def prefill_workspace_bytes(target: Shape, context: int, feature_layers: int, elem: int) -> int:
+    """A prefill's live activations at `context` prompt tokens (the engine's bound, engine/context.py):
+    per token of a piece the MLP's and the residual stream's temporaries, doubled; per prompt token the
+    drafter's features, kept whole."""
+    piece = min(context, PREFILL_PIECE)
+    return elem * (2 * piece * (3 * target.intermediate + 3 * target.hidden)
+                   + context * (feature_layers + 2) * target.hidden)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the pool holds on one GPU, and the figures it comes from (bytes)."""
+
+    memory_bytes: int
+    mem_fraction: float
+    weights_bytes: int
+    workspace_bytes: int
+    request_bytes: int          # per running request, outside the pool
+    max_running: int
+    token_bytes: int            # per token in the pool (target + drafter KV)
+    reserve_tokens: int         # a request's tokens beyond its context: the tree pass and the drafter's block
+    max_context: int
+
+    @property
+    def usable_bytes(self) -> int:
+        return (int(self.memory_bytes * self.mem_fraction) - self.weights_bytes - self.workspace_bytes
+                - self.max_running * self.request_bytes)
+
+    @property
+    def pool_tokens(self) -> int:
+        return max(0, self.usable_bytes // self.token_bytes)
+
+    def requests(self, context: int) -> int:
+        """Requests of `context` tokens the pool holds at once (before max_running caps them)."""
+        return self.pool_tokens // (context + self.reserve_tokens)
+
+    def running(self, context: int) -> int:
+        """... and how many of them run at once: at most max_running."""
+        return min(self.max_running, self.requests(context))
+
+    def summary(self) -> str:
+        """The capacity in one line: the pool, and requests of 8K and of the full context at once."""
+        short = min(SHORT_REQUEST, self.max_context)
+        label = "8K" if short == SHORT_REQUEST else f"{short:,}"
+        return (f"KV pool of {self.pool_tokens:,} tokens: {self.running(short)} request(s) of {label} at once, "
+                f"{self.running(self.max_context)} of max_context {self.max_context:,} "
+                f"(max_running {self.max_running})")
+
+    def breakdown(self) -> str:
+        """Where the memory goes, for a refusal or a plan's detail."""
+        gib = 2**30
+        return (f"{self.memory_bytes / gib:.1f} GiB x mem_fraction {self.mem_fraction:g}, less weights "
+                f"{self.weights_bytes / gib:.1f} GiB, workspaces {self.workspace_bytes / gib:.1f} GiB and "
+                f"{self.max_running} x {self.request_bytes / gib:.2f} GiB of request state, leaves "
+                f"{max(0, self.usable_bytes) / gib:.1f} GiB at {self.token_bytes:,} bytes a token")
+
+
+def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *,
+                  dtype: str, mem_fraction: float, max_running: int, max_context: int | None = None,
+                  tree_budget: int = 16, block_size: int | None = None) -> Capacity:
+    """The pool on a GPU of `memory_bytes`, for these models served in `dtype` (`draft_config` None:
+    mode ar, no drafter). `max_context` None: the target's positions; `block_size` None: the drafter's."""
+    elem = DTYPE_BYTES[dtype]
+    target = Shape.from_config(target_config)
+    drafter = Shape.from_config(draft_config) if draft_config is not None else None
+    context = max_context or target.positions
+    block = (block_size or drafter.block_size) if drafter is not None else 1
+    nodes = tree_bucket(max(tree_budget, block) + 1)
+    weights = target.target_parameters() * elem
+    token = target.token_bytes(elem)
+    features = 0
+    if drafter is not None:
+        weights += drafter.drafter_parameters() * elem
+        token += drafter.token_bytes(elem)
+        features = drafter.feature_layers
+    return Capacity(memory_bytes=memory_bytes, mem_fraction=mem_fraction, weights_bytes=weights,
+                    workspace_bytes=prefill_workspace_bytes(target, context, features, elem),
+                    request_bytes=target.state_bytes(elem) + target.tree_scratch_bytes(nodes, elem),
+                    max_running=max_running, token_bytes=token, reserve_tokens=max(nodes, 2 * block),
+                    max_context=context)
+
+
+def longest_context(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None,
+                    **settings: Any) -> int:
+    """The longest max_context at which one request fits (its prefill's workspace shrinks with it too);
+    0 when not even one token does. `settings`: pool_capacity's, but max_context."""
+    def fits(context: int) -> bool:
+        pool = pool_capacity(memory_bytes, target_config, draft_config, max_context=context, **settings)
+        return pool.requests(context) >= 1
+
+    lo, hi = 0, Shape.from_config(target_config).positions + 1   # fits(lo) (or lo is 0); not fits(hi)
+    if fits(hi - 1):
+        return hi - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

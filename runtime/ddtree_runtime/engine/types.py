@@ -30,6 +30,8 @@ class EngineConfig:
     round_nodes: int | None = None  # adaptive tree budget: tree nodes per round over all requests
     prefix_cache: bool = True       # keep finished requests' rows as cached sequences for prefix reuse
     prefix_cache_rows: int = 0      # pool rows beyond max_running that only hold cached sequences
+    quantize: str = "none"          # none | fp8: the target's projections in FP8 blocks at load (model/fp8.py)
+    quantize_drafter: bool = False  # the drafter's too, with the same method (it stays in 16 bits unless asked)
 
 
 @dataclass

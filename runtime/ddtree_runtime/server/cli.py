@@ -16,7 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddtree_runtime.limits import MAX_QUEUE, MAX_RUNNING, MIN_MEM_FRACTION
+from ddtree_runtime.limits import MAX_QUEUE, MAX_RUNNING, MIN_MEM_FRACTION, QUANTIZE_METHODS
+from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
 from ddtree_runtime.server.config import DEFAULT_MAX_BODY, MODES, ServerConfig
 from ddtree_runtime.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without an API key (anyone who reaches the port may use it)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (default: float32)")
+    p.add_argument("--quantize", choices=QUANTIZE_METHODS, default="none",
+                   help="fp8: the target's projections in FP8 (128x128 blocks, activations per token) at load, "
+                        "half the weight bytes; exact against the FP8 model, not the 16-bit one. A checkpoint "
+                        "that is FP8 already loads as FP8 without it (default: none)")
+    p.add_argument("--quantize-drafter", action="store_true",
+                   help="quantize the drafter too, with --quantize's method (default: the drafter stays in 16 bits)")
     p.add_argument("--max-running", type=int, default=16, metavar="N",
                    help="requests decoded together, each round one batch (default: 16)")
     p.add_argument("--mem-fraction", type=float, default=0.9, metavar="F",
@@ -93,6 +100,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     if args.draft is None and args.mode != "ar":
         raise UsageError(f"--draft DIR is required for --mode {args.mode} (only --mode ar runs without a drafter)")
     draft = _model_dir(args.draft, "--draft") if args.draft is not None else None
+    if args.quantize_drafter and args.quantize == "none":
+        raise UsageError("--quantize-drafter needs --quantize fp8")
+    for flag, path in (("--target", target), ("--draft", draft)):
+        _implemented(path, flag)
     _positive(args.block_size, "--block-size")
     _positive(args.tree_budget, "--tree-budget")
     _positive(args.max_queue, "--max-queue", MAX_QUEUE)
@@ -133,6 +144,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         round_nodes=args.round_nodes,
         prefix_cache=args.prefix_cache,
         prefix_cache_rows=args.prefix_cache_rows,
+        quantize=args.quantize,
+        quantize_drafter=args.quantize_drafter,
         host=args.host,
         port=args.port,
         api_key=api_key or None,
@@ -152,6 +165,19 @@ def _model_dir(path: str, flag: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"{flag} {path}: no config.json there; is it a model directory?")
     return os.path.abspath(path)
+
+
+def _implemented(path: str | None, flag: str) -> None:
+    """A checkpoint whose quantization (config.json, tensor dtypes) the runtime does not implement is
+    refused here, before anything loads: never served as if its codes were weights."""
+    if path is None:
+        return
+    try:
+        check_checkpoint(path)
+    except UnsupportedCheckpoint as exc:
+        raise UsageError(f"{flag} {exc}") from None
+    except (OSError, ValueError) as exc:  # unreadable config.json or safetensors header
+        raise UsageError(f"{flag} {path}: cannot read the checkpoint: {exc}") from None
 
 
 def _template_kwargs(text: str) -> dict:

@@ -29,6 +29,8 @@ class ServerConfig:
     round_nodes: int | None = None        # adaptive tree budget: tree nodes per round over all requests
     prefix_cache: bool = True             # reuse cached prefixes of finished requests (engine/prefix_cache.py)
     prefix_cache_rows: int = 0            # pool rows beyond max_running that only hold cached sequences
+    quantize: str = "none"                # none | fp8: the target's projections in FP8 at load (model/fp8.py)
+    quantize_drafter: bool = False        # the drafter's too (it stays in 16 bits unless asked)
     # How the server behaves.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -58,4 +60,6 @@ class ServerConfig:
             "round_nodes": self.round_nodes,
             "prefix_cache": self.prefix_cache,
             "prefix_cache_rows": self.prefix_cache_rows,
+            "quantize": self.quantize,
+            "quantize_drafter": self.quantize_drafter,
         }

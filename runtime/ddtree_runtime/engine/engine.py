@@ -32,8 +32,8 @@ from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
 from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
-from ..limits import DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES,
-                      QUANTIZE_METHODS
+from ..limits import (DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES,
+                      QUANTIZE_METHODS)
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)

@@ -107,7 +107,7 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) (+ residual). On CUDA one Triton kernel, which writes the sum over
     `residual` in place (as kernels.residual_linear does in 16 bits); elsewhere fp8_linear_torch."""
-    if triton is None or not x.is_cuda or torch.is_grad_enabled():
+    if not _use_kernel(x):
         return fp8_linear_torch(x, w, bias, residual)
     n, k = w.qweight.shape
     x2 = x.reshape(-1, k)
@@ -126,6 +126,10 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                            num_warps=warps, num_stages=stages)
     return residual if residual is not None else out.view(*x.shape[:-1], n)
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and not torch.is_grad_enabled()
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,9 +282,10 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
 def fp8_modules(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
     """A fine-grained FP8 checkpoint: every Linear whose weight the state dict holds in e4m3 (with its
     weight_scale_inv) becomes an (empty, meta) FP8Linear that the state dict then loads into; the
-    others stay as they are, as the checkpoint left them. Returns the names."""
-    names = [name for name, m in model.named_modules()
-             if type(m) is nn.Linear and state.get(f"{name}.weight", torch.empty(0)).dtype == FP8]
+    others stay as they are, as the checkpoint left them (an FP8 LM head is then refused at load).
+    Returns the names."""
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear and not skipped(name, ())
+             and state.get(f"{name}.weight", torch.empty(0)).dtype == FP8]
     for name in names:
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent)

@@ -188,3 +188,23 @@ def test_an_fp8_drafter_is_opt_in_and_still_lossless(pair, prompts):
         assert _tokens(engine, p, mode="ddtree") == _tokens(engine, p, mode="ar")
     with pytest.raises(ValueError, match="quantize_drafter needs"):
         Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), quantize_drafter=True))
+
+
+def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
+    """runtime/bench/fp8_bench.py is for a GPU session; --device cpu --tiny runs every part of it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parents[2] / "runtime" / "bench" / "fp8_bench.py"
+    out = tmp_path / "fp8.json"
+    done = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    for shape in ("small", "hybrid-small"):
+        result = report["shapes"][shape]
+        assert result["fp8"]["target_bytes"] < result["bf16"]["target_bytes"]
+        for precision in ("bf16", "fp8"):
+            assert {"ar_step_ms", "ddtree16_round_ms", "ar_step_4_running_ms", "prefill_128_ms"} <= set(result[precision])
+        assert {row["rows"] for row in result["gemm"]} == {1, 17}

@@ -131,13 +131,17 @@ class HostFacts:
     gpu_count: int
     training: Training
     gpu_error: str | None = None   # why nvidia-smi could not list the GPUs (then gpu_count is 0, not known)
+    # each GPU's (name, compute capability), by index; the capability None where the driver cannot say
+    gpu_models: tuple[tuple[str, float | None], ...] = ()
     raw: dict[str, Any] = field(repr=False, default_factory=dict)   # for the identity check
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "HostFacts":
         gpus = data.get("gpus") or {}
+        models = tuple((g.get("name") or "?", g.get("compute_cap")) for g in gpus.get("list", []))
         return cls(hostname=data.get("hostname"), gpu_count=len(gpus.get("list", [])),
-                   training=Training.from_json(data.get("training")), gpu_error=gpus.get("error"), raw=data)
+                   training=Training.from_json(data.get("training")), gpu_error=gpus.get("error"),
+                   gpu_models=models, raw=data)
 
 
 @dataclass(frozen=True)

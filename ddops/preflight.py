@@ -23,7 +23,7 @@ from .hostlock import lock_problem
 from .inventory import Host, Inventory
 from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
-from .profile import LOCAL, Profile
+from .profile import LIMITS, LOCAL, Profile
 from .release import release_id
 from .remote import run_probe
 from .serverflags import check_flags, host_flags, shipped_flags, ships_server
@@ -189,6 +189,22 @@ def check_tensor_parallel(profile: Profile, host: HostFacts) -> list[str]:
             f"one GPU per tensor-parallel rank and would never come up; {', or '.join(fixes)}"]
 
 
+def check_fp8_gpus(profile: Profile, host: HostFacts) -> list[str]:
+    """`serve.quantization: fp8` needs FP8 tensor cores (compute capability 8.9 or more: Ada, Hopper,
+    Blackwell) on every GPU the unit may use: the profile's `gpus`, or all the host's. An older card has
+    no FP8 GEMM for the runtime to run, so the profile is refused before anything stops."""
+    if profile.serve.quantization != "fp8" or host.gpu_error:
+        return []
+    pinned = [int(g) for g in profile.gpus.split(",")] if profile.gpus is not None else range(host.gpu_count)
+    wanted = LIMITS.FP8_MIN_COMPUTE_CAPABILITY
+    short = [f"GPU {i} is an {name} ({'capability unknown' if cap is None else f'compute capability {cap}'})"
+             for i, (name, cap) in enumerate(host.gpu_models) if i in pinned and (cap is None or cap < wanted)]
+    if not short:
+        return []
+    return [f"serve.quantization fp8 needs GPUs of compute capability {wanted} or more (FP8 tensor cores) on "
+            f"{profile.host}, and {'; '.join(short)}: drop `serve.quantization`, or deploy to such GPUs"]
+
+
 # -- replicas behind the balancer (issue 17) -----------------------------------------------------------
 
 def add_replica_args(profile: Profile, args: dict[str, Any]) -> None:
@@ -298,6 +314,7 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     argv = exec_argv(profile)
     problems += check_flags(profile, argv, server_flags)
     problems += check_tensor_parallel(profile, facts.host)
+    problems += check_fp8_gpus(profile, facts.host)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "

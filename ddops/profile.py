@@ -123,6 +123,9 @@ class Serve:
     tool_call_parser: str | None = None          # None: from the target's architecture
     reasoning_parser: str | None = None          # None: reasoning left in the content
     chat_template_kwargs: str | None = None      # a JSON object, keys sorted
+    # The runtime's --quantize (fp8: the target's projections in FP8 at load; preflight checks the GPUs
+    # have FP8 tensor cores); None: the runtime's default (none, or what the checkpoint is).
+    quantization: str | None = None
 
 
 # SGLang's --mamba-scheduler-strategy choices (python/sglang/srt/server_args.py). Speculative decoding on
@@ -506,7 +509,8 @@ def _serve(top: Section) -> Serve:
         return Serve()
     section.reject_unknown(("mode", "block_size", "tree_budget", "served_model_name", "extra_args", "max_context",
                             "max_running", "max_queue", "mem_fraction", "prefix_cache", "prefix_cache_rows",
-                            "tool_call_parser", "reasoning_parser", "chat_template_kwargs", "replicas"))
+                            "tool_call_parser", "reasoning_parser", "chat_template_kwargs", "quantization",
+                            "replicas"))
     # The runtime's own limits; the block size's ceiling is the drafter's, checked by preflight.
     serve = Serve(mode=section.str("mode", "ddtree", choices=MODES),
                   block_size=section.int("block_size", 16, min=LIMITS.MIN_BLOCK_SIZE),
@@ -521,7 +525,8 @@ def _serve(top: Section) -> Serve:
                   prefix_cache_rows=section.int("prefix_cache_rows", None, min=0, max=LIMITS.MAX_RUNNING),
                   tool_call_parser=section.str("tool_call_parser", choices=TOOL_CALL_PARSERS),
                   reasoning_parser=section.str("reasoning_parser", choices=REASONING_PARSERS),
-                  chat_template_kwargs=_template_kwargs(section))
+                  chat_template_kwargs=_template_kwargs(section),
+                  quantization=section.str("quantization", None, choices=LIMITS.QUANTIZE_METHODS))
     if serve.prefix_cache_rows and not serve.prefix_cache:
         raise section.fail("prefix_cache_rows", "`serve.prefix_cache_rows` needs the prefix cache",
                            fix="drop it, or set `prefix_cache: true`")

@@ -101,7 +101,8 @@ def exec_argv(profile: Profile) -> list[str]:
         argv.append("--no-prefix-cache")
     for flag, value in (("--tool-call-parser", profile.serve.tool_call_parser),
                         ("--reasoning-parser", profile.serve.reasoning_parser),
-                        ("--chat-template-kwargs", profile.serve.chat_template_kwargs)):
+                        ("--chat-template-kwargs", profile.serve.chat_template_kwargs),
+                        ("--quantize", profile.serve.quantization)):
         if value is not None:
             argv += [flag, value]
     return argv + list(profile.serve.extra_args)

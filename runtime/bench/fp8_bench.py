@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_bench import steady_rounds  # noqa: E402
-from gpu_bench import build_models, measure_ceilings, nbytes, run_case, sync  # noqa: E402
+from gpu_bench import agreement, build_models, measure_ceilings, nbytes, run_case, sync  # noqa: E402
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from ddtree_runtime.model import fp8  # noqa: E402
 
@@ -114,6 +114,26 @@ def tile_sweep(x: torch.Tensor, w: fp8.BlockFP8, device: torch.device, reps: int
     return out
 
 
+GEMM_CHECKS = ((1, 4096, 4096), (17, 1536, 4096), (272, 4096, 12288), (2048, 1000, 200))  # (m, n, k)
+TINY_GEMM_CHECKS = ((1, 96, 200), (17, 256, 128))
+
+
+def check_gemm(device: torch.device, dtype: torch.dtype, shapes) -> dict:
+    """The device's GEMM (the Triton kernel on a GPU) against the torch path on the same inputs: the
+    relative error, at decode, verify and prefill sizes, with a partial K block and the residual."""
+    g = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        for m, n, k in shapes:
+            w = fp8.BlockFP8(*fp8.quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), fp8.BLOCK)
+            x = torch.randn(m, k, device=device, generator=g).to(dtype)
+            res = torch.randn(m, n, device=device, generator=g).to(dtype)
+            ref = fp8.fp8_linear_torch(x, w, residual=res).double()
+            got = fp8.fp8_linear(x, w, residual=res.clone()).double()
+            out[f"{m}x{n}x{k}"] = float((got - ref).norm() / ref.norm())
+    return out
+
+
 def prefill_ms(engine: Engine, prompt: list[int]) -> float:
     """The first token of a lone request: the prompt's prefill (once warm)."""
     params = SamplingParams(max_new_tokens=1, mode="ar")
@@ -146,6 +166,9 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     vocab = target.config.vocab_size
     prompt = torch.randint(0, vocab - 1, (args.context,), generator=g).tolist()
     run_case(engine, prompt, "ddtree", 16, 2, 1)  # every kernel shape compiled once
+    # lossless against this target: each mode's greedy tokens match AR's (up to 16-bit near-ties)
+    out["checks"] = agreement(engine, torch.randint(0, vocab - 1, (200,), generator=g).tolist(),
+                              n=8 if args.tiny else 48)
     for mode, budget, key in (("ar", None, "ar_step"), ("ddtree", 16, "ddtree16_round")):
         r = run_case(engine, prompt, mode, budget, args.rounds, args.warmup)
         out[f"{key}_ms"] = r["round_ms"]
@@ -158,7 +181,8 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     for ctx in contexts:
         out[f"prefill_{ctx}_ms"] = prefill_ms(engine, torch.randint(0, vocab - 1, (ctx,), generator=g).tolist())
     print(f"  {shape} {precision}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                                 for k, v in out.items() if not k.endswith("phases_ms")), flush=True)
+                                                 for k, v in out.items() if not k.endswith(("phases_ms", "checks"))),
+          flush=True)
     del engine, target, drafter
     gc.collect()
     if device.type == "cuda":
@@ -210,9 +234,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"fp8_bench: {torch.cuda.get_device_name(device)} (compute capability {cap[0]}.{cap[1]}) "
                              f"has no FP8 tensor cores; FP8 needs 8.9 or more")
     ceil = measure_ceilings(device)
+    gemm_err = check_gemm(device, getattr(torch, args.dtype), TINY_GEMM_CHECKS if args.tiny else GEMM_CHECKS)
     report: dict = {"label": args.label, "device": str(device), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "ceilings": ceil, "shapes": {}}
+                    "ceilings": ceil, "gemm_rel_err": gemm_err, "shapes": {}}
+    print(f"FP8 GEMM against the torch path, relative error: {report['gemm_rel_err']}", flush=True)
     contexts = [int(c) for c in args.prefill.split(",")]
     for shape in args.shapes.split(","):
         print(f"{shape}:", flush=True)

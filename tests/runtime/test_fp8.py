@@ -18,6 +18,7 @@ from ddtree_runtime.model import load_drafter, load_target
 from ddtree_runtime.model.fp8 import FP8, FP8Linear, expand_scales, fp8_linear_torch, quantize_blocks
 from ddtree_runtime.model.layers import fuse_projections
 from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
+from ddtree_runtime.server.cli import build_parser, config_from_args
 from ddtree_runtime.server.cli import main as serve_main
 from ddtree_devtools.tiny_corpus import heldout_questions
 
@@ -139,6 +140,10 @@ def test_the_server_refuses_it_with_exit_2_and_one_line(tiny_models, tmp_path, c
     assert err.count("\n") == 0 and "--target" in err and "'awq' is not implemented" in err
     assert serve_main(["--target", str(tiny_models / "target"), "--mode", "ar", "--quantize-drafter"]) == 2
     assert "--quantize-drafter needs --quantize fp8" in capsys.readouterr().err
+    args = build_parser().parse_args(["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                                      "--quantize", "fp8", "--quantize-drafter"])
+    kwargs = config_from_args(args, {}).engine_kwargs()
+    assert kwargs["quantize"] == "fp8" and kwargs["quantize_drafter"] is True
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +182,7 @@ def test_speculative_decoding_is_lossless_against_the_fp8_target(pair, fp8_targe
     for (i, mode), n in ids.items():
         assert got[n] == reference[i], f"prompt {i}, {mode}, batched"
     assert isinstance(batched.target.model.layers[0].mlp.down_proj, FP8Linear)
+    assert engine.quantization == batched.quantization == "fp8"   # the checkpoint's, and --quantize's
     assert type(batched.drafter.layers[0].mlp.down_proj) is torch.nn.Linear  # the drafter stays unless asked
 
 
@@ -202,9 +208,11 @@ def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert report["gemm_rel_err"] and max(report["gemm_rel_err"].values()) < 1e-2
     for shape in ("small", "hybrid-small"):
         result = report["shapes"][shape]
         assert result["fp8"]["target_bytes"] < result["bf16"]["target_bytes"]
         for precision in ("bf16", "fp8"):
             assert {"ar_step_ms", "ddtree16_round_ms", "ar_step_4_running_ms", "prefill_128_ms"} <= set(result[precision])
         assert {row["rows"] for row in result["gemm"]} == {1, 17}
+        assert set(result["fp8"]["checks"]["matching_prefix_of_8"]) == {"ar", "dflash", "ddtree@16", "ddtree@128"}

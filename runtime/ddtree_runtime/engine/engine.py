@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
+from ..model.fp8 import FP8Linear
 from ..model.layers import TreeInputs, fuse_projections
 from .batch_runner import BatchDraftRunner, BatchTargetRunner
 from .context import prefill_workspace_bytes, serving_context
@@ -114,6 +115,8 @@ class Engine:
         fuse_projections(self.target)
         tcfg = self.target.config
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
+        # what the target's projections are (the checkpoint's, or --quantize's), also for /health
+        self.quantization = "fp8" if any(isinstance(m, FP8Linear) for m in self.target.modules()) else "none"
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter

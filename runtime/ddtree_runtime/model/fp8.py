@@ -140,13 +140,17 @@ def _sm_count(device: int) -> int:
 def gemm_launch(m: int, n: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for an [m, K] x [K, n] GEMM. At decode and verify sizes (1 to
     ~300 rows) the GEMM is bound by reading W, so the N tiles shrink until there are about two
-    programs per SM (each streams its rows of W); prefill sizes take large tiles. Not yet tuned on a
-    GPU: bench/fp8_bench.py --sweep measures the alternatives."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 512 else 128
+    programs per SM (each streams its rows of W); larger GEMMs take 64-row tiles. The software pipeline
+    gets as many stages (2 to 4) as fit in 96 KB of shared memory, which every FP8 GPU has (an RTX PRO
+    6000's SM about 100 KB, an H200's 228 KB). Not yet tuned on a GPU: bench/fp8_bench.py --sweep
+    measures the alternatives."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 128
     while block_n > 16 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8, 4 if m <= 512 else 3
+    stage_bytes = block_m * BLOCK * 2 + block_n * BLOCK   # a 16-bit tile of x and an e4m3 tile of W
+    stages = max(2, min(4, 96 * 1024 // stage_bytes))
+    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8, stages
 
 
 if triton is not None:
@@ -264,8 +268,10 @@ def slice_rows(w: BlockFP8, start: int) -> BlockFP8:
 
 def skipped(name: str, skip: tuple[str, ...]) -> bool:
     """Whether module `name` stays unquantized: the LM head always, and what modules_to_not_convert names
-    (a full name, or the end of one, as the other engines match it)."""
-    return name == "lm_head" or any(name == s or name.endswith("." + s) or s in name.split(".") for s in skip)
+    (a full name, its end, or one part of it; a multimodal release's `model.language_model.` names are
+    this runtime's `model.`)."""
+    names = [s.replace("model.language_model.", "model.", 1) for s in skip]
+    return name == "lm_head" or any(name == s or name.endswith("." + s) or s in name.split(".") for s in names)
 
 
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:

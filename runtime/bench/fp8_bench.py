@@ -1,7 +1,7 @@
 """FP8 weights against bf16 in one run (issue 25), random weights of real shapes, on a GPU.
 
     PYTHONPATH=runtime python runtime/bench/fp8_bench.py [--shapes qwen3-8b,qwen3.6-27b] [--out OUT.json]
-    PYTHONPATH=runtime python runtime/bench/fp8_bench.py --device cpu --tiny     # the code path, in seconds
+    PYTHONPATH=runtime python runtime/bench/fp8_bench.py --device cpu --tiny     # its code, on a small hybrid shape
 
 For each shape, bf16 first and then the same random weights quantized (model/fp8.quantize_linears: the
 target's projections; the LM head, embeddings and the drafter stay bf16), each measured in its own
@@ -222,10 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="", help="free text stored with the results (the version)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-bench.json")
     args = ap.parse_args(argv)
-    if args.tiny:
+    if args.tiny:  # every part of the script once, in seconds: the code, not figures
         args.shapes, args.context, args.prefill, args.rounds, args.warmup, args.gemm_rows, args.gemm_reps = (
-            "small,hybrid-small", 32, "64,128", 3, 1, "1,17", 3)
+            "hybrid-small", 32, "64,128", 2, 1, "1,17", 2)
         args.running = "1,4"
+        torch.set_num_threads(1)
     args.running = [int(n) for n in args.running.split(",")]
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -141,15 +141,15 @@ def gemm_launch(m: int, n: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for an [m, K] x [K, n] GEMM. At decode and verify sizes (1 to
     ~300 rows) the GEMM is bound by reading W, so the N tiles shrink until there are about two
     programs per SM (each streams its rows of W); larger GEMMs take 64-row tiles. The software pipeline
-    gets as many stages (2 to 4) as fit in 96 KB of shared memory, which every FP8 GPU has (an RTX PRO
-    6000's SM about 100 KB, an H200's 228 KB). Not yet tuned on a GPU: bench/fp8_bench.py --sweep
-    measures the alternatives."""
+    gets as many stages (2 to 6) as fit in 96 KB of shared memory, which every FP8 GPU has (an RTX PRO
+    6000's SM about 100 KB, an H200's 228 KB): a small tile keeps more loads of W in flight that way.
+    Not yet tuned on a GPU: bench/fp8_bench.py --sweep measures the alternatives."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 128
     while block_n > 16 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     stage_bytes = block_m * BLOCK * 2 + block_n * BLOCK   # a 16-bit tile of x and an e4m3 tile of W
-    stages = max(2, min(4, 96 * 1024 // stage_bytes))
+    stages = max(2, min(6, 96 * 1024 // stage_bytes))
     return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8, stages
 
 

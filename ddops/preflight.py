@@ -79,6 +79,10 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
     draft, target = trees.get("draft"), trees.get("target")
     if profile.engine == "ddtree" and target and target.config:
         problems += check_target_arch(target.config, trees_where(profile, "target"))
+    if profile.engine == "ddtree":
+        for role, tree in trees.items():
+            if tree.config:
+                problems += check_quantization(tree.config, f"{role} model {trees_where(profile, role)}")
     if profile.engine == "sglang" and target and target.config:
         problems += check_mamba_strategy(profile, target.config)
     if profile.engine == "ddtree" and profile.serve.mode == "ar":
@@ -121,6 +125,19 @@ def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
     return [f"target model {where} is model_type {kind!r} (architectures {config.get('architectures')}), which "
             f"the bundled DDTree runtime does not implement; it serves {known} — use an SGLang profile "
             f"(engine: sglang) for other models"]
+
+
+def check_quantization(config: dict[str, Any], where: str) -> list[str]:
+    """A quantized checkpoint the bundled runtime does not serve (it serves fine-grained FP8 only:
+    LIMITS.FP8_CHECKPOINT) would be refused at its start, after the pivot stopped what serves."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    wanted = LIMITS.FP8_CHECKPOINT
+    if not qc or all(qc.get(k, "dynamic" if k == "activation_scheme" else None) == v for k, v in wanted.items()):
+        return []
+    got = ", ".join(f"{k} {qc.get(k)!r}" for k in wanted if k in qc) or "no quant_method"
+    return [f"{where} is quantized ({got}), which the bundled DDTree runtime does not serve: it serves 16-bit "
+            f"checkpoints and fine-grained fp8 (quant_method fp8, weight_block_size [128, 128], dynamic "
+            f"activations) — use such a checkpoint, or an SGLang profile (engine: sglang)"]
 
 
 def is_hybrid(config: dict[str, Any]) -> bool:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FP8_BLOCK = 128
+from .limits import FP8_CHECKPOINT
+
 # safetensors dtype names the loader turns into weights as they are
 PLAIN_DTYPES = frozenset({"BF16", "F16", "F32"})
 FP8_DTYPE = "F8_E4M3"
@@ -47,14 +48,14 @@ def scheme_of(config: dict[str, Any], where: str) -> Fp8Scheme | None:
     if not qc:
         return None
     method = qc.get("quant_method")
-    if method != "fp8":
+    if method != FP8_CHECKPOINT["quant_method"]:
         raise UnsupportedCheckpoint(f"{where}: quantization {method!r} is not implemented (only fine-grained "
                                     f"fp8 is: quant_method fp8, weight_block_size [128, 128], dynamic activations)")
     block = qc.get("weight_block_size")
-    if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK]:
+    if block is None or list(block) != FP8_CHECKPOINT["weight_block_size"]:
         kind = "per-tensor scales" if block is None else f"weight_block_size {list(block)}"
         raise UnsupportedCheckpoint(f"{where}: fp8 with {kind} is not implemented (only 128x128 weight blocks)")
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
+    if qc.get("activation_scheme", "dynamic") != FP8_CHECKPOINT["activation_scheme"]:
         raise UnsupportedCheckpoint(f"{where}: fp8 with activation_scheme {qc['activation_scheme']!r} is not "
                                     f"implemented (only dynamic, per-token activation scales)")
     if qc.get("fmt") not in FP8_FORMATS:

@@ -79,3 +79,16 @@ def test_the_facts_probe_reads_compute_cap_and_asks_again_without_it_on_old_driv
     assert gpus["error"] is None and gpus["list"][0]["compute_cap"] is None and gpus["list"][0]["name"] == "NVIDIA RTX A6000"
     namespace["run"] = lambda argv: (0, "0, NVIDIA H200, 10, 143771, 0, 9.0\n", "")
     assert namespace["gpus"]()["list"][0]["compute_cap"] == 9.0
+
+
+def test_preflight_refuses_a_quantized_checkpoint_the_runtime_does_not_serve():
+    from ddops.preflight import check_quantization
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+    assert check_quantization({"model_type": "qwen3"}, "target model h:/m") == []
+    assert check_quantization({"quantization_config": fp8}, "target model h:/m") == []
+    assert check_quantization({"text_config": {"quantization_config": fp8}}, "target model h:/m") == []
+    problem, = check_quantization({"quantization_config": {"quant_method": "awq", "bits": 4}}, "target model h:/m")
+    assert problem.startswith("target model h:/m is quantized (quant_method 'awq')") and "\n" not in problem
+    problem, = check_quantization({"quantization_config": {**fp8, "weight_block_size": [64, 64]}}, "draft model h:/d")
+    assert "weight_block_size [64, 64]" in problem

@@ -2,7 +2,7 @@
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
 build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
 the fused KV write, the fused SiLU-and-multiply, the block-scaled FP8 GEMM against its scales applied
-in float64, and the Gated DeltaNet tree pass with its fused
+in float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree pass with its fused
 conv/heads and gated-norm kernels against the same layer, and the commit's state advance against torch."""
 
 from __future__ import annotations
@@ -262,6 +262,29 @@ def test_fp8_gemm_matches_its_blocks_and_scales_in_float64():
                 assert into is None or out.data_ptr() == into.data_ptr()
                 err = ((out.double() - want).abs().max() / want.abs().max()).item()
                 assert err < (1e-6 if dtype == torch.float32 else 1e-3), (m, n, k, dtype, rows, err)
+    """)
+
+
+def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, tiny_hybrid_models, tmp_path):
+    """Both tiny FP8 targets, fused as the engine runs them (q/k/v with per-row scales, gate/up, the
+    residual written in place by o_proj and down_proj), with every projection in the Triton kernel."""
+    interpret(f"""
+        import ddtree_runtime.model.fp8 as F8
+        from ddtree_devtools.fp8_checkpoint import write_fp8_checkpoint
+        from ddtree_runtime.model import load_target
+        from ddtree_runtime.model.layers import fuse_projections
+        F8._sm_count = lambda device: 132
+        for name, pair in (("qwen3", {str(tiny_models)!r}), ("hybrid", {str(tiny_hybrid_models)!r})):
+            model = load_target(write_fp8_checkpoint(pair + "/target", {str(tmp_path)!r} + "/" + name))
+            fuse_projections(model)
+            ids = torch.tensor([[5, 17, 99, 300, 42, 7]])
+            pos = torch.arange(6)[None]
+            with torch.inference_mode():
+                ref = model.logits(model(ids, pos)[0])
+                F8._use_kernel = lambda x: True
+                out = model.logits(model(ids, pos)[0])
+                F8._use_kernel = lambda x: False
+            assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5, name
     """)
 
 

@@ -2,8 +2,9 @@
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
 build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
 the fused KV write, the fused SiLU-and-multiply, the block-scaled FP8 GEMM against its scales applied
-in float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree pass with its fused
-conv/heads and gated-norm kernels against the same layer, and the commit's state advance against torch."""
+in float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree
+pass with its fused conv/heads and gated-norm kernels against the same layer, and the commit's state
+advance against torch."""
 
 from __future__ import annotations
 

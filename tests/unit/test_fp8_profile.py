@@ -41,7 +41,8 @@ def test_preflight_refuses_fp8_on_gpus_without_fp8_tensor_cores(tmp_path):
     mixed = host(("NVIDIA H200", 9.0), ("NVIDIA RTX A6000", 8.6), ("old driver", None))
     problem, = check_fp8_gpus(fp8, mixed)
     assert "\n" not in problem and problem.startswith("serve.quantization fp8 needs GPUs of compute capability 8.9")
-    assert "GPU 1 is an NVIDIA RTX A6000 (compute capability 8.6); GPU 2 is an old driver (capability unknown)" in problem
+    assert ("GPU 1 is an NVIDIA RTX A6000 (compute capability 8.6); GPU 2 is an old driver (capability unknown)"
+            in problem)
     assert check_fp8_gpus(replace(fp8, gpus="0"), mixed) == []   # the unit is pinned to the H200
 
 
@@ -76,7 +77,8 @@ def test_the_facts_probe_reads_compute_cap_and_asks_again_without_it_on_old_driv
     namespace["run"] = nvidia_smi
     gpus = namespace["gpus"]()
     assert len(asked) == 2 and "compute_cap" not in asked[1]
-    assert gpus["error"] is None and gpus["list"][0]["compute_cap"] is None and gpus["list"][0]["name"] == "NVIDIA RTX A6000"
+    first = gpus["list"][0]
+    assert gpus["error"] is None and first["compute_cap"] is None and first["name"] == "NVIDIA RTX A6000"
     namespace["run"] = lambda argv: (0, "0, NVIDIA H200, 10, 143771, 0, 9.0\n", "")
     assert namespace["gpus"]()["list"][0]["compute_cap"] == 9.0
 

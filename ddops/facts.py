@@ -130,6 +130,7 @@ class Gpu:
     index: int
     name: str | None = None
     memory_total_mib: int | None = None
+    compute_cap: float | None = None   # None where the driver cannot say (FP8 needs 8.9 or more)
 
     @property
     def label(self) -> str:
@@ -155,7 +156,8 @@ class HostFacts:
         return cls(hostname=data.get("hostname"), gpu_count=len(listed),
                    training=Training.from_json(data.get("training")), gpu_error=gpus.get("error"),
                    gpus=tuple(Gpu(index=i if g.get("index") is None else g["index"], name=g.get("name"),
-                                  memory_total_mib=g.get("memory_total_mib")) for i, g in enumerate(listed)),
+                                  memory_total_mib=g.get("memory_total_mib"), compute_cap=g.get("compute_cap"))
+                                for i, g in enumerate(listed)),
                    raw=data)
 
 

@@ -25,7 +25,7 @@ from .hostlock import lock_problem
 from .inventory import Host, Inventory
 from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
-from .profile import LOCAL, Profile
+from .profile import LIMITS, LOCAL, Profile
 from .release import release_id
 from .remote import run_probe
 from .serverflags import check_flags, host_flags, shipped_flags, ships_server
@@ -81,6 +81,10 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
     draft, target = trees.get("draft"), trees.get("target")
     if profile.engine == "ddtree" and target and target.config:
         problems += check_target_arch(target.config, trees_where(profile, "target"))
+    if profile.engine == "ddtree":
+        for role, tree in trees.items():
+            if tree.config:
+                problems += check_quantization(tree.config, f"{role} model {trees_where(profile, role)}")
     if profile.engine == "sglang" and target and target.config:
         problems += check_mamba_strategy(profile, target.config)
     if profile.engine == "ddtree" and profile.serve.mode == "ar":
@@ -123,6 +127,19 @@ def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
     return [f"target model {where} is model_type {kind!r} (architectures {config.get('architectures')}), which "
             f"the bundled DDTree runtime does not implement; it serves {known} — use an SGLang profile "
             f"(engine: sglang) for other models"]
+
+
+def check_quantization(config: dict[str, Any], where: str) -> list[str]:
+    """A quantized checkpoint the bundled runtime does not serve (it serves fine-grained FP8 only:
+    LIMITS.FP8_CHECKPOINT) would be refused at its start, after the pivot stopped what serves."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    wanted = LIMITS.FP8_CHECKPOINT
+    if not qc or all(qc.get(k, "dynamic" if k == "activation_scheme" else None) == v for k, v in wanted.items()):
+        return []
+    got = ", ".join(f"{k} {qc.get(k)!r}" for k in wanted if k in qc) or "no quant_method"
+    return [f"{where} is quantized ({got}), which the bundled DDTree runtime does not serve: it serves 16-bit "
+            f"checkpoints and fine-grained fp8 (quant_method fp8, weight_block_size [128, 128], dynamic "
+            f"activations) — use such a checkpoint, or an SGLang profile (engine: sglang)"]
 
 
 def is_hybrid(config: dict[str, Any]) -> bool:
@@ -189,6 +206,23 @@ def check_tensor_parallel(profile: Profile, host: HostFacts) -> list[str]:
                  else f"deploy it to a host with at least {wanted} GPU(s)")
     return [f"{profile.host} has {have} GPU(s){given}, but the profile's sglang.tp_size is {wanted}: SGLang needs "
             f"one GPU per tensor-parallel rank and would never come up; {', or '.join(fixes)}"]
+
+
+def check_fp8_gpus(profile: Profile, host: HostFacts) -> list[str]:
+    """`serve.quantization: fp8` needs FP8 tensor cores (compute capability 8.9 or more: Ada, Hopper,
+    Blackwell) on every GPU the unit may use: the profile's `gpus`, or all the host's. An older card has
+    no FP8 GEMM for the runtime to run, so the profile is refused before anything stops."""
+    if profile.serve.quantization != "fp8" or host.gpu_error:
+        return []
+    pinned = [int(g) for g in profile.gpus.split(",")] if profile.gpus is not None else range(host.gpu_count)
+    wanted = LIMITS.FP8_MIN_COMPUTE_CAPABILITY
+    short = [f"GPU {i} is an {name} ({'capability unknown' if cap is None else f'compute capability {cap}'})"
+             for i, (name, cap) in enumerate((g.name or "?", g.compute_cap) for g in host.gpus)
+             if i in pinned and (cap is None or cap < wanted)]
+    if not short:
+        return []
+    return [f"serve.quantization fp8 needs GPUs of compute capability {wanted} or more (FP8 tensor cores) on "
+            f"{profile.host}, and {'; '.join(short)}: drop `serve.quantization`, or deploy to such GPUs"]
 
 
 # -- replicas behind the balancer (issue 17) -----------------------------------------------------------
@@ -302,6 +336,7 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     argv = exec_argv(profile)
     problems += check_flags(profile, argv, server_flags)
     problems += check_tensor_parallel(profile, facts.host)
+    problems += check_fp8_gpus(profile, facts.host)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "

@@ -22,17 +22,23 @@ def number(text):
 
 
 def gpus():
-    code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(GPU_FIELDS),
-                          "--format=csv,noheader,nounits"])
+    """The GPUs, each with its compute capability (None where the driver cannot report it: nvidia-smi
+    before R510 refuses the whole query for an unknown field, so it is asked again without it)."""
+    fields = GPU_FIELDS + ["compute_cap"]
+    code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
+    if code != 0:
+        fields = GPU_FIELDS
+        code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
     if code != 0:
         return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": []}
     rows = []
     for line in out.strip().splitlines():
         cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(GPU_FIELDS):
+        if len(cells) != len(fields):
             continue
         rows.append({"index": number(cells[0]), "name": cells[1], "memory_used_mib": number(cells[2]),
-                     "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4])})
+                     "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4]),
+                     "compute_cap": number(cells[5]) if len(cells) > 5 else None})
     return {"error": None, "list": rows}
 
 

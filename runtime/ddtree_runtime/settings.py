@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .limits import (DTYPE_NAMES, MAX_QUEUE, MAX_RUNNING, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_MEM_FRACTION,
-                     MIN_TREE_BUDGET, MODES)
+                     MIN_TREE_BUDGET, MODES, QUANTIZE_METHODS)
 
 # A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
 # several times over (about 4 bytes of JSON a token), and bounds what parsing one request may cost.
@@ -102,6 +102,12 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("device", str, "cpu", "cpu, cuda or cuda:N", pattern=r"cpu|cuda(:\d+)?",
             pattern_words="cpu, cuda or cuda:N", engine=True),
     Setting("dtype", str, "float32", "weights dtype", choices=DTYPE_NAMES, engine=True),
+    Setting("quantization", str, "none", "fp8: the target's projections in FP8 (128x128 blocks, activations per "
+            "token) at load, half the weight bytes; exact against the FP8 model, not the 16-bit one. A checkpoint "
+            "that is FP8 already loads as FP8 without it", choices=QUANTIZE_METHODS, engine=True, profile=True,
+            flag_name="--quantize"),
+    Setting("quantize_drafter", bool, False, "quantize the drafter too, with --quantize's method (the drafter "
+            "stays in 16 bits unless asked)", engine=True),
     Setting("served_model_name", str, None, "model id clients use", profile=True, metavar="NAME",
             default_words="the target's name"),
     # how much it serves at once

@@ -105,7 +105,7 @@ def test_health_and_models(server, client):
     assert body["mode"] == "ddtree" and body["tree_budget"] == 16
     assert body["max_draft_len"] == body["block_size"] - 1 > 0
     assert body["model"] == MODEL and body["draft_model"] == "draft" and body["target_arch"] == "qwen3"
-    assert body["uptime_s"] > 0
+    assert body["quantization"] == "none" and body["uptime_s"] > 0
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 

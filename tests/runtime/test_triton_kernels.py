@@ -1,8 +1,10 @@
 """The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
 build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
-the fused KV write, the fused SiLU-and-multiply, and the Gated DeltaNet tree pass with its fused
-conv/heads and gated-norm kernels against the same layer, and the commit's state advance against torch."""
+the fused KV write, the fused SiLU-and-multiply, the block-scaled FP8 GEMM against its scales applied
+in float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree
+pass with its fused conv/heads and gated-norm kernels against the same layer, and the commit's state
+advance against torch."""
 
 from __future__ import annotations
 
@@ -228,6 +230,62 @@ def test_silu_mul_matches_torch():
         out = K.silu_mul(x)
         assert out.shape == (3, 5, 1500)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    """)
+
+
+def test_fp8_gemm_matches_its_blocks_and_scales_in_float64():
+    """The kernel quantizes its activation tiles itself: in float32 it must give torch's codes exactly
+    (the float64 sum of the same codes times their scales, to float32 rounding: a code off by one
+    would show at about 1e-3), in float16 one rounding of the output. Both scale layouts (a
+    checkpoint's 128-row blocks, and per-row scales after fusing rows not a multiple of 128), partial
+    K blocks, near-zero activations (subnormal codes), the bias and the residual written in place."""
+    interpret("""
+        import ddtree_runtime.model.fp8 as F8
+        F8._use_kernel = lambda x: True
+        F8._sm_count = lambda device: 132
+
+        def ref(x, w, bias, residual):  # float64
+            q, s = F8.quantize_groups(x)
+            out = (q.double() * s.double().repeat_interleave(128, 1)[:, :x.shape[1]]) @ F8.dequantize(w).double().t()
+            return out + (0 if bias is None else bias.double()) + (0 if residual is None else residual.double())
+
+        for m, n, k, dtype, rows in [(1, 96, 200, torch.float16, 128), (5, 256, 384, torch.float32, 128),
+                                     (40, 80, 128, torch.float16, 1), (3, 64, 64, torch.float32, 1)]:
+            x = torch.randn(m, k).to(dtype) * 3
+            x[0, :7] = 0.001
+            q, s = F8.quantize_blocks(torch.randn(n, k) * 0.05)
+            w = F8.BlockFP8(q, s if rows == 128 else s.repeat_interleave(128, 0)[:n], rows)
+            bias, residual = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
+            for b, r in [(None, None), (bias, None), (None, residual)]:
+                into = None if r is None else r.clone()
+                out = F8.fp8_linear(x, w, b, into)
+                want = ref(x, w, b, r)
+                assert into is None or out.data_ptr() == into.data_ptr()
+                err = ((out.double() - want).abs().max() / want.abs().max()).item()
+                assert err < (1e-6 if dtype == torch.float32 else 1e-3), (m, n, k, dtype, rows, err)
+    """)
+
+
+def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, tiny_hybrid_models, tmp_path):
+    """Both tiny FP8 targets, fused as the engine runs them (q/k/v with per-row scales, gate/up, the
+    residual written in place by o_proj and down_proj), with every projection in the Triton kernel."""
+    interpret(f"""
+        import ddtree_runtime.model.fp8 as F8
+        from ddtree_devtools.fp8_checkpoint import write_fp8_checkpoint
+        from ddtree_runtime.model import load_target
+        from ddtree_runtime.model.layers import fuse_projections
+        F8._sm_count = lambda device: 132
+        for name, pair in (("qwen3", {str(tiny_models)!r}), ("hybrid", {str(tiny_hybrid_models)!r})):
+            model = load_target(write_fp8_checkpoint(pair + "/target", {str(tmp_path)!r} + "/" + name))
+            fuse_projections(model)
+            ids = torch.tensor([[5, 17, 99, 300, 42, 7]])
+            pos = torch.arange(6)[None]
+            with torch.inference_mode():
+                ref = model.logits(model(ids, pos)[0])
+                F8._use_kernel = lambda x: True
+                out = model.logits(model(ids, pos)[0])
+                F8._use_kernel = lambda x: False
+            assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5, name
     """)
 
 

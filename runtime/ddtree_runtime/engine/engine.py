@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
+from ..model.fp8 import FP8Linear
 from ..model.layers import TreeInputs, fuse_projections
 from .batch_runner import BatchDraftRunner, BatchTargetRunner
 from .context import prefill_workspace_bytes, serving_context
@@ -32,7 +33,8 @@ from .runner import DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
 from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
-from ..limits import DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES
+from ..limits import (DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES,
+                      QUANTIZE_METHODS)
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,10 @@ class Engine:
             raise ValueError("round_nodes must be >= 1 (or None: fixed tree budgets)")
         if config.prefix_cache_rows < 0:
             raise ValueError("prefix_cache_rows must be >= 0")
+        if config.quantization not in QUANTIZE_METHODS:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_METHODS)}")
+        if config.quantize_drafter and config.quantization == "none":
+            raise ValueError("quantize_drafter needs a quantize method (fp8)")
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
@@ -104,17 +110,20 @@ class Engine:
         # phases with it; None (the default) costs nothing
         self.phase_hook = None
 
-        self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype)
+        self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype, config.quantization)
                                          if target is None else target)
         fuse_projections(self.target)
         tcfg = self.target.config
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
+        # what the target's projections are (the checkpoint's, or --quantize's), also for /health
+        self.quantization = "fp8" if any(isinstance(m, FP8Linear) for m in self.target.modules()) else "none"
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter
         self.block_size = 1
         if config.draft_dir and drafter is None:
-            self.drafter = load_drafter(config.draft_dir, config.device, config.dtype)
+            self.drafter = load_drafter(config.draft_dir, config.device, config.dtype,
+                                        config.quantization if config.quantize_drafter else "none")
         if self.drafter is not None:
             fuse_projections(self.drafter)
             dcfg = self.drafter.config

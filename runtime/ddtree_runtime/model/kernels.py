@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from .fp8 import FP8Linear
+
 try:
     import triton
     import triton.language as tl
@@ -102,7 +104,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def residual_linear(x: torch.Tensor, y: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """x + linear(y). In CUDA inference the sum is written over x by the GEMM itself (addmm_ with
     beta 1: no add kernel, and no copy as an out-of-place addmm makes), so x must be a residual stream
-    nothing else holds; elsewhere (and with a bias, or when autograd records) the plain two steps."""
+    nothing else holds; elsewhere (and with a bias, or when autograd records) the plain two steps. An
+    FP8 projection adds the residual in its own GEMM (model/fp8.py)."""
+    if isinstance(linear, FP8Linear):
+        return linear.add_to(x, y)
     if not x.is_cuda or linear.bias is not None or torch.is_grad_enabled():
         return x + linear(y)
     x.view(-1, x.shape[-1]).addmm_(y.reshape(-1, y.shape[-1]), linear.weight.t())

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from .fp8 import BlockFP8, FP8Linear, fp8_linear, fuse_fp8_rows, slice_rows
 from .kernels import (decode_attention, decode_attention_fits, residual_linear, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
 
@@ -30,7 +31,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-        self._gate_up: torch.Tensor | None = None  # [2*inter, hidden] once fuse() ran
+        self._gate_up: Weight | None = None  # [2*inter, hidden] once fuse() ran
 
     def fuse(self) -> None:
         """One GEMM for gate and up (inference): the two weights become views of one tensor."""
@@ -39,7 +40,7 @@ class MLP(nn.Module):
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x): the input of down_proj."""
         if self._gate_up is not None:
-            return silu_mul(F.linear(x, self._gate_up))
+            return silu_mul(linear(x, self._gate_up))
         return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,7 @@ class QKVProj(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weight, bias
+        self._qkv: tuple[Weight, torch.Tensor | None] | None = None  # fused weight, bias
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (inference): the three weights become views of one tensor."""
@@ -121,7 +122,7 @@ class QKVProj(nn.Module):
         """x: [B, T, hidden] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
         if self._qkv is None:
             return (self.q(x, cos, sin), *self.kv(x, cos, sin))
-        q, k, v = self._heads(F.linear(x, *self._qkv), self.n_heads)
+        q, k, v = self._heads(linear(x, *self._qkv), self.n_heads)
         return self._rope_q(q, cos, sin), self._rope_k(k, cos, sin), v.transpose(1, 2)
 
     def qkv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
@@ -132,7 +133,7 @@ class QKVProj(nn.Module):
         if self._qkv is None:
             q, k, v = self.qkv(x, cos, sin)
             return (q, *cache.write_at(idx, slots, k, v, kv_len))
-        q, k, v = self._heads(F.linear(x, *self._qkv), self.n_heads)
+        q, k, v = self._heads(linear(x, *self._qkv), self.n_heads)
         return (self._rope_q(q, cos, sin), *self._store(k, v, cos, sin, cache, idx, slots, kv_len))
 
     def kv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
@@ -140,9 +141,7 @@ class QKVProj(nn.Module):
         """As qkv_to_cache without q: the drafter's context rows (one GEMM for k and v)."""
         if self._qkv is None:
             return cache.write_at(idx, slots, *self.kv(x, cos, sin), kv_len)
-        w, b = self._qkv
-        nq = self.n_heads * self.head_dim
-        _, k, v = self._heads(F.linear(x, w[nq:], None if b is None else b[nq:]), 0)
+        _, k, v = self._heads(linear(x, *rows_from(*self._qkv, self.n_heads * self.head_dim)), 0)
         return self._store(k, v, cos, sin, cache, idx, slots, kv_len)
 
     def _heads(self, y: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -240,9 +239,49 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return attend(q, k, v, bias)
 
 
-def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+class RowParts(NamedTuple):
+    """A fused projection whose parts are not all of one kind (an FP8 checkpoint that left some of
+    them in 16 bits): one GEMM per run of parts of the same kind, the outputs side by side."""
+    parts: tuple[tuple[torch.Tensor | BlockFP8, torch.Tensor | None], ...]
+
+
+Weight = torch.Tensor | BlockFP8 | RowParts
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for any weight fuse_rows makes: a 16-bit one, FP8 blocks (model/fp8.py), or parts of both."""
+    if isinstance(w, BlockFP8):
+        return fp8_linear(x, w, b)
+    if isinstance(w, RowParts):
+        return torch.cat([linear(x, *part) for part in w.parts], dim=-1)
+    return F.linear(x, w, b)
+
+
+def rows_from(w: Weight, b: torch.Tensor | None, start: int) -> tuple[Weight, torch.Tensor | None]:
+    """Output rows start.. of a fused weight and its bias."""
+    b = None if b is None else b[start:]
+    if isinstance(w, BlockFP8):
+        return slice_rows(w, start), b
+    if isinstance(w, RowParts):
+        raise ValueError("a projection fused from FP8 and 16-bit parts cannot be sliced")
+    return w[start:], b
+
+
+def fuse_rows(linears: list[nn.Module]) -> tuple[Weight, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input (inference): each Linear's
-    parameters become row slices of it, so the state dict and the unfused path see the same numbers."""
+    parameters become row slices of it, so the state dict and the unfused path see the same numbers.
+    FP8 projections fuse into FP8 blocks; a mix of kinds into RowParts (bias then inside the parts)."""
+    fp8 = [isinstance(lin, FP8Linear) for lin in linears]
+    if any(fp8) and not all(fp8):
+        runs: list[list[nn.Module]] = []
+        for lin, kind in zip(linears, fp8):
+            if runs and isinstance(runs[-1][0], FP8Linear) == kind:
+                runs[-1].append(lin)
+            else:
+                runs.append([lin])
+        return RowParts(tuple(fuse_rows(run) for run in runs)), None
+    if all(fp8):
+        return fuse_fp8_rows(linears)
     w = torch.cat([lin.weight for lin in linears])
     b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
     row = 0

@@ -1,4 +1,7 @@
-"""Load HF-style checkpoint directories (config.json + *.safetensors) into our modules."""
+"""Load HF-style checkpoint directories (config.json + *.safetensors) into our modules: 16-bit or
+float32 weights, or fine-grained FP8 (model/fp8.py); `quantize="fp8"` turns a 16-bit checkpoint's
+projections into FP8 at load. Anything else quantized is refused before a tensor is read
+(ddtree_runtime.quantization)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from ..limits import QUANTIZE_METHODS
+from ..quantization import Fp8Scheme, UnsupportedCheckpoint, check_checkpoint
 from .config import DFlashConfig, Qwen35Config, target_config
 from .dflash import DFlashDrafter
+from .fp8 import FP8, fp8_modules, quantize_linears, skipped
 from .layers import Rotary
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, from_hf_state
@@ -30,16 +36,50 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _load_into(module: nn.Module, state: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> None:
-    wanted = set(module.state_dict().keys())
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in wanted}
-    missing = wanted - set(state)
+    """Assign the state dict: floating weights in `dtype`, FP8 weights as they are with float32 scales."""
+    wanted = {k: v.dtype for k, v in module.state_dict().items()}
+    for key, value in state.items():
+        if value.dtype == FP8 and wanted.get(key, FP8) != FP8:
+            raise UnsupportedCheckpoint(f"checkpoint tensor {key} is fp8, but only linear projections are "
+                                        f"served in fp8 (not the embeddings, the LM head or a norm)")
+    state = {k: v.to(device=device, dtype=_dtype_for(k, wanted[k], dtype)) for k, v in state.items() if k in wanted}
+    missing = set(wanted) - set(state)
     if missing:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} (+{max(0, len(missing) - 5)} more)")
     module.load_state_dict(state, strict=True, assign=True)
 
 
-def load_target(path: str | Path, device: str = "cpu", dtype: str = "float32") -> Qwen3ForCausalLM:
-    """A Qwen3 or hybrid Qwen3.5/3.6 target, by its config.json's model_type."""
+def _dtype_for(key: str, wanted: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    if wanted == FP8:
+        return FP8
+    return torch.float32 if key.endswith(".weight_scale_inv") else dtype
+
+
+def _build(model_cls, cfg, state: dict[str, torch.Tensor], scheme: Fp8Scheme | None, path: str | Path,
+           dtype: torch.dtype) -> nn.Module:
+    """The model on the meta device (no random init: weights arrive by assignment), with an FP8Linear
+    wherever an FP8 checkpoint holds e4m3 weights."""
+    with torch.device("meta"):
+        model = model_cls(cfg)
+        if scheme is not None:
+            for name in fp8_modules(model, state, dtype):
+                if skipped(name, scheme.skip):
+                    raise UnsupportedCheckpoint(f"{path}: {name} holds fp8 weights, but the checkpoint's "
+                                                f"modules_to_not_convert says it is not quantized")
+    return model
+
+
+def _checked(path: str | Path, quantize: str) -> Fp8Scheme | None:
+    if quantize not in QUANTIZE_METHODS:
+        raise ValueError(f"quantize {quantize!r}: expected one of {', '.join(QUANTIZE_METHODS)}")
+    return check_checkpoint(path)
+
+
+def load_target(path: str | Path, device: str = "cpu", dtype: str = "float32",
+                quantize: str = "none") -> Qwen3ForCausalLM:
+    """A Qwen3 or hybrid Qwen3.5/3.6 target, by its config.json's model_type. quantize="fp8": its
+    projections in FP8 blocks (an FP8 checkpoint is FP8 already); the LM head and embeddings stay."""
+    scheme = _checked(path, quantize)
     cfg = target_config(json.loads((Path(path) / "config.json").read_text()))
     state = read_safetensors_dir(path)
     hybrid = isinstance(cfg, Qwen35Config)
@@ -47,21 +87,26 @@ def load_target(path: str | Path, device: str = "cpu", dtype: str = "float32") -
         state = from_hf_state(state)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):  # no random init: weights arrive by assignment
-        model = (Qwen35ForCausalLM if hybrid else Qwen3ForCausalLM)(cfg)
+    model = _build(Qwen35ForCausalLM if hybrid else Qwen3ForCausalLM, cfg, state, scheme, path, DTYPES[dtype])
     _load_into(model, state, device, DTYPES[dtype])
     model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
     model.tie_weights()
+    if quantize == "fp8" and scheme is None:
+        quantize_linears(model)
     return model.eval().requires_grad_(False)
 
 
-def load_drafter(path: str | Path, device: str = "cpu", dtype: str = "float32") -> DFlashDrafter:
+def load_drafter(path: str | Path, device: str = "cpu", dtype: str = "float32",
+                 quantize: str = "none") -> DFlashDrafter:
+    """A DFlash drafter; quantize="fp8" as for load_target (the engine keeps drafters in 16 bits unless asked)."""
+    scheme = _checked(path, quantize)
     raw = json.loads((Path(path) / "config.json").read_text())
     cfg = DFlashConfig.from_dict(raw)
     # some exports prefix drafter weights with "model."; strip it so both layouts load
     state = {k.removeprefix("model."): v for k, v in read_safetensors_dir(path).items()}
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+    model = _build(DFlashDrafter, cfg, state, scheme, path, DTYPES[dtype])
     _load_into(model, state, device, DTYPES[dtype])
     model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if quantize == "fp8" and scheme is None:
+        quantize_linears(model)
     return model.eval().requires_grad_(False)

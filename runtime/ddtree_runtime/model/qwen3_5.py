@@ -20,7 +20,7 @@ from .config import Qwen35Config
 from .gated_delta import Paths, causal_conv, gated_delta, tree_paths
 from .gdn_chunk import chunk_gated_delta, prompt_conv
 from .gdn_kernels import conv_heads, fused_fits, gated_norm
-from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows
+from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear
 from .qwen3 import Qwen3ForCausalLM
 
 ZERO_CENTRED = re.compile(r"(^model\.norm|layernorm|self_attn\.[qk]_norm)\.weight$")
@@ -65,7 +65,7 @@ class GatedAttention(nn.Module):
         b, t, _ = x.shape
         d = self.head_dim
         if self._qkv is not None:
-            q_gate, k, v = F.linear(x, *self._qkv).split([2 * self.n_heads * d, self.n_kv * d, self.n_kv * d], -1)
+            q_gate, k, v = linear(x, *self._qkv).split([2 * self.n_heads * d, self.n_kv * d, self.n_kv * d], -1)
         else:
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_gate = q_gate.view(b, t, self.n_heads, 2 * d)
@@ -97,7 +97,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.n_v * self.dv, h, bias=False)
-        self._in_proj: torch.Tensor | None = None  # qkv | z | b | a in one weight once fuse() ran
+        self._in_proj = None  # qkv | z | b | a in one weight once fuse() ran (layers.Weight)
 
     def fuse(self) -> None:
         self._in_proj = fuse_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])[0]
@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None) -> torch.Tensor:
         b, t, _ = x.shape
         if self._in_proj is not None:
-            mixed, z, beta, a = F.linear(x, self._in_proj).split(
+            mixed, z, beta, a = linear(x, self._in_proj).split(
                 [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v], dim=-1)
         else:
             mixed, z, beta, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))

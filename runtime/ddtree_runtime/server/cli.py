@@ -17,6 +17,7 @@ from typing import Any
 
 from ddtree_runtime import settings
 from ddtree_runtime.server.config import ServerConfig
+from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
 from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
 
 log = logging.getLogger("ddtree_runtime.server")
@@ -53,6 +54,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         raise UsageError(f"--draft DIR is required for --mode {args.mode} (only --mode ar runs without a drafter)")
     if args.draft_dir is not None:
         values["draft_dir"] = _model_dir(args.draft_dir, "--draft")
+    if args.quantize_drafter and args.quantization == "none":
+        raise UsageError("--quantize-drafter needs --quantize fp8")
+    for flag, path in (("--target", values["target_dir"]), ("--draft", values.get("draft_dir"))):
+        _implemented(path, flag)
     if args.prefix_cache_rows and not args.prefix_cache:
         raise UsageError("--prefix-cache-rows needs the prefix cache: drop --no-prefix-cache")
     api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
@@ -70,6 +75,19 @@ def _model_dir(path: str, flag: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"{flag} {path}: no config.json there; is it a model directory?")
     return os.path.abspath(path)
+
+
+def _implemented(path: str | None, flag: str) -> None:
+    """A checkpoint whose quantization (config.json, tensor dtypes) the runtime does not implement is
+    refused here, before anything loads: never served as if its codes were weights."""
+    if path is None:
+        return
+    try:
+        check_checkpoint(path)
+    except UnsupportedCheckpoint as exc:
+        raise UsageError(f"{flag} {exc}") from None
+    except (OSError, ValueError) as exc:  # unreadable config.json or safetensors header
+        raise UsageError(f"{flag} {path}: cannot read the checkpoint: {exc}") from None
 
 
 def _template_kwargs(text: str) -> dict:

@@ -77,6 +77,7 @@ class ServerContext:
             "model": self.model_name(),
             "target_arch": getattr(engine, "arch", None),
             "draft_model": getattr(engine, "draft_name", None),
+            "quantization": getattr(engine, "quantization", None),
             "max_running": self.worker.capacity(),
             "running": self.worker.running(),
             "waiting": self.worker.queue_depth(),

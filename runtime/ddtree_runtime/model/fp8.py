@@ -1,0 +1,300 @@
+"""FP8 weights: fine-grained e4m3 in 128x128 blocks, activations quantized per token in groups of 128.
+
+Why: every decode step (an AR step or a tree round) is bound by reading the target's weights; FP8 halves
+the bytes. The layout is the one Qwen's FP8 releases, transformers ("fine-grained FP8"), vLLM and SGLang
+use: `weight` e4m3 [N, K] and `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)], W = W_fp8 *
+scale_inv blockwise. `--quantize fp8` writes the same layout from bf16 weights at load.
+
+The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block:
+- on CUDA one Triton kernel (`_fp8_gemm_kernel`): it quantizes its tile of x itself (no separate
+  activation-quantization launch, which a decode step would pay in every projection), multiplies
+  e4m3 x e4m3 into float32 per K block, applies the scales, adds the bias and the residual, and writes
+  in the activations' dtype;
+- elsewhere (CPU, CI) the same arithmetic in torch: x quantized and dequantized per group, the
+  weight dequantized, one float32 matmul. The kernel runs through Triton's interpreter in
+  tests/runtime/test_triton_kernels.py and must agree with it.
+
+Serving an FP8 model is exact with respect to that FP8 model (speculative decoding verifies against
+it), not with respect to the bf16 model it came from; bench/fp8_accuracy.py measures how far it is."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path below is used
+    triton = None
+
+BLOCK = 128          # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
+E4M3_MAX = 448.0     # the largest finite float8_e4m3fn
+MIN_AMAX = 1e-10     # a group of zeros still gets a (tiny) scale, never a division by zero
+FP8 = torch.float8_e4m3fn
+
+
+class BlockFP8(NamedTuple):
+    """An FP8 weight as the GEMM reads it. scale_rows: output rows that share one row of scales: 128
+    (the checkpoint's blocks) or 1 (rows fused from projections whose sizes are not multiples of 128,
+    each row then carrying its block's scales)."""
+    qweight: torch.Tensor    # [N, K] float8_e4m3fn
+    scale_inv: torch.Tensor  # [ceil(N / scale_rows), ceil(K / 128)] float32
+    scale_rows: int
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scale_inv [ceil(N/128), ceil(K/128)]): each 128x128 block
+    scaled so its largest magnitude is E4M3_MAX, rounded to nearest."""
+    n, k = w.shape
+    nb, kb = cdiv(n, BLOCK), cdiv(k, BLOCK)
+    padded = w.new_zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(nb, BLOCK, kb, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / E4M3_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.view(nb * BLOCK, kb * BLOCK)[:n, :k].contiguous(), scale
+
+
+def expand_scales(scale_inv: torch.Tensor, scale_rows: int, n: int, k: int) -> torch.Tensor:
+    """Block scales -> one scale per weight element [n, k]."""
+    return scale_inv.repeat_interleave(scale_rows, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def dequantize(w: BlockFP8) -> torch.Tensor:
+    """The float32 weight an FP8 weight stands for."""
+    n, k = w.qweight.shape
+    return w.qweight.float() * expand_scales(w.scale_inv, w.scale_rows, n, k)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]), per token in groups of
+    128 (dynamic: from this x's own magnitudes), as the kernel does on its tiles."""
+    m, k = x.shape
+    kb = cdiv(k, BLOCK)
+    padded = x.new_zeros(m, kb * BLOCK, dtype=torch.float32)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, kb, BLOCK)
+    scale = groups.abs().amax(dim=-1).clamp(min=MIN_AMAX) / E4M3_MAX
+    q = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.view(m, kb * BLOCK)[:, :k], scale
+
+
+def fp8_linear_torch(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM's arithmetic in torch (the CPU path and the kernel's reference): x [..., K] ->
+    [..., N] in x's dtype, plus the residual if given."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_groups(x2)
+    xd = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :x2.shape[1]]
+    out = xd @ dequantize(w).t()
+    if bias is not None:
+        out = out + bias.float()
+    out = out.view(*x.shape[:-1], -1)
+    if residual is not None:  # the sum rounded once, as the kernel (and addmm_ in 16 bits) does
+        out = residual.float() + out
+    return out.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) (+ residual). On CUDA one Triton kernel, which writes the sum over
+    `residual` in place (as kernels.residual_linear does in 16 bits); elsewhere fp8_linear_torch."""
+    if not _use_kernel(x):
+        return fp8_linear_torch(x, w, bias, residual)
+    n, k = w.qweight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if residual is not None:
+        out = residual.view(-1, n)
+    else:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, warps, stages = gemm_launch(m, n, _sm_count(x.device.index or 0))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    _fp8_gemm_kernel[grid](x2, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
+                           x2.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
+                           SCALE_ROWS=w.scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
+                           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                           num_warps=warps, num_stages=stages)
+    return residual if residual is not None else out.view(*x.shape[:-1], n)
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and not torch.is_grad_enabled()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemm_launch(m: int, n: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for an [m, K] x [K, n] GEMM. At decode and verify sizes (1 to
+    ~300 rows) the GEMM is bound by reading W, so the N tiles shrink until there are about two
+    programs per SM (each streams its rows of W); larger GEMMs take 64-row tiles. The software pipeline
+    gets as many stages (2 to 6) as fit in 96 KB of shared memory, which every FP8 GPU has (an RTX PRO
+    6000's SM about 100 KB, an H200's 228 KB): a small tile keeps more loads of W in flight that way.
+    Not yet tuned on a GPU: bench/fp8_bench.py --sweep measures the alternatives."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 128
+    while block_n > 16 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    stage_bytes = block_m * BLOCK * 2 + block_n * BLOCK   # a 16-bit tile of x and an e4m3 tile of W
+    stages = max(2, min(6, 96 * 1024 // stage_bytes))
+    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8, stages
+
+
+if triton is not None:
+    @triton.jit
+    def _round_to_e4m3(v):
+        """Round float32 v (|v| <= 448) to the nearest e4m3 value, ties to even, in float32 arithmetic,
+        so the cast that follows is exact: the same codes as torch's cast, and in Triton's interpreter
+        too (whose own float32 -> e4m3 cast rounds values just below a power of two down a binade)."""
+        bits = v.to(tl.int32, bitcast=True)
+        # normal numbers: keep 3 of the 23 mantissa bits (add half an ulp, minus one unless the kept
+        # bit is odd, then clear the dropped bits; 0xFFF00000 as an int32 is -1048576)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        # below 2**-6, e4m3 is subnormal: multiples of 2**-9, rounded by adding a constant whose ulp is that
+        subnormal = (v + 24576.0) - 24576.0
+        return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+    @triton.jit
+    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
+                         stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        # out[m, n] (+)= sum over K blocks of (x_q[m, blk] . w_q[n, blk]) * x_scale[m, blk] * w_scale[n, blk]
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k = kb * BLOCK_K + rk
+            k_ok = k < K
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            # this tile's activations quantized per row (one token's group of 128), as quantize_groups
+            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+            xq = _round_to_e4m3(tl.clamp(x / x_scale[:, None], -448.0, 448.0)).to(tl.float8e4nv)
+            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            w_scale = tl.load(ws_ptr + (rn // SCALE_ROWS) * stride_wsn + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        if HAS_RESIDUAL:  # out holds the residual stream: the sum is rounded once, as addmm_ does in 16 bits
+            acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class FP8Linear(nn.Module):
+    """A Linear with an FP8 weight; its state dict is the checkpoint's (`weight`, `weight_scale_inv`,
+    `bias`), so a fine-grained FP8 checkpoint loads into it as it is."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK)),
+                                             requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.scale_rows = BLOCK
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear) -> "FP8Linear":
+        """`--quantize fp8`: the blocks of a bf16 (or float32) Linear's weight."""
+        bias = linear.bias
+        out = cls(linear.in_features, linear.out_features, bias is not None, linear.weight.dtype)
+        q, scale = quantize_blocks(linear.weight.detach())
+        out.weight = nn.Parameter(q, requires_grad=False)
+        out.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return out
+
+    def block(self) -> BlockFP8:
+        return BlockFP8(self.weight, self.weight_scale_inv, self.scale_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.block(), self.bias)
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + self(y), the sum written over x by the GEMM on CUDA (x: a residual stream nothing else holds)."""
+        return fp8_linear(y, self.block(), self.bias, residual=x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks of {BLOCK}"
+
+
+def fuse_fp8_rows(linears: list[FP8Linear]) -> tuple[BlockFP8, torch.Tensor | None]:
+    """layers.fuse_rows for FP8 projections: one weight, its scales and bias, with each module's
+    parameters made row slices of them. Where a projection's rows are not a multiple of 128 (a
+    tiny model's k/v, a hybrid's gate inputs) its block scales would straddle the next one's: the
+    fused scales are then kept per row (a row's scale is its block's)."""
+    aligned = all(lin.scale_rows == BLOCK and lin.out_features % BLOCK == 0 for lin in linears)
+    rows = BLOCK if aligned else 1
+    scales = [lin.weight_scale_inv if aligned else lin.weight_scale_inv.repeat_interleave(lin.scale_rows, 0)
+              [:lin.out_features] for lin in linears]
+    q, s = torch.cat([lin.weight for lin in linears]), torch.cat(scales)
+    b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(q[row:row + n], requires_grad=False)
+        lin.weight_scale_inv = nn.Parameter(s[row // rows:(row + n) // rows], requires_grad=False)
+        lin.scale_rows = rows
+        if b is not None:
+            lin.bias = nn.Parameter(b[row:row + n], requires_grad=False)
+        row += n
+    return BlockFP8(q, s, rows), b
+
+
+def slice_rows(w: BlockFP8, start: int) -> BlockFP8:
+    """Rows start.. of a fused FP8 weight (the drafter's k/v without q); start must begin a scale row."""
+    if start % w.scale_rows:
+        raise ValueError(f"row {start} splits a block of {w.scale_rows} rows that share scales")
+    return BlockFP8(w.qweight[start:], w.scale_inv[start // w.scale_rows:], w.scale_rows)
+
+
+def skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """Whether module `name` stays unquantized: the LM head always, and what modules_to_not_convert names
+    (a full name, its end, or one part of it; a multimodal release's `model.language_model.` names are
+    this runtime's `model.`)."""
+    names = [s.replace("model.language_model.", "model.", 1) for s in skip]
+    return name == "lm_head" or any(name == s or name.endswith("." + s) or s in name.split(".") for s in names)
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """`--quantize fp8`: every Linear of the model but the LM head (and what `skip` names) replaced by
+    its FP8 blocks. Embeddings, norms and convolutions are not Linears and stay. Returns the names."""
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear and not skipped(name, skip)]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, attr, FP8Linear.quantized(getattr(owner, attr)))
+    return names
+
+
+def fp8_modules(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
+    """A fine-grained FP8 checkpoint: every Linear whose weight the state dict holds in e4m3 (with its
+    weight_scale_inv) becomes an (empty, meta) FP8Linear that the state dict then loads into; the
+    others stay as they are, as the checkpoint left them (an FP8 LM head is then refused at load).
+    Returns the names."""
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear and not skipped(name, ())
+             and state.get(f"{name}.weight", torch.empty(0)).dtype == FP8]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        old = getattr(owner, attr)
+        setattr(owner, attr, FP8Linear(old.in_features, old.out_features, old.bias is not None, dtype))
+    return names

@@ -1,0 +1,218 @@
+"""FP8 weights (model/fp8.py, issue 25): the block scheme, fine-grained FP8 checkpoints in the layout the
+other engines detect (written from the tiny fixtures by ddtree_devtools.fp8_checkpoint), `--quantize
+fp8`, the fused projections, what is refused, and speculative decoding lossless against the FP8 target
+on both tiny pairs, alone and batched. The Triton GEMM itself: tests/runtime/test_triton_kernels.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ddtree_devtools.fp8_checkpoint import write_fp8_checkpoint
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.model import load_drafter, load_target
+from ddtree_runtime.model.fp8 import FP8, FP8Linear, expand_scales, fp8_linear_torch, quantize_blocks
+from ddtree_runtime.model.layers import fuse_projections
+from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
+from ddtree_runtime.server.cli import build_parser, config_from_args
+from ddtree_runtime.server.cli import main as serve_main
+from ddtree_devtools.tiny_corpus import heldout_questions
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def pair(request):
+    return request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
+
+
+@pytest.fixture(scope="module")
+def fp8_target(pair, tmp_path_factory):
+    return write_fp8_checkpoint(pair / "target", tmp_path_factory.mktemp("fp8") / "target")
+
+
+def test_blocks_round_trip_within_half_a_step_of_their_scale():
+    w = torch.randn(300, 200) * torch.logspace(-4, 1, 200)   # columns of very different sizes
+    q, scale = quantize_blocks(w)
+    assert q.dtype == FP8 and q.shape == w.shape and scale.shape == (3, 2)
+    per_element = expand_scales(scale, 128, 300, 200)
+    err = (q.float() * per_element - w).abs()
+    # e4m3 keeps 3 mantissa bits: 1/16 of a value at most; below 2**-6 of the scale, half of 2**-9
+    assert (err <= torch.maximum(w.abs() / 16, per_element * 2 ** -10) * (1 + 1e-6)).all()
+    assert torch.allclose(scale * 448, w.abs().reshape(3 * 100, 200).new_tensor(
+        [[w[i:i + 128, j:j + 128].abs().max() for j in (0, 128)] for i in (0, 128, 256)]))
+
+
+def test_an_fp8_checkpoint_loads_its_scales_and_keeps_head_and_embeddings(pair, fp8_target):
+    state = load_file(str(fp8_target / "model.safetensors"))
+    config = json.loads((fp8_target / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
+    assert state["model.layers.0.mlp.down_proj.weight"].dtype == FP8
+    assert state["model.layers.0.mlp.down_proj.weight_scale_inv"].dtype == torch.float32
+    assert state["model.embed_tokens.weight"].dtype == torch.float32
+    fp8, full = load_target(fp8_target), load_target(pair / "target")
+    same = load_target(pair / "target", quantize="fp8")
+    linears = [m for m in fp8.model.layers.modules() if isinstance(m, FP8Linear)]
+    assert linears and not [m for m in fp8.model.layers.modules() if type(m) is torch.nn.Linear]
+    assert type(fp8.lm_head) is torch.nn.Linear and fp8.model.embed_tokens.weight.dtype == torch.float32
+    ids = torch.tensor([[5, 17, 99, 300, 42, 7, 64, 1000]])
+    pos = torch.arange(ids.shape[1])[None]
+    logits = fp8.logits(fp8(ids, pos)[0])
+    # the checkpoint and quantizing at load are one scheme: the same numbers
+    assert torch.equal(logits, same.logits(same(ids, pos)[0]))
+    # the scales are applied: close to the float model (codes read as weights would be noise)
+    ref = full.logits(full(ids, pos)[0])
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+    assert (logits - ref).abs().max() < 0.25 * ref.abs().max()
+    # the fused projections (one GEMM for q/k/v, gate/up, a hybrid's in-projections) change nothing
+    # but the float rounding of a larger GEMM (as in the float model: ~5e-6 on the hybrid)
+    fuse_projections(fp8)
+    torch.testing.assert_close(fp8.logits(fp8(ids, pos)[0]), logits, atol=1e-4, rtol=0)
+
+
+def test_the_residual_and_mixed_fusions_agree_with_the_plain_projections(tiny_hybrid_models, tmp_path):
+    # an FP8 checkpoint that left the hybrid's gate inputs (in_proj_a, in_proj_b) in float: their fused
+    # in-projection is then FP8 and float parts side by side
+    d = write_fp8_checkpoint(tiny_hybrid_models / "target", tmp_path / "t", skip=("lm_head", "in_proj_a", "in_proj_b"))
+    model = load_target(d)
+    gdn = model.model.layers[0].linear_attn
+    assert isinstance(gdn.in_proj_qkv, FP8Linear) and type(gdn.in_proj_a) is torch.nn.Linear
+    ids = torch.tensor([[3, 9, 27, 81, 243]])
+    pos = torch.arange(5)[None]
+    before = model.logits(model(ids, pos)[0])
+    fuse_projections(model)
+    torch.testing.assert_close(model.logits(model(ids, pos)[0]), before, atol=1e-4, rtol=0)
+    lin = model.model.layers[0].mlp.down_proj
+    x, y = torch.randn(2, 3, 128), torch.randn(2, 3, 256)
+    assert torch.equal(fp8_linear_torch(y, lin.block(), residual=x), (x + lin(y).float()).float())
+
+
+def _set_config(d, **changes):
+    config = json.loads((d / "config.json").read_text())
+    config.update(changes)
+    (d / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "'awq'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq'"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "'compressed-tensors'"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "'bitsandbytes'"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}, "per-tensor scales"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "[64, 64]"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "activation_scheme": "static"}}, "'static'"),
+    ({"quantization_config": None}, "no fine-grained fp8 quantization_config"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "modules_to_not_convert": ["down_proj"]}}, "modules_to_not_convert"),
+])
+def test_what_is_not_implemented_is_refused_in_one_line_naming_it(tiny_models, tmp_path, change, named):
+    d = write_fp8_checkpoint(tiny_models / "target", tmp_path / "t")
+    _set_config(d, **change)
+    with pytest.raises(UnsupportedCheckpoint) as err:
+        load_target(d)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_integer_or_fp8_embedding_tensors_are_refused(tiny_models, tmp_path):
+    d = write_fp8_checkpoint(tiny_models / "target", tmp_path / "t")
+    state = load_file(str(d / "model.safetensors"))
+    save_file({**state, "model.layers.0.mlp.down_proj.qweight": torch.zeros(4, 4, dtype=torch.int32)},
+              str(d / "model.safetensors"))
+    with pytest.raises(UnsupportedCheckpoint, match="dtype I32"):
+        check_checkpoint(d)
+    embed, scale = quantize_blocks(state["model.embed_tokens.weight"])
+    save_file({**state, "model.embed_tokens.weight": embed, "model.embed_tokens.weight_scale_inv": scale},
+              str(d / "model.safetensors"))
+    with pytest.raises(UnsupportedCheckpoint, match="only linear projections"):
+        load_target(d)
+
+
+def test_the_server_refuses_it_with_exit_2_and_one_line(tiny_models, tmp_path, capsys):
+    d = tmp_path / "awq"
+    shutil.copytree(tiny_models / "target", d)
+    _set_config(d, quantization_config={"quant_method": "awq", "bits": 4})
+    assert serve_main(["--target", str(d), "--mode", "ar"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--target" in err and "'awq' is not implemented" in err
+    assert serve_main(["--target", str(tiny_models / "target"), "--mode", "ar", "--quantize-drafter"]) == 2
+    assert "--quantize-drafter needs --quantize fp8" in capsys.readouterr().err
+    args = build_parser().parse_args(["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                                      "--quantize", "fp8", "--quantize-drafter"])
+    kwargs = config_from_args(args, {}).engine_kwargs()
+    assert kwargs["quantization"] == "fp8" and kwargs["quantize_drafter"] is True
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pair / "target"))
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for q in heldout_questions(8, seed=7)]
+
+
+def _tokens(engine: Engine, prompt: list[int], **kw) -> list[int]:
+    return [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW, **kw)) for t in r.token_ids]
+
+
+def test_speculative_decoding_is_lossless_against_the_fp8_target(pair, fp8_target, prompts):
+    """ddtree and dflash with the 16-bit drafter give the FP8 target's own greedy AR tokens, alone and
+    batched; the target quantized at load gives the same tokens as its FP8 checkpoint."""
+    engine = Engine(EngineConfig(str(fp8_target), str(pair / "draft")))
+    reference = [_tokens(engine, p, mode="ar") for p in prompts]
+    accepted = 0
+    for p, ref in zip(prompts, reference):
+        for mode, budget in (("dflash", None), ("ddtree", 16)):
+            out = [r for r in engine.generate(p, SamplingParams(max_new_tokens=MAX_NEW, mode=mode, tree_budget=budget))]
+            assert [t for r in out for t in r.token_ids] == ref, mode
+            accepted += sum(r.accepted for r in out)
+    assert accepted > len(prompts) * 2  # the 16-bit drafter still drafts well for the FP8 target
+
+    batched = Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), max_running=4, quantization="fp8"))
+    ids = {(i, mode): batched.submit(p, SamplingParams(max_new_tokens=MAX_NEW, mode=mode))
+           for i, p in enumerate(prompts[:4]) for mode in ("ar", "dflash", "ddtree")}
+    got: dict[int, list[int]] = {n: [] for n in ids.values()}
+    while batched.has_work:
+        for n, out in batched.step():
+            got[n] += out.token_ids
+    for (i, mode), n in ids.items():
+        assert got[n] == reference[i], f"prompt {i}, {mode}, batched"
+    assert isinstance(batched.target.model.layers[0].mlp.down_proj, FP8Linear)
+    assert engine.quantization == batched.quantization == "fp8"   # the checkpoint's, and --quantize's
+    assert type(batched.drafter.layers[0].mlp.down_proj) is torch.nn.Linear  # the drafter stays unless asked
+
+
+def test_an_fp8_drafter_is_opt_in_and_still_lossless(pair, prompts):
+    engine = Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), quantization="fp8",
+                                 quantize_drafter=True))
+    assert isinstance(engine.drafter.fc, FP8Linear) and isinstance(engine.drafter.layers[0].self_attn.k_proj, FP8Linear)
+    for p in prompts[:3]:
+        assert _tokens(engine, p, mode="ddtree") == _tokens(engine, p, mode="ar")
+    with pytest.raises(ValueError, match="quantize_drafter needs"):
+        Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), quantize_drafter=True))
+
+
+def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
+    """runtime/bench/fp8_bench.py is for a GPU session; --device cpu --tiny runs every part of it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parents[2] / "runtime" / "bench" / "fp8_bench.py"
+    out = tmp_path / "fp8.json"
+    done = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["gemm_rel_err"] and max(report["gemm_rel_err"].values()) < 1e-2
+    result = report["shapes"]["hybrid-small"]
+    assert result["fp8"]["target_bytes"] < result["bf16"]["target_bytes"]
+    for precision in ("bf16", "fp8"):
+        assert {"ar_step_ms", "ddtree16_round_ms", "ar_step_4_running_ms", "prefill_128_ms"} <= set(result[precision])
+    assert {row["rows"] for row in result["gemm"]} == {1, 17}
+    assert set(result["fp8"]["checks"]["matching_prefix_of_8"]) == {"ar", "dflash", "ddtree@16", "ddtree@128"}

@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddtree_runtime.limits import MAX_QUEUE, MAX_RUNNING, MIN_MEM_FRACTION
-from ddtree_runtime.server.config import DEFAULT_MAX_BODY, MODES, ServerConfig
+from ddtree_runtime.limits import MAX_QUEUE, MAX_RUNNING, MAX_TREE_BUDGET, MIN_MEM_FRACTION
+from ddtree_runtime.server.config import DEFAULT_MAX_BODY, DEFAULT_MAX_TREE_BUDGET, MODES, ServerConfig
 from ddtree_runtime.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS
 from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
 
@@ -44,14 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="ddtree", help="decoding mode (default: ddtree)")
     p.add_argument("--block-size", type=int, metavar="N", help="draft block size (default: the drafter's)")
     p.add_argument("--tree-budget", type=int, default=16, metavar="B", help="tree nodes verified per round (default: 16)")
+    p.add_argument("--max-tree-budget", type=int, default=DEFAULT_MAX_TREE_BUDGET, metavar="B",
+                   help="largest speculative.tree_budget a request may ask for; larger is a 400 (default: "
+                        f"{DEFAULT_MAX_TREE_BUDGET}, or --tree-budget if that is larger)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="bind port (default: 8000)")
     p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV}, "
                    "which keeps the key out of the process list)")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="allow a non-loopback --host without an API key (anyone who reaches the port may use it)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (default: float32)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--max-running", type=int, default=16, metavar="N",
                    help="requests decoded together, each round one batch (default: 16)")
     p.add_argument("--mem-fraction", type=float, default=0.9, metavar="F",
@@ -94,7 +97,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         raise UsageError(f"--draft DIR is required for --mode {args.mode} (only --mode ar runs without a drafter)")
     draft = _model_dir(args.draft, "--draft") if args.draft is not None else None
     _positive(args.block_size, "--block-size")
-    _positive(args.tree_budget, "--tree-budget")
+    _positive(args.tree_budget, "--tree-budget", MAX_TREE_BUDGET)
+    _positive(args.max_tree_budget, "--max-tree-budget", MAX_TREE_BUDGET)
     _positive(args.max_queue, "--max-queue", MAX_QUEUE)
     _positive(args.max_running, "--max-running", MAX_RUNNING)
     _positive(args.prefill_chunk, "--prefill-chunk")
@@ -111,8 +115,9 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         raise UsageError(f"--port {args.port}: must be between 0 and 65535")
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout {args.drain_timeout}: must be >= 0")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UsageError(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    device, dtype = default_device(args.device, args.dtype)
     api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
     if not api_key and not _is_loopback(args.host) and not args.insecure_no_auth:
         raise UsageError(f"--host {args.host} without an API key would let anyone who reaches the port use "
@@ -124,8 +129,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         mode=args.mode,
         block_size=args.block_size,
         tree_budget=args.tree_budget,
-        device=args.device,
-        dtype=args.dtype,
+        device=device,
+        dtype=dtype,
         max_context=args.max_context,
         max_running=args.max_running,
         mem_fraction=args.mem_fraction,
@@ -138,12 +143,25 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         api_key=api_key or None,
         max_queue=args.max_queue,
         max_body=args.max_body,
+        max_tree_budget=args.max_tree_budget,
         served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template_kwargs=template_kwargs,
     )
+
+
+def default_device(device: str | None, dtype: str | None) -> tuple[str, str]:
+    """(device, dtype) with what was not given filled in: the GPU when torch sees one (as vLLM and
+    SGLang do), else the CPU; bfloat16 on a GPU, float32 on the CPU (where bfloat16 matmuls are slow)."""
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    return device, dtype
 
 
 def _model_dir(path: str, flag: str) -> str:
@@ -200,6 +218,9 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
     from ddtree_runtime.server.draining import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.device is None or args.dtype is None:
+        log.info("serving on %s in %s (%s)", config.device, config.dtype,
+                 "chosen: no --device/--dtype given" if args.device is None else "--dtype follows --device")
     if not config.api_key and not _is_loopback(config.host):  # only with --insecure-no-auth
         bar = "!" * 78
         print(f"{bar}\nWARNING: ddtree-serve is listening on {config.host} WITHOUT an API key.\n"

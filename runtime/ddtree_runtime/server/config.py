@@ -10,6 +10,9 @@ from ..limits import MODES  # noqa: F401 - the CLI's --mode choices, from their 
 # A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
 # several times over (about 4 bytes of JSON a token), and bounds what parsing one request may cost.
 DEFAULT_MAX_BODY = 4 * 2**20
+# The largest tree budget a request may ask for, unless --max-tree-budget says otherwise: 4x the default
+# budget. A bigger tree makes every batched round it joins slower (the verify pads to the largest tree).
+DEFAULT_MAX_TREE_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 16
     max_body: int = DEFAULT_MAX_BODY
+    max_tree_budget: int = DEFAULT_MAX_TREE_BUDGET  # a request's speculative.tree_budget, at most
     served_model_name: str | None = None
     drain_timeout: float = 30.0
     # What the chat endpoint makes of the model's text and the template (issue 18).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ddtree_runtime.server.context import ServerContext
-from ddtree_runtime.server.errors import APIError
+from ddtree_runtime.server.errors import APIError, error_body
 from ddtree_runtime.server.generation import ClientGone, Generation
 from ddtree_runtime.server.logprobs import ReturnedToken, TokenTexts, chat_content, completion_logprobs
 from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
@@ -20,6 +21,7 @@ from ddtree_runtime.server.schemas import parse_body
 from ddtree_runtime.server.worker import READY
 
 router = APIRouter()
+log = logging.getLogger("ddtree_runtime.server")
 
 # Status for a request whose client left before the answer (nginx's convention; never sent).
 CLIENT_CLOSED = 499
@@ -133,23 +135,18 @@ async def _respond(request: Request, gen: Generation, req: Any, shape: "_Shape")
 
 
 async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator[str], include_usage: bool):
+    """The stream's events. Once the headers are sent an error can only travel as an event: every
+    failure, a bug's too, ends the stream with an error event and [DONE], never a cut connection."""
     try:
         if shape.chat:
             yield _event(shape.chunk({"role": "assistant", "content": ""}))
         shape.carry(gen.take_returned())
         for delta in shape.deltas(first):
             yield _event(shape.chunk(delta))
-        try:
-            async for piece in rest:
-                shape.carry(gen.take_returned())
-                for delta in shape.deltas(piece):
-                    yield _event(shape.chunk(delta))
-        except ClientGone:
-            return
-        except APIError as exc:  # headers are sent: the error travels as an event
-            yield _event(exc.body())
-            yield "data: [DONE]\n\n"
-            return
+        async for piece in rest:
+            shape.carry(gen.take_returned())
+            for delta in shape.deltas(piece):
+                yield _event(shape.chunk(delta))
         shape.carry(gen.take_returned())
         for delta in shape.deltas("", final=True):
             yield _event(shape.chunk(delta))
@@ -158,6 +155,15 @@ async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator
         yield _event(final)
         if include_usage:
             yield _event({**shape.envelope(), "choices": [], "usage": gen.usage()})
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        return
+    except APIError as exc:
+        yield _event(exc.body())
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # a server bug: logged as one, and the client still told the stream is over
+        log.exception("unexpected error while streaming")
+        yield _event(error_body(500, f"internal error: {type(exc).__name__}"))
         yield "data: [DONE]\n\n"
     finally:
         gen.cancel("stream closed")

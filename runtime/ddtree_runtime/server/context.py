@@ -48,6 +48,7 @@ class ServerContext:
         self.started = time.monotonic()
         self.created = int(time.time())
         self.draining = False
+        self._uploads_stopped: asyncio.Event | None = None  # set once draining: bodies still arriving are refused
         self.in_flight = 0  # API requests between arrival and last byte (kept by the app's middleware)
         # Parsing, validation, chat templates and tokenization run here, never on the event loop, so
         # /health and /metrics answer at once whatever a client sends. One thread: the engine serves
@@ -56,6 +57,12 @@ class ServerContext:
         self._preparing = 0  # requests on the prep thread or waiting for it (bounded like the engine's queue)
         self._controls: ControlTokens | None = None  # the engine's tokenizer's, made on first use
         self._token_texts: TokenTexts | None = None  # likewise
+
+    def uploads_stopped(self) -> asyncio.Event:
+        """Set when the drain starts (by the server's tick, on the event loop)."""
+        if self._uploads_stopped is None:
+            self._uploads_stopped = asyncio.Event()
+        return self._uploads_stopped
 
     # -- identity --
 

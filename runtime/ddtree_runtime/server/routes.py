@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError, error_body
@@ -75,7 +77,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
-    raw = await _read_body(request, ctx.config.max_body)
+    raw = await _read_body(request, ctx)
     req, prompt = await ctx.off_loop(ctx.prepare_chat, engine, raw)
     gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens())
     shape = _Shape(ctx.reply_splitter(engine, req, prompt), ctx.model_name(), bool(ctx.config.reasoning_parser),
@@ -88,27 +90,44 @@ async def completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
-    raw = await _read_body(request, ctx.config.max_body)
+    raw = await _read_body(request, ctx)
     req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
     gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
     return await _respond(request, gen, req, _Shape(None, ctx.model_name(), False, ctx.token_texts(engine, req)))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to exceed `limit` bytes: from Content-Length before
-    reading anything, else while the chunks arrive (nothing past the limit is kept)."""
+async def _read_body(request: Request, ctx: ServerContext) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed --max-body: from Content-Length before
+    reading anything, else while the chunks arrive (nothing past the limit is kept). A body still
+    arriving when the server starts to drain is refused like a new request (503): an upload that may
+    never finish is not work in flight, and must not hold the shutdown."""
+    limit = ctx.config.max_body
     too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
                          code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    draining = asyncio.ensure_future(ctx.uploads_stopped().wait())
+    try:
+        while True:
+            message = asyncio.ensure_future(request.receive())
+            await asyncio.wait({message, draining}, return_when=asyncio.FIRST_COMPLETED)
+            if not message.done():
+                message.cancel()
+                raise APIError(503, "the server is shutting down", code="shutting_down",
+                               headers={"Connection": "close"})
+            message = message.result()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise too_large
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    finally:
+        draining.cancel()
 
 
 async def _respond(request: Request, gen: Generation, req: Any, shape: "_Shape") -> Response:

@@ -182,7 +182,7 @@ def test_a_bigger_tree_does_not_hold_the_requests_behind_it(engine):
     long = engine.submit(prompt, SamplingParams(max_new_tokens=40))
     while not engine.scheduler.running:
         engine.step()
-    big = SamplingParams(max_new_tokens=8, tree_budget=32)
+    big = SamplingParams(max_new_tokens=8, tree_budget=600)  # past what the pool holds: a re-size
     later = [engine.submit(prompt, big), engine.submit(prompt, SamplingParams(max_new_tokens=8))]
     texts: dict[int, list[int]] = {i: [] for i in later}
     for _ in range(4):

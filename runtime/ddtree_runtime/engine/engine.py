@@ -801,7 +801,7 @@ class Engine:
         positions = [req.generated + len(settled[row]) for row, req in enumerate(reqs)]
         for row, req in enumerate(reqs):
             p = req.params
-            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:  # as alone, own generator
+            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:  # as alone, its own draws
                 target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]], positions[row],
                                                         out.depths[row, :sizes[row]])
         pending = [self._logprobs(req, out.logits[row, :sizes[row]], target[row, :sizes[row]])

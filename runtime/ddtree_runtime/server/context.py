@@ -153,8 +153,7 @@ class ServerContext:
         req = validate(ChatCompletionRequest, parse_body(raw))
         self.check_model(req.model)
         self.check_token_ids(engine, req)
-        controls = self.control_tokens(engine)
-        prompt = render_chat(engine.tokenizer, controls, req, self.config.chat_template_kwargs,
+        prompt = render_chat(engine.tokenizer, self.control_tokens(engine), req, self.config.chat_template_kwargs,
                              self.tool_parser(engine) if req.offered_tools() else None,
                              max_tokens=engine.max_context - 1)
         return req, prompt

@@ -23,6 +23,9 @@ DEFAULT_MAX_BODY = 4 * 2**20
 # The chat endpoint's parsers, by the names SGLang gives them (server/output_parsers.py implements them).
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
 REASONING_PARSERS = ("qwen3",)
+# The largest tree budget a request may ask for, unless --max-tree-budget says otherwise: 4x the default
+# budget. A bigger tree makes every batched round it joins slower (the verify pads to the largest tree).
+DEFAULT_MAX_TREE_BUDGET = 64
 _MISSING = object()
 
 
@@ -96,12 +99,17 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             metavar="N", default_words="the drafter's"),
     Setting("tree_budget", int, 16, "tree nodes verified per round", minimum=MIN_TREE_BUDGET,
             maximum=MAX_TREE_BUDGET, engine=True, profile=True, metavar="B"),
+    Setting("max_tree_budget", int, DEFAULT_MAX_TREE_BUDGET, "largest speculative.tree_budget a request may ask "
+            "for; larger is a 400 (a bigger tree slows every batched round it joins)", minimum=MIN_TREE_BUDGET,
+            maximum=MAX_TREE_BUDGET, profile=True, metavar="B",
+            default_words=f"{DEFAULT_MAX_TREE_BUDGET}, or --tree-budget if that is larger"),
     # where it listens (a deploy profile's `bind` and `port`)
     Setting("host", str, "127.0.0.1", "bind address"),
     Setting("port", int, 8000, "bind port", minimum=0, maximum=65535),
-    Setting("device", str, "cpu", "cpu, cuda or cuda:N", pattern=r"cpu|cuda(:\d+)?",
-            pattern_words="cpu, cuda or cuda:N", engine=True),
-    Setting("dtype", str, "float32", "weights dtype", choices=DTYPE_NAMES, engine=True),
+    Setting("device", str, None, "cpu, cuda or cuda:N", pattern=r"cpu|cuda(:\d+)?",
+            pattern_words="cpu, cuda or cuda:N", engine=True, default_words="cuda when a GPU is visible, else cpu"),
+    Setting("dtype", str, None, "weights dtype", choices=DTYPE_NAMES, engine=True,
+            default_words="bfloat16 on a GPU, float32 on the CPU"),
     Setting("quantization", str, "none", "fp8: the target's projections in FP8 (128x128 blocks, activations per "
             "token) at load, half the weight bytes; exact against the FP8 model, not the 16-bit one. A checkpoint "
             "that is FP8 already loads as FP8 without it", choices=QUANTIZE_METHODS, engine=True, profile=True,
@@ -207,3 +215,15 @@ def config_class(name: str, module: str, settings: tuple[Setting, ...], doc: str
     cls = dataclasses.make_dataclass(name, fields + list(extra_fields), frozen=frozen, namespace=namespace)
     cls.__doc__, cls.__module__ = doc, module
     return cls
+
+
+def resolve_device(device: str | None, dtype: str | None) -> tuple[str, str]:
+    """(device, dtype) with what was not given filled in: the GPU when torch sees one (as vLLM and
+    SGLang do), else the CPU; bfloat16 on a GPU, float32 on the CPU (where bfloat16 matmuls are slow)."""
+    if device is None:
+        import torch  # only where a server or engine starts: ddops loads this module without torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    return device, dtype

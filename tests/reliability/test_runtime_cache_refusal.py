@@ -26,7 +26,7 @@ def api(request):
     """The app on the tiny Qwen3 pair, then on the hybrid one (whose cache also holds per-node scratch)."""
     models = request.getfixturevalue(request.param)
     config = ServerConfig(target_dir=str(models / "target"), draft_dir=str(models / "draft"),
-                          served_model_name="tiny")
+                          served_model_name="tiny", max_tree_budget=1024)  # past the cap: the engine decides
     with TestClient(create_app(config), raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:

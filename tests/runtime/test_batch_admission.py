@@ -47,20 +47,28 @@ def test_generate_needs_an_idle_engine(engine):
     _serve(engine)
 
 
-def test_a_bigger_tree_than_the_pool_holds_waits_for_an_idle_engine(engine):
-    """The pool is sized for the configured budget; a request for a much bigger tree waits until the
-    running ones are done, then the pool is re-sized for it; the requests behind it wait too."""
+def test_a_bigger_tree_than_the_pool_holds_runs_at_once_and_grows_the_pool_when_alone(engine):
+    """The pool is sized for the configured budget; a request for a much bigger tree does not wait for
+    the running ones (nor hold the requests behind it): it runs with the largest tree the pool holds,
+    the same text. Arriving at an idle engine, it gets the pool re-sized for its tree (issue 23)."""
     prompt = _chat(engine, "Count from 1 to 60.")
     reference = [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=30, mode="ar")) for t in r.token_ids]
     first = engine.submit(prompt, SamplingParams(max_new_tokens=30))
-    early = [t for _ in range(2) for _, out in engine.step() for t in out.token_ids]
+    early: dict[int, list[int]] = {}
+    for _ in range(2):
+        for i, out in engine.step():
+            early.setdefault(i, []).extend(out.token_ids)
+    sized_for = engine._target_slots
     big = engine.submit(prompt, SamplingParams(max_new_tokens=30, tree_budget=300))
     after = engine.submit(prompt, SamplingParams(max_new_tokens=30, mode="dflash"))
-    early += [t for _, out in engine.step() for t in out.token_ids]
-    assert [r.id for r in engine.scheduler.waiting] == [big, after]
+    for i, out in engine.step():
+        early.setdefault(i, []).extend(out.token_ids)
+    assert not engine.scheduler.waiting and engine._target_slots == sized_for
     tokens = _serve(engine)
-    assert early + tokens[first] == reference
-    assert tokens[big] == reference and tokens[after] == reference
+    for i in (first, big, after):
+        assert early.get(i, []) + tokens.get(i, []) == reference
+    alone = [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=30, tree_budget=300)) for t in r.token_ids]
+    assert alone == reference and engine._target_slots == 301
 
 
 def test_pool_slots_come_from_free_memory(tiny_models, monkeypatch):
@@ -79,7 +87,7 @@ def test_pool_slots_come_from_free_memory(tiny_models, monkeypatch):
 
 def _request(i: int) -> RequestState:
     return RequestState(id=i, prompt_ids=[1], mode="ar", budget=1, params=SamplingParams(max_new_tokens=1),
-                        stop_ids=frozenset(), generator=None)
+                        stop_ids=frozenset(), uniforms=None)
 
 
 def test_scheduler_keeps_running_requests_in_the_first_slots():

@@ -1,5 +1,5 @@
 """Continuous batching, T > 0: a request with a seed gives the same tokens alone or in a batch (each
-request samples with its own generator, from its own rows), and tree sampling in batches is still
+request samples with its own per-position draws, from its own rows), and tree sampling in batches is still
 distributed like plain sampling from the target (the chi-square test of test_engine_sampling, with
 the tree samples drawn eight requests at a time), for the Qwen3 and the hybrid target."""
 

@@ -11,6 +11,7 @@ that prefix's prefill (prefix_cache.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from .scheduler import Scheduler
 from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
 from ..limits import (DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES,
                       QUANTIZE_METHODS)
+from ..settings import resolve_device
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,9 @@ class Engine:
         initialised models of real shapes: there are no weights to load and `tokenizer` may be None)."""
         from transformers import AutoTokenizer
 
+        if config.device is None or config.dtype is None:  # the settings' defaults: the GPU when there is one
+            config = dataclasses.replace(config, **dict(zip(("device", "dtype"),
+                                                            resolve_device(config.device, config.dtype))))
         if config.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
         if config.dtype not in DTYPE_NAMES:
@@ -164,6 +169,7 @@ class Engine:
         self.target_cache: KVCache | None = None
         self.runner: TargetRunner | None = None
         self._target_slots = 0  # the tree size the target pool was sized for
+        self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self._alloc_target_cache(tree_slots)
         self.trees = TreeBuilder(self.device)
         self.readback = HostRead(Walk.size(self.block_size - 1), self.device)  # the round's one read
@@ -218,8 +224,9 @@ class Engine:
     @property
     def can_serve(self) -> bool:
         """False only if a re-allocation failed after the old pool was dropped and the old one could
-        not be put back (the server's /health reports it)."""
-        return self.target_cache is not None and self.runner is not None
+        not be put back (the server's /health reports it). While the pool is being re-sized it has no
+        cache for a moment, and can serve all the same: requests wait in the server's queue."""
+        return self._resizing or (self.target_cache is not None and self.runner is not None)
 
     def _alloc_target_cache(self, tree_slots: int) -> None:
         """Size the target pool (self.rows rows) for the context and a tree of tree_slots nodes;
@@ -232,6 +239,7 @@ class Engine:
         if self.prefix is not None:
             self.prefix.clear()
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
+        self._resizing = True
         self.target_cache = self.runner = self.batch_runner = None
         self._target_slots = 0
         try:
@@ -240,6 +248,8 @@ class Engine:
             if previous:  # put back what served before (if this fails too, can_serve stays False)
                 self._build_target_cache(previous)
             raise
+        finally:
+            self._resizing = False
 
     def _build_target_cache(self, tree_slots: int) -> None:
         cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
@@ -351,16 +361,17 @@ class Engine:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {p.max_new_tokens}], got {p.min_tokens}")
         if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-        gen = None
-        if p.temperature > 0:
+        uniforms = None
+        if p.temperature > 0:  # the draw of every output position (and of tree nodes past the last one)
             gen = torch.Generator(device=self.device)
             if p.seed is None:
                 gen.seed()
             else:
                 gen.manual_seed(p.seed)
+            uniforms = torch.rand(p.max_new_tokens + self.block_size, generator=gen, device=self.device)
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         req = RequestState(id=self._next_id, prompt_ids=list(prompt_ids), mode=mode, budget=budget, params=p,
-                           stop_ids=stop_ids, generator=gen)
+                           stop_ids=stop_ids, uniforms=uniforms)
         if p.min_tokens and stop_ids:
             req.stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
         if not self._pool_holds(self._tree_slots(req)):
@@ -379,13 +390,17 @@ class Engine:
                              f"{self.rows} slots: lower the tree budget")
 
     def _admissible(self, req: RequestState) -> bool:
-        """Whether the pool can take `req` now. A request for a bigger tree than the pool holds waits
-        until nothing else runs, then the pool is re-sized for it (same slots, bigger trees)."""
+        """Whether the pool can take `req` now (always: nobody waits for a re-size). A request for a
+        bigger tree than the pool holds gets the pool re-sized for it (same slots, bigger trees) when
+        nothing else runs; while others run it runs with the largest tree the pool holds, rather than
+        hold itself and everyone behind it until the engine drains. A tree changes speed, never the
+        text: greedy or seeded (sampling.py), a request's tokens are the same at any budget."""
         slots = self._tree_slots(req)
         if self._pool_holds(slots):
             return True
         if self.scheduler.running:
-            return False
+            req.budget = self._target_slots - 1
+            return True
         self._alloc_target_cache(slots)
         return True
 
@@ -496,7 +511,12 @@ class Engine:
         if position < req.params.min_tokens and req.stop_tensor is not None:
             early = None if depths is None else position + depths < req.params.min_tokens
             logits = suppress_stops(logits, req.stop_tensor, early)
-        return choose_tokens(logits, req.params, req.generator)
+        draws = None
+        if req.uniforms is not None:  # each row's draw is its output position's (sampling.py)
+            last = req.uniforms.shape[0] - 1
+            draws = (req.uniforms[(position + depths).clamp(max=last)] if depths is not None
+                     else req.uniforms[min(position, last)].expand(logits.shape[0]))
+        return choose_tokens(logits, req.params, draws)
 
     @staticmethod
     def _logprobs(req: RequestState, logits: torch.Tensor, chosen: torch.Tensor) -> PendingLogprobs | None:
@@ -795,7 +815,7 @@ class Engine:
         positions = [req.generated + len(settled[row]) for row, req in enumerate(reqs)]
         for row, req in enumerate(reqs):
             p = req.params
-            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:  # as alone, own generator
+            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:  # as alone, its own draws
                 target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]], positions[row],
                                                         out.depths[row, :sizes[row]])
         pending = [self._logprobs(req, out.logits[row, :sizes[row]], target[row, :sizes[row]])

@@ -1,7 +1,10 @@
 """Target-side token choice: argmax at temperature 0 (below GREEDY_BELOW), otherwise a sample from the
 temperature / min-p / top-k / top-p adjusted distribution, after any logit bias. Tree verification samples every node at
 once; the walk then only reads the samples of nodes it visits, each of which is a true draw from the
-target at that node. Every adjustment but one depends on the node's logits alone, never on its
+target at that node. A sample is the inverse CDF at the request's own uniform draw for the output
+position the node chooses (one draw per position, from its seed): the committed token at a position is
+then what plain sampling with that draw gives, whatever the tree, its budget, the batch or the mode,
+so a seed reproduces under batching and --round-nodes. Every adjustment but one depends on the node's logits alone, never on its
 position or path, which is what keeps speculative decoding exact with them; the one, min_tokens,
 depends on the node's depth only (which output token it chooses), which every node knows.
 
@@ -53,13 +56,23 @@ def adjusted_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [N, V] -> tokens [N] long."""
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """logits: [N, V] -> tokens [N] long. uniforms: [N] in [0, 1), each row's draw (unused when greedy)."""
     logits = biased_logits(logits, params.logit_bias)
     if params.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = adjusted_probs(logits.float(), params.temperature, params.top_p, params.top_k, params.min_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return inverse_cdf(probs, uniforms)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs: [N, V], uniforms: [N] -> tokens [N]: the first token whose cumulative probability passes
+    the row's draw (a true sample from the row's distribution); never a token of probability 0, even
+    where rounding puts the draw past the last cumulative sum."""
+    cdf = probs.cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, (uniforms[:, None] * cdf[:, -1:]).contiguous(), right=True)
+    chosen = chosen.clamp(max=probs.shape[-1] - 1)
+    return torch.where(probs.gather(1, chosen) > 0, chosen, probs.argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def suppress_stops(logits: torch.Tensor, stop_ids: torch.Tensor, early: torch.Tensor | None = None) -> torch.Tensor:

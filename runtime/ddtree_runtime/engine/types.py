@@ -71,7 +71,7 @@ class RequestState:
     budget: int
     params: SamplingParams
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
+    uniforms: torch.Tensor | None  # [max_new_tokens + block] one draw per output position (T > 0), sampling.py
     slot: int = -1            # the cache pool row it holds while prefilling or running
     prefilled: int = 0        # prompt tokens already in the cache
     n_ctx: int = 0            # tokens whose KV sits in the target cache (all committed but the bonus)

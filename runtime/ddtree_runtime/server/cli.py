@@ -64,6 +64,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
     if not api_key and not _is_loopback(args.host) and not args.insecure_no_auth:
         raise UsageError(f"--host {args.host} without an API key would let anyone who reaches the port use "
                          f"the model: set {API_KEY_ENV} or --api-key (or pass --insecure-no-auth)")
+    values["device"], values["dtype"] = settings.resolve_device(args.device, args.dtype)
     values["api_key"] = api_key or None
     values["chat_template_kwargs"] = _template_kwargs(args.chat_template_kwargs)
     return ServerConfig(**values)
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
     from ddtree_runtime.server.draining import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.device is None or args.dtype is None:
+        log.info("serving on %s in %s (%s)", config.device, config.dtype,
+                 "chosen: no --device/--dtype given" if args.device is None else "--dtype follows --device")
     if not config.api_key and not _is_loopback(config.host):  # only with --insecure-no-auth
         bar = "!" * 78
         print(f"{bar}\nWARNING: ddtree-serve is listening on {config.host} WITHOUT an API key.\n"

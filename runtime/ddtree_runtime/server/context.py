@@ -48,13 +48,21 @@ class ServerContext:
         self.started = time.monotonic()
         self.created = int(time.time())
         self.draining = False
+        self._uploads_stopped: asyncio.Event | None = None  # set once draining: bodies still arriving are refused
         self.in_flight = 0  # API requests between arrival and last byte (kept by the app's middleware)
         # Parsing, validation, chat templates and tokenization run here, never on the event loop, so
         # /health and /metrics answer at once whatever a client sends. One thread: the engine serves
         # one request at a time anyway, and a tokenizer is not safe to use from several at once.
         self.prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-prep")
+        self._preparing = 0  # requests on the prep thread or waiting for it (bounded like the engine's queue)
         self._controls: ControlTokens | None = None  # the engine's tokenizer's, made on first use
         self._token_texts: TokenTexts | None = None  # likewise
+
+    def uploads_stopped(self) -> asyncio.Event:
+        """Set when the drain starts (by the server's tick, on the event loop)."""
+        if self._uploads_stopped is None:
+            self._uploads_stopped = asyncio.Event()
+        return self._uploads_stopped
 
     # -- identity --
 
@@ -114,6 +122,11 @@ class ServerContext:
             raise APIError(503, f"the engine is not ready ({state}): {detail}", code="engine_unavailable")
         return self.worker.engine
 
+    def max_tree_budget(self) -> int:
+        """The largest tree budget a request may ask for: --max-tree-budget, or the server's own budget
+        if that is larger (a request may always ask for what the server runs by default)."""
+        return max(self.config.max_tree_budget, self.config.tree_budget)
+
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name():
             raise APIError(
@@ -126,14 +139,24 @@ class ServerContext:
     # -- prompts (on the prep thread) --
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, work, *args)
+        """`work` on the prep thread. Its wait counts against --max-queue like the engine's: past
+        max_queue requests waiting for it (one more is being prepared), a 429 at once."""
+        if self._preparing > self.config.max_queue:
+            raise APIError(429, "the server is busy: too many requests are being prepared, retry later",
+                           code="queue_full", headers={"Retry-After": str(self.worker.retry_after_s())})
+        self._preparing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.prep_pool, work, *args)
+        finally:
+            self._preparing -= 1
 
     def prepare_chat(self, engine: Any, raw: bytes) -> tuple[ChatCompletionRequest, ChatPrompt]:
         req = validate(ChatCompletionRequest, parse_body(raw))
         self.check_model(req.model)
         self.check_token_ids(engine, req)
         prompt = render_chat(engine.tokenizer, self.control_tokens(engine), req, self.config.chat_template_kwargs,
-                             self.tool_parser(engine) if req.offered_tools() else None)
+                             self.tool_parser(engine) if req.offered_tools() else None,
+                             max_tokens=engine.max_context - 1)
         return req, prompt
 
     def prepare_completion(self, engine: Any, raw: bytes) -> tuple[CompletionRequest, list[int]]:
@@ -186,6 +209,7 @@ class ServerContext:
 
     def completion_prompt_ids(self, engine: Any, req: Any) -> list[int]:
         if isinstance(req.prompt, str):
+            self.control_tokens(engine).check_fits(req.prompt, engine.max_context - 1, "prompt")
             ids = list(engine.tokenizer.encode(req.prompt, add_special_tokens=False))
             if not ids:
                 raise APIError(400, "prompt: encodes to no tokens", param="prompt")
@@ -213,6 +237,14 @@ class ServerContext:
             )
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
+            if req.min_tokens and req.min_tokens > max_tokens:
+                raise APIError(
+                    400,
+                    f"min_tokens: {req.min_tokens} is more than the {max_tokens} tokens left in this model's "
+                    f"{limit}-token context after {len(prompt_ids)} prompt tokens (the most max_tokens can be)",
+                    param="min_tokens",
+                    code="context_length_exceeded",
+                )
         elif len(prompt_ids) + max_tokens > limit:
             raise APIError(
                 400,
@@ -224,6 +256,10 @@ class ServerContext:
         spec = req.speculative
         mode = (spec.mode if spec else None) or self.config.mode
         budget = (spec.tree_budget if spec else None) or self.config.tree_budget
+        cap = self.max_tree_budget()
+        if budget > cap:
+            raise APIError(400, f"speculative.tree_budget: {budget} is more than this server's limit of {cap} "
+                           "(its --max-tree-budget)", param="speculative.tree_budget")
         if mode != "ar" and getattr(engine, "draft_name", None) is None and not self.config.draft_dir:
             raise APIError(400, f"speculative.mode: '{mode}' needs a draft model; this server has none", param="speculative.mode")
         params = SamplingParams(

@@ -42,6 +42,8 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         ctx = self._ctx
+        if ctx.draining:
+            ctx.uploads_stopped().set()  # bodies still arriving get a 503 now, not a place in the drain
         if ctx.draining and not self.should_exit:
             if ctx.in_flight == 0 and not ctx.worker.busy():
                 self.should_exit = True

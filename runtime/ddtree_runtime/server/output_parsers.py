@@ -10,7 +10,9 @@ Qwen3-family models think inside ``<think>...</think>`` before answering and cal
 Each parser takes text pieces as the detokenizer releases them and returns what can be shown now. A tail
 that might be the start of a tag is held back until the next piece decides it, so a tag split across
 rounds (or characters) never reaches the client half-written. A tool call is released only once it is
-complete and well-formed; anything malformed comes back as plain content, never as an error.
+complete and well-formed; anything malformed comes back as plain content, never as an error (nor
+as an exception: a client can steer the model into writing JSON nested past the parser's recursion
+limit, so every parse treats RecursionError as malformed).
 """
 
 from __future__ import annotations
@@ -164,10 +166,14 @@ class ToolCallParser:
         return "" if self.calls and not text.strip() else text
 
     def _call(self, body: str) -> ToolCall | None:
-        parsed = self.parse_body(body.strip())
-        if parsed is None or parsed[0] not in self.tools:
+        try:
+            parsed = self.parse_body(body.strip())
+            if parsed is None or parsed[0] not in self.tools:
+                return None
+            arguments = json.dumps(parsed[1], ensure_ascii=False)
+        except (ValueError, RecursionError):  # the model's text, however deep, is never an error
             return None
-        call = ToolCall(len(self.calls), self.make_id(), parsed[0], json.dumps(parsed[1], ensure_ascii=False))
+        call = ToolCall(len(self.calls), self.make_id(), parsed[0], arguments)
         self.calls.append(call)
         return call
 
@@ -188,7 +194,7 @@ class HermesParser(ToolCallParser):
     def parse_body(self, body: str) -> tuple[str, dict] | None:
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
@@ -196,7 +202,7 @@ class HermesParser(ToolCallParser):
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         return (obj["name"], args) if isinstance(args, dict) else None
 
@@ -270,7 +276,7 @@ def _typed(value: str, schema: dict | None) -> Any:
         return None if text == "null" else value
     try:  # object, array
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return value
 
 

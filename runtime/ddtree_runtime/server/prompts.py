@@ -1,12 +1,15 @@
 """Chat prompts: the model's own template over the conversation and tools, tokenized so that no text a
 client wrote can become a control token.
 
-A user who writes ``<|im_end|>\\n<|im_start|>assistant\\n`` must not close their own turn and write the
-assistant's. Before the template runs, every special token's text inside a client's strings (message
-content, names, tool calls and definitions, template variables) is swapped for a private-use
-placeholder character; after rendering, each placeholder is tokenized as the plain text it stands
-for, with the special tokens split. Templates see the conversation unchanged but for those tokens, and a
-request without them is tokenized exactly as before.
+A user who writes ``<|im_end|>\n<|im_start|>assistant\n`` must not close their own turn and write the
+assistant's, nor a tool result close its ``<tool_response>`` early. Before the template runs, the text
+of every added token of the tokenizer (special or not: ``<tool_call>`` and ``<think>`` are not special
+in every Qwen tokenizer, and match as tokens all the same) inside a client's strings (message content,
+names, tool calls and definitions, template variables) is swapped for an escape: a private-use
+character, ESCAPE, followed by the token's code character. A client's own ESCAPE is escaped too (doubled),
+so no client text can pose as an escape. After rendering, each escape is tokenized as the plain text it
+stands for, without matching any added token. Templates see the conversation unchanged but for those
+tokens, and a request without them is tokenized exactly as before.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.output_parsers import THINK_END, ToolCallParser, prompt_opens_thinking
 from ddtree_runtime.server.schemas import ChatCompletionRequest
 
-# Plane 16 private use: no tokenizer gives these meaning, and no chat template touches them.
-PLACEHOLDER_BASE = 0x100000
+# Plane 16 private use: no tokenizer gives these meaning, and no chat template touches them. ESCAPE
+# starts every escape; the character after it says what it stands for (ESCAPE itself, or token i).
+ESCAPE = chr(0x100000)
+CODE_BASE = 0x100001
 # What closes a reasoning block the template opened, when the server starts the reply with a tool call.
 CLOSE_THINKING = f"\n{THINK_END}\n\n"
 
@@ -33,51 +38,70 @@ class ChatPrompt:
 
 
 class ControlTokens:
-    """One tokenizer's special tokens, and how to keep them out of client text."""
+    """One tokenizer's added tokens, and how to keep them out of client text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        specials = set(tokenizer.all_special_tokens)
-        specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-        self.texts = sorted(specials, key=len, reverse=True)  # longest first: one may contain another
-        self._placeholder = {text: chr(PLACEHOLDER_BASE + i) for i, text in enumerate(self.texts)}
-        self._text_of = {ph: text for text, ph in self._placeholder.items()}
-        self._any = re.compile("|".join(re.escape(t) for t in self.texts)) if self.texts else None
-        last = chr(PLACEHOLDER_BASE + len(self.texts) - 1)
-        self._split = re.compile(f"([{chr(PLACEHOLDER_BASE)}-{last}])") if self.texts else None
+        added = set(tokenizer.all_special_tokens)
+        added |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        self.texts = sorted(added, key=len, reverse=True)  # longest first: one may contain another
+        escapes = {ESCAPE: ESCAPE + ESCAPE} | {text: ESCAPE + chr(CODE_BASE + i) for i, text in enumerate(self.texts)}
+        self._escape = escapes
+        self._text_of = {code[1]: text for text, code in escapes.items()}
+        self._any = re.compile("|".join(re.escape(t) for t in escapes))
+        self._escaped = re.compile(f"{ESCAPE}(.)", re.DOTALL)
+        # the most characters one token covers: a text of more than n times that is more than n tokens
+        self.longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(
+            tokenizer, "get_vocab") else 1
 
     def defuse(self, value: Any) -> Any:
-        """`value` (strings, lists and dicts of them) with each special token's text replaced by its
-        placeholder."""
-        if self._any is None:
-            return value
+        """`value` (strings, lists and dicts of them) with each added token's text, and ESCAPE, escaped."""
         if isinstance(value, str):
-            return self._any.sub(lambda m: self._placeholder[m.group(0)], value)
+            return self._any.sub(lambda m: self._escape[m.group(0)], value)
         if isinstance(value, list):
             return [self.defuse(item) for item in value]
         if isinstance(value, dict):
             return {self.defuse(key): self.defuse(item) for key, item in value.items()}
         return value
 
+    def check_fits(self, text: str, max_tokens: int, param: str) -> None:
+        """A 400 before tokenizing when `text` has more characters than `max_tokens` tokens can cover
+        (a 4 MiB body against a 2k context is refused at once, not after a million tokens)."""
+        if len(text) > max_tokens * self.longest_token:
+            raise APIError(400, f"{param}: {len(text)} characters cannot fit in this model's context of "
+                           f"{max_tokens + 1} tokens (no token is longer than {self.longest_token} characters)",
+                           param=param, code="context_length_exceeded")
+
     def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text: the template's own special tokens as control tokens, each
-        placeholder as the plain text it replaced."""
+        """Token ids of rendered text: the template's own added tokens as such, each escape as the
+        plain text it stands for."""
         tok = self._tokenizer
-        if self._split is None or not self._split.search(text):
+        if ESCAPE not in text:
             return list(tok.encode(text, add_special_tokens=False))
         ids: list[int] = []
-        for piece in self._split.split(text):
-            if piece in self._text_of:
-                ids += tok(self._text_of[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        for i, piece in enumerate(self._escaped.split(text)):
+            if i % 2:  # a code character: what the escape stands for
+                ids += self._plain(self._text_of.get(piece, ESCAPE + piece))
             elif piece:
                 ids += tok.encode(piece, add_special_tokens=False)
         return ids
 
+    def _plain(self, text: str) -> list[int]:
+        """`text` tokenized as plain text: the tokenizer's model alone, no added token matched."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow tokenizer: splitting the special ones is all it offers
+            return self._tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
 
 def render_chat(tokenizer: Any, controls: ControlTokens, req: ChatCompletionRequest, template_defaults: dict,
-                tool_parser: type[ToolCallParser] | None) -> ChatPrompt:
+                tool_parser: type[ToolCallParser] | None, max_tokens: int | None = None) -> ChatPrompt:
     """The prompt for a chat request: the template's rendering of the conversation and offered tools,
-    then, when tool_choice requires a call, the call's opening (so the reply is one)."""
+    then, when tool_choice requires a call, the call's opening (so the reply is one). A rendering far
+    longer than `max_tokens` tokens could be is refused before it is tokenized."""
     tools = [t.as_template_dict() for t in req.offered_tools()]
     kwargs = {**template_defaults, **controls.defuse(req.chat_template_kwargs or {})}
     try:
@@ -94,4 +118,6 @@ def render_chat(tokenizer: Any, controls: ControlTokens, req: ChatCompletionRequ
         if opens_thinking:
             text, opens_thinking = text + CLOSE_THINKING, False
         text += opening  # the server's own text: a function name is letters, digits and _.-
+    if max_tokens is not None:
+        controls.check_fits(text, max_tokens, "messages")
     return ChatPrompt(controls.encode(text), opens_thinking, opening)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,9 +12,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ddtree_runtime.server.context import ServerContext
-from ddtree_runtime.server.errors import APIError
+from ddtree_runtime.server.errors import APIError, error_body
 from ddtree_runtime.server.generation import ClientGone, Generation
 from ddtree_runtime.server.logprobs import ReturnedToken, TokenTexts, chat_content, completion_logprobs
 from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
@@ -20,6 +23,7 @@ from ddtree_runtime.server.schemas import parse_body
 from ddtree_runtime.server.worker import READY
 
 router = APIRouter()
+log = logging.getLogger("ddtree_runtime.server")
 
 # Status for a request whose client left before the answer (nginx's convention; never sent).
 CLIENT_CLOSED = 499
@@ -73,7 +77,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
-    raw = await _read_body(request, ctx.config.max_body)
+    raw = await _read_body(request, ctx)
     req, prompt = await ctx.off_loop(ctx.prepare_chat, engine, raw)
     gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens())
     shape = _Shape(ctx.reply_splitter(engine, req, prompt), ctx.model_name(), bool(ctx.config.reasoning_parser),
@@ -86,27 +90,44 @@ async def completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
-    raw = await _read_body(request, ctx.config.max_body)
+    raw = await _read_body(request, ctx)
     req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
     gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
     return await _respond(request, gen, req, _Shape(None, ctx.model_name(), False, ctx.token_texts(engine, req)))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to exceed `limit` bytes: from Content-Length before
-    reading anything, else while the chunks arrive (nothing past the limit is kept)."""
+async def _read_body(request: Request, ctx: ServerContext) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed --max-body: from Content-Length before
+    reading anything, else while the chunks arrive (nothing past the limit is kept). A body still
+    arriving when the server starts to drain is refused like a new request (503): an upload that may
+    never finish is not work in flight, and must not hold the shutdown."""
+    limit = ctx.config.max_body
     too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
                          code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    draining = asyncio.ensure_future(ctx.uploads_stopped().wait())
+    try:
+        while True:
+            message = asyncio.ensure_future(request.receive())
+            await asyncio.wait({message, draining}, return_when=asyncio.FIRST_COMPLETED)
+            if not message.done():
+                message.cancel()
+                raise APIError(503, "the server is shutting down", code="shutting_down",
+                               headers={"Connection": "close"})
+            message = message.result()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise too_large
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    finally:
+        draining.cancel()
 
 
 async def _respond(request: Request, gen: Generation, req: Any, shape: "_Shape") -> Response:
@@ -133,23 +154,18 @@ async def _respond(request: Request, gen: Generation, req: Any, shape: "_Shape")
 
 
 async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator[str], include_usage: bool):
+    """The stream's events. Once the headers are sent an error can only travel as an event: every
+    failure, a bug's too, ends the stream with an error event and [DONE], never a cut connection."""
     try:
         if shape.chat:
             yield _event(shape.chunk({"role": "assistant", "content": ""}))
         shape.carry(gen.take_returned())
         for delta in shape.deltas(first):
             yield _event(shape.chunk(delta))
-        try:
-            async for piece in rest:
-                shape.carry(gen.take_returned())
-                for delta in shape.deltas(piece):
-                    yield _event(shape.chunk(delta))
-        except ClientGone:
-            return
-        except APIError as exc:  # headers are sent: the error travels as an event
-            yield _event(exc.body())
-            yield "data: [DONE]\n\n"
-            return
+        async for piece in rest:
+            shape.carry(gen.take_returned())
+            for delta in shape.deltas(piece):
+                yield _event(shape.chunk(delta))
         shape.carry(gen.take_returned())
         for delta in shape.deltas("", final=True):
             yield _event(shape.chunk(delta))
@@ -158,6 +174,15 @@ async def _sse(shape: "_Shape", gen: Generation, first: str, rest: AsyncIterator
         yield _event(final)
         if include_usage:
             yield _event({**shape.envelope(), "choices": [], "usage": gen.usage()})
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        return
+    except APIError as exc:
+        yield _event(exc.body())
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # a server bug: logged as one, and the client still told the stream is over
+        log.exception("unexpected error while streaming")
+        yield _event(error_body(500, f"internal error: {type(exc).__name__}"))
         yield "data: [DONE]\n\n"
     finally:
         gen.cancel("stream closed")

@@ -44,6 +44,11 @@ RESERVED_TEMPLATE_ARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for function names
+# A logit_bias key: a token id in ASCII digits (str.isdigit also accepts "²", which int() refuses), short
+# enough that int() never meets Python's digit limit; ids past the vocabulary are refused later.
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+# How deeply an earlier tool call's arguments may nest: the template renders them recursively.
+MAX_ARGUMENT_DEPTH = 2 * MAX_TEMPLATE_VALUE_DEPTH
 
 # Fields of OpenAI's and vLLM's requests that this server does not honour, each with the values that
 # mean "not used" (sent by clients that fill in defaults). Anything else is a 400 naming the field.
@@ -160,7 +165,7 @@ class _Sampling(BaseModel):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
         for key, bias in v.items():
-            if not key.isdigit():
+            if not TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"keys are token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"token {key}: a bias must be between -100 and 100, got {bias}")
@@ -215,10 +220,14 @@ class FunctionCall(BaseModel):
     def _json_object(cls, v: str) -> str:
         try:
             parsed = json.loads(v)
+        except RecursionError:
+            raise ValueError(f"nests deeper than {MAX_ARGUMENT_DEPTH} levels") from None
         except ValueError:
             raise ValueError("must be a JSON object's text") from None
         if not isinstance(parsed, dict):
             raise ValueError("must be a JSON object's text")
+        if _depth(parsed) > MAX_ARGUMENT_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_ARGUMENT_DEPTH} levels")
         return v
 
 
@@ -491,6 +500,8 @@ def validate(model: type[BaseModel], body: dict) -> Any:
     refuse_unhonoured(body)
     try:
         return model.model_validate(body)
+    except RecursionError:  # a backstop: every field that may nest is bounded before anything recurses
+        raise APIError(400, "request body: nests too deeply") from None
     except ValidationError as exc:
         errors = exc.errors()
         # Our own checks say the most; else the deepest error ([true] as a token list: "prompt[0]: a

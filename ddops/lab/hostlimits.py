@@ -2,7 +2,7 @@
 
 Every lab host boots its own systemd, and all of them run as this machine's root: their inotify
 instances and watches count against root's per-user limits. The kernel's default of 128 instances
-runs out at about 20 hosts (each takes 6: systemd, journald, logind, udev's and dbus's watchers), and
+runs out at about 20 hosts (each takes 6, its systemd and its services'), and
 the host that hits it never gets its sshd up ("Failed to create inotify object: Too many open
 files" on its console). The `lab up` process itself holds a few descriptors per host while it waits
 for them (ssh's pipes, the banner socket), under its own RLIMIT_NOFILE.

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -37,8 +38,8 @@ def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """This checkout at HEAD, plus its uncommitted changes to tracked files."""
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This checkout at HEAD, plus its uncommitted changes to tracked files; removed after (its venv is ~2 GB)."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -48,7 +49,8 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if changes:
         applied = run(["git", "apply", "--whitespace=nowarn"], cwd=out, input=changes)
         assert applied.returncode == 0, applied.stderr
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def system_env() -> dict[str, str]:

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Install what ddops, its lab and its tests need on a fresh Debian/Ubuntu machine (idempotent).
+# Install what ddops, its lab and its tests need on a fresh Debian/Ubuntu machine (idempotent: a second
+# run checks and says one line). Python packages go into the project's own virtual environment, .venv/:
+# Debian 12 and Ubuntu 23.04+ mark their python3 as externally managed (PEP 668), so pip into it is
+# refused, and we never override that (no --break-system-packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+venv=.venv
+# torch is pinned to the CPU wheel that pip's find-links holds: a plain `torch` pulls a multi-GB CUDA build.
+pip_args=("torch==2.13.0" -e ./runtime -e ./runtime/devtools -e ".[test]")
+stamp=$venv/.ddops-setup
 
 # Run "$@", saying every 8 s that it still runs (pip and apt are quiet here, and a log must never sit silent).
 with_heartbeat() {
@@ -21,33 +29,56 @@ with_heartbeat() {
 
 quietly() { "$@" >/dev/null; }
 
+# What the installs depend on: the three packages' metadata, the pip arguments, the interpreter and
+# where the checkout is (editable installs and the venv's scripts hold absolute paths).
+wanted_stamp() {
+  cat pyproject.toml runtime/pyproject.toml runtime/devtools/pyproject.toml | sha256sum | cut -d' ' -f1
+  echo "${pip_args[*]}"
+  echo "$PWD"
+  "$venv/bin/python" -c 'import sys; print(sys.version)'
+}
+
+# A venv we can install into: its python runs and has pip (`python3 -m venv` without ensurepip leaves
+# one without pip behind, and an interrupted run a half-made one).
+venv_usable() { "$venv/bin/python" -m pip --version >/dev/null 2>&1; }
+
+# Everything installed, as the last successful run left it.
+venv_ready() {
+  venv_usable && [[ -f $stamp && "$(cat "$stamp")" == "$(wanted_stamp)" ]] &&
+    "$venv/bin/python" -c 'import ddops, ddtree_runtime, ddtree_devtools' 2>/dev/null &&
+    "$venv/bin/ddops" --version >/dev/null 2>&1
+}
+
 apt_packages=(debootstrap systemd-container rsync openssh-client)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
+if ! venv_usable; then
+  if ! command -v python3 >/dev/null; then
+    missing+=(python3 python3-venv)
+  elif ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+    missing+=("python$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv")
+  fi
+fi
 if ((${#missing[@]})); then
   echo "--> apt: installing ${missing[*]}"
   with_heartbeat "apt-get update" apt-get update -qq
   with_heartbeat "apt-get install" quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 
-# Everything goes into the project's own virtual environment: Debian 12 and Ubuntu 23.04+ mark their
-# python3 as externally managed (PEP 668), so pip into it is refused, and we never override that.
-venv=.venv
-if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
-  if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
-    pyver=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-    echo "--> apt: installing python${pyver}-venv (python3 has no venv/ensurepip)"
-    with_heartbeat "apt-get update" apt-get update -qq
-    with_heartbeat "apt-get install" quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "python${pyver}-venv"
-  fi
-  echo "--> venv: $venv (python3 -m venv)"
+if venv_ready; then
+  echo "--> ready: $venv is up to date ($("$venv/bin/ddops" --version)); put it on PATH with: . $venv/bin/activate"
+  exit 0
+fi
+if ! venv_usable; then
+  echo "--> venv: $venv ($(command -v python3) -m venv)"
   rm -rf "$venv"
   python3 -m venv "$venv"
 fi
-
-# torch is pinned to the CPU wheel that pip's find-links holds: a plain `torch` pulls a multi-GB CUDA build.
 echo "--> pip: ddops, the runtime and the test tools (into $venv)"
-with_heartbeat "pip install" "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" -e "./runtime" -e "./runtime/devtools" -e ".[test]"
+rm -f "$stamp"
+with_heartbeat "pip install" "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pip_args[@]}"
+"$venv/bin/ddops" --version >/dev/null
+wanted_stamp >"$stamp"
 echo "--> ready: $venv/bin/ddops ($("$venv/bin/ddops" --version)); put it on PATH with: . $venv/bin/activate"

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 from . import hostfs, machine, tiny
 from .errors import LabError
+from .hostlimits import ensure_limits
 from .paths import HostDir, host_dir, lab_dir
 from .rootfs import check_control_machine, ensure_base
 from .spec import LabHost, read_inventory, ssh_files, write_inventory
@@ -43,9 +44,11 @@ def lab_up(inventory: Path, extra: int = 0, progress: Progress = print,
     wanted are shut down. Hosts it boots get a fresh writable layer over the cached base, unless
     `keep_state` keeps what they wrote since the last `up`. The tiny model pairs are installed from their
     fixtures into $DDOPS_CACHE and the drafter put on the eval host, so the lab profiles work at once.
+    The machine's limits for that many hosts (inotify, open files) are raised first, or `up` refuses.
     """
     check_control_machine()
     doc, hosts = read_inventory(Path(inventory), extra)
+    ensure_limits(len(hosts), progress)  # before any change: a host past a limit never gets its sshd up
     lab = lab_dir()
     lab.mkdir(parents=True, exist_ok=True)
     with _locked(lab):

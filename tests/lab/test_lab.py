@@ -6,6 +6,7 @@ import hashlib
 import json
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from ddops.lab import LabError, lab_status, lab_up
+from ddops.lab.hostlimits import LIMITS, read_sysctl, write_sysctl
 
 pytestmark = pytest.mark.lab
 
@@ -249,9 +251,31 @@ def test_up_again_leaves_running_hosts_alone(lab) -> None:
     assert all(s.running and s.sshd_ok and s.boot_seconds is None for s in states)
 
 
-def test_extra_hosts_come_and_go(lab) -> None:
+INSTANCES = "fs.inotify.max_user_instances"
+
+
+@pytest.fixture
+def inotify_limit_just_short_of(lab):
+    """Lower root's inotify instances to one below what the lab with `extra` hosts needs; restore it after."""
+    original = read_sysctl(INSTANCES)
+    instances = next(limit for limit in LIMITS if limit.name == INSTANCES)
+
+    def lower(extra: int) -> int:
+        needed = instances.needed(len(lab.hosts) + extra)
+        write_sysctl(INSTANCES, needed - 1)  # still above what the running hosts use
+        return needed
+
+    yield lower
+    write_sysctl(INSTANCES, original)
+
+
+def test_extra_hosts_come_and_go_raising_a_low_inotify_limit(lab, inotify_limit_just_short_of) -> None:
+    needed = inotify_limit_just_short_of(2)
+    said: list[str] = []
     try:
-        states = lab_up(lab.inventory_path, extra=2, progress=lambda _: None)
+        states = lab_up(lab.inventory_path, extra=2, progress=said.append)
+        assert f"Raised for {len(lab.hosts) + 2} lab hosts: {INSTANCES} {needed - 1} -> {needed} (until reboot)" in said
+        assert read_sysctl(INSTANCES) == needed
         by_name = {s.name: s for s in states}
         assert {"eval-01", "eval-02"} <= set(by_name)
         assert (by_name["eval-01"].port, by_name["eval-02"].port) == (2210, 2211)
@@ -268,6 +292,22 @@ def test_extra_hosts_come_and_go(lab) -> None:
         lab.hosts.pop("eval-02", None)
     assert {s.name for s in lab_status() if s.running} == set(lab.hosts)
     assert "eval-01" not in yaml.safe_load((lab.lab_dir / "inventory.yaml").read_text())["hosts"]
+
+
+def test_a_limit_it_may_not_raise_is_refused_before_anything_boots(lab, inotify_limit_just_short_of) -> None:
+    """/proc/sys read-only, as in a container: `lab up --extra 2` refuses in one line, nothing boots."""
+    needed = inotify_limit_just_short_of(2)
+    before = {s.name: s.pid for s in lab_status() if s.running}
+    read_only_sysctls = "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec \"$@\""
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", read_only_sysctls, "sh",
+                           sys.executable, "-m", "ddops", "-i", str(lab.inventory_path), "lab", "up", "--extra", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        f"error: {len(lab.hosts) + 2} lab hosts need more than this machine allows: {INSTANCES} is {needed - 1}, they need {needed} "
+        f"(as root: sysctl -w {INSTANCES}={needed})")
+    assert read_sysctl(INSTANCES) == needed - 1
+    assert {s.name: s.pid for s in lab_status() if s.running} == before
 
 
 def test_port_taken_by_another_process_is_a_clear_error(lab) -> None:

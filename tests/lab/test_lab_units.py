@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from ddops.lab import LabError
+from ddops.lab.hostlimits import LIMITS, Limit, ensure_limits
 from ddops.lab.paths import ASSETS
 from ddops.lab.spec import read_inventory, write_inventory
 
@@ -112,3 +113,67 @@ def test_nvidia_smi_counts_only_live_holders(smi) -> None:
     table = smi().stdout
     assert "4001MiB / 49140MiB" in table and "train" in table
     assert {len(line) for line in table.splitlines()[1:]} == {91}
+
+
+# --- the machine's limits for N hosts (ddops/lab/hostlimits.py) ---------------------------------
+
+def fake_limit(name: str, value: int, *, may_raise: bool, per_host: int = 8, reserve: int = 64):
+    """A limit held in a dict instead of the kernel; raising it fails as a read-only /proc/sys does."""
+    held = {"value": value}
+
+    def raise_to(new: int) -> None:
+        if not may_raise:
+            raise OSError(30, "Read-only file system")
+        held["value"] = new
+
+    return Limit(name, per_host, reserve, fix=f"sysctl -w {name}={{value}}", lasts="until reboot",
+                 read=lambda: held["value"], raise_to=raise_to), held
+
+
+def test_what_a_lab_of_n_hosts_needs() -> None:
+    by_name = {limit.name: limit for limit in LIMITS}
+    assert set(by_name) == {"fs.inotify.max_user_instances", "fs.inotify.max_user_watches", "RLIMIT_NOFILE"}
+    # the default lab (4 hosts) fits the kernel's defaults; the --extra 64 one (68 hosts) does not
+    assert by_name["fs.inotify.max_user_instances"].needed(4) == 96 <= 128
+    assert by_name["fs.inotify.max_user_instances"].needed(68) == 608
+    assert by_name["fs.inotify.max_user_watches"].needed(68) == 6400 <= 8192  # the oldest kernels' default
+    assert by_name["RLIMIT_NOFILE"].needed(68) == 608 <= 1024
+
+
+def test_limits_enough_for_the_hosts_are_left_alone() -> None:
+    limit, held = fake_limit("fs.inotify.max_user_instances", 200, may_raise=False)
+    said: list[str] = []
+    ensure_limits(17, said.append, limits=(limit,))  # needs exactly 64 + 8 * 17 = 200
+    assert said == [] and held["value"] == 200
+
+
+def test_a_low_limit_is_raised_to_what_the_hosts_need_in_one_line() -> None:
+    instances, held_instances = fake_limit("fs.inotify.max_user_instances", 128, may_raise=True)
+    watches, held_watches = fake_limit("fs.inotify.max_user_watches", 100_000, may_raise=True,
+                                       per_host=64, reserve=2048)
+    said: list[str] = []
+    ensure_limits(68, said.append, limits=(instances, watches))
+    assert said == ["Raised for 68 lab hosts: fs.inotify.max_user_instances 128 -> 608 (until reboot)"]
+    assert held_instances["value"] == 608 and held_watches["value"] == 100_000
+
+
+def test_a_limit_that_may_not_be_raised_is_one_line_naming_the_sysctl_and_the_value() -> None:
+    limit, held = fake_limit("fs.inotify.max_user_instances", 128, may_raise=False)
+    with pytest.raises(LabError) as caught:
+        ensure_limits(68, lambda _: None, limits=(limit,))
+    assert caught.value.line() == (
+        "68 lab hosts need more than this machine allows: fs.inotify.max_user_instances is 128, they need 608 "
+        "(as root: sysctl -w fs.inotify.max_user_instances=608)")
+    assert "\n" not in caught.value.line() and held["value"] == 128
+
+
+def test_open_files_are_raised_within_the_hard_limit() -> None:
+    """Any user may raise the soft RLIMIT_NOFILE up to the hard one: done in a child, ours stays put."""
+    code = ("import resource; from ddops.lab.hostlimits import LIMITS, ensure_limits\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 4096))\n"
+            "ensure_limits(68, print, limits=tuple(l for l in LIMITS if l.name == 'RLIMIT_NOFILE'))\n"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["Raised for 68 lab hosts: RLIMIT_NOFILE 100 -> 608 (for this run)",
+                                        "(608, 4096)"]

@@ -106,17 +106,18 @@ class PageTable:
         """Pages `grow(row, tokens)` would take."""
         return max(0, self.manager.pages_for(tokens) - len(self.pages[row]))
 
-    def truncate(self, row: int, tokens: int) -> tuple[int, int] | None:
-        """Keep only the pages of positions 0..tokens-1; the page that position `tokens` falls in, if
-        kept and shared, is replaced by a private copy (the row writes there next). Returns (source,
-        copy) pages for the caller to copy the content of, or None. RuntimeError: no page free."""
+    def truncate(self, row: int, tokens: int, writable: bool = True) -> tuple[int, int] | None:
+        """Keep only the pages of positions 0..tokens-1; `writable`: the page that position `tokens`
+        falls in, if kept and shared, is replaced by a private copy (the row writes there next).
+        Returns (source, copy) pages for the caller to copy the content of, or None. RuntimeError: no
+        page free for the copy."""
         held = self.pages[row]
         keep = self.manager.pages_for(tokens)
         if keep < len(held):
             self.manager.release(held[keep:])
             del held[keep:]
             self.block[row, keep:].fill_(SCRATCH_PAGE)
-        if tokens % self.page_size == 0 or not held or self.manager.refs[held[-1]] == 1:
+        if not writable or tokens % self.page_size == 0 or not held or self.manager.refs[held[-1]] == 1:
             return None
         return self._private_last(row)
 

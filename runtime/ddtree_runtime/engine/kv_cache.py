@@ -48,16 +48,23 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
+        self._memo: list[tuple[torch.Tensor, torch.Tensor]] = []  # _physical's last mappings
 
     @staticmethod
     def page_bytes(n_layers: int, n_kv: int, head_dim: int, page_size: int, elem: int) -> int:
         return 2 * n_layers * n_kv * head_dim * page_size * elem
 
     def _physical(self, pos: torch.Tensor) -> torch.Tensor:
-        """Logical positions ([T]: the same for every row, or [B, T]) -> physical slots [B, T]."""
-        if pos.dim() == 1:
-            pos = pos.expand(self.block.shape[0], -1)
-        return self.block.gather(1, pos // self.page_size) * self.page_size + pos % self.page_size
+        """Logical positions ([T]: the same for every row, or [B, T]) -> physical slots [B, T]. Every
+        layer of a pass maps the same positions tensor: it is mapped once (a graph records one gather,
+        not one a layer); a new pass brings new tensors."""
+        for known, phys in self._memo:
+            if known is pos:
+                return phys
+        flat = pos.expand(self.block.shape[0], -1) if pos.dim() == 1 else pos
+        phys = self.block.gather(1, flat // self.page_size) * self.page_size + flat % self.page_size
+        self._memo = [(pos, phys), *self._memo[:3]]
+        return phys
 
     def _store(self, layer: int, phys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, Hkv, T, D] into physical slots phys [B, T] of one layer."""
@@ -111,6 +118,7 @@ class KVCache:
         view.__dict__.update({name: value if paged and name in ("k", "v") else
                               value[lo:hi] if name == "block" and paged else _rows(value, lo, hi)
                               for name, value in self.__dict__.items()})
+        view._memo = []
         return view
 
     def permute(self, dst: list[int], src: list[int], length: int) -> None:

@@ -81,6 +81,13 @@ class KVCache:
         phys = self._physical(torch.arange(length, device=self.k.device))           # [B, L]
         return self.k[layer][:, phys].transpose(0, 1), self.v[layer][:, phys].transpose(0, 1)
 
+    def held(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s first `length` positions of every layer, k and v [n_layers, Hkv, length, D] in
+        logical order, whatever the layout (tests and diagnostics compare rows with it)."""
+        view = self.rows(row, row + 1)
+        k, v = zip(*(view.view(layer, length) for layer in range(self.k.shape[0])))
+        return torch.stack(k)[:, 0], torch.stack(v)[:, 0]
+
     def pages(self, layer: int) -> PagedLayer | None:
         """A paged cache's layer for the paged decode kernel (None: contiguous)."""
         if self.table is None:

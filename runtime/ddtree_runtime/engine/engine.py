@@ -35,7 +35,7 @@ from .graphs import HostRead
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .policy import round_budgets
 from .prefill import PREFILL_PIECE
-from .prefix_cache import CachedSequence, Hit, PrefixCache, snapshot_point
+from .prefix_cache import CachedSequence, Hit, PrefixCache, common_prefix, snapshot_point
 from .runner import KV_BUCKET, TREE_BUCKETS, DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
@@ -690,6 +690,8 @@ class Engine:
                 continue
             if req is None:
                 break
+            if group and not req.placed and self._shares_with(group, req):
+                self._prefill_group(group, outputs)  # computed first, so that its pages can be shared
             if not req.placed:
                 self._place(req)
             take = min(left, len(req.context) - req.prefilled, PREFILL_PIECE)
@@ -713,6 +715,11 @@ class Engine:
                 self._joined(req, first, outputs)
         self._prefill_group(group, outputs)
         return outputs, joined
+
+    def _shares_with(self, group: list[tuple[RequestState, int]], req: RequestState) -> bool:
+        """Whether req's context starts with a full page of a grouped request's (not computed yet)."""
+        return self.prefix is not None and any(common_prefix(r.context, req.context) >= self.page_size
+                                               for r, _ in group)
 
     def _joined(self, req: RequestState, first: tuple[int, list[TokenLogprob] | None],
                 outputs: list[tuple[int, RoundOutput]]) -> None:

@@ -1,6 +1,7 @@
 """Pool exhaustion through HTTP: a server whose KV pool holds about one request at a time, sent six at
 once, queues and preempts inside the engine and answers every one 200 with the text it gets alone;
-/metrics counts the pages and the preemptions; a request the pool can never hold is a 400."""
+/metrics counts the pages and the preemptions, /health says what the pool holds; a request the pool can
+never hold is a 400."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def test_pool_exhaustion_queues_and_preempts_never_a_5xx(server):
     assert m["ddtree_kv_pages_total"] == engine.pages.num_pages == POOL_TOKENS // 16
     assert m["ddtree_kv_pages_free"] == m["ddtree_kv_pages_total"] and m["ddtree_kv_pages_used"] == 0
     assert m["ddtree_preemptions_total"] == engine.stats.preemptions > 0
+    pool = httpx.get(url + "/health").json()["kv_pool"]
+    assert pool["tokens"] == POOL_TOKENS and pool["page_size"] == 16 and pool["requests_full_context"] == 0
 
 
 def test_a_request_the_pool_can_never_hold_is_a_400(server):

@@ -448,12 +448,12 @@ class Engine:
 
     def _pages_admit(self, req: RequestState) -> bool:
         """Whether the pool's pages take `req` now: its context and a first round, less the full pages
-        it would share with a running or cached sequence, plus one for a copied partial page, out of
-        the free pages and those only cached sequences (but the one it shares) hold, keeping a page
-        per running request for their next rounds."""
+        it would share with a running or cached sequence (a partial one is copied into a fresh page),
+        out of the free pages and those only cached sequences (but the one it shares) hold, keeping a
+        page per running request for their next rounds."""
         hit = self._lookup(req, count=False)
         shared = 0 if hit is None else hit.length // self.page_size
-        need = self._request_pages(len(req.context), self._tree_slots(req)) - shared + 1
+        need = self._request_pages(len(req.context), self._tree_slots(req)) - shared
         spare = None if hit is None else hit.seq
         available = self.pages.free_pages + self._evictable_pages(spare) - len(self.scheduler.running)
         return need <= available
@@ -475,6 +475,14 @@ class Engine:
                 return False
             self._evict(victim)
         return True
+
+    def _keep_free(self, pages: int, spare: CachedSequence) -> None:
+        """Evict cached sequences other than `spare` (least recently used first) until `pages` are free."""
+        while self.pages.free_pages < pages:
+            victim = self.prefix.least_recent(spare=(spare,))
+            if victim is None:
+                return
+            self._evict(victim)
 
     def _evict(self, seq: CachedSequence) -> None:
         self.page_table.release(seq.row)
@@ -571,6 +579,7 @@ class Engine:
                 self._rehome(resident, hit.seq if hit is not None else None)
             if hit is not None:
                 seq = hit.seq
+                self._keep_free(1, spare=seq)  # for the partial page's copy
                 if seq.row == row:  # taken over where it lies: the request writes past the prefix
                     self.prefix.pop(row)
                     self._copy_pages(self.page_table.truncate(row, hit.length))

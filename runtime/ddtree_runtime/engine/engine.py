@@ -35,7 +35,7 @@ from .graphs import HostRead
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .policy import round_budgets
 from .prefill import PREFILL_PIECE
-from .prefix_cache import CachedSequence, Hit, PrefixCache, common_prefix, snapshot_point
+from .prefix_cache import CachedSequence, Hit, PrefixCache, TokenView, common_prefix, snapshot_point
 from .runner import KV_BUCKET, TREE_BUCKETS, DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
@@ -451,12 +451,14 @@ class Engine:
         it would share with a running or cached sequence (a partial one is copied into a fresh page),
         out of the free pages and those only cached sequences (but the one it shares) hold, keeping a
         page per running request for their next rounds."""
+        need = self._request_pages(len(req.context), self._tree_slots(req))
+        free = self.pages.free_pages - len(self.scheduler.running)
+        if need <= free:  # the common case: no lookup, no count (both are host time every step)
+            return True
         hit = self._lookup(req, count=False)
-        shared = 0 if hit is None else hit.length // self.page_size
-        need = self._request_pages(len(req.context), self._tree_slots(req)) - shared
         spare = None if hit is None else hit.seq
-        available = self.pages.free_pages + self._evictable_pages(spare) - len(self.scheduler.running)
-        return need <= available
+        shared = 0 if hit is None else hit.length // self.page_size
+        return need - shared <= free + self._evictable_pages(spare)
 
     def _evictable_pages(self, spare: CachedSequence | None) -> int:
         """Pages that evicting every cached sequence but `spare` would free."""
@@ -502,6 +504,8 @@ class Engine:
             need = req.n_ctx + self._round_reserve(self._tree_slots(req))
             while req.slot >= 0 and not self._take_pages(req.slot, need):
                 victim = self._newest_victim(req)
+                if victim is None and req.ahead is None and len(self.scheduler.running) > 1:
+                    victim = req  # the others cannot be taken (a pass run ahead): this one waits
                 if victim is None:  # submit refused what the whole pool cannot hold: not reached
                     raise RuntimeError(f"request {req.id} needs {need} positions, the KV pool cannot hold them")
                 self._preempt(victim)
@@ -610,9 +614,9 @@ class Engine:
             if r.n_ctx == 0:  # joined a prefill group whose pass has not run yet
                 continue
             draft_len = 0 if self.drafter is None else r.n_ctx if r.mode != "ar" else r.draft_ctx
-            tokens = (r.prompt_ids + r.produced)[:r.n_ctx]
+            tokens = TokenView(r.prompt_ids, r.produced, r.n_ctx)
             if self.prefix.snapshots_only:
-                tokens = r.context[:r.snapshot_at]
+                tokens = TokenView(r.context, [], r.snapshot_at)
             live.append(CachedSequence(r.slot, tokens, r.snapshot_at, draft_len, live=True))
         return live
 

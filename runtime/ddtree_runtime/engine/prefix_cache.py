@@ -43,10 +43,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+class TokenView:
+    """The first n tokens of head + tail without building the list (a running request's prompt and
+    output: matched against at every admission, so no copy of a long context each time)."""
+
+    def __init__(self, head: list[int], tail: list[int], n: int) -> None:
+        self.head, self.tail, self.n = head, tail, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            lo, hi, _ = index.indices(self.n)
+            cut = len(self.head)
+            return self.head[lo:min(hi, cut)] + self.tail[max(lo - cut, 0):max(hi - cut, 0)]
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return self.head[index] if index < len(self.head) else self.tail[index - len(self.head)]
+
+
 @dataclass(eq=False)
 class CachedSequence:
     row: int              # the pool row holding it
-    tokens: list[int]     # the sequence whose KV the row holds, positions 0..len-1
+    tokens: list[int] | TokenView  # the sequence whose KV the row holds, positions 0..len-1
     snapshot_at: int      # where the prompt's state snapshot was taken (hybrid)
     draft_len: int        # positions of the drafter's context kept (0: none)
     last_used: int = 0    # the cache's clock when it was added or last reused

@@ -26,6 +26,7 @@ class BlockManager:
         self.num_pages, self.page_size = num_pages, page_size
         self.free: deque[int] = deque(range(1, num_pages + 1))
         self.refs = [0] * (num_pages + 1)
+        self.shared_pages = 0  # pages held by more than one row (kept as a count: read every step)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -37,11 +38,6 @@ class BlockManager:
     @property
     def used_pages(self) -> int:
         return self.num_pages - len(self.free)
-
-    @property
-    def shared_pages(self) -> int:
-        """Pages held by more than one row (a prefix several sequences share)."""
-        return sum(r > 1 for r in self.refs)
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh pages (reference 1), or None (nothing taken) when fewer are free."""
@@ -55,10 +51,12 @@ class BlockManager:
     def share(self, pages: list[int]) -> None:
         for p in pages:
             self.refs[p] += 1
+            self.shared_pages += self.refs[p] == 2
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
             self.refs[p] -= 1
+            self.shared_pages -= self.refs[p] == 1
             if self.refs[p] == 0:
                 self.free.append(p)
             elif self.refs[p] < 0:

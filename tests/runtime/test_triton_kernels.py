@@ -581,7 +581,8 @@ def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch()
                 for row, start in enumerate(starts):
                     view = cache.rows(row, row + 1)
                     pos = torch.arange(start)
-                    view.put_at(layer, pos, context[0, layer, row:row + 1, :, :start], context[1, layer, row:row + 1, :, :start])
+                    k, v = (context[i, layer, row:row + 1, :, :start] for i in (0, 1))
+                    view.put_at(layer, pos, k, v)
             runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
             with torch.no_grad():
                 out = runner.run([3, 4, 1], starts, trees)

@@ -2,7 +2,8 @@
 changes no output (greedy and seeded sampling); concurrent requests with one system prompt hold one
 copy of its full pages; prompts of a page size +-1 and trees crossing pages give transformers' greedy
 tokens, and no page of a rejected branch is kept; a paged row holds what an unpaged prefill leaves;
-a request the pool can never hold is refused at submit."""
+a request the pool can never hold is refused at submit; a preempted request cancelled while it waits
+leaves nothing held; a hybrid's cache re-sized for a bigger tree keeps the pool's pages."""
 
 from __future__ import annotations
 
@@ -176,3 +177,48 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_submit(tiny_models):
     assert not engine.has_work
     cap = engine.capacity()
     assert cap["tokens"] == 20 * PAGE and cap["pages_free"] == 20 and cap["requests_full_context"] == 0
+
+
+def test_cancelling_a_preempted_request_frees_everything(models, reference_engine):
+    """A request preempted, then cancelled while it waits to be recomputed, and one cancelled while
+    running beside it: the others' outputs are their own alone, and no page stays held."""
+    prompts = mixed_prompts(reference_engine.tokenizer, 3, 8, 0, 0, cut=1)
+    jobs = [(p, SamplingParams(max_new_tokens=MAX_NEW, mode=MODES[i % 3], ignore_eos=True)) for i, p in
+            enumerate(prompts)]
+    want = [alone(reference_engine, p, sp) for p, sp in jobs]
+    longest = max(len(p) for p in prompts) + MAX_NEW + 40
+    engine = make(models, max_running=3, prefix_cache=False, kv_pool_tokens=longest + longest // 3)
+    ids = [engine.submit(p, sp) for p, sp in jobs]
+    out = {i: [] for i in ids}
+    cancelled = set()
+    while engine.has_work:
+        for request_id, o in engine.step():
+            out[request_id] += o.token_ids
+        preempted = [r for r in engine.scheduler.waiting if r.preempted]
+        if preempted and not cancelled:
+            cancelled.add(preempted[0].id)
+            engine.cancel(preempted[0].id)
+    assert cancelled and engine.stats.preemptions > 0
+    assert [out[i] for i in ids if i not in cancelled] == [w for i, w in zip(ids, want) if i not in cancelled]
+    assert engine.pages.free_pages == engine.pages.num_pages and engine.pages.shared_pages == 0
+
+
+def test_a_hybrid_pool_re_sized_for_a_bigger_tree_keeps_its_pages(tiny_hybrid_models):
+    """A hybrid's tree scratch is per row: a request for a much bigger tree waits for an idle engine,
+    the target cache is rebuilt over the same pages, and every output is the AR reference."""
+    engine = make(tiny_hybrid_models, max_running=2)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 60."}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    reference = alone(engine, prompt, SamplingParams(max_new_tokens=24, mode="ar"))
+    pages = engine.pages.num_pages
+    first = engine.submit(prompt, SamplingParams(max_new_tokens=24))
+    out = {first: [t for _, o in engine.step() for t in o.token_ids]}
+    big = engine.submit(prompt, SamplingParams(max_new_tokens=24, tree_budget=300))
+    out[big] = []
+    waited = False
+    while engine.has_work:
+        waited |= any(r.id == big for r in engine.scheduler.waiting) and bool(engine.scheduler.running)
+        for request_id, o in engine.step():
+            out.setdefault(request_id, []).extend(o.token_ids)
+    assert waited and engine.pages.num_pages == pages
+    assert out[big] == reference and out[first] == reference

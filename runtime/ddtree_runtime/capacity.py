@@ -145,10 +145,11 @@ def tree_bucket(nodes: int) -> int:
 def prefill_workspace_bytes(target: Shape, context: int, feature_layers: int, elem: int) -> int:
     """A prefill's live activations at `context` prompt tokens (the engine's bound, engine/context.py):
     per token of a piece the MLP's and the residual stream's temporaries, doubled; per prompt token the
-    drafter's features, kept whole."""
+    drafter's features, kept whole; and one layer's earlier keys and values gathered from the pages."""
     piece = min(context, PREFILL_PIECE)
+    gathered = 2 * context * target.kv_heads * target.head_dim
     return elem * (2 * piece * (3 * target.intermediate + 3 * target.hidden)
-                   + context * (feature_layers + 2) * target.hidden)
+                   + context * (feature_layers + 2) * target.hidden + gathered)
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,10 @@ class Capacity:
 
     @property
     def usable_bytes(self) -> int:
-        return (int(self.memory_bytes * self.mem_fraction) - self.weights_bytes - self.workspace_bytes
-                - self.max_running * self.request_bytes)
+        """As the engine sizes its pool: mem_fraction of the memory the weights leave free, less a
+        prefill's workspace and the running requests' own state."""
+        free = self.memory_bytes - self.weights_bytes
+        return int(free * self.mem_fraction) - self.workspace_bytes - self.max_running * self.request_bytes
 
     @property
     def pool_tokens(self) -> int:
@@ -193,8 +196,8 @@ class Capacity:
     def breakdown(self) -> str:
         """Where the memory goes, for a refusal or a plan's detail."""
         gib = 2**30
-        return (f"{self.memory_bytes / gib:.1f} GiB x mem_fraction {self.mem_fraction:g}, less weights "
-                f"{self.weights_bytes / gib:.1f} GiB, workspaces {self.workspace_bytes / gib:.1f} GiB and "
+        return (f"{self.memory_bytes / gib:.1f} GiB less weights {self.weights_bytes / gib:.1f} GiB, x mem_fraction "
+                f"{self.mem_fraction:g}, less workspaces {self.workspace_bytes / gib:.1f} GiB and "
                 f"{self.max_running} x {self.request_bytes / gib:.2f} GiB of request state, leaves "
                 f"{max(0, self.usable_bytes) / gib:.1f} GiB at {self.token_bytes:,} bytes a token")
 

@@ -128,6 +128,10 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("mem_fraction", float, 0.9, "share of the free device memory the KV pool may take; fewer requests "
             "than --max-running if it holds fewer", minimum=MIN_MEM_FRACTION, maximum=1, engine=True,
             profile=True, metavar="F"),
+    Setting("page_size", int, 16, "tokens per KV page (docs/performance.md says why 16)", minimum=1, maximum=4096,
+            engine=True, metavar="N"),
+    Setting("kv_pool_tokens", int, None, "the KV pool's size in tokens, fixed", minimum=1, engine=True, metavar="N",
+            default_words="as many as --mem-fraction of the free memory holds"),
     Setting("prefill_chunk", int, 512, "prompt tokens prefilled per step, so running requests keep decoding",
             minimum=1, engine=True, metavar="N"),
     Setting("round_nodes", int, None, "adaptive tree budget: tree nodes verified per round over all running "

@@ -569,3 +569,100 @@ def test_state_advance_kernel_matches_torch_advance_along():
         advance_along(step, state, path.expand(b, -1), torch.full((b,), 3))
         assert torch.allclose(state, expected, rtol=1e-5, atol=1e-6)
     """)
+
+
+def test_paged_decode_attention_reads_keys_through_the_block_table():
+    """The split-KV kernel over a paged pool: each sequence's keys scattered over shuffled pages (page 0
+    the scratch page, holding garbage), read through its block table, equal to the same kernel over
+    the same keys laid out contiguously, for tree queries and single queries with per-row lengths,
+    over several splits and in one."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        hq, hkv, d, page, bucket, b = 4, 2, 32, 16, 96, 3
+        width = bucket // page
+        contiguous = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)
+        order = torch.randperm(b * width) + 1                      # physical pages 1.., shuffled
+        table = order.view(b, width)
+        pool = torch.randn(2, 1, hkv, (b * width + 1) * page, d, dtype=torch.float16)   # page 0: garbage
+        for row in range(b):
+            for p in range(width):
+                slot = table[row, p].item() * page
+                pool[:, 0, :, slot:slot + page] = contiguous[:, row, :, p * page:(p + 1) * page]
+        lengths = torch.tensor([40, 96, 17])
+        for t in (17, 1):
+            q = torch.randn(b, hq, t, d, dtype=torch.float16)
+            allowed = (torch.rand(b, t, bucket) < 0.7) & (lengths[:, None, None] > torch.arange(bucket))
+            allowed[..., 0] = True
+            bias = torch.where(allowed, 0.0, float("-inf")).to(torch.float16)[:, None]
+            assert K.decode_attention_fits(q, pool[0], lengths)
+            for launch in (K.DecodeLaunch(16, 32, 4), K.DecodeLaunch(64, 1024, 4)):
+                want = K.decode_attention(q, contiguous[0], contiguous[1], bias, lengths, launch=launch)
+                got = K.decode_attention(q, pool[0], pool[1], bias, lengths, launch=launch, table=table,
+                                         page_size=page, length=bucket)
+                assert torch.equal(got, want), (t, launch)
+            print(t)
+    """)
+    assert len(out.splitlines()) == 2
+
+
+def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch():
+    """A batched round of a Qwen3 target over a paged pool (rows of shuffled pages, one row a pad row
+    on the scratch page only) with every kernel (the fused RoPE + KV write at physical slots, the paged
+    split-KV attention) against the torch path over the same pool and against a contiguous cache: the
+    same logits, and each row's positions hold the same KV."""
+    interpret("""
+        from ddtree_runtime.engine.batch_runner import BatchTargetRunner
+        from ddtree_runtime.engine.block_manager import BlockManager, PageTable
+        from ddtree_runtime.engine.kv_cache import KVCache
+        from ddtree_runtime.engine.tree import Tree
+        from ddtree_runtime.model import Qwen3Config, Qwen3ForCausalLM
+        from ddtree_runtime.model.layers import fuse_projections
+
+        cfg = Qwen3Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        model = Qwen3ForCausalLM(cfg).eval().half()
+        fuse_projections(model)
+        trees = [Tree(torch.tensor([[5, 6, 7, 8], [0, 1, 1, 0], [1, 2, 2, 1]])), None,
+                 Tree(torch.tensor([[9, 10], [0, 1], [1, 2]]))]
+        starts, page, capacity = [40, 7, 300], 16, 1024
+        context = torch.randn(2, 2, 4, 2, capacity, 32).half()     # k/v, layers, rows, Hkv, positions, D
+
+        def paged_round(fused):
+            K._use_triton = lambda x: fused
+            manager = BlockManager(80, page)
+            table = PageTable(manager, 4, capacity // page, torch.device("cpu"))
+            manager.free = type(manager.free)(torch.randperm(80).add(1).tolist())  # scattered pages
+            for row, start in enumerate(starts):
+                assert table.grow(row, start + 8)
+            cache = KVCache(2, 2, 32, 0, "cpu", torch.float16, table=table)
+            for layer in range(2):
+                for row, start in enumerate(starts):
+                    view = cache.rows(row, row + 1)
+                    pos = torch.arange(start)
+                    k, v = (context[i, layer, row:row + 1, :, :start] for i in (0, 1))
+                    view.put_at(layer, pos, k, v)
+            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            with torch.no_grad():
+                out = runner.run([3, 4, 1], starts, trees)
+            return out.logits.clone(), [cache.held(row, start + 4) for row, start in enumerate(starts)]
+
+        def contiguous_round():
+            K._use_triton = lambda x: False
+            cache = KVCache(2, 2, 32, capacity, "cpu", torch.float16, batch=4)
+            cache.k.copy_(context[0])
+            cache.v.copy_(context[1])
+            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            with torch.no_grad():
+                out = runner.run([3, 4, 1], starts, trees)
+            return out.logits.clone(), [cache.held(row, start + 4) for row, start in enumerate(starts)]
+
+        (a, ka), (b, kb), (c, kc) = paged_round(False), paged_round(True), contiguous_round()
+        a, b, c = a[:3], b[:3], c[:3]                               # row 3: a pad row
+        assert torch.equal(a, c), (a - c).abs().max()               # the torch path: paging changes nothing
+        assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+        for row, start in enumerate(starts):
+            n = start + (1 if trees[row] is None else trees[row].size)
+            for x, y, z in zip(ka[row], kb[row], kc[row]):
+                assert torch.equal(x[..., :n, :], z[..., :n, :])
+                assert (x[..., :n, :].float() - y[..., :n, :].float()).abs().max() < 1e-2
+    """)

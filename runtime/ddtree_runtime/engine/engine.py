@@ -1,13 +1,20 @@
 """The DDTree engine: prefill, then rounds of draft -> build tree -> verify -> accept & commit.
 
-Continuous batching: `submit` queues a request, each `step` prefills up to one chunk of prompt tokens
-(admitting queued requests as cache slots free up) and runs one round for every request already
-decoding: all their trees verified by one target pass, then each its own walk and commit, and one
-drafter pass for all. A lone request takes the single-stream path (graphed, one host sync a round).
-Both caches are a pool allocated once at start-up: max_running slots (fewer if memory says so), each
-for the worst case (max_context plus the largest tree), reused by every request. A request that leaves
-keeps its row as a cached sequence until the row is needed, and a prompt that starts with one skips
-that prefix's prefill (prefix_cache.py)."""
+Continuous batching: `submit` queues a request, each `step` reserves the pages the running requests'
+next round can write (preempting the newest when the pool runs out), prefills up to one chunk of
+prompt tokens (admitting queued requests while their prompt and a first round fit) and runs one round
+for every request already decoding: all their trees verified by one target pass, then each its own
+walk and commit, and one drafter pass for all. A lone request takes the single-stream path (graphed,
+one host sync a round).
+
+Memory: a KV pool of fixed-size pages counted in tokens (block_manager.py), sized once at start-up
+from free memory, holding the target's and the drafter's KV; each of the max_running rows maps its
+positions to pages through a block table, and takes pages as it grows. A hybrid target's recurrent
+state is one slot per row, apart from the pages. A preempted request gives its pages back and is
+recomputed later from its tokens (prompt and output so far; its sampling generator kept), so its
+output does not change. A request that leaves keeps its row and pages as a cached sequence until the
+row or its pages are needed, and a prompt that starts with a running or cached sequence's tokens takes
+that prefix's full pages by reference and skips its prefill (prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -24,13 +31,14 @@ from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter,
 from ..model.fp8 import FP8Linear
 from ..model.layers import TreeInputs, fuse_projections
 from .batch_runner import BatchDraftRunner, BatchTargetRunner
+from .block_manager import BlockManager, PageTable
 from .context import prefill_workspace_bytes, serving_context
 from .graphs import HostRead
 from .kv_cache import KVCache, target_cache, target_cache_bytes
 from .policy import round_budgets
 from .prefill import PREFILL_PIECE
-from .prefix_cache import CachedSequence, PrefixCache, snapshot_point
-from .runner import DraftRunner, TargetRunner, tree_bucket
+from .prefix_cache import CachedSequence, Hit, PrefixCache, TokenView, common_prefix, snapshot_point
+from .runner import KV_BUCKET, TREE_BUCKETS, DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
 from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
@@ -44,6 +52,9 @@ log = logging.getLogger(__name__)
 # A round's result for one request: the tokens it committed, the draft tokens accepted among them, and
 # their log-probabilities (None unless the request asked for them).
 Round = tuple[list[int], int, list[TokenLogprob] | None]
+
+# Requests of this many tokens the start-up line counts the pool in (besides the full context).
+CAPACITY_PROBE = 8192
 
 # The most attention-bias elements (rows x queries x keys) one grouped prefill pass builds (_group_holds):
 # 64M, 128 MB in 16 bits; a group that would need more runs as several passes.
@@ -105,6 +116,8 @@ class Engine:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_METHODS)}")
         if config.quantize_drafter and config.quantization == "none":
             raise ValueError("quantize_drafter needs a quantize method (fp8)")
+        if config.page_size < 1 or (config.kv_pool_tokens is not None and config.kv_pool_tokens < 1):
+            raise ValueError("need page_size >= 1 and kv_pool_tokens >= 1 (or None: from free memory)")
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
@@ -143,25 +156,20 @@ class Engine:
         # finished requests' rows kept for prefix reuse; a hybrid reuses only where a state was kept
         self.prefix = PrefixCache(snapshots_only=self.arch == "qwen3_5") if config.prefix_cache else None
         self.turn_token = _turn_token(self.tokenizer)  # where a hybrid's prompt state is kept (prefix_cache.py)
+        self.page_size = config.page_size
         # sized with both models' weights in place, before any cache: the context one request can have,
-        # then how many requests the pool holds at it (as many as asked, if that many slots fit), then
-        # the rows that only hold cached sequences
+        # then the rows (max_running, and those that only hold cached sequences), then the pages
         self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self._needed_bytes,
                                            _free_bytes(self.device), str(self.device))
         extra = config.prefix_cache_rows if config.prefix_cache else 0
-        self.rows = self._slots_that_fit(tree_slots, config.max_running + extra)  # the pool's rows
-        self.slots = min(self.rows, config.max_running)                            # of them, running requests'
-        if self.slots < config.max_running:
-            log.warning("%d requests at a time asked, %d fit at context %d (memory)", config.max_running,
-                        self.slots, self.max_context)
-        if self.rows - self.slots < extra:
-            log.warning("%d prefix-cache rows asked, %d fit at context %d (memory)", extra,
-                        self.rows - self.slots, self.max_context)
+        self.rows = config.max_running + extra   # the pool's rows (block tables, a hybrid's state slots)
+        self.slots = config.max_running          # of them, running requests'
+        self.pages = BlockManager(self._pages_that_fit(tree_slots), self.page_size)
+        self.page_table = PageTable(self.pages, self.rows, -(-self._row_capacity() // self.page_size), self.device)
         if self.drafter is not None:
             dcfg = self.drafter.config
-            self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim,
-                                       DraftRunner.capacity_for(self.max_context, self.block_size), self.device,
-                                       self.target.lm_head.weight.dtype, batch=self.rows)
+            self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, 0,
+                                       self.device, self.target.lm_head.weight.dtype, table=self.page_table)
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache.rows(0, 1), self.block_size,
                                             self.mask_token_id, self.device)
             self.batch_draft = BatchDraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
@@ -176,22 +184,43 @@ class Engine:
         self.batch_readback = HostRead(self.slots * Walk.size(self.block_size - 1), self.device)
         self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
         self.scheduler = Scheduler(self.slots)
-        self.stats = BatchStats()
+        self.stats = BatchStats(pages_total=self.pages.num_pages)
         self._next_id = 0
+        self._admissions = 0
+        cap = self.capacity()
+        log.info("KV pool: %d tokens (%d pages x %d); holds %d requests of %d tokens, %d of the full context "
+                 "(%d); %d running at most", cap["tokens"], cap["pages_total"], self.page_size, cap["requests_8k"],
+                 CAPACITY_PROBE, cap["requests_full_context"], self.max_context, self.slots)
 
     # ---- memory -----------------------------------------------------------------------------------
 
-    def _slot_bytes(self, tree_slots: int, context: int | None = None) -> int:
-        """One pool slot: the target's cache for the context and a tree of tree_slots nodes, and the
-        drafter's cache."""
+    def _page_bytes(self) -> int:
+        """One page: page_size positions of the target's KV and the drafter's."""
         cfg, elem = self.target.config, self.target.lm_head.weight.element_size()
-        context = self.max_context if context is None else context
-        need = target_cache_bytes(cfg, TargetRunner.capacity_for(context, tree_slots), tree_bucket(tree_slots), elem,
-                                  snapshots=self.prefix is not None)
+        need = KVCache.page_bytes(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, self.page_size, elem)
         if self.drafter is not None:
-            need += target_cache_bytes(self.drafter.config, DraftRunner.capacity_for(context, self.block_size), 1,
-                                       elem)
+            d = self.drafter.config
+            need += KVCache.page_bytes(d.num_hidden_layers, d.num_key_value_heads, d.head_dim, self.page_size, elem)
         return need
+
+    def _row_bytes(self, tree_slots: int) -> int:
+        """What a row costs beside its pages: a hybrid's state slot and tree scratch (none otherwise)."""
+        cfg, elem = self.target.config, self.target.lm_head.weight.element_size()
+        return target_cache_bytes(cfg, 0, tree_bucket(tree_slots), elem, snapshots=self.prefix is not None)
+
+    def _round_reserve(self, tree_slots: int) -> int:
+        """Positions past a request's context that one round may write: its tree (and a lone AR step's
+        pass ahead), the drafter's new context rows and block."""
+        return max(tree_slots + 1, 2 * self.block_size)
+
+    def _row_capacity(self) -> int:
+        """Logical positions a block table addresses: the context, the largest round's writes, and a
+        bucket beyond, where pad rows write (never backed by a page: the scratch page)."""
+        largest = max(self._round_reserve(MAX_TREE_BUDGET + 1), TREE_BUCKETS[-1])
+        return -(-(self.max_context + largest) // KV_BUCKET) * KV_BUCKET + KV_BUCKET
+
+    def _request_pages(self, tokens: int, tree_slots: int) -> int:
+        return -(-(tokens + self._round_reserve(tree_slots)) // self.page_size)
 
     def _prefill_bytes(self, context: int) -> int:
         """A prefill's activations at `context` prompt tokens (one prefill runs at a time)."""
@@ -199,27 +228,55 @@ class Engine:
                                        self.target.lm_head.weight.element_size())
 
     def _needed_bytes(self, context: int) -> int:
-        """What serving one request of `context` tokens takes: a slot at the configured tree size and a
-        prefill's activations."""
-        return self._slot_bytes(max(self.config.tree_budget, self.block_size) + 1, context) + self._prefill_bytes(context)
+        """What serving one request of `context` tokens takes: its pages at the configured tree size, a
+        row, and a prefill's activations."""
+        tree_slots = max(self.config.tree_budget, self.block_size) + 1
+        return (self._request_pages(context, tree_slots) * self._page_bytes() + self._row_bytes(tree_slots)
+                + self._prefill_bytes(context))
 
-    def _slots_that_fit(self, tree_slots: int, wanted: int, reclaimable: int = 0) -> int:
-        """min(wanted, the slots mem_fraction of the free memory holds beside a prefill's activations,
-        and at least the one that all of it holds); ValueError (before anything is allocated) when not
-        even one fits, so a budget or context too big fails at start, plainly."""
-        need = self._slot_bytes(tree_slots)
-        free = _free_bytes(self.device) + reclaimable
-        prefill = self._prefill_bytes(self.max_context)
-        fit = (int(free * self.config.mem_fraction) - prefill) // need
-        if fit < 1 and need + prefill <= free:  # one request may use all there is (serving_context's measure)
-            fit = 1
-        if fit < 1:
-            what = " and recurrent-state scratch" if isinstance(self.target.config, Qwen35Config) else ""
+    def _pages_that_fit(self, tree_slots: int) -> int:
+        """The pool's pages: kv_pool_tokens' if configured, else what mem_fraction of the free memory
+        holds beside the rows and a prefill's activations (at least one request of the full context,
+        which all of it may hold: serving_context's measure), and never more than every row at the
+        full context with the largest tree. ValueError (before anything is allocated) when not even that fits."""
+        page, rows = self._page_bytes(), self.rows * self._row_bytes(tree_slots)
+        one = self._request_pages(self.max_context, tree_slots)
+        free, prefill = _free_bytes(self.device), self._prefill_bytes(self.max_context)
+        if self.config.kv_pool_tokens is not None:
+            pages = -(-self.config.kv_pool_tokens // self.page_size)
+            if pages * page + rows + prefill > free:
+                raise ValueError(f"kv_pool_tokens {self.config.kv_pool_tokens} needs "
+                                 f"{(pages * page + rows) / 2**30:.1f} GiB for the pool, but "
+                                 f"{free / 2**30:.1f} GiB of {self.device} is free: lower it")
+            if pages < one:
+                log.warning("a pool of %d tokens holds no request of the full context (%d)", pages * self.page_size,
+                            self.max_context)
+            return pages
+        most = self.rows * self._request_pages(self.max_context, MAX_TREE_BUDGET + 1)
+        pages = min((int(free * self.config.mem_fraction) - prefill - rows) // page, most)
+        if pages < one and one * page + rows + prefill <= free:
+            pages = one
+        if pages < one:
+            what = " and recurrent-state slots" if isinstance(self.target.config, Qwen35Config) else ""
             raise ValueError(
-                f"tree budget {tree_slots - 1} at context {self.max_context} needs {need / 2**30:.1f} GiB "
-                f"for the caches{what}, but {free / 2**30:.1f} GiB of {self.device} is free: "
-                f"lower the tree budget or max context")
-        return min(wanted, fit)
+                f"tree budget {tree_slots - 1} at context {self.max_context} needs "
+                f"{(one * page + rows) / 2**30:.1f} GiB for the caches{what} of {self.rows} rows, but "
+                f"{free / 2**30:.1f} GiB of {self.device} is free: lower the tree budget, max context or "
+                f"max running")
+        return pages
+
+    def capacity(self) -> dict[str, int]:
+        """The KV pool in tokens and pages, how many requests of CAPACITY_PROBE tokens and of the full
+        context it holds (each with one round's reservation), and what is in use now."""
+        tree_slots = max(self.config.tree_budget, self.block_size) + 1
+        pages = self.pages.num_pages
+        return {"page_size": self.page_size, "pages_total": pages, "tokens": pages * self.page_size,
+                "pages_used": self.pages.used_pages, "pages_free": self.pages.free_pages,
+                "pages_shared": self.pages.shared_pages, "max_running": self.slots,
+                "max_context": self.max_context,
+                "requests_8k": min(self.slots, pages // self._request_pages(min(CAPACITY_PROBE, self.max_context),
+                                                                           tree_slots)),
+                "requests_full_context": min(self.slots, pages // self._request_pages(self.max_context, tree_slots))}
 
     @property
     def can_serve(self) -> bool:
@@ -238,6 +295,7 @@ class Engine:
             self._check_resize(tree_slots)
         if self.prefix is not None:
             self.prefix.clear()
+        self.page_table.reset()  # idle: only cached sequences held pages
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self._resizing = True
         self.target_cache = self.runner = self.batch_runner = None
@@ -253,9 +311,8 @@ class Engine:
 
     def _build_target_cache(self, tree_slots: int) -> None:
         cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
-        capacity, nodes = TargetRunner.capacity_for(self.max_context, tree_slots), tree_bucket(tree_slots)
-        self.target_cache = target_cache(cfg, capacity, self.device, dtype, batch=self.rows, nodes=nodes,
-                                         snapshots=self.prefix is not None)
+        self.target_cache = target_cache(cfg, 0, self.device, dtype, nodes=tree_bucket(tree_slots),
+                                         snapshots=self.prefix is not None, table=self.page_table)
         self.runner = TargetRunner(self.target, self.target_cache.rows(0, 1), self.device,
                                    max_depth=self.block_size - 1)
         self.batch_runner = BatchTargetRunner(self.target, self.target_cache, self.device,
@@ -296,6 +353,7 @@ class Engine:
         """One step: prefill up to prefill_chunk prompt tokens (admitting queued requests while slots
         are free), then one round for every request that was already decoding. Returns (request id,
         output) for each request that produced tokens; a finished request has left the engine."""
+        self._reserve_round()
         outputs, joined = self._prefill_step()
         running = self.scheduler.running
         decoding = running[:len(running) - len(joined)]  # slots 0..B-1: the batch is a prefix of the pool
@@ -315,6 +373,7 @@ class Engine:
                 self.cancel(request_id)
         self.stats.running = len(self.scheduler.running)
         self.stats.waiting = len(self.scheduler.waiting)
+        self.stats.pages_used, self.stats.pages_shared = self.pages.used_pages, self.pages.shared_pages
         return outputs
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
@@ -378,14 +437,22 @@ class Engine:
             # a bigger tree than the pool was sized for: the pool is re-sized when the engine is idle,
             # so refuse now if even that could not hold it
             self._check_resize(self._tree_slots(req))
+        need = self._request_pages(len(prompt_ids) + p.max_new_tokens - 1, self._tree_slots(req))
+        if need > self.pages.num_pages:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({p.max_new_tokens}) needs {need} KV pages "
+                             f"of {self.page_size} tokens, the pool holds {self.pages.num_pages}: shorten the prompt "
+                             f"or lower max_tokens")
         self._next_id += 1
         return req
 
     def _check_resize(self, tree_slots: int) -> None:
-        """ValueError unless a target pool of the same rows for trees of tree_slots nodes fits in
-        what is free once the current one is given back."""
+        """ValueError unless a target cache of the same pages and rows for trees of tree_slots nodes
+        fits in what is free once the current one is given back."""
         current = sum(t.numel() * t.element_size() for t in self.target_cache._per_slot())
-        if self._slots_that_fit(tree_slots, self.rows, reclaimable=current) < self.rows:
+        cfg, elem = self.target.config, self.target.lm_head.weight.element_size()
+        kv = KVCache.page_bytes(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, self.page_size, elem)
+        need = kv * (self.pages.num_pages + 1) + self.rows * self._row_bytes(tree_slots)
+        if need > _free_bytes(self.device) + current:
             raise ValueError(f"tree budget {tree_slots - 1} needs more memory than is free for the pool's "
                              f"{self.rows} slots: lower the tree budget")
 
@@ -396,22 +463,113 @@ class Engine:
         hold itself and everyone behind it until the engine drains. A tree changes speed, never the
         text: greedy or seeded (sampling.py), a request's tokens are the same at any budget."""
         slots = self._tree_slots(req)
-        if self._pool_holds(slots):
+        if not self._pool_holds(slots):
+            if self.scheduler.running:
+                req.budget = self._target_slots - 1
+            else:
+                self._alloc_target_cache(slots)
+        return self._pages_admit(req)
+
+    def _pages_admit(self, req: RequestState) -> bool:
+        """Whether the pool's pages take `req` now: its context and a first round, less the full pages
+        it would share with a running or cached sequence (a partial one is copied into a fresh page),
+        out of the free pages and those only cached sequences (but the one it shares) hold, keeping a
+        page per running request for their next rounds."""
+        need = self._request_pages(len(req.context), self._tree_slots(req))
+        free = self.pages.free_pages - len(self.scheduler.running)
+        if need <= free:  # the common case: no lookup, no count (both are host time every step)
             return True
-        if self.scheduler.running:
-            req.budget = self._target_slots - 1
-            return True
-        self._alloc_target_cache(slots)
+        hit = self._lookup(req, count=False)
+        spare = None if hit is None else hit.seq
+        shared = 0 if hit is None else hit.length // self.page_size
+        return need - shared <= free + self._evictable_pages(spare)
+
+    def _evictable_pages(self, spare: CachedSequence | None) -> int:
+        """Pages that evicting every cached sequence but `spare` would free."""
+        if self.prefix is None:
+            return 0
+        refs = self.pages.refs
+        return sum(refs[p] == 1 for seq in self.prefix.by_row.values() if seq is not spare
+                   for p in self.page_table.pages[seq.row])
+
+    def _take_pages(self, row: int, tokens: int) -> bool:
+        """Back `row`'s positions 0..tokens-1 with pages, evicting cached sequences (least recently
+        used first) while too few are free; False when even that is not enough."""
+        while not self.page_table.grow(row, tokens):
+            victim = None if self.prefix is None else self.prefix.least_recent(spare=())
+            if victim is None:
+                return False
+            self._evict(victim)
         return True
+
+    def _keep_free(self, pages: int, spare: CachedSequence) -> None:
+        """Evict cached sequences other than `spare` (least recently used first) until `pages` are free."""
+        while self.pages.free_pages < pages:
+            victim = self.prefix.least_recent(spare=(spare,))
+            if victim is None:
+                return
+            self._evict(victim)
+
+    def _evict(self, seq: CachedSequence) -> None:
+        self.page_table.release(seq.row)
+        self.prefix.evict(seq)
+
+    def _copy_pages(self, pair: tuple[int, int] | None) -> None:
+        """A copy-on-write the block table asked for: page dst takes page src's content, in both caches."""
+        if pair is not None:
+            self.target_cache.copy_page(*pair, self.page_size)
+            if self.drafter is not None:
+                self.draft_cache.copy_page(*pair, self.page_size)
+
+    def _reserve_round(self) -> None:
+        """Before a round, every running request takes the pages its round may write (oldest first);
+        when the pool runs out, cached sequences are evicted, then the newest requests preempted."""
+        for req in sorted(self.scheduler.running, key=lambda r: r.admitted):
+            need = req.n_ctx + self._round_reserve(self._tree_slots(req))
+            while req.slot >= 0 and not self._take_pages(req.slot, need):
+                victim = self._newest_victim(req)
+                if victim is None and req.ahead is None and len(self.scheduler.running) > 1:
+                    victim = req  # the others cannot be taken (a pass run ahead): this one waits
+                if victim is None:  # submit refused what the whole pool cannot hold: not reached
+                    raise RuntimeError(f"request {req.id} needs {need} positions, the KV pool cannot hold them")
+                self._preempt(victim)
+
+    def _newest_victim(self, keep: RequestState) -> RequestState | None:
+        """The request to preempt for `keep`: the newest admitted, the one prefilling first (a lone AR
+        request's pass run ahead, its next token chosen, is not taken: it is never the newest)."""
+        candidates = [r for r in (*self.scheduler.running, self.scheduler.prefilling)
+                      if r is not None and r is not keep and r.ahead is None]
+        return max(candidates, key=lambda r: r.admitted, default=None)
+
+    def _preempt(self, req: RequestState) -> None:
+        """Give `req`'s pages back and queue it first, to be recomputed from its tokens: the prompt and
+        what it produced but the last token, which is again the next round's root (its sampling
+        generator goes on where it was, so its output is what it would have been)."""
+        self.stats.preemptions += 1
+        req.preempted += 1
+        if req.produced:
+            req.context = req.prompt_ids + req.produced[:-1]
+            req.resume_bonus = req.produced[-1]
+        self.page_table.release(req.slot)
+        moves = self.scheduler.remove(req)
+        self._move_rows([d for _, d in moves], [s for s, _ in moves], 0)
+        req.prefilled = req.reused = req.n_ctx = req.draft_ctx = req.snapshot_at = 0
+        req.placed = False
+        req.drafted = req.prompt_feats = None
+        self.scheduler.waiting.appendleft(req)
 
     def _release(self, req: RequestState) -> None:
         """Take `req` out; the rows behind it move down, and a request that was decoding leaves its
         row as a cached sequence (moved to the first idle row) when prefix reuse is on."""
-        row, keep = req.slot, self.prefix is not None and req in self.scheduler.running
+        row, keep = req.slot, self.prefix is not None and req in self.scheduler.running and req.n_ctx > 0
         # valid positions of each row that may move (a lone AR request's next pass has written n_ctx)
         valid = {r.slot: r.n_ctx + 1 for r in self.scheduler.running}
         if self.scheduler.prefilling is not None:
             valid[self.scheduler.prefilling.slot] = self.scheduler.prefilling.prefilled
+        if keep:  # a cached sequence holds only its own length
+            self.page_table.truncate(row, req.n_ctx, writable=False)
+        elif row >= 0:
+            self.page_table.release(row)
         moves = self.scheduler.remove(req)
         src, dst = [s for s, _ in moves], [d for _, d in moves]
         if keep:
@@ -428,9 +586,10 @@ class Engine:
         self._prefix_stats()
 
     def _move_rows(self, dst: list[int], src: list[int], length: int) -> None:
+        """Rows change places: their block tables (the KV of both caches comes along) and a hybrid's
+        state slots."""
+        self.page_table.move(dst, src)
         self.target_cache.permute(dst, src, length)
-        if self.drafter is not None:
-            self.draft_cache.permute(dst, src, length)
 
     # ---- prefix reuse -----------------------------------------------------------------------------
 
@@ -438,26 +597,52 @@ class Engine:
         """Set up the row of a request just admitted (row = len(running)): move any cached sequence
         there out of its way, and start it from the cached prefix that saves the most prefill."""
         req.placed = True
-        if self.prefix is None:
-            return
+        self._admissions += 1
+        req.admitted = self._admissions
         row = req.slot
-        hit = self.prefix.lookup(req.prompt_ids, speculative=req.mode != "ar")
-        resident = self.prefix.by_row.get(row)
-        if resident is not None:
-            self._rehome(resident, hit.seq if hit is not None else None)
-        if hit is not None:
-            seq = hit.seq
-            self.target_cache.copy_prefix(seq.row, row, hit.length, hit.from_snapshot)
-            req.draft_ctx = min(hit.length, seq.draft_len) if self.drafter is not None else 0
-            if req.draft_ctx:
-                self.draft_cache.copy_prefix(seq.row, row, req.draft_ctx)
-            if seq.row == row:  # taken over where it lies: the request writes past the prefix
-                self.prefix.pop(row)
-            req.prefilled = req.reused = hit.length
-        req.snapshot_at = len(req.prompt_ids)
-        if self.prefix.snapshots_only:
-            req.snapshot_at = snapshot_point(req.prompt_ids, self.turn_token, req.reused)
-        self._prefix_stats()
+        if self.prefix is not None:
+            hit = self._lookup(req)
+            resident = self.prefix.by_row.get(row)
+            if resident is not None:
+                self._rehome(resident, hit.seq if hit is not None else None)
+            if hit is not None:
+                seq = hit.seq
+                self._keep_free(1, spare=seq)  # for the partial page's copy
+                if seq.row == row:  # taken over where it lies: the request writes past the prefix
+                    self.prefix.pop(row)
+                    self._copy_pages(self.page_table.truncate(row, hit.length))
+                else:  # its full pages by reference, the partial last one copied
+                    self._copy_pages(self.page_table.share(seq.row, row, hit.length))
+                self.target_cache.copy_prefix(seq.row, row, hit.length, hit.from_snapshot)
+                req.draft_ctx = min(hit.length, seq.draft_len) if self.drafter is not None else 0
+                req.prefilled = req.reused = hit.length
+            req.snapshot_at = len(req.context)
+            if self.prefix.snapshots_only:
+                req.snapshot_at = snapshot_point(req.context, self.turn_token, req.reused)
+            self._prefix_stats()
+        if not self._take_pages(row, len(req.context) + self._round_reserve(self._tree_slots(req))):
+            raise RuntimeError(f"request {req.id} was admitted without the pages it needs")  # _pages_admit: not reached
+
+    def _lookup(self, req: RequestState, count: bool = True) -> Hit | None:
+        """The running or cached sequence that saves the most of req's prefill (None: reuse off)."""
+        if self.prefix is None:
+            return None
+        return self.prefix.lookup(req.context, speculative=req.mode != "ar", live=self._live_sequences(),
+                                  count=count)
+
+    def _live_sequences(self) -> list[CachedSequence]:
+        """The running requests as sequences a prompt may share pages with: what they have computed (a
+        hybrid's only at its prompt snapshot, the one state it keeps)."""
+        live = []
+        for r in self.scheduler.running:
+            if r.n_ctx == 0:  # joined a prefill group whose pass has not run yet
+                continue
+            draft_len = 0 if self.drafter is None else r.n_ctx if r.mode != "ar" else r.draft_ctx
+            tokens = TokenView(r.prompt_ids, r.produced, r.n_ctx)
+            if self.prefix.snapshots_only:
+                tokens = TokenView(r.context, [], r.snapshot_at)
+            live.append(CachedSequence(r.slot, tokens, r.snapshot_at, draft_len, live=True))
+        return live
 
     def _rehome(self, seq: CachedSequence, keep: CachedSequence | None) -> None:
         """Move `seq` out of a row an admission needs: to a free idle row; else, if it is `keep` (the
@@ -471,7 +656,7 @@ class Engine:
             return
         else:
             victim = self.prefix.least_recent(spare=(keep,))
-            self.prefix.evict(victim)
+            self._evict(victim)
             if victim is seq:
                 return
             dest = victim.row
@@ -547,10 +732,12 @@ class Engine:
                 continue
             if req is None:
                 break
+            if group and not req.placed and self._shares_with(group, req):
+                self._prefill_group(group, outputs)  # computed first, so that its pages can be shared
             if not req.placed:
                 self._place(req)
-            take = min(left, len(req.prompt_ids) - req.prefilled, PREFILL_PIECE)
-            if req.prefilled < req.snapshot_at < len(req.prompt_ids):  # a hybrid's state is kept there
+            take = min(left, len(req.context) - req.prefilled, PREFILL_PIECE)
+            if req.prefilled < req.snapshot_at < len(req.context):  # a hybrid's state is kept there
                 take = min(take, req.snapshot_at - req.prefilled)
             left -= take
             self.stats.prefill_tokens += take
@@ -571,9 +758,16 @@ class Engine:
         self._prefill_group(group, outputs)
         return outputs, joined
 
+    def _shares_with(self, group: list[tuple[RequestState, int]], req: RequestState) -> bool:
+        """Whether req's context starts with a full page of a grouped request's (not computed yet)."""
+        return self.prefix is not None and any(common_prefix(r.context, req.context) >= self.page_size
+                                               for r, _ in group)
+
     def _joined(self, req: RequestState, first: tuple[int, list[TokenLogprob] | None],
                 outputs: list[tuple[int, RoundOutput]]) -> None:
         token, logprobs = first
+        if token is None:  # a preempted request recomputed: its next token is already known
+            return
         req.produced.append(token)
         outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
 
@@ -581,7 +775,7 @@ class Engine:
         """Whether this piece may share a prefill pass with other requests' (_prefill_rows): the last
         of its prompt, no longer than a chunk, on an attention-only target (a hybrid's recurrent state
         would run on over the padding of a shorter row)."""
-        return self.arch == "qwen3" and take <= self.config.prefill_chunk and req.prefilled + take == len(req.prompt_ids)
+        return self.arch == "qwen3" and take <= self.config.prefill_chunk and req.prefilled + take == len(req.context)
 
     @staticmethod
     def _group_holds(group: list[tuple[RequestState, int]], req: RequestState, take: int) -> bool:
@@ -607,13 +801,13 @@ class Engine:
         first token (and, for a speculative request, the first draft). Returns the first token (and its
         log-probabilities if asked for) then."""
         lo, hi = req.prefilled, req.prefilled + take
-        ids = torch.tensor([req.prompt_ids[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
+        ids = torch.tensor([req.context[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
         pos = torch.arange(lo, hi, device=self.device)[None]
         # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
         h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
         self.stats.prefill_passes += 1
         self._prefilled(req, take, feats)
-        if hi < len(req.prompt_ids):
+        if hi < len(req.context):
             return None
         return self._first_token(req, self.target.logits(h[0, -1:]))
 
@@ -627,7 +821,7 @@ class Engine:
         n, width, dev = len(group), max(takes), self.device
         ids = torch.zeros(n, width, dtype=torch.long)
         for i, (req, take) in enumerate(group):
-            ids[i, :take] = torch.tensor(req.prompt_ids[req.prefilled:req.prefilled + take])
+            ids[i, :take] = torch.tensor(req.context[req.prefilled:req.prefilled + take])
         pos = torch.tensor([req.prefilled for req in reqs], device=dev)[:, None] + torch.arange(width, device=dev)
         kv_len = max(req.prefilled + take for req, take in group)
         cols = torch.arange(kv_len, device=dev)
@@ -690,19 +884,25 @@ class Engine:
         req.prefilled = hi
         if req.mode != "ar":
             if req.prompt_feats is None:  # the computed prompt's, filled chunk by chunk (no concatenation)
-                req.prompt_feats = feats.new_empty(1, len(req.prompt_ids) - req.reused, feats.shape[-1])
+                req.prompt_feats = feats.new_empty(1, len(req.context) - req.reused, feats.shape[-1])
             req.prompt_feats[:, lo - req.reused:hi - req.reused] = feats
         if hi == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
             self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
 
     def _first_token(self, req: RequestState, logits: torch.Tensor,
-                     draft: bool = True) -> tuple[int, list[TokenLogprob] | None]:
+                     draft: bool = True) -> tuple[int | None, list[TokenLogprob] | None]:
         """The prompt is in: choose the first token from the last position's logits [1, V], and draft
-        (unless the caller drafts for several requests at once)."""
+        (unless the caller drafts for several requests at once). A request recomputed after a
+        preemption chooses nothing: its next round's root is the last token it produced (None)."""
+        if req.resume_bonus is not None:
+            req.n_ctx, req.bonus, req.resume_bonus = len(req.context), req.resume_bonus, None
+            if draft and req.mode != "ar":
+                req.drafted = self._draft_prompt(req)
+            return None, None
         chosen = self._choose(req, logits, 0)
         pending = self._logprobs(req, logits, chosen)
         first = int(chosen[0])
-        req.n_ctx, req.bonus = len(req.prompt_ids), first
+        req.n_ctx, req.bonus = len(req.context), first
         if draft and req.mode != "ar":
             req.drafted = self._draft_prompt(req)
         return first, None if pending is None else pending.rows([0])

@@ -1,24 +1,114 @@
-"""Target caches, allocated once for the worst case, written in place, compacted by index: the KV cache,
-and for hybrid targets the KV of the full-attention layers plus the linear layers' recurrent state."""
+"""Target caches, written in place, compacted by index: the KV cache, and for hybrid targets the KV of the
+full-attention layers plus the linear layers' recurrent state.
+
+Two layouts of the KV. Contiguous (the model tests, the prefill benchmark): one row of `capacity`
+positions per sequence. Paged (the engine's pool): physical pages shared by all rows, each row's
+positions mapped through its block table (block_manager.py); every method keeps the contiguous
+layout's meaning, in logical positions, and the attention paths read pages through the table
+(`pages`: the paged decode kernel) or a gathered copy (`view`: the torch path)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..model.config import Qwen35Config, Qwen3Config
 from ..model.gated_delta import Step, advance_along
+from .block_manager import PageTable
+
+
+class PagedLayer(NamedTuple):
+    """One layer's pages as the paged decode kernel reads them."""
+    k: torch.Tensor       # [1, n_kv_heads, pages * page_size, head_dim]
+    v: torch.Tensor
+    block: torch.Tensor   # [B, width] the rows' page ids
+    page_size: int
 
 
 class KVCache:
-    """k, v: [n_layers, batch, n_kv_heads, capacity, head_dim]. The engine's pool: one batch row (a
-    slot) per running request; a pass over the first B slots works on `rows(0, B)`, a view."""
+    """Contiguous: k, v [n_layers, batch, n_kv_heads, capacity, head_dim], one batch row per sequence.
+    Paged (`table` given): k, v [n_layers, n_kv_heads, (pages + 1) * page_size, head_dim] (page 0 the
+    scratch page) and `block` [rows, width], the rows' block tables. Either way a pass over rows
+    lo..hi-1 works on `rows(lo, hi)`, a view."""
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int,
-                 device: torch.device | str, dtype: torch.dtype, batch: int = 1) -> None:
-        shape = (n_layers, batch, n_kv, capacity, head_dim)
+                 device: torch.device | str, dtype: torch.dtype, batch: int = 1,
+                 table: PageTable | None = None) -> None:
+        self.table = table
+        if table is None:
+            shape = (n_layers, batch, n_kv, capacity, head_dim)
+            self.block = None
+            self.page_size = 0
+        else:
+            self.page_size = table.page_size
+            shape = (n_layers, n_kv, (table.manager.num_pages + 1) * table.page_size, head_dim)
+            self.block = table.block
+            capacity = table.capacity
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
+        self._memo: list[tuple[torch.Tensor, torch.Tensor]] = []  # _physical's last mappings
+
+    @staticmethod
+    def page_bytes(n_layers: int, n_kv: int, head_dim: int, page_size: int, elem: int) -> int:
+        return 2 * n_layers * n_kv * head_dim * page_size * elem
+
+    def _physical(self, pos: torch.Tensor) -> torch.Tensor:
+        """Logical positions ([T]: the same for every row, or [B, T]) -> physical slots [B, T]. Every
+        layer of a pass maps the same positions tensor: it is mapped once (a graph records one gather,
+        not one a layer); a new pass brings new tensors."""
+        for known, phys in self._memo:
+            if known is pos:
+                return phys
+        flat = pos.expand(self.block.shape[0], -1) if pos.dim() == 1 else pos
+        phys = self.block.gather(1, flat // self.page_size) * self.page_size + flat % self.page_size
+        self._memo = [(pos, phys), *self._memo[:3]]
+        return phys
+
+    def _store(self, layer: int, phys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] into physical slots phys [B, T] of one layer."""
+        idx = phys.reshape(-1)
+        h, d = k.shape[1], k.shape[3]
+        self.k[layer].index_copy_(1, idx, k.transpose(0, 1).reshape(h, -1, d))
+        self.v[layer].index_copy_(1, idx, v.transpose(0, 1).reshape(h, -1, d))
+
+    def view(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s first `length` positions of every row, [B, Hkv, length, D] (paged: gathered
+        through the block tables, a copy)."""
+        if self.table is None:
+            return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+        phys = self._physical(torch.arange(length, device=self.k.device))           # [B, L]
+        return self.k[layer][:, phys].transpose(0, 1), self.v[layer][:, phys].transpose(0, 1)
+
+    def held(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s first `length` positions of every layer, k and v [n_layers, Hkv, length, D] in
+        logical order, whatever the layout (tests and diagnostics compare rows with it)."""
+        view = self.rows(row, row + 1)
+        k, v = zip(*(view.view(layer, length) for layer in range(self.k.shape[0])))
+        return torch.stack(k)[:, 0], torch.stack(v)[:, 0]
+
+    def pages(self, layer: int) -> PagedLayer | None:
+        """A paged cache's layer for the paged decode kernel (None: contiguous)."""
+        if self.table is None:
+            return None
+        return PagedLayer(self.k[layer][None], self.v[layer][None], self.block, self.page_size)
+
+    def kernel_target(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the fused RoPE + KV-write kernel stores positions `slots` ([T] or [B, T]) of layer
+        `layer`: (k rows, v rows, slots) with one row per sequence; paged, every row is the whole
+        pool (stride 0) and the slots are physical."""
+        if self.table is None:
+            return self.k[layer], self.v[layer], slots
+        b = self.block.shape[0]
+        return (self.k[layer][None].expand(b, -1, -1, -1), self.v[layer][None].expand(b, -1, -1, -1),
+                self._physical(slots))
+
+    def copy_page(self, src: int, dst: int, count: int) -> None:
+        """A paged cache's copy-on-write: page dst takes page src's first `count` positions."""
+        a, b = src * self.page_size, dst * self.page_size
+        for t in (self.k, self.v):
+            t[:, :, b:b + count] = t[:, :, a:a + count]
 
     def holds(self, capacity: int, nodes: int) -> bool:
         """Whether this cache serves `capacity` slots with tree passes of up to `nodes` nodes."""
@@ -26,12 +116,16 @@ class KVCache:
 
     @property
     def slots(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[1] if self.table is None else self.block.shape[0]
 
     def rows(self, lo: int, hi: int) -> KVCache:
         """The same cache restricted to batch rows lo..hi-1: views, so a pass over them writes here."""
         view = object.__new__(type(self))
-        view.__dict__.update({name: _rows(value, lo, hi) for name, value in self.__dict__.items()})
+        paged = self.table is not None
+        view.__dict__.update({name: value if paged and name in ("k", "v") else
+                              value[lo:hi] if name == "block" and paged else _rows(value, lo, hi)
+                              for name, value in self.__dict__.items()})
+        view._memo = []
         return view
 
     def permute(self, dst: list[int], src: list[int], length: int) -> None:
@@ -42,17 +136,19 @@ class KVCache:
         if not dst:
             return
         d, s = (torch.tensor(rows, device=self.k.device) for rows in (dst, src))
-        for t in (self.k, self.v):
-            for layer in t[..., :length, :]:           # [B, Hkv, length, D]
-                layer.index_copy_(0, d, layer.index_select(0, s))
+        if self.table is None:  # paged, the KV moves with the block tables (PageTable.move)
+            for t in (self.k, self.v):
+                for layer in t[..., :length, :]:           # [B, Hkv, length, D]
+                    layer.index_copy_(0, d, layer.index_select(0, s))
         for t in self._states():
             for layer in t:
                 layer.index_copy_(0, d, layer.index_select(0, s))
 
     def copy_prefix(self, src: int, dst: int, length: int, from_snapshot: bool = False) -> None:
         """Row dst starts with row src's first `length` positions (a cached prefix reused; src == dst:
-        already there). `from_snapshot`: a hybrid cache's state at the end of src's prompt."""
-        if src != dst:
+        already there). `from_snapshot`: a hybrid cache's state at the end of src's prompt. Paged, the
+        KV comes with the block tables (PageTable.share and copy_page)."""
+        if src != dst and self.table is None:
             for t in (self.k, self.v):
                 t[:, dst, :, :length] = t[:, src, :, :length]
 
@@ -68,6 +164,9 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")
+        if self.table is not None:
+            self._store(layer, self._physical(torch.arange(start, end, device=k.device)), k, v)
+            return (k, v) if start == 0 else self.view(layer, end)  # a first piece attends to itself only
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
@@ -77,14 +176,20 @@ class KVCache:
         """Store k, v ([B, Hkv, T, D]) at cache slots `slots` ([T] long, on the device, or [B, T]: each
         row its own) and return views of the first `length` entries: no host-side offsets, so a CUDA
         graph can replay it."""
-        if slots.dim() == 1:
+        self.put_at(layer, slots, k, v)
+        return self.view(layer, length)
+
+    def put_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """write_at's store alone (the attention reads the cache itself: layers.attend_cache)."""
+        if self.table is not None:
+            self._store(layer, self._physical(slots), k, v)
+        elif slots.dim() == 1:
             self.k[layer].index_copy_(2, slots, k)
             self.v[layer].index_copy_(2, slots, v)
         else:
             index = slots[:, None, :, None].expand_as(k)
             self.k[layer].scatter_(2, index, k)
             self.v[layer].scatter_(2, index, v)
-        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
     def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
         """Keep the tree nodes `path` (ascending, root first) of the pass written at `start`: entries
@@ -96,6 +201,10 @@ class KVCache:
         if path == list(range(n)):
             return
         src = self._path_index(path, nodes) + start
+        if self.table is not None:
+            self._move_positions(self._physical(torch.arange(start, start + n, device=src.device)),
+                                 self._physical(src))
+            return
         # advanced indexing copies first, so overlapping source/destination ranges are safe
         self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
         self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
@@ -119,8 +228,18 @@ class KVCache:
         rows = torch.arange(b, device=nodes.device)[:, None]
         dst = start[:, None] + torch.arange(p, device=nodes.device)          # [B, P]
         src = start[:, None] + nodes
+        if self.table is not None:
+            self._move_positions(self._physical(dst), self._physical(src))
+            return
         for t in (self.k, self.v):
             t[:, rows, :, dst] = t[:, rows, :, src]                         # [B, P, L, H, D] moved
+
+
+    def _move_positions(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Paged: physical slots dst take src's KV in every layer (advanced indexing reads first)."""
+        d, s = dst.reshape(-1), src.reshape(-1)
+        for t in (self.k, self.v):
+            t[:, :, d] = t[:, :, s]
 
 
 class HybridCache(KVCache):
@@ -132,8 +251,10 @@ class HybridCache(KVCache):
     n_linear x nodes x (Hv x (dk + dv + 1) floats + conv_dim values)."""
 
     def __init__(self, cfg: Qwen35Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 batch: int = 1, nodes: int = 1, snapshots: bool = False) -> None:
-        super().__init__(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)
+                 batch: int = 1, nodes: int = 1, snapshots: bool = False, table: PageTable | None = None) -> None:
+        super().__init__(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch,
+                         table)
+        batch = self.slots
         n, hv = len(cfg.linear_layers), cfg.linear_num_value_heads
         dk, dv, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         conv_dim = cfg.linear_conv_dim
@@ -234,9 +355,10 @@ def target_cache_bytes(cfg: Qwen3Config, capacity: int, nodes: int, elem: int, s
 
 
 def target_cache(cfg: Qwen3Config, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 batch: int = 1, nodes: int = 1, snapshots: bool = False) -> KVCache:
+                 batch: int = 1, nodes: int = 1, snapshots: bool = False, table: PageTable | None = None) -> KVCache:
     """The cache a target of this config needs; `nodes` is the largest tree pass it must hold;
-    `snapshots`: a hybrid keeps each row's end-of-prompt state (prefix reuse)."""
+    `snapshots`: a hybrid keeps each row's end-of-prompt state (prefix reuse); `table`: paged KV, one
+    row per table row (capacity and batch then come from the table)."""
     if isinstance(cfg, Qwen35Config):
-        return HybridCache(cfg, capacity, device, dtype, batch, nodes, snapshots)
-    return KVCache(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch)
+        return HybridCache(cfg, capacity, device, dtype, batch, nodes, snapshots, table)
+    return KVCache(cfg.kv_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, device, dtype, batch, table)

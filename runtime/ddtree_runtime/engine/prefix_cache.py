@@ -1,10 +1,14 @@
-"""Prefix reuse across requests: finished requests' cache rows kept as cached sequences.
+"""Prefix reuse across requests, in shared pages: running requests and finished requests' rows kept as
+cached sequences.
 
-The engine's pool is one row per request (kv_cache.py). When a request leaves, its row is not wiped:
-it becomes a cached sequence (the tokens whose KV it holds, and for a hybrid target the recurrent and
-conv state at two points of it), kept in an idle row until the row is needed. A new request whose
-prompt starts with a cached sequence's tokens starts its prefill after them: the prefix's KV (the
-target's and the drafter's) is copied into its own row, or taken over where it already lies.
+The engine's pool is paged (block_manager.py): each row maps its positions to pages. When a request
+leaves, its row is not wiped: it becomes a cached sequence (the tokens whose KV its pages hold, and for
+a hybrid target the recurrent and conv state at two points of it), kept until its row or its pages are
+needed. A new request whose prompt starts with a running or cached sequence's tokens starts its
+prefill after them: it takes that prefix's full pages by reference (the target's and the drafter's KV
+both live in them) and a copy of the partial last page, or takes the cached row over where it lies.
+N requests with one system prompt hold one copy of its full pages (token granularity all the same:
+the partial page is copied).
 
 A hybrid target's Gated DeltaNet state is one fixed-size block for the whole sequence so far, not one
 per token, so a hybrid prefix can only be reused where a state was kept: the end of the sequence (the
@@ -39,13 +43,34 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+class TokenView:
+    """The first n tokens of head + tail without building the list (a running request's prompt and
+    output: matched against at every admission, so no copy of a long context each time)."""
+
+    def __init__(self, head: list[int], tail: list[int], n: int) -> None:
+        self.head, self.tail, self.n = head, tail, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            lo, hi, _ = index.indices(self.n)
+            cut = len(self.head)
+            return self.head[lo:min(hi, cut)] + self.tail[max(lo - cut, 0):max(hi - cut, 0)]
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return self.head[index] if index < len(self.head) else self.tail[index - len(self.head)]
+
+
 @dataclass(eq=False)
 class CachedSequence:
     row: int              # the pool row holding it
-    tokens: list[int]     # the sequence whose KV the row holds, positions 0..len-1
+    tokens: list[int] | TokenView  # the sequence whose KV the row holds, positions 0..len-1
     snapshot_at: int      # where the prompt's state snapshot was taken (hybrid)
     draft_len: int        # positions of the drafter's context kept (0: none)
     last_used: int = 0    # the cache's clock when it was added or last reused
+    live: bool = False    # a running request's row (its state moves on: a hybrid reuses its snapshot only)
 
     @property
     def end(self) -> int:
@@ -82,22 +107,26 @@ class PrefixCache:
         self._clock += 1
         self.by_row[row] = CachedSequence(row, tokens, snapshot_at, draft_len, self._clock)
 
-    def lookup(self, prompt: list[int], speculative: bool) -> Hit | None:
-        """The cached sequence that saves the most of `prompt`'s prefill, and how much (counted in the
-        stats; the caller copies the prefix)."""
-        self.stats.lookups += 1
+    def lookup(self, prompt: list[int], speculative: bool, live: list[CachedSequence] = (),
+               count: bool = True) -> Hit | None:
+        """The cached or `live` sequence (a running request's) that saves the most of `prompt`'s
+        prefill, and how much (counted in the stats unless `count` is False: an admission's check;
+        the caller shares the prefix's pages)."""
+        if count:
+            self.stats.lookups += 1
         best: Hit | None = None
-        for seq in self.by_row.values():
+        for seq in (*self.by_row.values(), *live):
             limit = min(common_prefix(prompt, seq.tokens), len(prompt) - 1)
             if speculative:
                 limit = min(limit, seq.draft_len)
             length, from_snapshot = limit, False
             if self.snapshots_only:
-                points = [(p, p != seq.end) for p in (seq.end, seq.snapshot_at) if p <= limit]
+                kept = (seq.snapshot_at,) if seq.live else (seq.end, seq.snapshot_at)
+                points = [(p, seq.live or p != seq.end) for p in kept if p <= limit]
                 length, from_snapshot = max(points, default=(0, False), key=lambda point: point[0])
             if length > 0 and (best is None or length > best.length):
                 best = Hit(seq, length, from_snapshot)
-        if best is not None:
+        if best is not None and count:
             self._clock += 1
             best.seq.last_used = self._clock
             self.stats.hits += 1

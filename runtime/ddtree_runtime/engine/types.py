@@ -91,6 +91,16 @@ class RequestState:
     rounds: int = 0
     accepted_total: int = 0
     finished: bool = False
+    # the tokens a prefill computes: the prompt, or after a preemption the prompt and all it produced
+    # but the last token (which is then the next round's root again: resume_bonus)
+    context: list[int] = field(default_factory=list)
+    resume_bonus: int | None = None
+    admitted: int = -1        # admission order (preemption takes the newest first)
+    preempted: int = 0        # times it was preempted (its pages given back, recomputed later)
+
+    def __post_init__(self) -> None:
+        if not self.context:
+            self.context = self.prompt_ids
 
 
 @dataclass
@@ -108,3 +118,7 @@ class BatchStats:
     prefix_tokens_saved: int = 0  # prompt tokens reused instead of prefilled
     prefix_evictions: int = 0     # cached sequences dropped for room
     prefix_cached: int = 0        # cached sequences held now
+    pages_total: int = 0          # the KV pool's pages (page_size tokens each, target and drafter)
+    pages_used: int = 0           # ... held by running, prefilling and cached sequences now
+    pages_shared: int = 0         # ... held by more than one sequence (shared prompt prefixes)
+    preemptions: int = 0          # since start: requests whose pages were taken back (recomputed later)

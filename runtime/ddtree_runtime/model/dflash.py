@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import DFlashConfig
-from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_decode
+from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_cache
 
 
 class DraftInputs(NamedTuple):
@@ -37,9 +37,9 @@ class DFlashLayer(LayerWeights):
             # cache slots right after the context (free until the next round writes context there),
             # so attention reads one bucketed cache view with an additive bias and nothing is copied
             ctx_slots, block_slots, kv_len, lengths = DraftInputs(*static)
-            attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots, kv_len)
-            q, k, v = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots, kv_len)
-            x = attn.add_out(x, attend_decode(q, k, v, mask, lengths))
+            attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots)
+            q = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots)
+            x = attn.add_out(x, attend_cache(q, cache, idx, kv_len, mask, lengths))
             return self.mlp.add_to(x, self.post_attention_layernorm(x))
         q, kb, vb = attn.qkv(h, *rope_q)
         kc, vc = attn.kv(ctx, *rope_c)

@@ -203,16 +203,17 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
 
 if triton is not None:
     @triton.jit
-    def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr,
+    def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr, bt_ptr,
                                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, so_b, so_h, so_t,
-                                 HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr, G: tl.constexpr,
+                                 sbt_b, HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr, G: tl.constexpr,
                                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr):
+                                 HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, PAGE: tl.constexpr):
         # one program per (sequence x KV head, KV split, block of rows); rows are (query head of the
         # group, query). With lengths, sequence b reads only its first lengths[b] keys (the rest are
         # masked by its bias anyway): the key loop stops there, and a split starting past it writes no
         # partial (the reduce skips it; split 0 always writes). DIRECT (one split): the program writes
-        # the normalised output itself and no reduce runs
+        # the normalised output itself and no reduce runs. PAGE > 0: the keys are a paged pool's, key n
+        # of sequence b at slot table[b, n // PAGE] * PAGE + n % PAGE (sk_b = sv_b = 0: one pool)
         bh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bh // HKV, bh % HKV
         q_ptr += b * sq_b
@@ -237,14 +238,18 @@ if triton is not None:
         for first in range(lo, hi, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)
             keep = n < hi
-            kb = tl.load(k_ptr + kvh * sk_h + n[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
+            slot = n
+            if PAGE > 0:
+                page = tl.load(bt_ptr + b * sbt_b + n // PAGE, mask=keep, other=0)
+                slot = page * PAGE + n % PAGE
+            kb = tl.load(k_ptr + kvh * sk_h + slot[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb)) * scale
             s += tl.load(bias_ptr + t[:, None] * sb_t + n[None, :], mask=live[:, None] & keep[None, :],
                          other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            vb = tl.load(v_ptr + kvh * sv_h + n[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
+            vb = tl.load(v_ptr + kvh * sv_h + slot[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
@@ -355,7 +360,9 @@ def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                     lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None,
+                     table: torch.Tensor | None = None, page_size: int = 0,
+                     length: int | None = None) -> torch.Tensor:
     """Attention of a few queries over a long KV (flash-decoding): q [B, Hq, T, D], k/v [B, Hkv, L, D],
     bias additive, broadcastable to [B, 1, T, L] -> [B, Hq, T, D]; each sequence of a batch (a batched
     round's rows) is its own set of programs. The KV length is split across programs and each KV
@@ -366,9 +373,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     lengths: [B] ints on the device, how many leading keys sequence b may attend (its bias must mask
     the rest, or they are ignored regardless): the bucket's padding past them costs no key reads (used
     for up to DECODE_LENGTHS_MAX_QUERIES queries a sequence, unless a launch is given).
-    launch: a fixed launch shape (the probe's sweep); by default decode_launch's."""
+    launch: a fixed launch shape (the probe's sweep); by default decode_launch's.
+    table, page_size, length: paged keys: k/v are a pool's layer [1, Hkv, slots, D], sequence b's key n
+    at slot table[b, n // page_size] * page_size + n % page_size ([B, width] long), `length` keys each
+    (the bucket, which the bias covers)."""
     batch, hq, t, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
+    paged = table is not None
+    if not paged:
+        length = k.shape[2]
     g = hq // hkv
     rows = g * t
     if t > DECODE_LENGTHS_MAX_QUERIES and launch is None:
@@ -393,12 +406,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
     lens = lengths if has_lengths else out  # unused without lengths
     _decode_attn_part_kernel[(batch * hkv, n_splits, rows_pad // block_r)](
-        q, k, v, bias3, lens, part, ml, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias3.stride(0) if bias3.shape[0] > 1 else 0,
-        bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0), out.stride(1), out.stride(2), hkv, t, length,
-        rows_pad, d ** -0.5, SPLIT=split, G=g, D=d, BLOCK_R=block_r,
-        BLOCK_N=min(block_keys, split) if d <= 128 else min(block_keys, 32), HAS_LENGTHS=has_lengths, DIRECT=direct,
-        num_warps=warps, num_stages=stages)
+        q, k, v, bias3, lens, part, ml, out, table if paged else lens, q.stride(0), q.stride(1), q.stride(2),
+        0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1), v.stride(2),
+        bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0),
+        out.stride(1), out.stride(2), table.stride(0) if paged else 0, hkv, t, length, rows_pad, d ** -0.5,
+        SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=min(block_keys, split) if d <= 128 else min(block_keys, 32),
+        HAS_LENGTHS=has_lengths, DIRECT=direct, PAGE=page_size if paged else 0, num_warps=warps, num_stages=stages)
     if not direct:
         _decode_attn_reduce_kernel[(batch * hkv, rows)](
             part, ml, lens, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, rows_pad, n_splits,

@@ -88,8 +88,8 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx:
     its bias; a plain pass writes at `start` and is causal unless a mask is given (a later piece of a
     prompt, start > 0, causal with its queries aligned to the end of the keys)."""
     if tree is not None:
-        k, v = cache.write_at(idx, tree.slots, k, v, tree.kv_len)
-        return attend_decode(q, k, v, tree.bias, tree.lengths)
+        cache.put_at(idx, tree.slots, k, v)
+        return attend_cache(q, cache, idx, tree.kv_len, tree.bias, tree.lengths)
     if cache is not None:
         k, v = cache.write(idx, start, k, v)
     if mask is None and q.shape[2] > 1 and q.shape[2] < k.shape[2]:
@@ -126,23 +126,26 @@ class QKVProj(nn.Module):
         return self._rope_q(q, cos, sin), self._rope_k(k, cos, sin), v.transpose(1, 2)
 
     def qkv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
-                     slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A tree pass's projections: q [B, Hq, T, D], with k/v stored at cache slots `slots` of layer
-        `idx` and returned as views of its first kv_len entries (on CUDA the RoPE of k and both
-        stores are one kernel)."""
+                     slots: torch.Tensor) -> torch.Tensor:
+        """A tree pass's projections: q [B, Hq, T, D], with k/v stored at cache positions `slots` of
+        layer `idx` (attend_cache reads them back; on CUDA the RoPE of k and both stores are one
+        kernel)."""
         if self._qkv is None:
             q, k, v = self.qkv(x, cos, sin)
-            return (q, *cache.write_at(idx, slots, k, v, kv_len))
+            cache.put_at(idx, slots, k, v)
+            return q
         q, k, v = self._heads(linear(x, *self._qkv), self.n_heads)
-        return (self._rope_q(q, cos, sin), *self._store(k, v, cos, sin, cache, idx, slots, kv_len))
+        self._store(k, v, cos, sin, cache, idx, slots)
+        return self._rope_q(q, cos, sin)
 
     def kv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
-                    slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    slots: torch.Tensor) -> None:
         """As qkv_to_cache without q: the drafter's context rows (one GEMM for k and v)."""
         if self._qkv is None:
-            return cache.write_at(idx, slots, *self.kv(x, cos, sin), kv_len)
+            cache.put_at(idx, slots, *self.kv(x, cos, sin))
+            return
         _, k, v = self._heads(linear(x, *rows_from(*self._qkv, self.n_heads * self.head_dim)), 0)
-        return self._store(k, v, cos, sin, cache, idx, slots, kv_len)
+        self._store(k, v, cos, sin, cache, idx, slots)
 
     def _heads(self, y: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A fused projection's output [B, T, (n_q + 2 Hkv) D] -> q, k, v views [B, T, heads, D]."""
@@ -158,12 +161,11 @@ class QKVProj(nn.Module):
         return rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
-               slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE k [B, T, Hkv, D] and store it and v at `slots` of layer idx; views of the first kv_len."""
-        if not rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin, cache.k[idx],
-                                      cache.v[idx], slots):
-            cache.write_at(idx, slots, self._rope_k(k, cos, sin), v.transpose(1, 2), kv_len)
-        return cache.k[idx, :, :, :kv_len], cache.v[idx, :, :, :kv_len]
+               slots: torch.Tensor) -> None:
+        """RoPE k [B, T, Hkv, D] and store it and v at positions `slots` of layer idx."""
+        if not rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
+                                      *cache.kernel_target(idx, slots)):
+            cache.put_at(idx, slots, self._rope_k(k, cos, sin), v.transpose(1, 2))
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, Hq, T, D]
@@ -237,6 +239,18 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)
+
+
+def attend_cache(q: torch.Tensor, cache, idx: int, kv_len: int, bias: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """A tree pass's attention over layer idx's first kv_len cache positions (attend_decode's rules):
+    a paged cache is read through its block tables by the paged split-KV kernel where that fits, and
+    otherwise (the torch path, the shapes the kernel leaves to SDPA) from a gathered copy."""
+    pages = cache.pages(idx)
+    if pages is not None and decode_attention_fits(q, pages.k, lengths):
+        return decode_attention(q, pages.k, pages.v, bias, lengths, table=pages.block, page_size=pages.page_size,
+                                length=kv_len)
+    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths)
 
 
 class RowParts(NamedTuple):

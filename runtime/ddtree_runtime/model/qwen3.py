@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
-from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cached, attend_decode
+from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cache, attend_cached
 
 
 class DecoderLayer(LayerWeights):
@@ -17,8 +17,8 @@ class DecoderLayer(LayerWeights):
         attn = self.self_attn
         h = self.input_layernorm(x)
         if static is not None:  # a tree pass: k/v stored at the nodes' slots, attention over the cache
-            q, k, v = attn.qkv_to_cache(h, cos, sin, cache, idx, static.slots, static.kv_len)
-            o = attend_decode(q, k, v, static.bias, static.lengths)
+            q = attn.qkv_to_cache(h, cos, sin, cache, idx, static.slots)
+            o = attend_cache(q, cache, idx, static.kv_len, static.bias, static.lengths)
         else:
             o = attend_cached(*attn.qkv(h, cos, sin), cache, idx, start, mask, None)
         x = attn.add_out(x, o)

@@ -51,10 +51,21 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
                         lambda: worker.engine_stats("prefix_hits"))
     metrics.add_counter("prefix_cache_tokens_saved_total", "Prompt tokens reused from cached prefixes, not prefilled.",
                         lambda: worker.engine_stats("prefix_tokens_saved"))
-    metrics.add_counter("prefix_cache_evictions_total", "Cached sequences dropped to free a slot.",
+    metrics.add_counter("prefix_cache_evictions_total", "Cached sequences dropped to free a row or KV pages.",
                         lambda: worker.engine_stats("prefix_evictions"))
     metrics.add_gauge("prefix_cache_sequences", "Finished requests' sequences held for prefix reuse.",
                       lambda: worker.engine_stats("prefix_cached"))
+    metrics.add_gauge("kv_pages_total", "Pages of the engine's KV pool (kv_page_size tokens each).",
+                      lambda: worker.engine_stats("pages_total"))
+    metrics.add_gauge("kv_page_size", "Tokens a KV page holds.", lambda: getattr(worker.engine, "page_size", 0))
+    metrics.add_gauge("kv_pages_used", "KV pages held by running, prefilling and cached sequences.",
+                      lambda: worker.engine_stats("pages_used"))
+    metrics.add_gauge("kv_pages_free", "KV pages free now.",
+                      lambda: worker.engine_stats("pages_total") - worker.engine_stats("pages_used"))
+    metrics.add_gauge("kv_pages_shared", "KV pages held by more than one sequence (shared prompt prefixes).",
+                      lambda: worker.engine_stats("pages_shared"))
+    metrics.add_counter("preemptions_total", "Requests whose KV pages were taken back when the pool ran out "
+                        "(recomputed later, the same output).", lambda: worker.engine_stats("preemptions"))
     metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
     metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
                       lambda: 1 if worker.health()[0] == READY else 0)

@@ -89,6 +89,8 @@ class ServerContext:
             "max_running": self.worker.capacity(),
             "running": self.worker.running(),
             "waiting": self.worker.queue_depth(),
+            # the KV pool (engine.capacity()): tokens, pages, requests of 8K and of the full context
+            "kv_pool": engine.capacity() if hasattr(engine, "capacity") else None,
         }
 
     # -- gates --

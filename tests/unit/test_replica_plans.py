@@ -410,7 +410,7 @@ class HostGate:
 
 
 def group_rollout(monkeypatch, bad: set[str]):
-    from ddops.plan import start_again
+    from ddops.undo import StartAgain
     from ddops.rollout import rollout
 
     plain = load_profile(REPO / "playbooks" / "lab-ddtree16.yaml", repo_root=REPO)
@@ -428,7 +428,7 @@ def group_rollout(monkeypatch, bad: set[str]):
             return [Operation(f"write the unit on {ctx.profile.host}")]
 
         def apply(self, ctx, operations):
-            ctx.journal.change("unit", undo=start_again("x.service"))
+            ctx.journal.change("unit", undo=StartAgain("x.service"))
             return "written"
 
     ex = FakeCt200(manifest="{}")

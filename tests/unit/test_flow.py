@@ -18,7 +18,7 @@ from ddops.executor import CommandResult
 from ddops.facts import HostFacts, Inspection, PivotFacts
 from ddops.gates import GateFailed, GateResult
 from ddops.inventory import load_inventory
-from ddops.plan import Operation, PlanContext
+from ddops.plan import Operation, PlanContext, Undo
 from ddops.probes import probe_source
 from ddops.profile import load_profile
 from ddops.steps import pivot_steps
@@ -377,3 +377,27 @@ def test_a_dry_run_changes_nothing_and_says_what_a_real_run_needs(monkeypatch, p
     assert (report["outcome"], report["exit_code"]) == ("dry-run", 0)
     assert report["state"] == "nothing was changed; a real run needs --kill-training"
     assert step.applied == [] and ex.commands == []  # not even the lock
+
+
+@dataclass(frozen=True)
+class RemoveMarker(Undo):
+    """A kind of undo the rollback has never heard of: it takes its own change back, and asks for the
+    unit that read the marker to be started again."""
+
+    path: str
+
+    def apply(self, ctx):
+        ctx.executor.run(ctx.host, ["rm", "-f", "--", self.path]).check(f"removing {self.path}")
+        ctx.start_again("marker-reader.service")
+
+
+def test_a_step_with_its_own_kind_of_undo_is_rolled_back_by_it(monkeypatch, profile):
+    steps = [FakeStep("training", [op("stop training")], undo=StartAgain("dflash-train.service")),
+             FakeStep("marker", [op("write /run/ddops-marker")], undo=RemoveMarker("/run/ddops-marker"))]
+    report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("not healthy within 5s"))])
+    assert (report["outcome"], report["exit_code"]) == ("rolled-back", 2)
+    shown = [" ".join(c) for c in ex.commands]
+    removed = shown.index("rm -f -- /run/ddops-marker")
+    assert removed < shown.index("systemctl start marker-reader.service") < shown.index(
+        "systemctl start dflash-train.service")   # newest first: the marker's undo before the training's
+    assert report["rollback"] == {"restarted": ["marker-reader.service", "dflash-train.service"]}

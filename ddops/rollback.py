@@ -130,8 +130,9 @@ class UndoContext:
     progress: Callable[[str], None] = lambda message: None
     secrets: dict[str, str] = field(default_factory=dict)
     skip_smoke: bool = False
-    report: dict[str, Any] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=lambda: {"restarted": []})
     restored: dict[str, str | None] = field(default_factory=dict)   # unit -> sha256 of its restored file
+    known: dict[str, Checks] = field(default_factory=dict)          # unit -> the checks found for it
     restarts: list[tuple[str, str]] = field(default_factory=list)   # (unit or template, unit), in order
     starts: dict[str, bool] = field(default_factory=dict)           # unit -> check that it serves once started
 
@@ -216,8 +217,11 @@ class UndoContext:
     # -- the gates on the way back ---------------------------------------------------------------
 
     def checks_for(self, unit: str, unrecorded: Callable[[], Checks]) -> Checks:
-        sha256 = self.restored.get(unit) or unit_sha256(self.executor, self.host, unit)
-        return recorded_checks(self.executor, self.host, unit, sha256) or unrecorded()
+        """The checks of the profile that installed `unit` as it is now (looked up once per rollback)."""
+        if unit not in self.known:
+            sha256 = self.restored.get(unit) or unit_sha256(self.executor, self.host, unit)
+            self.known[unit] = recorded_checks(self.executor, self.host, unit, sha256) or unrecorded()
+        return self.known[unit]
 
     def gate(self, batch: Sequence[Replica], checks: Checks, into: dict[str, Any],
              at: Callable[[str, str], None]) -> dict[str, Any]:

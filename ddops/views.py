@@ -161,6 +161,9 @@ def render_summary(report: dict[str, Any], console: Console) -> None:
                            "tokens/s per mode)", style="dim"), soft_wrap=True)
     for batch in report.get("rolling") or []:
         console.print(Text(f"  rolling {rolling_line(batch)}", style="" if batch["ok"] else "red"), soft_wrap=True)
+    if (report.get("rollback") or {}).get("checked"):
+        console.print(Text(f"  on the way back: {checked_words(report['rollback'])}",
+                           style="" if report.get("rolled_back") else "red"), soft_wrap=True)
     console.print(f"  wall time {report['wall_s']}s; exit {report['exit_code']}")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlab import ddops, pivot, sh, variant
+from faultlab import ddops, note, pivot, sh, variant
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -75,6 +75,7 @@ def test_a_rolled_back_replica_passes_the_restored_profile_s_smoke(replicated, t
     crash = variant(tmp_path, "crash", {"serve.tree_budget": 8, "serve.extra_args": ["--tree-budget", "0"]},
                     base=REPLICAS)
     done, report = pivot(replicated, crash, timeout=900)
+    note("replicas: batch 1 crashes; the restored replica smoked", report)
     assert done.returncode == 2 and report["outcome"] == "rolled-back", report
     rollback = report["rollback"]
     assert rollback["checked"] == {"ddtree@1.service": {"profile": "lab-replicas", "health": "passed",
@@ -91,6 +92,7 @@ def test_a_restored_replica_that_fails_its_smoke_is_reported_not_called_healthy(
                      base=REPLICAS)
     serving_pid = main_pid(replicated, "ddtree@2.service")
     done, report = pivot(replicated, broken, timeout=900)
+    note("replicas: noisy drafter; the restored replica fails smoke", report)
     assert done.returncode == 2 and report["outcome"] == "rollback-failed", report
     batch, = report["rolling"]
     assert batch["failed_at"] == "smoke" and "below the floor" in batch["error"], batch

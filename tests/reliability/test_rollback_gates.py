@@ -51,7 +51,8 @@ def noisy_drafter(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def replicated(lab):
-    """ct200 serving lab-replicas, freshly deployed; at the end, the replicas gone and the drafter too
+    """ct200 serving lab-replicas, freshly deployed; at the end, rolled back to the backup that deploy
+    took (Debian's haproxy.cfg back, the replicas removed, training running), and the drafter removed
     (the next pivot of any profile syncs the real one back)."""
     from ddops.demo import seed_drafter
     from ddops.executor import Executor
@@ -64,6 +65,9 @@ def replicated(lab):
     done, report = pivot(lab, REPLICAS, timeout=900)
     assert done.returncode == 0 and report["outcome"] == "ok", report
     yield lab
+    listing = json.loads(ddops(lab, "rollback", "--host", "ct200", "--unit", "ddtree@.service", "--list",
+                               "--json").stdout)
+    ddops(lab, "rollback", "--host", "ct200", "--unit", "ddtree@.service", "--to", listing[0]["id"], timeout=600)
     sh(lab, "ct200", RESET + "; rm -rf /root/models/tiny-draft", timeout=180)
 
 

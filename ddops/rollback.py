@@ -178,8 +178,8 @@ class UndoContext:
         if checks.port is None:
             self.settled(unit)
             return
-        self.report["health"] = self.gate([Replica(0, unit, checks.port, ())], checks, self.report,
-                                          lambda name, title: self.progress(f"{title.lower()} on {unit}"))
+        self.gate([Replica(0, unit, checks.port, ())], checks, self.report,
+                  lambda name, title: self.progress(f"{title.lower()} on {unit}"))
 
     def cycle_replica(self, template: str, unit: str) -> None:
         manifest = read_manifest(self.executor, self.host, template)
@@ -224,17 +224,16 @@ class UndoContext:
         return self.known[unit]
 
     def gate(self, batch: Sequence[Replica], checks: Checks, into: dict[str, Any],
-             at: Callable[[str, str], None]) -> dict[str, Any]:
+             at: Callable[[str, str], None]) -> None:
         """Health, then smoke where the restored profile has one (and --skip-smoke was not given). What
-        each measured goes `into` the report (a failed gate's too) and `checked` says, per unit, what
-        passed; returns the health gate's figures for the unit."""
+        each measured goes `into` the report (a failed gate's too: `health`, `smoke`), and `checked`
+        says, per unit, what passed, failed or was not run."""
         view = Restored(self.executor, self.host, checks, self.secrets, self.progress, tuple(batch))
         checked = self.report.setdefault("checked", {})
         units = [r.unit for r in batch]
         for unit in units:
             checked[unit] = {"profile": checks.profile}
         gates: list[tuple[Any, str | None]] = [(HealthGate(), None), (SmokeGate(), self.smoke_skipped(checks))]
-        health: dict[str, Any] = {}
         for gate, skipped in gates:
             if skipped is not None:
                 for unit in units:
@@ -249,13 +248,11 @@ class UndoContext:
                 for unit in units:
                     checked[unit][gate.name] = "failed"
                 raise
-            data = result.data["replicas"][units[0]] if gate.name == "health" and checks.replicated else result.data
-            into[gate.name] = data
-            if gate.name == "health":
-                health = data
+            # a replica's health is its own wait's figures (what the plain unit's gate returns)
+            into[gate.name] = result.data["replicas"][units[0]] if gate.name == "health" and checks.replicated \
+                else result.data
             for unit in units:
                 checked[unit][gate.name] = "passed"
-        return health
 
     def smoke_skipped(self, checks: Checks) -> str | None:
         if self.skip_smoke:

@@ -439,6 +439,17 @@ def test_a_restored_replica_that_fails_smoke_is_reported_and_left_drained(monkey
     assert "smoke failed on ddtree@1.service" in report["state"] and "healthy" not in report["state"]
 
 
+def test_a_restored_replica_no_pivot_recorded_gets_its_health_check_and_the_report_says_so(monkeypatch, tmp_path,
+                                                                                             profile):
+    flow, ex = rolling_pivot(monkeypatch, tmp_path, profile, [BatchGate("health", {"ddtree@1.service"})])
+    report = flow.execute().as_json()
+    assert report["outcome"] == "rolled-back"
+    assert report["rollback"]["checked"] == {"ddtree@1.service": {
+        "profile": None, "health": "passed",
+        "smoke": "not run: no pivot recorded the restored unit's profile (its smoke test is unknown)"}}
+    assert "smoke" not in report["state"]
+
+
 def test_ddops_rollback_may_skip_the_smoke_never_the_health(profile):
     from ddops.rollback import rollback_command
 

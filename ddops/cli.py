@@ -153,11 +153,14 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
                                           "the template (e.g. ddtree@.service): all its replicas are restored.")
 @click.option("--list", "list_only", is_flag=True, help="List the unit's backups and exit.")
 @click.option("--to", "backup_id", default=None, metavar="BACKUP_ID", help="Restore this backup [default: newest].")
+@click.option("--skip-smoke", is_flag=True, help="Check only the restored units' health, not their smoke test "
+                                                 "(the health check always runs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
 def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, backup_id: str | None,
-             as_json: bool) -> None:
-    """Restore a unit's backup (or remove a unit that did not exist before), restart, health-gate."""
+             skip_smoke: bool, as_json: bool) -> None:
+    """Restore a unit's backup (or remove a unit that did not exist before), restart, then gate it: health,
+    and the smoke test of the profile that installed what is restored."""
     from .rollback import list_backups, rollback_command
     from .views import backups_table, rollback_line
 
@@ -174,7 +177,8 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
                 stdout_console().print(backups_table(backups, unit, host.name))
             return
         with Activity(console, f"rolling back {unit} on {host.name}") as activity:
-            report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update)
+            report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update,
+                                      skip_smoke=skip_smoke)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from rich.console import Console
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
@@ -24,16 +24,16 @@ from .gates.health import HealthGate
 from .gates.smoke import SmokeGate
 from .inventory import Inventory
 from .paths import HISTORY_PATH
-from .plan import Interrupted, Operation, PlanContext, RunContext, Step
+from .plan import Interrupted, Operation, PlanContext, RunContext, Step, StepState
 from .preflight import involved_hosts, preflight
-from .profile import Profile
+from .profile import Profile, Replica
 from .progress import Activity
-from .report import Report
+from .report import Report, checked_words
 from .rollback import undo
 from .signals import InterruptGuard
 from .steps import pivot_steps
 from .steps.unit import render
-from .views import PlanView, StepState, show_plan
+from .views import PlanView, show_plan
 
 ROLLBACK_RETRY_S = 90.0   # a host that is briefly unreachable gets this long to come back for the rollback
 
@@ -60,7 +60,7 @@ class Pivot:
         self.ctx = RunContext(profile=profile, inventory=inventory, executor=executor, secrets=secrets or {})
         self.steps = pivot_steps(profile) if steps is None else steps
         self.gates: list[Gate] = [HealthGate(), SmokeGate()] if gates is None else gates
-        self.ctx.gates = self.gates   # a step that restarts serving replicas checks each batch with them
+        self.ctx.check_batch = self.check_batch   # a rolling restart has each batch checked by the flow
         self.states = ([StepState("preflight", "Preflight")] + [StepState(s.name, s.title) for s in self.steps]
                        + [StepState(g.name, g.title) for g in self.gates] + [StepState("record", "Record")])
         self.by_name = {s.name: s for s in self.states}
@@ -175,6 +175,17 @@ class Pivot:
         self.ctx.journal.gates[gate.name] = result.data
         return result.summary
 
+    def check_batch(self, batch: Sequence[Replica], at: Callable[[str, str], None]) -> None:
+        """The run's gates on a batch of replicas a rolling restart has just restarted (and only on them);
+        `at(name, title)` is told before each gate runs, so a failure names its stage."""
+        self.ctx.only = tuple(batch)
+        try:
+            for gate in self.gates:
+                at(gate.name, gate.title)
+                gate.check(self.ctx)
+        finally:
+            self.ctx.only = None
+
     def run_one(self, state: StepState, action: Callable[[], str], view: PlanView) -> DdopsError | None:
         t0 = time.monotonic()
         state.status = "running"
@@ -218,18 +229,22 @@ class Pivot:
                             wait=wait_exponential(multiplier=1, max=10) + wait_random(0, 1),
                             before_sleep=lambda rs: view.progress(
                                 f"host not answering ({rs.outcome.exception().what}); retrying the rollback"))
+        rep: dict = {}
         try:
-            rep = undo(ctx.executor, ctx.inventory, ctx.host, journal.undo, retrying=retrying, progress=view.progress)
+            undo(ctx.executor, ctx.inventory, ctx.host, journal.undo, retrying=retrying, progress=view.progress,
+                 secrets=ctx.secrets, report=rep)
             restarted = f"; restarted {', '.join(rep['restarted'])}" if rep["restarted"] else ""
+            checked = f"; {checked_words(rep)}" if rep.get("checked") else ""
             if "backup_id" in rep:
-                state.summary = f"restored backup {rep['backup_id']}{restarted}" + ("; healthy" if rep.get("health") else "")
+                state.summary = f"restored backup {rep['backup_id']}{restarted}{checked}"
             else:
-                state.summary = "unit untouched" + restarted
+                state.summary = "unit untouched" + restarted + checked
             state.status = "done"
             self.report.rollback, self.report.rolled_back = rep, True
         except DdopsError as exc:
             state.status, state.summary = "failed", exc.line().split("\n")[0]
             self.report.rolled_back, self.report.rollback_error = False, exc.line()
+            self.report.rollback = rep or None   # what it did before it failed, and what each gate measured
         finally:
             state.seconds = round(time.monotonic() - t0, 2)
             view.refresh()

@@ -3,19 +3,20 @@
 A step turns facts into operations (`plan(ctx) -> [Operation]`, no side effects: the same facts give
 the same plan, and an empty plan means no change and nothing restarted). The flow hands those very
 operations to the step's `apply`, which runs them over the executor and records, in the `Journal`, what
-it changed and how to undo it. Gates (`ddops.gates`) check the result; rollback replays the undos.
+it changed and how to undo it (an `Undo`: ddops.undo has the kinds the steps use). Gates
+(`ddops.gates`) check the result against the run's `Checks`; rollback applies the undos, newest first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 from .errors import StepFailed
 from .executor import Executor
 from .facts import PivotFacts
 from .inventory import Host, Inventory
-from .profile import Profile, Replica
+from .profile import Health, Profile, Replica, Smoke, SmokePrompt
 
 
 # Earlier steps whose changes a running unit (or replica) only picks up when it restarts.
@@ -26,40 +27,93 @@ class Interrupted(StepFailed):
     """The operator pressed Ctrl-C (or sent SIGTERM); the pivot stops at the next safe point."""
 
 
+class Undo:
+    """How to take one change back. Each kind is a small dataclass (ddops.undo) with one `apply(ctx)`:
+    it puts back what it can at once (files, a release) and asks `ctx` (ddops.rollback.UndoContext) to
+    bring back what must run again, which the rollback restarts and gates after every undo has applied.
+    Rollback applies a journal's undos newest first without knowing their kinds; an undo that everything
+    else stands on (`first`: the runtime release under every unit) is applied before the others."""
+
+    first: ClassVar[bool] = False
+
+    def apply(self, ctx: Any) -> None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Operation:
     """One thing a step would do: in words, with optional detail (a diff, a file list), the commands it
     runs on the host when they are known at plan time, the data its apply needs, (for a change that can
-    be taken back) the operation that undoes it, what a real run would need that this one lacks, and
+    be taken back) the undo that takes it back, what a real run would need that this one lacks, and
     the figures the plan read (shown by --json)."""
 
     what: str
     detail: str = ""
     commands: tuple[tuple[str, ...], ...] = ()
     data: dict[str, Any] = field(default_factory=dict)
-    undo: "Operation | None" = None
+    undo: Undo | None = None
     requires: str | None = None
     figures: dict[str, Any] = field(default_factory=dict)   # what the plan measured, for --json (no secrets)
 
 
-# The undo operations rollback knows how to replay (ddops.rollback.undo).
+@dataclass
+class StepState:
+    """One row of the plan: a step or gate, its status, its planned operations and its summary."""
 
-def start_again(unit: str) -> Operation:
-    """The undo of stopping a unit."""
-    return Operation(f"start {unit} again", data={"start": unit})
+    name: str
+    title: str
+    status: str = "pending"
+    summary: str = ""
+    changes: list[Operation] = field(default_factory=list)
+    seconds: float | None = None
 
 
-def restore_backup(unit: str, backup_id: str, restarts: list[str]) -> Operation:
-    """The undo of installing a unit: put the backed-up files (or their absence) back, restart `restarts`."""
-    return Operation(f"restore {unit} from backup {backup_id}",
-                     data={"restore": backup_id, "unit": unit, "restarts": list(restarts)})
+def serving_shape(profile: Profile) -> dict:
+    """What /health must report: the profile's mode, and its block size when it sets one (else the
+    drafter's own, which preflight checked)."""
+    block = {"block_size": profile.serve.block_size} if profile.serve.block_size is not None else {}
+    return {**block, "mode": profile.serve.mode}
 
 
-def roll_back_replicas(template: str, units: list[str]) -> Operation:
-    """The undo of restarting replicas on a new release: after the backup is restored, restart them on it
-    one at a time, each drained first and readmitted once healthy (ddops.rollback)."""
-    return Operation(f"return {', '.join(units)} to the previous release", data={"roll_back": list(units),
-                                                                                  "template": template})
+@dataclass(frozen=True)
+class Checks:
+    """What the gates hold a serving unit to: its /health (where, how long, what it must report) and its
+    smoke test. The forward path takes them from the profile; each pivot's history record keeps them, so
+    a rollback holds what it restores to the checks of the profile that installed it."""
+
+    profile: str | None
+    engine: str
+    replicated: bool
+    port: int | None                 # a plain unit's port (a replica's is its own)
+    health: Health
+    expect: dict[str, Any]           # what /health must report (a DDTree runtime: mode, block size)
+    smoke: Smoke | None              # None: no smoke test is known for what is served
+    served_model: str | None = None
+    bearer_env: str | None = None    # the control machine's variable holding the API key (its name only)
+
+    @classmethod
+    def of(cls, profile: Profile) -> "Checks":
+        ddtree = profile.engine == "ddtree"
+        return cls(profile=profile.name, engine=profile.engine, replicated=profile.replicated, port=profile.port,
+                   health=profile.health, expect=serving_shape(profile) if ddtree else {}, smoke=profile.smoke,
+                   served_model=profile.serve.served_model_name,
+                   bearer_env=profile.secrets.get("DDTREE_API_KEY"))
+
+    @classmethod
+    def health_only(cls, port: int | None, path: str, deadline_s: float) -> "Checks":
+        """For a unit no pivot recorded: its /health, expecting nothing in particular, and no smoke."""
+        return cls(profile=None, engine="unknown", replicated=False, port=port,
+                   health=Health(path=path, deadline_s=deadline_s), expect={}, smoke=None)
+
+    def record(self) -> dict[str, Any]:
+        """As the history keeps it (JSON; names, never a secret's value)."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> "Checks":
+        smoke = data.get("smoke")
+        return cls(**{**data, "health": Health(**data["health"]), "smoke": None if smoke is None else Smoke(
+            **{**smoke, "prompts": tuple(SmokePrompt(**p) for p in smoke["prompts"])})})
 
 
 @dataclass(frozen=True)
@@ -82,11 +136,11 @@ class PlanContext:
 
 @dataclass
 class Journal:
-    """What a pivot did, as its steps record it: the steps that changed something, the undo operations
-    (in the order their changes were made) and the figures the report shows."""
+    """What a pivot did, as its steps record it: the steps that changed something, the undos (in the
+    order their changes were made) and the figures the report shows."""
 
     changed: list[str] = field(default_factory=list)
-    undo: list[Operation] = field(default_factory=list)
+    undo: list[Undo] = field(default_factory=list)
     backup_id: str | None = None
     stopped_units: list[str] = field(default_factory=list)
     training: dict[str, Any] | None = None       # the stop_training action's report
@@ -94,7 +148,7 @@ class Journal:
     gates: dict[str, Any] = field(default_factory=dict)        # gate name -> its result
     rolling: list[dict[str, Any]] = field(default_factory=list)   # a rolling redeploy's batches, as they ran
 
-    def change(self, what: str, undo: Operation | None = None) -> None:
+    def change(self, what: str, undo: Undo | None = None) -> None:
         """Note that `what` changed on the host, and how to take it back if that can be done."""
         if what not in self.changed:
             self.changed.append(what)
@@ -116,12 +170,18 @@ class RunContext:
     journal: Journal = field(default_factory=Journal)
     progress: Callable[[str], None] = lambda message: None
     interrupted: str | None = None    # set by Ctrl-C: the pivot stops at the next safe point
-    gates: list[Any] = field(default_factory=list)   # the run's gates: a rolling restart checks each batch with them
+    # set by the flow: check a batch of restarted replicas with the run's gates (calling `at(name, title)`
+    # before each one); a rolling restart hands it to the replica cycle
+    check_batch: Callable[[Sequence[Replica], Callable[[str, str], None]], None] | None = None
     only: tuple[Replica, ...] | None = None          # set while a batch is checked: the gates look at these only
 
     @property
     def host(self) -> Host:
         return self.inventory.host(self.profile.host)
+
+    @property
+    def checks(self) -> Checks:
+        return Checks.of(self.profile)
 
     def serving(self) -> tuple[Replica, ...]:
         """What the gates check: the batch being replaced, else every replica, else the one unit."""

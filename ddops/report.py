@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DdopsError, HostUnreachable, Refused
-from .plan import Interrupted, Journal
+from .plan import Checks, Interrupted, Journal, StepState
 from .profile import Profile
-from .views import StepState
 
 EXIT_INTERRUPTED = 130
 SUCCESS = ("ok", "unchanged", "dry-run", "aborted")
@@ -71,6 +70,8 @@ class Report:
                 "gates": self.journal.gates,
                 "training": self.journal.training, "stopped_units": self.journal.stopped_units,
                 "error": self.error.line() if self.error else None, "wall_s": self.wall_s,
+                # what the gates held this unit to: a later rollback to these files is held to the same
+                "checks": Checks.of(self.profile).record(),
                 **({"rolling": self.journal.rolling} if self.journal.rolling else {})}
 
     def as_json(self) -> dict[str, Any]:
@@ -126,12 +127,17 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
         what = (f"{p.unit} removed (it did not exist before)" if rep.get("removed")
                 else f"previous {p.unit} restored and healthy" if journal.backup_id else f"{p.unit} untouched")
         again = ", ".join(rep.get("restarted", []))
-        return "rolled-back", f"rolled back on {p.host}: {what}" + (f"; running again: {again}" if again else "")
+        return "rolled-back", (f"rolled back on {p.host}: {what}" + (f"; running again: {again}" if again else "")
+                               + smoke_passed(rep))
     if no_rollback:
         return "failed", (f"--no-rollback: {p.host} is left as the failed pivot made it "
                           f"(backup {journal.backup_id or 'none'}; `ddops rollback --host {p.host}` restores it)")
-    return "rollback-failed", (f"ROLLBACK FAILED on {p.host}: needs a human (backup {journal.backup_id or 'none'}; "
-                               f"units stopped by the pivot: {', '.join(journal.stopped_units) or 'none'})")
+    why = (report.rollback_error or "").split("\n")[0]
+    return "rollback-failed", (f"ROLLBACK FAILED on {p.host}: needs a human ({why + '; ' if why else ''}"
+                               f"backup {journal.backup_id or 'none'}; "
+                               f"units stopped by the pivot: {', '.join(journal.stopped_units) or 'none'}"
+                               + (f"; {checked_words(report.rollback)}" if (report.rollback or {}).get("checked")
+                                  else "") + ")")
 
 
 def rolling_state(report: Report) -> str:
@@ -143,4 +149,21 @@ def rolling_state(report: Report) -> str:
     back = ", ".join(u for b in rolling for u in b["replicas"])
     return (f"rolled back on {p.host}: batch {failed['batch']} ({', '.join(failed['replicas'])}) failed at "
             f"{failed.get('failed_at')}; {back} returned to the previous release and healthy"
-            + (f"; {', '.join(untouched)} never stopped serving" if untouched else ""))
+            + (f"; {', '.join(untouched)} never stopped serving" if untouched else "") + smoke_passed(report.rollback))
+
+
+def checked_words(rollback: dict[str, Any]) -> str:
+    """What the gates on the way back found, per gate: where it passed, failed or was not run (and why)."""
+    by_gate: dict[str, dict[str, list[str]]] = {}
+    for unit, gates in rollback.get("checked", {}).items():
+        for gate, verdict in gates.items():
+            if gate != "profile":
+                by_gate.setdefault(gate, {}).setdefault(verdict, []).append(unit)
+    return "; ".join(f"{gate} {verdict} on {', '.join(units)}" for gate, verdicts in by_gate.items()
+                     for verdict, units in verdicts.items())
+
+
+def smoke_passed(rollback: dict[str, Any] | None) -> str:
+    """The state's words for a smoke test that ran on what a rollback restored (and passed)."""
+    units = [u for u, gates in (rollback or {}).get("checked", {}).items() if gates.get("smoke") == "passed"]
+    return f"; smoke passed on {', '.join(units)}" if units else ""

@@ -1,27 +1,43 @@
-"""Rollback: put a backed-up unit (or its absence) back, restart what the pivot stopped, health-check.
+"""Rollback: the pivot run backwards. Put back what the pivot changed, bring back what it stopped or
+restarted, and hold what is restored to the same gates as a deploy.
 
-Used by `ddops rollback` (recorded in the host's history), and by a pivot that failed after it changed
-something: `undo` replays what its journal recorded. A template unit's backup holds its replicas'
-files and the balancer's config too; its replicas are restarted one at a time, each drained in HAProxy
-first and readmitted once healthy, so the service stays up while it goes back.
+`undo` applies a journal's undos (ddops.undo: typed, one `apply` each) newest first, without knowing
+their kinds. Each puts back what it can at once and asks the `UndoContext` to bring back what must run
+again; once every undo has applied, the rollback restarts the restored units and cycles the replicas
+(ddops.cycle: drain, restart, gate, readmit, as the rolling redeploy does), gating each with health and
+then smoke, then starts again what the pivot stopped. The gates hold a restored unit to the checks of
+the profile that installed it (the history record of that pivot, found by the unit file's checksum);
+a unit no pivot recorded gets its health check alone, and the report says so. `--skip-smoke` may skip
+the smoke test, never the health check.
+
+Used by a pivot that failed after it changed something, and by `ddops rollback` (one restore, recorded
+in the host's history).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from tenacity import Retrying
+from tenacity import Retrying, stop_after_attempt
 
-from . import balancer, history
+from . import history
+from .cycle import Balanced, cycle
 from .errors import DdopsError, StepFailed, UsageError
 from .executor import Executor
-from .gates.health import wait_healthy
+from .gates import GateFailed, GateResult
+from .gates.health import HealthGate
+from .gates.smoke import SmokeGate
 from .inventory import Host, Inventory
-from .plan import Operation
-from .paths import backup_root, env_path, replicas_manifest, unit_path
-from .remote import run_probe, write_file_argv
+from .paths import HISTORY_PATH, backup_root, env_path, replicas_manifest, unit_path
+from .plan import Checks, Undo
+from .profile import Replica
+from .remote import check, run_probe
+
+HISTORY_SCAN = 500          # the history lines searched for the pivot that installed a restored unit
+OTHERS_DEADLINE_S = 60.0    # how long a unit started again (not restored) may take to answer /health
 
 
 def list_backups(executor: Executor, host: Host, unit: str) -> list[dict[str, Any]]:
@@ -47,66 +63,6 @@ def choose_backup(executor: Executor, host: Host, unit: str, backup_id: str | No
     return chosen
 
 
-def restore(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None = None,
-            *, progress: Callable[[str], None] = lambda m: None, deadline_s: float = 300.0,
-            only: list[str] | None = None) -> dict[str, Any]:
-    """Restore backup `backup_id` (default: newest) of unit on host; returns a report (raises on failure).
-    For a template unit, `only` names the replicas to restart (None: every one that ran before)."""
-    if "@." in unit:
-        return restore_replicas(executor, host, unit, backup_id, only=only, progress=progress, deadline_s=deadline_s)
-    chosen = choose_backup(executor, host, unit, backup_id)
-    meta = chosen["meta"]
-    started = time.monotonic()
-    report: dict[str, Any] = {"host": host.name, "unit": unit, "backup_id": chosen["id"], "meta": meta,
-                              "restarted": [], "health": None}
-    progress(f"restoring {unit} from backup {chosen['id']}")
-    # Stop the current unit first: the restored one may be absent, or use the same port.
-    executor.run(host, ["systemctl", "stop", unit], timeout=120)
-    out = run_probe(executor, host, "unitfile", stdin=restore_spec(unit, chosen["id"]))
-    report["files"] = {"before": out["before"], "after": out["after"]}
-    if out["daemon_reload"]["rc"] != 0:
-        raise StepFailed(f"daemon-reload failed on {host.name}: {out['daemon_reload']['stderr']}")
-    if meta.get("unit_existed"):
-        executor.run(host, ["systemctl", "reset-failed", unit], timeout=60)
-        result = executor.run(host, ["systemctl", "restart", unit], timeout=120)
-        if not result.ok:
-            raise StepFailed(f"restarting the restored {unit} failed on {host.name}: {result.stderr.strip()[-200:]}")
-        report["restarted"].append(unit)
-        service = next((s for s in host.services if s.unit == unit), None)
-        if service and service.port:
-            report["health"] = wait_healthy(executor, host, unit, service.port, service.health or "/health",
-                                            deadline_s, progress=progress)
-    else:
-        executor.run(host, ["systemctl", "disable", unit], timeout=60)
-        executor.run(host, ["systemctl", "reset-failed", unit], timeout=60)
-        report["removed"] = True
-    restart_others(executor, host, meta, report, progress)
-    report["seconds"] = round(time.monotonic() - started, 2)
-    return report
-
-
-def restart_others(executor: Executor, host: Host, meta: dict[str, Any], report: dict[str, Any],
-                   progress: Callable[[str], None]) -> None:
-    """Start again what the pivot stopped (its backup names them) and check they serve."""
-    for other in meta.get("restart_after_rollback") or []:
-        progress(f"starting {other} again")
-        result = executor.run(host, ["systemctl", "start", other], timeout=120)
-        if not result.ok:
-            raise StepFailed(f"starting {other} again failed on {host.name}: {result.stderr.strip()[-200:]}")
-        report["restarted"].append(other)
-    for other in meta.get("restart_after_rollback") or []:
-        service = next((s for s in host.services if s.unit == other), None)
-        if service and service.port:
-            report.setdefault("others", {})[other] = wait_healthy(executor, host, other, service.port,
-                                                                  service.health or "/health", 60, progress=progress)
-        else:
-            state = _settle(executor, host, other)
-            if state != "active":
-                raise StepFailed(f"{other} is {state} on {host.name} after the rollback")
-
-
-# -- replicas (a template unit behind HAProxy) ---------------------------------------------------------
-
 def read_manifest(executor: Executor, host: Host, template: str) -> dict[str, Any] | None:
     """The replicas manifest the last install left on the host, or None."""
     result = executor.run(host, ["cat", replicas_manifest(template)], timeout=30)
@@ -123,161 +79,230 @@ def is_active(executor: Executor, host: Host, unit: str) -> bool:
                                                                                               "reloading")
 
 
-def replace_replica(executor: Executor, host: Host, replica: dict[str, Any], manifest: dict[str, Any],
-                    deadline_s: float, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Restart one replica without the service going away: drained first when the balancer runs,
-    readmitted once healthy (and UP in HAProxy)."""
-    bal = manifest["balancer"]
-    in_balancer = is_active(executor, host, bal["unit"])
-    out: dict[str, Any] = {"unit": replica["unit"]}
-    if in_balancer:
-        progress(f"draining {replica['unit']}")
-        out["drain_s"] = balancer.call(executor, host, bal, "drain", [replica["server"]],
-                                       timeout_s=bal.get("drain_timeout_s", 120))["waited_s"]
-    executor.run(host, ["systemctl", "reset-failed", replica["unit"]], timeout=60)
-    result = executor.run(host, ["systemctl", "restart", replica["unit"]], timeout=120)
-    if not result.ok:
-        raise StepFailed(f"restarting {replica['unit']} failed on {host.name}: {result.stderr.strip()[-200:]}")
-    out["health"] = wait_healthy(executor, host, replica["unit"], replica["port"], manifest.get("health_path", "/health"),
-                                 deadline_s, progress=progress)
-    if in_balancer:
-        ready = balancer.call(executor, host, bal, "ready", [replica["server"]], timeout_s=bal.get("ready_timeout_s", 60))
-        if not ready["ok"]:
-            raise StepFailed(f"HAProxy on {host.name} does not see {replica['unit']} UP after the rollback: "
-                             f"{ready['states']}")
-        out["readmit_s"] = ready["waited_s"]
-    return out
+def unit_sha256(executor: Executor, host: Host, unit: str) -> str | None:
+    out = executor.run(host, ["sha256sum", "--", unit_path(unit)], timeout=30).stdout.split()
+    return out[0] if out and len(out[0]) == 64 else None
 
 
-def restore_replicas(executor: Executor, host: Host, template: str, backup_id: str | None, *,
-                     only: list[str] | None, progress: Callable[[str], None], deadline_s: float) -> dict[str, Any]:
-    """Put a template unit's files back (its replicas' env files, the balancer's config, the manifest),
-    reload HAProxy if its config changed, stop replicas the backup did not run, and restart the ones it
-    did (those in `only`, when given) one at a time."""
-    chosen = choose_backup(executor, host, template, backup_id)
-    meta = chosen["meta"]
-    started = time.monotonic()
-    report: dict[str, Any] = {"host": host.name, "unit": template, "backup_id": chosen["id"], "meta": meta,
-                              "restarted": [], "health": None}
-    progress(f"restoring {template} and its replicas from backup {chosen['id']}")
-    current = read_manifest(executor, host, template)
-    out = run_probe(executor, host, "unitfile", stdin=restore_spec(template, chosen["id"]))
-    report["files"] = {"before": out["before"], "after": out["after"], "changed": out.get("changed", [])}
-    if out["daemon_reload"]["rc"] != 0:
-        raise StepFailed(f"daemon-reload failed on {host.name}: {out['daemon_reload']['stderr']}")
-    restored = read_manifest(executor, host, template) if meta.get("unit_existed") else None
-    was_running = set(meta.get("replicas_before") or [])
-    keep = [r for r in (restored or {}).get("replicas", []) if r["unit"] in was_running]
-    kept = {r["unit"] for r in keep}
-    others = {r["unit"]: r for r in (current or {}).get("replicas", []) + (restored or {}).get("replicas", [])}
-    for replica in others.values():
-        if replica["unit"] not in kept and is_active(executor, host, replica["unit"]):
-            progress(f"stopping {replica['unit']} (not running before)")
-            executor.run(host, ["systemctl", "disable", "--now", replica["unit"]], timeout=120)
-            report.setdefault("stopped", []).append(replica["unit"])
-    bal = (restored or current or {}).get("balancer")
-    if bal and bal["config"] in report["files"]["changed"] and is_active(executor, host, bal["unit"]):
-        result = executor.run(host, ["systemctl", "reload", bal["unit"]], timeout=120)
-        if not result.ok:
-            raise StepFailed(f"reloading {bal['unit']} with the restored config failed on {host.name}: "
-                             f"{result.stderr.strip()[-200:]}")
-        report["balancer_reloaded"] = True
-    if restored is None:
-        report["removed"] = True
-    report["replicas"] = {}
-    for replica in keep:
-        if only is not None and replica["unit"] not in only:
+def recorded_checks(executor: Executor, host: Host, unit: str, sha256: str | None) -> Checks | None:
+    """The checks of the newest successful pivot that installed `unit` with exactly this file."""
+    if sha256 is None:
+        return None
+    lines = executor.run(host, ["tail", "-n", str(HISTORY_SCAN), "--", HISTORY_PATH], timeout=30).stdout.splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+            if (record.get("kind"), record.get("outcome"), record.get("unit"), record.get("unit_sha256")) == (
+                    "pivot", "ok", unit, sha256) and record.get("checks"):
+                return Checks.from_record(record["checks"])
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
-        report["replicas"][replica["unit"]] = replace_replica(executor, host, replica, restored, deadline_s, progress)
-        report["restarted"].append(replica["unit"])
-    if report["replicas"]:
-        report["health"] = {"replicas": {u: r["health"] for u, r in report["replicas"].items()}}
-    restart_others(executor, host, meta, report, progress)
-    report["seconds"] = round(time.monotonic() - started, 2)
-    return report
+    return None
 
 
-def reroll(executor: Executor, host: Host, template: str, units: list[str], *, progress: Callable[[str], None],
-           deadline_s: float = 300.0) -> dict[str, Any]:
-    """Restart replicas on the files in place (a rolling restart that changed no file, e.g. a new runtime
-    release alone, has no backup to restore): one at a time, drained and readmitted."""
-    manifest = read_manifest(executor, host, template)
-    if manifest is None:
-        raise StepFailed(f"no replicas manifest for {template} on {host.name}: cannot restart its replicas")
-    report: dict[str, Any] = {"restarted": [], "replicas": {}}
-    for replica in manifest["replicas"]:
-        if replica["unit"] in units:
-            report["replicas"][replica["unit"]] = replace_replica(executor, host, replica, manifest, deadline_s, progress)
-            report["restarted"].append(replica["unit"])
+@dataclass
+class Restored:
+    """The gates' view of what a rollback brought back: these units, held to these checks."""
+
+    executor: Executor
+    host: Host
+    checks: Checks
+    secrets: dict[str, str]
+    progress: Callable[[str], None]
+    only: tuple[Replica, ...]
+
+    def serving(self) -> tuple[Replica, ...]:
+        return self.only
+
+    def check_interrupt(self) -> None:
+        """A rollback is not stopped half-way by a Ctrl-C (the flow already stopped for it)."""
+
+
+@dataclass
+class UndoContext:
+    """What an undo applies with: the host, the report it adds to, and what it asks to bring back once
+    every undo has applied: restored units and replicas (restarted and gated), units to start again."""
+
+    executor: Executor
+    inventory: Inventory
+    host: Host
+    retrying: Retrying
+    progress: Callable[[str], None] = lambda message: None
+    secrets: dict[str, str] = field(default_factory=dict)
+    skip_smoke: bool = False
+    report: dict[str, Any] = field(default_factory=lambda: {"restarted": []})
+    restored: dict[str, str | None] = field(default_factory=dict)   # unit -> sha256 of its restored file
+    known: dict[str, Checks] = field(default_factory=dict)          # unit -> the checks found for it
+    restarts: list[tuple[str, str]] = field(default_factory=list)   # (unit or template, unit), in order
+    starts: dict[str, bool] = field(default_factory=dict)           # unit -> check that it serves once started
+
+    def restart(self, unit: str) -> None:
+        """Restart a restored unit on its restored files, then gate it."""
+        if (unit, unit) not in self.restarts:
+            self.restarts.append((unit, unit))
+
+    def cycle(self, template: str, unit: str) -> None:
+        """Return one replica of `template` through the replica cycle, gated on the way."""
+        if (template, unit) not in self.restarts:
+            self.restarts.append((template, unit))
+
+    def start_again(self, unit: str, checked: bool = False) -> None:
+        """Start a unit the pivot stopped; `checked`: then see that it serves (or at least stays up)."""
+        self.starts[unit] = self.starts.get(unit, False) or checked
+
+    # -- bringing back ---------------------------------------------------------------------------
+
+    def bring_back(self) -> None:
+        for template, unit in self.restarts:
+            if template == unit:
+                self.retrying(self.restart_unit, unit)
+            else:
+                self.retrying(self.cycle_replica, template, unit)
+        for unit in self.starts:
+            self.progress(f"starting {unit} again")
+            self.retrying(lambda u=unit: check(self.executor.run(self.host, ["systemctl", "start", u], timeout=120),
+                                               f"starting {u} again"))
+            self.report["restarted"].append(unit)
+        for unit, checked in self.starts.items():
+            if checked:
+                self.retrying(self.check_started, unit)
+
+    def restart_unit(self, unit: str) -> None:
+        self.progress(f"restarting the restored {unit}")
+        self.executor.run(self.host, ["systemctl", "reset-failed", unit], timeout=60)
+        check(self.executor.run(self.host, ["systemctl", "restart", unit], timeout=120), f"restarting the restored {unit}")
+        self.report["restarted"].append(unit)
+        service = next((s for s in self.host.services if s.unit == unit), None)
+        checks = self.checks_for(unit, lambda: Checks.health_only(service and service.port,
+                                                                   (service and service.health) or "/health", 300.0))
+        if checks.port is None:
+            self.settled(unit)
+            return
+        self.gate([Replica(0, unit, checks.port, ())], checks, self.report,
+                  lambda name, title: self.progress(f"{title.lower()} on {unit}"))
+
+    def cycle_replica(self, template: str, unit: str) -> None:
+        manifest = read_manifest(self.executor, self.host, template)
+        member = next((r for r in (manifest or {}).get("replicas", []) if r["unit"] == unit), None)
+        if member is None:
+            raise StepFailed(f"{unit} is not in the replicas manifest of {template} on {self.host.name}: "
+                             "cannot restart it")
+        replica = Replica(member["index"], unit, member["port"], tuple(member.get("gpus", ())))
+        checks = self.checks_for(template, lambda: Checks.health_only(None, manifest.get("health_path", "/health"), 300.0))
+        bal = manifest["balancer"]
+        balanced = Balanced.of(bal) if is_active(self.executor, self.host, bal["unit"]) else None
+        out: dict[str, Any] = {"unit": unit}
+        self.report.setdefault("replicas", {})[unit] = out
+        cycle(self.executor, self.host, [replica], balanced=balanced, record=out, progress=self.progress,
+              label=f"{unit}: ", gate=lambda batch, at: self.gate(batch, checks, out, at))
+        self.report["restarted"].append(unit)
+        self.report["health"] = {"replicas": {u: r["health"] for u, r in self.report["replicas"].items()
+                                              if "health" in r}}
+
+    def check_started(self, unit: str) -> None:
+        service = next((s for s in self.host.services if s.unit == unit), None)
+        if service is None or not service.port:
+            self.settled(unit)
+            return
+        checks = Checks.health_only(service.port, service.health or "/health", OTHERS_DEADLINE_S)
+        self.report.setdefault("others", {})[unit] = HealthGate().check(
+            Restored(self.executor, self.host, checks, self.secrets, self.progress,
+                     (Replica(0, unit, service.port, ()),))).data
+
+    def settled(self, unit: str) -> None:
+        state = _settle(self.executor, self.host, unit)
+        if state != "active":
+            raise StepFailed(f"{unit} is {state} on {self.host.name} after the rollback")
+
+    # -- the gates on the way back ---------------------------------------------------------------
+
+    def checks_for(self, unit: str, unrecorded: Callable[[], Checks]) -> Checks:
+        """The checks of the profile that installed `unit` as it is now (looked up once per rollback)."""
+        if unit not in self.known:
+            sha256 = self.restored.get(unit) or unit_sha256(self.executor, self.host, unit)
+            self.known[unit] = recorded_checks(self.executor, self.host, unit, sha256) or unrecorded()
+        return self.known[unit]
+
+    def gate(self, batch: Sequence[Replica], checks: Checks, into: dict[str, Any],
+             at: Callable[[str, str], None]) -> None:
+        """Health, then smoke where the restored profile has one (and --skip-smoke was not given). What
+        each measured goes `into` the report (a failed gate's too: `health`, `smoke`), and `checked`
+        says, per unit, what passed, failed or was not run."""
+        view = Restored(self.executor, self.host, checks, self.secrets, self.progress, tuple(batch))
+        checked = self.report.setdefault("checked", {})
+        units = [r.unit for r in batch]
+        for unit in units:
+            checked[unit] = {"profile": checks.profile}
+        gates: list[tuple[Any, str | None]] = [(HealthGate(), None), (SmokeGate(), self.smoke_skipped(checks))]
+        for gate, skipped in gates:
+            if skipped is not None:
+                for unit in units:
+                    checked[unit][gate.name] = f"not run: {skipped}"
+                continue
+            at(gate.name, gate.title)
+            try:
+                result: GateResult = gate.check(view)
+            except DdopsError as exc:
+                if isinstance(exc, GateFailed):
+                    into[gate.name] = exc.data
+                for unit in units:
+                    checked[unit][gate.name] = "failed"
+                raise
+            # a replica's health is its own wait's figures (what the plain unit's gate returns)
+            into[gate.name] = result.data["replicas"][units[0]] if gate.name == "health" and checks.replicated \
+                else result.data
+            for unit in units:
+                checked[unit][gate.name] = "passed"
+
+    def smoke_skipped(self, checks: Checks) -> str | None:
+        if self.skip_smoke:
+            return "--skip-smoke"
+        if checks.smoke is None:
+            return "no pivot recorded the restored unit's profile (its smoke test is unknown)"
+        return None
+
+
+def undo(executor: Executor, inventory: Inventory, host: Host, undos: list[Undo], *, retrying: Retrying,
+         progress: Callable[[str], None] = lambda m: None, secrets: dict[str, str] | None = None,
+         skip_smoke: bool = False, report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Apply a pivot's undos newest first (those marked `first` before the rest), then bring back and
+    gate what they asked for. Each is retried while the host is briefly unreachable. Returns the report
+    (`report`, when given, is filled as it goes: a rollback that fails still says what it did)."""
+    report = {} if report is None else report
+    report.setdefault("restarted", [])
+    ctx = UndoContext(executor, inventory, host, retrying, progress, secrets or {}, skip_smoke, report)
+    newest_first = list(reversed(undos))
+    for step in [u for u in newest_first if u.first] + [u for u in newest_first if not u.first]:
+        retrying(step.apply, ctx)
+    ctx.bring_back()
     return report
 
 
 def rollback_command(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None,
-                     progress: Callable[[str], None]) -> dict[str, Any]:
-    """`ddops rollback`: restore, and record the attempt in the host's history, failed ones too."""
+                     progress: Callable[[str], None], *, skip_smoke: bool = False) -> dict[str, Any]:
+    """`ddops rollback`: restore one backup (every replica of a template), gate what it brings back, and
+    record the attempt in the host's history, failed ones too."""
+    from .undo import RestoreBackup
+
     t0 = time.monotonic()
+    report: dict[str, Any] = {}
     try:
-        report = restore(executor, inventory, host, unit, backup_id, progress=progress)
+        undo(executor, inventory, host, [RestoreBackup(unit, backup_id, every_replica=True)],
+             retrying=Retrying(stop=stop_after_attempt(1), reraise=True), progress=progress,
+             skip_smoke=skip_smoke, report=report)
     except UsageError:
         raise  # nothing was attempted (no such backup): nothing to record
     except DdopsError as exc:
         history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
-                                        "backup_id": backup_id, "error": exc.line(),
-                                        "wall_s": round(time.monotonic() - t0, 2)})
+                                        "backup_id": report.get("backup_id", backup_id), "error": exc.line(),
+                                        "checked": report.get("checked"), "wall_s": round(time.monotonic() - t0, 2)})
         raise
+    report["seconds"] = round(time.monotonic() - t0, 2)
     history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "ok",
                                     "backup_id": report["backup_id"], "restarted": report["restarted"],
-                                    "removed": report.get("removed", False), "wall_s": report["seconds"]})
+                                    "removed": report.get("removed", False), "checked": report.get("checked"),
+                                    "wall_s": report["seconds"]})
     return report
-
-
-def undo(executor: Executor, inventory: Inventory, host: Host, operations: list[Operation], *,
-         retrying: Retrying, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Replay a pivot's undo operations, newest first. A restore puts back the unit and restarts what its
-    backup names (`restarts`), so a later start of one of those is not repeated; each undo is retried
-    while the host is briefly unreachable. Returns the restore's report, or the units started again."""
-    covered = {u for op in operations if "restore" in op.data for u in op.data.get("restarts", ())}
-    # Replicas a rolling restart replaced: a restore of their template restarts them (and only them) on
-    # the restored files; without one, they are restarted on the files in place.
-    rolled = {op.data["template"]: [] for op in operations if "roll_back" in op.data}
-    for op in operations:
-        if "roll_back" in op.data:
-            rolled[op.data["template"]] += op.data["roll_back"]
-    restored_templates = {op.data["unit"] for op in operations if "restore" in op.data}
-    report: dict[str, Any] = {"restarted": []}
-    # The runtime release first: every unit restarted below must start on the code it ran before.
-    reinstalled = [op.data["reinstall"] for op in reversed(operations) if "reinstall" in op.data]
-    for previous in reinstalled:
-        retrying(reinstall, executor, host, previous, progress=progress)
-    for op in reversed(operations):
-        if "restore" in op.data:
-            only = rolled.get(op.data["unit"], []) if "@." in op.data["unit"] else None
-            restored = retrying(restore, executor, inventory, host, op.data["unit"], op.data["restore"],
-                                progress=progress, only=only)
-            report = {**restored, "restarted": restored["restarted"] + report["restarted"]}
-        elif "roll_back" in op.data and op.data["template"] not in restored_templates:
-            again = retrying(reroll, executor, host, op.data["template"], op.data["roll_back"], progress=progress)
-            report = {**report, "replicas": {**report.get("replicas", {}), **again["replicas"]},
-                      "restarted": again["restarted"] + report["restarted"]}
-        elif "start" in op.data and op.data["start"] not in covered:
-            unit = op.data["start"]
-            progress(f"starting {unit} again")
-            retrying(lambda u=unit: executor.run(host, ["systemctl", "start", u], timeout=120).check(f"starting {u}"))
-            report["restarted"].append(unit)
-    if reinstalled:
-        report["reinstalled"] = reinstalled[-1]["release"]
-    return report
-
-
-def reinstall(executor: Executor, host: Host, previous: dict[str, str],
-              progress: Callable[[str], None] = lambda m: None) -> None:
-    """Put the runtime release that a pivot replaced back into the venv, and its record as it was."""
-    progress(f"reinstalling ddtree-runtime {previous['release']} (the release before the pivot)")
-    executor.run(host, [previous["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
-                        "--force-reinstall", "-q", previous["wheel"]], timeout=600).check(
-        f"reinstalling ddtree-runtime {previous['release']} from {previous['wheel']}")
-    executor.run(host, write_file_argv(previous["record"]), stdin=previous["record_text"]).check(
-        "restoring the runtime release record")
 
 
 def _settle(executor: Executor, host: Host, unit: str, wait_s: float = 3.0) -> str:

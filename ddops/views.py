@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from rich.console import Console
@@ -14,7 +14,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .plan import Operation
+from .plan import StepState
+from .report import checked_words
 from .progress import HEARTBEAT_S, NOTE_S
 
 
@@ -27,18 +28,6 @@ def stdout_console() -> Console:
 
 ICONS = {"pending": ("·", "dim"), "running": ("▶", "bold yellow"), "done": ("✔", "green"),
          "failed": ("✘", "bold red"), "skipped": ("–", "dim"), "planned": ("•", "cyan")}
-
-
-@dataclass
-class StepState:
-    """One row of the plan: a step or gate, its status, its planned operations and its summary."""
-
-    name: str
-    title: str
-    status: str = "pending"
-    summary: str = ""
-    changes: list[Operation] = field(default_factory=list)
-    seconds: float | None = None
 
 
 class PlanView:
@@ -175,6 +164,9 @@ def render_summary(report: dict[str, Any], console: Console) -> None:
                            "tokens/s per mode)", style="dim"), soft_wrap=True)
     for batch in report.get("rolling") or []:
         console.print(Text(f"  rolling {rolling_line(batch)}", style="" if batch["ok"] else "red"), soft_wrap=True)
+    if (report.get("rollback") or {}).get("checked"):
+        console.print(Text(f"  on the way back: {checked_words(report['rollback'])}",
+                           style="" if report.get("rolled_back") else "red"), soft_wrap=True)
     console.print(f"  wall time {report['wall_s']}s; exit {report['exit_code']}")
 
 
@@ -249,7 +241,7 @@ def history_table(records: list[dict[str, Any]]) -> Table:
 
 
 def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
-    what = "removed (it did not exist before)" if report.get("removed") else "restored and healthy"
+    what = "removed (it did not exist before)" if report.get("removed") else "restored"
     return (f"[bold green]ROLLED BACK:[/] {unit} on {host} {what} from backup {report['backup_id']}"
             + (f"; running again: {', '.join(report['restarted'])}" if report["restarted"] else "")
-            + f" ({report['seconds']}s)")
+            + (f"; {checked_words(report)}" if report.get("checked") else "") + f" ({report['seconds']}s)")

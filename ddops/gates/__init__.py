@@ -1,12 +1,18 @@
-"""Gates: checks the flow runs after the start, each `check(ctx) -> GateResult`, raising when the
-host is not serving as it should. They change nothing; a failed gate makes the flow roll back."""
+"""Gates: checks run after the start, each `check(ctx) -> GateResult`, raising when the host is not
+serving as it should. They change nothing; a failed gate makes the flow roll back. The flow runs them
+on the way forward (the whole run, and each batch of a rolling restart); the rollback runs the same
+ones on what it restored, held to the checks of the profile that installed it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..errors import StepFailed
+from ..executor import Executor
+from ..inventory import Host
+from ..plan import Checks
+from ..profile import Replica
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,26 @@ class GateFailed(StepFailed):
     def __init__(self, what: str, data: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(what, **kwargs)
         self.data = data
+
+
+class GateContext(Protocol):
+    """What a gate's check reads (the pivot's RunContext is one; so is the rollback's view of what it
+    restored): where, what to hold it to, the units to look at, and how to report and stop."""
+
+    executor: Executor
+    secrets: dict[str, str]
+    progress: Callable[[str], None]
+    only: tuple[Replica, ...] | None
+
+    @property
+    def host(self) -> Host: ...
+
+    @property
+    def checks(self) -> Checks: ...
+
+    def serving(self) -> tuple[Replica, ...]: ...
+
+    def check_interrupt(self) -> None: ...
 
 
 class Gate(Protocol):

@@ -16,9 +16,9 @@ from .. import balancer
 from ..errors import HostUnreachable, StepFailed
 from ..executor import CommandTimeout, Executor
 from ..inventory import Host
-from ..plan import RunContext
+from ..plan import RunContext, serving_shape  # noqa: F401 - serving_shape: what the gate expects, also for its callers
 from ..remote import journal_tail, run_probe
-from . import GateResult
+from . import GateContext, GateResult
 
 
 FATAL_HEALTH = ("error", "failed")   # /health states a runtime never leaves by itself
@@ -117,13 +117,6 @@ def wait_healthy(executor: Executor, host: Host, unit: str, port: int, path: str
             "unreachable_polls": len(unreachable)}
 
 
-def serving_shape(profile) -> dict:
-    """What /health must report: the profile's mode, and its block size when it sets one (else the
-    drafter's own, which preflight checked)."""
-    block = {"block_size": profile.serve.block_size} if profile.serve.block_size is not None else {}
-    return {**block, "mode": profile.serve.mode}
-
-
 class HealthGate:
     name = "health"
     title = "Health gate"
@@ -137,32 +130,33 @@ class HealthGate:
                     f"{p.replicas.count} replica(s), then every one UP in HAProxy on port {p.port}")
         return f"wait up to {p.health.deadline_s:g}s for {p.health.path} ok{expect}, watching {p.unit}"
 
-    def check(self, ctx: RunContext) -> GateResult:
-        if ctx.profile.replicated:
+    def check(self, ctx: GateContext) -> GateResult:
+        checks = ctx.checks
+        if checks.replicated:
             return self.check_replicas(ctx)
-        p = ctx.profile
-        expect = serving_shape(p) if p.engine == "ddtree" else None
-        out = wait_healthy(ctx.executor, ctx.host, p.unit, p.port, p.health.path, p.health.deadline_s,
-                           p.health.interval_s, expect, progress=ctx.progress, check_interrupt=ctx.check_interrupt)
+        unit = ctx.serving()[0]
+        out = wait_healthy(ctx.executor, ctx.host, unit.unit, unit.port, checks.health.path, checks.health.deadline_s,
+                           checks.health.interval_s, checks.expect or None, progress=ctx.progress,
+                           check_interrupt=ctx.check_interrupt)
         body = out["health"] if isinstance(out["health"], dict) else {}
         extra = f" mode={body.get('mode')} block_size={body.get('block_size')}" if body.get("mode") else ""
         gap = f" (host did not answer {out['unreachable_polls']} poll(s))" if out["unreachable_polls"] else ""
         return GateResult(f"healthy after {out['seconds']}s{extra}{gap}", out)
 
-    def check_replicas(self, ctx: RunContext) -> GateResult:
+    def check_replicas(self, ctx: GateContext) -> GateResult:
         """Each replica in turn (they start together, so the first wait covers most of the others'); then,
         unless a batch is being checked, HAProxy must see every replica UP."""
-        p = ctx.profile
-        expect = serving_shape(p)
+        health, expect = ctx.checks.health, ctx.checks.expect
         replicas = {}
         for replica in ctx.serving():
-            replicas[replica.unit] = wait_healthy(ctx.executor, ctx.host, replica.unit, replica.port, p.health.path,
-                                                  p.health.deadline_s, p.health.interval_s, expect,
+            replicas[replica.unit] = wait_healthy(ctx.executor, ctx.host, replica.unit, replica.port, health.path,
+                                                  health.deadline_s, health.interval_s, expect,
                                                   progress=lambda m, u=replica.unit: ctx.progress(f"{u}: {m}"),
                                                   check_interrupt=ctx.check_interrupt)
         data: dict = {"replicas": replicas}
         summary = f"{len(replicas)} replica(s) healthy (slowest {max(o['seconds'] for o in replicas.values())}s)"
-        if ctx.only is None:
+        if ctx.only is None:  # the whole run's gate: only the flow checks every replica at once
+            p = ctx.profile
             servers = [r.server for r in p.replicas.members]
             out = balancer.call(ctx.executor, ctx.host, balancer.as_spec(p), "up", servers,
                                 timeout_s=p.balancer.ready_timeout_s)

@@ -1,10 +1,11 @@
 """Rolling restart: replicas already serving are replaced in batches (`--batch N`) when the pivot changed
 what they run, so clients behind the balancer never see the service go away.
 
-Each batch: drain it in HAProxy (no new requests; wait, bounded, for its sessions to reach 0), restart
-it, check it with the run's gates (health, then smoke, on these replicas only), readmit it and wait
-until HAProxy sees it UP. The first failed batch stops the run; the replicas not yet replaced still
-serve the old release, and the flow's rollback returns the failed batch to it.
+Each batch goes through the replica cycle (ddops.cycle): drain it in HAProxy (no new requests; wait,
+bounded, for its sessions to reach 0), restart it, have the flow check it with the run's gates (health,
+then smoke, on these replicas only), readmit it and wait until HAProxy sees it UP. The first failed
+batch stops the run; the replicas not yet replaced still serve the old release, and the flow's rollback
+returns the failed batch to it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import time
 
 from .. import balancer
+from ..cycle import Balanced, cycle
 from ..errors import DdopsError, StepFailed
 from ..facts import Inspection
-from ..plan import RESTART_AFTER, Interrupted, Operation, PlanContext, RunContext, roll_back_replicas
+from ..plan import RESTART_AFTER, Interrupted, Operation, PlanContext, RunContext
 from ..profile import Profile
-from ..remote import check
+from ..undo import RollBackReplicas
 
 
 def plan_roll(profile: Profile, units: Inspection, planned: set[str], batch: int) -> list[Operation]:
@@ -50,47 +52,26 @@ class RollStep:
         return f"{len(operations)} batch(es) replaced with no replica out of service at once; slowest {slowest}s"
 
     def replace(self, ctx: RunContext, batch: list, number: int, total: int) -> None:
-        profile, host, ex = ctx.profile, ctx.host, ctx.executor
-        spec, servers, units = balancer.as_spec(profile), [r.server for r in batch], [r.unit for r in batch]
+        profile = ctx.profile
+        units = [r.unit for r in batch]
         others = [r.unit for r in profile.replicas.members if r not in batch]
         record: dict = {"batch": number, "replicas": units, "ok": False}
         ctx.journal.rolling.append(record)
         started = time.monotonic()
         # Recorded before the restart: a batch that fails its gate is returned to the old release too.
-        ctx.journal.change("replicas", undo=roll_back_replicas(profile.unit, units))
-        stage = "drain"
+        ctx.journal.change("replicas", undo=RollBackReplicas(profile.unit, tuple(units)))
+        balanced = Balanced(balancer.as_spec(profile), profile.balancer.drain_timeout_s, profile.balancer.ready_timeout_s)
         try:
-            ctx.progress(f"batch {number}/{total}: draining {', '.join(units)}")
-            drained = balancer.call(ex, host, spec, "drain", servers, timeout_s=profile.balancer.drain_timeout_s)
-            record.update(drain_s=drained["waited_s"], drained=drained["ok"],
-                          sessions_left=sum(s.get("sessions", 0) for n, s in drained["states"].items() if n in servers))
-            stage = "restart"
-            t0 = time.monotonic()
-            for unit in units:
-                ex.run(host, ["systemctl", "reset-failed", unit], timeout=60)
-                check(ex.run(host, ["systemctl", "restart", unit], timeout=120), f"systemctl restart {unit}")
-            ctx.journal.change("restarted")
-            ctx.only = tuple(batch)
-            for gate in ctx.gates:
-                stage = gate.name
-                ctx.progress(f"batch {number}/{total}: {gate.title.lower()} on {', '.join(units)}")
-                gate.check(ctx)
-            record["restart_and_gates_s"] = round(time.monotonic() - t0, 2)
-            stage = "readmit"
-            ready = balancer.call(ex, host, spec, "ready", servers, timeout_s=profile.balancer.ready_timeout_s)
-            record["readmit_s"] = ready["waited_s"]
-            if not ready["ok"]:
-                raise StepFailed(f"HAProxy did not see {', '.join(units)} UP within {profile.balancer.ready_timeout_s:g}s "
-                                 f"after readmitting them: {ready['states']}")
+            cycle(ctx.executor, ctx.host, batch, balanced=balanced, gate=ctx.check_batch, record=record,
+                  progress=ctx.progress, label=f"batch {number}/{total}: ",
+                  restarted=lambda: ctx.journal.change("restarted"))
         except Interrupted:  # Ctrl-C: stopped at a safe point inside the batch; rolled back like a failure
-            record.update(failed_at=stage, error="interrupted", total_s=round(time.monotonic() - started, 2))
+            record.update(error="interrupted", total_s=round(time.monotonic() - started, 2))
             raise
         except DdopsError as exc:
-            record.update(failed_at=stage, error=exc.line().split("\n")[0], total_s=round(time.monotonic() - started, 2))
+            record.update(error=exc.line().split("\n")[0], total_s=round(time.monotonic() - started, 2))
             serving = f"; {', '.join(others)} kept serving the old release" if others else ""
             raise StepFailed(f"rolling restart halted at batch {number}/{total} ({', '.join(units)}): "
-                             f"{stage} failed: {exc.line()}{serving}",
+                             f"{record['failed_at']} failed: {exc.line()}{serving}",
                              fix="the failed batch is rolled back; the batches not reached were never stopped") from exc
-        finally:
-            ctx.only = None
         record.update(ok=True, total_s=round(time.monotonic() - started, 2))

@@ -14,6 +14,7 @@ from ..plan import Operation, PlanContext, RunContext
 from ..profile import Profile
 from ..release import build_wheel
 from ..remote import check, write_file_argv
+from ..undo import Reinstall
 
 
 def plan_ship(profile: Profile, installed: FileFact, release: str | None) -> list[Operation]:
@@ -50,8 +51,7 @@ class ShipStep:
         profile, host, ex = ctx.profile, ctx.host, ctx.executor
         release, previous = operations[0].data["release"], operations[0].data.get("previous")
         # noted before pip touches the venv: a failed install is taken back as well
-        ctx.journal.change(self.name, undo=None if previous is None else Operation(
-            f"reinstall ddtree-runtime {previous['release']}", data={"reinstall": previous}))
+        ctx.journal.change(self.name, undo=None if previous is None else Reinstall(previous))
         wheel = build_wheel(profile.runtime.ship, release)
         remote = f"{RELEASES}/{release}/{wheel.name}"
         check(ex.run(host, write_file_argv(remote), stdin=wheel.read_bytes()), "pushing the wheel")

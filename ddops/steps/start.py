@@ -5,15 +5,16 @@ balancer; replicas already serving are left to the rolling restart (steps.roll),
 from __future__ import annotations
 
 from ..facts import Inspection
-from ..plan import RESTART_AFTER, Operation, PlanContext, RunContext, start_again
+from ..plan import RESTART_AFTER, Operation, PlanContext, RunContext
 from ..profile import Profile
 from ..remote import check
+from ..undo import StartAgain
 
 
 def plan_start(profile: Profile, units: Inspection, planned: set[str]) -> list[Operation]:
     unit = profile.unit
     operations = [Operation(f"stop conflicting {c}", commands=(("systemctl", "stop", c),), data={"stop": c},
-                            undo=start_again(c))
+                            undo=StartAgain(c))
                   for c in profile.conflicts if units.unit(c).active]
     state = units.unit(unit)
     if state.unit_file_state != "enabled" or "unit" in planned:
@@ -31,12 +32,12 @@ def plan_start_replicas(profile: Profile, units: Inspection, planned: set[str], 
     """Conflicts stopped; replicas enabled, the stopped ones started; HAProxy started, or reloaded when its
     config is rewritten (a reload keeps serving: the old worker finishes its connections)."""
     operations = [Operation(f"stop conflicting {c}", commands=(("systemctl", "stop", c),), data={"stop": c},
-                            undo=start_again(c))
+                            undo=StartAgain(c))
                   for c in profile.conflicts if units.unit(c).active]
     members = {r.unit for r in profile.replicas.members}
     for unit in [u for u in units.installed_replicas(profile.unit) if u not in members]:
         operations.append(Operation(f"stop and disable {unit} (no longer a replica)", data={"stop": unit},
-                                    commands=(("systemctl", "disable", "--now", unit),), undo=start_again(unit)))
+                                    commands=(("systemctl", "disable", "--now", unit),), undo=StartAgain(unit)))
     for replica in profile.replicas.members:
         state = units.unit(replica.unit)
         if state.unit_file_state != "enabled":

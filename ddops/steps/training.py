@@ -9,9 +9,10 @@ from dataclasses import asdict
 from ..errors import Refused, StepFailed
 from ..facts import Training
 from ..inventory import Host
-from ..plan import Operation, PlanContext, RunContext, start_again
+from ..plan import Operation, PlanContext, RunContext
 from ..profile import TrainingStop
 from ..remote import run_probe
+from ..undo import StartAgain
 
 
 def plan_training(training: Training, kill_training: bool, host: str, stop: TrainingStop = TrainingStop(),
@@ -33,7 +34,7 @@ def plan_training(training: Training, kill_training: bool, host: str, stop: Trai
     elif training.over(limit) and not stop.request:
         requires = f"a real run would lose {lost_words(training)} on {host}, so it needs --accept-lost-steps"
     return [Operation("\n".join(lines), data={"pids": list(training.pids), "limit": limit},
-                      undo=start_again(training.unit) if training.unit else None, requires=requires,
+                      undo=StartAgain(training.unit) if training.unit else None, requires=requires,
                       figures={"step": training.last_step, "checkpoint_step": training.checkpoint_step,
                                "checkpoint": training.checkpoint_path, "lost_steps": training.lost_steps,
                                "limit": limit, "checkpoint_request": stop.request})]
@@ -90,7 +91,7 @@ class TrainingStep:
         stopped_unit = out.get("unit") if not out.get("already_stopped") else None
         if stopped_unit:
             journal.stopped_units.append(stopped_unit)
-        journal.change(self.name, undo=start_again(stopped_unit) if stopped_unit else None)
+        journal.change(self.name, undo=StartAgain(stopped_unit) if stopped_unit else None)
         if not out["stopped"]:
             raise StepFailed(f"training is still running on {ctx.host.name} after SIGKILL: pids {out['left']}")
         if out.get("gpu_freed") is False:

@@ -24,9 +24,10 @@ from ..bundled import SETTINGS
 from ..errors import ConfigError, StepFailed
 from ..facts import Inspection
 from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, unit_path
-from ..plan import Operation, PlanContext, RunContext, restore_backup
+from ..plan import Operation, PlanContext, RunContext
 from ..profile import Profile, Replica
 from ..remote import check, run_probe
+from ..undo import RestoreBackup
 from ..yamlsrc import CONTROL_CHARS
 
 # Used with fullmatch: `$` would also match before a trailing newline, which would end the line.
@@ -322,7 +323,7 @@ class UnitStep:
         backup_id = new_backup_id()
         # Recorded before the action runs: an install that fails half-way is rolled back from its backup too.
         journal.backup_id = backup_id
-        journal.undo.append(restore_backup(profile.unit, backup_id, meta["restart_after_rollback"]))
+        journal.undo.append(RestoreBackup(profile.unit, backup_id))
         out = run_probe(ctx.executor, ctx.host, "unitfile", stdin=install_spec(profile, ctx.rendered, backup_id, meta))
         if out["daemon_reload"]["rc"] != 0:
             raise StepFailed(f"systemctl daemon-reload failed on {ctx.host.name}: {out['daemon_reload']['stderr']}")

@@ -18,12 +18,13 @@ from ddops.executor import CommandResult
 from ddops.facts import HostFacts, Inspection, PivotFacts
 from ddops.gates import GateFailed, GateResult
 from ddops.inventory import load_inventory
-from ddops.plan import Operation, PlanContext, restore_backup, start_again
+from ddops.plan import Operation, PlanContext, Undo
 from ddops.probes import probe_source
 from ddops.profile import load_profile
 from ddops.steps import pivot_steps
 from ddops.steps.training import TrainingStep
 from ddops.steps.unit import render
+from ddops.undo import Reinstall, RestoreBackup, StartAgain
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = load_inventory(REPO / "inventories" / "lab.yaml")
@@ -121,7 +122,7 @@ def test_plans_are_data_with_their_undos(profile):
     ctx = PlanContext(profile=profile, inventory=LAB, facts=fixture_facts(profile), rendered=render(profile, {}),
                       kill_training=False)
     training, = pivot_steps()[0].plan(ctx)
-    assert training.undo == start_again("dflash-train.service")
+    assert training.undo == StartAgain("dflash-train.service")
     assert training.requires == "a real run must stop training on ct200, so it needs --kill-training"
     assert training.data == {"pids": [412, 413], "limit": 20}
     assert training.figures == {"step": 1200, "checkpoint_step": 1180, "checkpoint": "/root/train/checkpoints/step_1180.ckpt",
@@ -244,8 +245,8 @@ def test_a_step_gets_exactly_the_operations_it_planned(monkeypatch, profile):
 
 
 def test_a_failed_gate_after_a_change_replays_the_undos_newest_first(monkeypatch, profile):
-    steps = [FakeStep("training", [op("stop training")], undo=start_again("dflash-train.service")),
-             FakeStep("start", [op("stop conflicting sglang-qwen.service")], undo=start_again("sglang-qwen.service"))]
+    steps = [FakeStep("training", [op("stop training")], undo=StartAgain("dflash-train.service")),
+             FakeStep("start", [op("stop conflicting sglang-qwen.service")], undo=StartAgain("sglang-qwen.service"))]
     report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("not healthy within 5s"))])
     assert (report["outcome"], report["exit_code"], report["failed_step"]) == ("rolled-back", 2, "health")
     assert ex.systemctl() == ["start sglang-qwen.service", "start dflash-train.service"]
@@ -259,8 +260,8 @@ def test_a_restore_restarts_what_its_backup_names_once(monkeypatch, profile):
     backup = {"id": "B1", "meta": {"unit_existed": False, "restart_after_rollback": ["dflash-train.service"]}}
     ex = FakeExecutor(backups=[backup])
     monkeypatch.setattr("ddops.rollback._settle", lambda *a, **k: "active")
-    steps = [FakeStep("training", [op("stop training")], undo=start_again("dflash-train.service")),
-             FakeStep("unit", [op("write unit")], undo=restore_backup("ddtree.service", "B1", ["dflash-train.service"]))]
+    steps = [FakeStep("training", [op("stop training")], undo=StartAgain("dflash-train.service")),
+             FakeStep("unit", [op("write unit")], undo=RestoreBackup("ddtree.service", "B1"))]
     report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed"))], executor=ex)
     assert report["outcome"] == "rolled-back" and report["rollback"]["restarted"] == ["dflash-train.service"]
     assert ex.systemctl().count("start dflash-train.service") == 1
@@ -274,11 +275,12 @@ def test_a_rollback_reinstalls_the_previous_release_before_it_restarts_anything(
     backup = {"id": "B1", "meta": {"unit_existed": True, "restart_after_rollback": ["ddtree.service"]}}
     ex = FakeExecutor(backups=[backup])
     monkeypatch.setattr("ddops.rollback._settle", lambda *a, **k: "active")
-    monkeypatch.setattr("ddops.rollback.wait_healthy", lambda *a, **k: None)  # the restored unit's health gate
+    monkeypatch.setattr("ddops.gates.health.wait_healthy",  # the restored unit's health gate
+                        lambda *a, **k: {"seconds": 0.1, "health": {"status": "ok"}, "unreachable_polls": 0})
     previous = {"release": "0.1.0+old", "python": "/opt/ddtree/venv/bin/python", "wheel": "/var/cache/w.whl",
                 "record": "/opt/ddtree/venv/ddtree-release.json", "record_text": '{"release": "0.1.0+old"}'}
-    steps = [FakeStep("ship", [op("install 0.1.0+new")], undo=Operation("reinstall", data={"reinstall": previous})),
-             FakeStep("unit", [op("write unit")], undo=restore_backup("ddtree.service", "B1", ["ddtree.service"]))]
+    steps = [FakeStep("ship", [op("install 0.1.0+new")], undo=Reinstall(previous)),
+             FakeStep("unit", [op("write unit")], undo=RestoreBackup("ddtree.service", "B1"))]
     report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed on start"))],
                            executor=ex)
     assert report["outcome"] == "rolled-back" and report["rollback"]["reinstalled"] == "0.1.0+old"
@@ -331,7 +333,7 @@ def test_a_gate_that_fails_when_nothing_changed_leaves_the_unit_as_it_was(monkey
 
 
 def test_no_rollback_leaves_the_host_and_says_how_to_restore_it(monkeypatch, profile):
-    steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"))]
+    steps = [FakeStep("training", [op("stop")], undo=StartAgain("dflash-train.service"))]
     report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("crashed"))], no_rollback=True)
     assert (report["outcome"], report["exit_code"]) == ("failed", 2) and ex.systemctl() == []
     assert report["state"].startswith("--no-rollback: ct200 is left as the failed pivot made it")
@@ -339,7 +341,7 @@ def test_no_rollback_leaves_the_host_and_says_how_to_restore_it(monkeypatch, pro
 
 def test_a_rollback_that_fails_needs_a_human(monkeypatch, profile):
     ex = FakeExecutor(fail={"systemctl start dflash-train.service"})
-    steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"))]
+    steps = [FakeStep("training", [op("stop")], undo=StartAgain("dflash-train.service"))]
     report, _ = run_pivot(monkeypatch, profile, steps, [FakeGate("smoke", GateFailed("wrong answer", {"ok": False}))],
                           executor=ex)
     assert (report["outcome"], report["exit_code"], report["rolled_back"]) == ("rollback-failed", 2, False)
@@ -362,7 +364,7 @@ def test_an_unreachable_host_before_any_change_exits_4(monkeypatch, profile):
 
 def test_ctrl_c_stops_at_the_next_safe_point_rolls_back_and_exits_130(monkeypatch, profile):
     later = FakeStep("unit", [op("write")])
-    steps = [FakeStep("training", [op("stop")], undo=start_again("dflash-train.service"), interrupt=True), later]
+    steps = [FakeStep("training", [op("stop")], undo=StartAgain("dflash-train.service"), interrupt=True), later]
     report, ex = run_pivot(monkeypatch, profile, steps)
     assert later.applied == [] and (report["outcome"], report["exit_code"]) == ("rolled-back", 130)
     assert report["state"].startswith("interrupted by SIGINT during unit; rolled back on ct200")
@@ -375,3 +377,27 @@ def test_a_dry_run_changes_nothing_and_says_what_a_real_run_needs(monkeypatch, p
     assert (report["outcome"], report["exit_code"]) == ("dry-run", 0)
     assert report["state"] == "nothing was changed; a real run needs --kill-training"
     assert step.applied == [] and ex.commands == []  # not even the lock
+
+
+@dataclass(frozen=True)
+class RemoveMarker(Undo):
+    """A kind of undo the rollback has never heard of: it takes its own change back, and asks for the
+    unit that read the marker to be started again."""
+
+    path: str
+
+    def apply(self, ctx):
+        ctx.executor.run(ctx.host, ["rm", "-f", "--", self.path]).check(f"removing {self.path}")
+        ctx.start_again("marker-reader.service")
+
+
+def test_a_step_with_its_own_kind_of_undo_is_rolled_back_by_it(monkeypatch, profile):
+    steps = [FakeStep("training", [op("stop training")], undo=StartAgain("dflash-train.service")),
+             FakeStep("marker", [op("write /run/ddops-marker")], undo=RemoveMarker("/run/ddops-marker"))]
+    report, ex = run_pivot(monkeypatch, profile, steps, [FakeGate("health", StepFailed("not healthy within 5s"))])
+    assert (report["outcome"], report["exit_code"]) == ("rolled-back", 2)
+    shown = [" ".join(c) for c in ex.commands]
+    removed = shown.index("rm -f -- /run/ddops-marker")
+    assert removed < shown.index("systemctl start marker-reader.service") < shown.index(
+        "systemctl start dflash-train.service")   # newest first: the marker's undo before the training's
+    assert report["rollback"] == {"restarted": ["marker-reader.service", "dflash-train.service"]}

@@ -19,7 +19,7 @@ from ddops.executor import CommandResult
 from ddops.facts import HostFacts, Inspection, PivotFacts
 from ddops.gates import GateFailed, GateResult
 from ddops.inventory import load_inventory
-from ddops.plan import Operation, PlanContext
+from ddops.plan import Checks, Operation, PlanContext
 from ddops.preflight import check_replicas, serving_args
 from ddops.probes import probe_source
 from ddops.profile import load_profile
@@ -319,12 +319,12 @@ class BatchGate:
         return GateResult(f"{self.name} ok on {len(units)}", {"units": units})
 
 
-def rolling_pivot(monkeypatch, tmp_path, profile, gates, batch=1):
+def rolling_pivot(monkeypatch, tmp_path, profile, gates, batch=1, ct200=FakeCt200):
     changed = load_profile(variant(tmp_path, serve__tree_budget=8), repo_root=REPO)
     facts = deployed(changed, fixture_facts(changed), deployed_profile=profile)
     monkeypatch.setattr(pivot_module, "preflight", lambda *a, **k: (facts, "1 host(s) ok"))
     manifest = next(f.text for f in render(profile, {}).files if f.path.endswith("ddtree@.json"))
-    ex = FakeCt200(manifest=manifest)
+    ex = ct200(manifest=manifest)
     console = Console(file=io.StringIO(), width=160, force_terminal=False)
     flow = pivot_module.Pivot(changed, LAB, ex, console, gates=gates,
                               options=pivot_module.PivotOptions(yes=True, batch=batch))
@@ -378,6 +378,93 @@ def test_ctrl_c_during_a_batch_exits_130_after_rolling_it_back(monkeypatch, tmp_
     assert ex.timeline == ["drain r1", "restart ddtree@1.service", "drain r1", "restart ddtree@1.service", "ready r1"]
 
 
+INSTALLED_SHA = "ab" * 32   # the template unit's checksum, as the pivot that installed it recorded it
+
+
+@dataclass
+class RecordedCt200(FakeCt200):
+    """ct200 whose history holds the pivot that installed the replicas now in place (the lab profile,
+    found by the unit file's checksum), whose replicas report that profile's mode and block size, and
+    answer the smoke probe: wrongly on the replicas in `bad_smoke`."""
+
+    bad_smoke: set[str] = field(default_factory=set)
+
+    def run(self, host, argv, *, timeout=None, stdin=None, on_output=None) -> CommandResult:
+        script = argv[2] if argv[:2] == ["python3", "-c"] else None
+        if argv[:1] == ["tail"]:
+            checks = Checks.of(load_profile(PLAYBOOK, repo_root=REPO)).record()
+            return self.ok(json.dumps({"kind": "pivot", "outcome": "ok", "unit": "ddtree@.service",
+                                       "unit_sha256": INSTALLED_SHA, "checks": checks}) + "\n")
+        if argv[:1] == ["sha256sum"]:
+            return self.ok(f"{INSTALLED_SHA}  {argv[-1]}\n")
+        if script == probe_source("unitwatch"):
+            return self.ok(json.dumps({"unit": {"ActiveState": "active", "SubState": "running", "MainPID": "42",
+                                                "NRestarts": "0"},
+                                       "health": {"http_status": 200,
+                                                  "body": {"status": "ok", "mode": "ddtree", "block_size": 16}}}))
+        if script == probe_source("smoke"):
+            spec = json.loads(stdin)
+            unit = f"ddtree@{spec['port'] - 8200}.service"
+            self.timeline.append(f"smoke {unit}")
+            ok = unit not in self.bad_smoke
+            return self.ok(json.dumps({"ok": ok, "results": [
+                {"prompt": p["prompt"], "ok": ok, "lossless": True,
+                 "problems": [] if ok else [f"answer 'x' does not match {p['expect']!r}"]} for p in spec["prompts"]]}))
+        return super().run(host, argv, timeout=timeout, stdin=stdin, on_output=on_output)
+
+
+def test_the_rollback_runs_the_restored_profile_s_smoke_on_each_restored_replica(monkeypatch, tmp_path, profile):
+    flow, ex = rolling_pivot(monkeypatch, tmp_path, profile, [BatchGate("health", {"ddtree@1.service"})],
+                             ct200=RecordedCt200)
+    report = flow.execute().as_json()
+    assert (report["outcome"], report["exit_code"]) == ("rolled-back", 2), report
+    assert ex.timeline == ["drain r1", "restart ddtree@1.service", "drain r1", "restart ddtree@1.service",
+                           "smoke ddtree@1.service", "ready r1"]
+    assert report["rollback"]["checked"] == {"ddtree@1.service": {"profile": "lab-replicas", "health": "passed",
+                                                                  "smoke": "passed"}}
+    assert report["rollback"]["replicas"]["ddtree@1.service"]["smoke"]["ok"]
+    assert report["state"].endswith("ddtree@2.service never stopped serving; smoke passed on ddtree@1.service")
+
+
+def test_a_restored_replica_that_fails_smoke_is_reported_and_left_drained(monkeypatch, tmp_path, profile):
+    flow, ex = rolling_pivot(monkeypatch, tmp_path, profile, [BatchGate("health", {"ddtree@1.service"})],
+                             ct200=lambda manifest: RecordedCt200(manifest=manifest, bad_smoke={"ddtree@1.service"}))
+    report = flow.execute().as_json()
+    assert (report["outcome"], report["exit_code"], report["rolled_back"]) == ("rollback-failed", 2, False)
+    assert report["rollback_error"].startswith("smoke test failed on ct200: ddtree@1.service 'What is 2+3?'")
+    assert report["rollback"]["checked"] == {"ddtree@1.service": {"profile": "lab-replicas", "health": "passed",
+                                                                  "smoke": "failed"}}
+    assert ex.timeline[-1] == "smoke ddtree@1.service"    # never readmitted: HAProxy keeps it drained
+    assert report["state"].startswith("ROLLBACK FAILED on ct200: needs a human (smoke test failed")
+    assert "smoke failed on ddtree@1.service" in report["state"] and "healthy" not in report["state"]
+
+
+def test_a_restored_replica_no_pivot_recorded_gets_its_health_check_and_the_report_says_so(monkeypatch, tmp_path,
+                                                                                             profile):
+    flow, ex = rolling_pivot(monkeypatch, tmp_path, profile, [BatchGate("health", {"ddtree@1.service"})])
+    report = flow.execute().as_json()
+    assert report["outcome"] == "rolled-back"
+    assert report["rollback"]["checked"] == {"ddtree@1.service": {
+        "profile": None, "health": "passed",
+        "smoke": "not run: no pivot recorded the restored unit's profile (its smoke test is unknown)"}}
+    assert "smoke" not in report["state"]
+
+
+def test_ddops_rollback_may_skip_the_smoke_never_the_health(profile):
+    from ddops.rollback import rollback_command
+
+    manifest = next(f.text for f in render(profile, {}).files if f.path.endswith("ddtree@.json"))
+    ex = RecordedCt200(manifest=manifest, backups=[{"id": "B1", "meta": {
+        "unit_existed": True, "replicas_before": ["ddtree@1.service", "ddtree@2.service"]}}])
+    report = rollback_command(ex, LAB, LAB.host("ct200"), "ddtree@.service", None, lambda m: None, skip_smoke=True)
+    assert report["restarted"] == ["ddtree@1.service", "ddtree@2.service"]
+    assert ex.timeline == ["drain r1", "restart ddtree@1.service", "ready r1",
+                           "drain r2", "restart ddtree@2.service", "ready r2"]
+    assert report["checked"] == {u: {"profile": "lab-replicas", "health": "passed", "smoke": "not run: --skip-smoke"}
+                                 for u in ("ddtree@1.service", "ddtree@2.service")}
+    assert ex.history[-1]["checked"] == report["checked"]
+
+
 def test_dry_run_prints_the_rolling_plan_and_touches_nothing(monkeypatch, tmp_path, profile):
     changed = load_profile(variant(tmp_path, serve__tree_budget=8), repo_root=REPO)
     facts = deployed(changed, fixture_facts(changed), deployed_profile=profile)
@@ -410,7 +497,7 @@ class HostGate:
 
 
 def group_rollout(monkeypatch, bad: set[str]):
-    from ddops.plan import start_again
+    from ddops.undo import StartAgain
     from ddops.rollout import rollout
 
     plain = load_profile(REPO / "playbooks" / "lab-ddtree16.yaml", repo_root=REPO)
@@ -428,7 +515,7 @@ def group_rollout(monkeypatch, bad: set[str]):
             return [Operation(f"write the unit on {ctx.profile.host}")]
 
         def apply(self, ctx, operations):
-            ctx.journal.change("unit", undo=start_again("x.service"))
+            ctx.journal.change("unit", undo=StartAgain("x.service"))
             return "written"
 
     ex = FakeCt200(manifest="{}")

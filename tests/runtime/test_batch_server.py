@@ -47,11 +47,11 @@ def _wait(srv: ServerProcess, name: str, check, timeout: float = 20.0) -> float:
 
 def test_concurrent_requests_run_together_each_as_alone(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        alone = [c.post("/v1/completions", json=_body(i)).json()["choices"][0]["text"] for i in range(4)]
-        c.post("/_test/fault", json={"round_delay_s": 0.05})  # rounds slow enough to see the batch
+        alone = [c.post("/v1/completions", json=_body(i, 40)).json()["choices"][0]["text"] for i in range(4)]
+        c.post("/_test/fault", json={"round_delay_s": 0.1})  # rounds slow enough to see the batch
         texts, seen_running = {}, []
         threads = [threading.Thread(target=lambda i=i: texts.__setitem__(
-            i, c.post("/v1/completions", json=_body(i)).json()["choices"][0]["text"])) for i in range(4)]
+            i, c.post("/v1/completions", json=_body(i, 40)).json()["choices"][0]["text"])) for i in range(4)]
         for t in threads[:3]:
             t.start()
         seen_running.append(_wait(server, "ddtree_running_requests", lambda v: v == 3))

@@ -97,15 +97,19 @@ def test_a_text_far_over_the_context_never_reaches_the_tokenizer(api, monkeypatc
 
 
 def test_the_prep_threads_queue_is_bounded_by_max_queue(tiny_models):
+    """As many requests may wait for the prep thread as the server takes at once (running + queue)."""
     class Worker:
         def retry_after_s(self) -> int:
             return 3
+
+        def capacity(self) -> int:
+            return 1
     config = ServerConfig(target_dir=str(tiny_models / "target"), draft_dir=None, max_queue=1)
     ctx = ServerContext(config, Worker(), Metrics())
     release = threading.Event()
 
     async def scenario():
-        held = [asyncio.ensure_future(ctx.off_loop(release.wait)) for _ in range(2)]  # one at work, one waits
+        held = [asyncio.ensure_future(ctx.off_loop(release.wait)) for _ in range(3)]  # one at work, two wait
         await asyncio.sleep(0)
         refused = asyncio.ensure_future(ctx.off_loop(release.wait))
         await asyncio.sleep(0)

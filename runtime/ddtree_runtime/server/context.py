@@ -141,9 +141,10 @@ class ServerContext:
     # -- prompts (on the prep thread) --
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
-        """`work` on the prep thread. Its wait counts against --max-queue like the engine's: past
-        max_queue requests waiting for it (one more is being prepared), a 429 at once."""
-        if self._preparing > self.config.max_queue:
+        """`work` on the prep thread. Its wait is bounded like the engine's queue: past as many requests
+        waiting for it as the server takes at once (the running ones and --max-queue behind them; one
+        more is being prepared), a 429 at once. A burst no bigger than that is never refused here."""
+        if self._preparing > self.config.max_queue + self.worker.capacity():
             raise APIError(429, "the server is busy: too many requests are being prepared, retry later",
                            code="queue_full", headers={"Retry-After": str(self.worker.retry_after_s())})
         self._preparing += 1

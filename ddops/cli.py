@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import click
 from rich.console import Console
 
 from . import __version__
-from .errors import EXIT_FAILED, DdopsError, UsageError
+from .errors import EXIT_ALARM, EXIT_FAILED, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
 from .progress import Activity
@@ -52,8 +53,8 @@ def cli(ctx: click.Context, inventory_path: Path | None, limit: str | None,
         accept_new_host_keys: bool, verbose: int) -> None:
     """Fleet ops for GPU hosts that train and serve speculative-decoding LLMs.
 
-    Exit codes: 0 ok, 2 user/config error or a failed step, 4 a host unreachable, 130 interrupted
-    (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
+    Exit codes: 0 ok, 1 an alarm (`top --fail-on`), 2 user/config error or a failed step, 4 a host
+    unreachable, 130 interrupted (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
     """
     ctx.obj = Context(inventory_path=inventory_path or default_inventory_path(), limit=limit,
                       verbose=verbose, accept_new_host_keys=accept_new_host_keys)
@@ -77,6 +78,86 @@ def status(obj: Context, as_json: bool) -> None:
                 records = collect(executor, hosts)
             render(records, stdout_console())
     sys.exit(exit_code(records))
+
+
+@cli.command()
+@click.option("--profile", "profile_names", multiple=True, metavar="PROFILE",
+              help="A deploy profile whose hosts are watched against it: its smoke.min_acceptance is the "
+                   "acceptance alarm's floor, its API key reads /metrics. Repeatable.")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=2.0, show_default=True,
+              help="Seconds between refreshes (one probe per host each).")
+@click.option("--once", is_flag=True, help="Print one snapshot (its windows span one refresh) and exit.")
+@click.option("--count", type=click.IntRange(1, 10**9), default=None, help="Stop after N refreshes.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object a line, one per refresh.")
+@click.option("--fail-on", "fail_on", default=None, metavar="KINDS",
+              help="With --once or --count: exit 1 when one of these alarms is up at the end (comma list, or "
+                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, balancer, down, unreachable.")
+@click.pass_obj
+def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: bool, count: int | None,
+        as_json: bool, fail_on: str | None) -> None:
+    """The fleet live: per host GPUs and training, per serving unit or replica health, load, tokens/s,
+    acceptance, TTFT and round time (p50/p95 over the refresh), errors, the balancer; and alarms."""
+    from .alarms import KINDS
+    from .profile import check_against_inventory, load_profile, resolve_profile
+    from .top import HISTORY, Poller, settings_from_profiles
+    from .topview import render_frame, run_live, run_stream
+
+    kinds = _alarm_kinds(fail_on, KINDS)
+    if kinds and not (once or count):
+        raise UsageError("--fail-on needs an end: add --once (or --count N)",
+                         fix="e.g. ddops top --once --fail-on all")
+    inventory = obj.inventory()
+    hosts = inventory.select(obj.limit)
+    profiles = [load_profile(resolve_profile(name)) for name in profile_names]
+    for profile in profiles:
+        check_against_inventory(profile, inventory)
+    thresholds, api_keys = settings_from_profiles(profiles, inventory)
+    # --once: a window needs two readings; a growing queue needs one more than its refreshes
+    samples = (1 + thresholds.queue_growth_refreshes if "queue" in kinds else 2) if once else None
+    with obj.executor(inventory) as executor:
+        poller = Poller(executor, hosts, interval=interval, api_keys=api_keys).start()
+        try:
+            if samples:
+                deadline = time.monotonic() + samples * interval + poller.timeout + 5
+                while not poller.samples_at_least(min(samples, HISTORY)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                frame = poller.frame(thresholds)
+                if as_json:
+                    click.echo(json.dumps(frame, default=str))
+                else:
+                    stdout_console().print(render_frame(frame))
+            elif sys.stdout.isatty() and sys.stdin.isatty() and not as_json:
+                _wait_first_answers(poller)
+                frame = run_live(lambda: poller.frame(thresholds), interval, stdout_console(), count=count)
+            else:
+                _wait_first_answers(poller)
+                frame = run_stream(lambda: poller.frame(thresholds), interval, stdout_console(), as_json=as_json,
+                                   count=count)
+        finally:
+            poller.stop()
+    raised = sorted({a["kind"] for a in frame["alarms"]} & kinds)
+    if raised:
+        err_console.print(f"[bold red]alarm:[/] {', '.join(raised)}", soft_wrap=True)
+        sys.exit(EXIT_ALARM)
+
+
+def _alarm_kinds(fail_on: str | None, known: dict[str, str]) -> set[str]:
+    if not fail_on:
+        return set()
+    kinds = {k.strip() for k in fail_on.split(",") if k.strip()}
+    if "all" in kinds:
+        return set(known)
+    unknown = sorted(kinds - set(known))
+    if unknown:
+        raise UsageError(f"--fail-on: unknown alarm {', '.join(unknown)}", fix=f"use {', '.join(known)} or all")
+    return kinds
+
+
+def _wait_first_answers(poller, timeout: float = 15.0) -> None:
+    """The first frame after every host answered once (or a short wait), so it is not all `waiting`."""
+    deadline = time.monotonic() + timeout
+    while not poller.samples_at_least(1) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class LostSteps(click.ParamType):

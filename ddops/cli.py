@@ -141,6 +141,38 @@ def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: boo
         sys.exit(EXIT_ALARM)
 
 
+@cli.command()
+@click.option("--host", "host_name", required=True, help="The inventory host Prometheus runs on.")
+@click.option("--profile", "profile_names", multiple=True, metavar="PROFILE",
+              help="A deploy profile whose API key Prometheus sends to its replicas (bearer token). Repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
+def monitor(obj: Context, host_name: str, profile_names: tuple[str, ...], as_json: bool) -> None:
+    """Install Debian's Prometheus on a host, scraping every runtime replica and SGLang server of the
+    selected hosts (checked with promtool first, backed up, rolled back if it does not come up)."""
+    from .monitor import monitor as install_monitor
+    from .profile import check_against_inventory, load_profile, resolve_profile
+    from .top import settings_from_profiles
+
+    inventory = obj.inventory()
+    host = inventory.host(host_name)
+    profiles = [load_profile(resolve_profile(name)) for name in profile_names]
+    for profile in profiles:
+        check_against_inventory(profile, inventory)
+    _, api_keys = settings_from_profiles(profiles, inventory)
+    with obj.executor(inventory) as executor:
+        report = install_monitor(executor, inventory, host, inventory.select(obj.limit), api_keys, _progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for t in report["targets"]:
+        click.echo(f"  scraping {t['host']} {t['unit']} at {t['address']}:{t['port']}"
+                   + (" (bearer token)" if t["api_key"] else ""))
+    for name, why in report["unanswered"].items():
+        err_console.print(f"[yellow]{name}: not scraped ({why})[/]", soft_wrap=True)
+    _progress(f"Prometheus on {host.name} answers at {report['listen']} (backup {report['backup_id']})")
+
+
 def _alarm_kinds(fail_on: str | None, known: dict[str, str]) -> set[str]:
     if not fail_on:
         return set()

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import DdopsError
+from .errors import DdopsError, HostUnreachable
 from .executor import Executor
 from .facts import check_identity, gather
 from .inventory import Host
@@ -275,8 +275,6 @@ def sample_host(executor: Executor, host: Host, api_keys: dict[int, str], timeou
     try:
         facts = gather(executor, host, metrics=WANTED, api_keys=api_keys, timeout=timeout)
     except DdopsError as exc:
-        from .errors import HostUnreachable
-
         return Sample(host.name, time.monotonic(), error=exc.line(), unreachable=isinstance(exc, HostUnreachable))
     now = time.monotonic()
     return Sample(host.name, now, facts=facts, probe_s=round(now - started, 3))

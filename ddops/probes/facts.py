@@ -203,14 +203,14 @@ def main():
     started = time.time()
     services = [unit_state(s["unit"]) for s in args.get("services", [])]
     # a unit systemd has no file for is not scraped: its port may be a balancer's (replicas took over)
-    installed = {s["unit"] for s in services if s.get("LoadState") not in ("not-found", None)}
+    absent = {s["unit"] for s in services if s.get("LoadState") == "not-found"}
     facts = {
         "hostname": socket.gethostname(),
         "gpus": gpus(),
         "training": training(args.get("training")),
         "services": services,
         "runtime": [with_metrics(dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"]),
-                                 s["port"], metrics if s["unit"] in installed else None)
+                                 s["port"], None if s["unit"] in absent else metrics)
                     for s in args.get("services", []) if s.get("port")],
     }
     if args.get("replicas_dir"):

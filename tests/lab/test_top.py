@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.test_replicas import PROFILE, REPO, ct200, ddops, pivot
+from tests.lab.test_replicas import PROFILE, REPO, ct200, pivot
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 

@@ -33,6 +33,7 @@ def test_facts_finds_the_job_and_stop_training_stops_it_but_no_ddops_script(tmp_
                 "checkpoints": str(tmp_path / "ckpt")}
         facts = run("facts", {"training": spec, "services": []}, "-I", "-S")
         assert facts["training"]["pids"] == [job.pid] and facts["training"]["last_step"] == 17
+        assert facts["training"]["last_loss"] == 1.9
         out = run("stop_training", {**spec, "grace_s": 5})
         assert out["pids"] == [job.pid] and out["stopped"] and out["graceful"] and out["step_after"] == 17
         assert job.wait(timeout=10) == -15  # SIGTERM
@@ -52,3 +53,42 @@ def test_the_lock_action_and_the_inspect_probe_read_the_lock_alike(tmp_path):
     (tmp_path / "pivot.lock").write_text("{not json")
     assert run("inspect", {"lock": path})["lock"] == {"unreadable": True}
     assert run("lock", {"action": "clear", "path": path}) == {"cleared": True, "holder": {"unreadable": True}}
+
+
+def test_facts_reads_a_runtimes_metrics_with_its_key_from_stdin():
+    """With `metrics`, the probe reads /metrics of each installed runtime, keeping only the wanted samples."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            body = (b'# TYPE ddtree_requests_total counter\n'
+                    b'ddtree_requests_total{endpoint="/v1/completions",status="500"} 2.0\n'
+                    b'ddtree_queue_depth 3.0\nddtree_other 9\n')
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    args = {"services": [{"unit": "ddtree.service", "port": port, "health": "/health"}],
+            "metrics": ["ddtree_requests_total", "ddtree_queue_depth"]}
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", probe_source("facts"), json.dumps(args)],
+                              input=json.dumps({str(port): "k1"}), capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    runtime, = json.loads(done.stdout)["runtime"]
+    scraped = runtime["metrics"]
+    assert scraped["error"] is None and scraped["samples"] == [["ddtree_requests_total", {"endpoint": "/v1/completions", "status": "500"}, 2.0],
+                                  ["ddtree_queue_depth", {}, 3.0]]
+    assert "Bearer k1" in seen

@@ -173,6 +173,29 @@ def monitor(obj: Context, host_name: str, profile_names: tuple[str, ...], as_jso
     _progress(f"Prometheus on {host.name} answers at {report['listen']} (backup {report['backup_id']})")
 
 
+def _refresh_monitors(inventory: Inventory, executor: Executor, profiles: list) -> None:
+    """Hosts with role `monitor`: their Prometheus's discovery files follow what a pivot or rollback
+    changed (replicas added or removed). A failure here is a warning: the pivot's outcome stands."""
+    from .monitor import refresh_targets
+    from .top import settings_from_profiles
+
+    monitors = [h for h in inventory.hosts.values() if "monitor" in h.roles]
+    if not monitors:
+        return
+    _, api_keys = settings_from_profiles(profiles, inventory)
+    for host in monitors:
+        try:
+            out = refresh_targets(executor, inventory, host, api_keys)
+        except DdopsError as exc:
+            err_console.print(f"[yellow]monitor {host.name}: targets not refreshed ({exc.line()})[/]", soft_wrap=True)
+            continue
+        if "skipped" in out:
+            err_console.print(f"[yellow]monitor {host.name}: targets not refreshed ({out['skipped']})[/]",
+                              soft_wrap=True)
+        else:
+            _progress(f"monitor {host.name}: Prometheus discovers {len(out['targets'])} target(s)")
+
+
 def _alarm_kinds(fail_on: str | None, known: dict[str, str]) -> set[str]:
     if not fail_on:
         return set()
@@ -254,6 +277,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     with obj.executor(inventory) as executor:
         report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                          confirm=lambda q: click.confirm(q, default=False, err=True))
+        if not dry_run:
+            _refresh_monitors(inventory, executor, [profile])
     render_summary(report, console)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -288,6 +313,7 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
             return
         with Activity(console, f"rolling back {unit} on {host.name}") as activity:
             report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update)
+        _refresh_monitors(inventory, executor, [])
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:

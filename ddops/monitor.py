@@ -161,6 +161,31 @@ def restart_and_wait(executor: Executor, host: Host, timeout: float = READY_TIME
         time.sleep(1)
 
 
+def refresh_targets(executor: Executor, inventory: Inventory, host: Host,
+                    api_keys: dict[str, dict[int, str]]) -> dict[str, Any]:
+    """After a pivot or rollback: rewrite the discovery files of the Prometheus on `host` (a host with
+    role `monitor`) from what the serving hosts run now; Prometheus rereads them by itself, no restart.
+    A change of API keys needs the configuration too: that is `ddops monitor` again."""
+    serving = [h for h in inventory.hosts.values() if h.services or "serving" in h.roles]
+    found, missing = discover(executor, inventory, serving, api_keys)
+    rendered = render(host.name, found)
+    config = next(f["text"] for f in rendered.files if f["path"] == CONFIG)
+    installed = executor.run(host, ["cat", CONFIG], timeout=30)
+    if not installed.ok:
+        return {"host": host.name, "skipped": f"no {CONFIG}: run `ddops monitor --host {host.name}` first"}
+    if installed.stdout != config:
+        return {"host": host.name, "skipped": "its jobs changed (an API key came or went): run "
+                                               f"`ddops monitor --host {host.name}`"}
+    written = []
+    for job in rendered.jobs:
+        text = next(f["text"] for f in rendered.files if f["path"] == job["targets_file"])
+        check(executor.run(host, write_file_argv(job["targets_file"]), stdin=text, timeout=30),
+              f"writing {job['targets_file']}")
+        written.append(job["targets_file"])
+    return {"host": host.name, "files": written, "targets": [f"{t.address}:{t.port}" for t in found],
+            "unanswered": missing}
+
+
 def monitor(executor: Executor, inventory: Inventory, host: Host, watched: list[Host],
             api_keys: dict[str, dict[int, str]], progress: Callable[[str], None]) -> dict[str, Any]:
     """Install or update Prometheus on `host`; the report (targets, jobs, backup, whether rolled back)."""

@@ -1,6 +1,7 @@
 """`ddops monitor` on the lab: Debian's Prometheus installed on eval-a6000, scraping ct200's two replicas
 (file-based discovery rendered from what the hosts run), a PromQL query over its HTTP API returning the
-runtime's tokens and acceptance, and every panel of the shipped Grafana dashboard returning data.
+runtime's tokens and acceptance, every panel of the shipped Grafana dashboard returning data, and a
+pivot to three replicas (eval-a6000 with role `monitor`) updating the targets without a restart.
 
 The lab hosts share this machine's loopback, so eval-a6000's Prometheus answers on 127.0.0.1:9090 here.
 """
@@ -8,13 +9,17 @@ The lab hosts share this machine's loopback, so eval-a6000's Prometheus answers 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.lab.test_replicas import PROFILE, REPO, chat, ct200, ddops, pivot
+from tests.lab.test_replicas import PROFILE, REPO, chat, ct200, ddops, pivot, variant
 from tests.lab.test_top import RESET
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -37,7 +42,9 @@ def monitored(lab):
     done, report = pivot(lab, PROFILE)
     assert done.returncode == 0 and report["outcome"] == "ok", report
     yield lab
-    lab.ssh("eval-a6000", "systemctl disable --now prometheus.service", timeout=120)
+    lab.ssh("eval-a6000", "systemctl disable --now prometheus.service; DEBIAN_FRONTEND=noninteractive apt-get "
+                          "purge -y -q prometheus; rm -rf /etc/prometheus /etc/systemd/system/prometheus.service.d "
+                          "/var/lib/ddops/backups/prometheus.service; systemctl daemon-reload", timeout=300)
     ct200(lab, RESET)
 
 
@@ -62,7 +69,7 @@ def eventually(expr: str, check, timeout: float = 90.0) -> list[dict]:
         time.sleep(2)
 
 
-def test_prometheus_scrapes_every_replica_and_the_dashboard_has_data(monitored):
+def test_prometheus_scrapes_every_replica_and_the_dashboard_has_data(monitored, tmp_path):
     lab = monitored
     done = ddops(lab, "--limit", "ct200", "monitor", "--host", "eval-a6000", "--json", timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,3 +102,20 @@ def test_prometheus_scrapes_every_replica_and_the_dashboard_has_data(monitored):
     assert len(exprs) >= 6
     for title, expr in exprs:
         assert eventually(expr, lambda r: len(r) > 0, timeout=60), f"panel {title!r}: no data"
+
+    # a pivot that adds a replica, with eval-a6000 marked `monitor` in the inventory: the discovery file
+    # follows, and Prometheus finds the new replica without a restart
+    doc = yaml.safe_load(Path(lab.inventory_path).read_text())
+    doc["hosts"]["eval-a6000"]["roles"] = [*doc["hosts"]["eval-a6000"].get("roles", []), "monitor"]
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump(doc))
+    three = variant(tmp_path, replicas={"count": 3, "gpus_each": 1})
+    pid = lab.ssh("eval-a6000", "systemctl show -p MainPID --value prometheus.service").stdout.strip()
+    done = subprocess.run([sys.executable, "-m", "ddops", "-i", str(inventory), "pivot", "--deploy", str(three),
+                           "--yes", "--json"], capture_output=True, text=True, timeout=900, cwd=REPO,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "monitor eval-a6000: Prometheus discovers" in done.stderr
+    assert "127.0.0.1:8203" in lab.ssh("eval-a6000", "cat /etc/prometheus/ddops/ddops-serving.json").stdout
+    eventually('up{unit="ddtree@3.service"}', lambda r: len(r) == 1 and r[0]["value"][1] == "1")
+    assert lab.ssh("eval-a6000", "systemctl show -p MainPID --value prometheus.service").stdout.strip() == pid

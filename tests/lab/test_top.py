@@ -31,7 +31,7 @@ TWO_REFRESHES_S = 2 * INTERVAL + 3.0   # and the probe's own round trip, on 2 sh
 SESSION = "ddops-top-test"
 FAULTY_PORT = 8299
 FAULTY_UNIT = "ddtree-faulty.service"
-RESET = ("systemctl disable --now ddtree.service ddtree@1.service ddtree@2.service 2>/dev/null; "
+RESET = ("systemctl disable --now ddtree.service ddtree@1.service ddtree@2.service ddtree@3.service 2>/dev/null; "
          f"systemctl stop haproxy.service {FAULTY_UNIT} 2>/dev/null; rm -f /etc/systemd/system/ddtree@.service "
          "/etc/ddops/ddtree@*.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/replicas "
          "/var/lib/ddops/backups/ddtree@.service /opt/ddops-faults; systemctl daemon-reload; "

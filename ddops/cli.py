@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import click
 from rich.console import Console
 
 from . import __version__
-from .errors import EXIT_FAILED, DdopsError, UsageError
+from .errors import EXIT_ALARM, EXIT_FAILED, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
 from .progress import Activity
@@ -52,8 +53,8 @@ def cli(ctx: click.Context, inventory_path: Path | None, limit: str | None,
         accept_new_host_keys: bool, verbose: int) -> None:
     """Fleet ops for GPU hosts that train and serve speculative-decoding LLMs.
 
-    Exit codes: 0 ok, 2 user/config error or a failed step, 4 a host unreachable, 130 interrupted
-    (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
+    Exit codes: 0 ok, 1 an alarm (`top --fail-on`), 2 user/config error or a failed step, 4 a host
+    unreachable, 130 interrupted (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
     """
     ctx.obj = Context(inventory_path=inventory_path or default_inventory_path(), limit=limit,
                       verbose=verbose, accept_new_host_keys=accept_new_host_keys)
@@ -77,6 +78,141 @@ def status(obj: Context, as_json: bool) -> None:
                 records = collect(executor, hosts)
             render(records, stdout_console())
     sys.exit(exit_code(records))
+
+
+@cli.command()
+@click.option("--profile", "profile_names", multiple=True, metavar="PROFILE",
+              help="A deploy profile whose hosts are watched against it: its smoke.min_acceptance is the "
+                   "acceptance alarm's floor, its API key reads /metrics. Repeatable.")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=2.0, show_default=True,
+              help="Seconds between refreshes (one probe per host each).")
+@click.option("--once", is_flag=True, help="Print one snapshot (its windows span one refresh) and exit.")
+@click.option("--count", type=click.IntRange(1, 10**9), default=None, help="Stop after N refreshes.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object a line, one per refresh.")
+@click.option("--fail-on", "fail_on", default=None, metavar="KINDS",
+              help="With --once or --count: exit 1 when one of these alarms is up at the end (comma list, or "
+                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, balancer, down, unreachable.")
+@click.pass_obj
+def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: bool, count: int | None,
+        as_json: bool, fail_on: str | None) -> None:
+    """The fleet live: per host GPUs and training, per serving unit or replica health, load, tokens/s,
+    acceptance, TTFT and round time (p50/p95 over the refresh), errors, the balancer; and alarms."""
+    from .alarms import KINDS
+    from .profile import check_against_inventory, load_profile, resolve_profile
+    from .top import HISTORY, Poller, settings_from_profiles
+    from .topview import render_frame, run_live, run_stream
+
+    kinds = _alarm_kinds(fail_on, KINDS)
+    if kinds and not (once or count):
+        raise UsageError("--fail-on needs an end: add --once (or --count N)",
+                         fix="e.g. ddops top --once --fail-on all")
+    inventory = obj.inventory()
+    hosts = inventory.select(obj.limit)
+    profiles = [load_profile(resolve_profile(name)) for name in profile_names]
+    for profile in profiles:
+        check_against_inventory(profile, inventory)
+    thresholds, api_keys = settings_from_profiles(profiles, inventory)
+    # --once: a window needs two readings; a growing queue needs one more than its refreshes
+    samples = (1 + thresholds.queue_growth_refreshes if "queue" in kinds else 2) if once else None
+    with obj.executor(inventory) as executor:
+        poller = Poller(executor, hosts, interval=interval, api_keys=api_keys).start()
+        try:
+            if samples:
+                deadline = time.monotonic() + samples * interval + poller.timeout + 5
+                while not poller.samples_at_least(min(samples, HISTORY)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                frame = poller.frame(thresholds)
+                if as_json:
+                    click.echo(json.dumps(frame, default=str))
+                else:
+                    stdout_console().print(render_frame(frame))
+            elif sys.stdout.isatty() and sys.stdin.isatty() and not as_json:
+                _wait_first_answers(poller)
+                frame = run_live(lambda: poller.frame(thresholds), interval, stdout_console(), count=count)
+            else:
+                _wait_first_answers(poller)
+                frame = run_stream(lambda: poller.frame(thresholds), interval, stdout_console(), as_json=as_json,
+                                   count=count)
+        finally:
+            poller.stop()
+    raised = sorted({a["kind"] for a in frame["alarms"]} & kinds)
+    if raised:
+        err_console.print(f"[bold red]alarm:[/] {', '.join(raised)}", soft_wrap=True)
+        sys.exit(EXIT_ALARM)
+
+
+@cli.command()
+@click.option("--host", "host_name", required=True, help="The inventory host Prometheus runs on.")
+@click.option("--profile", "profile_names", multiple=True, metavar="PROFILE",
+              help="A deploy profile whose API key Prometheus sends to its replicas (bearer token). Repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
+def monitor(obj: Context, host_name: str, profile_names: tuple[str, ...], as_json: bool) -> None:
+    """Install Debian's Prometheus on a host, scraping every runtime replica and SGLang server of the
+    selected hosts (checked with promtool first, backed up, rolled back if it does not come up)."""
+    from .monitor import monitor as install_monitor
+    from .profile import check_against_inventory, load_profile, resolve_profile
+    from .top import settings_from_profiles
+
+    inventory = obj.inventory()
+    host = inventory.host(host_name)
+    profiles = [load_profile(resolve_profile(name)) for name in profile_names]
+    for profile in profiles:
+        check_against_inventory(profile, inventory)
+    _, api_keys = settings_from_profiles(profiles, inventory)
+    with obj.executor(inventory) as executor:
+        report = install_monitor(executor, inventory, host, inventory.select(obj.limit), api_keys, _progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for t in report["targets"]:
+        click.echo(f"  scraping {t['host']} {t['unit']} at {t['address']}:{t['port']}"
+                   + (" (bearer token)" if t["api_key"] else ""))
+    for name, why in report["unanswered"].items():
+        err_console.print(f"[yellow]{name}: not scraped ({why})[/]", soft_wrap=True)
+    _progress(f"Prometheus on {host.name} answers at {report['listen']} (backup {report['backup_id']})")
+
+
+def _refresh_monitors(inventory: Inventory, executor: Executor, profiles: list) -> None:
+    """Hosts with role `monitor`: their Prometheus's discovery files follow what a pivot or rollback
+    changed (replicas added or removed). A failure here is a warning: the pivot's outcome stands."""
+    from .monitor import refresh_targets
+    from .top import settings_from_profiles
+
+    monitors = [h for h in inventory.hosts.values() if "monitor" in h.roles]
+    if not monitors:
+        return
+    _, api_keys = settings_from_profiles(profiles, inventory)
+    for host in monitors:
+        try:
+            out = refresh_targets(executor, inventory, host, api_keys)
+        except DdopsError as exc:
+            err_console.print(f"[yellow]monitor {host.name}: targets not refreshed ({exc.line()})[/]", soft_wrap=True)
+            continue
+        if "skipped" in out:
+            err_console.print(f"[yellow]monitor {host.name}: targets not refreshed ({out['skipped']})[/]",
+                              soft_wrap=True)
+        else:
+            _progress(f"monitor {host.name}: Prometheus discovers {len(out['targets'])} target(s)")
+
+
+def _alarm_kinds(fail_on: str | None, known: dict[str, str]) -> set[str]:
+    if not fail_on:
+        return set()
+    kinds = {k.strip() for k in fail_on.split(",") if k.strip()}
+    if "all" in kinds:
+        return set(known)
+    unknown = sorted(kinds - set(known))
+    if unknown:
+        raise UsageError(f"--fail-on: unknown alarm {', '.join(unknown)}", fix=f"use {', '.join(known)} or all")
+    return kinds
+
+
+def _wait_first_answers(poller, timeout: float = 15.0) -> None:
+    """The first frame after every host answered once (or a short wait), so it is not all `waiting`."""
+    deadline = time.monotonic() + timeout
+    while not poller.samples_at_least(1) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class LostSteps(click.ParamType):
@@ -141,6 +277,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     with obj.executor(inventory) as executor:
         report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                          confirm=lambda q: click.confirm(q, default=False, err=True))
+        if not dry_run:
+            _refresh_monitors(inventory, executor, [profile])
     render_summary(report, console)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -179,6 +317,7 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
         with Activity(console, f"rolling back {unit} on {host.name}") as activity:
             report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update,
                                       skip_smoke=skip_smoke)
+        _refresh_monitors(inventory, executor, [])
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:

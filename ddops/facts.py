@@ -30,9 +30,17 @@ def probe_args(host: Host) -> dict[str, Any]:
     return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR}
 
 
-def gather(executor: Executor, host: Host) -> dict[str, Any]:
-    """Run the facts probe on host and return its parsed JSON."""
-    result = executor.run(host, ["python3", "-I", "-S", "-c", probe_source("facts"), json.dumps(probe_args(host))])
+def gather(executor: Executor, host: Host, *, metrics: list[str] | None = None,
+           api_keys: dict[int, str] | None = None, timeout: float | None = None) -> dict[str, Any]:
+    """Run the facts probe on host and return its parsed JSON. With `metrics` (sample names), every
+    runtime and replica also has its /metrics read, in the same round trip (`api_keys` by port)."""
+    args = probe_args(host)
+    stdin = None
+    if metrics:
+        args["metrics"] = metrics
+        stdin = json.dumps({str(port): key for port, key in (api_keys or {}).items()})
+    result = executor.run(host, ["python3", "-I", "-S", "-c", probe_source("facts"), json.dumps(args)],
+                          stdin=stdin, timeout=timeout)
     if not result.ok:
         detail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise DdopsError(f"facts probe failed on {host.name} (exit {result.exit_code}): {detail}",

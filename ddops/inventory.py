@@ -10,7 +10,7 @@ from pathlib import Path
 from .errors import UsageError
 from .yamlsrc import Section, load_yaml
 
-ROLES = ("training", "serving", "eval", "node")
+ROLES = ("training", "serving", "eval", "node", "monitor")   # monitor: runs `ddops monitor`'s Prometheus
 HOST_KEY_POLICIES = ("strict", "accept-new")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _UNIT = re.compile(r"^[A-Za-z0-9@._:-]+\.(service|target|timer|socket)$")

@@ -431,6 +431,25 @@ def _models(top: Section) -> tuple[Model, ...]:
     return tuple(models)
 
 
+def _runtime_needs(pyproject: Path, packages: dict[str, str]) -> dict[str, str]:
+    """The shipped runtime's dependencies the profile does not install (import name -> requirement): the
+    wheel goes in with --no-deps, so each must be in runtime.packages (import name = the distribution's,
+    with `-` as `_`)."""
+    import tomllib
+
+    try:
+        needs = tomllib.loads(pyproject.read_text()).get("project", {}).get("dependencies", [])
+    except (OSError, ValueError):
+        return {}
+    have = {name.lower() for name in packages}
+    missing = {}
+    for requirement in needs:
+        name = re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0]
+        if name.replace("-", "_").lower() not in have:
+            missing[name.replace("-", "_")] = requirement
+    return missing
+
+
 def _runtime(top: Section, root: Path) -> Runtime:
     section = top.section("runtime", required=True)
     section.reject_unknown(("venv", "packages", "ship", "index", "wheelhouse"))
@@ -449,6 +468,12 @@ def _runtime(top: Section, root: Path) -> Runtime:
             raise section.fail("ship", f"`runtime.ship: {ship}` has no pyproject.toml ({ship_path})",
                                "point it at the runtime package, e.g. `runtime`")
         ship = str(ship_path)
+        missing = _runtime_needs(ship_path / "pyproject.toml", packages)
+        if missing:
+            raise section.fail("packages", f"runtime.packages lacks {', '.join(missing)}, which the shipped "
+                                           f"runtime needs ({ship_path / 'pyproject.toml'})",
+                               "add them under runtime.packages (import name: pip requirement), e.g. "
+                               + ", ".join(f"`{m}: {r}`" for m, r in missing.items()))
     index = section.bool("index", True)
     wheelhouse = section.str("wheelhouse")
     if wheelhouse is not None:

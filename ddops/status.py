@@ -150,7 +150,7 @@ def load_summary(h: dict[str, Any]) -> str:
         return ""
     line = f"running {detail.get('running', 0)}/{detail['max_running']}"
     pool = h.get("pool") or {}
-    used, free = pool.get("ddtree_pages_used"), pool.get("ddtree_pages_free")
+    used, free = pool.get("ddtree_kv_pages_used"), pool.get("ddtree_kv_pages_free")
     if used is not None and free is not None:
         line += f", pages {used:g}/{used + free:g} used"
     return line

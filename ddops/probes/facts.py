@@ -1,16 +1,19 @@
 """Gather one host's facts in one round trip: identity, GPUs, training job, units, runtime health,
-and each replicated deployment's replicas and balancer.
+and each replicated deployment's replicas and balancer; for `ddops top`, each runtime's /metrics too.
 
-Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object.
+Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object. With
+`"metrics"` in its arguments it also reads a JSON object on stdin: the API keys by port (secrets never
+go on a command line).
 """
 import json
 import os
+import re
 import socket
 import sys
 import time
 
 GPU_FIELDS = ["index", "name", "memory.used", "memory.total", "utilization.gpu"]
-POOL_METRICS = ("ddtree_pages_used", "ddtree_pages_free")
+POOL_METRICS = ("ddtree_kv_pages_used", "ddtree_kv_pages_free")
 UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState"]
 
 
@@ -89,6 +92,7 @@ def training(spec):
         "pids": [p["pid"] for p in found],
         "unit": unit,
         "last_step": last_step(spec.get("log")),
+        "last_loss": last_loss(spec.get("log")),
         "checkpoints": spec.get("checkpoints"),
         "newest_checkpoint": newest_checkpoint(spec.get("checkpoints")),
     }
@@ -136,7 +140,7 @@ def health(port, path):
 
 
 def pool_metrics(port):
-    """The paged pool's gauges from /metrics (ddtree_pages_used, ddtree_pages_free), where the runtime
+    """The paged pool's gauges from /metrics (ddtree_kv_pages_used, ddtree_kv_pages_free), where the runtime
     has them and serves /metrics without a key; {} otherwise."""
     import urllib.request
 
@@ -153,7 +157,45 @@ def pool_metrics(port):
     return found
 
 
-def replicated(folder):
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(port, wanted, api_key=None):
+    """The runtime's /metrics on port: the samples whose name is in `wanted`, as [name, labels, value],
+    with the host's clock at the read (rates are deltas over it)."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": "Bearer " + api_key} if api_key else {}
+    req = urllib.request.Request("http://127.0.0.1:%d/metrics" % port, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=3) as resp:
+            text = resp.read(4 << 20).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return {"error": "HTTP %d" % exc.code, "at": time.time(), "samples": []}
+    except (OSError, ValueError) as exc:
+        return {"error": str(getattr(exc, "reason", exc)), "at": time.time(), "samples": []}
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in wanted:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        samples.append([m.group(1), dict(_LABEL.findall(m.group(2) or "")), value])
+    return {"error": None, "at": time.time(), "samples": samples}
+
+
+def with_metrics(entry, port, metrics):
+    if metrics:
+        entry["metrics"] = scrape(port, set(metrics["names"]), metrics["keys"].get(str(port)))
+    return entry
+
+
+def replicated(folder, metrics=None):
     """Each replicated deployment ddops installed here (its manifest): every replica's unit and health,
     and the balancer's unit, its public health and how it sees each replica."""
     try:
@@ -172,8 +214,9 @@ def replicated(folder):
         except (OSError, RuntimeError) as exc:
             error = "%s: %s" % (exc.__class__.__name__, exc)
         path = manifest.get("health_path") or "/health"
-        replicas = [dict(r, state=unit_state(r["unit"]), health=health(r["port"], path),
-                         balancer=servers.get(r["server"])) for r in manifest["replicas"]]
+        replicas = [with_metrics(dict(r, state=unit_state(r["unit"]), health=health(r["port"], path),
+                                      balancer=servers.get(r["server"])), r["port"], metrics)
+                    for r in manifest["replicas"]]
         out.append({"template": manifest["template"], "profile": manifest.get("profile"), "replicas": replicas,
                     "balancer": {"unit": bal["unit"], "port": bal["port"], "state": unit_state(bal["unit"]),
                                  "health": health(bal["port"], path), "error": error}})
@@ -182,17 +225,24 @@ def replicated(folder):
 
 def main():
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    metrics = None
+    if args.get("metrics"):
+        metrics = {"names": args["metrics"], "keys": json.loads(sys.stdin.read() or "{}")}
     started = time.time()
+    services = [unit_state(s["unit"]) for s in args.get("services", [])]
+    # a unit systemd has no file for is not scraped: its port may be a balancer's (replicas took over)
+    absent = {s["unit"] for s in services if s.get("LoadState") == "not-found"}
     facts = {
         "hostname": socket.gethostname(),
         "gpus": gpus(),
         "training": training(args.get("training")),
-        "services": [unit_state(s["unit"]) for s in args.get("services", [])],
-        "runtime": [dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"])
+        "services": services,
+        "runtime": [with_metrics(dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"]),
+                                 s["port"], None if s["unit"] in absent else metrics)
                     for s in args.get("services", []) if s.get("port")],
     }
     if args.get("replicas_dir"):
-        facts["replicas"] = replicated(args["replicas_dir"])
+        facts["replicas"] = replicated(args["replicas_dir"], metrics)
     facts["probe_s"] = round(time.time() - started, 3)
     json.dump(facts, sys.stdout)
 

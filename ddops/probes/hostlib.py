@@ -51,19 +51,29 @@ def matching_pids(pattern):
     return found
 
 
-def last_step(log_path, size=65536):
-    """The last `step N` in the log's last `size` bytes, or None."""
+def log_tail(log_path, size=65536):
+    """The log's last `size` bytes as text; "" when there is no log."""
     if not log_path:
-        return None
+        return ""
     try:
         with open(log_path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - size))
-            text = fh.read().decode(errors="replace")
+            return fh.read().decode(errors="replace")
     except OSError:
-        return None
-    steps = re.findall(r"\bstep[ =:]+(\d+)", text)
+        return ""
+
+
+def last_step(log_path, size=65536):
+    """The last `step N` in the log's last `size` bytes, or None."""
+    steps = re.findall(r"\bstep[ =:]+(\d+)", log_tail(log_path, size))
     return int(steps[-1]) if steps else None
+
+
+def last_loss(log_path, size=65536):
+    """The last `loss X` in the log's last `size` bytes, or None."""
+    losses = re.findall(r"\bloss[ =:]+([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", log_tail(log_path, size))
+    return float(losses[-1]) if losses else None
 
 
 # A checkpoint's step from its name: `step_1200.ckpt`, `checkpoint-1200`, `ckpt1200`, `epoch_2_step_1200`;

@@ -80,4 +80,4 @@ def test_health_is_error_when_the_engine_cannot_serve(api, monkeypatch):
     later = _complete(api)
     assert later.status_code == 503 and later.json()["error"]["type"] == "service_unavailable"
     metrics = api.get("/metrics").text.splitlines()
-    assert "ddtree_engine_up 0" in metrics
+    assert "ddtree_engine_up 0.0" in metrics

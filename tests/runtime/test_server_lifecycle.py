@@ -106,7 +106,7 @@ def test_dead_worker_turns_health_to_error(tiny_models):
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": CHAT})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         m = httpx.get(srv.url + "/metrics").text
-        assert "ddtree_engine_up 0" in m.splitlines()
+        assert "ddtree_engine_up 0.0" in m.splitlines()
 
 
 def test_drain_timeout_cancels_what_is_still_running(tiny_models):
@@ -220,6 +220,6 @@ def test_retry_after_is_the_admitted_work_estimated_from_measured_jobs(tiny_mode
 
 def _wait_gauge(srv: ServerProcess, name: str, value: float, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while f"{name} {value:g}" not in httpx.get(srv.url + "/metrics").text.splitlines():
+    while f"{name} {float(value)!r}" not in httpx.get(srv.url + "/metrics").text.splitlines():
         assert time.monotonic() < deadline, f"{name} never reached {value}"
         time.sleep(0.02)

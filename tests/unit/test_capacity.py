@@ -146,7 +146,7 @@ def health(running=3, max_running=16, pool=None) -> dict:
 def test_status_shows_running_over_capacity_and_pages_where_reported():
     cell = _runtime_cell({"services": [], "runtime": [health()]}).plain
     assert cell == "http://127.0.0.1:8000/health: healthy Qwen3.6-27B ddtree@16; running 3/16\n"
-    paged = health(pool={"ddtree_pages_used": 120, "ddtree_pages_free": 880})
+    paged = health(pool={"ddtree_kv_pages_used": 120, "ddtree_kv_pages_free": 880})
     assert _runtime_cell({"services": [], "runtime": [paged]}).plain.endswith("running 3/16, pages 120/1000 used\n")
     deployment = {"template": "ddtree@.service", "profile": "p", "balancer": {
         "unit": "haproxy.service", "port": 8200, "state": {"ActiveState": "active"},

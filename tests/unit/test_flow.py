@@ -81,8 +81,8 @@ def test_every_step_plans_the_first_pivot_from_the_facts(profile):
         "sync": [f"sync target local:{target} -> /root/models/tiny-target: 2 file(s), 2.8 MiB",
                  "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB"],
         "deps": ["create venv /opt/ddtree/venv",
-                 "pip install fastapi>=0.110 safetensors>=0.4 tokenizers>=0.19 torch==2.13.0 transformers>=4.51 "
-                 "uvicorn>=0.29 (from the index)"],
+                 "pip install fastapi>=0.110 prometheus_client>=0.17 safetensors>=0.4 tokenizers>=0.19 torch==2.13.0 "
+                 "transformers>=4.51 uvicorn>=0.29 (from the index)"],
         "ship": ["install ddtree-runtime 0.1.0+new into /opt/ddtree/venv (now: none)"],
         "unit": ["write /etc/systemd/system/ddtree.service (new)", "write /etc/ddops/ddtree.env (mode 0600) (new)"],
         "start": ["enable ddtree.service", "restart ddtree.service (changed: deps, ship, sync, unit)"],

@@ -33,6 +33,7 @@ def test_facts_finds_the_job_and_stop_training_stops_it_but_no_ddops_script(tmp_
                 "checkpoints": str(tmp_path / "ckpt")}
         facts = run("facts", {"training": spec, "services": []}, "-I", "-S")
         assert facts["training"]["pids"] == [job.pid] and facts["training"]["last_step"] == 17
+        assert facts["training"]["last_loss"] == 1.9
         out = run("stop_training", {**spec, "grace_s": 5})
         assert out["pids"] == [job.pid] and out["stopped"] and out["graceful"] and out["step_after"] == 17
         assert job.wait(timeout=10) == -15  # SIGTERM
@@ -63,7 +64,7 @@ def test_facts_reads_a_runtimes_load_and_its_pages_where_it_shows_them():
         def do_GET(self):
             body = (json.dumps({"status": "ok", "mode": "ddtree", "running": 3, "max_running": 16})
                     if self.path == "/health" else
-                    "# TYPE ddtree_pages_used gauge\nddtree_pages_used 120\nddtree_pages_free 880\n"
+                    "# TYPE ddtree_kv_pages_used gauge\nddtree_kv_pages_used 120\nddtree_kv_pages_free 880\n"
                     "ddtree_running_requests 3\n").encode()
             self.send_response(200)
             self.end_headers()
@@ -80,4 +81,43 @@ def test_facts_reads_a_runtimes_load_and_its_pages_where_it_shows_them():
         server.shutdown()
     runtime, = facts["runtime"]
     assert runtime["healthy"] and runtime["detail"]["running"] == 3
-    assert runtime["pool"] == {"ddtree_pages_used": 120, "ddtree_pages_free": 880}
+    assert runtime["pool"] == {"ddtree_kv_pages_used": 120, "ddtree_kv_pages_free": 880}
+
+
+def test_facts_reads_a_runtimes_metrics_with_its_key_from_stdin():
+    """With `metrics`, the probe reads /metrics of each installed runtime, keeping only the wanted samples."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            body = (b'# TYPE ddtree_requests_total counter\n'
+                    b'ddtree_requests_total{endpoint="/v1/completions",status="500"} 2.0\n'
+                    b'ddtree_queue_depth 3.0\nddtree_other 9\n')
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    args = {"services": [{"unit": "ddtree.service", "port": port, "health": "/health"}],
+            "metrics": ["ddtree_requests_total", "ddtree_queue_depth"]}
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", probe_source("facts"), json.dumps(args)],
+                              input=json.dumps({str(port): "k1"}), capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    runtime, = json.loads(done.stdout)["runtime"]
+    scraped = runtime["metrics"]
+    assert scraped["error"] is None and scraped["samples"] == [["ddtree_requests_total", {"endpoint": "/v1/completions", "status": "500"}, 2.0],
+                                  ["ddtree_queue_depth", {}, 3.0]]
+    assert "Bearer k1" in seen

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ddops.errors import ConfigError
 from ddops.profile import load_profile, resolve_profile
@@ -243,3 +244,17 @@ def test_unknown_profile_name_lists_known():
     with pytest.raises(ConfigError) as err:
         resolve_profile("nope", REPO / "playbooks")
     assert "lab-ddtree16" in err.value.line()
+
+
+def test_a_shipped_runtime_needs_its_dependencies_in_the_profile(tmp_path):
+    """The runtime's wheel goes in with --no-deps: a profile missing one of its dependencies (as the
+    playbooks written before /metrics used prometheus_client would be) is refused at load, with the fix."""
+    doc = yaml.safe_load((REPO / "playbooks" / "lab-ddtree16.yaml").read_text())
+    del doc["runtime"]["packages"]["prometheus_client"]
+    doc["runtime"]["ship"] = str(REPO / "runtime")
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as err:
+        load_profile(path, repo_root=REPO)
+    assert "runtime.packages lacks prometheus_client" in err.value.line()
+    assert "`prometheus_client: prometheus_client>=0.17`" in err.value.line()

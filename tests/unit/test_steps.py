@@ -242,7 +242,7 @@ def test_plan_deps(profile):
     assert [c.what for c in plan_deps(profile, Imports.from_json(one_missing))] == [
         "pip install safetensors>=0.4 (from the index)"]
     fresh = plan_deps(profile, Imports.from_json({"venv": False}))
-    assert fresh[0].what == "create venv /opt/ddtree/venv" and len(fresh[1].data["modules"]) == 6
+    assert fresh[0].what == "create venv /opt/ddtree/venv" and len(fresh[1].data["modules"]) == 7
     assert pip_argv(profile, ["safetensors"])[-1] == "safetensors>=0.4"
 
 

@@ -1,142 +1,117 @@
-"""Prometheus text exposition, written by hand (no client library).
+"""The server's /metrics, through prometheus_client.
 
-Counters and histograms are updated from the event loop and from the engine worker thread, so every
-update and the rendering take one lock.
+Two kinds of metric, each declared in one place:
+
+- updated as things happen (requests, prefill, rounds): a prometheus_client object built in
+  ``Metrics.__init__`` and fed by an ``observe_*`` method; a new one goes beside them;
+- read when scraped (queue depth, engine totals kept elsewhere): ``add_gauge``/``add_counter`` with a
+  callable, from wherever the value lives (the app wires them in ``create_app``).
+
+Each ``Metrics`` has its own registry, so two servers in one process (tests) never share a series. The
+client's ``*_created`` series are off: the exposition keeps the names and labels it had before this
+module used the library.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "ddtree"
+# The text format 0.0.4 that generate_latest writes (the library's CONTENT_TYPE_LATEST names a newer one).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 ROUND_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+prometheus_client.disable_created_metrics()
 
 
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs)
-    return "{" + inner + "}" if inner else ""
+@dataclass(frozen=True)
+class _ReadAtScrape:
+    name: str
+    help_text: str
+    read: Callable[[], float]
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily]
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
+class _ScrapeTimeValues:
+    """A collector for the values kept elsewhere: each is read once per scrape."""
+
+    def __init__(self) -> None:
+        self.values: list[_ReadAtScrape] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for v in self.values:
+            yield v.family(f"{PREFIX}_{v.name}", v.help_text, value=float(v.read()))
 
 
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += 1
-        self.sum += value
-
-    def lines(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> list[str]:
-        out = []
-        for bound, count in zip(self.buckets, self.counts):
-            out.append(f"{name}_bucket{_labels(labels + (('le', _number(bound)),))} {count}")
-        out.append(f"{name}_bucket{_labels(labels + (('le', '+Inf'),))} {self.total}")
-        out.append(f"{name}_sum{_labels(labels)} {_number(self.sum)}")
-        out.append(f"{name}_count{_labels(labels)} {self.total}")
-        return out
+def _acceptance_buckets(max_length: int) -> tuple[float, ...]:
+    return tuple(float(i) for i in range(1, max(max_length, 1) + 1))
 
 
 class Metrics:
     def __init__(self, max_acceptance_length: int = 16) -> None:
-        self._lock = threading.Lock()
-        self._requests: dict[tuple[str, str], int] = {}
-        self._request_latency: dict[str, _Histogram] = {}
-        self._tokens = 0
-        self._rounds = 0
-        self._round_latency = _Histogram(ROUND_LATENCY_BUCKETS)
-        self._prefill_latency = _Histogram(REQUEST_LATENCY_BUCKETS)
-        self._acceptance = _Histogram(tuple(float(i) for i in range(1, max_acceptance_length + 1)))
-        # Read at scrape time: (name, help, callable returning a number, type).
-        self._gauges: list[tuple[str, str, Callable[[], float], str]] = []
+        self.registry = CollectorRegistry()
+        own = {"namespace": PREFIX, "registry": self.registry}
+        # --- updated as things happen ---
+        self.requests = Counter("requests", "HTTP requests answered, by endpoint and status code.",
+                                ["endpoint", "status"], **own)
+        self.request_duration = Histogram("request_duration_seconds",
+                                          "Time from request to last byte of the response.", ["endpoint"],
+                                          buckets=REQUEST_LATENCY_BUCKETS, **own)
+        self.generated_tokens = Counter("generated_tokens", "Tokens committed by the engine.", **own)
+        self.prefill_duration = Histogram("prefill_duration_seconds",
+                                          "Wall time of a prompt's prefill (to the first token).",
+                                          buckets=REQUEST_LATENCY_BUCKETS, **own)
+        self.rounds = Counter("rounds", "Engine decoding rounds after prefill (draft, verify, commit).", **own)
+        self._acceptance_lock = threading.Lock()  # the histogram is swapped once, on the worker thread
+        self._acceptance_seen = False
+        self.acceptance = self._acceptance_histogram(max_acceptance_length)
+        self.round_duration = Histogram("round_duration_seconds", "Wall time of one decoding round.",
+                                        buckets=ROUND_LATENCY_BUCKETS, **own)
+        # --- read when scraped ---
+        self._scrape_time = _ScrapeTimeValues()
+        self.registry.register(self._scrape_time)
+
+    def _acceptance_histogram(self, max_length: int) -> Histogram:
+        return Histogram("acceptance_length", "Tokens committed per decoding round (accepted draft tokens + 1).",
+                         namespace=PREFIX, registry=self.registry, buckets=_acceptance_buckets(max_length))
 
     def set_max_acceptance_length(self, n: int) -> None:
         """The engine's block size is only known once it loads; rebuild the (still empty) buckets."""
-        with self._lock:
-            if self._acceptance.total == 0:
-                self._acceptance = _Histogram(tuple(float(i) for i in range(1, max(n, 1) + 1)))
+        with self._acceptance_lock:
+            if not self._acceptance_seen:
+                self.registry.unregister(self.acceptance)
+                self.acceptance = self._acceptance_histogram(n)
 
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        self._gauges.append((name, help_text, read, "gauge"))
+        self._scrape_time.values.append(_ReadAtScrape(name, help_text, read, GaugeMetricFamily))
 
     def add_counter(self, name: str, help_text: str, read: Callable[[], float]) -> None:
-        """A counter kept elsewhere (the engine's own totals), read at scrape time."""
-        self._gauges.append((name, help_text, read, "counter"))
+        """A counter kept elsewhere (the engine's own totals), read at scrape time; ``name`` ends in _total."""
+        self._scrape_time.values.append(_ReadAtScrape(name, help_text, read, CounterMetricFamily))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
-        with self._lock:
-            key = (endpoint, str(status))
-            self._requests[key] = self._requests.get(key, 0) + 1
-            hist = self._request_latency.setdefault(endpoint, _Histogram(REQUEST_LATENCY_BUCKETS))
-            hist.observe(seconds)
+        self.requests.labels(endpoint, str(status)).inc()
+        self.request_duration.labels(endpoint).observe(seconds)
 
     def observe_prefill(self, seconds: float, new_tokens: int) -> None:
-        with self._lock:
-            self._tokens += new_tokens
-            self._prefill_latency.observe(seconds)
+        self.generated_tokens.inc(new_tokens)
+        self.prefill_duration.observe(seconds)
 
     def observe_round(self, seconds: float, acceptance_length: int, new_tokens: int) -> None:
-        with self._lock:
-            self._rounds += 1
-            self._tokens += new_tokens
-            self._round_latency.observe(seconds)
-            self._acceptance.observe(acceptance_length)
+        self.rounds.inc()
+        self.generated_tokens.inc(new_tokens)
+        self.round_duration.observe(seconds)
+        with self._acceptance_lock:
+            self._acceptance_seen = True
+            self.acceptance.observe(acceptance_length)
 
     def render(self) -> str:
-        with self._lock:
-            lines = [
-                f"# HELP {PREFIX}_requests_total HTTP requests answered, by endpoint and status code.",
-                f"# TYPE {PREFIX}_requests_total counter",
-            ]
-            for (endpoint, status), count in sorted(self._requests.items()):
-                lines.append(f"{PREFIX}_requests_total{_labels((('endpoint', endpoint), ('status', status)))} {count}")
-            lines += [
-                f"# HELP {PREFIX}_request_duration_seconds Time from request to last byte of the response.",
-                f"# TYPE {PREFIX}_request_duration_seconds histogram",
-            ]
-            for endpoint, hist in sorted(self._request_latency.items()):
-                lines += hist.lines(f"{PREFIX}_request_duration_seconds", (("endpoint", endpoint),))
-            lines += [
-                f"# HELP {PREFIX}_generated_tokens_total Tokens committed by the engine.",
-                f"# TYPE {PREFIX}_generated_tokens_total counter",
-                f"{PREFIX}_generated_tokens_total {self._tokens}",
-                f"# HELP {PREFIX}_prefill_duration_seconds Wall time of a prompt's prefill (to the first token).",
-                f"# TYPE {PREFIX}_prefill_duration_seconds histogram",
-                *self._prefill_latency.lines(f"{PREFIX}_prefill_duration_seconds"),
-                f"# HELP {PREFIX}_rounds_total Engine decoding rounds after prefill (draft, verify, commit).",
-                f"# TYPE {PREFIX}_rounds_total counter",
-                f"{PREFIX}_rounds_total {self._rounds}",
-                f"# HELP {PREFIX}_acceptance_length Tokens committed per decoding round (accepted draft tokens + 1).",
-                f"# TYPE {PREFIX}_acceptance_length histogram",
-                *self._acceptance.lines(f"{PREFIX}_acceptance_length"),
-                f"# HELP {PREFIX}_round_duration_seconds Wall time of one decoding round.",
-                f"# TYPE {PREFIX}_round_duration_seconds histogram",
-                *self._round_latency.lines(f"{PREFIX}_round_duration_seconds"),
-            ]
-        for name, help_text, read, kind in self._gauges:
-            lines += [
-                f"# HELP {PREFIX}_{name} {help_text}",
-                f"# TYPE {PREFIX}_{name} {kind}",
-                f"{PREFIX}_{name} {_number(float(read()))}",
-            ]
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()

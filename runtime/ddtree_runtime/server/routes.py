@@ -18,6 +18,7 @@ from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError, error_body
 from ddtree_runtime.server.generation import ClientGone, Generation
 from ddtree_runtime.server.logprobs import ReturnedToken, TokenTexts, chat_content, completion_logprobs
+from ddtree_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
 from ddtree_runtime.server.schemas import parse_body
 from ddtree_runtime.server.worker import READY
@@ -59,7 +60,7 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> PlainTextResponse:
     ctx = _ctx(request)
     ctx.authorize(request)  # a scraper sends the key (Prometheus: `authorization: {credentials: ...}`)
-    return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 @router.get("/v1/models")

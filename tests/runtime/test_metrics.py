@@ -1,0 +1,42 @@
+"""/metrics through prometheus_client: the series keep the names and labels scrapes already use."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree_runtime.server.metrics import Metrics
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_series_names_labels_and_values():
+    m = Metrics()
+    m.add_gauge("queue_depth", "Requests waiting.", lambda: 3)
+    m.add_counter("prefix_cache_hits_total", "Hits.", lambda: 7)
+    m.set_max_acceptance_length(4)  # nothing observed yet: the buckets follow the engine's block size
+    m.observe_request("/v1/completions", 200, 0.02)
+    m.observe_request("/v1/completions", 503, 0.3)
+    m.observe_prefill(0.2, new_tokens=1)
+    m.observe_round(0.004, acceptance_length=3, new_tokens=3)
+    m.set_max_acceptance_length(8)  # too late: observed buckets never change under a scraper
+    text = m.render()
+    s = _samples(text)
+    assert s[("ddtree_requests_total", (("endpoint", "/v1/completions"), ("status", "503")))] == 1
+    assert s[("ddtree_request_duration_seconds_count", (("endpoint", "/v1/completions"),))] == 2
+    assert s[("ddtree_generated_tokens_total", ())] == 4
+    assert s[("ddtree_rounds_total", ())] == 1
+    assert s[("ddtree_queue_depth", ())] == 3 and s[("ddtree_prefix_cache_hits_total", ())] == 7
+    acceptance = {dict(k[1])["le"]: v for k, v in s.items() if k[0] == "ddtree_acceptance_length_bucket"}
+    assert acceptance == {"1.0": 0, "2.0": 0, "3.0": 1, "4.0": 1, "+Inf": 1}
+    assert s[("ddtree_round_duration_seconds_bucket", (("le", "0.005"),))] == 1
+    assert "# TYPE ddtree_prefix_cache_hits_total counter" in text.splitlines()
+    assert "_created" not in text
+
+
+def test_two_servers_in_one_process_keep_their_own_series():
+    first, second = Metrics(), Metrics()
+    first.observe_round(0.01, 2, 2)
+    assert _samples(second.render())[("ddtree_rounds_total", ())] == 0

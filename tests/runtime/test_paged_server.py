@@ -27,11 +27,12 @@ POOL_TOKENS = 128  # pages of 16: a request of ~20 prompt tokens, 32 new and one
 def server(tiny_models):
     port = free_port()
     config = ServerConfig(target_dir=str(tiny_models / "target"), draft_dir=str(tiny_models / "draft"), host=HOST,
-                          port=port, served_model_name="tiny", max_running=4, max_queue=8, prefix_cache=False)
+                          port=port, served_model_name="tiny", max_running=4, max_queue=8, prefix_cache=False,
+                          kv_pool_tokens=POOL_TOKENS)
     engines = []
 
     def factory(cfg: ServerConfig) -> Engine:
-        engines.append(Engine(EngineConfig(**cfg.engine_kwargs(), kv_pool_tokens=POOL_TOKENS)))
+        engines.append(Engine(EngineConfig(**cfg.engine_kwargs())))
         return engines[-1]
 
     srv = uvicorn.Server(uvicorn.Config(create_app(config, factory), host=HOST, port=port, log_level="warning"))

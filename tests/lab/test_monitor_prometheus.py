@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.lab.test_replicas import PROFILE, REPO, chat, ct200, ddops, pivot, variant
-from tests.lab.test_top import RESET
+from tests.lab.test_top_tmux import RESET
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 

@@ -1,4 +1,6 @@
-"""A per-request tree budget the device cannot hold (issue 12, item 1).
+"""A per-request tree budget the device cannot hold (issue 12, item 1), on the hybrid pair: its tree
+scratch is per node, so a much bigger tree re-sizes the pool (an attention-only target's paged pool holds
+any tree as it is, which the first test checks).
 
 The refusal must leave the engine exactly as it was, and /health must not say ok once the engine cannot
 serve. The app runs in this process (the engine loads on its worker thread here), so the device's free
@@ -8,6 +10,7 @@ memory and a failing allocation can be imitated by patching the engine module.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 from starlette.testclient import TestClient
@@ -21,10 +24,9 @@ pytestmark = pytest.mark.slow
 BIG_TREE = {"mode": "ddtree", "tree_budget": 1024}  # far above the configured 16: the cache must grow
 
 
-@pytest.fixture(params=["tiny_models", "tiny_hybrid_models"])
-def api(request):
-    """The app on the tiny Qwen3 pair, then on the hybrid one (whose cache also holds per-node scratch)."""
-    models = request.getfixturevalue(request.param)
+@contextmanager
+def _app(models):
+    """The app on a tiny pair, once its engine is ready."""
     config = ServerConfig(target_dir=str(models / "target"), draft_dir=str(models / "draft"),
                           served_model_name="tiny", max_tree_budget=1024)  # past the cap: the engine decides
     with TestClient(create_app(config), raise_server_exceptions=False) as client:
@@ -35,9 +37,33 @@ def api(request):
         yield client
 
 
+@pytest.fixture
+def api(tiny_hybrid_models):
+    """The hybrid pair, whose cache holds per-node tree scratch: a much bigger tree must re-size it."""
+    with _app(tiny_hybrid_models) as client:
+        yield client
+
+
+@pytest.fixture
+def attention_only(tiny_models):
+    with _app(tiny_models) as client:
+        yield client
+
+
 def _complete(api: TestClient, speculative: dict | None = None):
     body = {"model": "tiny", "prompt": "1\n2\n3\n", "max_tokens": 6, "temperature": 0}
     return api.post("/v1/completions", json={**body, **({"speculative": speculative} if speculative else {})})
+
+
+def test_an_attention_only_pool_serves_any_tree_without_a_re_size(attention_only, monkeypatch):
+    """Its paged pool holds a tree of any budget as it is: nothing to allocate, nothing to refuse."""
+    before = _complete(attention_only).json()["choices"][0]["text"]
+    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: 0)  # no headroom left on the device
+    monkeypatch.setattr(engine_module, "target_cache", lambda *a, **k: pytest.fail("the pool was re-sized"))
+    big = _complete(attention_only, BIG_TREE)
+    assert big.status_code == 200, big.text
+    assert big.json()["choices"][0]["text"] == before
+    assert attention_only.get("/health").json()["status"] == "ok"
 
 
 def test_refused_tree_budget_leaves_the_engine_serving(api, monkeypatch):

@@ -58,10 +58,26 @@ def _ctx(api: TestClient) -> ServerContext:
     return api.app.state.ddtree
 
 
+@pytest.fixture(scope="module")
+def hybrid_api(tiny_hybrid_models):
+    """The same on the hybrid pair, whose per-node tree scratch is what a bigger tree re-sizes (an
+    attention-only target's paged pool holds any tree as it is)."""
+    models = tiny_hybrid_models
+    config = ServerConfig(target_dir=str(models / "target"), draft_dir=str(models / "draft"),
+                          served_model_name="tiny", max_tree_budget=1024)
+    with TestClient(create_app(config), raise_server_exceptions=False) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/health").json()
+            time.sleep(0.05)
+        yield client
+
+
 # -- item 1: a re-size that succeeds is not an error -------------------------------------------------
 
 
-def test_health_stays_ok_while_the_pool_is_resized(api, monkeypatch):
+def test_health_stays_ok_while_the_pool_is_resized(hybrid_api, monkeypatch):
+    api = hybrid_api
     build, seen = engine_module.target_cache, []
 
     def watched(*args, **kwargs):  # runs on the worker thread, between dropping the old pool and the new

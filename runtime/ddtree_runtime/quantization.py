@@ -68,8 +68,14 @@ def tensor_dtypes(model_dir: Path) -> dict[str, str]:
     dtypes: dict[str, str] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < size <= path.stat().st_size - 8:  # what a safetensors file starts with: its header's length
+                raise ValueError(f"{path.name} is not a safetensors file (its header length is {size})")
             header = json.loads(f.read(size))
+        if not isinstance(header, dict) or not all(isinstance(m, dict) and "dtype" in m
+                                                   for n, m in header.items() if n != "__metadata__"):
+            raise ValueError(f"{path.name} is not a safetensors file (its header lists no tensors)")
         dtypes.update({name: meta["dtype"] for name, meta in header.items() if name != "__metadata__"})
     return dtypes
 

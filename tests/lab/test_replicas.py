@@ -127,6 +127,13 @@ def balancer_counters(lab) -> dict[str, tuple[int, int, int]]:
             for r in status["replicas"][0]["replicas"]}
 
 
+# Debian's own haproxy.cfg, from the package apt left in its cache: whatever an earlier suite deployed, the
+# first replicated deploy here backs up Debian's file, which the last rollback must put back.
+DEBIAN_HAPROXY_CFG = ("deb=$(ls /var/cache/apt/archives/haproxy_*.deb 2>/dev/null | head -1); "
+                      "if [ -n \"$deb\" ] && [ -d /etc/haproxy ]; then dpkg-deb --fsys-tarfile \"$deb\" | "
+                      "tar -xO ./etc/haproxy/haproxy.cfg > /etc/haproxy/haproxy.cfg; fi")
+
+
 @pytest.fixture(scope="module")
 def replicas_lab(lab):
     """ct200 training, no runtime of ours; at the end, everything the tests installed is rolled back."""
@@ -139,7 +146,7 @@ def replicas_lab(lab):
     with Executor(inventory) as ex:
         seed_drafter(inventory, ex, lambda m: None)
     reset = ("systemctl disable --now ddtree.service ddtree@1.service ddtree@2.service 2>/dev/null; "
-             "systemctl stop haproxy.service 2>/dev/null; rm -f /etc/systemd/system/ddtree@.service "
+             "systemctl stop haproxy.service 2>/dev/null; " + DEBIAN_HAPROXY_CFG + "; rm -f /etc/systemd/system/ddtree@.service "
              "/etc/ddops/ddtree@*.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/replicas "
              "/var/lib/ddops/backups/ddtree@.service; systemctl daemon-reload; systemctl reset-failed; "
              "systemctl start dflash-train.service")

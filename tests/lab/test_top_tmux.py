@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.test_replicas import PROFILE, REPO, ct200, pivot
+from tests.lab.test_replicas import DEBIAN_HAPROXY_CFG, PROFILE, REPO, ct200, pivot
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -32,7 +32,8 @@ SESSION = "ddops-top-test"
 FAULTY_PORT = 8299
 FAULTY_UNIT = "ddtree-faulty.service"
 RESET = ("systemctl disable --now ddtree.service ddtree@1.service ddtree@2.service ddtree@3.service 2>/dev/null; "
-         f"systemctl stop haproxy.service {FAULTY_UNIT} 2>/dev/null; rm -f /etc/systemd/system/ddtree@.service "
+         f"systemctl stop haproxy.service {FAULTY_UNIT} 2>/dev/null; {DEBIAN_HAPROXY_CFG}; "
+         "rm -f /etc/systemd/system/ddtree@.service "
          "/etc/ddops/ddtree@*.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/replicas "
          "/var/lib/ddops/backups/ddtree@.service /opt/ddops-faults; systemctl daemon-reload; "
          "systemctl reset-failed; systemctl start dflash-train.service")

@@ -59,8 +59,8 @@ def test_crash_loop_after_start_is_caught_and_rolled_back(lab, base):
 
 
 def test_engine_that_fails_to_load_is_caught_fast(lab, base):
-    # The process stays up but its engine failed (drafter weights are garbage): /health says
-    # `error` for good. That is a crash, not something to wait out until the deadline.
+    # The drafter's weights are garbage: the runtime refuses the checkpoint before loading it, in one
+    # line (exit 2), so the unit crash-loops. Caught at once, not waited out until the deadline.
     corrupt = "/root/models/rel-corrupt-draft"
     sh(lab, "ct200", f"mkdir -p {corrupt} && cp /root/models/tiny-draft/config.json {corrupt}/ && "
                      f"head -c 65536 /dev/urandom > {corrupt}/model.safetensors")
@@ -72,8 +72,8 @@ def test_engine_that_fails_to_load_is_caught_fast(lab, base):
     assert done.returncode == 2 and report["outcome"] == "rolled-back", report
     health = step(report, "health")
     assert health["status"] == "failed" and health["seconds"] < 30, health  # the deadline is 90 s
-    assert "/health reports error" in report["error"]
-    note("engine fails to load (/health error)", report, detect_s=health["seconds"])
+    assert "crash" in report["error"] and "cannot read the checkpoint" in report["error"], report["error"]
+    note("engine fails to load (checkpoint refused at start)", report, detect_s=health["seconds"])
     assert_back_to_base(lab, base)
 
 

@@ -264,7 +264,7 @@ def test_a_half_sent_body_does_not_hold_the_shutdown(tiny_models):
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b'Content-Length: 100000\r\n\r\n{"messages": [')
             deadline = time.monotonic() + 30
-            while "ddtree_requests_in_flight 1" not in httpx.get(srv.url + "/metrics").text.splitlines():
+            while "ddtree_requests_in_flight 1.0" not in httpx.get(srv.url + "/metrics").text.splitlines():
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             srv.signal(signal.SIGTERM)

@@ -25,7 +25,7 @@ BIG_TREE = {"mode": "ddtree", "tree_budget": 1024}  # far above the configured 1
 
 
 @contextmanager
-def _app(models):
+def ready_app(models):
     """The app on a tiny pair, once its engine is ready."""
     config = ServerConfig(target_dir=str(models / "target"), draft_dir=str(models / "draft"),
                           served_model_name="tiny", max_tree_budget=1024)  # past the cap: the engine decides
@@ -40,13 +40,13 @@ def _app(models):
 @pytest.fixture
 def api(tiny_hybrid_models):
     """The hybrid pair, whose cache holds per-node tree scratch: a much bigger tree must re-size it."""
-    with _app(tiny_hybrid_models) as client:
+    with ready_app(tiny_hybrid_models) as client:
         yield client
 
 
 @pytest.fixture
 def attention_only(tiny_models):
-    with _app(tiny_models) as client:
+    with ready_app(tiny_models) as client:
         yield client
 
 

@@ -34,6 +34,7 @@ from ddtree_runtime.server.metrics import Metrics
 from ddtree_runtime.server.prompts import ControlTokens, render_chat
 from ddtree_runtime.server.schemas import ChatCompletionRequest
 from ddtree_runtime.server.worker import READY
+from tests.reliability.test_runtime_cache_refusal import ready_app
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +45,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
 @pytest.fixture(scope="module")
 def api(tiny_models):
     """The app in this process on the tiny Qwen3 pair (tree budget 16; requests may ask up to 1,024)."""
-    config = ServerConfig(target_dir=str(tiny_models / "target"), draft_dir=str(tiny_models / "draft"),
-                          served_model_name="tiny", max_tree_budget=1024)
-    with TestClient(create_app(config), raise_server_exceptions=False) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health").json()
-            time.sleep(0.05)
+    with ready_app(tiny_models) as client:
         yield client
 
 
@@ -62,14 +57,7 @@ def _ctx(api: TestClient) -> ServerContext:
 def hybrid_api(tiny_hybrid_models):
     """The same on the hybrid pair, whose per-node tree scratch is what a bigger tree re-sizes (an
     attention-only target's paged pool holds any tree as it is)."""
-    models = tiny_hybrid_models
-    config = ServerConfig(target_dir=str(models / "target"), draft_dir=str(models / "draft"),
-                          served_model_name="tiny", max_tree_budget=1024)
-    with TestClient(create_app(config), raise_server_exceptions=False) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health").json()
-            time.sleep(0.05)
+    with ready_app(tiny_hybrid_models) as client:
         yield client
 
 

@@ -26,7 +26,6 @@ from ddtree_devtools.server_process import HOST, ServerProcess
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine import engine as engine_module
 from ddtree_runtime.server import cli, routes
-from ddtree_runtime.server.app import create_app
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError

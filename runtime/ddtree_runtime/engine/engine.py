@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target
+from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
 from ..model.fp8 import FP8Linear
 from ..model.layers import TreeInputs, fuse_projections
 from .batch_runner import BatchDraftRunner, BatchTargetRunner
@@ -81,11 +81,12 @@ def _turn_token(tokenizer) -> int | None:
 
 
 def _free_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take: the GPU's free memory, or the host's available memory."""
+    """Memory a new allocation can take: the GPU's free memory, or the host's available memory (with
+    tensor parallelism the least of every rank's: their pools and decisions must be the same)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()  # blocks the caching allocator holds but nothing uses
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return parallel.agreed_minimum(torch.cuda.mem_get_info(device)[0])
+    return parallel.agreed_minimum(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 class Engine:
@@ -128,8 +129,12 @@ class Engine:
         # phases with it; None (the default) costs nothing
         self.phase_hook = None
 
-        self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype, config.quantization)
-                                         if target is None else target)
+        tp = parallel.current()  # this process's ranks (engine/distributed.py), None serving alone
+        if config.tensor_parallel != (1 if tp is None else tp.world):
+            raise ValueError(f"tensor_parallel {config.tensor_parallel}: this process is one of "
+                             f"{1 if tp is None else tp.world} ranks (engine/distributed.py starts them)")
+        self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype, config.quantization,
+                                                     tp) if target is None else target)
         fuse_projections(self.target)
         tcfg = self.target.config
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health

@@ -10,8 +10,9 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from .fp8 import BlockFP8, FP8Linear, fp8_linear, fuse_fp8_rows, slice_rows
-from .kernels import (decode_attention, decode_attention_fits, residual_linear, rms_norm, rms_norm_rope,
-                      rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
+from .kernels import (decode_attention, decode_attention_fits, rms_norm, rms_norm_rope, rms_norm_rope_to_cache,
+                      rotate_half_rope, silu_mul)
+from .parallel import TensorParallel, add_reduced
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +33,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
         self._gate_up: Weight | None = None  # [2*inter, hidden] once fuse() ran
+        self.tp: TensorParallel | None = None  # a target's shard: down_proj's output summed over the ranks
 
     def fuse(self) -> None:
         """One GEMM for gate and up (inference): the two weights become views of one tensor."""
@@ -45,7 +47,7 @@ class MLP(nn.Module):
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """x + mlp(h), the residual added by the down projection's GEMM (kernels.residual_linear)."""
-        return residual_linear(x, self.act(h), self.down_proj)
+        return add_reduced(x, self.act(h), self.down_proj, self.tp)
 
 
 class Rotary(nn.Module):
@@ -112,6 +114,7 @@ class QKVProj(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self._qkv: tuple[Weight, torch.Tensor | None] | None = None  # fused weight, bias
+        self.tp: TensorParallel | None = None  # a target's shard: o_proj's output summed over the ranks
 
     def fuse(self) -> None:
         """One GEMM for q, k and v (inference): the three weights become views of one tensor."""
@@ -183,7 +186,7 @@ class QKVProj(nn.Module):
         """x + o_proj(o) for attention output o [B, Hq, T, D], the residual added by the output
         projection's GEMM (kernels.residual_linear)."""
         b, _, t, _ = o.shape
-        return residual_linear(x, o.transpose(1, 2).reshape(b, t, -1), self.o_proj)
+        return add_reduced(x, o.transpose(1, 2).reshape(b, t, -1), self.o_proj, self.tp)
 
 
 class LayerWeights(nn.Module):

@@ -18,6 +18,7 @@ from .config import DFlashConfig, Qwen35Config, target_config
 from .dflash import DFlashDrafter
 from .fp8 import FP8, fp8_modules, quantize_linears, skipped
 from .layers import Rotary
+from .parallel import TensorParallel, local_config, shard_model, shard_state
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, from_hf_state
 
@@ -56,11 +57,13 @@ def _dtype_for(key: str, wanted: torch.dtype, dtype: torch.dtype) -> torch.dtype
 
 
 def _build(model_cls, cfg, state: dict[str, torch.Tensor], scheme: Fp8Scheme | None, path: str | Path,
-           dtype: torch.dtype) -> nn.Module:
+           dtype: torch.dtype, tp: TensorParallel | None = None) -> nn.Module:
     """The model on the meta device (no random init: weights arrive by assignment), with an FP8Linear
-    wherever an FP8 checkpoint holds e4m3 weights."""
+    wherever an FP8 checkpoint holds e4m3 weights; with `tp`, one rank's shard (cfg: its local_config)."""
     with torch.device("meta"):
         model = model_cls(cfg)
+        if tp is not None:
+            shard_model(model, tp)
         if scheme is not None:
             for name in fp8_modules(model, state, dtype):
                 if skipped(name, scheme.skip):
@@ -76,9 +79,11 @@ def _checked(path: str | Path, quantize: str) -> Fp8Scheme | None:
 
 
 def load_target(path: str | Path, device: str = "cpu", dtype: str = "float32",
-                quantize: str = "none") -> Qwen3ForCausalLM:
+                quantize: str = "none", tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
     """A Qwen3 or hybrid Qwen3.5/3.6 target, by its config.json's model_type. quantize="fp8": its
-    projections in FP8 blocks (an FP8 checkpoint is FP8 already); the LM head and embeddings stay."""
+    projections in FP8 blocks (an FP8 checkpoint is FP8 already); the LM head and embeddings stay.
+    tp: this rank's shard of it (model/parallel.py), cut from the full checkpoint; ValueError when the
+    target does not split over tp.world ranks."""
     scheme = _checked(path, quantize)
     cfg = target_config(json.loads((Path(path) / "config.json").read_text()))
     state = read_safetensors_dir(path)
@@ -87,10 +92,14 @@ def load_target(path: str | Path, device: str = "cpu", dtype: str = "float32",
         state = from_hf_state(state)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model = _build(Qwen35ForCausalLM if hybrid else Qwen3ForCausalLM, cfg, state, scheme, path, DTYPES[dtype])
+    if tp is not None:
+        full, cfg = cfg, local_config(cfg, tp.world)  # refuses a target that does not split
+        state = shard_state(state, full, tp)
+    model = _build(Qwen35ForCausalLM if hybrid else Qwen3ForCausalLM, cfg, state, scheme, path, DTYPES[dtype], tp)
     _load_into(model, state, device, DTYPES[dtype])
     model.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta).to(device)
-    model.tie_weights()
+    if tp is None:  # a shard's head holds only its rows of the (tied) embeddings
+        model.tie_weights()
     if quantize == "fp8" and scheme is None:
         quantize_linears(model)
     return model.eval().requires_grad_(False)

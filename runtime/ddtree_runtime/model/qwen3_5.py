@@ -21,6 +21,7 @@ from .gated_delta import Paths, causal_conv, gated_delta, tree_paths
 from .gdn_chunk import chunk_gated_delta, prompt_conv
 from .gdn_kernels import conv_heads, fused_fits, gated_norm
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear
+from .parallel import TensorParallel, reduced
 from .qwen3 import Qwen3ForCausalLM
 
 ZERO_CENTRED = re.compile(r"(^model\.norm|layernorm|self_attn\.[qk]_norm)\.weight$")
@@ -56,6 +57,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weight, bias (fuse())
+        self.tp: TensorParallel | None = None  # a shard: o_proj's output summed over the ranks
 
     def fuse(self) -> None:
         self._qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
@@ -74,7 +76,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(b, t, self.n_kv, d).transpose(1, 2)
         o = attend_cached(q, k, v, cache, self.slot, start, mask, tree)            # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
-        return self.o_proj(o)
+        return reduced(self.o_proj(o), self.tp)
 
 
 class GatedDeltaNet(nn.Module):
@@ -98,6 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.n_v * self.dv, h, bias=False)
         self._in_proj = None  # qkv | z | b | a in one weight once fuse() ran (layers.Weight)
+        self.tp: TensorParallel | None = None  # a shard: out_proj's output summed over the ranks
 
     def fuse(self) -> None:
         self._in_proj = fuse_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])[0]
@@ -116,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = conv_heads(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window,
                                  self.n_k, self.n_v, self.dk, self.dv)
             core = self._tree(mixed, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
-            return self.out_proj(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype))
+            return reduced(self.out_proj(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype)), self.tp)
         if tree is not None:
             conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window)
             core = self._tree(mixed, *self._heads(conv, beta, g), cache, tree.paths)
@@ -125,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         core = core.transpose(1, 2).to(x.dtype)                                    # [B, T, Hv, dv]
         z = z.reshape(b, t, self.n_v, self.dv)
         out = (self.norm(core) * F.silu(z.float())).to(x.dtype)
-        return self.out_proj(out.reshape(b, t, -1))
+        return reduced(self.out_proj(out.reshape(b, t, -1)), self.tp)
 
     def _heads(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor):
         """Conv output [B, T, C] -> q, k [B, Hv, T, dk] (L2-normalised, q scaled), v [B, Hv, T, dv],

@@ -13,9 +13,11 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ddtree_runtime import settings
+from ddtree_runtime.server import ranks
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
 from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
@@ -65,6 +67,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         raise UsageError(f"--host {args.host} without an API key would let anyone who reaches the port use "
                          f"the model: set {API_KEY_ENV} or --api-key (or pass --insecure-no-auth)")
     values["device"], values["dtype"] = settings.resolve_device(args.device, args.dtype)
+    if args.tensor_parallel > 1:
+        _splits(values["target_dir"], args.tensor_parallel, values["device"])
     values["api_key"] = api_key or None
     values["chat_template_kwargs"] = _template_kwargs(args.chat_template_kwargs)
     return ServerConfig(**values)
@@ -89,6 +93,22 @@ def _implemented(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {exc}") from None
     except (OSError, ValueError) as exc:  # unreadable config.json or safetensors header
         raise UsageError(f"{flag} {path}: cannot read the checkpoint: {exc}") from None
+
+
+def _splits(target_dir: str, world: int, device: str) -> None:
+    """--tensor-parallel N: the target's heads and rows must split over N ranks, each on its own GPU."""
+    from ddtree_runtime.model.config import target_config
+    from ddtree_runtime.model.parallel import split_problem
+
+    if device.startswith("cuda:"):
+        raise UsageError(f"--tensor-parallel {world} takes its GPUs from CUDA_VISIBLE_DEVICES: give --device cuda, "
+                         f"not {device}")
+    try:
+        problem = split_problem(target_config(json.loads(Path(target_dir, "config.json").read_text())), world)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"--target {target_dir}: cannot read config.json: {exc}") from None
+    if problem:
+        raise UsageError(problem)
 
 
 def _template_kwargs(text: str) -> dict:
@@ -129,7 +149,11 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
     from ddtree_runtime.server.app import create_app
     from ddtree_runtime.server.draining import DrainingServer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    follower = ranks.rank() if config.tensor_parallel > 1 else 0
+    where = f" rank {follower}" if follower else ""
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s")
+    if follower:  # a tensor-parallel follower: no HTTP, rank 0's engine calls only
+        return ranks.follow(config)
     if args.device is None or args.dtype is None:
         log.info("serving on %s in %s (%s)", config.device, config.dtype,
                  "chosen: no --device/--dtype given" if args.device is None else "--dtype follows --device")
@@ -139,9 +163,16 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
               f"Anyone who can reach this port can use the model. Set {API_KEY_ENV} or --api-key.\n{bar}",
               file=sys.stderr)
 
-    app = (make_app or create_app)(config)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
-                               timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on")
-    server = DrainingServer(uv_config, app.state.ddtree)
-    server.run()
+    followers = None
+    if config.tensor_parallel > 1:
+        followers = ranks.start_followers(sys.argv[1:] if argv is None else list(argv), config.tensor_parallel)
+    try:
+        app = (make_app or create_app)(config)
+        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on")
+        server = DrainingServer(uv_config, app.state.ddtree)
+        server.run()
+    finally:
+        if followers is not None:
+            followers.stop()
     return 0

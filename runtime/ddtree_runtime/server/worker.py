@@ -355,6 +355,10 @@ def load_engine(config: ServerConfig) -> Any:
     """The engine the worker builds unless the app is given another factory."""
     from ddtree_runtime.engine import Engine, EngineConfig
 
+    if config.tensor_parallel > 1:  # rank 0 of several: its engine's calls go to every rank
+        from ddtree_runtime.server.ranks import lead
+
+        return lead(config)
     return Engine(EngineConfig(**config.engine_kwargs()))
 
 

@@ -1,0 +1,147 @@
+"""The processes of a tensor-parallel server: one tree under one systemd unit. Rank 0 is the server: it
+starts a follower per other rank (the same command line, the rank in the environment), serves HTTP and
+steps its engine as the `Leader` (engine/distributed.py); the followers only follow its calls.
+
+All ranks live and die together, so systemd's restart and the health gate see one server: a watchdog
+thread in rank 0 stops the server (exit 1, one log line) as soon as a follower exits, and kills the
+others; a follower exits when rank 0 is gone (its parent changed). A follower ignores SIGTERM and SIGINT
+(systemd and a terminal send them to the whole tree): rank 0 drains, then ends them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import NoReturn
+
+from ddtree_runtime.server.config import ServerConfig
+
+log = logging.getLogger("ddtree_runtime.server")
+
+WATCH_S = 0.2        # how often rank 0 looks at its followers, and a follower at its parent
+STOP_WAIT_S = 10.0   # at a clean stop, how long rank 0 waits for a killed follower to be reaped
+# How rank 0 tells a process it starts its place: its rank, the rendezvous port.
+RANK_ENV, PORT_ENV = "DDTREE_TP_RANK", "DDTREE_TP_PORT"
+# Every process of the tree: NVLink multicast off (the GPU hosts' documentation requires it).
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def rank() -> int:
+    """This process's rank: 0 unless rank 0 started it."""
+    return int(os.environ.get(RANK_ENV, "0"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_words(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+class Followers:
+    """Rank 0's followers: started, watched, and ended with the server."""
+
+    def __init__(self, argv: list[str], world: int) -> None:
+        self.argv, self.world = argv, world
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._stopping = False
+
+    def start(self) -> None:
+        """Start ranks 1..world-1 and the watchdog; this process (rank 0) joins the same rendezvous."""
+        os.environ.update(CHILD_ENV, **{PORT_ENV: str(_free_port()), RANK_ENV: "0"})
+        for r in range(1, self.world):
+            env = {**os.environ, RANK_ENV: str(r)}
+            self.procs[r] = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.server", *self.argv], env=env)
+        log.info("tensor parallel: rank 0 (pid %d) and followers %s", os.getpid(),
+                 ", ".join(f"rank {r} (pid {p.pid})" for r, p in self.procs.items()))
+        threading.Thread(target=self._watch, name="ddtree-ranks", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for r, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None and not self._stopping:
+                    self.fatal(f"tensor-parallel rank {r} (pid {proc.pid}) exited with {_exit_words(code)}")
+            time.sleep(WATCH_S)
+
+    def fatal(self, why: str) -> NoReturn:
+        """A rank is lost: the whole server stops now, non-zero (never serving with part of its ranks)."""
+        self._stopping = True
+        log.error("%s: stopping the server (its %d ranks serve together or not at all)", why, self.world)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
+
+    def stop(self) -> None:
+        """The server stopped cleanly: end the followers."""
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel follower pid %d did not end", proc.pid)
+
+
+_followers: Followers | None = None  # this process's, when it is rank 0 of a tensor-parallel server
+
+
+def start_followers(argv: list[str], world: int) -> Followers:
+    global _followers
+    _followers = Followers(argv, world)
+    _followers.start()
+    return _followers
+
+
+def lead(config: ServerConfig):
+    """Rank 0's engine (the worker's factory): join the followers, load this rank's shard, and wrap the
+    engine so that every call reaches them."""
+    from ddtree_runtime.engine import Engine, EngineConfig
+    from ddtree_runtime.engine.distributed import Leader, join
+
+    if _followers is None:
+        raise RuntimeError("tensor parallel: rank 0's followers were not started (server/cli.py starts them)")
+    tp, engine_config = join(EngineConfig(**config.engine_kwargs()), 0, int(os.environ[PORT_ENV]))
+    return Leader(Engine(engine_config), tp, _followers.fatal)
+
+
+def follow(config: ServerConfig) -> int:
+    """A follower's main: join, load this rank's shard, follow rank 0 until it goes (exit 1: a follower
+    only ends when rank 0 ended it or is gone)."""
+    from ddtree_runtime.engine import Engine, EngineConfig
+    from ddtree_runtime.engine.distributed import follow as follow_calls, join
+
+    me = rank()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent, me), name="ddtree-parent", daemon=True).start()
+    try:
+        tp, engine_config = join(EngineConfig(**config.engine_kwargs()), me, int(os.environ[PORT_ENV]))
+        engine = Engine(engine_config)
+        log.info("rank %d ready", me)
+        follow_calls(engine, tp)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one line; rank 0's watchdog stops the server
+        log.error("tensor-parallel rank %d stops: %s: %s", me, type(exc).__name__, exc)
+        return 1
+
+
+def _watch_parent(parent: int, me: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    log.error("tensor-parallel rank %d: rank 0 (pid %d) is gone: exiting", me, parent)
+    os._exit(1)

@@ -1,0 +1,87 @@
+"""Two gloo ranks, one launch each (test_tensor_parallel.py starts them): `python tp_ranks.py RANK PORT
+OUT PAIR_DIR...`. For each tiny pair, rank 0 serves the cases below alone (TP=1) and then over both
+ranks (TP=2, as the Leader of engine/distributed.py, rank 1 following), and writes every case's tokens
+under both to OUT (JSON); torch is imported once per process for every pair and mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.distributed import Leader, follow, join
+from ddtree_devtools.tiny_corpus import mixed_prompts
+
+MAX_NEW = 24
+MODES = ("ar", "dflash", "ddtree")
+
+
+def config(pair: Path, world: int) -> EngineConfig:
+    return EngineConfig(str(pair / "target"), str(pair / "draft"), device="cpu", dtype="float32", tree_budget=16,
+                        max_running=4, prefill_chunk=16, tensor_parallel=world)
+
+
+def alone(engine, prompt: list[int], p: SamplingParams) -> list[int]:
+    return [t for r in engine.generate(prompt, p) for t in r.token_ids]
+
+
+def batched(engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """Every job submitted at once (one more joining at the second step), stepped to the end."""
+    ids = [engine.submit(prompt, p) for prompt, p in jobs[:-1]]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    step = 0
+    while engine.has_work or step < 2:
+        if step == 1:
+            ids.append(engine.submit(*jobs[-1]))
+            tokens[ids[-1]] = []
+        for rid, out in engine.step():
+            tokens[rid] += out.token_ids
+        step += 1
+    return [tokens[i] for i in ids]
+
+
+def cases(engine) -> dict[str, list]:
+    prompts = mixed_prompts(engine.tokenizer, 2, 321, 2, 77, cut=2)
+    out: dict[str, list] = {}
+    for mode in MODES:
+        out[f"greedy {mode}"] = alone(engine, prompts[2], SamplingParams(MAX_NEW, mode=mode))
+        out[f"seeded {mode}"] = alone(engine, prompts[1], SamplingParams(MAX_NEW, temperature=1.0, top_p=0.9,
+                                                                         seed=7, mode=mode))
+    mixes = [SamplingParams(MAX_NEW, mode=mode) for mode in MODES]
+    out["greedy batch"] = batched(engine, list(zip(prompts, mixes + [SamplingParams(MAX_NEW, mode="ddtree",
+                                                                                    tree_budget=4)])))
+    out["seeded batch"] = batched(engine, [(p, SamplingParams(MAX_NEW, temperature=0.8, seed=11 + i, mode=m))
+                                           for i, (p, m) in enumerate(zip(prompts, MODES + ("ddtree",)))])
+    # unseeded sampling: each rank would draw its own seed; the leader gives them one (no divergence)
+    out["unseeded runs"] = [len(alone(engine, prompts[3], SamplingParams(8, temperature=1.0, mode="ddtree"))) > 0]
+    return out
+
+
+def main() -> None:
+    rank, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    pairs = [Path(p) for p in sys.argv[4:]]
+    torch.set_num_threads(1)
+    results: dict[str, dict] = {}
+    if rank == 0:  # every TP=1 reference first: once joined, an engine is one of two ranks
+        for pair in pairs:
+            engine = Engine(config(pair, 1))
+            results[pair.name] = {"tp1": cases(engine), "kv_heads": [engine.target.config.num_key_value_heads]}
+    tp, _ = join(config(pairs[0], 2), rank, port)
+    for pair in pairs:
+        engine = Engine(config(pair, 2))
+        if rank == 0:
+            leader = Leader(engine, tp, on_lost=lambda why: sys.exit(f"rank lost: {why}"))
+            results[pair.name]["tp2"] = cases(leader)
+            results[pair.name]["kv_heads"].append(engine.target.config.num_key_value_heads)
+            leader.close()
+        else:
+            follow(engine, tp)
+    if rank == 0:
+        out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,7 @@ from ddtree_runtime.server.config import ServerConfig
 log = logging.getLogger("ddtree_runtime.server")
 
 WATCH_S = 0.2        # how often rank 0 looks at its followers, and a follower at its parent
+LOST_WAIT_S = 2.0    # a collective failed: how long rank 0 waits to see which follower exited
 STOP_WAIT_S = 10.0   # at a clean stop, how long rank 0 waits for a killed follower to be reaped
 # How rank 0 tells a process it starts its place: its rank, the rendezvous port.
 RANK_ENV, PORT_ENV = "DDTREE_TP_RANK", "DDTREE_TP_PORT"
@@ -53,6 +54,7 @@ class Followers:
         self.argv, self.world = argv, world
         self.procs: dict[int, subprocess.Popen] = {}
         self._stopping = False
+        self._ending = threading.Lock()  # held by the one fatal() that speaks
 
     def start(self) -> None:
         """Start ranks 1..world-1 and the watchdog; this process (rank 0) joins the same rendezvous."""
@@ -66,14 +68,33 @@ class Followers:
 
     def _watch(self) -> None:
         while not self._stopping:
-            for r, proc in self.procs.items():
-                code = proc.poll()
-                if code is not None and not self._stopping:
-                    self.fatal(f"tensor-parallel rank {r} (pid {proc.pid}) exited with {_exit_words(code)}")
+            gone = self._exited()
+            if gone and not self._stopping:
+                self.fatal(gone)
             time.sleep(WATCH_S)
 
+    def _exited(self) -> str | None:
+        for r, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return f"tensor-parallel rank {r} (pid {proc.pid}) exited with {_exit_words(code)}"
+        return None
+
+    def lost(self, why: str) -> NoReturn:
+        """The Leader cannot reach the other ranks (or they disagree): name the follower that died, if one
+        did (it is the cause; the collective's error is only its echo), else the first line of `why`."""
+        deadline = time.monotonic() + LOST_WAIT_S
+        while time.monotonic() < deadline:
+            gone = self._exited()
+            if gone:
+                self.fatal(gone)
+            time.sleep(WATCH_S / 4)
+        self.fatal(why.strip().splitlines()[0])
+
     def fatal(self, why: str) -> NoReturn:
-        """A rank is lost: the whole server stops now, non-zero (never serving with part of its ranks)."""
+        """A rank is lost: the whole server stops now, non-zero (never serving with part of its ranks).
+        The first caller (the watchdog or the Leader) says why; a second waits for the exit."""
+        self._ending.acquire()
         self._stopping = True
         log.error("%s: stopping the server (its %d ranks serve together or not at all)", why, self.world)
         for proc in self.procs.values():
@@ -115,7 +136,7 @@ def lead(config: ServerConfig):
     if _followers is None:
         raise RuntimeError("tensor parallel: rank 0's followers were not started (server/cli.py starts them)")
     tp, engine_config = join(EngineConfig(**config.engine_kwargs()), 0, int(os.environ[PORT_ENV]))
-    return Leader(Engine(engine_config), tp, _followers.fatal)
+    return Leader(Engine(engine_config), tp, _followers.lost)
 
 
 def follow(config: ServerConfig) -> int:

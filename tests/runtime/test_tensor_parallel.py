@@ -1,0 +1,163 @@
+"""Tensor parallelism on the CPU: two gloo ranks, both tiny pairs.
+
+- The engine: greedy and seeded output over TP=2 is token-identical to TP=1 (which the other runtime
+  tests pin to transformers and to the target's distribution) in ar, dflash and ddtree, alone and
+  batched; each rank's KV cache holds half the KV heads. One launch of two processes runs every case
+  (tp_ranks.py), since each process start imports torch.
+- The server: `ddtree-serve --tensor-parallel 2` answers as TP=1 does; a follower killed mid-request
+  takes the whole server down, non-zero, with one line naming the rank; nothing is left behind.
+- What is refused before anything starts: a target that does not split, a --device cuda:N."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ddtree_runtime.model import parallel
+from ddtree_runtime.model.config import Qwen35Config, target_config
+from ddtree_runtime.server.cli import main as serve_main
+from ddtree_devtools.server_process import ServerProcess, free_port
+
+RANKS = Path(__file__).with_name("tp_ranks.py")
+
+
+@pytest.fixture(scope="module")
+def both_ranks(tiny_models, tiny_hybrid_models, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tp") / "results.json"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(RANKS), str(rank), str(port), str(out), str(tiny_models),
+                               str(tiny_hybrid_models)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in (1, 0)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("pair", ["tiny-models-seed0", "tiny-hybrid-seed0"])
+def test_two_ranks_give_the_tokens_of_one(both_ranks, pair):
+    result = both_ranks[pair]
+    assert result["kv_heads"] == [2, 1]  # each rank's KV pages hold its own KV heads
+    assert set(result["tp2"]) == set(result["tp1"])
+    for case, tokens in result["tp1"].items():
+        assert result["tp2"][case] == tokens, case
+        assert tokens and all(tokens) if isinstance(tokens[0], list) else tokens, case
+
+
+def test_split_refuses_counts_that_do_not_divide(tiny_hybrid_models):
+    cfg = target_config(json.loads((tiny_hybrid_models / "target" / "config.json").read_text()))
+    assert isinstance(cfg, Qwen35Config)
+    assert parallel.split_problem(cfg, 2) is None
+    assert "KV heads (2)" in parallel.split_problem(cfg, 4)
+    local = parallel.local_config(cfg, 2)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size,
+            local.linear_num_key_heads, local.linear_num_value_heads, local.vocab_size) == (2, 1, 128, 1, 2, cfg.vocab_size)
+    assert local.linear_state_bytes * 2 == cfg.linear_state_bytes  # a rank's recurrent state: its heads'
+
+
+def test_fp8_scales_are_cut_with_their_blocks(tiny_models):
+    """An FP8 checkpoint's scales split with their weights when the shards are whole 128-blocks, and are
+    refused in one line when not."""
+    cfg = target_config(json.loads((tiny_models / "target" / "config.json").read_text()))
+    tp = parallel.TensorParallel(1, 2, None, None)
+    state = {"model.layers.0.mlp.gate_proj.weight": torch.arange(512 * 4.0).view(512, 4),
+             "model.layers.0.mlp.gate_proj.weight_scale_inv": torch.arange(4.0).view(4, 1),
+             "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 256),
+             "model.layers.0.mlp.down_proj.weight_scale_inv": torch.zeros(1, 2)}
+    shard = parallel.shard_state(state, cfg, tp)
+    assert shard["model.layers.0.mlp.gate_proj.weight"][0, 0] == 256 * 4
+    assert shard["model.layers.0.mlp.gate_proj.weight_scale_inv"].flatten().tolist() == [2.0, 3.0]
+    assert shard["model.layers.0.mlp.down_proj.weight"].shape == (4, 128)
+    assert shard["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 1)
+    state["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(384, 4)
+    state["model.layers.0.mlp.gate_proj.weight_scale_inv"] = torch.zeros(3, 1)
+    with pytest.raises(ValueError, match="--quantize fp8"):
+        parallel.shard_state(state, cfg, tp)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--tensor-parallel", "4"], "KV heads (2) do not split evenly over 4 ranks"),
+    (["--tensor-parallel", "2", "--device", "cuda:1"], "give --device cuda, not cuda:1"),
+    (["--tensor-parallel", "9"], "--tensor-parallel 9: must be <= 8"),
+])
+def test_bad_tensor_parallel_is_one_line_and_exit_2(tiny_models, capsys, extra, message):
+    argv = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"), *extra]
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def _args(models: Path, *extra: str) -> list[str]:
+    return ["--target", str(models / "target"), "--draft", str(models / "draft"), "--device", "cpu",
+            "--max-running", "2", *extra]
+
+
+def _complete(srv: ServerProcess, max_tokens: int, timeout: float = 60) -> httpx.Response:
+    body = {"prompt": "The cat", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(srv.url + "/v1/completions", json=body, timeout=timeout)
+
+
+def _followers(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_server_over_two_ranks_answers_as_one_and_stops_with_its_follower(tiny_hybrid_models):
+    with ServerProcess(_args(tiny_hybrid_models)) as one:
+        one.wait_ready()
+        expected = _complete(one, 12).json()["choices"][0]["text"]
+    with ServerProcess(_args(tiny_hybrid_models, "--tensor-parallel", "2")) as srv:
+        srv.wait_ready()
+        (follower,) = _followers(srv.proc.pid)
+        assert _complete(srv, 12).json()["choices"][0]["text"] == expected
+        srv.signal(signal.SIGTERM)  # drains, then ends its follower
+        assert srv.wait_exit(timeout=30) == 0
+        assert _gone(follower)
+
+
+def test_a_follower_killed_mid_request_takes_the_server_down(tiny_models):
+    with ServerProcess(_args(tiny_models, "--tensor-parallel", "2")) as srv:
+        srv.wait_ready()
+        (follower,) = _followers(srv.proc.pid)
+        answer: list = []
+        waiting = threading.Thread(target=lambda: answer.append(_safe(lambda: _complete(srv, 1500, timeout=30))))
+        waiting.start()
+        time.sleep(1.0)  # the long request is being decoded
+        os.kill(follower, signal.SIGKILL)
+        assert srv.wait_exit(timeout=20) == 1
+        waiting.join(30)
+        assert f"tensor-parallel rank 1 (pid {follower}) exited with signal SIGKILL: stopping the server" in \
+            srv.log_tail()
+        assert isinstance(answer[0], httpx.HTTPError) or answer[0].status_code >= 500  # never a whole answer
+
+
+def _safe(call):
+    try:
+        return call()
+    except httpx.HTTPError as exc:  # the server went away mid-answer
+        return exc

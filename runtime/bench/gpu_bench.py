@@ -30,6 +30,7 @@ import torch
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.model import (DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config,
                                   Qwen3ForCausalLM)
+from ddtree_runtime.model.parallel import TensorParallel, local_config, shard_model
 
 # Qwen3.6-27B (hybrid: 48 Gated DeltaNet + 16 gated full-attention layers) and a DFlash drafter of its
 # width with Qwen3-style attention (32 x 128 heads, as z-lab's drafters have)
@@ -73,7 +74,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def build_models(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
+def build_models(shape: str, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel | None = None) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
+    """Random models of a shape; with `tp`, this rank's shard of the target (tp_bench.py: the same seed
+    on every rank, so the replicated embeddings, norms and drafter are the same everywhere)."""
     s = dict(SHAPES[shape])
     draft_layers, layer_ids, draft = s.pop("draft_layers"), s.pop("target_layer_ids"), s.pop("draft", {})
     hybrid = {k: s.pop(k) for k in HYBRID_KEYS if k in s}
@@ -81,12 +85,16 @@ def build_models(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[
     dcfg = DFlashConfig(**{**s, **draft, "num_hidden_layers": draft_layers}, block_size=16,
                         mask_token_id=s["vocab_size"] - 1, target_layer_ids=layer_ids,
                         num_target_layers=s["num_hidden_layers"])
+    if tp is not None:
+        tcfg = local_config(tcfg, tp.world)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialise straight in the serving dtype, on the device
     try:
         with torch.device(device):
             target = (Qwen35ForCausalLM if hybrid else Qwen3ForCausalLM)(tcfg)
+            if tp is not None:
+                shard_model(target, tp)
             drafter = DFlashDrafter(dcfg)
     finally:
         torch.set_default_dtype(old)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..model import parallel
 from ..model.parallel import TensorParallel
+from ..settings import resolve_device
 from .engine import Engine
 from .types import EngineConfig, RoundOutput, SamplingParams
 
@@ -32,13 +33,13 @@ FAILED = -1  # a call's digest when it raised
 def join(config: EngineConfig, rank: int, port: int) -> tuple[TensorParallel, EngineConfig]:
     """Join the ranks (rendezvous on 127.0.0.1:port) and return this rank's engine config: on CUDA its
     own GPU, cuda:rank of CUDA_VISIBLE_DEVICES."""
-    device = config.device
-    if device and device.startswith("cuda"):
+    device = resolve_device(config.device, config.dtype)[0]
+    if device.startswith("cuda"):
         if torch.cuda.device_count() < config.tensor_parallel:
             raise ValueError(f"--tensor-parallel {config.tensor_parallel} needs {config.tensor_parallel} GPUs, "
                              f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
         device = f"cuda:{rank}"
-    tp = parallel.init(rank, config.tensor_parallel, port, torch.device(device or "cpu"))
+    tp = parallel.init(rank, config.tensor_parallel, port, torch.device(device))
     return tp, dataclasses.replace(config, device=device)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ddtree_runtime.model import parallel
 from ddtree_runtime.model.config import Qwen35Config, target_config
+from ddtree_runtime.server import ranks
 from ddtree_runtime.server.cli import main as serve_main
 from ddtree_devtools.server_process import ServerProcess, free_port
 
@@ -56,6 +57,10 @@ def test_two_ranks_give_the_tokens_of_one(both_ranks, pair):
     for case, tokens in result["tp1"].items():
         assert result["tp2"][case] == tokens, case
         assert tokens and all(tokens) if isinstance(tokens[0], list) else tokens, case
+    # --quantize fp8: each rank quantizes its shard; where a shard splits a 128-block (the tiny o_proj's
+    # 64 columns a rank) its scales are finer than TP=1's, so the FP8 models agree closely, not exactly
+    one, two = result["fp8"]
+    assert result["fp8_engine"] == "fp8" and len(two) > 10 and two[:10] == one[:10]
 
 
 def test_split_refuses_counts_that_do_not_divide(tiny_hybrid_models):
@@ -117,11 +122,13 @@ def _followers(pid: int) -> list[int]:
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """The process exited (an orphan may linger as a zombie until its new parent reaps it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return True
+        except FileNotFoundError:
             return True
         time.sleep(0.1)
     return False
@@ -154,6 +161,24 @@ def test_a_follower_killed_mid_request_takes_the_server_down(tiny_models):
         assert f"tensor-parallel rank 1 (pid {follower}) exited with signal SIGKILL: stopping the server" in \
             srv.log_tail()
         assert isinstance(answer[0], httpx.HTTPError) or answer[0].status_code >= 500  # never a whole answer
+
+
+def test_a_follower_exits_when_rank_0_is_gone(tmp_path):
+    """What a follower runs beside its engine (ranks.follow): its parent killed, it exits within a
+    moment with one line, whatever its main thread is blocked in."""
+    log = tmp_path / "follower.log"
+    follower = ("import logging, time; from ddtree_runtime.server import ranks; logging.basicConfig(); "
+                "ranks.watch_leader(1); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys, time; "
+                               f"env = {{**os.environ, {ranks.LEADER_ENV!r}: str(os.getpid())}}; "
+                               f"p = subprocess.Popen([sys.executable, '-c', {follower!r}], env=env, "
+                               f"stderr=open({str(log)!r}, 'w')); print(p.pid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    assert _gone(pid)
+    assert f"tensor-parallel rank 1: rank 0 (pid {parent.pid}) is gone: exiting" in log.read_text()
 
 
 def _safe(call):

@@ -19,9 +19,15 @@ MAX_NEW = 24
 MODES = ("ar", "dflash", "ddtree")
 
 
-def config(pair: Path, world: int) -> EngineConfig:
+def config(pair: Path, world: int, quantization: str = "none") -> EngineConfig:
     return EngineConfig(str(pair / "target"), str(pair / "draft"), device="cpu", dtype="float32", tree_budget=16,
-                        max_running=4, prefill_chunk=16, tensor_parallel=world)
+                        max_running=4, prefill_chunk=16, tensor_parallel=world, quantization=quantization)
+
+
+def fp8_case(engine) -> list[int]:
+    """--quantize fp8: each rank quantizes its own shard (the blocks of a row-parallel shard are its own)."""
+    prompt = mixed_prompts(engine.tokenizer, 0, 0, 1, 77, cut=2)[0]
+    return alone(engine, prompt, SamplingParams(MAX_NEW, mode="ddtree"))
 
 
 def alone(engine, prompt: list[int], p: SamplingParams) -> list[int]:
@@ -68,7 +74,8 @@ def main() -> None:
     if rank == 0:  # every TP=1 reference first: once joined, an engine is one of two ranks
         for pair in pairs:
             engine = Engine(config(pair, 1))
-            results[pair.name] = {"tp1": cases(engine), "kv_heads": [engine.target.config.num_key_value_heads]}
+            results[pair.name] = {"tp1": cases(engine), "kv_heads": [engine.target.config.num_key_value_heads],
+                                  "fp8": [fp8_case(Engine(config(pair, 1, "fp8")))]}
     tp, _ = join(config(pairs[0], 2), rank, port)
     for pair in pairs:
         engine = Engine(config(pair, 2))
@@ -77,8 +84,14 @@ def main() -> None:
             results[pair.name]["tp2"] = cases(leader)
             results[pair.name]["kv_heads"].append(engine.target.config.num_key_value_heads)
             leader.close()
+            fp8 = Engine(config(pair, 2, "fp8"))
+            leader = Leader(fp8, tp, on_lost=lambda why: sys.exit(f"rank lost: {why}"))
+            results[pair.name]["fp8"].append(fp8_case(leader))
+            results[pair.name]["fp8_engine"] = fp8.quantization
+            leader.close()
         else:
             follow(engine, tp)
+            follow(Engine(config(pair, 2, "fp8")), tp)
     if rank == 0:
         out.write_text(json.dumps(results))
 

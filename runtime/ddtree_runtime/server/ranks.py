@@ -26,8 +26,8 @@ log = logging.getLogger("ddtree_runtime.server")
 WATCH_S = 0.2        # how often rank 0 looks at its followers, and a follower at its parent
 LOST_WAIT_S = 2.0    # a collective failed: how long rank 0 waits to see which follower exited
 STOP_WAIT_S = 10.0   # at a clean stop, how long rank 0 waits for a killed follower to be reaped
-# How rank 0 tells a process it starts its place: its rank, the rendezvous port.
-RANK_ENV, PORT_ENV = "DDTREE_TP_RANK", "DDTREE_TP_PORT"
+# How rank 0 tells a process it starts its place: its rank, the rendezvous port, rank 0's pid.
+RANK_ENV, PORT_ENV, LEADER_ENV = "DDTREE_TP_RANK", "DDTREE_TP_PORT", "DDTREE_TP_LEADER_PID"
 # Every process of the tree: NVLink multicast off (the GPU hosts' documentation requires it).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -58,7 +58,7 @@ class Followers:
 
     def start(self) -> None:
         """Start ranks 1..world-1 and the watchdog; this process (rank 0) joins the same rendezvous."""
-        os.environ.update(CHILD_ENV, **{PORT_ENV: str(_free_port()), RANK_ENV: "0"})
+        os.environ.update(CHILD_ENV, **{PORT_ENV: str(_free_port()), RANK_ENV: "0", LEADER_ENV: str(os.getpid())})
         for r in range(1, self.world):
             env = {**os.environ, RANK_ENV: str(r)}
             self.procs[r] = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.server", *self.argv], env=env)
@@ -148,8 +148,7 @@ def follow(config: ServerConfig) -> int:
     me = rank()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent, me), name="ddtree-parent", daemon=True).start()
+    watch_leader(me)
     try:
         tp, engine_config = join(EngineConfig(**config.engine_kwargs()), me, int(os.environ[PORT_ENV]))
         engine = Engine(engine_config)
@@ -161,8 +160,15 @@ def follow(config: ServerConfig) -> int:
         return 1
 
 
-def _watch_parent(parent: int, me: int) -> None:
-    while os.getppid() == parent:
+def watch_leader(me: int) -> None:
+    """A follower exits (1, one line) once rank 0, its parent, is gone: a thread watching its parent pid
+    against rank 0's (from the environment, so a rank 0 that died before this ran is seen too)."""
+    leader = int(os.environ[LEADER_ENV])
+    threading.Thread(target=_watch_parent, args=(leader, me), name="ddtree-leader", daemon=True).start()
+
+
+def _watch_parent(leader: int, me: int) -> None:
+    while os.getppid() == leader:
         time.sleep(WATCH_S)
-    log.error("tensor-parallel rank %d: rank 0 (pid %d) is gone: exiting", me, parent)
+    log.error("tensor-parallel rank %d: rank 0 (pid %d) is gone: exiting", me, leader)
     os._exit(1)

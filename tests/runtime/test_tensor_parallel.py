@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from ddtree_runtime.model import parallel
+from ddtree_runtime.model import parallel, read_safetensors_dir
 from ddtree_runtime.model.config import Qwen35Config, target_config
 from ddtree_runtime.server import ranks
 from ddtree_runtime.server.cli import main as serve_main
@@ -72,6 +72,21 @@ def test_split_refuses_counts_that_do_not_divide(tiny_hybrid_models):
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size,
             local.linear_num_key_heads, local.linear_num_value_heads, local.vocab_size) == (2, 1, 128, 1, 2, cfg.vocab_size)
     assert local.linear_state_bytes * 2 == cfg.linear_state_bytes  # a rank's recurrent state: its heads'
+
+
+@pytest.mark.parametrize("fixture", ["tiny_models", "tiny_hybrid_models"])
+def test_a_rank_reads_only_its_shard_of_what_is_cut(request, fixture):
+    """The cut keys are read as slices (a rank's shard only), the rest whole; the shard is the same as
+    one cut from the whole checkpoint."""
+    path = request.getfixturevalue(fixture) / "target"
+    cfg = target_config(json.loads((path / "config.json").read_text()))
+    whole, lazy = read_safetensors_dir(path), read_safetensors_dir(path, parallel.splits)
+    kinds = {key: type(value).__name__ for key, value in lazy.items()}
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "CheckpointSlice"
+    assert kinds["model.layers.0.input_layernorm.weight"] == kinds["model.embed_tokens.weight"] == "Tensor"
+    tp = parallel.TensorParallel(1, 2, None, None)
+    cut, read = parallel.shard_state(whole, cfg, tp), parallel.shard_state(lazy, cfg, tp)
+    assert cut.keys() == read.keys() and all(torch.equal(cut[k], read[k]) for k in cut)
 
 
 def test_fp8_scales_are_cut_with_their_blocks(tiny_models):

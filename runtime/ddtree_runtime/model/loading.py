@@ -6,9 +6,11 @@ projections into FP8 at load. Anything else quantized is refused before a tensor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -18,21 +20,42 @@ from .config import DFlashConfig, Qwen35Config, target_config
 from .dflash import DFlashDrafter
 from .fp8 import FP8, fp8_modules, quantize_linears, skipped
 from .layers import Rotary
-from .parallel import TensorParallel, local_config, shard_model, shard_state
+from .parallel import TensorParallel, local_config, shard_model, shard_state, splits
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, from_hf_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of every *.safetensors file in a directory (handles sharded checkpoints)."""
+class CheckpointSlice:
+    """A checkpoint tensor not read yet: a tensor-parallel rank reads only its shard of it (`narrow`),
+    not the whole checkpoint (27B in bf16 is 54 GB of host memory per rank read whole)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle  # safetensors' slice (it keeps its file open)
+        self.shape = torch.Size(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.handle[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def whole(self) -> torch.Tensor:
+        return self.handle[:]
+
+
+def read_safetensors_dir(path: str | Path, lazy: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of every *.safetensors file in a directory (handles sharded checkpoints); those whose
+    key `lazy(key)` is true as CheckpointSlice, read later where they are cut."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        if lazy is None:
+            state.update(load_file(str(f)))
+            continue
+        handle = safe_open(str(f), "pt")
+        for key in handle.keys():
+            state[key] = CheckpointSlice(handle.get_slice(key)) if lazy(key) else handle.get_tensor(key)
     return state
 
 
@@ -86,7 +109,7 @@ def load_target(path: str | Path, device: str = "cpu", dtype: str = "float32",
     target does not split over tp.world ranks."""
     scheme = _checked(path, quantize)
     cfg = target_config(json.loads((Path(path) / "config.json").read_text()))
-    state = read_safetensors_dir(path)
+    state = read_safetensors_dir(path, None if tp is None else splits)
     hybrid = isinstance(cfg, Qwen35Config)
     if hybrid:
         state = from_hf_state(state)

@@ -169,47 +169,64 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
             m.tp = tp
 
 
+def splits(key: str) -> bool:
+    """Whether a target key is cut between the ranks (the others are whole on each): the loader reads
+    only the shard of such a key (loading.CheckpointSlice)."""
+    owner, _, param = key.rpartition(".")
+    return key == "lm_head.weight" or (".layers." in key and _dim_of(owner.rpartition(".")[2], param) is not None)
+
+
 def shard_state(state: dict[str, torch.Tensor], cfg: Qwen3Config, tp: TensorParallel) -> dict[str, torch.Tensor]:
     """This rank's shard of a full target state dict (ours: loading.py's names), cut by `cfg`'s (the full
-    model's) shapes. An FP8 checkpoint's block scales are cut with their weights, which needs every
+    model's) shapes; a value may be a loading.CheckpointSlice, read only where it is cut. Only the
+    language model's layers and head are cut (a multimodal checkpoint's other weights stay as they are,
+    and are never loaded). An FP8 checkpoint's block scales are cut with their weights, which needs every
     shard to be whole 128-blocks (ValueError otherwise)."""
     out = {}
     for key, value in state.items():
         owner, _, param = key.rpartition(".")
         owner = owner.rpartition(".")[2]
-        if key == "lm_head.weight":
+        dim = _dim_of(owner, param) if key.startswith("model.layers.") else None
+        if key == "lm_head.weight":  # rows r*S.. of the vocabulary padded to world*S
             rows = -(-cfg.vocab_size // tp.world)
-            padded = value.new_zeros(rows * tp.world, value.shape[1])
-            padded[:value.shape[0]] = value
-            out[key] = padded[tp.rank * rows:(tp.rank + 1) * rows].clone()
-        elif owner in ROW_PARALLEL and param == "bias":
-            out[key] = value if tp.rank == 0 else torch.zeros_like(value)  # added once, after the sum
+            lo, hi = tp.rank * rows, min((tp.rank + 1) * rows, value.shape[0])
+            part = value.narrow(0, lo, max(hi - lo, 0))
+            out[key] = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
+        elif owner in ROW_PARALLEL and param == "bias":  # added once, after the sum
+            whole = _whole(value)
+            out[key] = whole if tp.rank == 0 else torch.zeros_like(whole)
+        elif dim is None:
+            out[key] = _whole(value)
+        elif param == "weight_scale_inv":  # in blocks: the weight's segments must be whole blocks per rank
+            weight = state[key.removesuffix("_scale_inv")]
+            out[key] = _cut(key, value, dim, _blocks(key, _segments(owner, weight, dim, cfg), dim, tp.world), tp)
         else:
-            cut = _cut_of(owner, param, value, cfg)
-            if cut is None:
-                out[key] = value
-                continue
-            dim, sizes = cut
-            if param == "weight_scale_inv":  # in blocks: the weight's segments must be whole blocks per rank
-                weight = state[key.removesuffix("_scale_inv")]
-                sizes = _blocks(key, _cut_of(owner, "weight", weight, cfg)[1], dim, tp.world)
-            out[key] = _cut(key, value, dim, sizes, tp)
+            out[key] = _cut(key, value, dim, _segments(owner, value, dim, cfg), tp)
     return out
 
 
-def _cut_of(owner: str, param: str, value: torch.Tensor, cfg: Qwen3Config) -> tuple[int, list[int]] | None:
-    """How a parameter splits: (dim, the consecutive segments along it, each cut in `world` shares), or
-    None: replicated."""
+def _dim_of(owner: str, param: str) -> int | None:
+    """The dimension a layer parameter is cut along (None: replicated)."""
     if owner in COLUMN_PARALLEL and param in ("weight", "bias", "weight_scale_inv"):
-        return 0, [value.shape[0]]
+        return 0
     if owner in ROW_PARALLEL and param in ("weight", "weight_scale_inv"):
-        return 1, [value.shape[1]]
-    if param in PER_HEAD:
-        return 0, [value.shape[0]]
-    if owner in QKV_CHANNELS and param in ("weight", "weight_scale_inv"):
-        keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        return 0, [keys, keys, cfg.linear_num_value_heads * cfg.linear_value_head_dim]
+        return 1
+    if param in PER_HEAD or (owner in QKV_CHANNELS and param in ("weight", "weight_scale_inv")):
+        return 0
     return None
+
+
+def _segments(owner: str, value, dim: int, cfg: Qwen3Config) -> list[int]:
+    """The consecutive parts along `dim` that are each cut in `world` shares: a Gated DeltaNet's q, k and
+    v channels, else the whole dimension."""
+    if owner in QKV_CHANNELS:
+        keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        return [keys, keys, cfg.linear_num_value_heads * cfg.linear_value_head_dim]
+    return [value.shape[dim]]
+
+
+def _whole(value) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else value.whole()
 
 
 def _blocks(key: str, sizes: list[int], dim: int, world: int) -> list[int]:
@@ -219,9 +236,9 @@ def _blocks(key: str, sizes: list[int], dim: int, world: int) -> list[int]:
     return [size // BLOCK for size in sizes]
 
 
-def _cut(key: str, value: torch.Tensor, dim: int, sizes: list[int], tp: TensorParallel) -> torch.Tensor:
-    """This rank's share of each consecutive segment of `sizes` along `dim`, side by side (a copy: the
-    full tensor is freed)."""
+def _cut(key: str, value, dim: int, sizes: list[int], tp: TensorParallel) -> torch.Tensor:
+    """This rank's share of each consecutive segment of `sizes` along `dim`, side by side (never a view:
+    the whole tensor is freed)."""
     pieces, start = [], 0
     for size in sizes:
         if size % tp.world:
@@ -229,4 +246,6 @@ def _cut(key: str, value: torch.Tensor, dim: int, sizes: list[int], tp: TensorPa
         share = size // tp.world
         pieces.append(value.narrow(dim, start + tp.rank * share, share))
         start += size
-    return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
+    if len(pieces) > 1:
+        return torch.cat(pieces, dim)
+    return pieces[0].clone() if isinstance(value, torch.Tensor) else pieces[0]  # not a view of the whole

@@ -1,7 +1,7 @@
 """Tensor parallelism against one device, in the same run: random weights of a real shape
 (gpu_bench.build_models), TP=1 first, then TP=N over N ranks (this process is rank 0, it starts the others).
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=runtime python runtime/bench/tp_bench.py --shape qwen3.6-27b --tp 2 [--out F]
+    PYTHONPATH=runtime python runtime/bench/tp_bench.py --shape qwen3.6-27b --tp 2 [--out F]
     PYTHONPATH=runtime python runtime/bench/tp_bench.py --shape hybrid-small --device cpu --dtype float32  # gloo
 
 Figures, each TP=N over TP=1 (issue 27's targets in brackets): the AR step (<= 0.58x), a ddtree@16 round
@@ -76,7 +76,7 @@ def timed_start(args, world: int, port: int | None = None) -> tuple[object, floa
     t0 = time.perf_counter()
     others = []
     if world > 1:
-        env = {**os.environ, PORT_ENV: str(port), "NCCL_NVLS_ENABLE": "0"}
+        env = {**os.environ, PORT_ENV: str(port)}
         others = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, RANK_ENV: str(r)})
                   for r in range(1, world)]
     engine, _ = start(args, world, 0, port)
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--label", default="", help="free text stored with the results (the version)")
     ap.add_argument("--out", default="bench/results/runtime-tp-bench.json")
     args = ap.parse_args()
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off in every rank (the GPU hosts require it)
     rank = int(os.environ.get(RANK_ENV, "0"))
     if rank > 0:  # a rank rank 0 started: follow its calls until it closes
         engine, tp = start(args, args.tp, rank, int(os.environ[PORT_ENV]))

@@ -2,7 +2,7 @@
 
 - The engine: greedy and seeded output over TP=2 is token-identical to TP=1 (which the other runtime
   tests pin to transformers and to the target's distribution) in ar, dflash and ddtree, alone and
-  batched; each rank's KV cache holds half the KV heads. One launch of two processes runs every case
+  batched, with prefix reuse on (the cases repeat prompts); each rank's KV cache holds half the KV heads. One launch of two processes runs every case
   (tp_ranks.py), since each process start imports torch.
 - The server: `ddtree-serve --tensor-parallel 2` answers as TP=1 does; a follower killed mid-request
   takes the whole server down, non-zero, with one line naming the rank; nothing is left behind.
@@ -53,6 +53,7 @@ def both_ranks(tiny_models, tiny_hybrid_models, tmp_path_factory) -> dict:
 def test_two_ranks_give_the_tokens_of_one(both_ranks, pair):
     result = both_ranks[pair]
     assert result["kv_heads"] == [2, 1]  # each rank's KV pages hold its own KV heads
+    assert result["prefix_hits"] > 0  # prefix reuse ran over both ranks too
     assert set(result["tp2"]) == set(result["tp1"])
     for case, tokens in result["tp1"].items():
         assert result["tp2"][case] == tokens, case

@@ -83,6 +83,7 @@ def main() -> None:
             leader = Leader(engine, tp, on_lost=lambda why: sys.exit(f"rank lost: {why}"))
             results[pair.name]["tp2"] = cases(leader)
             results[pair.name]["kv_heads"].append(engine.target.config.num_key_value_heads)
+            results[pair.name]["prefix_hits"] = engine.stats.prefix_hits  # the repeated prompts' reuse
             leader.close()
             fp8 = Engine(config(pair, 2, "fp8"))
             leader = Leader(fp8, tp, on_lost=lambda why: sys.exit(f"rank lost: {why}"))

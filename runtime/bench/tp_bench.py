@@ -9,11 +9,14 @@ of one stream (<= 0.6x), a ddtree@16 round with 16 running (<= 0.65x), and start
 models built, the engine sized (and its graphs captured), and a 4-token warm-up generation, as the
 server's start does; at TP=N it counts from starting the other ranks (their Python and torch imports
 and the rendezvous included). Random weights have no checkpoint to read, so a real start's load time
-is not in it. Not a test: figures depend on the machine."""
+is not in it. Not a test: figures depend on the machine. It also checks that the split is exact: greedy
+tokens of ar, dflash and ddtree at TP=N equal TP=1's on the shape's 4-layer float32 version, the same
+weights at both sizes (each rank builds the whole model from one seed and keeps its shard)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -28,6 +31,7 @@ import torch
 from batch_bench import steady_rounds
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.distributed import Leader, follow, join
+from ddtree_runtime.model.parallel import shard_state
 from gpu_bench import SHAPES, build_models, run_case, sync
 
 RANK_ENV, PORT_ENV = "TP_BENCH_RANK", "TP_BENCH_PORT"
@@ -52,6 +56,37 @@ def start(args, world: int, rank: int = 0, port: int | None = None):
     if tp is None or rank > 0:
         return engine, tp
     return Leader(engine, tp, on_lost=lambda why: sys.exit(f"tp_bench: {why}")), tp
+
+
+def check_shape(shape: str) -> str:
+    """The float32 agreement check's shape: the real width with 4 layers (gpu_bench's), or a small shape."""
+    if shape.startswith("qwen3.6-27b"):
+        return "qwen3.6-27b-4layer"
+    return "qwen3-8b-4layer" if shape.startswith("qwen3-8b") else shape
+
+
+def greedy(engine, vocab: int) -> dict[str, list[int]]:
+    """Greedy tokens per mode from one random prompt."""
+    prompt = torch.randint(0, vocab - 1, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    return {f"{mode}@{budget}" if budget else mode:
+            [t for r in engine.generate(prompt, SamplingParams(max_new_tokens=48, mode=mode, tree_budget=budget))
+             for t in r.token_ids]
+            for mode, budget in (("ar", None), ("dflash", None), ("ddtree", 16))}
+
+
+def same_weights_engine(args, world: int, tp=None) -> Engine:
+    """A float32 engine of check_shape whose target is the same model at every TP size: every rank builds
+    the whole model from the same seed and keeps its shard of it (model/parallel.shard_state)."""
+    shape, device = check_shape(args.shape), torch.device(f"cuda:{tp.rank}" if tp and args.device.startswith("cuda")
+                                                           else args.device)
+    target, drafter = build_models(shape, device, torch.float32)
+    if tp is not None:
+        state = shard_state(target.state_dict(), target.config, tp)
+        target, _ = build_models(shape, device, torch.float32, tp)
+        target.load_state_dict(state)
+    config = dataclasses.replace(engine_config(args, world), dtype="float32", max_running=1, max_context=1024,
+                                 device=str(device))
+    return Engine(config, target=target, drafter=drafter)
 
 
 def measure(engine, args) -> dict:
@@ -85,6 +120,13 @@ def timed_start(args, world: int, port: int | None = None) -> tuple[object, floa
     return engine, time.perf_counter() - t0, others
 
 
+def release() -> None:
+    """Give a dropped engine's device memory back before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,23 +147,36 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off in every rank (the GPU hosts require it)
     rank = int(os.environ.get(RANK_ENV, "0"))
-    if rank > 0:  # a rank rank 0 started: follow its calls until it closes
+    if rank > 0:  # a rank rank 0 started: follow its calls until it closes, for each of rank 0's engines
         engine, tp = start(args, args.tp, rank, int(os.environ[PORT_ENV]))
         follow(engine, tp)
+        del engine
+        release()
+        follow(same_weights_engine(args, args.tp, tp), tp)
         return
 
     results = {}
+    alone = same_weights_engine(args, 1)
+    expected = greedy(alone, alone.target.config.vocab_size)
+    del alone
     engine, start_s, _ = timed_start(args, 1)
     results[1] = {"start_to_ready_s": start_s, **measure(engine, args)}
     print(f"TP=1: {results[1]}", flush=True)
     del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release()
     engine, start_s, others = timed_start(args, args.tp, free_port())
     results[args.tp] = {"start_to_ready_s": start_s, **measure(engine, args)}
     print(f"TP={args.tp}: {results[args.tp]}", flush=True)
     engine.close()
+    tp, on_lost = engine.tp, engine.on_lost
+    del engine
+    release()
+    split = Leader(same_weights_engine(args, args.tp, tp), tp, on_lost)
+    got = greedy(split, split.target.config.vocab_size)
+    split.close()
+    agreement = {mode: got[mode] == tokens for mode, tokens in expected.items()}
+    print(f"greedy tokens at TP={args.tp} equal TP=1's ({check_shape(args.shape)}, float32, same weights): "
+          f"{agreement}", flush=True)
     codes = [p.wait(60) for p in others]
 
     print(f"\n{'figure':<22}{'TP=1':>10}{f'TP={args.tp}':>10}{'ratio':>8}{'target':>8}")
@@ -136,7 +191,8 @@ def main() -> None:
         "label": args.label, "shape": args.shape, "dtype": args.dtype, "device": args.device, "tp": args.tp,
         "gpus": [torch.cuda.get_device_name(i) for i in range(args.tp)] if args.device.startswith("cuda") else None,
         "torch": torch.__version__, "context": args.context, "rounds": args.rounds, "results": results,
-        "ratios": ratios, "targets": TARGETS, "followers_exit": codes}, indent=2))
+        "ratios": ratios, "targets": TARGETS, "greedy_equal_to_tp1": agreement, "followers_exit": codes},
+        indent=2))
     print(f"wrote {out}")
 
 

@@ -55,6 +55,8 @@ class TensorParallel:
 
 
 _current: TensorParallel | None = None
+# all_gather_into_tensor's new name (torch 2.13 warns at the old one; the runtime takes torch >= 2.4)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def init(rank: int, world: int, port: int, device: torch.device) -> TensorParallel:
@@ -121,7 +123,7 @@ class VocabParallelHead(nn.Linear):
         # h: [M, H] -> [M, V]: each rank's [M, V/world] side by side
         part = F.linear(h.reshape(-1, h.shape[-1]), self.weight)
         whole = part.new_empty(self.tp.world * part.shape[0], part.shape[1])  # rank r's rows r*M..
-        dist.all_gather_single(whole, part, group=self.tp.group)
+        _all_gather(whole, part, group=self.tp.group)
         logits = whole.view(self.tp.world, *part.shape).permute(1, 0, 2).reshape(part.shape[0], -1)
         if logits.shape[1] != self.vocab:  # the padding rows' columns
             logits = logits[:, :self.vocab].contiguous()

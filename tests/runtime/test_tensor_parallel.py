@@ -157,6 +157,7 @@ def test_server_over_two_ranks_answers_as_one_and_stops_with_its_follower(tiny_h
     with ServerProcess(_args(tiny_hybrid_models, "--tensor-parallel", "2")) as srv:
         srv.wait_ready()
         (follower,) = _followers(srv.proc.pid)
+        assert httpx.get(srv.url + "/health").json()["tensor_parallel"] == 2
         assert _complete(srv, 12).json()["choices"][0]["text"] == expected
         srv.signal(signal.SIGTERM)  # drains, then ends its follower
         assert srv.wait_exit(timeout=30) == 0

@@ -86,6 +86,7 @@ class ServerContext:
             "target_arch": getattr(engine, "arch", None),
             "draft_model": getattr(engine, "draft_name", None),
             "quantization": getattr(engine, "quantization", None),
+            "tensor_parallel": self.config.tensor_parallel,  # GPUs (processes) this server spans
             "max_running": self.worker.capacity(),
             "running": self.worker.running(),
             "waiting": self.worker.queue_depth(),

@@ -148,8 +148,8 @@ def follow(config: ServerConfig) -> int:
     me = rank()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    watch_leader(me)
     try:
+        watch_leader(me)
         tp, engine_config = join(EngineConfig(**config.engine_kwargs()), me, int(os.environ[PORT_ENV]))
         engine = Engine(engine_config)
         log.info("rank %d ready", me)

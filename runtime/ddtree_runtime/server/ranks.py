@@ -129,14 +129,19 @@ def start_followers(argv: list[str], world: int) -> Followers:
 
 def lead(config: ServerConfig):
     """Rank 0's engine (the worker's factory): join the followers, load this rank's shard, and wrap the
-    engine so that every call reaches them."""
+    engine so that every call reaches them. If that fails the followers are ended and the worker reports
+    the error (/health), as a one-device server does."""
     from ddtree_runtime.engine import Engine, EngineConfig
     from ddtree_runtime.engine.distributed import Leader, join
 
     if _followers is None:
         raise RuntimeError("tensor parallel: rank 0's followers were not started (server/cli.py starts them)")
-    tp, engine_config = join(EngineConfig(**config.engine_kwargs()), 0, int(os.environ[PORT_ENV]))
-    return Leader(Engine(engine_config), tp, _followers.lost)
+    try:
+        tp, engine_config = join(EngineConfig(**config.engine_kwargs()), 0, int(os.environ[PORT_ENV]))
+        return Leader(Engine(engine_config), tp, _followers.lost)
+    except Exception:  # /health reports it, as when one device serves; the followers would wait forever
+        _followers.stop()
+        raise
 
 
 def follow(config: ServerConfig) -> int:

@@ -6,7 +6,8 @@
   (tp_ranks.py), since each process start imports torch.
 - The server: `ddtree-serve --tensor-parallel 2` answers as TP=1 does; a follower killed mid-request
   takes the whole server down, non-zero, with one line naming the rank; nothing is left behind.
-- What is refused before anything starts: a target that does not split, a --device cuda:N."""
+- What is refused before anything starts: a target that does not split, a --device cuda:N, fewer GPUs
+  than ranks."""
 
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ def test_fp8_scales_are_cut_with_their_blocks(tiny_models):
     (["--tensor-parallel", "4"], "KV heads (2) do not split evenly over 4 ranks"),
     (["--tensor-parallel", "2", "--device", "cuda:1"], "give --device cuda, not cuda:1"),
     (["--tensor-parallel", "9"], "--tensor-parallel 9: must be <= 8"),
+    pytest.param(["--tensor-parallel", "2", "--device", "cuda"], "--tensor-parallel 2 needs 2 GPUs",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")),
 ])
 def test_bad_tensor_parallel_is_one_line_and_exit_2(tiny_models, capsys, extra, message):
     argv = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"), *extra]

@@ -103,6 +103,12 @@ def _splits(target_dir: str, world: int, device: str) -> None:
     if device.startswith("cuda:"):
         raise UsageError(f"--tensor-parallel {world} takes its GPUs from CUDA_VISIBLE_DEVICES: give --device cuda, "
                          f"not {device}")
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < world:
+            raise UsageError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
     try:
         cfg = target_config(json.loads(Path(target_dir, "config.json").read_text()))
     except (OSError, ValueError, KeyError):  # a config the engine cannot read: its load says why, as at TP=1

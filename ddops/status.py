@@ -100,9 +100,20 @@ def not_installed(r: dict[str, Any]) -> set[str]:
     return {s["unit"] for s in r["services"] if s.get("LoadState") == "not-found"}
 
 
+def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None) -> int | None:
+    """The GPUs a server spans: what its /health says (`tensor_parallel`), else what its installed unit's
+    command line says (the facts probe reads it from systemd); None for a unit that runs no known server."""
+    detail = (health or {}).get("detail")
+    reported = detail.get("tensor_parallel") if isinstance(detail, dict) else None
+    if isinstance(reported, int) and not isinstance(reported, bool):
+        return reported
+    return (state or {}).get("tensor_parallel")
+
+
 def _services_cell(r: dict[str, Any]) -> Text:
     text = Text()
     missing = not_installed(r)
+    health = {h.get("unit"): h for h in r["runtime"]}
     for s in r["services"]:
         if s["unit"] in missing:
             text.append(f"{s['unit']}: not installed\n", style="dim")
@@ -110,7 +121,9 @@ def _services_cell(r: dict[str, Any]) -> Text:
         state = s.get("ActiveState") or "unknown"
         style = {"active": "green", "failed": "bold red", "activating": "yellow"}.get(state, "dim")
         restarts = f" restarts={s['NRestarts']}" if s.get("NRestarts") else ""
-        text.append(f"{s['unit']}: {state}/{s.get('SubState')}{restarts}\n", style=style)
+        tp = tensor_parallel(s, health.get(s["unit"]))
+        spans = f" TP {tp}" if tp is not None else ""
+        text.append(f"{s['unit']}: {state}/{s.get('SubState')}{restarts}{spans}\n", style=style)
     return text or Text("-", style="dim")
 
 
@@ -165,7 +178,7 @@ def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
     table = Table(title=f"{deployment['template']} on {host} ({deployment.get('profile')}): "
                         f"{bal['unit']} {state} on port {bal['port']}, {public}"
                         + (f" ({bal['error']})" if bal.get("error") else ""))
-    for column in ("replica", "port", "GPUs", "unit", "runtime", "running", "in HAProxy"):
+    for column in ("replica", "port", "GPUs", "TP", "unit", "runtime", "running", "in HAProxy"):
         table.add_column(column, overflow="fold")
     for rep in deployment["replicas"]:
         unit = rep["state"] or {}
@@ -173,7 +186,9 @@ def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
         restarts = f" restarts={unit['NRestarts']}" if unit.get("NRestarts") else ""
         health = rep["health"]
         seen = (rep.get("balancer") or {}).get("status") or "-"
+        tp = tensor_parallel(unit, health)
         table.add_row(rep["unit"], str(rep["port"]), ",".join(map(str, rep.get("gpus") or [])) or "-",
+                      "-" if tp is None else str(tp),
                       Text(f"{active}/{unit.get('SubState')}{restarts}",
                            style={"active": "green", "failed": "bold red"}.get(active, "yellow")),
                       Text(("healthy " if health["healthy"] else "UNHEALTHY ") + _health_summary(health),

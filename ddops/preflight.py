@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import capacity
+from .bundled import CAPACITY, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
@@ -26,7 +27,6 @@ from .hostlock import lock_problem
 from .inventory import Host, Inventory
 from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
-from .bundled import CAPACITY, SETTINGS
 from .profile import LIMITS, LOCAL, Profile
 from .release import release_id
 from .remote import run_probe

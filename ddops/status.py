@@ -101,13 +101,15 @@ def not_installed(r: dict[str, Any]) -> set[str]:
 
 
 def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None) -> int | None:
-    """The GPUs a server spans: what its /health says (`tensor_parallel`), else what its installed unit's
-    command line says (the facts probe reads it from systemd); None for a unit that runs no known server."""
+    """The GPUs a server spans: what its /health says (`tensor_parallel`) while the unit runs (else the
+    port's health may be another unit's), or what its installed unit's command line says (the facts probe
+    reads it from systemd); None for a unit that runs no known server."""
+    state = state or {}
     detail = (health or {}).get("detail")
     reported = detail.get("tensor_parallel") if isinstance(detail, dict) else None
-    if isinstance(reported, int) and not isinstance(reported, bool):
+    if state.get("ActiveState") == "active" and isinstance(reported, int) and not isinstance(reported, bool):
         return reported
-    return (state or {}).get("tensor_parallel")
+    return state.get("tensor_parallel")
 
 
 def _services_cell(r: dict[str, Any]) -> Text:

@@ -208,6 +208,9 @@ def _health_word(h: dict[str, Any]) -> str:
     return str(detail or "")[:60]
 
 
+RUNNING = ("active", "activating", "reloading")
+
+
 def targets(facts: dict[str, Any]) -> list[Target]:
     units = {s["unit"]: s for s in facts.get("services", [])}
     out = []
@@ -222,9 +225,13 @@ def targets(facts: dict[str, Any]) -> list[Target]:
                       reading=read_metrics(scraped) if scraped else None,
                       scrape_error=(scraped or {}).get("error"))
 
-    for h in facts.get("runtime", []):
+    runtime = facts.get("runtime", [])
+    live = {_port_of(h["url"]) for h in runtime if units.get(h["unit"], {}).get("ActiveState") in RUNNING}
+    for h in runtime:
         if units.get(h["unit"], {}).get("LoadState") == "not-found":
             continue   # never deployed here (or its port is a balancer's now): the replicas below say it
+        if _port_of(h["url"]) in live and units.get(h["unit"], {}).get("ActiveState") not in RUNNING:
+            continue   # another unit serves its port now (llm-two: SGLang's, or the DDTree runtime in its place)
         out.append(target(h["unit"], units.get(h["unit"]), h, _port_of(h["url"]), None, h.get("metrics")))
     for deployment in facts.get("replicas") or []:
         for rep in deployment["replicas"]:

@@ -2,7 +2,7 @@
 each replica (or the one unit) gets its own tensor_parallel GPUs in CUDA_VISIBLE_DEVICES; preflight
 refuses, in one line and with exit 2 through the CLI, too few GPUs and a size that does not divide the
 target's heads; the capacity is one GPU's share of the split target; status shows the size; and the
-llm-two profile dry-runs against the fleet inventory."""
+llm-two profile (in sglang-qwen's place, on its port) dry-runs against the fleet inventory."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ddops.profile import load_profile
 from ddops.serverflags import parse_help
 from ddops.status import _services_cell, replicas_table
 from ddops.steps.unit import exec_argv, render
+from ddops.top import targets
 from ddtree_runtime.capacity import Shape, pool_capacity
 from ddtree_runtime.server.cli import build_parser
 
@@ -281,8 +282,21 @@ def test_status_shows_the_size_from_health_else_from_the_unit():
     reported = copy.deepcopy(health)
     reported["detail"]["tensor_parallel"] = 4      # what the running server says wins over the file
     assert _services_cell({"services": [unit], "runtime": [reported]}).plain.endswith("TP 4\n")
+    stopped = {**unit, "ActiveState": "inactive", "SubState": "dead"}   # the port's health is another unit's
+    assert _services_cell({"services": [stopped], "runtime": [reported]}).plain.endswith("inactive/dead TP 2\n")
     other = {"unit": "nginx.service", "ActiveState": "active", "SubState": "running", "LoadState": "loaded"}
     assert _services_cell({"services": [other], "runtime": []}).plain == "nginx.service: active/running\n"
+
+
+def test_a_port_two_units_take_turns_on_is_the_running_ones():
+    """llm-two's inventory names sglang-qwen and ddtree.service on port 30000: top (and so monitor's
+    scrape targets) keep the one that runs, never the same port twice."""
+    units = [{"unit": "sglang-qwen.service", "ActiveState": "inactive", "LoadState": "loaded"},
+             {"unit": "ddtree.service", "ActiveState": "active", "LoadState": "loaded"}]
+    runtime = [{"url": "http://127.0.0.1:30000/health", "unit": u["unit"], "healthy": True, "detail": {}} for u in units]
+    assert [t.unit for t in targets({"services": units, "runtime": runtime})] == ["ddtree.service"]
+    down = [{**u, "ActiveState": "inactive"} for u in units]   # neither runs: both shown, both down
+    assert [t.unit for t in targets({"services": down, "runtime": runtime})] == ["sglang-qwen.service", "ddtree.service"]
 
 
 def test_the_replicas_table_has_each_replicas_size():

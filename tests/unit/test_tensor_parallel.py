@@ -19,9 +19,7 @@ from test_render_safety import BASE, profile_from
 
 import ddops.preflight as preflight_module
 from ddops import capacity
-from ddops.cli import main
 from ddops.errors import ConfigError
-from ddops.executor import Executor
 from ddops.facts import HostFacts, ServerFlags, Tree
 from ddops.preflight import check_heads_split, check_tensor_parallel
 from ddops.probes import probe_source
@@ -171,27 +169,9 @@ class FleetProbes:
         monkeypatch.setattr(preflight_module, "shipped_flags", lambda ship, release: flags)
 
 
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """`ddops -i inventories/fleet.yaml ARGS` in-process; any SSH connection fails the test."""
-    def forbidden(self, host):
-        raise AssertionError(f"a dry run against stubbed probes must not reach {host.name}")
-
-    monkeypatch.setattr(Executor, "_open", forbidden)
-    monkeypatch.chdir(REPO)
-
-    def run(*args: str) -> tuple[int, str]:
-        monkeypatch.setattr(sys, "argv", ["ddops", "-i", "inventories/fleet.yaml", *args])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        out, err = capsys.readouterr()
-        return exited.value.code, out + err
-    return run
-
-
 def test_the_llm_two_profile_dry_runs_against_the_fleet(monkeypatch, cli, profile):
     FleetProbes(monkeypatch, profile)
-    code, out = cli("pivot", "--deploy", "llm-two-ddtree16", "--dry-run", "--json")
+    code, out = cli("-i", "inventories/fleet.yaml", "pivot", "--deploy", "llm-two-ddtree16", "--dry-run", "--json")
     report, _ = json.JSONDecoder().raw_decode(out[out.index("{"):])
     assert (code, report["outcome"]) == (0, "dry-run"), out
     pool = report["pool"]
@@ -210,7 +190,7 @@ def test_preflight_refusals_are_one_line_and_exit_2_through_the_cli(monkeypatch,
     wide.write_text(LLM_TWO.read_text().replace("gpus: [0, 1] ", f"gpus: {list(range(size))} ")
                     .replace("tensor_parallel: 2 ", f"tensor_parallel: {size} "))
     FleetProbes(monkeypatch, profile, target=target)
-    code, out = cli("pivot", "--deploy", str(wide), "--dry-run", "--json")
+    code, out = cli("-i", "inventories/fleet.yaml", "pivot", "--deploy", str(wide), "--dry-run", "--json")
     report, _ = json.JSONDecoder().raw_decode(out[out.index("{"):])
     assert (code, report["outcome"], report["failed_step"]) == (2, "failed", "preflight") and "Traceback" not in out
     assert report["error"].startswith("preflight found a problem: ") and message in report["error"]

@@ -658,10 +658,6 @@ class Replicas:
     first_port: int
     members: tuple[Replica, ...]
 
-    @property
-    def gpus_needed(self) -> int:
-        return self.count * self.gpus_each
-
 
 @dataclass(frozen=True)
 class Balancer:

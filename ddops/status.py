@@ -11,7 +11,7 @@ from rich.text import Text
 
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from .executor import Executor, Outcome
-from .facts import check_identity, gather
+from .facts import check_identity, gather, tensor_parallel
 from .inventory import Host
 
 
@@ -98,18 +98,6 @@ def _training_cell(r: dict[str, Any]) -> Text:
 def not_installed(r: dict[str, Any]) -> set[str]:
     """Units systemd has no file for: never deployed here (or removed), which is not a failure."""
     return {s["unit"] for s in r["services"] if s.get("LoadState") == "not-found"}
-
-
-def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None) -> int | None:
-    """The GPUs a server spans: what its /health says (`tensor_parallel`) while the unit runs (else the
-    port's health may be another unit's), or what its installed unit's command line says (the facts probe
-    reads it from systemd); None for a unit that runs no known server."""
-    state = state or {}
-    detail = (health or {}).get("detail")
-    reported = detail.get("tensor_parallel") if isinstance(detail, dict) else None
-    if state.get("ActiveState") == "active" and isinstance(reported, int) and not isinstance(reported, bool):
-        return reported
-    return state.get("tensor_parallel")
 
 
 def _services_cell(r: dict[str, Any]) -> Text:

@@ -279,6 +279,24 @@ def test_a_port_two_units_take_turns_on_is_the_running_ones():
     assert [t.unit for t in targets({"services": down, "runtime": runtime})] == ["sglang-qwen.service", "ddtree.service"]
 
 
+def test_top_shows_each_targets_size():
+    from io import StringIO
+
+    from ddops.topview import targets_table
+
+    units = [{"unit": "ddtree.service", "ActiveState": "active", "LoadState": "loaded", "tensor_parallel": 2}]
+    runtime = [{"url": "http://127.0.0.1:30000/health", "unit": "ddtree.service", "healthy": True, "detail": {}}]
+    target, = targets({"services": units, "runtime": runtime})
+    assert target.tensor_parallel == 2
+    frame = {"hosts": [{"host": "llm-two", "state": "ok", "targets": [
+        {"unit": "ddtree.service", "port": 30000, "tensor_parallel": 2, "active": "active", "healthy": True,
+         "health": "ok", "running": None, "capacity": None, "waiting": None, "balancer": None, "window": None}]}]}
+    out = StringIO()
+    Console(file=out, width=200, force_terminal=False).print(targets_table(frame))
+    header, row = out.getvalue().splitlines()[:2]
+    assert row[header.index("TP"):].split()[0] == "2"
+
+
 def test_the_replicas_table_has_each_replicas_size():
     from io import StringIO
 

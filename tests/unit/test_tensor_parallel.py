@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from test_render_safety import BASE, profile_from
+from test_render_safety import BASE, SGLANG, profile_from
 
 import ddops.preflight as preflight_module
 from ddops import capacity
@@ -99,6 +99,7 @@ def test_each_replica_gets_tensor_parallel_gpus_of_its_own(tmp_path):
      "`serve.replicas.gpus_each: 1` with serve.tensor_parallel 2"),
     ({**ON_GPUS, "unit": "ddtree@.service", "gpus": [0, 1, 2]}, {"serve.replicas": 2},
      "2 replicas x 2 GPU(s) need 4 GPUs, `gpus` lists 3"),
+    (SGLANG, {}, "`serve.tensor_parallel` is the bundled runtime's (an SGLang profile sets `sglang.tp_size`)"),
 ])
 def test_gpus_that_cannot_carry_the_split_are_one_line_at_load(tmp_path, doc, changes, message):
     with pytest.raises(ConfigError) as err:

@@ -30,7 +30,7 @@ class PoolEstimate:
             return f"KV pool not estimated: {self.reason}"
         ranks = self.capacity.tensor_parallel
         split = (f", one of the {ranks} tensor-parallel GPUs of a server (each holds 1/{ranks} of the target's "
-                 "weights and KV, and the whole drafter)") if ranks > 1 else ""
+                 "layers and KV, and the whole drafter)") if ranks > 1 else ""
         return f"{self.capacity.summary()} on {self.gpu.label}{split}"
 
     def as_json(self) -> dict[str, Any]:

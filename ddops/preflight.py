@@ -134,8 +134,9 @@ def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
 
 def check_heads_split(profile: Profile, config: dict[str, Any]) -> list[str]:
     """serve.tensor_parallel N gives each rank 1/N of every layer's heads (attention, KV, a hybrid's
-    linear-attention heads): a size that does not divide them all is refused before anything stops,
-    with the sizes that do. A config the arithmetic cannot read is the capacity line's to explain."""
+    linear-attention heads) and MLP rows, as the runtime splits them (it refuses the rest at start): a
+    size that does not divide them all is refused before anything stops, with the sizes that do. A
+    config the arithmetic cannot read is the capacity line's to explain."""
     ranks = profile.serve.tensor_parallel
     if ranks == 1:
         return []
@@ -143,15 +144,19 @@ def check_heads_split(profile: Profile, config: dict[str, Any]) -> list[str]:
         counts = CAPACITY.Shape.from_config(config).split_counts()
     except (KeyError, TypeError, ValueError):
         return []
-    uneven = [f"{n} {name}" for name, n in counts.items() if n % ranks]
+    uneven = [f"{name} ({n})" for name, n in counts.items() if n % ranks]
     if not uneven:
         return []
     largest = int(SETTINGS.BY_NAME["tensor_parallel"].maximum)
     sizes = [str(t) for t in range(1, largest + 1) if all(n % t == 0 for n in counts.values())]
     return [f"serve.tensor_parallel {ranks} ({profile.where('serve')}) does not divide target model "
-            f"{trees_where(profile, 'target')}'s {' and '.join(uneven)}: each rank takes an equal share of every "
-            f"layer's heads; set serve.tensor_parallel to {', '.join(sizes[:-1]) + ' or ' if len(sizes) > 1 else ''}"
-            f"{sizes[-1]}"]
+            f"{trees_where(profile, 'target')}'s {_words(uneven)}: each rank takes an equal share of every layer's "
+            f"heads and MLP rows; set serve.tensor_parallel to {_words(sizes, 'or')}"]
+
+
+def _words(items: list[str], last: str = "and") -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
 def check_quantization(config: dict[str, Any], where: str) -> list[str]:

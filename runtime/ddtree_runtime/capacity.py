@@ -11,9 +11,10 @@ its max_context) and the runtime can log the same figures at start-up.
   state per linear layer, and the tree pass's per-node scratch (engine/kv_cache.py, HybridCache);
 - token_bytes: a token's KV in the target's full-attention layers and in the drafter's layers.
 
-With tensor parallelism over T GPUs the figures are one GPU's: it holds 1/T of the target (its share of
-every layer's heads, KV heads, MLP and vocabulary: `Shape.split`) and the whole drafter, which every rank
-runs; the pool's tokens are the server's, each GPU keeping its share of every token's target KV.
+With tensor parallelism over T GPUs the figures are one GPU's (model/parallel.py's split): its share of
+every layer's heads, KV heads and MLP rows and of the LM head's vocabulary (`Shape.split`), and whole
+the embeddings, the norms and the drafter, which every rank runs; the pool's tokens are the server's, each
+GPU keeping its share of every token's target KV.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Shape:
     positions: int = 40960
     feature_layers: int = 0       # a drafter: the target layers it reads
     block_size: int = 0           # a drafter: its block size
+    head_vocab: int | None = None  # a tensor-parallel rank's LM head rows (None: the whole vocabulary)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Shape":
@@ -94,9 +96,9 @@ class Shape:
                    block_size=int(config.get("block_size", dflash.get("block_size", 16))))
 
     def split_counts(self) -> dict[str, int]:
-        """What tensor parallelism shares out by whole heads, each rank an equal part: the attention
-        heads, the KV heads, and a hybrid's linear-attention key and value heads."""
-        counts = {"attention heads": self.heads, "KV heads": self.kv_heads}
+        """What tensor parallelism shares out evenly, each rank an equal part: the attention heads, the
+        KV heads, the MLP's intermediate rows, and a hybrid's linear-attention key and value heads."""
+        counts = {"attention heads": self.heads, "KV heads": self.kv_heads, "MLP intermediate size": self.intermediate}
         if self.linear_layers:
             counts.update({"linear-attention key heads": self.key_heads, "linear-attention value heads":
                            self.value_heads})
@@ -104,15 +106,15 @@ class Shape:
 
     def split(self, ranks: int) -> "Shape":
         """What one of `ranks` tensor-parallel ranks holds of this target: its share of the heads, of the
-        MLP's intermediate size and of the vocabulary (embeddings and LM head), rounded up; the hidden
-        size (and so the norms and the residual stream) whole."""
+        MLP's intermediate rows and of the LM head's vocabulary (padded to a multiple of the ranks),
+        rounded up; the embeddings and the hidden size (so the norms and the residual stream) whole."""
         if ranks == 1:
             return self
         def share(n: int) -> int:
             return -(-n // ranks)
-        return replace(self, vocab=share(self.vocab), intermediate=share(self.intermediate), heads=share(self.heads),
+        return replace(self, intermediate=share(self.intermediate), heads=share(self.heads),
                        kv_heads=share(self.kv_heads), key_heads=share(self.key_heads),
-                       value_heads=share(self.value_heads))
+                       value_heads=share(self.value_heads), head_vocab=share(self.vocab))
 
     @property
     def conv_dim(self) -> int:
@@ -153,7 +155,9 @@ class Shape:
 
     def target_parameters(self) -> int:
         full, linear = self._layer_parameters()
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        # the LM head is the embeddings when tied, unless split over ranks (then each keeps its rows apart)
+        head = 0 if self.tied and self.head_vocab is None else (self.head_vocab or self.vocab) * self.hidden
+        embeddings = self.vocab * self.hidden + head
         return embeddings + self.full_layers * full + self.linear_layers * linear + self.hidden
 
     def drafter_parameters(self) -> int:

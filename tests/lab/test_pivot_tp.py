@@ -54,5 +54,5 @@ def test_four_ranks_are_refused_for_the_gpus_and_the_heads(lab, tiny_hybrid_mode
     assert (done.returncode, report["failed_step"]) == (2, "preflight"), report
     error = report["error"]
     assert "llm-two has 2 GPU(s), and one server needs 4 (serve.tensor_parallel 4): ddtree.service on GPU 0,1,2,3" in error
-    assert "'s 2 KV heads and 2 linear-attention key heads: each rank takes an equal share" in error
+    assert "'s KV heads (2) and linear-attention key heads (2): each rank takes an equal share" in error
     assert "\n" not in error and lab.ssh("llm-two", SNAPSHOT).stdout == before

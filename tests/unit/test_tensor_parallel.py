@@ -129,14 +129,15 @@ def test_preflight_refuses_more_gpus_than_the_host_has_in_one_line(tmp_path, pro
 
 
 def test_preflight_refuses_a_size_that_does_not_divide_the_targets_heads(profile):
-    assert check_heads_split(profile, TARGET) == []   # 2 divides 24, 4, 16 and 48
+    assert check_heads_split(profile, TARGET) == []   # 2 divides 24, 4, 17408, 16 and 48
     three = replace(profile, serve=replace(profile.serve, tensor_parallel=3))
     assert check_heads_split(three, TARGET) == [
         f"serve.tensor_parallel 3 ({profile.where('serve')}) does not divide target model "
-        "llm-two:/root/models/Qwen3.6-27B's 4 KV heads and 16 linear-attention key heads: each rank takes an equal "
-        "share of every layer's heads; set serve.tensor_parallel to 1, 2 or 4"]
+        "llm-two:/root/models/Qwen3.6-27B's KV heads (4), MLP intermediate size (17408) and linear-attention key "
+        "heads (16): each rank takes an equal share of every layer's heads and MLP rows; set "
+        "serve.tensor_parallel to 1, 2 or 4"]
     eight = replace(profile, serve=replace(profile.serve, tensor_parallel=8))
-    assert "'s 4 KV heads:" in check_heads_split(eight, TARGET)[0]
+    assert "'s KV heads (4): " in check_heads_split(eight, TARGET)[0]
     assert check_heads_split(three, {"model_type": "qwen3"}) == []   # unreadable: the capacity line says why
 
 
@@ -183,7 +184,7 @@ def test_the_llm_two_profile_dry_runs_against_the_fleet(monkeypatch, cli, profil
 @pytest.mark.parametrize("size, target, message", [
     (4, TARGET, "llm-two has 2 GPU(s), and one server needs 4 (serve.tensor_parallel 4): ddtree.service on GPU 0,1,2,3 ("),
     (2, {**TARGET, "text_config": {**TARGET["text_config"], "num_key_value_heads": 3}},
-     "does not divide target model llm-two:/root/models/Qwen3.6-27B's 3 KV heads"),
+     "does not divide target model llm-two:/root/models/Qwen3.6-27B's KV heads (3): "),
 ])
 def test_preflight_refusals_are_one_line_and_exit_2_through_the_cli(monkeypatch, cli, tmp_path, profile, size, target,
                                                                      message):
@@ -200,14 +201,16 @@ def test_preflight_refusals_are_one_line_and_exit_2_through_the_cli(monkeypatch,
 
 # -- capacity -------------------------------------------------------------------------------------------
 
-def test_two_gpus_each_hold_half_the_target_and_its_kv_and_the_whole_drafter():
+def test_two_gpus_each_hold_half_the_targets_layers_and_head_and_its_kv_and_the_whole_drafter():
     one, two = (pool_capacity(RTX_PRO_6000 * 2**20, TARGET, DRAFT, dtype="bfloat16", mem_fraction=0.88,
                               max_running=16, max_context=131072, tensor_parallel=t) for t in (1, 2))
     drafter = Shape.from_config(DRAFT)
     drafter_weights, drafter_kv = drafter.drafter_parameters() * 2, drafter.token_bytes(2)
-    # the target's weights halve (the norms, a few MB, stay whole on each rank); the drafter's do not
+    # the target's layers and LM head halve; its embeddings (and norms, a few MB) stay whole on each rank,
+    # as the runtime's split keeps them (model/parallel.py); the drafter's weights do not split at all
     target_one, target_two = one.weights_bytes - drafter_weights, two.weights_bytes - drafter_weights
-    assert 0 < 2 * target_two - target_one < 1e-4 * target_one
+    embeddings = 248320 * 5120 * 2
+    assert 0 < 2 * target_two - target_one - embeddings < 1e-4 * target_one
     # a token's target KV halves exactly (2 of the 4 KV heads on each GPU); the drafter's KV is whole
     assert 2 * (two.token_bytes - drafter_kv) == one.token_bytes - drafter_kv == 2 * 2 * 16 * 4 * 256
     # a running request's recurrent state halves with the linear-attention heads
@@ -221,7 +224,7 @@ def test_the_plan_line_says_the_gpu_is_one_of_the_split(profile):
     pool = capacity.estimate(profile, llm_two(2), trees)
     assert pool.capacity.tensor_parallel == 2 and pool.as_json()["tensor_parallel"] == 2
     assert pool.line.endswith("97,887 MiB), one of the 2 tensor-parallel GPUs of a server (each holds 1/2 of the "
-                              "target's weights and KV, and the whole drafter)")
+                              "target's layers and KV, and the whole drafter)")
     assert capacity.check_fits(profile, pool) == []
     # on 80 GB cards at TP 2 one 131,072-token request fits too, where at TP 1 it did not
     small = HostFacts.from_json({**facts_json(2), "gpus": {"error": None, "list": [

@@ -123,6 +123,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             metavar="N", default_words="the target's positions, as far as memory holds"),
     Setting("max_running", int, 16, "requests decoded together, each round one batch (like SGLang's "
             "--max-running-requests)", minimum=1, maximum=MAX_RUNNING, engine=True, profile=True, metavar="N"),
+    Setting("tensor_parallel", int, 1, "GPUs one server spans: the target's layers split over them, one process each (the GPUs from CUDA_VISIBLE_DEVICES)", minimum=1, maximum=8, engine=True, profile=True, metavar="N"),
     Setting("max_queue", int, 16, "requests waiting behind the running ones before 429", minimum=1,
             maximum=MAX_QUEUE, profile=True, metavar="N"),
     Setting("mem_fraction", float, 0.9, "share of the free device memory the KV pool may take; fewer requests "

@@ -7,8 +7,7 @@
 Parts (each adds its figures to the JSON; share runs first, on the fresh pool, so no cached sequence
 holds pages it would count):
 - pool: the pool's tokens against the arithmetic's ceiling (the free memory the engine saw after the
-  weights, less a prefill's activations and the rows' state, over a token's KV bytes), and how much of
-  the card is left once the other parts ran (the headroom mem_fraction keeps);
+  weights, less a prefill's activations and the rows' state, over a token's KV bytes);
 - batch: `--requests` requests of `--prompt` random tokens and `--answer` tokens each (ignore_eos), all
   submitted at once: the most running together (the batch size /metrics shows), wall time, tokens/s;
 - long: one request of the full context (max_context - 16 prompt tokens, 16 answer tokens) is admitted
@@ -16,6 +15,8 @@ holds pages it would count):
 - share: `--requests` requests with one shared `--system` token system prompt and their own 256-token
   tails, submitted together: the most pages in use against one copy of the system prompt plus every
   tail (target: at most 1.2x), and a second turn's time to first token against the first's (at most 10%).
+After each part: torch's peak allocated and reserved memory in it, and the card's free memory (what
+mem_fraction's headroom was used for).
 Not a test: figures depend on the machine."""
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ def hold_back(card_mib: int) -> torch.Tensor | None:
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def free_bytes(engine_module) -> int:
     return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else engine_module._free_bytes(torch.device("cpu"))
+
+
+def peaks(report: dict, part: str) -> None:
+    """What the part took at its peak beyond the pool (torch's allocated and reserved), then reset."""
+    if torch.cuda.is_available():
+        report.setdefault("peaks_mib", {})[part] = {
+            "allocated": torch.cuda.max_memory_allocated() / MIB, "reserved": torch.cuda.max_memory_reserved() / MIB,
+            "free_now": torch.cuda.mem_get_info()[0] / MIB}
+        torch.cuda.reset_peak_memory_stats()
 
 
 def random_prompt(vocab: int, n: int, g: torch.Generator) -> list[int]:
@@ -133,6 +143,7 @@ def main() -> None:
                                  tree_budget=args.tree_budget, **extra),
                     target=target, drafter=drafter, tokenizer=None)
     report["engine_build_s"] = time.perf_counter() - t0
+    peaks(report, "engine")
     cap = engine.capacity()
     rows = engine.rows * engine._row_bytes(max(args.tree_budget, engine.block_size) + 1)
     ceiling = ((free_after_weights - engine._prefill_bytes(engine.max_context) - rows)
@@ -156,8 +167,9 @@ def main() -> None:
         one_copy = -(-args.system // page) + args.requests * (reserve + 1)
         shared["one_copy_plus_tails_pages"] = one_copy
         shared["pages_ratio"] = shared["most_pages_used"] / one_copy
-        # a conversation's second turn: the first turn's prompt and answer, and 200 new tokens
-        turn1 = system + random_prompt(vocab, TAIL, g)
+        # a conversation's second turn: the first turn's prompt and answer, and 200 new tokens (a system
+        # prompt of its own, so that its first turn is prefilled cold)
+        turn1 = random_prompt(vocab, args.system + TAIL, g)
         t1, answer = first_token_s(engine, turn1, params)
         t2, _ = first_token_s(engine, turn1 + answer + random_prompt(vocab, 200, g), params)
         shared.update({"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn2_over_turn1": t2 / t1})
@@ -166,6 +178,7 @@ def main() -> None:
               f"= {shared['pages_ratio']:.2f}x one copy plus tails ({one_copy}); shared pages "
               f"{shared['most_pages_shared']}; turn 2 TTFT {t2 * 1e3:.0f} ms = {t2 / t1:.1%} of turn 1's "
               f"{t1 * 1e3:.0f} ms", flush=True)
+        peaks(report, "share")
         save()
 
     if "batch" in parts:
@@ -176,6 +189,7 @@ def main() -> None:
         print(f"batch: {b['requests']} x ({args.prompt} + {args.answer}): most running {b['most_running']}, "
               f"batch size {b['most_batch_size']}, {b['tokens_per_s']:.0f} tok/s, {b['wall_s']:.1f} s, "
               f"preemptions {b['preemptions']}", flush=True)
+        peaks(report, "batch")
         save()
 
     if "long" in parts:
@@ -183,14 +197,12 @@ def main() -> None:
         ttft, out = first_token_s(engine, prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
         report["long"] = {"prompt_tokens": len(prompt), "answer_tokens": len(out), "ttft_s": ttft}
         print(f"long: {len(prompt)} + {len(out)} tokens accepted, first token in {ttft:.1f} s", flush=True)
+        peaks(report, "long")
         save()
 
-    if "pool" in parts and torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        report["after"] = {"free_mib": free / MIB, "torch_reserved_peak_mib": torch.cuda.max_memory_reserved() / MIB,
-                           "torch_allocated_peak_mib": torch.cuda.max_memory_allocated() / MIB}
-        print(f"after: {free / MIB:.0f} MiB of the card free, torch's peak reserved "
-              f"{torch.cuda.max_memory_reserved() / MIB:.0f} MiB", flush=True)
+    for part, p in report.get("peaks_mib", {}).items():
+        print(f"peak in {part}: allocated {p['allocated']:.0f} MiB, reserved {p['reserved']:.0f} MiB "
+              f"(with the {report['held_back_mib']} MiB held back); free after it {p['free_now']:.0f} MiB", flush=True)
     save()
 
 

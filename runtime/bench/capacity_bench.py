@@ -13,7 +13,7 @@ holds pages it would count):
 - long: one request of the full context (max_context - 16 prompt tokens, 16 answer tokens) is admitted
   and finishes: its time to first token;
 - share: `--requests` requests with one shared `--system` token system prompt and their own 256-token
-  tails, submitted together: the most pages in use against one copy of the system prompt plus every
+  turns (each starting with a turn-start token, as a chat template lays them out), submitted together: the most pages in use against one copy of the system prompt plus every
   tail (target: at most 1.2x), and a second turn's time to first token against the first's (at most 10%).
 After each part: torch's peak allocated and reserved memory in it, and the card's free memory (what
 mem_fraction's headroom was used for).
@@ -35,6 +35,7 @@ from gpu_bench import SHAPES, build_models, nbytes
 
 MIB = 2**20
 TAIL = 256
+TURN_START = 1  # stands for <|im_start|> (random prompts draw no token below 1000, or below a small vocabulary's 1/4)
 
 
 def hold_back(card_mib: int) -> torch.Tensor | None:
@@ -158,9 +159,12 @@ def main() -> None:
     vocab, g = target.config.vocab_size, torch.Generator().manual_seed(0)
 
     if "share" in parts:
+        # each prompt as a chat lays it out: the system prompt, then its own turn, starting with the
+        # turn-start token (where a hybrid keeps its prompt state, the point a shared prefix is reused at)
+        engine.turn_token = TURN_START
         system = random_prompt(vocab, args.system, g)
         params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-        jobs = [(system + random_prompt(vocab, TAIL, g), params) for _ in range(args.requests)]
+        jobs = [(system + [TURN_START] + random_prompt(vocab, TAIL - 1, g), params) for _ in range(args.requests)]
         shared = run_all(engine, jobs)
         page = engine.page_size
         reserve = engine._request_pages(TAIL + 64, max(args.tree_budget, engine.block_size) + 1)
@@ -169,9 +173,9 @@ def main() -> None:
         shared["pages_ratio"] = shared["most_pages_used"] / one_copy
         # a conversation's second turn: the first turn's prompt and answer, and 200 new tokens (a system
         # prompt of its own, so that its first turn is prefilled cold)
-        turn1 = random_prompt(vocab, args.system + TAIL, g)
+        turn1 = random_prompt(vocab, args.system, g) + [TURN_START] + random_prompt(vocab, TAIL - 1, g)
         t1, answer = first_token_s(engine, turn1, params)
-        t2, _ = first_token_s(engine, turn1 + answer + random_prompt(vocab, 200, g), params)
+        t2, _ = first_token_s(engine, turn1 + answer + [TURN_START] + random_prompt(vocab, 199, g), params)
         shared.update({"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn2_over_turn1": t2 / t1})
         report["share"] = shared
         print(f"share: {args.requests} x ({args.system} shared + {TAIL}): most pages {shared['most_pages_used']} "

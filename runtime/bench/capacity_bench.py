@@ -173,9 +173,10 @@ def main() -> None:
         shared["pages_ratio"] = shared["most_pages_used"] / one_copy
         # a conversation's second turn: the first turn's prompt and answer, and 200 new tokens (a system
         # prompt of its own, so that its first turn is prefilled cold)
-        turn1 = random_prompt(vocab, args.system, g) + [TURN_START] + random_prompt(vocab, TAIL - 1, g)
-        t1, answer = first_token_s(engine, turn1, params)
-        t2, _ = first_token_s(engine, turn1 + answer + [TURN_START] + random_prompt(vocab, 199, g), params)
+        for _ in range(2):  # the second conversation's figures: the first one's shapes captured their graphs
+            turn1 = random_prompt(vocab, args.system, g) + [TURN_START] + random_prompt(vocab, TAIL - 1, g)
+            t1, answer = first_token_s(engine, turn1, params)
+            t2, _ = first_token_s(engine, turn1 + answer + [TURN_START] + random_prompt(vocab, 199, g), params)
         shared.update({"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn2_over_turn1": t2 / t1})
         report["share"] = shared
         print(f"share: {args.requests} x ({args.system} shared + {TAIL}): most pages {shared['most_pages_used']} "

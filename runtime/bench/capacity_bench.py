@@ -176,13 +176,15 @@ def main() -> None:
         for _ in range(2):  # the second conversation's figures: the first one's shapes captured their graphs
             turn1 = random_prompt(vocab, args.system, g) + [TURN_START] + random_prompt(vocab, TAIL - 1, g)
             t1, answer = first_token_s(engine, turn1, params)
+            saved = engine.stats.prefix_tokens_saved
             t2, _ = first_token_s(engine, turn1 + answer + [TURN_START] + random_prompt(vocab, 199, g), params)
-        shared.update({"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn2_over_turn1": t2 / t1})
+            saved = engine.stats.prefix_tokens_saved - saved
+        shared.update({"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn2_over_turn1": t2 / t1, "turn2_reused": saved})
         report["share"] = shared
         print(f"share: {args.requests} x ({args.system} shared + {TAIL}): most pages {shared['most_pages_used']} "
               f"= {shared['pages_ratio']:.2f}x one copy plus tails ({one_copy}); shared pages "
               f"{shared['most_pages_shared']}; turn 2 TTFT {t2 * 1e3:.0f} ms = {t2 / t1:.1%} of turn 1's "
-              f"{t1 * 1e3:.0f} ms", flush=True)
+              f"{t1 * 1e3:.0f} ms ({saved} tokens reused)", flush=True)
         peaks(report, "share")
         save()
 

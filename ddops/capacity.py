@@ -28,7 +28,10 @@ class PoolEstimate:
     def line(self) -> str:
         if self.capacity is None:
             return f"KV pool not estimated: {self.reason}"
-        return f"{self.capacity.summary()} on {self.gpu.label}"
+        ranks = self.capacity.tensor_parallel
+        split = (f", one of the {ranks} tensor-parallel GPUs of a server (each holds 1/{ranks} of the target's "
+                 "layers and KV, and the whole drafter)") if ranks > 1 else ""
+        return f"{self.capacity.summary()} on {self.gpu.label}{split}"
 
     def as_json(self) -> dict[str, Any]:
         if self.capacity is None:
@@ -39,17 +42,18 @@ class PoolEstimate:
                 "requests_max_context": c.running(c.max_context), "max_context": c.max_context,
                 "max_running": c.max_running, "token_bytes": c.token_bytes, "weights_bytes": c.weights_bytes,
                 "workspace_bytes": c.workspace_bytes, "request_state_bytes": c.request_bytes,
-                "memory_bytes": c.memory_bytes, "mem_fraction": c.mem_fraction}
+                "memory_bytes": c.memory_bytes, "mem_fraction": c.mem_fraction, "tensor_parallel": c.tensor_parallel}
 
 
 def serving_gpus(profile: Profile) -> list[int]:
-    """The host GPU indexes the runtime runs on: the `cuda:N` its device names, among the GPUs the unit
-    (or each replica) is given."""
-    n = int(profile.device.partition(":")[2] or 0)
-    if profile.replicated:
-        return sorted({r.gpus[n] if n < len(r.gpus) else n for r in profile.replicas.members})
-    pinned = [int(g) for g in profile.gpus.split(",")] if profile.gpus is not None else None
-    return [pinned[n] if pinned is not None and n < len(pinned) else n]
+    """The host GPU indexes the runtime runs on: with serve.tensor_parallel N, all N GPUs the unit (or each
+    replica) is given; else the `cuda:N` its device names among them."""
+    n, ranks = int(profile.device.partition(":")[2] or 0), profile.serve.tensor_parallel
+    given = ([r.gpus for r in profile.replicas.members] if profile.replicated else
+             [tuple(int(g) for g in profile.gpus.split(",")) if profile.gpus is not None else ()])
+    if ranks > 1:
+        return sorted({g for gpus in given for g in (gpus or range(ranks))})
+    return sorted({gpus[n] if n < len(gpus) else n for gpus in given})
 
 
 def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolEstimate | None:
@@ -69,7 +73,7 @@ def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolE
     serve = profile.serve
     models = (target.config, draft.config if draft is not None else None)
     settings = dict(dtype=profile.dtype, mem_fraction=serve.mem_fraction, max_running=serve.max_running,
-                    tree_budget=serve.tree_budget, block_size=serve.block_size)
+                    tree_budget=serve.tree_budget, block_size=serve.block_size, tensor_parallel=serve.tensor_parallel)
     try:
         pools = [(g, CAPACITY.pool_capacity(g.memory_total_mib * 2**20, *models, max_context=serve.max_context,
                                             **settings)) for g in wanted]
@@ -89,7 +93,8 @@ def check_fits(profile: Profile, pool: PoolEstimate | None) -> list[str]:
     if c.requests(c.max_context) >= 1:
         return []
     shorter = f"lower serve.max_context to {pool.longest_context} or less, " if pool.longest_context else ""
+    ranks = f", one of serve.tensor_parallel {c.tensor_parallel}," if c.tensor_parallel > 1 else ""
     return [f"one request of serve.max_context {c.max_context} ({profile.where('serve')}) needs "
-            f"{c.max_context + c.reserve_tokens:,} tokens of KV pool, and on {profile.host}'s {pool.gpu.label} the "
-            f"pool holds {c.pool_tokens:,} ({c.breakdown()}); {shorter}raise serve.mem_fraction, lower "
-            f"serve.max_running, or serve on a larger GPU"]
+            f"{c.max_context + c.reserve_tokens:,} tokens of KV pool, and on {profile.host}'s {pool.gpu.label}{ranks} "
+            f"the pool holds {c.pool_tokens:,} ({c.breakdown()}); {shorter}raise serve.mem_fraction, lower "
+            f"serve.max_running, or serve on a larger GPU or over more of them (serve.tensor_parallel)"]

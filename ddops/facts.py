@@ -25,6 +25,18 @@ class Identity:
     mismatches: list[str] = field(default_factory=list)
 
 
+def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None) -> int | None:
+    """The GPUs a server spans: what its /health says (`tensor_parallel`) while the unit runs (else the
+    port's health may be another unit's), or what its installed unit's command line says (the facts probe
+    reads it from systemd); None for a unit that runs no known server."""
+    state = state or {}
+    detail = (health or {}).get("detail")
+    reported = detail.get("tensor_parallel") if isinstance(detail, dict) else None
+    if state.get("ActiveState") == "active" and isinstance(reported, int) and not isinstance(reported, bool):
+        return reported
+    return state.get("tensor_parallel")
+
+
 def probe_args(host: Host) -> dict[str, Any]:
     training = asdict(host.training) if host.training else None
     return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR}

@@ -3,7 +3,8 @@ once, into the typed `PivotFacts` every step plans from.
 
 Reachable; identity matches `expect`; source model dirs exist; the drafter's config agrees with the
 profile and the target; free disk for the sync; the port is free or held by the unit being replaced;
-an SGLang unit's tensor-parallel ranks fit the GPUs the host gives it; every flag the unit passes exists
+a server's tensor-parallel ranks (SGLang's, or the DDTree runtime's times its replicas) fit the
+host's GPUs, and the DDTree runtime's split the target's heads evenly; every flag the unit passes exists
 in the server that will run it (ddops.serverflags); a training stop that would lose more steps than
 allowed has a checkpoint request to try first; no other ddops run holds the host's lock. Every problem
 found is reported together.
@@ -18,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import capacity
+from .bundled import CAPACITY, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
@@ -81,6 +83,7 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
     draft, target = trees.get("draft"), trees.get("target")
     if profile.engine == "ddtree" and target and target.config:
         problems += check_target_arch(target.config, trees_where(profile, "target"))
+        problems += check_heads_split(profile, target.config)
     if profile.engine == "ddtree":
         for role, tree in trees.items():
             if tree.config:
@@ -127,6 +130,33 @@ def check_target_arch(config: dict[str, Any], where: str) -> list[str]:
     return [f"target model {where} is model_type {kind!r} (architectures {config.get('architectures')}), which "
             f"the bundled DDTree runtime does not implement; it serves {known} — use an SGLang profile "
             f"(engine: sglang) for other models"]
+
+
+def check_heads_split(profile: Profile, config: dict[str, Any]) -> list[str]:
+    """serve.tensor_parallel N gives each rank 1/N of every layer's heads (attention, KV, a hybrid's
+    linear-attention heads) and MLP rows, as the runtime splits them (it refuses the rest at start): a
+    size that does not divide them all is refused before anything stops, with the sizes that do. A
+    config the arithmetic cannot read is the capacity line's to explain."""
+    ranks = profile.serve.tensor_parallel
+    if ranks == 1:
+        return []
+    try:
+        counts = CAPACITY.Shape.from_config(config).split_counts()
+    except (KeyError, TypeError, ValueError):
+        return []
+    uneven = [f"{name} ({n})" for name, n in counts.items() if n % ranks]
+    if not uneven:
+        return []
+    largest = int(SETTINGS.BY_NAME["tensor_parallel"].maximum)
+    sizes = [str(t) for t in range(1, largest + 1) if all(n % t == 0 for n in counts.values())]
+    return [f"serve.tensor_parallel {ranks} ({profile.where('serve')}) does not divide target model "
+            f"{trees_where(profile, 'target')}'s {_words(uneven)}: each rank takes an equal share of every layer's "
+            f"heads and MLP rows; set serve.tensor_parallel to {_words(sizes, 'or')}"]
+
+
+def _words(items: list[str], last: str = "and") -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
 def check_quantization(config: dict[str, Any], where: str) -> list[str]:
@@ -188,12 +218,15 @@ def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
 
 
 def check_tensor_parallel(profile: Profile, host: HostFacts) -> list[str]:
-    """SGLang starts one rank per GPU (`sglang.tp_size`) and never comes up with fewer GPUs visible to it:
-    the host's, or those of the profile's `gpus` (CUDA_VISIBLE_DEVICES) the host has. Refused here, before
-    the pivot stops what serves for a unit that cannot start. GPUs the facts probe could not list are not
-    taken for none (no count is known); the health gate still sees such a start fail."""
-    if profile.sglang is None or host.gpu_error:
+    """A server starts one rank per GPU (SGLang's `sglang.tp_size`, the DDTree runtime's
+    `serve.tensor_parallel` in each replica) and never comes up with fewer GPUs visible to it: the host's,
+    or those of the profile's `gpus` (CUDA_VISIBLE_DEVICES) the host has. Refused here, before the pivot
+    stops what serves for a unit that cannot start. GPUs the facts probe could not list are not taken for
+    none (no count is known); the health gate still sees such a start fail."""
+    if host.gpu_error:
         return []
+    if profile.engine == "ddtree":
+        return check_server_gpus(profile, host)
     wanted, have = profile.sglang.tp_size, host.gpu_count
     pinned = [int(g) for g in profile.gpus.split(",")] if profile.gpus is not None else None
     visible = have if pinned is None else len({g for g in pinned if g < have})
@@ -206,6 +239,33 @@ def check_tensor_parallel(profile: Profile, host: HostFacts) -> list[str]:
                  else f"deploy it to a host with at least {wanted} GPU(s)")
     return [f"{profile.host} has {have} GPU(s){given}, but the profile's sglang.tp_size is {wanted}: SGLang needs "
             f"one GPU per tensor-parallel rank and would never come up; {', or '.join(fixes)}"]
+
+
+def check_server_gpus(profile: Profile, host: HostFacts) -> list[str]:
+    """The DDTree runtime's GPUs: serve.tensor_parallel of them for each replica (or for the one unit, on
+    a GPU device), each on the host."""
+    ranks, have = profile.serve.tensor_parallel, host.gpu_count
+    if profile.replicated and profile.replicas.gpus_each:
+        units = [(r.unit, r.gpus) for r in profile.replicas.members]
+        asked = f"{len(units)} replica(s) x {profile.replicas.gpus_each} GPU(s) need"
+    elif not profile.replicated and ranks > 1 and profile.device.startswith("cuda"):
+        units = [(profile.unit, tuple(int(g) for g in profile.gpus.split(",")))]
+        asked = "one server needs"
+    else:
+        return []
+    needed = sum(len(gpus) for _, gpus in units)
+    if needed <= have and all(g < have for _, gpus in units for g in gpus):
+        return []
+    placed = "; ".join(f"{unit} on GPU {','.join(map(str, gpus))}" for unit, gpus in units)
+    split = f" (serve.tensor_parallel {ranks})" if ranks > 1 else ""
+    if needed <= have:
+        fix = f"list GPUs 0 to {have - 1} only in `gpus`"
+    else:
+        fewer = " or serve.tensor_parallel" if ranks > 1 else ""
+        fix = (f"lower serve.replicas{fewer}" if profile.replicated else "lower serve.tensor_parallel")
+        fix += f", or deploy to a host with at least {needed} GPUs"
+    return [f"{profile.host} has {have} GPU(s), and {asked} {needed}{split}: {placed} "
+            f"({profile.where('serve')}); {fix}"]
 
 
 def check_fp8_gpus(profile: Profile, host: HostFacts) -> list[str]:
@@ -239,15 +299,9 @@ def add_replica_args(profile: Profile, args: dict[str, Any]) -> None:
 
 
 def check_replicas(profile: Profile, facts: PivotFacts) -> list[str]:
-    """Enough GPUs for replicas x GPUs each; the public port free or the balancer's (or a unit the pivot
-    stops); each replica's port free or held by that replica."""
+    """The public port free or the balancer's (or a unit the pivot stops); each replica's port free or
+    held by that replica. (Their GPUs: check_tensor_parallel.)"""
     replicas, dest, problems = profile.replicas, facts.dest, []
-    have = facts.host.gpu_count
-    if replicas.gpus_each and (have < replicas.gpus_needed
-                               or any(g >= have for r in replicas.members for g in r.gpus)):
-        pinned = "; ".join(f"{r.unit} on GPU {','.join(map(str, r.gpus))}" for r in replicas.members)
-        problems.append(f"{profile.host} has {have} GPU(s); {replicas.count} replica(s) x {replicas.gpus_each} "
-                        f"GPU(s) need {replicas.gpus_needed} ({pinned})")
     holder = dest.port_holder
     if holder is not None and holder.get("unit") not in (profile.balancer.unit, *profile.conflicts):
         problems += check_port(profile, holder)

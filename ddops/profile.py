@@ -269,6 +269,9 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
         else:
             raise top.fail("gpus", f"`gpus` must be a list of GPU indexes like [0, 1], got {gpus!r}",
                            "it becomes CUDA_VISIBLE_DEVICES")
+        if len(set(gpus.split(","))) < len(gpus.split(",")):
+            raise top.fail("gpus", f"`gpus` lists a GPU twice: [{gpus.replace(',', ', ')}]",
+                           "list each GPU once (a server or replica never shares one of its GPUs)")
     env = _env(top)
     secrets = _secrets(top)
     bind = _bind(top)
@@ -278,6 +281,7 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
     models = _models(top)
     runtime = _runtime(top, root)
     serve = _serve(top)
+    gpus = tensor_parallel_gpus(top, gpus, device, serve.tensor_parallel)
     sglang = _sglang(top, engine)
     if engine == "ddtree":
         if models and not any(m.role == "target" for m in models):
@@ -301,7 +305,7 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
         grace = training.number("grace_s", 30.0, min=0, max=3600)
     training_stop = _training_stop(training)
     lines = {k: top.where(k) for k in top.keys()}
-    replicas, balancer = replicas_and_balancer(top, unit, port, gpus)
+    replicas, balancer = replicas_and_balancer(top, unit, port, gpus, serve.tensor_parallel)
     if replicas is not None and engine != "ddtree":
         raise top.fail("engine", "replicas behind the balancer run the ddtree engine only",
                        "SGLang spreads one server over GPUs itself (`sglang.tp_size`)")
@@ -311,6 +315,28 @@ def load_profile(path: Path | str, *, repo_root: Path | None = None) -> Profile:
                    secrets=secrets, conflicts=conflicts, training_grace_s=grace, health=_health(top),
                    smoke=_smoke(top, engine), description=top.one_line("description", ""),
                    training_stop=training_stop, replicas=replicas, balancer=balancer, lines=lines)
+
+
+def tensor_parallel_gpus(top: Section, gpus: str | None, device: str, ranks: int) -> str | None:
+    """`gpus` for a server over `ranks` GPUs (serve.tensor_parallel): its processes take the GPUs of
+    CUDA_VISIBLE_DEVICES in order, so `device` names no single GPU, and a plain unit is given exactly
+    `ranks` of them (`gpus`, else 0 to ranks-1). Replicas get theirs from `serve.replicas`; on the CPU
+    the ranks need none."""
+    if ranks == 1 or not device.startswith("cuda"):
+        return gpus
+    if device != "cuda":
+        raise top.fail("device", f"`device: {device}` names one GPU, and serve.tensor_parallel {ranks} spans {ranks}",
+                       "set `device: cuda`: the ranks take the GPUs of `gpus` (CUDA_VISIBLE_DEVICES) in order")
+    if _TEMPLATE_UNIT.fullmatch(top.data.get("unit") or ""):
+        return gpus
+    if gpus is None:
+        return ",".join(str(i) for i in range(ranks))
+    listed = gpus.split(",")
+    if len(listed) != ranks:
+        raise top.fail("gpus", f"`gpus` lists {len(listed)} GPU(s) and serve.tensor_parallel is {ranks}: the "
+                       f"server spans exactly the GPUs it is given, one process each",
+                       f"list {ranks} GPUs, or set serve.tensor_parallel to {len(listed)}")
+    return gpus
 
 
 def _bind(top: Section) -> str:
@@ -493,6 +519,9 @@ def _serve(top: Section) -> Serve:
     values = {s.name: _setting(section, s) for s in SETTINGS.PROFILE_SETTINGS}
     serve = Serve(**values, extra_args=tuple(section.str_list("extra_args")),
                   given=frozenset(s.name for s in SETTINGS.PROFILE_SETTINGS if s.name in section.data))
+    if serve.tensor_parallel > 1 and top.str("engine", "ddtree") != "ddtree":
+        raise section.fail("tensor_parallel", "`serve.tensor_parallel` is the bundled runtime's",
+                           "an SGLang profile sets `sglang.tp_size`")
     if serve.prefix_cache_rows and not serve.prefix_cache:
         raise section.fail("prefix_cache_rows", "`serve.prefix_cache_rows` needs the prefix cache",
                            fix="drop it, or set `prefix_cache: true`")
@@ -629,10 +658,6 @@ class Replicas:
     first_port: int
     members: tuple[Replica, ...]
 
-    @property
-    def gpus_needed(self) -> int:
-        return self.count * self.gpus_each
-
 
 @dataclass(frozen=True)
 class Balancer:
@@ -653,10 +678,11 @@ def template_instance(template: str, index: int) -> str:
     return template.replace("@.service", f"@{index}.service")
 
 
-def replicas_and_balancer(top: Section, unit: str, port: int, gpus: str | None) -> tuple[Replicas | None,
-                                                                                        Balancer | None]:
+def replicas_and_balancer(top: Section, unit: str, port: int, gpus: str | None,
+                          tensor_parallel: int = 1) -> tuple[Replicas | None, Balancer | None]:
     """`serve.replicas` (a count, or `{count, gpus_each, first_port}`) and `balancer:`; both only with a
-    template unit, which needs them."""
+    template unit, which needs them. With serve.tensor_parallel N each replica spans N GPUs: the next N
+    of `gpus` (or of 0, 1, ...) in order."""
     serve = top.section("serve")
     raw = serve.data.get("replicas") if serve is not None else None
     template = _TEMPLATE_UNIT.fullmatch(unit) is not None
@@ -672,20 +698,25 @@ def replicas_and_balancer(top: Section, unit: str, port: int, gpus: str | None) 
                          f"set `unit: {unit.removesuffix('.service')}@.service`")
     if isinstance(raw, int) and not isinstance(raw, bool):
         count = serve.int("replicas", min=1, max=64)
-        gpus_each, first_port = 1, port + 1
+        gpus_each, first_port = tensor_parallel, port + 1
     else:
         section = serve.section("replicas", required=True)
         section.reject_unknown(("count", "gpus_each", "first_port"))
         count = section.int("count", required=True, min=1, max=64)
-        gpus_each = section.int("gpus_each", 1, min=0, max=64)
+        gpus_each = section.int("gpus_each", tensor_parallel, min=0, max=64)
         first_port = section.int("first_port", port + 1, min=1, max=65535)
+        if tensor_parallel > 1 and gpus_each != tensor_parallel:
+            raise section.fail("gpus_each", f"`serve.replicas.gpus_each: {gpus_each}` with serve.tensor_parallel "
+                               f"{tensor_parallel}: each replica spans {tensor_parallel} GPUs, one process each",
+                               "drop `gpus_each`: with tensor_parallel it is the same number")
     if first_port + count - 1 > 65535 or first_port <= port < first_port + count:
         raise serve.fail("replicas", f"replica ports {first_port}-{first_port + count - 1} must fit below 65536 "
                          f"and leave the public port {port} to the balancer", "set `replicas.first_port`")
     pool = [int(g) for g in gpus.split(",")] if gpus is not None else list(range(count * gpus_each))
     if len(pool) < count * gpus_each:
         raise top.fail("gpus", f"{count} replicas x {gpus_each} GPU(s) need {count * gpus_each} GPUs, "
-                       f"`gpus` lists {len(pool)}", "list more GPUs, or fewer replicas")
+                       f"`gpus` lists {len(pool)}", "list more GPUs, or fewer replicas"
+                       + (" or a smaller serve.tensor_parallel" if tensor_parallel > 1 else ""))
     health = top.section("health")
     path = health.data.get("path", "/health") if health is not None else "/health"
     if isinstance(path, str) and not HAPROXY_WORD.fullmatch(path):

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from .executor import Executor, Outcome
-from .facts import check_identity, gather
+from .facts import check_identity, gather, tensor_parallel
 from .inventory import Host
 
 
@@ -103,6 +103,7 @@ def not_installed(r: dict[str, Any]) -> set[str]:
 def _services_cell(r: dict[str, Any]) -> Text:
     text = Text()
     missing = not_installed(r)
+    health = {h.get("unit"): h for h in r["runtime"]}
     for s in r["services"]:
         if s["unit"] in missing:
             text.append(f"{s['unit']}: not installed\n", style="dim")
@@ -110,7 +111,9 @@ def _services_cell(r: dict[str, Any]) -> Text:
         state = s.get("ActiveState") or "unknown"
         style = {"active": "green", "failed": "bold red", "activating": "yellow"}.get(state, "dim")
         restarts = f" restarts={s['NRestarts']}" if s.get("NRestarts") else ""
-        text.append(f"{s['unit']}: {state}/{s.get('SubState')}{restarts}\n", style=style)
+        tp = tensor_parallel(s, health.get(s["unit"]))
+        spans = f" TP {tp}" if tp is not None else ""
+        text.append(f"{s['unit']}: {state}/{s.get('SubState')}{restarts}{spans}\n", style=style)
     return text or Text("-", style="dim")
 
 
@@ -165,7 +168,7 @@ def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
     table = Table(title=f"{deployment['template']} on {host} ({deployment.get('profile')}): "
                         f"{bal['unit']} {state} on port {bal['port']}, {public}"
                         + (f" ({bal['error']})" if bal.get("error") else ""))
-    for column in ("replica", "port", "GPUs", "unit", "runtime", "running", "in HAProxy"):
+    for column in ("replica", "port", "GPUs", "TP", "unit", "runtime", "running", "in HAProxy"):
         table.add_column(column, overflow="fold")
     for rep in deployment["replicas"]:
         unit = rep["state"] or {}
@@ -173,7 +176,9 @@ def replicas_table(host: str, deployment: dict[str, Any]) -> Table:
         restarts = f" restarts={unit['NRestarts']}" if unit.get("NRestarts") else ""
         health = rep["health"]
         seen = (rep.get("balancer") or {}).get("status") or "-"
+        tp = tensor_parallel(unit, health)
         table.add_row(rep["unit"], str(rep["port"]), ",".join(map(str, rep.get("gpus") or [])) or "-",
+                      "-" if tp is None else str(tp),
                       Text(f"{active}/{unit.get('SubState')}{restarts}",
                            style={"active": "green", "failed": "bold red"}.get(active, "yellow")),
                       Text(("healthy " if health["healthy"] else "UNHEALTHY ") + _health_summary(health),

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .errors import DdopsError, HostUnreachable
 from .executor import Executor
-from .facts import check_identity, gather
+from .facts import check_identity, gather, tensor_parallel
 from .inventory import Host
 
 HISTORY = 4   # samples kept per host: a queue "growing for three refreshes" needs four
@@ -195,6 +195,7 @@ class Target:
     balancer: str | None          # how HAProxy sees a replica (UP, DRAIN, DOWN, MAINT...); None: no balancer
     reading: Reading | None
     scrape_error: str | None
+    tensor_parallel: int | None   # the GPUs its server spans (None: not a server ddops knows)
 
 
 def _port_of(url: str) -> int:
@@ -206,6 +207,9 @@ def _health_word(h: dict[str, Any]) -> str:
     if isinstance(detail, dict):
         return str(detail.get("status") or detail.get("detail") or "")
     return str(detail or "")[:60]
+
+
+RUNNING = ("active", "activating", "reloading")
 
 
 def targets(facts: dict[str, Any]) -> list[Target]:
@@ -220,11 +224,15 @@ def targets(facts: dict[str, Any]) -> list[Target]:
                       restarts=state.get("NRestarts"), main_pid=state.get("MainPID"), since=state.get("since"),
                       healthy=bool(health.get("healthy")), health=_health_word(health), balancer=balancer,
                       reading=read_metrics(scraped) if scraped else None,
-                      scrape_error=(scraped or {}).get("error"))
+                      scrape_error=(scraped or {}).get("error"), tensor_parallel=tensor_parallel(state, health))
 
-    for h in facts.get("runtime", []):
+    runtime = facts.get("runtime", [])
+    live = {_port_of(h["url"]) for h in runtime if units.get(h["unit"], {}).get("ActiveState") in RUNNING}
+    for h in runtime:
         if units.get(h["unit"], {}).get("LoadState") == "not-found":
             continue   # never deployed here (or its port is a balancer's now): the replicas below say it
+        if _port_of(h["url"]) in live and units.get(h["unit"], {}).get("ActiveState") not in RUNNING:
+            continue   # another unit serves its port now (llm-two: SGLang's, or the DDTree runtime in its place)
         out.append(target(h["unit"], units.get(h["unit"]), h, _port_of(h["url"]), None, h.get("metrics")))
     for deployment in facts.get("replicas") or []:
         for rep in deployment["replicas"]:
@@ -363,7 +371,8 @@ def host_view(host: Host, history: list[Sample], in_flight_since: float | None, 
         w = window(prev.reading, t.reading) if prev and prev.reading and t.reading else None
         r = t.reading
         view["targets"].append({
-            "unit": t.unit, "port": t.port, "kind": r.kind if r else None, "active": t.active,
+            "unit": t.unit, "port": t.port, "tensor_parallel": t.tensor_parallel, "kind": r.kind if r else None,
+            "active": t.active,
             "restarts": t.restarts, "healthy": t.healthy, "health": t.health, "balancer": t.balancer,
             "running": r.running if r else None, "capacity": r.capacity if r else None,
             "waiting": r.waiting if r else None, "scrape_error": t.scrape_error,

@@ -62,7 +62,7 @@ def hosts_table(frame: dict[str, Any]) -> Table:
 
 def targets_table(frame: dict[str, Any]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("HOST", "UNIT", "PORT", "STATE", "RUN/CAP", "WAIT", "TOK/S", "ACCEPT", "TTFT p50/p95 ms",
+    for column in ("HOST", "UNIT", "PORT", "TP", "STATE", "RUN/CAP", "WAIT", "TOK/S", "ACCEPT", "TTFT p50/p95 ms",
                    "ROUND p50/p95 ms", "4XX", "5XX", "LB"):
         table.add_column(column, no_wrap=True)
     for h in frame["hosts"]:
@@ -72,7 +72,8 @@ def targets_table(frame: dict[str, Any]) -> Table:
             state = (t["active"] or "-") + ("" if t["healthy"] else f" ({t['health'] or 'unhealthy'})")
             style = "dim" if stale else ("green" if t["healthy"] and t["active"] in ("active", None) else "red")
             capacity = f"{_num(t['running'])}/{_num(t['capacity'])}" if t["capacity"] is not None else _num(t["running"])
-            table.add_row(h["host"], t["unit"], str(t["port"]), Text(state, style=style), capacity,
+            table.add_row(h["host"], t["unit"], str(t["port"]), _num(t.get("tensor_parallel")), Text(state, style=style),
+                          capacity,
                           _num(t["waiting"]), _num(w.get("tokens_per_s"), "{:.1f}"),
                           _num(w.get("acceptance"), "{:.2f}"),
                           f"{_ms(w.get('ttft_p50_s'))}/{_ms(w.get('ttft_p95_s'))}",

@@ -160,3 +160,27 @@ def tiny_hybrid_models(pytestconfig: pytest.Config) -> Path:
     from ddops.lab.tiny import HYBRID
 
     return _tiny(pytestconfig, HYBRID)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run `ddops ARGS` in-process from the repository; any attempt to open an SSH connection fails the
+    test. Returns (exit code, stdout + stderr)."""
+    from ddops.cli import main
+    from ddops.executor import Executor
+
+    def forbidden(self, host):
+        raise AssertionError(f"an in-process CLI test must not reach any host (tried {host.name})")
+
+    monkeypatch.setattr(Executor, "_open", forbidden)
+    monkeypatch.chdir(REPO)
+
+    def run(*args: str, env: dict | None = None) -> tuple[int, str]:
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "argv", ["ddops", *args])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        out, err = capsys.readouterr()
+        return exited.value.code, out + err
+    return run

@@ -14,7 +14,11 @@ import time
 
 GPU_FIELDS = ["index", "name", "memory.used", "memory.total", "utilization.gpu"]
 POOL_METRICS = ("ddtree_kv_pages_used", "ddtree_kv_pages_free")
-UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState"]
+UNIT_PROPS = ["ActiveState", "SubState", "ActiveEnterTimestamp", "NRestarts", "MainPID", "LoadState", "ExecStart"]
+# A serving unit's command line (systemd's ExecStart argv): ddtree-serve's or SGLang's, and its
+# tensor-parallel size (ddtree-serve's --tensor-parallel, SGLang's --tp-size or --tensor-parallel-size).
+SERVERS = re.compile(r"argv\[\]=\S*(?:/ddtree-serve|python\S* .*-m sglang\.launch_server)\s")
+TP_FLAG = re.compile(r"\s--(?:tensor-parallel(?:-size)?|tp-size)[= ](\d+)")
 
 
 def number(text):
@@ -103,7 +107,7 @@ def unit_state(unit):
     if code != 0:
         return {"unit": unit, "error": (err or out).strip()}
     props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return {
+    state = {
         "unit": unit,
         "ActiveState": props.get("ActiveState"),
         "SubState": props.get("SubState"),
@@ -112,6 +116,11 @@ def unit_state(unit):
         "NRestarts": number(props.get("NRestarts", "")),
         "MainPID": number(props.get("MainPID", "")),
     }
+    command = props.get("ExecStart", "")
+    if SERVERS.search(command):   # a server spans one GPU unless its command line says more
+        tp = TP_FLAG.search(command)
+        state["tensor_parallel"] = int(tp.group(1)) if tp else 1
+    return state
 
 
 def health(port, path):

@@ -10,11 +10,16 @@ its max_context) and the runtime can log the same figures at start-up.
 - request_state: what a running request holds outside the pool: a hybrid target's recurrent and conv
   state per linear layer, and the tree pass's per-node scratch (engine/kv_cache.py, HybridCache);
 - token_bytes: a token's KV in the target's full-attention layers and in the drafter's layers.
+
+With tensor parallelism over T GPUs the figures are one GPU's (model/parallel.py's split): its share of
+every layer's heads, KV heads and MLP rows and of the LM head's vocabulary (`Shape.split`), and whole
+the embeddings, the norms and the drafter, which every rank runs; the pool's tokens are the server's, each
+GPU keeping its share of every token's target KV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,6 +71,7 @@ class Shape:
     positions: int = 40960
     feature_layers: int = 0       # a drafter: the target layers it reads
     block_size: int = 0           # a drafter: its block size
+    head_vocab: int | None = None  # a tensor-parallel rank's LM head rows (None: the whole vocabulary)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Shape":
@@ -88,6 +94,27 @@ class Shape:
                    positions=text.get("max_position_embeddings", 40960),
                    feature_layers=len(dflash.get("target_layer_ids") or []),
                    block_size=int(config.get("block_size", dflash.get("block_size", 16))))
+
+    def split_counts(self) -> dict[str, int]:
+        """What tensor parallelism shares out evenly, each rank an equal part: the attention heads, the
+        KV heads, the MLP's intermediate rows, and a hybrid's linear-attention key and value heads."""
+        counts = {"attention heads": self.heads, "KV heads": self.kv_heads, "MLP intermediate size": self.intermediate}
+        if self.linear_layers:
+            counts.update({"linear-attention key heads": self.key_heads, "linear-attention value heads":
+                           self.value_heads})
+        return counts
+
+    def split(self, ranks: int) -> "Shape":
+        """What one of `ranks` tensor-parallel ranks holds of this target: its share of the heads, of the
+        MLP's intermediate rows and of the LM head's vocabulary (padded to a multiple of the ranks),
+        rounded up; the embeddings and the hidden size (so the norms and the residual stream) whole."""
+        if ranks == 1:
+            return self
+        def share(n: int) -> int:
+            return -(-n // ranks)
+        return replace(self, intermediate=share(self.intermediate), heads=share(self.heads),
+                       kv_heads=share(self.kv_heads), key_heads=share(self.key_heads),
+                       value_heads=share(self.value_heads), head_vocab=share(self.vocab))
 
     @property
     def conv_dim(self) -> int:
@@ -128,7 +155,9 @@ class Shape:
 
     def target_parameters(self) -> int:
         full, linear = self._layer_parameters()
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        # the LM head is the embeddings when tied, unless split over ranks (then each keeps its rows apart)
+        head = 0 if self.tied and self.head_vocab is None else (self.head_vocab or self.vocab) * self.hidden
+        embeddings = self.vocab * self.hidden + head
         return embeddings + self.full_layers * full + self.linear_layers * linear + self.hidden
 
     def drafter_parameters(self) -> int:
@@ -165,6 +194,7 @@ class Capacity:
     token_bytes: int            # per token in the pool (target + drafter KV)
     reserve_tokens: int         # a request's tokens beyond its context: the tree pass and the drafter's block
     max_context: int
+    tensor_parallel: int = 1    # GPUs the server spans; the bytes above are one GPU's
 
     @property
     def usable_bytes(self) -> int:
@@ -204,13 +234,15 @@ class Capacity:
 
 def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *,
                   dtype: str, mem_fraction: float, max_running: int, max_context: int | None = None,
-                  tree_budget: int = 16, block_size: int | None = None) -> Capacity:
+                  tree_budget: int = 16, block_size: int | None = None, tensor_parallel: int = 1) -> Capacity:
     """The pool on a GPU of `memory_bytes`, for these models served in `dtype` (`draft_config` None:
-    mode ar, no drafter). `max_context` None: the target's positions; `block_size` None: the drafter's."""
+    mode ar, no drafter). `max_context` None: the target's positions; `block_size` None: the drafter's;
+    `tensor_parallel` T: the target split over T such GPUs, the drafter whole on each."""
     elem = DTYPE_BYTES[dtype]
-    target = Shape.from_config(target_config)
+    whole = Shape.from_config(target_config)
+    target = whole.split(tensor_parallel)
     drafter = Shape.from_config(draft_config) if draft_config is not None else None
-    context = max_context or target.positions
+    context = max_context or whole.positions
     block = (block_size or drafter.block_size) if drafter is not None else 1
     nodes = tree_bucket(max(tree_budget, block) + 1)
     weights = target.target_parameters() * elem
@@ -224,7 +256,7 @@ def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config
                     workspace_bytes=prefill_workspace_bytes(target, context, features, elem),
                     request_bytes=target.state_bytes(elem) + target.tree_scratch_bytes(nodes, elem),
                     max_running=max_running, token_bytes=token, reserve_tokens=max(nodes, 2 * block),
-                    max_context=context)
+                    max_context=context, tensor_parallel=tensor_parallel)
 
 
 def longest_context(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None,

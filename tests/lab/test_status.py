@@ -62,6 +62,7 @@ def test_status_shows_the_whole_lab(lab, training_running) -> None:
     sglang = hosts["llm-two"]
     assert sglang["services"][0]["unit"] == "sglang-qwen.service"
     assert sglang["services"][0]["ActiveState"] == "active"
+    assert sglang["services"][0]["tensor_parallel"] == 1   # from systemd's ExecStart: SGLang without --tp-size
     assert sglang["runtime"][0]["healthy"] is True
     assert hosts["eval-a6000"]["identity"]["gpu_model"] == "NVIDIA RTX A6000"
 
@@ -69,7 +70,7 @@ def test_status_shows_the_whole_lab(lab, training_running) -> None:
 def test_table_output_names_every_host(lab) -> None:
     done = ddops("-i", str(lab.inventory_path), "status")
     assert done.returncode == 0, done.stderr
-    for name in ("pve", "ct200", "llm-two", "eval-a6000", "sglang-qwen.service"):
+    for name in ("pve", "ct200", "llm-two", "eval-a6000", "sglang-qwen.service", "TP 1"):
         assert name in done.stdout
 
 

@@ -73,7 +73,7 @@ def pane() -> str:
     return subprocess.run(["tmux", "capture-pane", "-p", "-t", SESSION], capture_output=True, text=True).stdout
 
 
-COLUMNS = ("HOST", "UNIT", "PORT", "STATE", "RUN/CAP", "WAIT", "TOK/S", "ACCEPT", "TTFT p50/p95 ms",
+COLUMNS = ("HOST", "UNIT", "PORT", "TP", "STATE", "RUN/CAP", "WAIT", "TOK/S", "ACCEPT", "TTFT p50/p95 ms",
            "ROUND p50/p95 ms", "4XX", "5XX", "LB")
 
 

@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddops.cli import main
-from ddops.executor import Executor
 
 REPO = Path(__file__).resolve().parents[2]
 LAB_INVENTORY = REPO / "inventories" / "lab.yaml"
@@ -35,26 +33,6 @@ def _unit_inventory_cases() -> list:
 
 
 INVENTORY_CASES = _unit_inventory_cases()
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """Run `ddops ARGS` in-process; any attempt to open an SSH connection fails the test."""
-    def forbidden(self, host):
-        raise AssertionError(f"bad input must not reach any host (tried {host.name})")
-
-    monkeypatch.setattr(Executor, "_open", forbidden)
-    monkeypatch.chdir(REPO)
-
-    def run(*args: str, env: dict | None = None) -> tuple[int, str]:
-        for key, value in (env or {}).items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setattr(sys, "argv", ["ddops", *args])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        out, err = capsys.readouterr()
-        return exited.value.code, out + err
-    return run
 
 
 def one_line(output: str) -> str:

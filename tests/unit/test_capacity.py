@@ -116,7 +116,7 @@ def test_preflight_refuses_a_max_context_that_cannot_fit_in_one_line(zlab):
                            max_context=n).requests(n) for n in (longest, longest + 1)}
     assert at == {longest: 1, longest + 1: 0} and longest > small.capacity.pool_tokens
     assert problem.endswith(f"lower serve.max_context to {longest} or less, raise serve.mem_fraction, lower "
-                            "serve.max_running, or serve on a larger GPU")
+                            "serve.max_running, or serve on a larger GPU or over more of them (serve.tensor_parallel)")
     assert "\n" not in problem
     # without a max_context the runtime shortens the context to what fits: nothing to refuse
     unset = replace(zlab, serve=replace(zlab.serve, max_context=None))

@@ -20,7 +20,7 @@ from ddops.facts import HostFacts, Inspection, PivotFacts
 from ddops.gates import GateFailed, GateResult
 from ddops.inventory import load_inventory
 from ddops.plan import Checks, Operation, PlanContext
-from ddops.preflight import check_replicas, serving_args
+from ddops.preflight import check_replicas, check_tensor_parallel, serving_args
 from ddops.probes import probe_source
 from ddops.profile import load_profile
 from ddops.report import Report
@@ -230,9 +230,10 @@ def test_preflight_reads_every_replica_port_unit_and_file(profile):
 
 def test_preflight_needs_a_gpu_per_replica(tmp_path):
     three = load_profile(variant(tmp_path, serve__replicas=3), repo_root=REPO)
-    problems = check_replicas(three, fixture_facts(three))  # the fixture's ct200 has 2 GPUs
-    assert problems == ["ct200 has 2 GPU(s); 3 replica(s) x 1 GPU(s) need 3 (ddtree@1.service on GPU 0; "
-                        "ddtree@2.service on GPU 1; ddtree@3.service on GPU 2)"]
+    problem, = check_tensor_parallel(three, fixture_facts(three).host)  # the fixture's ct200 has 2 GPUs
+    assert problem.startswith("ct200 has 2 GPU(s), and 3 replica(s) x 1 GPU(s) need 3: ddtree@1.service on GPU 0; "
+                              "ddtree@2.service on GPU 1; ddtree@3.service on GPU 2 (")
+    assert "profile.yaml:" in problem and problem.endswith("); lower serve.replicas, or deploy to a host with at least 3 GPUs")
 
 
 def test_preflight_names_whatever_holds_a_replica_port(profile):

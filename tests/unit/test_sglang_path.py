@@ -110,7 +110,7 @@ def test_gpus_the_probe_could_not_list_are_not_taken_for_none(profile):
     assert check_tensor_parallel(tp(profile, 4), unread) == []
 
 
-def test_a_ddtree_profile_has_no_tensor_parallel_check():
+def test_a_ddtree_unit_of_one_rank_on_the_cpu_needs_no_gpu():
     ddtree = load_profile(REPO / "playbooks" / "lab-ddtree16.yaml", repo_root=REPO)
     assert check_tensor_parallel(ddtree, HostFacts.from_json(llm_two_facts(0))) == []
 

@@ -24,7 +24,9 @@ import httpx
 import pytest
 import torch
 
-from ddtree_runtime.model import parallel, read_safetensors_dir
+from ddtree_runtime.capacity import Shape
+from ddtree_runtime.engine.kv_cache import target_cache_bytes
+from ddtree_runtime.model import load_target, parallel, read_safetensors_dir
 from ddtree_runtime.model.config import Qwen35Config, target_config
 from ddtree_runtime.server import ranks
 from ddtree_runtime.server.cli import main as serve_main
@@ -89,6 +91,20 @@ def test_a_rank_reads_only_its_shard_of_what_is_cut(request, fixture):
     tp = parallel.TensorParallel(1, 2, None, None)
     cut, read = parallel.shard_state(whole, cfg, tp), parallel.shard_state(lazy, cfg, tp)
     assert cut.keys() == read.keys() and all(torch.equal(cut[k], read[k]) for k in cut)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_models", "tiny_hybrid_models"])
+def test_a_ranks_shard_is_what_ddops_capacity_counts(request, fixture):
+    """ddops sizes a TP server by one GPU's share (capacity.Shape.split): the loaded shard's parameters
+    and its caches' bytes are that share's."""
+    path = request.getfixturevalue(fixture) / "target"
+    config = json.loads((path / "config.json").read_text())
+    share = Shape.from_config(config).split(2)
+    target = load_target(path, tp=parallel.TensorParallel(1, 2, None, None))
+    assert sum(p.numel() for p in target.parameters()) == share.target_parameters()
+    for elem in (2, 4):
+        assert target_cache_bytes(target.config, 1024, 17, elem) == (
+            1024 * share.token_bytes(elem) + share.state_bytes(elem) + share.tree_scratch_bytes(17, elem))
 
 
 def test_fp8_scales_are_cut_with_their_blocks(tiny_models):

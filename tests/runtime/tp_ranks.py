@@ -1,4 +1,4 @@
-"""Two gloo ranks, one launch each (test_tensor_parallel.py starts them): `python tp_ranks.py RANK PORT
+"""Two gloo ranks, one launch each (test_tp_ranks.py starts them): `python tp_ranks.py RANK PORT
 OUT PAIR_DIR...`. For each tiny pair, rank 0 serves the cases below alone (TP=1) and then over both
 ranks (TP=2, as the Leader of engine/distributed.py, rank 1 following), and writes every case's tokens
 under both to OUT (JSON); torch is imported once per process for every pair and mode."""

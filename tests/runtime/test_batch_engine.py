@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ddtree_runtime.engine.engine as engine_module
+from ddtree_runtime.engine import modes
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
 from ddtree_devtools.tiny_corpus import mixed_prompts
@@ -228,10 +229,10 @@ def test_drafts_of_one_batched_pass_reach_the_tree_build_without_a_copy():
     place (a view), and any other set of drafts is stacked."""
     buffer = torch.randn(4, 15, 50)
     rows = [buffer[i, :7] for i in range(4)]
-    view = engine_module._stacked(rows)
+    view = modes._stacked(rows)
     assert torch.equal(view, torch.stack(rows)) and view.data_ptr() == buffer.data_ptr()
     mixed = [buffer[0, :7], torch.randn(15, 50)[:7], buffer[2, :7]]
-    copy = engine_module._stacked(mixed)
+    copy = modes._stacked(mixed)
     assert torch.equal(copy, torch.stack(mixed)) and copy.data_ptr() != buffer.data_ptr()
     skipping = [buffer[0, :7], buffer[2, :7], buffer[3, :7]]
-    assert torch.equal(engine_module._stacked(skipping), torch.stack(skipping))
+    assert torch.equal(modes._stacked(skipping), torch.stack(skipping))

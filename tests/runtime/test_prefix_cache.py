@@ -50,7 +50,7 @@ def row_cache(engine: Engine, request_id: int) -> list[torch.Tensor]:
     held = [*c.held(row, n)]  # through the row's block table
     if hasattr(c, "state"):  # a hybrid target
         held += [c.state[:, row], c.conv[:, row]]
-    if req.mode != "ar":
+    if req.mode.drafts:
         held += [*engine.draft_cache.held(row, n)]
     return [t.clone() for t in held]
 

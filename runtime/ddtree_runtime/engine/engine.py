@@ -41,9 +41,9 @@ from .prefix_cache import CachedSequence, Hit, PrefixCache, TokenView, common_pr
 from .runner import KV_BUCKET, TREE_BUCKETS, DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
-from .tree import Tree, TreeBuilder, Walk, build_chain, walk, walk_rows
-from ..limits import (DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, MODES,
-                      QUANTIZE_METHODS)
+from .modes import mode_named
+from .tree import Tree, TreeBuilder, Walk, walk, walk_rows
+from ..limits import DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS
 from ..settings import resolve_device
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, TokenLogprob
 
@@ -98,11 +98,10 @@ class Engine:
         if config.device is None or config.dtype is None:  # the settings' defaults: the GPU when there is one
             config = dataclasses.replace(config, **dict(zip(("device", "dtype"),
                                                             resolve_device(config.device, config.dtype))))
-        if config.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+        mode = mode_named(config.mode)  # ValueError for a name it does not know
         if config.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {config.dtype!r}")
-        if config.draft_dir is None and drafter is None and config.mode != "ar":
+        if config.draft_dir is None and drafter is None and mode.drafts:
             raise ValueError(f"mode {config.mode!r} needs a draft_dir")
         if not MIN_TREE_BUDGET <= config.tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}]")
@@ -320,7 +319,7 @@ class Engine:
         self._target_slots = tree_slots
 
     def _tree_slots(self, req: RequestState) -> int:
-        return {"ar": 1, "dflash": self.block_size, "ddtree": req.budget + 1}[req.mode]
+        return req.mode.tree_slots(req.budget, self.block_size)
 
     def _pool_holds(self, tree_slots: int) -> bool:
         return self.target_cache.holds(TargetRunner.capacity_for(self.max_context, tree_slots),
@@ -359,7 +358,7 @@ class Engine:
         decoding = running[:len(running) - len(joined)]  # slots 0..B-1: the batch is a prefix of the pool
         if len(decoding) == 1:
             req = decoding[0]
-            rounds = [self._ar_step(req) if req.mode == "ar" else self._spec_round(req)]
+            rounds = [self._spec_round(req) if req.mode.drafts else self._ar_step(req)]
         else:
             rounds = self._batch_round(decoding) if decoding else []
         self.stats.rounds += bool(rounds)
@@ -396,11 +395,9 @@ class Engine:
     # ---- request setup ----------------------------------------------------------------------------
 
     def _new_request(self, prompt_ids: list[int], p: SamplingParams) -> RequestState:
-        mode = p.mode or self.config.mode
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode != "ar" and self.drafter is None:
-            raise ValueError(f"mode {mode!r} needs a drafter; this engine has none")
+        mode = mode_named(p.mode or self.config.mode)
+        if mode.drafts and self.drafter is None:
+            raise ValueError(f"mode {mode.name!r} needs a drafter; this engine has none")
         budget = self.config.tree_budget if p.tree_budget is None else p.tree_budget
         if not MIN_TREE_BUDGET <= budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}], got {budget}")
@@ -577,7 +574,7 @@ class Engine:
             if idle != row:
                 src.append(row)
                 dst.append(idle)
-            draft_len = 0 if self.drafter is None else req.n_ctx if req.mode != "ar" else req.draft_ctx
+            draft_len = 0 if self.drafter is None else req.n_ctx if req.mode.drafts else req.draft_ctx
             self.prefix.add(idle, (req.prompt_ids + req.produced)[:req.n_ctx], req.snapshot_at, draft_len)
         self._move_rows(dst, src, max((valid[s] for s in src), default=0))
         req.finished = True
@@ -627,7 +624,7 @@ class Engine:
         """The running or cached sequence that saves the most of req's prefill (None: reuse off)."""
         if self.prefix is None:
             return None
-        return self.prefix.lookup(req.context, speculative=req.mode != "ar", live=self._live_sequences(),
+        return self.prefix.lookup(req.context, speculative=req.mode.drafts, live=self._live_sequences(),
                                   count=count)
 
     def _live_sequences(self) -> list[CachedSequence]:
@@ -637,7 +634,7 @@ class Engine:
         for r in self.scheduler.running:
             if r.n_ctx == 0:  # joined a prefill group whose pass has not run yet
                 continue
-            draft_len = 0 if self.drafter is None else r.n_ctx if r.mode != "ar" else r.draft_ctx
+            draft_len = 0 if self.drafter is None else r.n_ctx if r.mode.drafts else r.draft_ctx
             tokens = TokenView(r.prompt_ids, r.produced, r.n_ctx)
             if self.prefix.snapshots_only:
                 tokens = TokenView(r.context, [], r.snapshot_at)
@@ -835,11 +832,11 @@ class Engine:
             self._prefilled(req, take, None if feats is None else feats[i:i + 1, :take])
         last = self.target.logits(h[torch.arange(n, device=dev), torch.tensor(takes, device=dev) - 1])  # [n, V]
         firsts = [self._first_token(req, last[i:i + 1], draft=False) for i, req in enumerate(reqs)]
-        if sum(req.mode != "ar" for req in reqs) > 1:
+        if sum(req.mode.drafts for req in reqs) > 1:
             self._draft_prompts(reqs)
         else:
             for req in reqs:
-                if req.mode != "ar":
+                if req.mode.drafts:
                     req.drafted = self._draft_prompt(req)
         return firsts
 
@@ -849,7 +846,7 @@ class Engine:
         its block or masked, as the per-round pass's do), then its block. An AR row takes part at the
         last cache slot only, so nothing it holds is touched."""
         dev, bs, n = self.device, self.block_size, len(reqs)
-        spec = [req.mode != "ar" for req in reqs]
+        spec = [req.mode.drafts for req in reqs]
         width = max(req.n_ctx - req.reused for req, s in zip(reqs, spec) if s)
         feats = next(req.prompt_feats for req, s in zip(reqs, spec) if s)
         ctx = feats.new_zeros(n, width, feats.shape[-1])
@@ -882,7 +879,7 @@ class Engine:
         """Book `take` more prompt tokens as computed, keeping their features for the first draft."""
         lo, hi = req.prefilled, req.prefilled + take
         req.prefilled = hi
-        if req.mode != "ar":
+        if req.mode.drafts:
             if req.prompt_feats is None:  # the computed prompt's, filled chunk by chunk (no concatenation)
                 req.prompt_feats = feats.new_empty(1, len(req.context) - req.reused, feats.shape[-1])
             req.prompt_feats[:, lo - req.reused:hi - req.reused] = feats
@@ -896,14 +893,14 @@ class Engine:
         preemption chooses nothing: its next round's root is the last token it produced (None)."""
         if req.resume_bonus is not None:
             req.n_ctx, req.bonus, req.resume_bonus = len(req.context), req.resume_bonus, None
-            if draft and req.mode != "ar":
+            if draft and req.mode.drafts:
                 req.drafted = self._draft_prompt(req)
             return None, None
         chosen = self._choose(req, logits, 0)
         pending = self._logprobs(req, logits, chosen)
         first = int(chosen[0])
         req.n_ctx, req.bonus = len(req.context), first
-        if draft and req.mode != "ar":
+        if draft and req.mode.drafts:
             req.drafted = self._draft_prompt(req)
         return first, None if pending is None else pending.rows([0])
 
@@ -945,19 +942,13 @@ class Engine:
         self._phase("end")
         return [req.bonus], 0, None if pending is None else pending.rows([0])
 
-    def _depth(self, req: RequestState, budget: int) -> int:
-        return self.block_size - 1 if req.mode == "dflash" else min(self.block_size - 1, budget)
-
     def _spec_round(self, req: RequestState) -> Round:
         """Build the tree from the draft, verify, choose and walk, then queue the next round's drafter
         pass from the walk's device-side result: one host sync a round (the walk's result), and the
         device is busy with the next draft while the host reads it."""
         self._phase("tree")
         budget = round_budgets([req.budget], 1, self.config.round_nodes)[0]
-        if req.mode == "dflash":
-            tree = build_chain(req.drafted)
-        else:
-            tree = self.trees.build(req.drafted[:self._depth(req, budget)], budget)
+        tree = req.mode.tree(self.trees, req.drafted, budget, self.block_size)
         self._phase("verify")
         out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
         self.stats.batch_size, self.stats.tree_nodes = 1, tree.size
@@ -1024,7 +1015,7 @@ class Engine:
         n = len(reqs)
         self.batch_readback.start(result[:n].flatten())
         drafted = None
-        if any(req.mode != "ar" for req in reqs):
+        if any(req.mode.drafts for req in reqs):
             self._phase("draft")
             drafted = self.batch_draft.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
         self._phase("commit")
@@ -1043,7 +1034,7 @@ class Engine:
                 moved = max(moved, path)
             req.n_ctx += path
             req.bonus = tokens[keep - 1]
-            if req.mode != "ar":
+            if req.mode.drafts:
                 req.drafted = drafted[row]
             logprobs = None
             if pending[row] is not None:
@@ -1066,36 +1057,17 @@ class Engine:
         return [req.bonus]
 
     def _batch_trees(self, reqs: list[RequestState], budgets: list[int]) -> list[Tree | None]:
-        """Each request's tree (None: AR): the DDTree requests of one budget built together."""
-        trees: list[Tree | None] = [build_chain(req.drafted) if req.mode == "dflash" else None for req in reqs]
-        groups: dict[int, list[int]] = {}
+        """Each request's tree (None: AR): the requests of one mode and budget built together."""
+        groups: dict[tuple, list[int]] = {}
         for row, req in enumerate(reqs):
-            if req.mode == "ddtree":
-                groups.setdefault(budgets[row], []).append(row)
-        for budget, rows in groups.items():
-            depth = min(self.block_size - 1, budget)
-            if len(rows) == 1:
-                tree = self.trees.build(reqs[rows[0]].drafted[:depth], budget)
-                # a graphed build returns the same static buffer to every request of this budget
-                trees[rows[0]] = Tree(tree.nodes.clone()) if self.trees.use_graphs else tree
-                continue
-            nodes = self.trees.build_rows(_stacked([reqs[row].drafted[:depth] for row in rows]), budget)
-            for i, row in enumerate(rows):
-                trees[row] = Tree(nodes[i])  # staged by the verify before the next build
+            groups.setdefault((req.mode.name, budgets[row]), []).append(row)
+        trees: list[Tree | None] = [None] * len(reqs)
+        for (_, budget), rows in groups.items():
+            mode = reqs[rows[0]].mode
+            for row, tree in zip(rows, mode.trees(self.trees, [reqs[r].drafted for r in rows], budget,
+                                                  self.block_size)):
+                trees[row] = tree
         return trees
-
-
-def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors as one [R, ...]: a view when they are evenly spaced rows of one buffer (the drafts of
-    a batched drafter pass, 146 MB at 16 requests of Qwen3-8B), else a stacked copy."""
-    first = rows[0]
-    step = rows[1].data_ptr() - first.data_ptr() if len(rows) > 1 else 0
-    even = step > 0 and step % first.element_size() == 0 and all(
-        r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.shape == first.shape
-        and r.stride() == first.stride() and r.data_ptr() - first.data_ptr() == i * step for i, r in enumerate(rows))
-    if not even:
-        return torch.stack(rows)
-    return first.as_strided((len(rows), *first.shape), (step // first.element_size(), *first.stride()))
 
 
 def _cut(logprobs: list[TokenLogprob] | None, n: int) -> list[TokenLogprob] | None:

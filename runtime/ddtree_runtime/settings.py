@@ -124,7 +124,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_running", int, 16, "requests decoded together, each round one batch (like SGLang's "
             "--max-running-requests)", minimum=1, maximum=MAX_RUNNING, engine=True, profile=True, metavar="N"),
     Setting("max_queue", int, 16, "requests waiting behind the running ones before 429", minimum=1,
-            maximum=MAX_QUEUE, profile=True, metavar="N"),
+            maximum=MAX_QUEUE, engine=True, profile=True, metavar="N"),
     Setting("mem_fraction", float, 0.9, "share of the free device memory the KV pool may take; fewer requests "
             "than --max-running if it holds fewer", minimum=MIN_MEM_FRACTION, maximum=1, engine=True,
             profile=True, metavar="F"),

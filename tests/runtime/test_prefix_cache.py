@@ -134,7 +134,7 @@ def test_reused_prefill_leaves_the_same_cache(models, plain, mode):
         got = prefilled_cache(engine, second, mode)
         assert saved(engine)[2] > before
         assert_same_cache(got, prefilled_cache(plain, second, mode))
-        engine._evict(engine.prefix.by_row[0])  # keep the first turn's sequence (row 1) the best match
+        engine.pool.evict(engine.prefix.by_row[0])  # keep the first turn's sequence (row 1) the best match
     assert len(engine.prefix) == 1
 
 

@@ -35,9 +35,9 @@ from .block_manager import BlockManager, PageTable
 from .context import prefill_workspace_bytes, serving_context
 from .graphs import HostRead
 from .kv_cache import KVCache, target_cache, target_cache_bytes
-from .policy import round_budgets
 from .prefill import PREFILL_PIECE
-from .prefix_cache import CachedSequence, Hit, PrefixCache, TokenView, common_prefix, snapshot_point
+from .pool import KVPool, round_reserve
+from .prefix_cache import CachedSequence, PrefixCache, common_prefix, snapshot_point
 from .runner import KV_BUCKET, TREE_BUCKETS, DraftRunner, TargetRunner, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .scheduler import Scheduler
@@ -165,27 +165,28 @@ class Engine:
         self.slots = config.max_running          # of them, running requests'
         self.pages = BlockManager(self._pages_that_fit(tree_slots), self.page_size)
         self.page_table = PageTable(self.pages, self.rows, -(-self._row_capacity() // self.page_size), self.device)
+        self.pool = KVPool(self.pages, self.page_table, self.prefix, self.block_size, self.max_context)
         if self.drafter is not None:
             dcfg = self.drafter.config
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, 0,
                                        self.device, self.target.lm_head.weight.dtype, table=self.page_table)
+            self.pool.draft_cache = self.draft_cache
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache.rows(0, 1), self.block_size,
                                             self.mask_token_id, self.device)
             self.batch_draft = BatchDraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
                                                 self.mask_token_id, self.device)
         self.target_cache: KVCache | None = None
         self.runner: TargetRunner | None = None
-        self._target_slots = 0  # the tree size the target pool was sized for
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self._alloc_target_cache(tree_slots)
         self.trees = TreeBuilder(self.device)
         self.readback = HostRead(Walk.size(self.block_size - 1), self.device)  # the round's one read
         self.batch_readback = HostRead(self.slots * Walk.size(self.block_size - 1), self.device)
         self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
-        self.scheduler = Scheduler(self.slots)
         self.stats = BatchStats(pages_total=self.pages.num_pages)
+        self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats, self._alloc_target_cache,
+                                   has_drafter=self.drafter is not None)
         self._next_id = 0
-        self._admissions = 0
         cap = self.capacity()
         log.info("KV pool: %d tokens (%d pages x %d); holds %d requests of %d tokens, %d of the full context "
                  "(%d); %d running at most", cap["tokens"], cap["pages_total"], self.page_size, cap["requests_8k"],
@@ -207,19 +208,14 @@ class Engine:
         cfg, elem = self.target.config, self.target.lm_head.weight.element_size()
         return target_cache_bytes(cfg, 0, tree_bucket(tree_slots), elem, snapshots=self.prefix is not None)
 
-    def _round_reserve(self, tree_slots: int) -> int:
-        """Positions past a request's context that one round may write: its tree (and a lone AR step's
-        pass ahead), the drafter's new context rows and block."""
-        return max(tree_slots + 1, 2 * self.block_size)
-
     def _row_capacity(self) -> int:
         """Logical positions a block table addresses: the context, the largest round's writes, and a
         bucket beyond, where pad rows write (never backed by a page: the scratch page)."""
-        largest = max(self._round_reserve(MAX_TREE_BUDGET + 1), TREE_BUCKETS[-1])
+        largest = max(round_reserve(MAX_TREE_BUDGET + 1, self.block_size), TREE_BUCKETS[-1])
         return -(-(self.max_context + largest) // KV_BUCKET) * KV_BUCKET + KV_BUCKET
 
     def _request_pages(self, tokens: int, tree_slots: int) -> int:
-        return -(-(tokens + self._round_reserve(tree_slots)) // self.page_size)
+        return -(-(tokens + round_reserve(tree_slots, self.block_size)) // self.page_size)
 
     def _prefill_bytes(self, context: int) -> int:
         """A prefill's activations at `context` prompt tokens (one prefill runs at a time)."""
@@ -289,7 +285,7 @@ class Engine:
         ValueError when the device cannot hold it, raised before anything is dropped, so a request
         refused for one leaves the engine exactly as it was (but for the cached sequences: a new pool
         starts empty)."""
-        previous = self._target_slots
+        previous = self.pool.target_slots
         if previous:
             self._check_resize(tree_slots)
         if self.prefix is not None:
@@ -298,7 +294,7 @@ class Engine:
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self._resizing = True
         self.target_cache = self.runner = self.batch_runner = None
-        self._target_slots = 0
+        self.pool.target_slots = 0
         try:
             self._build_target_cache(tree_slots)
         except BaseException:
@@ -312,18 +308,12 @@ class Engine:
         cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
         self.target_cache = target_cache(cfg, 0, self.device, dtype, nodes=tree_bucket(tree_slots),
                                          snapshots=self.prefix is not None, table=self.page_table)
+        self.pool.target_cache = self.target_cache
         self.runner = TargetRunner(self.target, self.target_cache.rows(0, 1), self.device,
                                    max_depth=self.block_size - 1)
         self.batch_runner = BatchTargetRunner(self.target, self.target_cache, self.device,
                                               max_depth=self.block_size - 1)
-        self._target_slots = tree_slots
-
-    def _tree_slots(self, req: RequestState) -> int:
-        return req.mode.tree_slots(req.budget, self.block_size)
-
-    def _pool_holds(self, tree_slots: int) -> bool:
-        return self.target_cache.holds(TargetRunner.capacity_for(self.max_context, tree_slots),
-                                       tree_bucket(tree_slots))
+        self.pool.target_slots = tree_slots
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -347,15 +337,29 @@ class Engine:
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
 
+    def has_room(self, arriving: int = 0) -> bool:
+        """Whether the waiting queue takes one more request beside `arriving` ones on their way to
+        `submit` (max_queue behind the free rows): the server's 429 otherwise. `submit` itself queues
+        whatever it is given."""
+        return self.scheduler.has_room(arriving)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting to be admitted."""
+        return len(self.scheduler.waiting)
+
+    def queued(self, request_id: int) -> bool:
+        """Whether the request still waits to be admitted (False once admitted, finished or unknown)."""
+        return self.scheduler.queued(request_id)
+
     @torch.inference_mode()
     def step(self) -> list[tuple[int, RoundOutput]]:
         """One step: prefill up to prefill_chunk prompt tokens (admitting queued requests while slots
         are free), then one round for every request that was already decoding. Returns (request id,
         output) for each request that produced tokens; a finished request has left the engine."""
-        self._reserve_round()
+        self.scheduler.reserve_round()
         outputs, joined = self._prefill_step()
-        running = self.scheduler.running
-        decoding = running[:len(running) - len(joined)]  # slots 0..B-1: the batch is a prefix of the pool
+        decoding = self.scheduler.decoding(joined)  # rows 0..B-1: the batch is a prefix of the pool
         if len(decoding) == 1:
             req = decoding[0]
             rounds = [self._spec_round(req) if req.mode.drafts else self._ar_step(req)]
@@ -430,11 +434,12 @@ class Engine:
                            stop_ids=stop_ids, uniforms=uniforms)
         if p.min_tokens and stop_ids:
             req.stop_tensor = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
-        if not self._pool_holds(self._tree_slots(req)):
+        tree_slots = self.scheduler.tree_slots(req)
+        if not self.pool.holds(tree_slots):
             # a bigger tree than the pool was sized for: the pool is re-sized when the engine is idle,
             # so refuse now if even that could not hold it
-            self._check_resize(self._tree_slots(req))
-        need = self._request_pages(len(prompt_ids) + p.max_new_tokens - 1, self._tree_slots(req))
+            self._check_resize(tree_slots)
+        need = self._request_pages(len(prompt_ids) + p.max_new_tokens - 1, tree_slots)
         if need > self.pages.num_pages:
             raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({p.max_new_tokens}) needs {need} KV pages "
                              f"of {self.page_size} tokens, the pool holds {self.pages.num_pages}: shorten the prompt "
@@ -452,108 +457,6 @@ class Engine:
         if need > _free_bytes(self.device) + current:
             raise ValueError(f"tree budget {tree_slots - 1} needs more memory than is free for the pool's "
                              f"{self.rows} slots: lower the tree budget")
-
-    def _admissible(self, req: RequestState) -> bool:
-        """Whether the pool can take `req` now (always: nobody waits for a re-size). A request for a
-        bigger tree than the pool holds gets the pool re-sized for it (same slots, bigger trees) when
-        nothing else runs; while others run it runs with the largest tree the pool holds, rather than
-        hold itself and everyone behind it until the engine drains. A tree changes speed, never the
-        text: greedy or seeded (sampling.py), a request's tokens are the same at any budget."""
-        slots = self._tree_slots(req)
-        if not self._pool_holds(slots):
-            if self.scheduler.running:
-                req.budget = self._target_slots - 1
-            else:
-                self._alloc_target_cache(slots)
-        return self._pages_admit(req)
-
-    def _pages_admit(self, req: RequestState) -> bool:
-        """Whether the pool's pages take `req` now: its context and a first round, less the full pages
-        it would share with a running or cached sequence (a partial one is copied into a fresh page),
-        out of the free pages and those only cached sequences (but the one it shares) hold, keeping a
-        page per running request for their next rounds."""
-        need = self._request_pages(len(req.context), self._tree_slots(req))
-        free = self.pages.free_pages - len(self.scheduler.running)
-        if need <= free:  # the common case: no lookup, no count (both are host time every step)
-            return True
-        hit = self._lookup(req, count=False)
-        spare = None if hit is None else hit.seq
-        shared = 0 if hit is None else hit.length // self.page_size
-        return need - shared <= free + self._evictable_pages(spare)
-
-    def _evictable_pages(self, spare: CachedSequence | None) -> int:
-        """Pages that evicting every cached sequence but `spare` would free."""
-        if self.prefix is None:
-            return 0
-        refs = self.pages.refs
-        return sum(refs[p] == 1 for seq in self.prefix.by_row.values() if seq is not spare
-                   for p in self.page_table.pages[seq.row])
-
-    def _take_pages(self, row: int, tokens: int) -> bool:
-        """Back `row`'s positions 0..tokens-1 with pages, evicting cached sequences (least recently
-        used first) while too few are free; False when even that is not enough."""
-        while not self.page_table.grow(row, tokens):
-            victim = None if self.prefix is None else self.prefix.least_recent(spare=())
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    def _keep_free(self, pages: int, spare: CachedSequence) -> None:
-        """Evict cached sequences other than `spare` (least recently used first) until `pages` are free."""
-        while self.pages.free_pages < pages:
-            victim = self.prefix.least_recent(spare=(spare,))
-            if victim is None:
-                return
-            self._evict(victim)
-
-    def _evict(self, seq: CachedSequence) -> None:
-        self.page_table.release(seq.row)
-        self.prefix.evict(seq)
-
-    def _copy_pages(self, pair: tuple[int, int] | None) -> None:
-        """A copy-on-write the block table asked for: page dst takes page src's content, in both caches."""
-        if pair is not None:
-            self.target_cache.copy_page(*pair, self.page_size)
-            if self.drafter is not None:
-                self.draft_cache.copy_page(*pair, self.page_size)
-
-    def _reserve_round(self) -> None:
-        """Before a round, every running request takes the pages its round may write (oldest first);
-        when the pool runs out, cached sequences are evicted, then the newest requests preempted."""
-        for req in sorted(self.scheduler.running, key=lambda r: r.admitted):
-            need = req.n_ctx + self._round_reserve(self._tree_slots(req))
-            while req.slot >= 0 and not self._take_pages(req.slot, need):
-                victim = self._newest_victim(req)
-                if victim is None and req.ahead is None and len(self.scheduler.running) > 1:
-                    victim = req  # the others cannot be taken (a pass run ahead): this one waits
-                if victim is None:  # submit refused what the whole pool cannot hold: not reached
-                    raise RuntimeError(f"request {req.id} needs {need} positions, the KV pool cannot hold them")
-                self._preempt(victim)
-
-    def _newest_victim(self, keep: RequestState) -> RequestState | None:
-        """The request to preempt for `keep`: the newest admitted, the one prefilling first (a lone AR
-        request's pass run ahead, its next token chosen, is not taken: it is never the newest)."""
-        candidates = [r for r in (*self.scheduler.running, self.scheduler.prefilling)
-                      if r is not None and r is not keep and r.ahead is None]
-        return max(candidates, key=lambda r: r.admitted, default=None)
-
-    def _preempt(self, req: RequestState) -> None:
-        """Give `req`'s pages back and queue it first, to be recomputed from its tokens: the prompt and
-        what it produced but the last token, which is again the next round's root (its sampling
-        generator goes on where it was, so its output is what it would have been)."""
-        self.stats.preemptions += 1
-        req.preempted += 1
-        if req.produced:
-            req.context = req.prompt_ids + req.produced[:-1]
-            req.resume_bonus = req.produced[-1]
-        self.page_table.release(req.slot)
-        moves = self.scheduler.remove(req)
-        self._move_rows([d for _, d in moves], [s for s, _ in moves], 0)
-        req.prefilled = req.reused = req.n_ctx = req.draft_ctx = req.snapshot_at = 0
-        req.placed = False
-        req.drafted = req.prompt_feats = None
-        self.scheduler.waiting.appendleft(req)
 
     def _release(self, req: RequestState) -> None:
         """Take `req` out; the rows behind it move down, and a request that was decoding leaves its
@@ -574,19 +477,13 @@ class Engine:
             if idle != row:
                 src.append(row)
                 dst.append(idle)
-            draft_len = 0 if self.drafter is None else req.n_ctx if req.mode.drafts else req.draft_ctx
-            self.prefix.add(idle, (req.prompt_ids + req.produced)[:req.n_ctx], req.snapshot_at, draft_len)
-        self._move_rows(dst, src, max((valid[s] for s in src), default=0))
+            self.prefix.add(idle, (req.prompt_ids + req.produced)[:req.n_ctx], req.snapshot_at,
+                            self.scheduler.draft_length(req))
+        self.pool.move_rows(dst, src, max((valid[s] for s in src), default=0))
         req.finished = True
         req.drafted = req.ahead = req.ahead_logprobs = req.stop_tensor = None
         req.prompt_feats = None
         self._prefix_stats()
-
-    def _move_rows(self, dst: list[int], src: list[int], length: int) -> None:
-        """Rows change places: their block tables (the KV of both caches comes along) and a hybrid's
-        state slots."""
-        self.page_table.move(dst, src)
-        self.target_cache.permute(dst, src, length)
 
     # ---- prefix reuse -----------------------------------------------------------------------------
 
@@ -594,22 +491,20 @@ class Engine:
         """Set up the row of a request just admitted (row = len(running)): move any cached sequence
         there out of its way, and start it from the cached prefix that saves the most prefill."""
         req.placed = True
-        self._admissions += 1
-        req.admitted = self._admissions
         row = req.slot
         if self.prefix is not None:
-            hit = self._lookup(req)
+            hit = self.scheduler.lookup(req)
             resident = self.prefix.by_row.get(row)
             if resident is not None:
                 self._rehome(resident, hit.seq if hit is not None else None)
             if hit is not None:
                 seq = hit.seq
-                self._keep_free(1, spare=seq)  # for the partial page's copy
+                self.pool.keep_free(1, spare=seq)  # for the partial page's copy
                 if seq.row == row:  # taken over where it lies: the request writes past the prefix
                     self.prefix.pop(row)
-                    self._copy_pages(self.page_table.truncate(row, hit.length))
+                    self.pool.copy_pages(self.page_table.truncate(row, hit.length))
                 else:  # its full pages by reference, the partial last one copied
-                    self._copy_pages(self.page_table.share(seq.row, row, hit.length))
+                    self.pool.copy_pages(self.page_table.share(seq.row, row, hit.length))
                 self.target_cache.copy_prefix(seq.row, row, hit.length, hit.from_snapshot)
                 req.draft_ctx = min(hit.length, seq.draft_len) if self.drafter is not None else 0
                 req.prefilled = req.reused = hit.length
@@ -617,29 +512,8 @@ class Engine:
             if self.prefix.snapshots_only:
                 req.snapshot_at = snapshot_point(req.context, self.turn_token, req.reused)
             self._prefix_stats()
-        if not self._take_pages(row, len(req.context) + self._round_reserve(self._tree_slots(req))):
-            raise RuntimeError(f"request {req.id} was admitted without the pages it needs")  # _pages_admit: not reached
-
-    def _lookup(self, req: RequestState, count: bool = True) -> Hit | None:
-        """The running or cached sequence that saves the most of req's prefill (None: reuse off)."""
-        if self.prefix is None:
-            return None
-        return self.prefix.lookup(req.context, speculative=req.mode.drafts, live=self._live_sequences(),
-                                  count=count)
-
-    def _live_sequences(self) -> list[CachedSequence]:
-        """The running requests as sequences a prompt may share pages with: what they have computed (a
-        hybrid's only at its prompt snapshot, the one state it keeps)."""
-        live = []
-        for r in self.scheduler.running:
-            if r.n_ctx == 0:  # joined a prefill group whose pass has not run yet
-                continue
-            draft_len = 0 if self.drafter is None else r.n_ctx if r.mode.drafts else r.draft_ctx
-            tokens = TokenView(r.prompt_ids, r.produced, r.n_ctx)
-            if self.prefix.snapshots_only:
-                tokens = TokenView(r.context, [], r.snapshot_at)
-            live.append(CachedSequence(r.slot, tokens, r.snapshot_at, draft_len, live=True))
-        return live
+        if not self.pool.take_pages(row, len(req.context) + self.pool.round_reserve(self.scheduler.tree_slots(req))):
+            raise RuntimeError(f"request {req.id} was admitted without the pages it needs")  # pages_admit: not reached
 
     def _rehome(self, seq: CachedSequence, keep: CachedSequence | None) -> None:
         """Move `seq` out of a row an admission needs: to a free idle row; else, if it is `keep` (the
@@ -653,11 +527,11 @@ class Engine:
             return
         else:
             victim = self.prefix.least_recent(spare=(keep,))
-            self._evict(victim)
+            self.pool.evict(victim)
             if victim is seq:
                 return
             dest = victim.row
-        self._move_rows([dest], [seq.row], seq.end)
+        self.pool.move_rows([dest], [seq.row], seq.end)
         self.prefix.pop(seq.row)
         seq.row = dest
         self.prefix.by_row[dest] = seq
@@ -717,14 +591,13 @@ class Engine:
         outputs, joined = [], []
         group: list[tuple[RequestState, int]] = []  # prompts' last pieces, run as one pass (_prefill_rows)
         # with nothing decoding there is no one to stall: a prompt goes in pieces as large as prefill.py's
-        left = self.config.prefill_chunk if self.scheduler.running else max(self.config.prefill_chunk, PREFILL_PIECE)
+        left = self.scheduler.prefill_budget(self.config.prefill_chunk)
         self.stats.prefill_tokens = self.stats.prefill_passes = 0
         while left > 0:
             try:
-                req = self.scheduler.next_prefill(self._admissible)
+                req = self.scheduler.next_prefill()
             except Exception as exc:  # noqa: BLE001 - re-sizing the pool for it failed: it fails, alone
-                failed = self.scheduler.waiting.popleft()
-                failed.finished = True
+                failed = self.scheduler.fail_head()
                 outputs.append((failed.id, RoundOutput([], 0, True, "error", error=exc)))
                 continue
             if req is None:
@@ -947,7 +820,7 @@ class Engine:
         pass from the walk's device-side result: one host sync a round (the walk's result), and the
         device is busy with the next draft while the host reads it."""
         self._phase("tree")
-        budget = round_budgets([req.budget], 1, self.config.round_nodes)[0]
+        budget = self.scheduler.tree_budgets([req], self.config.round_nodes)[0]
         tree = req.mode.tree(self.trees, req.drafted, budget, self.block_size)
         self._phase("verify")
         out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
@@ -994,7 +867,7 @@ class Engine:
         settled_logprobs = [_rows_of(req.ahead_logprobs) for req in reqs]  # taken before _settle drops them
         settled = [self._settle(req) for req in reqs]
         self._phase("tree")
-        budgets = round_budgets([req.budget for req in reqs], len(reqs), self.config.round_nodes)
+        budgets = self.scheduler.tree_budgets(reqs, self.config.round_nodes)
         trees = self._batch_trees(reqs, budgets)
         self._phase("verify")
         starts = [req.n_ctx for req in reqs]

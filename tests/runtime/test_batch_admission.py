@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-import ddtree_runtime.engine.engine as engine_module
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.policy import round_budgets
 from ddtree_runtime.engine.scheduler import Scheduler
@@ -72,13 +71,13 @@ def test_pool_pages_come_from_free_memory(tiny_models, monkeypatch):
     config = EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256, max_running=8,
                           mem_fraction=0.5)
     probe = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256))
-    page, prefill = probe._page_bytes(), probe._prefill_bytes(256)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: 2 * (prefill + page * 100))
+    page, prefill = probe.sizing.page_bytes(), probe.sizing.prefill_bytes(256)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: 2 * (prefill + page * 100))
     eng = Engine(config)
     assert eng.pages.num_pages == 100 and eng.capacity()["tokens"] == 100 * eng.page_size
     assert eng.slots == 8 and eng.target_cache.slots == 8 and eng.draft_cache.slots == 8
-    one = probe._needed_bytes(256)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: one - 1)
+    one = probe.needed_bytes(256)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: one - 1)
     with pytest.raises(ValueError, match="GiB for the caches and a prefill's activations, but .* GiB of cpu is free"):
         Engine(config)
 

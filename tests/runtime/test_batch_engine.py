@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddtree_runtime.engine.engine as engine_module
+import ddtree_runtime.engine.rounds as rounds_module
 from ddtree_runtime.engine import modes
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
@@ -172,7 +172,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
     rejected) while neighbours share the pass. Output must not change."""
     swapped_depth = 3
     original_build, original_rows = engine.trees.build, engine.trees.build_rows
-    original_walk = engine_module.walk_rows
+    original_walk = rounds_module.walk_rows
     diverged_then_continued = 0
 
     def swap(draft_logits):
@@ -204,7 +204,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
 
     monkeypatch.setattr(engine.trees, "build", build)
     monkeypatch.setattr(engine.trees, "build_rows", build_rows)
-    monkeypatch.setattr(engine_module, "walk_rows", walk_rows)
+    monkeypatch.setattr(rounds_module, "walk_rows", walk_rows)
     deep = SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)
     # two batchings of the same requests: some arriving later, then all at once
     for arrivals in ({0: [(p, deep) for p in prompts[:6]], 4: [(p, deep) for p in prompts[6:]]},

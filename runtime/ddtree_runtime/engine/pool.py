@@ -10,22 +10,17 @@ from __future__ import annotations
 
 from .block_manager import BlockManager, PageTable
 from .kv_cache import KVCache
+from .memory import PoolSizing
 from .prefix_cache import CachedSequence, PrefixCache
 from .runner import TargetRunner, tree_bucket
 
 
-def round_reserve(tree_slots: int, block_size: int) -> int:
-    """Positions past a request's context that one round may write: its tree (and a lone AR step's
-    pass ahead), the drafter's new context rows and block."""
-    return max(tree_slots + 1, 2 * block_size)
-
-
 class KVPool:
     def __init__(self, pages: BlockManager, page_table: PageTable, prefix: PrefixCache | None,
-                 block_size: int, max_context: int) -> None:
+                 sizing: PoolSizing, max_context: int) -> None:
         self.pages, self.page_table, self.prefix = pages, page_table, prefix
         self.page_size = pages.page_size
-        self.block_size, self.max_context = block_size, max_context
+        self.sizing, self.max_context = sizing, max_context
         self.target_cache: KVCache | None = None  # set (and re-set by a re-size) by the engine
         self.draft_cache: KVCache | None = None
         self.target_slots = 0  # the tree size the target cache was sized for
@@ -34,13 +29,6 @@ class KVPool:
         """Whether the target cache's per-row tree scratch takes a tree of `tree_slots` nodes."""
         return self.target_cache.holds(TargetRunner.capacity_for(self.max_context, tree_slots),
                                        tree_bucket(tree_slots))
-
-    def round_reserve(self, tree_slots: int) -> int:
-        return round_reserve(tree_slots, self.block_size)
-
-    def request_pages(self, tokens: int, tree_slots: int) -> int:
-        """Pages a request of `tokens` tokens holds with one round's reservation."""
-        return -(-(tokens + self.round_reserve(tree_slots)) // self.page_size)
 
     def take_pages(self, row: int, tokens: int) -> bool:
         """Back `row`'s positions 0..tokens-1 with pages, evicting cached sequences (least recently

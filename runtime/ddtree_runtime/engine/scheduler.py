@@ -66,7 +66,7 @@ class Scheduler:
     # ---- the step's budgets -------------------------------------------------------------------
 
     def tree_slots(self, req: RequestState) -> int:
-        return req.mode.tree_slots(req.budget, self.pool.block_size)
+        return req.mode.tree_slots(req.budget, self.pool.sizing.block_size)
 
     def prefill_budget(self, prefill_chunk: int) -> int:
         """Prompt tokens this step prefills: a chunk beside running requests (they keep decoding between
@@ -128,7 +128,7 @@ class Scheduler:
         out of the free pages and those only cached sequences (but the one it shares) hold, keeping a
         page per running request for their next rounds."""
         pool = self.pool
-        need = pool.request_pages(len(req.context), self.tree_slots(req))
+        need = pool.sizing.request_pages(len(req.context), self.tree_slots(req))
         free = pool.pages.free_pages - len(self.running)
         if need <= free:  # the common case: no lookup, no count (both are host time every step)
             return True
@@ -178,7 +178,7 @@ class Scheduler:
         """Before a round, every running request takes the pages its round may write (oldest first);
         when the pool runs out, cached sequences are evicted, then the newest requests preempted."""
         for req in sorted(self.running, key=lambda r: r.admitted):
-            need = req.n_ctx + self.pool.round_reserve(self.tree_slots(req))
+            need = req.n_ctx + self.pool.sizing.round_reserve(self.tree_slots(req))
             while req.slot >= 0 and not self.pool.take_pages(req.slot, need):
                 victim = self._newest_victim(req)
                 if victim is None and req.ahead is None and len(self.running) > 1:

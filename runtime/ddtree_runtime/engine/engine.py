@@ -210,7 +210,7 @@ class Engine(Placement, Prefilling, Rounds):
     def can_serve(self) -> bool:
         """False only if a re-allocation failed after the old pool was dropped and the old one could
         not be put back (the server's /health reports it). While the pool is being re-sized it has no
-        cache for a moment, and can serve all the same: requests wait in the server's queue."""
+        cache for a moment, and can serve all the same: requests wait in the scheduler's queue."""
         return self._resizing or (self.target_cache is not None and self.runner is not None)
 
     def _alloc_target_cache(self, tree_slots: int) -> None:

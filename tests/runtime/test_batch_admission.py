@@ -103,13 +103,13 @@ def test_scheduler_keeps_running_requests_in_the_first_slots():
         s.start_running(s.next_prefill())
     assert [r.slot for r in s.running] == [0, 1, 2]
     assert s.next_prefill() is None  # no free slot: the rest wait
-    assert s.remove(reqs[0]) == [(2, 0)]  # the last running one moves into the freed slot
+    assert s.leave(reqs[0]) == [(2, 0)]  # the last running one moves into the freed slot
     assert [r.id for r in s.running] == [2, 1] and [r.slot for r in s.running] == [0, 1]
     prefilling = s.next_prefill()
     assert prefilling is reqs[3] and prefilling.slot == 2
-    assert s.remove(reqs[2]) == [(1, 0), (2, 1)]  # and the prefilling one follows down
+    assert s.leave(reqs[2]) == [(1, 0), (2, 1)]  # and the prefilling one follows down
     assert [r.id for r in s.running] == [1] and prefilling.slot == 1
-    assert s.remove(reqs[4]) == [] and s.remove(prefilling) == [] and len(s) == 1
+    assert s.leave(reqs[4]) == [] and s.leave(prefilling) == [] and len(s) == 1
     assert s.find(1) is reqs[1] and s.find(3) is None
 
 
@@ -123,7 +123,7 @@ def test_the_queue_holds_max_queue_beyond_the_free_rows():
     s.start_running(s.next_prefill())
     assert not s.has_room()  # a row taken, a place freed: still full
     assert s.has_room(arriving=0) is False and s.queued(1) and not s.queued(0)
-    s.remove(reqs[0])
+    s.leave(reqs[0])
     assert s.has_room() and not s.has_room(arriving=1)
 
 

@@ -282,7 +282,8 @@ class Engine(Placement, Prefilling, Rounds):
         return len(self.scheduler.waiting)
 
     def queued(self, request_id: int) -> bool:
-        """Whether the request still waits to be admitted (False once admitted, finished or unknown)."""
+        """Whether the request waits for its first admission (False once admitted, finished or unknown;
+        requests are first admitted in the order they came)."""
         return self.scheduler.queued(request_id)
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ class Placement:
             self.page_table.truncate(row, req.n_ctx, writable=False)
         elif row >= 0:
             self.page_table.release(row)
-        moves = self.scheduler.remove(req)
+        moves = self.scheduler.leave(req)
         src, dst = [s for s, _ in moves], [d for _, d in moves]
         if keep:
             idle = len(self.scheduler.running) + (self.scheduler.prefilling is not None)  # the freed row

@@ -36,6 +36,7 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []   # running[i].slot == i
         self.prefilling: RequestState | None = None
+        self._requests: dict[int, RequestState] = {}  # all of the above, by id (the server asks per request)
         self._admissions = 0
 
     def __len__(self) -> int:
@@ -46,6 +47,7 @@ class Scheduler:
 
     def add(self, req: RequestState) -> None:
         self.waiting.append(req)
+        self._requests[req.id] = req
 
     def has_room(self, arriving: int = 0) -> bool:
         """Whether one more request may queue, with `arriving` more on their way: the queue holds
@@ -54,14 +56,13 @@ class Scheduler:
         return len(self.waiting) + arriving < self.max_queue + free
 
     def queued(self, request_id: int) -> bool:
-        """Whether the request still waits to be admitted."""
-        return any(req.id == request_id for req in self.waiting)
+        """Whether the request waits for its first admission (a preempted one waiting again was admitted
+        before). Requests are first admitted in the order they came."""
+        req = self._requests.get(request_id)
+        return req is not None and req.admitted < 0
 
     def find(self, request_id: int) -> RequestState | None:
-        for req in (*self.running, self.prefilling, *self.waiting):
-            if req is not None and req.id == request_id:
-                return req
-        return None
+        return self._requests.get(request_id)
 
     # ---- the step's budgets -------------------------------------------------------------------
 
@@ -105,6 +106,7 @@ class Scheduler:
     def fail_head(self) -> RequestState:
         """Take the queue's head out (it could not be admitted: its outcome is an error)."""
         failed = self.waiting.popleft()
+        del self._requests[failed.id]
         failed.finished = True
         return failed
 
@@ -212,6 +214,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- departures ---------------------------------------------------------------------------
+
+    def leave(self, req: RequestState) -> list[tuple[int, int]]:
+        """`req` leaves the engine (finished or cancelled): `remove`, and it is known no more."""
+        del self._requests[req.id]
+        return self.remove(req)
 
     def remove(self, req: RequestState) -> list[tuple[int, int]]:
         """Take `req` out wherever it is; returns the row moves (src, dst), in order, that keep the

@@ -316,8 +316,10 @@ class EngineWorker:
             return
         elapsed = time.perf_counter() - started
         now = time.monotonic()
-        for t in self._jobs.values():
-            if t.admitted is None and not self.engine.queued(t.request_id):
+        for t in self._jobs.values():  # in the order they came, which is the order of first admission
+            if t.admitted is None:
+                if self.engine.queued(t.request_id):
+                    break  # and every job after it waits too
                 t.admitted = started_at
         for request_id, out in outputs:
             t = self._jobs.get(request_id)

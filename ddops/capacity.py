@@ -73,7 +73,8 @@ def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolE
     serve = profile.serve
     models = (target.config, draft.config if draft is not None else None)
     settings = dict(dtype=profile.dtype, mem_fraction=serve.mem_fraction, max_running=serve.max_running,
-                    tree_budget=serve.tree_budget, block_size=serve.block_size, tensor_parallel=serve.tensor_parallel)
+                    tree_budget=serve.tree_budget, block_size=serve.block_size, tensor_parallel=serve.tensor_parallel,
+                    prefix_cache=serve.prefix_cache)
     try:
         pools = [(g, CAPACITY.pool_capacity(g.memory_total_mib * 2**20, *models, max_context=serve.max_context,
                                             **settings)) for g in wanted]

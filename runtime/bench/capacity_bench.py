@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-import ddtree_runtime.engine.engine as engine_module
+import ddtree_runtime.engine.memory as memory
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_bench import SHAPES, build_models, nbytes
 
@@ -52,8 +52,8 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def free_bytes(engine_module) -> int:
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else engine_module._free_bytes(torch.device("cpu"))
+def free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else memory.free_bytes(torch.device("cpu"))
 
 
 def peaks(report: dict, part: str) -> None:
@@ -136,7 +136,7 @@ def main() -> None:
     target, drafter = build_models(args.shape, device, dtype)
     target.config.max_position_embeddings = max(target.config.max_position_embeddings, args.max_context)
     report["weights_gib"] = (nbytes(target) + nbytes(drafter)) / 2**30
-    free_after_weights = free_bytes(engine_module)
+    free_after_weights = free_bytes()
     extra = {} if args.mem_fraction is None else {"mem_fraction": args.mem_fraction}
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(target_dir=args.shape, draft_dir=None, device=device.type,
@@ -146,12 +146,12 @@ def main() -> None:
     report["engine_build_s"] = time.perf_counter() - t0
     peaks(report, "engine")
     cap = engine.capacity()
-    rows = engine.rows * engine._row_bytes(max(args.tree_budget, engine.block_size) + 1)
-    ceiling = ((free_after_weights - engine._prefill_bytes(engine.max_context) - rows)
-               * engine.page_size // engine._page_bytes())
+    rows = engine.rows * engine.sizing.row_bytes(engine.tree_slots)
+    ceiling = ((free_after_weights - engine.sizing.prefill_bytes(engine.max_context) - rows)
+               * engine.page_size // engine.sizing.page_bytes())
     report["pool"] = {**cap, "free_after_weights_gib": free_after_weights / 2**30, "ceiling_tokens": ceiling,
                       "share_of_ceiling": cap["tokens"] / ceiling, "mem_fraction": engine.config.mem_fraction,
-                      "token_bytes": engine._page_bytes() // engine.page_size}
+                      "token_bytes": engine.sizing.page_bytes() // engine.page_size}
     print(f"pool: {cap['tokens']} tokens = {cap['tokens'] / ceiling:.1%} of the ceiling {ceiling} "
           f"(free after weights {free_after_weights / 2**30:.1f} GiB); holds {cap['requests_8k']} x 8K, "
           f"{cap['requests_full_context']} x {engine.max_context}", flush=True)
@@ -167,7 +167,7 @@ def main() -> None:
         jobs = [(system + [TURN_START] + random_prompt(vocab, TAIL - 1, g), params) for _ in range(args.requests)]
         shared = run_all(engine, jobs)
         page = engine.page_size
-        reserve = engine._request_pages(TAIL + 64, max(args.tree_budget, engine.block_size) + 1)
+        reserve = engine.sizing.request_pages(TAIL + 64, engine.tree_slots)
         one_copy = -(-args.system // page) + args.requests * (reserve + 1)
         shared["one_copy_plus_tails_pages"] = one_copy
         shared["pages_ratio"] = shared["most_pages_used"] / one_copy

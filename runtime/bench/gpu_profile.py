@@ -24,6 +24,7 @@ from gpu_bench import SHAPES, build_models  # noqa: E402
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from ddtree_runtime.engine.tree import build_tree  # noqa: E402
+from ddtree_runtime.limits import MODES  # noqa: E402
 
 
 PHASE = "phase:"  # the record_function ranges of profile_batched_step
@@ -111,7 +112,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--batch", type=int, default=0, help="profile a batched engine step of this many requests")
-    ap.add_argument("--mode", choices=("ar", "dflash", "ddtree"), default="ddtree",
+    ap.add_argument("--mode", choices=MODES, default="ddtree",
                     help="--batch: every request's speculative mode")
     ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")
     args = ap.parse_args()

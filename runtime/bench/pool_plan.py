@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import ddtree_runtime.engine.engine as engine_module
+import ddtree_runtime.engine.memory as memory
 from ddtree_runtime.engine import Engine, EngineConfig
 from gpu_bench import SHAPES, build_models, nbytes
 
@@ -27,17 +27,17 @@ def plan(shape: str, memory_mib: int, max_context: int, max_running: int, tree_b
     target.config.max_position_embeddings = max(target.config.max_position_embeddings, max_context)  # 262144 real
     weights = nbytes(target) + nbytes(drafter)
     free = memory_mib * 2**20 - weights
-    engine_module._free_bytes = lambda device: free  # the card's memory once the weights are in
+    memory.free_bytes = lambda device: free  # the card's memory once the weights are in
     engine = Engine(EngineConfig(target_dir=shape, draft_dir=None, device="meta", dtype="bfloat16",
                                  max_context=max_context, max_running=max_running, tree_budget=tree_budget,
                                  mem_fraction=mem_fraction, page_size=page_size),
                     target=target, drafter=drafter, tokenizer=None)
     cap = engine.capacity()
-    page_bytes = engine._page_bytes()
+    page_bytes = engine.sizing.page_bytes()
     # the arithmetic's ceiling: every byte left after the weights, a prefill's activations and the rows'
     # state slots, in tokens of both models' KV
-    rows = engine.rows * engine._row_bytes(max(tree_budget, engine.block_size) + 1)
-    ceiling = (free - engine._prefill_bytes(engine.max_context) - rows) * page_size // page_bytes
+    rows = engine.rows * engine.sizing.row_bytes(engine.tree_slots)
+    ceiling = (free - engine.sizing.prefill_bytes(engine.max_context) - rows) * page_size // page_bytes
     return {"shape": shape, "memory_mib": memory_mib, "weights_gib": weights / 2**30, "free_gib": free / 2**30,
             "page_bytes": page_bytes, "token_bytes": page_bytes // page_size, "row_state_gib": rows / 2**30,
             "mem_fraction": mem_fraction, "ceiling_tokens": ceiling,

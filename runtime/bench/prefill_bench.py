@@ -248,7 +248,7 @@ def main() -> None:
         engine = Engine(EngineConfig(f"random-{shape}", None, mode="ddtree", tree_budget=16, device="cuda",
                                      dtype="bfloat16"), target=target, drafter=drafter)
         rows["default_max_context_of_262144"] = engine.max_context
-        rows["needed_gib_at_131072"] = engine._needed_bytes(131072) / 2 ** 30
+        rows["needed_gib_at_131072"] = engine.needed_bytes(131072) / 2 ** 30
         print(f"{shape}: default max context {engine.max_context}", flush=True)
         save()
         del engine, target, drafter

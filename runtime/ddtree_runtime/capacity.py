@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# The engine's own constants (engine/prefill.py PREFILL_PIECE, engine/runner.py TREE_BUCKETS; a test
-# checks they agree): a prompt is prefilled in pieces of this many tokens, and a tree pass is padded
-# to one of these sizes.
+# The engine's constants, declared here (torch-free) and imported by it: prompt tokens per prefill
+# forward (engine/prefill.py says why this many), and the sizes a tree pass is padded to (root + 2^k
+# draft nodes: engine/runner.py's graph buckets).
 PREFILL_PIECE = 32768
 TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 SHORT_REQUEST = 8192    # the "requests of 8K" the plan and the start-up line count
@@ -131,6 +131,11 @@ class Shape:
         recurrent = 4 * self.value_heads * self.key_dim * self.value_dim
         return self.linear_layers * (recurrent + elem * (self.conv_kernel - 1) * self.conv_dim)
 
+    def request_bytes(self, nodes: int, elem: int, snapshots: bool = False) -> int:
+        """What a row of the engine's pool holds beside its pages: the state, and with `snapshots` (the
+        prefix cache on a hybrid) its end-of-prompt copy, and the tree scratch."""
+        return self.state_bytes(elem) * (2 if snapshots else 1) + self.tree_scratch_bytes(nodes, elem)
+
     def tree_scratch_bytes(self, nodes: int, elem: int) -> int:
         """A hybrid's per-request scratch for a tree pass of `nodes` nodes (inputs, keys, values, decays
         per node and linear layer) and the per-layer [Hv, nodes, nodes] float32 matrices of one pass."""
@@ -171,10 +176,23 @@ def tree_bucket(nodes: int) -> int:
     return next((b for b in TREE_BUCKETS if nodes <= b), TREE_BUCKETS[-1])
 
 
+def round_reserve(tree_slots: int, block_size: int) -> int:
+    """Positions past a request's context that one round may write: its tree of `tree_slots` nodes
+    (and a lone AR step's pass ahead), the drafter's new context rows and block."""
+    return max(tree_slots + 1, 2 * block_size)
+
+
 def prefill_workspace_bytes(target: Shape, context: int, feature_layers: int, elem: int) -> int:
-    """A prefill's live activations at `context` prompt tokens (the engine's bound, engine/context.py):
-    per token of a piece the MLP's and the residual stream's temporaries, doubled; per prompt token the
-    drafter's features, kept whole; and one layer's earlier keys and values gathered from the pages."""
+    """A bound on a prefill's live activations at `context` prompt tokens, run in pieces (the engine
+    sizes its pool with it, engine/memory.py): per token of a piece the MLP's gate|up and their product
+    (3 x intermediate), the residual stream, its normed copy and a layer's output (3 x hidden), doubled
+    for the attention and linear layers' own temporaries and the allocator; per prompt token the
+    drafter's features, kept whole, and its first pass over them (hidden per feature layer, plus two).
+    Measured above weights and caches on an H200 for the Qwen3.6-27B shape (docs/performance.md): 1.2
+    GiB at 4K, 9.4 at 32K in one piece, 11.5 at 128K in 16K pieces; this gives 1.3, 10.4 and 12.9 (17.0
+    in 32K pieces). A later piece (or a chunk beside running requests) also gathers one layer's earlier
+    keys and values from the pages into a contiguous copy: 2 x context x KV heads x head_dim more (not
+    measured)."""
     piece = min(context, PREFILL_PIECE)
     gathered = 2 * context * target.kv_heads * target.head_dim
     return elem * (2 * piece * (3 * target.intermediate + 3 * target.hidden)
@@ -234,17 +252,20 @@ class Capacity:
 
 def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *,
                   dtype: str, mem_fraction: float, max_running: int, max_context: int | None = None,
-                  tree_budget: int = 16, block_size: int | None = None, tensor_parallel: int = 1) -> Capacity:
+                  tree_budget: int = 16, block_size: int | None = None, tensor_parallel: int = 1,
+                  prefix_cache: bool = True) -> Capacity:
     """The pool on a GPU of `memory_bytes`, for these models served in `dtype` (`draft_config` None:
     mode ar, no drafter). `max_context` None: the target's positions; `block_size` None: the drafter's;
-    `tensor_parallel` T: the target split over T such GPUs, the drafter whole on each."""
+    `tensor_parallel` T: the target split over T such GPUs, the drafter whole on each; `prefix_cache`: a
+    hybrid's rows keep a prompt snapshot of their state (the engine's default)."""
     elem = DTYPE_BYTES[dtype]
     whole = Shape.from_config(target_config)
     target = whole.split(tensor_parallel)
     drafter = Shape.from_config(draft_config) if draft_config is not None else None
     context = max_context or whole.positions
     block = (block_size or drafter.block_size) if drafter is not None else 1
-    nodes = tree_bucket(max(tree_budget, block) + 1)
+    tree_slots = max(tree_budget, block) + 1  # as the engine sizes its pool
+    nodes = tree_bucket(tree_slots)
     weights = target.target_parameters() * elem
     token = target.token_bytes(elem)
     features = 0
@@ -254,8 +275,8 @@ def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config
         features = drafter.feature_layers
     return Capacity(memory_bytes=memory_bytes, mem_fraction=mem_fraction, weights_bytes=weights,
                     workspace_bytes=prefill_workspace_bytes(target, context, features, elem),
-                    request_bytes=target.state_bytes(elem) + target.tree_scratch_bytes(nodes, elem),
-                    max_running=max_running, token_bytes=token, reserve_tokens=max(nodes, 2 * block),
+                    request_bytes=target.request_bytes(nodes, elem, snapshots=prefix_cache),
+                    max_running=max_running, token_bytes=token, reserve_tokens=round_reserve(tree_slots, block),
                     max_context=context, tensor_parallel=tensor_parallel)
 
 

@@ -125,7 +125,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             "--max-running-requests)", minimum=1, maximum=MAX_RUNNING, engine=True, profile=True, metavar="N"),
     Setting("tensor_parallel", int, 1, "GPUs one server spans: the target's layers split over them, one process each (the GPUs from CUDA_VISIBLE_DEVICES)", minimum=1, maximum=8, engine=True, profile=True, metavar="N"),
     Setting("max_queue", int, 16, "requests waiting behind the running ones before 429", minimum=1,
-            maximum=MAX_QUEUE, profile=True, metavar="N"),
+            maximum=MAX_QUEUE, engine=True, profile=True, metavar="N"),
     Setting("mem_fraction", float, 0.9, "share of the free device memory the KV pool may take; fewer requests "
             "than --max-running if it holds fewer", minimum=MIN_MEM_FRACTION, maximum=1, engine=True,
             profile=True, metavar="F"),

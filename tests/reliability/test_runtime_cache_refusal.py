@@ -58,7 +58,7 @@ def _complete(api: TestClient, speculative: dict | None = None):
 def test_an_attention_only_pool_serves_any_tree_without_a_re_size(attention_only, monkeypatch):
     """Its paged pool holds a tree of any budget as it is: nothing to allocate, nothing to refuse."""
     before = _complete(attention_only).json()["choices"][0]["text"]
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: 0)  # no headroom left on the device
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: 0)  # no headroom left on the device
     monkeypatch.setattr(engine_module, "target_cache", lambda *a, **k: pytest.fail("the pool was re-sized"))
     big = _complete(attention_only, BIG_TREE)
     assert big.status_code == 200, big.text
@@ -68,7 +68,7 @@ def test_an_attention_only_pool_serves_any_tree_without_a_re_size(attention_only
 
 def test_refused_tree_budget_leaves_the_engine_serving(api, monkeypatch):
     before = _complete(api).json()["choices"][0]["text"]
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: 0)  # no headroom left on the device
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: 0)  # no headroom left on the device
     refused = _complete(api, BIG_TREE)
     assert refused.status_code == 400, refused.text
     assert "tree budget 1024" in refused.json()["error"]["message"]

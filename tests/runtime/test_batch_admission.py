@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-import ddtree_runtime.engine.engine as engine_module
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.policy import round_budgets
 from ddtree_runtime.engine.scheduler import Scheduler
-from ddtree_runtime.engine.types import RequestState
+from ddtree_runtime.engine.modes import mode_named
+from ddtree_runtime.engine.types import BatchStats, RequestState
 
 
 @pytest.fixture(scope="module")
@@ -71,39 +71,60 @@ def test_pool_pages_come_from_free_memory(tiny_models, monkeypatch):
     config = EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256, max_running=8,
                           mem_fraction=0.5)
     probe = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256))
-    page, prefill = probe._page_bytes(), probe._prefill_bytes(256)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: 2 * (prefill + page * 100))
+    page, prefill = probe.sizing.page_bytes(), probe.sizing.prefill_bytes(256)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: 2 * (prefill + page * 100))
     eng = Engine(config)
     assert eng.pages.num_pages == 100 and eng.capacity()["tokens"] == 100 * eng.page_size
     assert eng.slots == 8 and eng.target_cache.slots == 8 and eng.draft_cache.slots == 8
-    one = probe._needed_bytes(256)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: one - 1)
+    one = probe.needed_bytes(256)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: one - 1)
     with pytest.raises(ValueError, match="GiB for the caches and a prefill's activations, but .* GiB of cpu is free"):
         Engine(config)
 
 
 def _request(i: int) -> RequestState:
-    return RequestState(id=i, prompt_ids=[1], mode="ar", budget=1, params=SamplingParams(max_new_tokens=1),
-                        stop_ids=frozenset(), uniforms=None)
+    return RequestState(id=i, prompt_ids=[1], mode=mode_named("ar"), budget=1,
+                        params=SamplingParams(max_new_tokens=1), stop_ids=frozenset(), uniforms=None)
+
+
+def _scheduler(slots: int, max_queue: int = 16) -> Scheduler:
+    """A scheduler whose pool takes any request (no engine behind it)."""
+    s = Scheduler(slots, max_queue, pool=None, stats=BatchStats(), resize=None, has_drafter=False)
+    s.admissible = lambda req: True
+    return s
 
 
 def test_scheduler_keeps_running_requests_in_the_first_slots():
-    s = Scheduler(slots=3)
+    s = _scheduler(slots=3)
     reqs = [_request(i) for i in range(5)]
     for r in reqs:
         s.add(r)
     for _ in range(3):
-        s.start_running(s.next_prefill(lambda r: True))
+        s.start_running(s.next_prefill())
     assert [r.slot for r in s.running] == [0, 1, 2]
-    assert s.next_prefill(lambda r: True) is None  # no free slot: the rest wait
-    assert s.remove(reqs[0]) == [(2, 0)]  # the last running one moves into the freed slot
+    assert s.next_prefill() is None  # no free slot: the rest wait
+    assert s.leave(reqs[0]) == [(2, 0)]  # the last running one moves into the freed slot
     assert [r.id for r in s.running] == [2, 1] and [r.slot for r in s.running] == [0, 1]
-    prefilling = s.next_prefill(lambda r: True)
+    prefilling = s.next_prefill()
     assert prefilling is reqs[3] and prefilling.slot == 2
-    assert s.remove(reqs[2]) == [(1, 0), (2, 1)]  # and the prefilling one follows down
+    assert s.leave(reqs[2]) == [(1, 0), (2, 1)]  # and the prefilling one follows down
     assert [r.id for r in s.running] == [1] and prefilling.slot == 1
-    assert s.remove(reqs[4]) == [] and s.remove(prefilling) == [] and len(s) == 1
+    assert s.leave(reqs[4]) == [] and s.leave(prefilling) == [] and len(s) == 1
     assert s.find(1) is reqs[1] and s.find(3) is None
+
+
+def test_the_queue_holds_max_queue_beyond_the_free_rows():
+    s = _scheduler(slots=2, max_queue=1)
+    reqs = [_request(i) for i in range(4)]
+    for r in reqs[:3]:  # two for the free rows, one queued
+        assert s.has_room()
+        s.add(r)
+    assert not s.has_room() and s.queued(2)
+    s.start_running(s.next_prefill())
+    assert not s.has_room()  # a row taken, a place freed: still full
+    assert s.has_room(arriving=0) is False and s.queued(1) and not s.queued(0)
+    s.leave(reqs[0])
+    assert s.has_room() and not s.has_room(arriving=1)
 
 
 def test_round_budgets_share_the_round_nodes():

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddtree_runtime.engine.engine as engine_module
+import ddtree_runtime.engine.rounds as rounds_module
+from ddtree_runtime.engine import modes
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
 from ddtree_devtools.tiny_corpus import mixed_prompts
@@ -171,7 +172,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
     rejected) while neighbours share the pass. Output must not change."""
     swapped_depth = 3
     original_build, original_rows = engine.trees.build, engine.trees.build_rows
-    original_walk = engine_module.walk_rows
+    original_walk = rounds_module.walk_rows
     diverged_then_continued = 0
 
     def swap(draft_logits):
@@ -203,7 +204,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
 
     monkeypatch.setattr(engine.trees, "build", build)
     monkeypatch.setattr(engine.trees, "build_rows", build_rows)
-    monkeypatch.setattr(engine_module, "walk_rows", walk_rows)
+    monkeypatch.setattr(rounds_module, "walk_rows", walk_rows)
     deep = SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)
     # two batchings of the same requests: some arriving later, then all at once
     for arrivals in ({0: [(p, deep) for p in prompts[:6]], 4: [(p, deep) for p in prompts[6:]]},
@@ -228,10 +229,10 @@ def test_drafts_of_one_batched_pass_reach_the_tree_build_without_a_copy():
     place (a view), and any other set of drafts is stacked."""
     buffer = torch.randn(4, 15, 50)
     rows = [buffer[i, :7] for i in range(4)]
-    view = engine_module._stacked(rows)
+    view = modes._stacked(rows)
     assert torch.equal(view, torch.stack(rows)) and view.data_ptr() == buffer.data_ptr()
     mixed = [buffer[0, :7], torch.randn(15, 50)[:7], buffer[2, :7]]
-    copy = engine_module._stacked(mixed)
+    copy = modes._stacked(mixed)
     assert torch.equal(copy, torch.stack(mixed)) and copy.data_ptr() != buffer.data_ptr()
     skipping = [buffer[0, :7], buffer[2, :7], buffer[3, :7]]
-    assert torch.equal(engine_module._stacked(skipping), torch.stack(skipping))
+    assert torch.equal(modes._stacked(skipping), torch.stack(skipping))

@@ -1,9 +1,10 @@
 """The torch-free capacity arithmetic (ddtree_runtime/capacity.py) against what the runtime really holds:
-the loaded models' parameters, the engine's cache and workspace sizes, and its constants, for both tiny
-pairs (a Qwen3 target and a hybrid Qwen3.5 one) read from their config.json."""
+the loaded models' parameters, the engine's cache sizes, and the pool the engine sizes with its formulas,
+for both tiny pairs (a Qwen3 target and a hybrid Qwen3.5 one) read from their config.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ddtree_runtime import capacity  # noqa: E402
-from ddtree_runtime.engine import context, prefill, runner  # noqa: E402
+from ddtree_runtime.engine import Engine, EngineConfig  # noqa: E402
 from ddtree_runtime.engine.kv_cache import target_cache_bytes  # noqa: E402
+from ddtree_runtime.engine.memory import shape_of  # noqa: E402
 from ddtree_runtime.model import load_drafter, load_target  # noqa: E402
 
 
@@ -41,15 +43,33 @@ def test_a_token_and_a_request_cost_what_the_engines_caches_take(pair):
     target, draft, tconfig, dconfig = pair
     shape, nodes, tokens = capacity.Shape.from_config(tconfig), 17, 1024
     for elem in (2, 4):
-        engine = target_cache_bytes(target.config, tokens, nodes, elem)
-        ours = tokens * shape.token_bytes(elem) + shape.state_bytes(elem) + shape.tree_scratch_bytes(nodes, elem)
-        assert ours == engine
+        for snapshots in (False, True):
+            engine = target_cache_bytes(target.config, tokens, nodes, elem, snapshots=snapshots)
+            assert tokens * shape.token_bytes(elem) + shape.request_bytes(nodes, elem, snapshots) == engine
         drafter = capacity.Shape.from_config(dconfig)
         assert tokens * drafter.token_bytes(elem) == target_cache_bytes(draft.config, tokens, 1, elem)
-        for n in (100, 40_000, 131_072):
-            assert capacity.prefill_workspace_bytes(shape, n, drafter.feature_layers, elem) == (
-                context.prefill_workspace_bytes(target.config, n, len(draft.config.target_layer_ids), elem))
 
 
-def test_the_engines_constants_are_the_arithmetics():
-    assert capacity.PREFILL_PIECE == prefill.PREFILL_PIECE and capacity.TREE_BUCKETS == runner.TREE_BUCKETS
+def test_the_engine_reads_the_shapes_the_arithmetic_reads(pair):
+    target, draft, tconfig, dconfig = pair
+    # a drafter's block size is what the target's Shape does not use (config.json's, or 16 by default)
+    assert shape_of(target.config) == dataclasses.replace(capacity.Shape.from_config(tconfig), block_size=0)
+    assert shape_of(draft.config).token_bytes(2) == capacity.Shape.from_config(dconfig).token_bytes(2)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_the_engines_pool_is_the_arithmetics_estimate(pair, monkeypatch, prefix_cache):
+    """The engine sizes its pool by capacity.py's formulas from the free memory it measures: on the same
+    memory (its free memory plus the weights capacity.py counts), the pool holds what pool_capacity says."""
+    target, draft, tconfig, dconfig = pair
+    free, settings = 24 * 2**20, {"mem_fraction": 0.5, "max_running": 3, "max_context": 512, "tree_budget": 16}
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: free)
+    engine = Engine(EngineConfig("tiny", None, device="cpu", dtype="float32", prefix_cache=prefix_cache,
+                                 **settings), target=target, drafter=draft)
+    estimate = capacity.pool_capacity(free + capacity.Shape.from_config(tconfig).target_parameters() * 4
+                                      + capacity.Shape.from_config(dconfig).drafter_parameters() * 4,
+                                      tconfig, dconfig, dtype="float32", prefix_cache=prefix_cache, **settings)
+    tokens = engine.capacity()["tokens"]
+    assert 0 < tokens < engine.rows * (512 + 1026)  # below the cap of every row at its largest tree
+    assert tokens == estimate.pool_tokens // engine.page_size * engine.page_size
+    assert engine.sizing.round_reserve(engine.tree_slots) == estimate.reserve_tokens

@@ -8,7 +8,6 @@ import logging
 import pytest
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.engine import engine as engine_module
 from ddtree_runtime.engine.context import MIN_CONTEXT, serving_context
 
 
@@ -41,8 +40,8 @@ def test_engine_serves_the_context_its_memory_holds(tiny_models, monkeypatch):
     full = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft")))
     positions = full.target.config.max_position_embeddings
     assert full.max_context == positions
-    half = full._needed_bytes(positions // 2)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: half)
+    half = full.needed_bytes(positions // 2)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: half)
     engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft")))
     assert engine.max_context == positions // 2
     tokens = [t for out in engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5)) for t in out.token_ids]

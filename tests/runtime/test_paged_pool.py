@@ -137,7 +137,7 @@ def test_page_boundaries_give_transformers_greedy(models):
 
     def watch(e: Engine) -> None:
         for r in e.scheduler.running:
-            reserve = e._round_reserve(e._tree_slots(r))
+            reserve = e.sizing.round_reserve(e.scheduler.tree_slots(r))
             assert len(e.page_table.pages[r.slot]) <= -(-(r.n_ctx + reserve) // PAGE)
 
     assert serve(engine, jobs, watch) == want

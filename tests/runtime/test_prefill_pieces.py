@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.engine import engine as engine_module
+from ddtree_runtime.engine import prefilling
 from ddtree_runtime.engine.kv_cache import HybridCache, target_cache
 from ddtree_runtime.engine.prefill import prefill
 from ddtree_runtime.model import load_target
@@ -46,6 +46,6 @@ def test_engine_tokens_are_the_same_with_pieces(pair, monkeypatch):
         params = SamplingParams(max_new_tokens=24, mode=mode, tree_budget=16)
         return [t for out in engine.generate(prompt, params) for t in out.token_ids]
     whole = {mode: tokens(mode) for mode in ("ar", "ddtree")}
-    monkeypatch.setattr(engine_module, "PREFILL_PIECE", 50)  # the engine's prefill steps go 50 tokens a forward
+    monkeypatch.setattr(prefilling, "PREFILL_PIECE", 50)  # the engine's prefill steps go 50 tokens a forward
     assert {mode: tokens(mode) for mode in ("ar", "ddtree")} == whole
     assert whole["ar"] == whole["ddtree"] and len(whole["ar"]) == 24

@@ -50,7 +50,7 @@ def row_cache(engine: Engine, request_id: int) -> list[torch.Tensor]:
     held = [*c.held(row, n)]  # through the row's block table
     if hasattr(c, "state"):  # a hybrid target
         held += [c.state[:, row], c.conv[:, row]]
-    if req.mode != "ar":
+    if req.mode.drafts:
         held += [*engine.draft_cache.held(row, n)]
     return [t.clone() for t in held]
 
@@ -134,7 +134,7 @@ def test_reused_prefill_leaves_the_same_cache(models, plain, mode):
         got = prefilled_cache(engine, second, mode)
         assert saved(engine)[2] > before
         assert_same_cache(got, prefilled_cache(plain, second, mode))
-        engine._evict(engine.prefix.by_row[0])  # keep the first turn's sequence (row 1) the best match
+        engine.pool.evict(engine.prefix.by_row[0])  # keep the first turn's sequence (row 1) the best match
     assert len(engine.prefix) == 1
 
 

@@ -11,7 +11,6 @@ import pytest
 from starlette.testclient import TestClient
 
 from ddtree_runtime.engine import Engine, EngineConfig
-from ddtree_runtime.engine import engine as engine_module
 from ddtree_runtime.server.app import create_app
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_devtools.server_process import ServerProcess
@@ -43,8 +42,8 @@ def test_too_long_a_request_is_a_400_and_the_next_is_served(tiny_models):
 
 def test_a_context_the_device_cannot_hold_is_said_at_start(tiny_models, monkeypatch):
     models = (str(tiny_models / "target"), str(tiny_models / "draft"))
-    free = Engine(EngineConfig(*models, max_context=CONTEXT))._needed_bytes(CONTEXT)
-    monkeypatch.setattr(engine_module, "_free_bytes", lambda device: free)   # the device holds CONTEXT
+    free = Engine(EngineConfig(*models, max_context=CONTEXT)).needed_bytes(CONTEXT)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: free)   # the device holds CONTEXT
     config = ServerConfig(target_dir=models[0], draft_dir=models[1], served_model_name="tiny",
                           max_context=2 * CONTEXT)
     with TestClient(create_app(config), raise_server_exceptions=False) as client:

@@ -43,7 +43,8 @@ REASONED = REASONING + "\n"  # as vLLM returns it: the newline before </think> i
 
 class ScriptedEngine:
     """Stands in for the Engine: replies with text chosen from the prompt, a few tokens a round (through
-    generate, and the batching API the server's worker uses: submit, step, cancel)."""
+    generate, and the batching API the server's worker uses: submit, step, cancel, has_work, and its queue's
+    has_room, queue_depth and queued)."""
 
     block_size, draft_name, max_context, can_serve = 4, "draft", 2048, True
 
@@ -57,6 +58,19 @@ class ScriptedEngine:
         request_id = len(self.prompts)
         self.running[request_id] = self.generate(prompt_ids, params)
         return request_id
+
+    # its queue: none, every request runs at once
+    queue_depth = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def has_room(self, arriving: int = 0) -> bool:
+        return True
+
+    def queued(self, request_id: int) -> bool:
+        return False
 
     def step(self):
         outputs = [(request_id, next(rounds)) for request_id, rounds in list(self.running.items())]

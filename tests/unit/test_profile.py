@@ -203,9 +203,9 @@ def test_limits_without_the_checkout(tmp_path, runtime_installed):
 def test_the_engine_enforces_the_same_limits():
     pytest.importorskip("torch")
     from ddtree_runtime import limits
-    from ddtree_runtime.engine import engine
+    from ddtree_runtime.engine import engine, modes
 
-    assert (engine.MODES, engine.DTYPE_NAMES, engine.MIN_BLOCK_SIZE, engine.MAX_TREE_BUDGET) == (
+    assert (tuple(modes.REGISTRY), engine.DTYPE_NAMES, engine.MIN_BLOCK_SIZE, engine.MAX_TREE_BUDGET) == (
         limits.MODES, limits.DTYPE_NAMES, limits.MIN_BLOCK_SIZE, limits.MAX_TREE_BUDGET)
 
 

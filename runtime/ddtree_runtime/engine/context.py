@@ -6,28 +6,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..model.config import Qwen3Config
-from .prefill import PREFILL_PIECE
-
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT = 512  # a default shortened below this is of no use: refuse to start instead
-
-
-def prefill_workspace_bytes(cfg: Qwen3Config, context: int, feature_layers: int, elem: int) -> int:
-    """A bound on a prefill's live activations at `context` prompt tokens, run in pieces (prefill.py):
-    per token of a piece the MLP's gate|up and their product (3 x intermediate), the residual stream,
-    its normed copy and a layer's output (3 x hidden), doubled for the attention and linear layers' own
-    temporaries and the allocator; per prompt token the drafter's features, kept whole, and its first
-    pass over them (hidden per feature layer, plus two). Measured above weights and caches on an H200
-    for the Qwen3.6-27B shape (docs/performance.md): 1.2 GiB at 4K, 9.4 at 32K in one piece, 11.5 at
-    128K in 16K pieces; this gives 1.3, 10.4 and 12.9 (17.0 in 32K pieces). With the paged pool a later
-    piece (or a chunk beside running requests) also gathers one layer's earlier keys and values into a
-    contiguous copy at a time: 2 x context x KV heads x head_dim more (not measured)."""
-    piece = min(context, PREFILL_PIECE)
-    gathered = 2 * context * cfg.num_key_value_heads * cfg.head_dim
-    return elem * (2 * piece * (3 * cfg.intermediate_size + 3 * cfg.hidden_size)
-                   + context * (feature_layers + 2) * cfg.hidden_size + gathered)
 
 
 def serving_context(configured: int | None, positions: int, needed_bytes: Callable[[int], int], free: int,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-# prompt tokens per forward. Up to it a prompt is one forward (a later piece's lower-right causal
-# attention measured slower than one causal pass on an H200: 32K tokens of the 8B shape in two 16K
-# pieces 1.58 s against 1.30 s in one, docs/performance.md); past it, pieces bound the activations
-# (128K tokens of the 27B hybrid shape peaked at 75.7 GiB in 16K pieces against 95.7 GiB in one)
-PREFILL_PIECE = 32768
+# PREFILL_PIECE: prompt tokens per forward (declared in capacity.py, which sizes the pool with it). Up
+# to it a prompt is one forward (a later piece's lower-right causal attention measured slower than one
+# causal pass on an H200: 32K tokens of the 8B shape in two 16K pieces 1.58 s against 1.30 s in one,
+# docs/performance.md); past it, pieces bound the activations (128K tokens of the 27B hybrid shape
+# peaked at 75.7 GiB in 16K pieces against 95.7 GiB in one)
+from ..capacity import PREFILL_PIECE
 
 
 def prefill(target, ids: torch.Tensor, cache, piece: int = PREFILL_PIECE) -> tuple[torch.Tensor, torch.Tensor | None]:

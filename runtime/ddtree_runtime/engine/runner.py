@@ -14,13 +14,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes (declared there: the pool is sized by them)
 from ..model import Qwen3ForCausalLM
 from ..model.layers import TreeInputs
 from .kv_cache import KVCache
 from .graphs import capture
 from .tree import Tree, ancestor_mask
 
-TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)  # root + 2^k draft nodes
 KV_BUCKET = 512
 # Without CUDA graphs a shape costs nothing to change, and a pass's attention reads every key up to the
 # bucket: a CPU pass rounds its keys up to this instead (tiny models at 100 tokens: a quarter of the keys).

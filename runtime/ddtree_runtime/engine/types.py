@@ -10,6 +10,7 @@ import torch
 from ..settings import ENGINE_SETTINGS, config_class
 
 if TYPE_CHECKING:
+    from .modes import Mode
     from .sampling import PendingLogprobs
 
 # What the engine loads and how it serves: the engine settings of the serve table (settings.py), with
@@ -67,7 +68,7 @@ class RequestState:
     """Everything one generation carries between rounds."""
     id: int
     prompt_ids: list[int]
-    mode: str
+    mode: "Mode"
     budget: int
     params: SamplingParams
     stop_ids: frozenset[int]

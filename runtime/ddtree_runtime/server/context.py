@@ -74,13 +74,15 @@ class ServerContext:
         return name or os.path.basename(os.path.normpath(self.config.target_dir))
 
     def describe(self) -> dict:
+        from ddtree_runtime.engine.modes import mode_named
+
         engine = self.worker.engine
         mode = self.config.mode
         block = engine_block_size(engine)
         return {
             "mode": mode,
             "block_size": block,
-            "max_draft_len": 0 if mode == "ar" or block is None else block - 1,
+            "max_draft_len": block - 1 if mode_named(mode).drafts and block is not None else 0,
             "tree_budget": self.config.tree_budget,
             "model": self.model_name(),
             "target_arch": getattr(engine, "arch", None),
@@ -230,6 +232,7 @@ class ServerContext:
         self, engine: Any, request: Request, prompt_ids: list[int], req: Any, max_tokens: int | None
     ) -> Generation:
         from ddtree_runtime.engine import SamplingParams
+        from ddtree_runtime.engine.modes import mode_named
 
         limit = engine.max_context
         if len(prompt_ids) >= limit:
@@ -264,7 +267,7 @@ class ServerContext:
         if budget > cap:
             raise APIError(400, f"speculative.tree_budget: {budget} is more than this server's limit of {cap} "
                            "(its --max-tree-budget)", param="speculative.tree_budget")
-        if mode != "ar" and getattr(engine, "draft_name", None) is None and not self.config.draft_dir:
+        if mode_named(mode).drafts and getattr(engine, "draft_name", None) is None and not self.config.draft_dir:
             raise APIError(400, f"speculative.mode: '{mode}' needs a draft model; this server has none", param="speculative.mode")
         params = SamplingParams(
             max_new_tokens=max_tokens,

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from ddtree_runtime.limits import MAX_LOGPROBS
+from ddtree_runtime.limits import MAX_LOGPROBS, MODES
 from ddtree_runtime.server.errors import APIError, encodable
 
 MAX_STOP_STRINGS = 16
@@ -112,7 +112,7 @@ class SpeculativeOptions(BaseModel):
     """Per-request override: ``{"speculative": {"mode": "ar", "tree_budget": 8}}``."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["ddtree", "dflash", "ar"] | None = None
+    mode: Literal[MODES] | None = None  # the engine's modes (limits.MODES, engine/modes.py)
     tree_budget: StrictInt | None = Field(default=None, ge=1)
 
 

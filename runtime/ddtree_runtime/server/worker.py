@@ -1,11 +1,12 @@
-"""The engine worker: one thread owns the (not thread-safe) engine and steps it for every running job.
+"""The engine worker: one thread owns the (not thread-safe) engine, and this is the bridge to it.
 
-Requests wait in a bounded queue; a full queue is the caller's 429. The worker moves jobs from the
-queue into the engine while it has a free slot (up to --max-running, or fewer if memory allowed fewer)
-and steps the engine: each step is one round for every running job. Results go back to each request's
-event loop as events (``RoundEvent`` ... then ``DoneEvent`` or ``ErrorEvent``). A job is cancelled by
-setting its flag: the worker checks it between steps and takes the request out of the engine; a job
-still waiting is also taken off the queue (``withdraw``), so an abandoned request frees its place at once.
+The engine's scheduler holds every request: the waiting queue (bounded by --max-queue: a full queue
+is the caller's 429), admission and the running batch. The worker has no queue of its own: it carries
+each submission into the engine thread (``submit`` puts it in a hand-off that the thread empties
+before each step, checking the engine's queue for room first) and each step's results back to the
+requests' event loops as events (``RoundEvent`` ... then ``DoneEvent`` or ``ErrorEvent``). A job is
+cancelled by setting its flag: the thread takes the request out of the engine before its next step,
+wherever it is there, waiting or running (``withdraw`` wakes the thread for it at once).
 
 Health is the worker's own word: ``ready`` only after the warm-up generation succeeded, and only
 while the thread is alive and the engine can still serve (``Engine.can_serve``).
@@ -80,11 +81,11 @@ class Job:
 
 
 @dataclass
-class _Running:
+class _Tracked:
     """A job the engine holds: its request id there, and what the metrics need."""
     job: Job
     request_id: int
-    admitted: float          # time.monotonic() at admission
+    admitted: float | None = None  # time.monotonic() at the start of the step that admitted it
     outputs: int = 0
 
 
@@ -112,12 +113,12 @@ class EngineWorker:
         self.metrics = metrics
         self.engine: Any = None
         self._engine_factory = engine_factory or load_engine
-        self._waiting: deque[Job] = deque()
-        self._has_work = threading.Condition()  # guards _waiting
+        self._handoff: deque[Job] = deque()  # submitted, not yet carried into the engine
+        self._wake = threading.Condition()  # guards _handoff; notified by submit, withdraw and cancel_all
         self._state = STARTING
         self._detail = "loading model"
-        self._running: dict[int, _Running] = {}  # by engine request id
-        self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds each recent job held the engine
+        self._jobs: dict[int, _Tracked] = {}  # every job the engine holds, by its request id there
+        self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # seconds each recent job held a row
         self._committed: deque[tuple[float, int]] = deque()  # (time, tokens) over the last rate window
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ddtree-engine", daemon=True)
@@ -138,34 +139,34 @@ class EngineWorker:
         return state, detail
 
     def submit(self, job: Job) -> None:
+        """Hand the job to the engine thread; QueueFull when the engine's queue has no room for it (with
+        the jobs handed over and not yet carried counted in)."""
         state, detail = self.health()
         if state != READY:
             raise NotReady(state, detail)
-        with self._has_work:
-            # the queue is max_queue places behind the running jobs: jobs for free slots pass through it
-            if len(self._waiting) >= self.config.max_queue + self._free_slots():
+        with self._wake:
+            if not self.engine.has_room(len(self._handoff)):
                 raise QueueFull
-            self._waiting.append(job)
-            self._has_work.notify()
+            self._handoff.append(job)
+            self._wake.notify()
 
     def withdraw(self, job: Job) -> None:
-        """Take a job that has not started off the queue (its client left, or gave up)."""
-        with self._has_work:
+        """A job given up (its flag set): off the hand-off if not yet carried, and the engine thread
+        woken to take it out of the engine, so an abandoned request frees its place at once."""
+        with self._wake:
             try:
-                self._waiting.remove(job)
-            except ValueError:  # already started, or finished
+                self._handoff.remove(job)
+            except ValueError:  # carried already, or finished
                 pass
+            self._wake.notify()
 
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a row: the engine's queue, and those on their way to it."""
+        return len(self._handoff) + (self.engine.queue_depth if self.engine is not None else 0)
 
     def running(self) -> int:
-        """Jobs in the engine now."""
-        return len(self._running)
-
-    def _free_slots(self) -> int:
-        """Slots the worker fills at its next step."""
-        return max(0, self.capacity() - len(self._running))
+        """Jobs the engine has admitted (prefilling or decoding)."""
+        return sum(t.admitted is not None for t in list(self._jobs.values()))
 
     def capacity(self) -> int:
         """Jobs the engine runs at once: --max-running, or the slots its memory allowed."""
@@ -189,22 +190,25 @@ class EngineWorker:
             return 1
         mean = sum(durations) / len(durations)
         now = time.monotonic()
-        remaining = max((max(mean - (now - r.admitted), 0.0) for r in list(self._running.values())), default=0.0)
+        remaining = max((max(mean - (now - t.admitted), 0.0) for t in list(self._jobs.values())
+                         if t.admitted is not None), default=0.0)
         return max(1, math.ceil(remaining + mean * math.ceil(self.queue_depth() / self.capacity())))
 
     def working(self) -> bool:
-        """A job is on the engine right now."""
-        return bool(self._running)
+        """A job is on the engine right now (admitted, not waiting)."""
+        return self.running() > 0
 
     def busy(self) -> bool:
-        return self.working() or bool(self._waiting)
+        """Jobs anywhere: handed over, waiting in the engine or running (draining waits for none)."""
+        return bool(self._jobs) or bool(self._handoff)
 
     def cancel_all(self, reason: str) -> None:
-        for r in list(self._running.values()):
-            r.job.cancel(reason)
-        with self._has_work:
-            for job in self._waiting:
+        for t in list(self._jobs.values()):
+            t.job.cancel(reason)
+        with self._wake:
+            for job in self._handoff:
                 job.cancel(reason)
+            self._wake.notify()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel everything and let the thread end (it is a daemon: a stuck engine cannot hold the exit)."""
@@ -229,7 +233,7 @@ class EngineWorker:
         except BaseException as exc:  # noqa: BLE001 - the thread is dying; say so and fail waiting jobs
             log.error("engine worker died: %r", exc)
             self._set(ERROR, f"engine worker died: {type(exc).__name__}: {exc}")
-            self._fail_pending("the engine worker died")
+            self._fail_handed_over("the engine worker died")
 
     def _set(self, state: str, detail: str) -> None:
         self._state, self._detail = state, detail
@@ -252,41 +256,40 @@ class EngineWorker:
         if produced == 0:
             raise RuntimeError("warm-up generation produced no tokens")
 
-    def _next_job(self) -> Job | None:
-        with self._has_work:
-            return self._waiting.popleft() if self._waiting else None
-
     def _serve(self) -> None:
         try:
             while True:
-                self._admit()
-                if not self._running:
+                self._carry()
+                if not self.engine.has_work:
                     if self._stopping:
                         return
-                    with self._has_work:
-                        if not self._waiting:
-                            self._has_work.wait(IDLE_POLL_S)
+                    with self._wake:
+                        if not self._handoff:
+                            self._wake.wait(IDLE_POLL_S)
                     continue
                 self._step()
         except BaseException:  # the thread is dying: no request may wait forever
-            for r in self._running.values():
-                r.job.emit(ErrorEvent(503, "the engine worker died"))
+            for t in self._jobs.values():
+                t.job.emit(ErrorEvent(503, "the engine worker died"))
             raise
 
-    def _admit(self) -> None:
-        """Move waiting jobs into the engine while it has a free slot."""
-        while len(self._running) < self.capacity():
-            job = self._next_job()
-            if job is None:
-                return
-            self._start(job)
+    def _carry(self) -> None:
+        """Into the engine: the jobs handed over (under the lock, so that `submit`'s look at the
+        engine's queue counts each job once, handed over or queued), then the cancellations."""
+        with self._wake:
+            while self._handoff:
+                self._start(self._handoff.popleft())
+        for t in list(self._jobs.values()):
+            if t.job.cancelled.is_set():
+                log.info("generation cancelled after %d round(s): %s", t.outputs, t.job.cancel_reason)
+                self._finish(t, DoneEvent())
 
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
             job.emit(DoneEvent())
             return
         state, detail = self.health()
-        if state != READY:  # queued before the engine broke
+        if state != READY:  # handed over before the engine broke
             job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
             return
         try:
@@ -295,60 +298,62 @@ class EngineWorker:
             job.emit(ErrorEvent(400, str(exc)))
             return
         except Exception as exc:  # the request fails, the worker carries on
-            log.exception("engine error at admission")
+            log.exception("engine error at submission")
             job.emit(ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
             return
-        self._running[request_id] = _Running(job, request_id, time.monotonic())
+        self._jobs[request_id] = _Tracked(job, request_id)
 
     def _step(self) -> None:
-        """One engine step for every running job: cancellations first, then the round, then each
-        job's output (and its end)."""
-        for r in list(self._running.values()):
-            if r.job.cancelled.is_set():
-                log.info("generation cancelled after %d round(s): %s", r.outputs, r.job.cancel_reason)
-                self._finish(r, DoneEvent())
-        started = time.perf_counter()
+        """One engine step (admissions, then one round for every running job), then each job's output
+        (and its end), and which waiting jobs this step admitted."""
+        started_at, started = time.monotonic(), time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # every running job fails; the engine drops them and serves the next
+        except Exception as exc:  # every job fails; the engine drops them and serves the next
             log.exception("engine error during generation")
-            for r in list(self._running.values()):
-                self._finish(r, ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
+            for t in list(self._jobs.values()):
+                self._finish(t, ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
             return
         elapsed = time.perf_counter() - started
         now = time.monotonic()
+        for t in self._jobs.values():  # in the order they came, which is the order of first admission
+            if t.admitted is None:
+                if self.engine.queued(t.request_id):
+                    break  # and every job after it waits too
+                t.admitted = started_at
         for request_id, out in outputs:
-            r = self._running.get(request_id)
-            if r is None:
+            t = self._jobs.get(request_id)
+            if t is None:
                 continue
             if out.error is not None:
                 status = 400 if isinstance(out.error, ValueError) else 500
-                self._finish(r, ErrorEvent(status, f"{out.error}" if status == 400 else
+                self._finish(t, ErrorEvent(status, f"{out.error}" if status == 400 else
                                            f"engine error: {type(out.error).__name__}: {out.error}"))
                 continue
-            if r.outputs == 0:  # the engine's first output is the prefill, not a speculative round
-                self.metrics.observe_prefill(now - r.admitted, len(out.token_ids))
+            if t.outputs == 0:  # the engine's first output is the prefill, not a speculative round
+                self.metrics.observe_prefill(now - t.admitted, len(out.token_ids))
             else:
                 self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
-            r.outputs += 1
+            t.outputs += 1
             self._committed.append((now, len(out.token_ids)))
-            r.job.emit(RoundEvent(out))
+            t.job.emit(RoundEvent(out))
             if out.finished:
-                self._finish(r, DoneEvent())
+                self._finish(t, DoneEvent())
         while self._committed and self._committed[0][0] < now - TOKEN_RATE_WINDOW_S:
             self._committed.popleft()
 
-    def _finish(self, r: _Running, event: DoneEvent | ErrorEvent) -> None:
+    def _finish(self, t: _Tracked, event: DoneEvent | ErrorEvent) -> None:
         """The job leaves the engine (a no-op there if it already finished) with its last event."""
-        del self._running[r.request_id]
-        self.engine.cancel(r.request_id)
-        self._durations.append(time.monotonic() - r.admitted)
-        r.job.emit(event)
+        del self._jobs[t.request_id]
+        self.engine.cancel(t.request_id)
+        if t.admitted is not None:
+            self._durations.append(time.monotonic() - t.admitted)
+        t.job.emit(event)
 
-    def _fail_pending(self, message: str) -> None:
-        with self._has_work:
-            while self._waiting:
-                self._waiting.popleft().emit(ErrorEvent(503, message))
+    def _fail_handed_over(self, message: str) -> None:
+        with self._wake:
+            while self._handoff:
+                self._handoff.popleft().emit(ErrorEvent(503, message))
 
 
 def load_engine(config: ServerConfig) -> Any:

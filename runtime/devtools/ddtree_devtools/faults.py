@@ -3,11 +3,11 @@ POST /_test/fault route that flips it. The served runtime knows nothing of eithe
 
 Faults (the JSON body's keys):
     kill_worker: the worker thread dies at its next look at the engine (within IDLE_POLL_S when idle).
-    engine_errors: the next N admissions raise inside the engine (the worker must survive them).
+    engine_errors: the next N submissions raise inside the engine (the worker must survive them).
     round_delay_s: each engine step takes this much longer (makes generations slow enough to observe).
-    paused: the engine takes one request and holds it, unstarted, and steps nothing, so the queue
-        behind it fills deterministically (one held job, then --max-queue waiting); on resume the held
-        request starts first.
+    paused: the engine holds the requests it is given, unstarted, and steps nothing: the first held
+        counts as running and the others as its queue (with no free row, so --max-queue of them fill
+        it deterministically); on resume they start in the order they came.
 """
 
 from __future__ import annotations
@@ -56,10 +56,34 @@ class FaultyEngine:
 
     @property
     def slots(self) -> int:
-        self._check_kill()
-        if self.faults.paused:  # one request may come in and be held; no more until resumed
+        if self.faults.paused:  # the held one (and what runs already) take every row until resumed
             return max(1, len(self._held) + len(self._started))
         return self.inner.slots
+
+    @property
+    def has_work(self) -> bool:
+        self._check_kill()
+        return bool(self._held) or self.inner.has_work
+
+    @property
+    def queue_depth(self) -> int:
+        return self.inner.queue_depth + len(self._held_waiting())
+
+    def has_room(self, arriving: int = 0) -> bool:
+        if self.faults.paused:  # no row frees up while paused: only the queue's own places
+            return self.queue_depth + arriving < self.inner.config.max_queue
+        return self.inner.has_room(arriving + len(self._held))
+
+    def queued(self, request_id: int) -> bool:
+        if request_id in self._held:
+            return request_id in self._held_waiting()
+        inner = self._started.get(request_id)
+        return inner is not None and self.inner.queued(inner)
+
+    def _held_waiting(self) -> list[int]:
+        """The held requests that count as queued: all but the first, when nothing else runs."""
+        held = list(self._held)
+        return held if self._started else held[1:]
 
     def submit(self, prompt_ids: list[int], params: Any) -> int:
         self._check_kill()

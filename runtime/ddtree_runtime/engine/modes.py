@@ -1,0 +1,104 @@
+"""The speculative modes as objects, one registry: what each needs and how its round's tree is made.
+
+The engine asks a request's mode instead of branching on its name: whether it drafts (needs the
+drafter, keeps a draft between rounds, shares a speculative prefix), how many tree slots its round
+writes, and how the tree is built from the draft, alone or for the rows of a batch. The names are
+limits.MODES (declared there, torch-free, for ddops and the settings); a test checks they agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..limits import MODES
+from .tree import Tree, TreeBuilder, build_chain
+
+
+class Mode:
+    """A decoding mode. `drafts`: it runs the drafter, and a round verifies a tree (or chain) of draft
+    tokens; without it a round is one target step (autoregressive)."""
+    name: str
+    drafts: bool = True
+
+    def tree_slots(self, budget: int, block_size: int) -> int:
+        """Nodes (root included) of this mode's round at a tree budget: what the pool reserves for it."""
+        raise NotImplementedError
+
+    def trees(self, builder: TreeBuilder, drafted: list[torch.Tensor], budget: int,
+              block_size: int) -> list[Tree | None]:
+        """The trees of rows of this mode and one budget, from their drafts ([block-1, V] each); None:
+        a row verifies its root alone."""
+        raise NotImplementedError
+
+    def tree(self, builder: TreeBuilder, drafted: torch.Tensor, budget: int, block_size: int) -> Tree | None:
+        """A lone request's tree (a graphed build's own buffer, used before the next build)."""
+        return self.trees(builder, [drafted], budget, block_size)[0]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class AutoRegressive(Mode):
+    """One token a round from the target alone: no drafter, no tree."""
+    name, drafts = "ar", False
+
+    def tree_slots(self, budget: int, block_size: int) -> int:
+        return 1
+
+    def trees(self, builder, drafted, budget, block_size):
+        return [None] * len(drafted)
+
+
+class DFlash(Mode):
+    """The drafter's block read as one chain: its top-1 token at every depth."""
+    name = "dflash"
+
+    def tree_slots(self, budget: int, block_size: int) -> int:
+        return block_size
+
+    def trees(self, builder, drafted, budget, block_size):
+        return [build_chain(d) for d in drafted]
+
+
+class DDTree(Mode):
+    """A best-first tree of `budget` draft nodes over the drafter's per-depth distributions."""
+    name = "ddtree"
+
+    def tree_slots(self, budget: int, block_size: int) -> int:
+        return budget + 1
+
+    def tree(self, builder, drafted, budget, block_size):
+        return builder.build(drafted[:min(block_size - 1, budget)], budget)
+
+    def trees(self, builder, drafted, budget, block_size):
+        depth = min(block_size - 1, budget)
+        if len(drafted) == 1:
+            tree = builder.build(drafted[0][:depth], budget)
+            # a graphed build returns the same static buffer to every request of this budget
+            return [Tree(tree.nodes.clone()) if builder.use_graphs else tree]
+        nodes = builder.build_rows(_stacked([d[:depth] for d in drafted]), budget)
+        return [Tree(row) for row in nodes]  # staged by the verify before the next build
+
+
+REGISTRY: dict[str, Mode] = {mode.name: mode for mode in (DDTree(), DFlash(), AutoRegressive())}
+
+
+def mode_named(name: str) -> Mode:
+    """The mode called `name`; ValueError naming the choices otherwise."""
+    mode = REGISTRY.get(name)
+    if mode is None:
+        raise ValueError(f"mode must be one of {MODES}, got {name!r}")
+    return mode
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one [R, ...]: a view when they are evenly spaced rows of one buffer (the drafts of
+    a batched drafter pass, 146 MB at 16 requests of Qwen3-8B), else a stacked copy."""
+    first = rows[0]
+    step = rows[1].data_ptr() - first.data_ptr() if len(rows) > 1 else 0
+    even = step > 0 and step % first.element_size() == 0 and all(
+        r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.shape == first.shape
+        and r.stride() == first.stride() and r.data_ptr() - first.data_ptr() == i * step for i, r in enumerate(rows))
+    if not even:
+        return torch.stack(rows)
+    return first.as_strided((len(rows), *first.shape), (step // first.element_size(), *first.stride()))

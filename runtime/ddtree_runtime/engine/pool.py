@@ -1,0 +1,74 @@
+"""The KV pool as the engine uses it: its pages, the rows' block tables, the two caches over them and
+the cached sequences that hold pages between requests.
+
+Rows are the engine's batch rows (scheduler.py): the running requests in 0..R-1, the prefilling one
+at R, cached sequences in the rows above. A row takes pages as it grows (take_pages), evicting cached
+sequences, least recently used first, while too few are free; rows that change places take their
+block tables (so both caches' KV) and a hybrid's state slots along (move_rows)."""
+
+from __future__ import annotations
+
+from .block_manager import BlockManager, PageTable
+from .kv_cache import KVCache
+from .memory import PoolSizing
+from .prefix_cache import CachedSequence, PrefixCache
+from .runner import TargetRunner, tree_bucket
+
+
+class KVPool:
+    def __init__(self, pages: BlockManager, page_table: PageTable, prefix: PrefixCache | None,
+                 sizing: PoolSizing, max_context: int) -> None:
+        self.pages, self.page_table, self.prefix = pages, page_table, prefix
+        self.page_size = pages.page_size
+        self.sizing, self.max_context = sizing, max_context
+        self.target_cache: KVCache | None = None  # set (and re-set by a re-size) by the engine
+        self.draft_cache: KVCache | None = None
+        self.target_slots = 0  # the tree size the target cache was sized for
+
+    def holds(self, tree_slots: int) -> bool:
+        """Whether the target cache's per-row tree scratch takes a tree of `tree_slots` nodes."""
+        return self.target_cache.holds(TargetRunner.capacity_for(self.max_context, tree_slots),
+                                       tree_bucket(tree_slots))
+
+    def take_pages(self, row: int, tokens: int) -> bool:
+        """Back `row`'s positions 0..tokens-1 with pages, evicting cached sequences (least recently
+        used first) while too few are free; False when even that is not enough."""
+        while not self.page_table.grow(row, tokens):
+            victim = None if self.prefix is None else self.prefix.least_recent(spare=())
+            if victim is None:
+                return False
+            self.evict(victim)
+        return True
+
+    def keep_free(self, pages: int, spare: CachedSequence) -> None:
+        """Evict cached sequences other than `spare` (least recently used first) until `pages` are free."""
+        while self.pages.free_pages < pages:
+            victim = self.prefix.least_recent(spare=(spare,))
+            if victim is None:
+                return
+            self.evict(victim)
+
+    def evict(self, seq: CachedSequence) -> None:
+        self.page_table.release(seq.row)
+        self.prefix.evict(seq)
+
+    def evictable_pages(self, spare: CachedSequence | None) -> int:
+        """Pages that evicting every cached sequence but `spare` would free."""
+        if self.prefix is None:
+            return 0
+        refs = self.pages.refs
+        return sum(refs[p] == 1 for seq in self.prefix.by_row.values() if seq is not spare
+                   for p in self.page_table.pages[seq.row])
+
+    def copy_pages(self, pair: tuple[int, int] | None) -> None:
+        """A copy-on-write the block table asked for: page dst takes page src's content, in both caches."""
+        if pair is not None:
+            self.target_cache.copy_page(*pair, self.page_size)
+            if self.draft_cache is not None:
+                self.draft_cache.copy_page(*pair, self.page_size)
+
+    def move_rows(self, dst: list[int], src: list[int], length: int) -> None:
+        """Rows change places: their block tables (the KV of both caches comes along) and a hybrid's
+        state slots (their first `length` positions' worth)."""
+        self.page_table.move(dst, src)
+        self.target_cache.permute(dst, src, length)

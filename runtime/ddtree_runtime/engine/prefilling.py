@@ -1,0 +1,233 @@
+"""The prefill step: up to a chunk of prompt tokens a step, then each prompt's first token and draft.
+
+The request in progress goes first, then the queue's head while the scheduler admits it; a long prompt
+takes several steps, between which the running requests keep decoding. The last pieces of several
+prompts run as one target pass (`_prefill_rows`, attention-only targets), and their first drafts as
+one drafter pass. A part of the Engine (engine.py), on its state: the models, the caches, the
+scheduler and the pool."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import TreeInputs
+from .prefill import PREFILL_PIECE
+from .prefix_cache import common_prefix
+from .types import RequestState, RoundOutput, TokenLogprob
+
+# The most attention-bias elements (rows x queries x keys) one grouped prefill pass builds (_group_holds):
+# 64M, 128 MB in 16 bits; a group that would need more runs as several passes.
+GROUP_BIAS = 1 << 26
+
+
+class Prefilling:
+    """The Engine's prefill step (mixed into Engine: its models, caches, scheduler and pool)."""
+
+    def _prefill_step(self) -> tuple[list[tuple[int, RoundOutput]], list[RequestState]]:
+        """Prefill up to prefill_chunk prompt tokens, from the request in progress on and then the
+        queue's head while slots are free: a long prompt takes several steps, between which the
+        running requests keep decoding. Returns the first tokens and the requests that joined."""
+        outputs, joined = [], []
+        group: list[tuple[RequestState, int]] = []  # prompts' last pieces, run as one pass (_prefill_rows)
+        # with nothing decoding there is no one to stall: a prompt goes in pieces as large as prefill.py's
+        left = self.scheduler.prefill_budget(self.config.prefill_chunk)
+        self.stats.prefill_tokens = self.stats.prefill_passes = 0
+        while left > 0:
+            try:
+                req = self.scheduler.next_prefill()
+            except Exception as exc:  # noqa: BLE001 - re-sizing the pool for it failed: it fails, alone
+                failed = self.scheduler.fail_head()
+                outputs.append((failed.id, RoundOutput([], 0, True, "error", error=exc)))
+                continue
+            if req is None:
+                break
+            if group and not req.placed and self._shares_with(group, req):
+                self._prefill_group(group, outputs)  # computed first, so that its pages can be shared
+            if not req.placed:
+                self._place(req)
+            take = min(left, len(req.context) - req.prefilled, PREFILL_PIECE)
+            if req.prefilled < req.snapshot_at < len(req.context):  # a hybrid's state is kept there
+                take = min(take, req.snapshot_at - req.prefilled)
+            left -= take
+            self.stats.prefill_tokens += take
+            if self._groupable(req, take):
+                if not self._group_holds(group, req, take):
+                    self._prefill_group(group, outputs)
+                # the request joins now (the next admission takes the next slot); its pass runs with the group's
+                self.scheduler.start_running(req)
+                joined.append(req)
+                group.append((req, take))
+                continue
+            self._prefill_group(group, outputs)
+            first = self._prefill_chunk(req, take)
+            if first is not None:
+                self.scheduler.start_running(req)
+                joined.append(req)
+                self._joined(req, first, outputs)
+        self._prefill_group(group, outputs)
+        return outputs, joined
+
+    def _shares_with(self, group: list[tuple[RequestState, int]], req: RequestState) -> bool:
+        """Whether req's context starts with a full page of a grouped request's (not computed yet)."""
+        return self.prefix is not None and any(common_prefix(r.context, req.context) >= self.page_size
+                                               for r, _ in group)
+
+    def _joined(self, req: RequestState, first: tuple[int, list[TokenLogprob] | None],
+                outputs: list[tuple[int, RoundOutput]]) -> None:
+        token, logprobs = first
+        if token is None:  # a preempted request recomputed: its next token is already known
+            return
+        req.produced.append(token)
+        outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
+
+    def _groupable(self, req: RequestState, take: int) -> bool:
+        """Whether this piece may share a prefill pass with other requests' (_prefill_rows): the last
+        of its prompt, no longer than a chunk, on an attention-only target (a hybrid's recurrent state
+        would run on over the padding of a shorter row)."""
+        return self.arch == "qwen3" and take <= self.config.prefill_chunk and req.prefilled + take == len(req.context)
+
+    @staticmethod
+    def _group_holds(group: list[tuple[RequestState, int]], req: RequestState, take: int) -> bool:
+        """Whether the group's pass can take one more row: its padded tokens within one prefill piece
+        (the activations the pool was sized for) and its attention bias within GROUP_BIAS elements."""
+        rows = [*group, (req, take)]
+        width = max(t for _, t in rows)
+        keys = max(r.prefilled + t for r, t in rows)
+        return len(rows) * width <= PREFILL_PIECE and len(rows) * width * keys <= GROUP_BIAS
+
+    def _prefill_group(self, group: list[tuple[RequestState, int]], outputs: list[tuple[int, RoundOutput]]) -> None:
+        """Run the deferred last pieces (one pass for two or more, the lone path for one), then empty it."""
+        if len(group) == 1:
+            req, take = group[0]
+            self._joined(req, self._prefill_chunk(req, take), outputs)
+        elif group:
+            for req, first in zip([r for r, _ in group], self._prefill_rows(group)):
+                self._joined(req, first, outputs)
+        group.clear()
+
+    def _prefill_chunk(self, req: RequestState, take: int) -> tuple[int, list[TokenLogprob] | None] | None:
+        """Prompt tokens prefilled..prefilled+take into the request's slot; at the prompt's end, the
+        first token (and, for a speculative request, the first draft). Returns the first token (and its
+        log-probabilities if asked for) then."""
+        lo, hi = req.prefilled, req.prefilled + take
+        ids = torch.tensor([req.context[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
+        pos = torch.arange(lo, hi, device=self.device)[None]
+        # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
+        h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
+        self.stats.prefill_passes += 1
+        self._prefilled(req, take, feats)
+        if hi < len(req.context):
+            return None
+        return self._first_token(req, self.target.logits(h[0, -1:]))
+
+    def _prefill_rows(self, group: list[tuple[RequestState, int]]) -> list[tuple[int, list[TokenLogprob] | None]]:
+        """The last pieces of several prompts in one target pass: row i is group[i]'s piece at its own
+        offset over its own cache row (the group holds consecutive slots), padded to the longest piece
+        and causal within its row, so a burst of short prompts reads the weights once instead of once
+        each. The padding's k/v land past a row's prompt, where the first round writes over them before
+        anything may read there. Returns each request's first token, as _prefill_chunk does."""
+        reqs, takes = [r for r, _ in group], [t for _, t in group]
+        n, width, dev = len(group), max(takes), self.device
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, (req, take) in enumerate(group):
+            ids[i, :take] = torch.tensor(req.context[req.prefilled:req.prefilled + take])
+        pos = torch.tensor([req.prefilled for req in reqs], device=dev)[:, None] + torch.arange(width, device=dev)
+        kv_len = max(req.prefilled + take for req, take in group)
+        cols = torch.arange(kv_len, device=dev)
+        bias = torch.zeros((), dtype=self.target_cache.k.dtype, device=dev).expand(n, 1, width, kv_len)
+        bias = bias.masked_fill(cols > pos[:, None, :, None], float("-inf"))       # [n, 1, W, L] causal per row
+        slots = pos.clamp(max=self.target_cache.capacity - 1)
+        rows = self.target_cache.rows(reqs[0].slot, reqs[0].slot + n)
+        h, feats = self.target(ids.to(dev), pos, rows, static=TreeInputs(slots, bias, kv_len, None))
+        self.stats.prefill_passes += 1
+        for i, (req, take) in enumerate(group):
+            self._prefilled(req, take, None if feats is None else feats[i:i + 1, :take])
+        last = self.target.logits(h[torch.arange(n, device=dev), torch.tensor(takes, device=dev) - 1])  # [n, V]
+        firsts = [self._first_token(req, last[i:i + 1], draft=False) for i, req in enumerate(reqs)]
+        if sum(req.mode.drafts for req in reqs) > 1:
+            self._draft_prompts(reqs)
+        else:
+            for req in reqs:
+                if req.mode.drafts:
+                    req.drafted = self._draft_prompt(req)
+        return firsts
+
+    def _draft_prompts(self, reqs: list[RequestState]) -> None:
+        """_draft_prompt for a prefill group (consecutive slots) in one drafter pass: row i's context is
+        its computed prompt (zero-padded to the longest; the padding's k/v land past its context, under
+        its block or masked, as the per-round pass's do), then its block. An AR row takes part at the
+        last cache slot only, so nothing it holds is touched."""
+        dev, bs, n = self.device, self.block_size, len(reqs)
+        spec = [req.mode.drafts for req in reqs]
+        width = max(req.n_ctx - req.reused for req, s in zip(reqs, spec) if s)
+        feats = next(req.prompt_feats for req, s in zip(reqs, spec) if s)
+        ctx = feats.new_zeros(n, width, feats.shape[-1])
+        block = torch.full((n, bs), self.mask_token_id, dtype=torch.long, device=dev)
+        for i, req in enumerate(reqs):
+            if spec[i]:
+                ctx[i, :req.n_ctx - req.reused] = req.prompt_feats[0]
+                req.prompt_feats = None
+            block[i, 0] = req.bonus
+        lo = torch.tensor([req.reused for req in reqs], device=dev)[:, None]
+        end = torch.tensor([req.n_ctx for req in reqs], device=dev)[:, None]
+        ctx_pos, block_pos = lo + torch.arange(width, device=dev), end + torch.arange(bs, device=dev)
+        last = self.draft_cache.capacity - 1
+        live = torch.tensor(spec, device=dev)[:, None]
+        ctx_slots = torch.where(live, ctx_pos.clamp(max=last), last)
+        block_slots = torch.where(live, block_pos, last)
+        kv_len = max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs
+        cols = torch.arange(kv_len, device=dev)
+        bias = torch.zeros((), dtype=self.draft_cache.k.dtype, device=dev).expand(n, 1, 1, kv_len)
+        bias = bias.masked_fill((cols >= torch.where(live, end + bs, 1))[:, None, None], float("-inf"))
+        rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
+        h = self.drafter(self.target.model.embed_tokens(block), block_pos, ctx, ctx_pos, rows, mask=bias,
+                         static=(ctx_slots, block_slots, kv_len))
+        drafted = self.target.logits(h[:, 1:])                          # [n, bs-1, V]
+        for i, req in enumerate(reqs):
+            if spec[i]:
+                req.drafted = drafted[i]
+
+    def _prefilled(self, req: RequestState, take: int, feats: torch.Tensor | None) -> None:
+        """Book `take` more prompt tokens as computed, keeping their features for the first draft."""
+        lo, hi = req.prefilled, req.prefilled + take
+        req.prefilled = hi
+        if req.mode.drafts:
+            if req.prompt_feats is None:  # the computed prompt's, filled chunk by chunk (no concatenation)
+                req.prompt_feats = feats.new_empty(1, len(req.context) - req.reused, feats.shape[-1])
+            req.prompt_feats[:, lo - req.reused:hi - req.reused] = feats
+        if hi == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
+            self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
+
+    def _first_token(self, req: RequestState, logits: torch.Tensor,
+                     draft: bool = True) -> tuple[int | None, list[TokenLogprob] | None]:
+        """The prompt is in: choose the first token from the last position's logits [1, V], and draft
+        (unless the caller drafts for several requests at once). A request recomputed after a
+        preemption chooses nothing: its next round's root is the last token it produced (None)."""
+        if req.resume_bonus is not None:
+            req.n_ctx, req.bonus, req.resume_bonus = len(req.context), req.resume_bonus, None
+            if draft and req.mode.drafts:
+                req.drafted = self._draft_prompt(req)
+            return None, None
+        chosen = self._choose(req, logits, 0)
+        pending = self._logprobs(req, logits, chosen)
+        first = int(chosen[0])
+        req.n_ctx, req.bonus = len(req.context), first
+        if draft and req.mode.drafts:
+            req.drafted = self._draft_prompt(req)
+        return first, None if pending is None else pending.rows([0])
+
+    def _draft_prompt(self, req: RequestState) -> torch.Tensor:
+        """The first drafter pass of a request, eager: its context is every prompt position (features
+        from the prefill, written to the drafter's cache after the reused prefix's, which came with it:
+        a position's drafter k/v depend on that position's target features alone) plus the block
+        [bonus, MASK * (block_size-1)] -> logits for depths 1..Q-1."""
+        n, bs, lo = req.n_ctx, self.block_size, req.reused
+        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
+        block[0, 0] = req.bonus
+        emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
+        block_pos = torch.arange(n, n + bs, device=self.device)[None]
+        ctx_pos = torch.arange(lo, n, device=self.device)[None]
+        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache.rows(req.slot, req.slot + 1),
+                         ctx_start=lo)
+        req.prompt_feats = None
+        return self.target.logits(h[0, 1:])

@@ -32,6 +32,7 @@ from batch_bench import steady_rounds
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.distributed import Leader, follow, join
 from ddtree_runtime.model.parallel import shard_state
+from ddtree_runtime.server.ranks import end_process
 from gpu_bench import SHAPES, build_models, run_case, sync
 
 RANK_ENV, PORT_ENV = "TP_BENCH_RANK", "TP_BENCH_PORT"
@@ -153,7 +154,7 @@ def main() -> None:
         del engine
         release()
         follow(same_weights_engine(args, args.tp, tp), tp)
-        return
+        end_process(0)  # not through the interpreter's exit, which aborts a rank (server/ranks.py)
 
     results = {}
     alone = same_weights_engine(args, 1)
@@ -194,6 +195,7 @@ def main() -> None:
         "ratios": ratios, "targets": TARGETS, "greedy_equal_to_tp1": agreement, "followers_exit": codes},
         indent=2))
     print(f"wrote {out}")
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.distributed import Leader, follow, join
+from ddtree_runtime.server.ranks import end_process
 from ddtree_devtools.tiny_corpus import mixed_prompts
 
 MAX_NEW = 24
@@ -95,6 +96,7 @@ def main() -> None:
             follow(Engine(config(pair, 2, "fp8")), tp)
     if rank == 0:
         out.write_text(json.dumps(results))
+    end_process(0)  # as the server's ranks end: not through the interpreter's exit (ranks.end_process)
 
 
 if __name__ == "__main__":

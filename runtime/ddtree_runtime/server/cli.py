@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
     where = f" rank {follower}" if follower else ""
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s")
     if follower:  # a tensor-parallel follower: no HTTP, rank 0's engine calls only
-        return ranks.follow(config)
+        ranks.end_process(ranks.follow(config))
     if args.device is None or args.dtype is None:
         log.info("serving on %s in %s (%s)", config.device, config.dtype,
                  "chosen: no --device/--dtype given" if args.device is None else "--dtype follows --device")
@@ -182,4 +182,6 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
     finally:
         if followers is not None:
             followers.stop()
+    if followers is not None:
+        ranks.end_process(0)
     return 0

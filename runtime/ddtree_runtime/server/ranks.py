@@ -117,6 +117,17 @@ class Followers:
                 log.warning("tensor-parallel follower pid %d did not end", proc.pid)
 
 
+def end_process(code: int) -> NoReturn:
+    """End a rank's process now, with `code`, its output flushed. A process that joined the ranks does
+    not return through the interpreter's exit: torch.distributed's threads are then destroyed still
+    joinable, which aborts it ("terminate called without an active exception", SIGABRT), and systemd
+    would see a clean stop as a failure."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 _followers: Followers | None = None  # this process's, when it is rank 0 of a tensor-parallel server
 
 

@@ -2,19 +2,20 @@
 97,887 MiB held back by one allocation, random weights of a real shape (gpu_bench.build_models).
 
     PYTHONPATH=runtime:runtime/bench python runtime/bench/capacity_bench.py --shape qwen3.6-27b \\
-        [--card-mib 97887] [--parts pool,batch,long,share] [--out F]
+        [--card-mib 97887] [--parts share,batch,long] [--out F]
 
 Parts (each adds its figures to the JSON; share runs first, on the fresh pool, so no cached sequence
 holds pages it would count):
-- pool: the pool's tokens against the arithmetic's ceiling (the free memory the engine saw after the
+- always, the pool: its tokens against the arithmetic's ceiling (the free memory the engine saw after the
   weights, less a prefill's activations and the rows' state, over a token's KV bytes);
 - batch: `--requests` requests of `--prompt` random tokens and `--answer` tokens each (ignore_eos), all
   submitted at once: the most running together (the batch size /metrics shows), wall time, tokens/s;
 - long: one request of the full context (max_context - 16 prompt tokens, 16 answer tokens) is admitted
   and finishes: its time to first token;
 - share: `--requests` requests with one shared `--system` token system prompt and their own 256-token
-  turns (each starting with a turn-start token, as a chat template lays them out), submitted together: the most pages in use against one copy of the system prompt plus every
-  tail (target: at most 1.2x), and a second turn's time to first token against the first's (at most 10%).
+  turns (each starting with a turn-start token, as a chat template lays them out), submitted together:
+  the most pages in use against one copy of the system prompt plus every tail (target: at most 1.2x),
+  and a second turn's time to first token against the first's (at most 10%).
 After each part: torch's peak allocated and reserved memory in it, and the card's free memory (what
 mem_fraction's headroom was used for).
 Not a test: figures depend on the machine."""
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--mem-fraction", type=float, default=None, help="default: the engine's")
-    ap.add_argument("--parts", default="pool,batch,long,share")
+    ap.add_argument("--parts", default="share,batch,long")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--answer", type=int, default=1024)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.lab.test_replicas import PROFILE, REPO, chat, ct200, ddops, pivot, variant
-from tests.lab.test_top_tmux import RESET
+from tests.lab.test_replicas import REPO, chat, ct200, ddops, variant
+from tests.lab.test_top_tmux import RESET, serve_replicas
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -30,17 +30,7 @@ DASHBOARD = REPO / "dashboards" / "ddtree.json"
 
 @pytest.fixture(scope="module")
 def monitored(lab):
-    from ddops.demo import ensure_tiny_models, seed_drafter
-    from ddops.executor import Executor
-    from ddops.inventory import load_inventory
-
-    ensure_tiny_models(lambda m: None)
-    inventory = load_inventory(lab.inventory_path)
-    with Executor(inventory) as ex:
-        seed_drafter(inventory, ex, lambda m: None)
-    ct200(lab, RESET)
-    done, report = pivot(lab, PROFILE)
-    assert done.returncode == 0 and report["outcome"] == "ok", report
+    serve_replicas(lab)
     yield lab
     lab.ssh("eval-a6000", "systemctl disable --now prometheus.service; DEBIAN_FRONTEND=noninteractive apt-get "
                           "purge -y -q prometheus; rm -rf /etc/prometheus /etc/systemd/system/prometheus.service.d "

@@ -39,11 +39,8 @@ RESET = ("systemctl disable --now ddtree.service ddtree@1.service ddtree@2.servi
          "systemctl reset-failed; systemctl start dflash-train.service")
 
 
-@pytest.fixture(scope="module")
-def served(lab, tmp_path_factory):
-    """ct200 serving two replicas; an inventory copy that also lists the fault server's unit and port."""
-    if shutil.which("tmux") is None:
-        pytest.skip("the top test drives a terminal through tmux (apt-get install tmux)")
+def serve_replicas(lab) -> None:
+    """ct200 from a clean state to serving the replicas profile (the tiny models and drafter in place)."""
     from ddops.demo import ensure_tiny_models, seed_drafter
     from ddops.executor import Executor
     from ddops.inventory import load_inventory
@@ -55,6 +52,14 @@ def served(lab, tmp_path_factory):
     ct200(lab, RESET)
     done, report = pivot(lab, PROFILE)
     assert done.returncode == 0 and report["outcome"] == "ok", report
+
+
+@pytest.fixture(scope="module")
+def served(lab, tmp_path_factory):
+    """ct200 serving two replicas; an inventory copy that also lists the fault server's unit and port."""
+    if shutil.which("tmux") is None:
+        pytest.skip("the top test drives a terminal through tmux (apt-get install tmux)")
+    serve_replicas(lab)
     doc = yaml.safe_load(Path(lab.inventory_path).read_text())
     doc["hosts"]["ct200"]["services"].append({"unit": FAULTY_UNIT, "port": FAULTY_PORT, "health": "/health"})
     watched = tmp_path_factory.mktemp("top") / "inventory.yaml"

@@ -13,9 +13,10 @@ last one's start, when every client has a request in, which is what a server und
 delivers), time to first text and request latency (p50 / p99), the wall time against the first
 level's, the requests refused, by status (a 429 when the queue is full is a refusal; a 5xx is a
 defect), and the server's own means from its /metrics (server/timeline.py: tokenizing, queue wait,
-time to first token and to first round, round time), so a client-side loss shows beside them. Random weights emit ids a bench tokenizer has no text for (start_bench.py's has a few hundred),
-so their first text comes late: there time to first text measures the tokenizer, not the server. Not
-a test."""
+time to first token and to first round, round time), so a client-side loss shows beside them.
+Random weights emit ids a bench tokenizer has no text for (start_bench.py's has a few hundred), so
+their first text comes late: there time to first text measures the tokenizer, not the server (the
+server's time_to_first_token does not depend on it). Not a test."""
 
 from __future__ import annotations
 

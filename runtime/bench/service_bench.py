@@ -310,12 +310,13 @@ def main() -> None:
     print(f"{'path':<8}{'tok/s':>8}{'x steady':>9}{'run tok/s':>10}{'lat ms':>9}{'rounds':>8}"
           + "".join(f"{s:>10}" for s in stages))
     for r in results:
-        print(f"{r['path']:<8}{r['tokens_per_s']:>8.0f}{r['of_steady']:>9.3f}{r['run_tokens_per_s']:>10.0f}{r['latency_ms']:>9.1f}"
+        print(f"{r['path']:<8}{r['tokens_per_s']:>8.0f}{r['of_steady']:>9.3f}{r['run_tokens_per_s']:>10.0f}"
+              f"{r['latency_ms']:>9.1f}"
               f"{r['rounds_per_request']:>8.1f}" + "".join(f"{r['stages_ms'].get(s, 0):>10.1f}" for s in stages))
     for r in results:
         if "steps" in r:
-            print(f"engine steps: {r['steps']}, {r['admitting_steps']} admitting ({r['admitting_steps_per_request']:.2f} "
-                  f"a request); step {r['step_ms']:.2f} ms, admitting step {r['admitting_step_ms']:.2f} ms")
+            print(f"engine steps: {r['steps']}, {r['admitting_steps']} admitting "
+                  f"({r['admitting_steps_per_request']:.2f} a request); step {r['step_ms']:.2f} ms, admitting step {r['admitting_step_ms']:.2f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"label": args.label, "source": args.models or args.shape, "device": str(engine.device),

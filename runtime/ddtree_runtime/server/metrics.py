@@ -78,14 +78,15 @@ class Metrics:
         self.round_duration = Histogram("round_duration_seconds", "Wall time of one decoding round.",
                                         buckets=ROUND_LATENCY_BUCKETS, **own)
         # a finished request's way to its first round (server/timeline.py): which stage a slow start is in
-        self.prep_duration = Histogram("request_prep_seconds", "From a request's arrival to its hand-off to the "
-                                       "engine thread: reading, parsing, tokenizing.", buckets=ROUND_LATENCY_BUCKETS, **own)
-        self.queue_wait = Histogram("queue_wait_seconds", "From a request's hand-off to the engine thread to the "
-                                    "start of the step that admitted it.", buckets=REQUEST_LATENCY_BUCKETS, **own)
+        lat, fine = REQUEST_LATENCY_BUCKETS, ROUND_LATENCY_BUCKETS
+        self.prep_duration = Histogram("request_prep_seconds", "From a request's arrival to its hand-off to "
+                                       "the engine thread: reading, parsing, tokenizing.", buckets=fine, **own)
+        self.queue_wait = Histogram("queue_wait_seconds", "From a request's hand-off to the engine thread to "
+                                    "the start of the step that admitted it.", buckets=lat, **own)
         self.time_to_first_token = Histogram("time_to_first_token_seconds", "From a request's arrival to its "
-                                             "prefill's token out of the engine.", buckets=REQUEST_LATENCY_BUCKETS, **own)
-        self.time_to_first_round = Histogram("time_to_first_round_seconds", "From a request's arrival to its first "
-                                             "decoding round out of the engine.", buckets=REQUEST_LATENCY_BUCKETS, **own)
+                                             "prefill's token out of the engine.", buckets=lat, **own)
+        self.time_to_first_round = Histogram("time_to_first_round_seconds", "From a request's arrival to its "
+                                             "first decoding round out of the engine.", buckets=lat, **own)
         # --- read when scraped ---
         self._scrape_time = _ScrapeTimeValues()
         self.registry.register(self._scrape_time)

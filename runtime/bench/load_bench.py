@@ -8,11 +8,15 @@ With --target it starts ddtree-serve itself (testing.ServerProcess, 127.0.0.1, a
 at the end; with --url it drives a running server. Each client streams completions (temperature 0,
 `stream_options.include_usage` for the token count) one after another until the fixed number is
 done, after a warm-up round at the largest level. Per concurrency level it reports the aggregate
-completion tokens/s, time to first text and request latency (p50 / p99), the wall time against the first
-level's, and the requests refused, by status (a 429 when the queue is full is a refusal; a 5xx is a
-defect). Random weights emit ids a bench tokenizer has no text for (start_bench.py's has a few hundred),
-so their first text comes late: there time to first text measures the tokenizer, not the server. Not
-a test."""
+completion tokens/s (over the whole level, and over its window: from the first request's end to the
+last one's start, when every client has a request in, which is what a server under steady load
+delivers), time to first text and request latency (p50 / p99), the wall time against the first
+level's, the requests refused, by status (a 429 when the queue is full is a refusal; a 5xx is a
+defect), and the server's own means from its /metrics (server/timeline.py: tokenizing, queue wait,
+time to first token and to first round, round time), so a client-side loss shows beside them.
+Random weights emit ids a bench tokenizer has no text for (start_bench.py's has a few hundred), so
+their first text comes late: there time to first text measures the tokenizer, not the server (the
+server's time_to_first_token does not depend on it). Not a test."""
 
 from __future__ import annotations
 
@@ -47,14 +51,58 @@ def one_request(client: httpx.Client, body: dict) -> dict:
                 first = time.perf_counter() - started
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    return {"status": 200, "ttft_s": first if first is not None else time.perf_counter() - started,
-            "latency_s": time.perf_counter() - started, "tokens": tokens}
+    ended = time.perf_counter()
+    return {"status": 200, "ttft_s": first if first is not None else ended - started,
+            "latency_s": ended - started, "tokens": tokens, "span": (started, ended)}
+
+
+def window_rate(results: list[dict], last_sent: float) -> float:
+    """Tokens/s over the part of a level in which every client has a request in: from the first
+    request's end to the last one's start (before it, the level's opening burst; after it, the level
+    winds down). Each request's tokens count in proportion to its time inside that window."""
+    start = min(r["span"][1] for r in results)
+    if last_sent <= start:
+        return 0.0
+    inside = 0.0
+    for r in results:
+        a, b = r["span"]
+        if b > a:
+            inside += r["tokens"] * max(0.0, min(b, last_sent) - max(a, start)) / (b - a)
+    return inside / (last_sent - start)
+
+
+# The server's own account of a request's way (server/timeline.py), as means from /metrics: histogram
+# sum over count, differenced across a level.
+SERVER_STAGES = ("request_prep_seconds", "queue_wait_seconds", "time_to_first_token_seconds",
+                 "time_to_first_round_seconds", "round_duration_seconds")
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """The sums and counts of SERVER_STAGES' histograms (empty if the server has none of them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    if r.status_code != 200:
+        return {}
+    return {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+            if s.name.removeprefix("ddtree_").removesuffix("_sum").removesuffix("_count") in SERVER_STAGES
+            and s.name.endswith(("_sum", "_count"))}
+
+
+def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for name in SERVER_STAGES:
+        key = f"ddtree_{name}"
+        count = after.get(f"{key}_count", 0) - before.get(f"{key}_count", 0)
+        if count > 0:
+            out[name.removesuffix("_seconds")] = 1e3 * (after[f"{key}_sum"] - before.get(f"{key}_sum", 0)) / count
+    return out
 
 
 def load(url: str, concurrency: int, requests: int, bodies: list[dict]) -> dict:
     """`concurrency` clients take requests from one counter until `requests` are done."""
     results: list[dict] = []
-    lock, taken = threading.Lock(), [0]
+    lock, taken, last_sent = threading.Lock(), [0], [0.0]
 
     def client_loop() -> None:
         with httpx.Client(base_url=url, timeout=600) as client:
@@ -64,26 +112,33 @@ def load(url: str, concurrency: int, requests: int, bodies: list[dict]) -> dict:
                         return
                     i = taken[0]
                     taken[0] += 1
+                    if taken[0] == requests:
+                        last_sent[0] = time.perf_counter()
                 out = one_request(client, bodies[i % len(bodies)])
                 with lock:
                     results.append(out)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    with httpx.Client(base_url=url, timeout=60) as client:
+        before = scrape(client)
+        started = time.perf_counter()
+        threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - started
+        after = scrape(client)
     refused = [r["status"] for r in results if r["status"] != 200]
-    results = [r for r in results if r["status"] == 200] or [{"ttft_s": wall, "latency_s": wall, "tokens": 0}]
+    results = [r for r in results if r["status"] == 200] or [{"ttft_s": wall, "latency_s": wall, "tokens": 0,
+                                                               "span": (started, started + wall)}]
     tokens = sum(r["tokens"] for r in results)
     ttft, latency = [r["ttft_s"] for r in results], [r["latency_s"] for r in results]
     return {"concurrency": concurrency, "requests": len(results) + len(refused), "wall_s": wall, "tokens": tokens,
             "refused": {str(code): refused.count(code) for code in sorted(set(refused))},
-            "tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "tokens_per_s": tokens / wall, "window_tokens_per_s": window_rate(results, last_sent[0]),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "latency_p50_s": percentile(latency, 0.5), "latency_p99_s": percentile(latency, 0.99),
-            "latency_mean_s": statistics.fmean(latency)}
+            "latency_mean_s": statistics.fmean(latency), "server_ms": stage_means_ms(before, after)}
 
 
 def main() -> None:
@@ -134,14 +189,18 @@ def main() -> None:
         if server is not None:
             server.stop()
     one = next((r for r in results if r["concurrency"] == 1), results[0])
-    print(f"\n{'clients':>8}{'wall s':>9}{'tok/s':>9}{'x 1 client':>11}{'ttft p50':>10}{'ttft p99':>10}"
+    print(f"\n{'clients':>8}{'wall s':>9}{'tok/s':>9}{'window':>9}{'x 1 client':>11}{'ttft p50':>10}{'ttft p99':>10}"
           f"{'lat p50':>9}{'lat p99':>9}")
     for r in results:
         speedup = r["tokens_per_s"] / one["tokens_per_s"]
         refused = ", ".join(f"{n} x {code}" for code, n in r["refused"].items())
-        print(f"{r['concurrency']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{speedup:>11.2f}"
-              f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['latency_p50_s']:>9.3f}{r['latency_p99_s']:>9.3f}"
-              + (f"  refused: {refused}" if refused else ""))
+        print(f"{r['concurrency']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{r['window_tokens_per_s']:>9.0f}"
+              f"{speedup:>11.2f}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['latency_p50_s']:>9.3f}"
+              f"{r['latency_p99_s']:>9.3f}" + (f"  refused: {refused}" if refused else ""))
+    print("server's means, ms (prep: arrival to the engine thread's hand-off; queue_wait: to admission; "
+          "first token / first round: from arrival):")
+    for r in results:
+        print(f"{r['concurrency']:>8}  " + ", ".join(f"{k} {v:.1f}" for k, v in r["server_ms"].items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"url": args.url, "target": args.target, "mode": args.mode,

@@ -13,7 +13,9 @@ Qwen3's templates drop a think block: it leaves the cached sequence inside the a
 hybrid reuses up to that turn's start, where its state was kept). Times to first token
 (`Engine.generate` up to its first token): turn 1 (with and without the prompt state kept: keeping it
 splits the prefill there), and each turn-2 form with its prefix reused and, on an emptied cache,
-without. Writes the JSON after every measurement."""
+without; for the reused turn 2 also where its time goes (PHASES: placing, each prefill pass, the first
+token, the drafter's first pass, the rest) and when its first round ends. Writes the JSON after every
+measurement."""
 
 from __future__ import annotations
 
@@ -47,28 +49,72 @@ def first_token_s(engine: Engine, prompt: list[int], max_new: int = 1) -> tuple[
     return ttft, out
 
 
+def first_round_s(engine: Engine, prompt: list[int]) -> float:
+    """Time from submission to the end of the first decoding round (the step after the prefill's)."""
+    sync(engine.device)
+    t0 = time.perf_counter()
+    gen = engine.generate(prompt, SamplingParams(max_new_tokens=8, mode="ddtree", tree_budget=16, ignore_eos=True))
+    next(gen)
+    next(gen)
+    sync(engine.device)
+    seconds = time.perf_counter() - t0
+    gen.close()
+    return seconds
+
+
+def drop_cached(engine: Engine, row: int | None = None) -> None:
+    """Evict the cached sequences (all, or the one in `row`), their pages given back to the pool (the
+    prefix cache's own pop and clear only forget them: a paged row would still hold its pages)."""
+    for seq in list(engine.prefix.by_row.values()):
+        if row is None or seq.row == row:
+            engine.pool.evict(seq)
+
+
+# What a turn's first token is made of: the engine's methods timed (synchronised), each without the
+# time of those nested in it, so the parts add up to the whole: placing the request at its cached
+# prefix (lookup, page references, the partial page's copy), each prefill pass (`_prefill_chunk`: a
+# hybrid's prompt is cut where its state is kept, so a turn may take two), the first token's choice,
+# the drafter's first pass (eager), and the rest of the step.
+PHASES = {"_place": "place", "_prefill_chunk": "prefill", "_first_token": "first_token",
+          "_draft_prompt": "first_draft"}
+
+
 class PhaseTimes:
-    """Synchronised wall time of the engine's admission (lookup and prefix copy), each prefill forward
-    (with the first token's choice and first draft at the prompt's end) and the first draft alone."""
+    """Synchronised wall time of each of PHASES' methods, exclusive of the ones nested in it."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.times = engine, {}
-        for name in ("_place", "_prefill_chunk", "_draft_prompt"):
-            setattr(engine, name, self._timed(name, getattr(engine, name)))
+        self.engine, self.times, self._stack = engine, {}, []
+        for method in PHASES:
+            setattr(engine, method, self._timed(method, getattr(engine, method)))
 
-    def _timed(self, name: str, fn):
+    def _timed(self, method: str, fn):
         def run(*args, **kw):
             sync(self.engine.device)
+            self._stack.append(0.0)  # the time of calls nested in this one
             t0 = time.perf_counter()
-            out = fn(*args, **kw)
-            sync(self.engine.device)
-            self.times.setdefault(name, []).append(round(time.perf_counter() - t0, 5))
-            return out
+            try:
+                return fn(*args, **kw)
+            finally:
+                sync(self.engine.device)
+                total = time.perf_counter() - t0
+                nested = self._stack.pop()
+                if self._stack:
+                    self._stack[-1] += total
+                self.times.setdefault(PHASES[method], []).append(round(total - nested, 5))
         return run
 
     def take(self) -> dict:
         times, self.times = self.times, {}
         return times
+
+
+def breakdown_ms(phases: dict, ttft_s: float) -> dict:
+    """A measured turn's phases in milliseconds (each summed over its calls), the prefill passes
+    counted, and what the step spent besides them."""
+    out = {name: round(1e3 * sum(times), 2) for name, times in phases.items()}
+    out["prefill_passes"] = len(phases.get("prefill", []))
+    out["other"] = round(1e3 * ttft_s - sum(v for k, v in out.items() if k != "prefill_passes"), 2)
+    return out
 
 
 def conversation(vocab: int, turn: int, context: int, new: int, answer: int, g: torch.Generator) -> dict:
@@ -89,7 +135,7 @@ def measure(engine: Engine, conv: dict, answer: int, report: dict, save, phases:
     p1 = conv["prompt1"]
 
     def turn1_ttft() -> float:
-        engine.prefix.clear()
+        drop_cached(engine)
         return first_token_s(engine, p1)[0]
     engine.turn_token = None  # no prompt state kept: the prefill in one piece
     report["turn1_ttft_s_one_piece"] = min(turn1_ttft() for _ in range(REPEATS))
@@ -100,7 +146,7 @@ def measure(engine: Engine, conv: dict, answer: int, report: dict, save, phases:
     report["turn1_phases_s"] = phases.take()
     report["turn1_prompt_tokens"] = len(p1)
     save()
-    engine.prefix.clear()
+    drop_cached(engine)
     _, a1 = first_token_s(engine, p1, answer)
     forms = {"completion": p1 + a1 + conv["new"],
              "chat": p1[:len(p1) - len(conv["header"])] + conv["header"] + a1[DROPPED:] + conv["new"]}
@@ -114,8 +160,11 @@ def measure(engine: Engine, conv: dict, answer: int, report: dict, save, phases:
             t, firsts[name] = first_token_s(engine, prompt)
             times.append(t)
             row["tokens_reused"] = engine.stats.prefix_tokens_saved - before
-            engine.prefix.pop(0)  # the measured request's own sequence: the next repeat reuses turn 1's again
+            drop_cached(engine, row=0)  # the measured request's own sequence: the next repeat reuses turn 1's again
         row["phases_s"] = phases.take()  # the last repeat's
+        row["breakdown_ms"] = breakdown_ms(row["phases_s"], times[-1])
+        row["first_round_s_reused"] = first_round_s(engine, prompt)  # the prefill's step, then its first round
+        drop_cached(engine, row=0)
         assert [seq.row for seq in engine.prefix.by_row.values()] == [1]
         row["ttft_s_reused_each"] = times
         row["ttft_s_reused"] = min(times)
@@ -125,7 +174,7 @@ def measure(engine: Engine, conv: dict, answer: int, report: dict, save, phases:
         row = report[name]
         times = []
         for _ in range(REPEATS):
-            engine.prefix.clear()
+            drop_cached(engine)
             t, first = first_token_s(engine, prompt)
             times.append(t)
         row["ttft_s_full"] = min(times)
@@ -187,6 +236,13 @@ def main() -> None:
                 print(f"{shape:<13}{rows['turn1_ttft_s']:>9.3f}{rows['turn1_ttft_s_one_piece']:>12.3f}{form:>12}"
                       f"{r['tokens_reused']:>8}{r['ttft_s_reused']:>8.3f}{r['ttft_s_full']:>8.3f}"
                       f"{r['ratio_to_turn1']:>10.3f}")
+    print("turn 2 reused, where its time to first token goes (ms, synchronised; 'other': the rest of the step):")
+    for shape, rows in report["shapes"].items():
+        for form in ("completion", "chat"):
+            r = rows.get(form)
+            if r and "breakdown_ms" in r:
+                print(f"{shape:<13}{form:>12}  " + ", ".join(f"{k} {v}" for k, v in r["breakdown_ms"].items())
+                      + f"; first round done at {1e3 * r['first_round_s_reused']:.1f}")
     print(f"wrote {out_path}")
 
 

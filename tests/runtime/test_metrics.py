@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.timeline import Timeline
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -40,3 +42,20 @@ def test_two_servers_in_one_process_keep_their_own_series():
     first, second = Metrics(), Metrics()
     first.observe_round(0.01, 2, 2)
     assert _samples(second.render())[("ddtree_rounds_total", ())] == 0
+
+
+def test_a_finished_requests_timeline_fills_its_stage_histograms():
+    m = Metrics()
+    timeline = Timeline(arrived=10.0, handed=10.002, submitted=10.003, admitted=10.2, first_token=10.3,
+                        first_round=10.32, finished=11.0, rounds=40)
+    m.observe_timeline(timeline)
+    m.observe_timeline(Timeline(arrived=20.0, handed=20.001))  # cancelled in the queue: only what it reached
+    s = _samples(m.render())
+    assert s[("ddtree_request_prep_seconds_count", ())] == 2
+    assert s[("ddtree_queue_wait_seconds_sum", ())] == pytest.approx(0.198)
+    assert s[("ddtree_time_to_first_token_seconds_sum", ())] == pytest.approx(0.3)
+    assert s[("ddtree_time_to_first_round_seconds_count", ())] == 1
+    assert s[("ddtree_time_to_first_round_seconds_bucket", (("le", "0.5"),))] == 1
+    assert timeline.intervals() == pytest.approx({"prep": 0.002, "handoff": 0.001, "queue": 0.197, "prefill": 0.1,
+                                                  "to_round": 0.02, "rounds": 0.68})
+    assert timeline.summary().startswith("timeline ms: prep 2.0, handoff 1.0, queue 197.0")

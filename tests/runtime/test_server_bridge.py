@@ -57,3 +57,24 @@ def test_a_waiting_request_waits_in_the_engines_queue(tiny_models):
     finally:
         worker.stop()
         loop.close()
+
+
+def test_a_finished_jobs_timeline_is_in_order_and_observed(tiny_models):
+    config = ServerConfig(target_dir=str(tiny_models / "target"), draft_dir=str(tiny_models / "draft"), max_running=2)
+    metrics = Metrics()
+    worker = EngineWorker(config, metrics)
+    loop = asyncio.new_event_loop()
+    job = Job(prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=12, ignore_eos=True), loop=loop)
+    worker.start()
+    try:
+        _until(lambda: worker.health()[0] == READY)
+        worker.submit(job)
+        _until(lambda: job.timeline.finished is not None)
+    finally:
+        worker.stop()
+        loop.close()
+    t = job.timeline
+    stages = [t.arrived, t.handed, t.submitted, t.admitted, t.first_token, t.first_round, t.finished]
+    assert None not in stages and stages == sorted(stages)
+    assert 1 <= t.rounds <= 11  # 12 tokens: one from the prefill, at least one a round
+    assert "ddtree_time_to_first_round_seconds_count 1.0" in metrics.render()

@@ -108,9 +108,9 @@ class Engine(Placement, Prefilling, Rounds):
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
         self.model_name = Path(config.target_dir).resolve().name
         self.draft_name = Path(config.draft_dir).resolve().name if config.draft_dir else None
-        # phase_hook(name) is called as each phase of a round starts ("draft", "tree", "verify",
-        # "commit", "step" for AR) and with "end" after it: the benchmark's instrumented mode times
-        # phases with it; None (the default) costs nothing
+        # phase_hook(name) is called as each phase of a step starts ("prefill" when it admits or
+        # prefills, then the round's "draft", "tree", "verify", "commit", "step" for AR) and with "end"
+        # after it: the benchmarks' instrumented modes time phases with it; None (the default) costs nothing
         self.phase_hook = None
 
         tp = parallel.current()  # this process's ranks (engine/distributed.py), None serving alone
@@ -296,6 +296,8 @@ class Engine(Placement, Prefilling, Rounds):
         are free), then one round for every request that was already decoding. Returns (request id,
         output) for each request that produced tokens; a finished request has left the engine."""
         self.scheduler.reserve_round()
+        if self.phase_hook is not None and (self.scheduler.waiting or self.scheduler.prefilling is not None):
+            self.phase_hook("prefill")  # closed by the round's first phase (or "end" below)
         outputs, joined = self._prefill_step()
         decoding = self.scheduler.decoding(joined)  # rows 0..B-1: the batch is a prefix of the pool
         if len(decoding) == 1:
@@ -304,6 +306,8 @@ class Engine(Placement, Prefilling, Rounds):
         else:
             rounds = self._batch_round(decoding) if decoding else []
         self.stats.rounds += bool(rounds)
+        if not rounds:
+            self._phase("end")
         for req, (tokens, accepted, logprobs) in zip(decoding, rounds):
             req.produced += tokens
             req.rounds += 1

@@ -229,7 +229,8 @@ class ServerContext:
     # -- generation --
 
     def start_generation(
-        self, engine: Any, request: Request, prompt_ids: list[int], req: Any, max_tokens: int | None
+        self, engine: Any, request: Request, prompt_ids: list[int], req: Any, max_tokens: int | None,
+        arrived: float | None = None,
     ) -> Generation:
         from ddtree_runtime.engine import SamplingParams
         from ddtree_runtime.engine.modes import mode_named
@@ -286,7 +287,7 @@ class ServerContext:
         )
         gen = Generation(
             self.worker, engine.tokenizer, prompt_ids, params, req.stop_strings(), SpeculativeStats(mode, budget),
-            self.hidden_ids(engine, req.skip_special_tokens),
+            self.hidden_ids(engine, req.skip_special_tokens), arrived,
         )
         gen.submit(request)
         return gen

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from ddtree_runtime.server.detok import IncrementalDecoder, StopMatcher
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.logprobs import ReturnedToken
+from ddtree_runtime.server.timeline import Timeline
 from ddtree_runtime.server.worker import DoneEvent, EngineWorker, ErrorEvent, Job, NotReady, QueueFull
 
 
@@ -56,7 +57,9 @@ class Generation:
         stops: list[str],
         stats: SpeculativeStats,
         hidden_ids: frozenset[int] = frozenset(),
+        arrived: float | None = None,
     ) -> None:
+        """`arrived`: when the route began to read the request (its timeline's start; now if None)."""
         self._worker = worker
         self._decoder = IncrementalDecoder(tokenizer, hidden_ids)
         self._stops = StopMatcher(stops)
@@ -68,7 +71,8 @@ class Generation:
         self._offset = 0  # characters decoded so far: where the next token's text starts
         self.finish_reason: str | None = None
         self.stats = stats
-        self._job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
+        self._job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop(),
+                        timeline=Timeline(Timeline.now() if arrived is None else arrived))
         self._watcher: asyncio.Task | None = None
         self._prefilled = False
 

@@ -22,6 +22,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ddtree_runtime.server.timeline import Timeline
+
 PREFIX = "ddtree"
 # The text format 0.0.4 that generate_latest writes (the library's CONTENT_TYPE_LATEST names a newer one).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -75,6 +77,16 @@ class Metrics:
         self.acceptance = self._acceptance_histogram(max_acceptance_length)
         self.round_duration = Histogram("round_duration_seconds", "Wall time of one decoding round.",
                                         buckets=ROUND_LATENCY_BUCKETS, **own)
+        # a finished request's way to its first round (server/timeline.py): which stage a slow start is in
+        lat, fine = REQUEST_LATENCY_BUCKETS, ROUND_LATENCY_BUCKETS
+        self.prep_duration = Histogram("request_prep_seconds", "From a request's arrival to its hand-off to "
+                                       "the engine thread: reading, parsing, tokenizing.", buckets=fine, **own)
+        self.queue_wait = Histogram("queue_wait_seconds", "From a request's hand-off to the engine thread to "
+                                    "the start of the step that admitted it.", buckets=lat, **own)
+        self.time_to_first_token = Histogram("time_to_first_token_seconds", "From a request's arrival to its "
+                                             "prefill's token out of the engine.", buckets=lat, **own)
+        self.time_to_first_round = Histogram("time_to_first_round_seconds", "From a request's arrival to its "
+                                             "first decoding round out of the engine.", buckets=lat, **own)
         # --- read when scraped ---
         self._scrape_time = _ScrapeTimeValues()
         self.registry.register(self._scrape_time)
@@ -112,6 +124,16 @@ class Metrics:
         with self._acceptance_lock:
             self._acceptance_seen = True
             self.acceptance.observe(acceptance_length)
+
+    def observe_timeline(self, timeline: Timeline) -> None:
+        """A request that ran to its end: the stages it reached, from its arrival."""
+        t = timeline
+        for histogram, start, end in ((self.prep_duration, t.arrived, t.handed),
+                                      (self.queue_wait, t.handed, t.admitted),
+                                      (self.time_to_first_token, t.arrived, t.first_token),
+                                      (self.time_to_first_round, t.arrived, t.first_round)):
+            if end is not None and start is not None:
+                histogram.observe(end - start)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -21,6 +21,7 @@ from ddtree_runtime.server.logprobs import ReturnedToken, TokenTexts, chat_conte
 from ddtree_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
 from ddtree_runtime.server.schemas import parse_body
+from ddtree_runtime.server.timeline import Timeline
 from ddtree_runtime.server.worker import READY
 
 router = APIRouter()
@@ -75,12 +76,13 @@ async def list_models(request: Request) -> JSONResponse:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
+    arrived = Timeline.now()
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
     raw = await _read_body(request, ctx)
     req, prompt = await ctx.off_loop(ctx.prepare_chat, engine, raw)
-    gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens())
+    gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens(), arrived)
     shape = _Shape(ctx.reply_splitter(engine, req, prompt), ctx.model_name(), bool(ctx.config.reasoning_parser),
                    ctx.token_texts(engine, req))
     return await _respond(request, gen, req, shape)
@@ -88,12 +90,13 @@ async def chat_completions(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
+    arrived = Timeline.now()
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
     raw = await _read_body(request, ctx)
     req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
-    gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens())
+    gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens(), arrived)
     return await _respond(request, gen, req, _Shape(None, ctx.model_name(), False, ctx.token_texts(engine, req)))
 
 

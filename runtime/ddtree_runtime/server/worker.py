@@ -26,6 +26,7 @@ from typing import Any
 
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.metrics import Metrics
+from ddtree_runtime.server.timeline import Timeline
 
 log = logging.getLogger("ddtree_runtime.server")
 
@@ -67,6 +68,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None
+    timeline: Timeline = field(default_factory=lambda: Timeline(Timeline.now()))  # its stages' times
 
     def cancel(self, reason: str) -> None:
         if not self.cancelled.is_set():
@@ -74,10 +76,36 @@ class Job:
             self.cancelled.set()
 
     def emit(self, event: RoundEvent | DoneEvent | ErrorEvent) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
-            pass
+        _post(self.loop, [(self, event)])
+
+
+def _post(loop: asyncio.AbstractEventLoop, events: list[tuple[Job, RoundEvent | DoneEvent | ErrorEvent]]) -> None:
+    """Put jobs' events on their queues, on their event loop, in one call: a wake-up of the loop
+    (and a turn of the GIL away from the engine thread) per step, not per job."""
+    try:
+        loop.call_soon_threadsafe(_deliver, events)
+    except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
+        pass
+
+
+def _deliver(events: list[tuple[Job, RoundEvent | DoneEvent | ErrorEvent]]) -> None:
+    for job, event in events:
+        job.events.put_nowait(event)
+
+
+class _Outbox:
+    """A step's events, grouped by event loop and sent at the end of the step (`send`)."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, RoundEvent | DoneEvent | ErrorEvent]]] = {}
+
+    def add(self, job: Job, event: RoundEvent | DoneEvent | ErrorEvent) -> None:
+        self._by_loop.setdefault(job.loop, []).append((job, event))
+
+    def send(self) -> None:
+        for loop, events in self._by_loop.items():
+            _post(loop, events)
+        self._by_loop = {}
 
 
 @dataclass
@@ -147,6 +175,7 @@ class EngineWorker:
         with self._wake:
             if not self.engine.has_room(len(self._handoff)):
                 raise QueueFull
+            job.timeline.handed = Timeline.now()
             self._handoff.append(job)
             self._wake.notify()
 
@@ -301,6 +330,7 @@ class EngineWorker:
             log.exception("engine error at submission")
             job.emit(ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
             return
+        job.timeline.submitted = Timeline.now()
         self._jobs[request_id] = _Tracked(job, request_id)
 
     def _step(self) -> None:
@@ -314,13 +344,16 @@ class EngineWorker:
             for t in list(self._jobs.values()):
                 self._finish(t, ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
             return
-        elapsed = time.perf_counter() - started
+        ended = time.perf_counter()
+        elapsed = ended - started
         now = time.monotonic()
         for t in self._jobs.values():  # in the order they came, which is the order of first admission
             if t.admitted is None:
                 if self.engine.queued(t.request_id):
                     break  # and every job after it waits too
                 t.admitted = started_at
+                t.job.timeline.admitted = started
+        outbox = _Outbox()
         for request_id, out in outputs:
             t = self._jobs.get(request_id)
             if t is None:
@@ -328,27 +361,44 @@ class EngineWorker:
             if out.error is not None:
                 status = 400 if isinstance(out.error, ValueError) else 500
                 self._finish(t, ErrorEvent(status, f"{out.error}" if status == 400 else
-                                           f"engine error: {type(out.error).__name__}: {out.error}"))
+                                           f"engine error: {type(out.error).__name__}: {out.error}"), outbox)
                 continue
+            timeline = t.job.timeline
             if t.outputs == 0:  # the engine's first output is the prefill, not a speculative round
                 self.metrics.observe_prefill(now - t.admitted, len(out.token_ids))
+                timeline.first_token = ended
             else:
                 self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
+                if t.outputs == 1:
+                    timeline.first_round = ended
+                timeline.rounds += 1
             t.outputs += 1
             self._committed.append((now, len(out.token_ids)))
-            t.job.emit(RoundEvent(out))
+            outbox.add(t.job, RoundEvent(out))
             if out.finished:
-                self._finish(t, DoneEvent())
+                self._finish(t, DoneEvent(), outbox)
+        outbox.send()
         while self._committed and self._committed[0][0] < now - TOKEN_RATE_WINDOW_S:
             self._committed.popleft()
 
-    def _finish(self, t: _Tracked, event: DoneEvent | ErrorEvent) -> None:
-        """The job leaves the engine (a no-op there if it already finished) with its last event."""
+    def _finish(self, t: _Tracked, event: DoneEvent | ErrorEvent, outbox: _Outbox | None = None) -> None:
+        """The job leaves the engine (a no-op there if it already finished) with its last event (sent
+        with the step's others when an outbox is given); a job that ran to its end has its timeline
+        observed (one that was cancelled or failed would skew it)."""
         del self._jobs[t.request_id]
         self.engine.cancel(t.request_id)
         if t.admitted is not None:
             self._durations.append(time.monotonic() - t.admitted)
-        t.job.emit(event)
+        timeline = t.job.timeline
+        timeline.finished = time.perf_counter()
+        if isinstance(event, DoneEvent) and not t.job.cancelled.is_set() and t.outputs:
+            self.metrics.observe_timeline(timeline)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %d %s", t.request_id, timeline.summary())
+        if outbox is None:
+            t.job.emit(event)
+        else:
+            outbox.add(t.job, event)
 
     def _fail_handed_over(self, message: str) -> None:
         with self._wake:

@@ -204,12 +204,12 @@ class KVCache:
         b, p = nodes.shape
         if p == 0:
             return
-        rows = torch.arange(b, device=nodes.device)[:, None]
         dst = start[:, None] + torch.arange(p, device=nodes.device)          # [B, P]
         src = start[:, None] + nodes
         if self.table is not None:
             self._move_positions(self._physical(dst), self._physical(src))
             return
+        rows = torch.arange(b, device=nodes.device)[:, None]
         for t in (self.k, self.v):
             t[:, rows, :, dst] = t[:, rows, :, src]                         # [B, P, L, H, D] moved
 

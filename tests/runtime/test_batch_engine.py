@@ -166,6 +166,26 @@ def test_cancel_while_prefilling_then_serve(engine, prompts, reference):
     assert outs == reference[:3]
 
 
+def test_a_lone_ar_request_runs_ahead_alone_and_settles_when_joined(engine, prompts):
+    """The one round keeps a lone AR request's run-ahead (its next step queued before this one's token
+    is read) and drops it, committing the pass already run, once another request decodes beside it."""
+    keep = SamplingParams(max_new_tokens=MAX_NEW, mode="ar", ignore_eos=True)
+    expected = alone(engine, prompts[0], keep)
+    lone = engine.submit(prompts[0], keep)
+
+    def step() -> list[int]:
+        return [t for i, out in engine.step() for t in out.token_ids if i == lone]
+    tokens = step() + step()  # the prefill, then a lone round
+    assert engine.scheduler.find(lone).ahead is not None
+    engine.submit(prompts[1], keep)
+    while engine.stats.batch_size < 2:  # the newcomer prefills while the lone request runs on ahead
+        tokens += step()
+    assert engine.scheduler.find(lone).ahead is None  # a round of two: settled
+    while engine.has_work:
+        tokens += step()
+    assert tokens == expected
+
+
 def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, prompts, reference, monkeypatch):
     """As test_engine_lossless's deep-rejection test, in batches: the tree's top branch goes wrong
     at depth 3 and grows on below it (k/v and, on the hybrid, recurrent states of nodes then

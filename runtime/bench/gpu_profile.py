@@ -130,15 +130,15 @@ def main() -> None:
     next(gen)
     next(gen)  # one round: the drafter's cache is filled, every graph of this shape captured
     n_ctx = args.context + 1
-    draft_logits = torch.randn(15, vocab, device=device)
-    tree = build_tree(draft_logits, args.nodes - 1)
+    draft_logits = torch.randn(1, 15, vocab, device=device)  # a lone request: a batch of one
+    tree = build_tree(draft_logits[0], args.nodes - 1)
     feats = torch.zeros(1, 1, drafter.fc.in_features, device=device, dtype=torch.bfloat16)
     one = torch.ones(1, dtype=torch.long, device=device)
-    path_rows = torch.zeros(16, dtype=torch.long, device=device)
+    path_rows = torch.zeros(1, 16, dtype=torch.long, device=device)
     passes = {
-        "ar_step": lambda: engine.runner.run(1, n_ctx),
-        f"verify_{tree.size}_nodes": lambda: engine.runner.run(1, n_ctx, tree),
-        "draft": lambda: engine.draft_runner.run(one, one, path_rows, feats, n_ctx - 1),
+        "ar_step": lambda: engine.runner.run([1], [n_ctx], [None]),
+        f"verify_{tree.size}_nodes": lambda: engine.runner.run([1], [n_ctx], [tree]),
+        "draft": lambda: engine.draft_runner.run(one, one, path_rows, feats, [n_ctx - 1]),
         "tree_build": lambda: engine.trees.build(draft_logits, args.nodes - 1),
     }
     report = {"shape": args.shape, "context": args.context, "passes": {}}

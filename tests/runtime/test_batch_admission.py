@@ -143,17 +143,17 @@ def test_a_round_that_fails_leaves_the_engine_serving(engine, monkeypatch):
     alone = [[t for r in engine.generate(p, params) for t in r.token_ids] for p in prompts]
     ids = [engine.submit(p, params) for p in prompts]
     engine.step()  # all three prefilled
-    real_run = engine.batch_runner.run
+    real_run = engine.runner.run
 
     def fail(*args, **kwargs):
         raise RuntimeError("simulated device error")
-    monkeypatch.setattr(engine.batch_runner, "run", fail)
+    monkeypatch.setattr(engine.runner, "run", fail)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.step()
     for i in ids:
         engine.cancel(i)
     assert not engine.has_work
-    monkeypatch.setattr(engine.batch_runner, "run", real_run)
+    monkeypatch.setattr(engine.runner, "run", real_run)
     ids = [engine.submit(p, params) for p in prompts]
     tokens = _serve(engine)
     assert [tokens[i] for i in ids] == alone

@@ -166,29 +166,42 @@ def test_cancel_while_prefilling_then_serve(engine, prompts, reference):
     assert outs == reference[:3]
 
 
+def test_a_lone_ar_request_runs_ahead_alone_and_settles_when_joined(engine, prompts):
+    """The one round keeps a lone AR request's run-ahead (its next step queued before this one's token
+    is read) and drops it, committing the pass already run, once another request decodes beside it."""
+    keep = SamplingParams(max_new_tokens=MAX_NEW, mode="ar", ignore_eos=True)
+    expected = alone(engine, prompts[0], keep)
+    lone = engine.submit(prompts[0], keep)
+
+    def step() -> list[int]:
+        return [t for i, out in engine.step() for t in out.token_ids if i == lone]
+    tokens = step() + step()  # the prefill, then a lone round
+    assert engine.scheduler.find(lone).ahead is not None
+    engine.submit(prompts[1], keep)
+    while engine.stats.batch_size < 2:  # the newcomer prefills while the lone request runs on ahead
+        tokens += step()
+    assert engine.scheduler.find(lone).ahead is None  # a round of two: settled
+    while engine.has_work:
+        tokens += step()
+    assert tokens == expected
+
+
 def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, prompts, reference, monkeypatch):
     """As test_engine_lossless's deep-rejection test, in batches: the tree's top branch goes wrong
     at depth 3 and grows on below it (k/v and, on the hybrid, recurrent states of nodes then
     rejected) while neighbours share the pass. Output must not change."""
     swapped_depth = 3
-    original_build, original_rows = engine.trees.build, engine.trees.build_rows
-    original_walk = rounds_module.walk_rows
+    original_build, original_walk = engine.trees.build, rounds_module.walk
     diverged_then_continued = 0
 
-    def swap(draft_logits):
+    def build(draft_logits, budget):  # the requests of one budget, built together
         logits = draft_logits.clone()
-        row = logits[swapped_depth - 1]
-        first, second = row.topk(2).indices.tolist()
-        row[first], row[second] = row[second].clone(), row[first].clone()
-        return logits
+        for row in logits[:, swapped_depth - 1]:
+            first, second = row.topk(2).indices.tolist()
+            row[first], row[second] = row[second].clone(), row[first].clone()
+        return original_build(logits, budget)
 
-    def build(draft_logits, budget):
-        return original_build(swap(draft_logits), budget)
-
-    def build_rows(draft_logits, budget):  # the requests of one budget, built together
-        return original_rows(torch.stack([swap(d) for d in draft_logits]), budget)
-
-    def walk_rows(tokens, parents, depths, mask, target, max_depth):
+    def walk(tokens, parents, depths, mask, target, max_depth):
         nonlocal diverged_then_continued
         result = original_walk(tokens, parents, depths, mask, target, max_depth)
         for row in range(tokens.shape[0]):
@@ -203,8 +216,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
         return result
 
     monkeypatch.setattr(engine.trees, "build", build)
-    monkeypatch.setattr(engine.trees, "build_rows", build_rows)
-    monkeypatch.setattr(rounds_module, "walk_rows", walk_rows)
+    monkeypatch.setattr(rounds_module, "walk", walk)
     deep = SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)
     # two batchings of the same requests: some arriving later, then all at once
     for arrivals in ({0: [(p, deep) for p in prompts[:6]], 4: [(p, deep) for p in prompts[6:]]},

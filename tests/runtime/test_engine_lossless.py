@@ -92,9 +92,9 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
     original_build, original_walk = engine.trees.build, rounds_module.walk
     diverged_then_continued = 0
 
-    def build(draft_logits, budget):
+    def build(draft_logits, budget):  # a lone request's draft: a batch of one
         logits = draft_logits.clone()
-        row = logits[swapped_depth - 1]
+        row = logits[0, swapped_depth - 1]
         first, second = row.topk(2).indices.tolist()
         row[first], row[second] = row[second].clone(), row[first].clone()
         return original_build(logits, budget)
@@ -102,9 +102,9 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
     def walk(tokens, parents, depths, mask, target, max_depth):
         nonlocal diverged_then_continued
         result = original_walk(tokens, parents, depths, mask, target, max_depth)
-        path = Walk.read(result.tolist(), max_depth).path
+        path = Walk.read(result[0].tolist(), max_depth).path
         top = [0]  # the top branch: each node's first (best-ranked) child
-        parents = parents.tolist()
+        parents = parents[0].tolist()
         for node in range(1, len(parents)):
             if parents[node] == top[-1]:
                 top.append(node)

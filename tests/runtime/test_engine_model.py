@@ -135,7 +135,7 @@ def test_kv_compaction_moves_selected_rows():
     vals = torch.arange(16, dtype=torch.float32)[None, None, :, None].expand(1, 1, 16, 4)
     for layer in range(2):
         cache.write(layer, 0, vals, -vals)
-    cache.compact(5, [0, 2, 3, 7])  # tree nodes 0,2,3,7 sit at slots 5,7,8,12
+    cache.compact(torch.tensor([5]), torch.tensor([[0, 2, 3, 7]]), torch.tensor([4]))  # nodes at 5,7,8,12
     assert cache.k[1, 0, 0, :9, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 12]
     assert cache.v[0, 0, 0, 5:9, 0].tolist() == [-5, -7, -8, -12]
 

@@ -140,6 +140,11 @@ def _walk_on_host(tree, root: int, target: list[int]) -> list[int]:
     return path
 
 
+def _walk_one(tokens, parents, depths, mask, target, depth):
+    """walk() over one tree (a lone request: a batch of one), its row as a host list."""
+    return walk(tokens[None], parents[None], depths[None], mask[None], target[None], max_depth=depth)[0].tolist()
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_walk_follows_the_target_like_the_host_reference(seed):
     g = torch.Generator().manual_seed(seed)
@@ -153,7 +158,7 @@ def test_walk_follows_the_target_like_the_host_reference(seed):
         if torch.rand(1, generator=g).item() < 0.7:
             target[parents[i]] = tokens[i]
     expect = _walk_on_host(t, 2, target.tolist())
-    got = Walk.read(walk(tokens, parents, depths, mask, target, max_depth=depth).tolist(), depth)
+    got = Walk.read(_walk_one(tokens, parents, depths, mask, target, depth), depth)
     assert got.path == expect
     assert got.tokens == tokens[expect].tolist()
     assert got.next_token == target[expect[-1]].item()
@@ -163,10 +168,10 @@ def test_walk_of_a_rejected_root_is_the_root_alone():
     t = build_chain(torch.eye(4)[:3] * 5)           # tokens 0, 1, 2
     tokens, parents, depths = (torch.tensor(x) for x in _full(t, root=3))
     target = torch.tensor([3, 1, 2, 3])             # the root wants 3; no child carries it
-    got = Walk.read(walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3).tolist(), 3)
+    got = Walk.read(_walk_one(tokens, parents, depths, ancestor_mask(parents, 3), target, 3), 3)
     assert got == ([0], [3], 3)
     target[0] = 0                                   # accepted all the way: the last node's token follows
-    got = Walk.read(walk(tokens, parents, depths, ancestor_mask(parents, 3), target, max_depth=3).tolist(), 3)
+    got = Walk.read(_walk_one(tokens, parents, depths, ancestor_mask(parents, 3), target, 3), 3)
     assert got == ([0, 1, 2, 3], [3, 0, 1, 2], 3)
 
 

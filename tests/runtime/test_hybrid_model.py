@@ -134,16 +134,16 @@ def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pa
         ours(torch.tensor([context[:n]]), torch.arange(n)[None], cache, start=0)
         tokens[0] = context[n]
         tree = Tree(torch.tensor([tokens[1:], PARENTS[1:], depths(PARENTS)[1:]]))
-        logits = runner.run(tokens[0], n, tree).logits
+        logits = runner.run([tokens[0]], [n], [tree]).logits[0]
         for node in range(len(PARENTS)):
             seq = context[:n] + [tokens[j] for j in path_to(node)]
             assert torch.allclose(logits[node], hf_last_logits(hf, seq), atol=1e-4), f"node {node}"
         # keep the deepest path through a node whose siblings were rejected; the next step must see only it
         kept = path_to(11)
-        cache.compact(n, kept)
+        cache.compact(torch.tensor([n]), torch.tensor([kept]), torch.tensor([len(kept)]))
         after = context[:n] + [tokens[j] for j in kept]
         nxt = int(logits[11].argmax())
-        step = runner.run(nxt, len(after)).logits
+        step = runner.run([nxt], [len(after)], [None]).logits[0]
         assert torch.allclose(step[0], hf_last_logits(hf, after + [nxt]), atol=1e-4)
 
 

@@ -25,9 +25,9 @@ def test_each_mode_says_what_it_needs_and_reserves():
 def test_a_round_builds_the_modes_tree():
     builder, drafted = TreeBuilder(torch.device("cpu")), torch.randn(7, 50)
     assert mode_named("ar").trees(builder, [None, None], 4, 8) == [None, None]
-    chain = mode_named("dflash").tree(builder, drafted, 4, 8)
+    [chain] = mode_named("dflash").trees(builder, [drafted], 4, 8)
     assert chain.size == 8 and torch.equal(chain.tokens, drafted.argmax(-1))
-    tree = mode_named("ddtree").tree(builder, drafted, 4, 8)
+    [tree] = mode_named("ddtree").trees(builder, [drafted], 4, 8)  # a lone request: a batch of one
     assert tree.size == 5
     rows = mode_named("ddtree").trees(builder, [drafted, torch.randn(7, 50)], 4, 8)
     assert torch.equal(rows[0].nodes, tree.nodes)

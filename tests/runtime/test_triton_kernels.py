@@ -483,7 +483,7 @@ def test_batched_tree_pass_through_the_kernels_matches_torch():
     cache row, the split-KV attention with per-row lengths) against the torch path: the same logits and
     the same cache, other pool rows untouched."""
     interpret("""
-        from ddtree_runtime.engine.batch_runner import BatchTargetRunner
+        from ddtree_runtime.engine.runner import TargetRunner
         from ddtree_runtime.engine.kv_cache import KVCache
         from ddtree_runtime.engine.tree import Tree
         from ddtree_runtime.model import Qwen3Config, Qwen3ForCausalLM
@@ -503,7 +503,7 @@ def test_batched_tree_pass_through_the_kernels_matches_torch():
             cache = KVCache(2, 2, 32, 1024, "cpu", torch.float16, batch=6)
             cache.k.copy_(start[0])
             cache.v.copy_(start[1])
-            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            runner = TargetRunner(model, cache, torch.device("cpu"), max_depth=4)
             with torch.no_grad():
                 out = runner.run([3, 4, 1], [40, 7, 300], trees)
             return out.logits.clone(), cache
@@ -611,7 +611,7 @@ def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch()
     split-KV attention) against the torch path over the same pool and against a contiguous cache: the
     same logits, and each row's positions hold the same KV."""
     interpret("""
-        from ddtree_runtime.engine.batch_runner import BatchTargetRunner
+        from ddtree_runtime.engine.runner import TargetRunner
         from ddtree_runtime.engine.block_manager import BlockManager, PageTable
         from ddtree_runtime.engine.kv_cache import KVCache
         from ddtree_runtime.engine.tree import Tree
@@ -641,7 +641,7 @@ def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch()
                     pos = torch.arange(start)
                     k, v = (context[i, layer, row:row + 1, :, :start] for i in (0, 1))
                     view.put_at(layer, pos, k, v)
-            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            runner = TargetRunner(model, cache, torch.device("cpu"), max_depth=4)
             with torch.no_grad():
                 out = runner.run([3, 4, 1], starts, trees)
             return out.logits.clone(), [cache.held(row, start + 4) for row, start in enumerate(starts)]
@@ -651,7 +651,7 @@ def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch()
             cache = KVCache(2, 2, 32, capacity, "cpu", torch.float16, batch=4)
             cache.k.copy_(context[0])
             cache.v.copy_(context[1])
-            runner = BatchTargetRunner(model, cache, torch.device("cpu"), max_depth=4)
+            runner = TargetRunner(model, cache, torch.device("cpu"), max_depth=4)
             with torch.no_grad():
                 out = runner.run([3, 4, 1], starts, trees)
             return out.logits.clone(), [cache.held(row, start + 4) for row, start in enumerate(starts)]

@@ -4,8 +4,8 @@ A `step` is: the scheduler reserves the pages each running request's round may w
 the newest when the pool runs out, scheduler.py); prefill up to a chunk of prompt tokens, admitting
 queued requests while their prompt and a first round fit (prefilling.py, placing each at its longest
 cached prefix: placement.py); then one round for every request already decoding: draft -> tree ->
-verify -> accept and commit, one target pass and one drafter pass for all of them, or the graphed
-single-stream path for a lone request (rounds.py). The speculative modes are objects (modes.py).
+verify -> accept and commit, one target pass and one drafter pass for all of them, a lone request
+being a batch of one (rounds.py). The speculative modes are objects (modes.py).
 
 Memory: a KV pool of fixed-size pages counted in tokens (block_manager.py, pool.py), sized once at
 start-up from free memory by capacity.py's arithmetic (memory.py), holding the target's and the
@@ -35,7 +35,6 @@ from ..model.fp8 import FP8Linear
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
 from . import memory
-from .batch_runner import BatchDraftRunner, BatchTargetRunner
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
 from .graphs import HostRead
@@ -171,18 +170,17 @@ class Engine(Placement, Prefilling, Rounds):
             self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, 0,
                                        self.device, self.target.lm_head.weight.dtype, table=self.page_table)
             self.pool.draft_cache = self.draft_cache
-            self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache.rows(0, 1), self.block_size,
+            self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
                                             self.mask_token_id, self.device)
-            self.batch_draft = BatchDraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
-                                                self.mask_token_id, self.device)
         self.target_cache: KVCache | None = None
         self.runner: TargetRunner | None = None
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self._alloc_target_cache(tree_slots)
         self.trees = TreeBuilder(self.device)
-        self.readback = HostRead(Walk.size(self.block_size - 1), self.device)  # the round's one read
-        self.batch_readback = HostRead(self.slots * Walk.size(self.block_size - 1), self.device)
-        self.root_node = torch.zeros(1, dtype=torch.long, device=self.device)  # an AR step's path, [0]
+        self.readback = HostRead(self.slots * Walk.size(self.block_size - 1), self.device)  # the round's one read
+        # an AR step's accepted path in each row: its root alone (what a hybrid's state advances along)
+        self.root_paths = torch.zeros(self.slots, 1, dtype=torch.long, device=self.device)
+        self.root_lengths = torch.ones(self.slots, dtype=torch.long, device=self.device)
         self.stats = BatchStats(pages_total=self.pages.num_pages)
         self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats, self._alloc_target_cache,
                                    has_drafter=self.drafter is not None)
@@ -230,7 +228,7 @@ class Engine(Placement, Prefilling, Rounds):
         self.page_table.reset()  # idle: only cached sequences held pages
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self._resizing = True
-        self.target_cache = self.runner = self.batch_runner = None
+        self.target_cache = self.runner = None
         self.pool.target_slots = 0
         try:
             self._build_target_cache(tree_slots)
@@ -246,10 +244,7 @@ class Engine(Placement, Prefilling, Rounds):
         self.target_cache = target_cache(cfg, 0, self.device, dtype, nodes=tree_bucket(tree_slots),
                                          snapshots=self.prefix is not None, table=self.page_table)
         self.pool.target_cache = self.target_cache
-        self.runner = TargetRunner(self.target, self.target_cache.rows(0, 1), self.device,
-                                   max_depth=self.block_size - 1)
-        self.batch_runner = BatchTargetRunner(self.target, self.target_cache, self.device,
-                                              max_depth=self.block_size - 1)
+        self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
         self.pool.target_slots = tree_slots
 
     # ---- public API -------------------------------------------------------------------------------
@@ -300,11 +295,7 @@ class Engine(Placement, Prefilling, Rounds):
             self.phase_hook("prefill")  # closed by the round's first phase (or "end" below)
         outputs, joined = self._prefill_step()
         decoding = self.scheduler.decoding(joined)  # rows 0..B-1: the batch is a prefix of the pool
-        if len(decoding) == 1:
-            req = decoding[0]
-            rounds = [self._spec_round(req) if req.mode.drafts else self._ar_step(req)]
-        else:
-            rounds = self._batch_round(decoding) if decoding else []
+        rounds = self._round(decoding) if decoding else []
         self.stats.rounds += bool(rounds)
         if not rounds:
             self._phase("end")

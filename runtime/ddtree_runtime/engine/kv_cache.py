@@ -191,49 +191,27 @@ class KVCache:
             self.k[layer].scatter_(2, index, k)
             self.v[layer].scatter_(2, index, v)
 
-    def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
-        """Keep the tree nodes `path` (ascending, root first) of the pass written at `start`: entries
-        start+path[i] move to start+i for every layer; the rest become free. A path that is already a
-        prefix (an AR step, a fully accepted chain) needs no move. `nodes`: the same indices already on
-        the device (a host list would be copied there, and torch waits for the device to copy from
-        pageable memory: the engine passes the walk's own result)."""
-        n = len(path)
-        if path == list(range(n)):
-            return
-        src = self._path_index(path, nodes) + start
-        if self.table is not None:
-            self._move_positions(self._physical(torch.arange(start, start + n, device=src.device)),
-                                 self._physical(src))
-            return
-        # advanced indexing copies first, so overlapping source/destination ranges are safe
-        self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
-        self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
-
-    def _path_index(self, path: list[int], nodes: torch.Tensor | None) -> torch.Tensor:
-        """The path's node indices on the device: `nodes` when given (see compact)."""
-        return torch.tensor(path, device=self.k.device) if nodes is None else nodes
-
-    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor,
-                     moved: int | None = None) -> None:
-        """`compact` for every row at once, from device values only (a batched round's walk): row b
-        keeps its tree nodes nodes[b, :length[b]] (root first) of the pass written at start[b].
-        start, length: [B]; nodes: [B, P]. Slots past a row's path get copies of its root: they are
-        beyond its context, free. `moved`: the host's bound on the path entries that change place
-        (past it every row's path is in place: an AR step, a path down the first branches; 0: none
-        moves); None: up to P."""
+    def compact(self, start: torch.Tensor | None, nodes: torch.Tensor, length: torch.Tensor,
+                moved: int | None = None) -> None:
+        """Keep each row's accepted path of the tree pass it wrote at start[b]: row b's tree nodes
+        nodes[b, :length[b]] (root first) move to start[b].. in every layer; the rest become free. All
+        device values (the walk's own result: a host list would be copied there, and torch waits for
+        the device to copy from pageable memory). start, length: [B]; nodes: [B, P]. Slots past a row's
+        path get copies of its root: they are beyond its context, free. `moved`: the host's bound on
+        the path entries that change place (past it every row's path is in place: an AR step, a path
+        down the first branches; 0: none moves, and start may be None); None: up to P."""
         nodes = nodes if moved is None else nodes[:, :moved]
         b, p = nodes.shape
         if p == 0:
             return
-        rows = torch.arange(b, device=nodes.device)[:, None]
         dst = start[:, None] + torch.arange(p, device=nodes.device)          # [B, P]
         src = start[:, None] + nodes
         if self.table is not None:
             self._move_positions(self._physical(dst), self._physical(src))
             return
+        rows = torch.arange(b, device=nodes.device)[:, None]
         for t in (self.k, self.v):
             t[:, rows, :, dst] = t[:, rows, :, src]                         # [B, P, L, H, D] moved
-
 
     def _move_positions(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Paged: physical slots dst take src's KV in every layer (advanced indexing reads first)."""
@@ -306,11 +284,12 @@ class HybridCache(KVCache):
             self.conv[:, dst] = conv[:, src]
             self.state[:, dst] = state[:, src]
 
-    def compact_rows(self, start: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor,
-                     moved: int | None = None) -> None:
+    def compact(self, start: torch.Tensor | None, nodes: torch.Tensor, length: torch.Tensor,
+                moved: int | None = None) -> None:
         """Also advance each row's linear-layer state and conv tail along its own accepted path (the
-        whole path: a state advances even where no KV moves)."""
-        super().compact_rows(start, nodes, length, moved)
+        whole path: a state advances even where no KV moves); what rejected branches wrote to the
+        scratch is never read."""
+        super().compact(start, nodes, length, moved)
         advance_along(self.step, self.state, nodes, length)
         k1 = self.conv.shape[2]
         picked = self.inputs.gather(2, nodes[None, :, :, None].expand(*self.inputs.shape[:2], -1,
@@ -318,18 +297,6 @@ class HybridCache(KVCache):
         tail = torch.cat([self.conv, picked], dim=2)                        # [n, B, K-1+P, C]
         keep = length[:, None] + torch.arange(k1, device=nodes.device)     # the K-1 rows ending the path
         self.conv.copy_(tail.gather(2, keep[None, :, :, None].expand(*self.conv.shape)))
-
-    def compact(self, start: int, path: list[int], nodes: torch.Tensor | None = None) -> None:
-        """Also advance every linear layer's state to the end of the accepted path, in place (the
-        batched commit's advance, every row along this one path); what rejected branches wrote to the
-        scratch is never read."""
-        super().compact(start, path, nodes)
-        idx = self._path_index(path, nodes)
-        rows = self.state.shape[1]
-        advance_along(self.step, self.state, idx.expand(rows, -1),
-                      torch.full((rows,), len(path), device=idx.device))
-        tail = torch.cat([self.conv, self.inputs[:, :, idx]], dim=2)
-        self.conv.copy_(tail[:, :, -self.conv.shape[2]:])
 
 
 def _rows(value, lo: int, hi: int):

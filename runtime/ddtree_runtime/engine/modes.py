@@ -2,7 +2,7 @@
 
 The engine asks a request's mode instead of branching on its name: whether it drafts (needs the
 drafter, keeps a draft between rounds, shares a speculative prefix), how many tree slots its round
-writes, and how the tree is built from the draft, alone or for the rows of a batch. The names are
+writes, and how the trees of a round's rows are built from their drafts (a lone request: one row). The names are
 limits.MODES (declared there, torch-free, for ddops and the settings); a test checks they agree.
 """
 
@@ -29,10 +29,6 @@ class Mode:
         """The trees of rows of this mode and one budget, from their drafts ([block-1, V] each); None:
         a row verifies its root alone."""
         raise NotImplementedError
-
-    def tree(self, builder: TreeBuilder, drafted: torch.Tensor, budget: int, block_size: int) -> Tree | None:
-        """A lone request's tree (a graphed build's own buffer, used before the next build)."""
-        return self.trees(builder, [drafted], budget, block_size)[0]
 
     def __repr__(self) -> str:
         return self.name
@@ -67,17 +63,11 @@ class DDTree(Mode):
     def tree_slots(self, budget: int, block_size: int) -> int:
         return budget + 1
 
-    def tree(self, builder, drafted, budget, block_size):
-        return builder.build(drafted[:min(block_size - 1, budget)], budget)
-
     def trees(self, builder, drafted, budget, block_size):
         depth = min(block_size - 1, budget)
-        if len(drafted) == 1:
-            tree = builder.build(drafted[0][:depth], budget)
-            # a graphed build returns the same static buffer to every request of this budget
-            return [Tree(tree.nodes.clone()) if builder.use_graphs else tree]
-        nodes = builder.build_rows(_stacked([d[:depth] for d in drafted]), budget)
-        return [Tree(row) for row in nodes]  # staged by the verify before the next build
+        nodes = builder.build(_stacked([d[:depth] for d in drafted]), budget)
+        # a graphed build's static buffer: one build per budget a round, staged by the verify before the next
+        return [Tree(row) for row in nodes]
 
 
 REGISTRY: dict[str, Mode] = {mode.name: mode for mode in (DDTree(), DFlash(), AutoRegressive())}
@@ -93,9 +83,11 @@ def mode_named(name: str) -> Mode:
 
 def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
     """The tensors as one [R, ...]: a view when they are evenly spaced rows of one buffer (the drafts of
-    a batched drafter pass, 146 MB at 16 requests of Qwen3-8B), else a stacked copy."""
+    a batched drafter pass, 146 MB at 16 requests of Qwen3-8B) or a single one, else a stacked copy."""
     first = rows[0]
-    step = rows[1].data_ptr() - first.data_ptr() if len(rows) > 1 else 0
+    if len(rows) == 1:
+        return first[None]
+    step = rows[1].data_ptr() - first.data_ptr()
     even = step > 0 and step % first.element_size() == 0 and all(
         r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.shape == first.shape
         and r.stride() == first.stride() and r.data_ptr() - first.data_ptr() == i * step for i, r in enumerate(rows))

@@ -1,17 +1,20 @@
-"""A round: draft (queued by the last round) -> build tree -> verify -> accept and commit.
+"""A round: draft (queued by the last round) -> build trees -> verify -> accept and commit, for the
+requests decoding; a lone request is a batch of one.
 
-A lone request takes the single-stream path (graphed, one host sync a round: `_spec_round`, and
-`_ar_step` for AR, which runs its next pass ahead); a batch verifies every request's tree in one
-target pass and drafts for all of them in one drafter pass (`_batch_round`). Tokens are chosen per
-request (its own sampling draws, sampling.py) and cut at its stop or length (`_emit`). A part of the
-Engine (engine.py), on its state: the runners, the tree builder, the scheduler's budgets."""
+One target pass verifies every request's tree (an AR request's root alone), one walk finds each
+accepted path, and the next round's first pass is queued from the walk's device result before the host
+reads it: one drafter pass for the requests that draft, and for a lone AR request its next step
+(`_run_ahead`), so the device does not wait for the host between rounds. One host sync a round. Tokens
+are chosen per request (its own sampling draws, sampling.py) and cut at its stop or length (`_emit`). A
+part of the Engine (engine.py), on its state: the runners, the tree builder, the scheduler's budgets."""
 
 from __future__ import annotations
 
 import torch
 
+from .runner import TreePass
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
-from .tree import Tree, Walk, walk, walk_rows
+from .tree import Tree, Walk, walk
 from .types import RequestState, RoundOutput, TokenLogprob
 
 # A round's result for one request: the tokens it committed, the draft tokens accepted among them, and
@@ -62,59 +65,6 @@ class Rounds:
         if self.phase_hook is not None:
             self.phase_hook(name)
 
-    # ---- a lone request: the single-stream path ---------------------------------------------------
-
-    def _ar_step(self, req: RequestState) -> Round:
-        """One token; the next step is queued (from the device's token) before this one's token is
-        read, so the device never waits for the host between steps."""
-        self._phase("step")
-        token, pending = req.ahead, req.ahead_logprobs
-        if token is None:  # the first step after the prefill or after batched rounds
-            logits = self.runner.run(req.bonus, req.n_ctx).logits
-            token = self._choose(req, logits, req.generated)
-            pending = self._logprobs(req, logits, token)
-        self.runner.cache.compact(req.n_ctx, [0], self.root_node)  # no-op for KV; advances a recurrent state
-        req.n_ctx += 1
-        self.readback.start(token)
-        logits = self.runner.run(token, req.n_ctx).logits
-        req.ahead = self._choose(req, logits, req.generated + 1)
-        req.ahead_logprobs = self._logprobs(req, logits, req.ahead)
-        req.bonus = self.readback.wait()[0]
-        self.stats.batch_size, self.stats.tree_nodes = 1, 1
-        self._phase("end")
-        return [req.bonus], 0, None if pending is None else pending.rows([0])
-
-    def _spec_round(self, req: RequestState) -> Round:
-        """Build the tree from the draft, verify, choose and walk, then queue the next round's drafter
-        pass from the walk's device-side result: one host sync a round (the walk's result), and the
-        device is busy with the next draft while the host reads it."""
-        self._phase("tree")
-        budget = self.scheduler.tree_budgets([req], self.config.round_nodes)[0]
-        tree = req.mode.tree(self.trees, req.drafted, budget, self.block_size)
-        self._phase("verify")
-        out = self.runner.run(req.bonus, req.n_ctx, tree)               # logits [N, V], feats [1, N, F]
-        self.stats.batch_size, self.stats.tree_nodes = 1, tree.size
-        self._phase("commit")
-        target = self._choose(req, out.logits, req.generated, out.depths)  # the target's token per node
-        pending = self._logprobs(req, out.logits, target)
-        result = walk(out.tokens, out.parents, out.depths, out.mask, target, self.block_size - 1)
-        self.readback.start(result)
-        self._phase("draft")
-        length, bonus, rows = Walk.on_device(result, self.block_size - 1)
-        req.drafted = self.draft_runner.run(bonus, length, rows, out.feats, req.n_ctx)
-        self._phase("commit")
-        accepted = Walk.read(self.readback.wait(), self.block_size - 1)
-        tokens = accepted.tokens[1:] + [accepted.next_token]
-        keep = self._emitted(req, tokens)  # a finishing round commits only what it emits (see _emitted)
-        # the accepted path's KV, moved to right after the context (by the walk's own device copy of it)
-        self.runner.cache.compact(req.n_ctx, accepted.path[:keep], rows[:keep])
-        req.n_ctx += keep
-        req.bonus = tokens[keep - 1]
-        self._phase("end")
-        # the committed tokens are the ones chosen at the path's nodes: its tokens past the root, then the bonus
-        logprobs = None if pending is None else pending.rows(accepted.path[:keep])
-        return tokens[:keep], len(accepted.path) - 1, logprobs
-
     @staticmethod
     def _emitted(req: RequestState, tokens: list[int]) -> int:
         """How many of a round's tokens the request emits (`_emit`: up to a stop or max_new_tokens). A
@@ -126,46 +76,47 @@ class Rounds:
                 return i + 1
         return len(tokens)
 
-    # ---- a batch: one verify pass for every request's tree ----------------------------------------
+    # ---- the round --------------------------------------------------------------------------------
 
-    def _batch_round(self, reqs: list[RequestState]) -> list[Round]:
+    def _round(self, reqs: list[RequestState]) -> list[Round]:
         """draft (queued by the last round) -> each request's tree -> one verify pass over all of them
-        -> each row's walk -> one drafter pass for the next round, queued before the host reads the
-        walks -> each row's commit. Rows are slots 0..B-1."""
-        depth = self.block_size - 1
-        settled_logprobs = [_rows_of(req.ahead_logprobs) for req in reqs]  # taken before _settle drops them
-        settled = [self._settle(req) for req in reqs]
+        -> the walks -> the next round's first pass, queued before the host reads the walks -> each
+        row's commit. Rows are the pool's rows 0..B-1."""
+        depth, n = self.block_size - 1, len(reqs)
+        drafting = any(req.mode.drafts for req in reqs)
+        ahead = n == 1 and not drafting  # a lone AR request: its next step runs before this one's read
+        settled_logprobs = [[] if ahead else _rows_of(req.ahead_logprobs) for req in reqs]  # _settle drops them
+        settled = [[] if ahead else self._settle(req) for req in reqs]
         self._phase("tree")
         budgets = self.scheduler.tree_budgets(reqs, self.config.round_nodes)
-        trees = self._batch_trees(reqs, budgets)
+        trees = self._trees(reqs, budgets)
+        self.stats.batch_size, self.stats.tree_nodes = n, sum(1 if tree is None else tree.size for tree in trees)
         self._phase("verify")
         starts = [req.n_ctx for req in reqs]
-        out = self.batch_runner.run([req.bonus for req in reqs], starts, trees)
-        sizes = [1 if tree is None else tree.size for tree in trees]
-        self.stats.batch_size, self.stats.tree_nodes = len(reqs), sum(sizes)
+        if ahead and reqs[0].ahead is not None:  # this step's pass ran ahead, in the last round
+            out, target, pending = None, reqs[0].ahead, [reqs[0].ahead_logprobs]
+        else:
+            positions = [req.generated + len(settled[row]) for row, req in enumerate(reqs)]
+            out, target, pending = self._verify(reqs, [req.bonus for req in reqs], starts, trees, positions)
         self._phase("commit")
-        target = out.logits.argmax(dim=-1)                               # [B, T] the target's token per node
-        positions = [req.generated + len(settled[row]) for row, req in enumerate(reqs)]
-        for row, req in enumerate(reqs):
-            p = req.params
-            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:  # as alone, its own draws
-                target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]], positions[row],
-                                                        out.depths[row, :sizes[row]])
-        pending = [self._logprobs(req, out.logits[row, :sizes[row]], target[row, :sizes[row]])
-                   for row, req in enumerate(reqs)]
-        result = walk_rows(out.tokens, out.parents, out.depths, out.mask, target, depth)   # [B', W]
-        n = len(reqs)
-        self.batch_readback.start(result[:n].flatten())
+        # each row's walk, [B', W]; a round of AR steps reads its roots' tokens alone, [B']
+        result = walk(out.tokens, out.parents, out.depths, out.mask, target, depth) if drafting else target[:, 0]
+        self.readback.start(result[:n].flatten())
         drafted = None
-        if any(req.mode.drafts for req in reqs):
+        if drafting:
             self._phase("draft")
-            drafted = self.batch_draft.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
+            drafted = self.draft_runner.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
+        elif ahead:
+            self._phase("verify")
+            self._run_ahead(reqs[0], result)
         self._phase("commit")
-        host = self.batch_readback.wait()
-        rounds, width = [], Walk.size(depth)
-        moved = 0  # the longest committed path not already in place (compact_rows)
+        host = self.readback.wait()
+        width = Walk.size(depth) if drafting else 1
+        rounds = []
+        moved = 0  # the longest committed path not already in place (KVCache.compact)
         for row, req in enumerate(reqs):
-            accepted = Walk.read(host[row * width:(row + 1) * width], depth)
+            cells = host[row * width:(row + 1) * width]
+            accepted = Walk.read(cells, depth) if drafting else Walk([0], [req.bonus], cells[0])
             tokens = settled[row] + accepted.tokens[1:] + [accepted.next_token]
             # a finishing row commits only what it emits (_emitted), its root at least
             keep = max(self._emitted(req, tokens), len(settled[row]) + 1)
@@ -182,23 +133,60 @@ class Rounds:
             if pending[row] is not None:
                 logprobs = (settled_logprobs[row] + pending[row].rows(accepted.path))[:keep]
             rounds.append((tokens[:keep], len(accepted.path) - 1, logprobs))
-        # only the KV of paths that are not in place already moves (none for a batch of AR steps)
-        self.target_cache.rows(0, n).compact_rows(out.start[:n], result[:n, 2:3 + depth], result[:n, 0], moved)
+        # only the KV of paths that are not in place already moves (none for AR steps, whose pass ahead
+        # committed this one's already)
+        if drafting:
+            self.target_cache.rows(0, n).compact(out.start[:n], result[:n, 2:3 + depth], result[:n, 0], moved)
+        elif not ahead:
+            self._commit_roots(0, n)
         self._phase("end")
         return rounds
 
+    def _verify(self, reqs: list[RequestState], roots: list[int] | torch.Tensor, starts: list[int],
+                trees: list[Tree | None], positions: list[int]) -> tuple[TreePass, torch.Tensor,
+                                                                         list[PendingLogprobs | None]]:
+        """One target pass over the rows' trees (TargetRunner.run), then the target's token at every
+        node, [B', T]: the greedy rows' by one argmax over the batch, the others' by their own draws as
+        alone (row b's node at depth d chooses output token positions[b] + d); and the log-probabilities
+        of the rows that asked for them."""
+        out = self.runner.run(roots, starts, trees)
+        sizes = [1 if tree is None else tree.size for tree in trees]
+        target = out.logits.argmax(dim=-1)
+        for row, req in enumerate(reqs):
+            p = req.params
+            if p.temperature > 0 or p.logit_bias or positions[row] < p.min_tokens:
+                target[row, :sizes[row]] = self._choose(req, out.logits[row, :sizes[row]], positions[row],
+                                                        out.depths[row, :sizes[row]])
+        pending = [self._logprobs(req, out.logits[row, :sizes[row]], target[row, :sizes[row]])
+                   for row, req in enumerate(reqs)]
+        return out, target, pending
+
+    def _run_ahead(self, req: RequestState, tokens: torch.Tensor) -> None:
+        """A lone AR request's next step, queued from this step's token on the device ([1] `tokens`)
+        before the host reads it: this step's pass is committed (only a hybrid's state moves), the next
+        one runs at the next position and its token is chosen; both wait in req.ahead for the next
+        round (or _settle)."""
+        self._commit_roots(req.slot, req.slot + 1)
+        _, req.ahead, (req.ahead_logprobs,) = self._verify([req], tokens, [req.n_ctx + 1], [None],
+                                                           [req.generated + 1])
+
     def _settle(self, req: RequestState) -> list[int]:
-        """An AR request coming from the single-stream path has its next pass already run and its
-        token chosen (req.ahead): commit that pass and take the token, as its next step would."""
+        """An AR request that ran alone has its next step's pass already run and its token chosen
+        (req.ahead): commit that pass and take the token, as its next round would."""
         if req.ahead is None:
             return []
-        self.runner.cache.compact(req.n_ctx, [0], self.root_node)  # it ran alone: it is in slot 0
+        self._commit_roots(req.slot, req.slot + 1)
         req.n_ctx += 1
-        req.bonus = int(req.ahead[0])
+        req.bonus = int(req.ahead[0, 0])
         req.ahead = req.ahead_logprobs = None
         return [req.bonus]
 
-    def _batch_trees(self, reqs: list[RequestState], budgets: list[int]) -> list[Tree | None]:
+    def _commit_roots(self, lo: int, hi: int) -> None:
+        """Commit the AR steps of rows lo..hi-1: each path is its root, already in place, so only a
+        hybrid's recurrent state moves on (nothing at all for attention-only KV)."""
+        self.target_cache.rows(lo, hi).compact(None, self.root_paths[:hi - lo], self.root_lengths[:hi - lo], moved=0)
+
+    def _trees(self, reqs: list[RequestState], budgets: list[int]) -> list[Tree | None]:
         """Each request's tree (None: AR): the requests of one mode and budget built together."""
         groups: dict[tuple, list[int]] = {}
         for row, req in enumerate(reqs):

@@ -1,12 +1,19 @@
-"""The target's decode-side forward (an AR step is a one-node tree) over static buffers at bucketed sizes.
+"""The target's and the drafter's decode-side passes over B rows of the pool (B = 1: a lone request),
+on static buffers at bucketed sizes.
 
-Every forward after the prefill is "N tree nodes at positions start + depth, each seeing the context and
-its ancestors". The runner pads N up to a size bucket, attends over the first kv_len cache entries
-(start + bucket rounded up to KV_BUCKET) and builds the additive attention bias on the device from
-`start` and the tree's ancestor mask (itself built on the device from parent indices), so nothing in
-the forward depends on a host-side offset. On CUDA each (bucket, kv_len) pair is captured once as a
-CUDA graph and replayed: one launch instead of ~1,500 per forward, which is what bounds an eager 8B
-forward on a slow host."""
+Every forward after the prefill is "row b: N tree nodes at positions start_b + depth, each seeing row
+b's context and its own ancestors" (an AR step is a one-node tree). Rows are padded to one tree bucket T
+and the batch to a batch bucket B (pad rows start at the far end of the cache and are never committed);
+a pass of B x T rows shares each weight GEMM, which is where batching pays. The attention bias is built
+on the device from each row's start and its tree's ancestor mask (itself built from parent indices), so
+nothing in the forward depends on a host-side offset. On CUDA each (B, T, kv_len) shape is captured once
+as a CUDA graph and replayed: one launch instead of ~1,500 per forward, which is what bounds an eager 8B
+forward on a slow host.
+
+A batch of one keeps the lone request's cheaper forms, as its round was measured: its root and start are
+written by fills (no staging copy through pinned memory, and nothing on the host that a queued copy
+could still be reading while a lone AR step runs ahead), and the forward takes the model's and the
+kernels' one-sequence forms (one row of slots, no per-row key lengths)."""
 
 from __future__ import annotations
 
@@ -16,9 +23,10 @@ import torch
 
 from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes (declared there: the pool is sized by them)
 from ..model import Qwen3ForCausalLM
+from ..model.dflash import DraftInputs
 from ..model.layers import TreeInputs
-from .kv_cache import KVCache
 from .graphs import capture
+from .kv_cache import KVCache
 from .tree import Tree, ancestor_mask
 
 KV_BUCKET = 512
@@ -40,48 +48,55 @@ def kv_len_for(end: int, capacity: int, graphed: bool = True) -> int:
     return min(capacity, -(-end // bucket) * bucket)
 
 
-class _Bucket:
-    """Static inputs and outputs of one (tokens, kv_len) shape, plus its CUDA graph once captured."""
+def batch_bucket(n: int, slots: int) -> int:
+    """The batch size a pass of n rows runs at: the next power of two, at most the pool's slots."""
+    return min(slots, 1 << max(0, n - 1).bit_length())
 
-    def __init__(self, size: int, kv_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.size, self.kv_len = size, kv_len
-        # ids | parents | depths | start: a tree's rows, then the start, in one int64 vector written by
-        # device ops only (a fill or a device copy per pass: nothing on the host that a queued copy could
-        # still be reading when the engine runs ahead). `layout` is the padding: padding nodes hold token
-        # 0 at depth 0 and are their own parents, so they see only the context and themselves, and no
-        # real node sees them
-        self.layout = torch.zeros(3 * size + 1, dtype=torch.long, device=device)
-        self.layout[size:2 * size] = torch.arange(size, device=device)
+
+def stage(dst: torch.Tensor, host: torch.Tensor, values: list[int]) -> None:
+    """Copy host ints into a device tensor without waiting for the device: through `host`, a pinned
+    buffer on CUDA (a pageable copy would wait for all queued work). The caller reuses `host` only once
+    the copy is done: after a read queued behind it has been waited for."""
+    host[:len(values)] = torch.tensor(values, dtype=torch.long)
+    dst.copy_(host[:len(values)], non_blocking=True)
+
+
+class TreePass(NamedTuple):
+    """A tree pass's outputs and trees for the batch bucket's rows (those past the request's are
+    padding), on the device: views of static buffers, used before the next pass of that shape."""
+    logits: torch.Tensor          # [B, T, V] in the model's dtype (its readers convert where they compute)
+    feats: torch.Tensor | None    # [B, T, F], None without feature layers
+    tokens: torch.Tensor          # [B, T]
+    parents: torch.Tensor         # [B, T]
+    depths: torch.Tensor          # [B, T]
+    mask: torch.Tensor            # [B, T, T] ancestor-or-self
+    start: torch.Tensor           # [B] each row's first slot
+
+
+class _Bucket:
+    """Static inputs and outputs of one (batch, tokens, kv_len) shape, plus its CUDA graph once captured."""
+
+    def __init__(self, batch: int, size: int, kv_len: int, pad_start: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.batch, self.size, self.kv_len = batch, size, kv_len
+        # ids | parents | depths as [3, B, T], then start [B], in one int64 vector written by device ops
+        # only. `layout` is the padding: padding nodes hold token 0 at depth 0 and are their own parents,
+        # so they see only the context and themselves and no real node sees them; pad rows start at
+        # pad_start, past any context
+        self.layout = torch.zeros(3 * batch * size + batch, dtype=torch.long, device=device)
+        self.layout[:3 * batch * size].view(3, batch, size)[1] = torch.arange(size, device=device)
+        self.layout[3 * batch * size:] = pad_start
         self.ints = self.layout.clone()
-        self.nodes = self.ints[:3 * size].view(3, size)                       # [3, T]
-        self.ids = self.ints[:size].view(1, size)                              # [1, T]
-        self.parents = self.ints[size:2 * size]                                # [T]
-        self.depths = self.ints[2 * size:3 * size]                             # [T]
-        self.start = self.ints[3 * size:]                                      # [1]
-        self.cols = torch.arange(kv_len, device=device)                        # [L]
-        self.rows = torch.arange(size, device=device)                          # [T]
+        self.host = torch.zeros(2 * batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.nodes = self.ints[:3 * batch * size].view(3, batch, size)
+        self.ids, self.parents, self.depths = self.nodes[0], self.nodes[1], self.nodes[2]   # [B, T]
+        self.start = self.ints[3 * batch * size:]                                         # [B]
+        self.cols = torch.arange(kv_len, device=device)                                   # [L]
+        self.rows = torch.arange(size, device=device)                                     # [T]
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
-        self.views: dict[int, TreePass] = {}
-
-
-class TreePass(NamedTuple):
-    """A tree pass's outputs and the tree it ran over (root included), all on the device; views of
-    static buffers: use them before the next pass."""
-    logits: torch.Tensor          # [N, V] float32
-    feats: torch.Tensor | None    # [1, N, F], None without feature layers
-    tokens: torch.Tensor          # [N]
-    parents: torch.Tensor         # [N]
-    depths: torch.Tensor          # [N]
-    mask: torch.Tensor            # [N, N] ancestor-or-self
-
-
-def _views(b: _Bucket, out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], n: int) -> TreePass:
-    logits, feats, mask = out
-    return TreePass(logits[:n], feats[:, :n] if feats is not None else None,
-                    b.ids[0, :n], b.parents[:n], b.depths[:n], mask[:n, :n])
 
 
 class TargetRunner:
@@ -89,7 +104,7 @@ class TargetRunner:
         """max_depth: the deepest tree node the engine will pass (bounds the device-side mask build)."""
         self.target, self.cache, self.device, self.max_depth = target, cache, device, max_depth
         self.use_graphs = device.type == "cuda"
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @staticmethod
@@ -97,59 +112,75 @@ class TargetRunner:
         """Cache slots needed: the context, the padded tree, rounded up to a whole kv bucket."""
         return -(-(max_context + tree_bucket(tree_slots)) // KV_BUCKET) * KV_BUCKET
 
-    def run(self, root: int | torch.Tensor, start: int, tree: Tree | None = None) -> TreePass:
-        """A tree pass: the root (node 0) holds `root` (a token, or a [1] device tensor holding one) at
-        position `start`, each draft node of `tree` (None: an AR step, the root alone) its token at
-        start + its depth, below its parent; the nodes' k/v go to cache slots start..start+N, each node
-        seeing the context and its own ancestors. Nothing here waits for the device."""
-        n = 1 if tree is None else tree.size
-        size = tree_bucket(n)
-        kv_len = kv_len_for(start + size, self.cache.capacity, self.use_graphs)
-        b = self.buckets.get((size, kv_len))
+    def run(self, roots: list[int] | torch.Tensor, starts: list[int], trees: list[Tree | None]) -> TreePass:
+        """Row b (the pool's row b): root token roots[b] (host ints, or a [B] device tensor: a lone AR
+        step run ahead from the device's token) at position starts[b], then trees[b]'s draft nodes
+        (None: an AR step, the root alone) at starts[b] + their depths, below their parents; their k/v
+        go to row b's cache slots starts[b].., each node seeing its row's context and its own
+        ancestors. Nothing here waits for the device."""
+        n = len(starts)
+        batch = batch_bucket(n, self.cache.slots)
+        sizes = [1 if tree is None else tree.size for tree in trees]
+        size = tree_bucket(max(sizes))
+        kv_len = kv_len_for(max(starts) + size, self.cache.capacity, self.use_graphs)
+        b = self.buckets.get((batch, size, kv_len))
         if b is None:
-            b = self.buckets[(size, kv_len)] = _Bucket(size, kv_len, self.device, self.cache.k.dtype)
-        if n < size:
-            b.ints.copy_(b.layout)  # the padding, over whatever a bigger tree left in this bucket
-        if isinstance(root, torch.Tensor):
-            b.ids[0, :1].copy_(root)
+            b = self.buckets[(batch, size, kv_len)] = _Bucket(batch, size, kv_len, self.cache.capacity - size,
+                                                              self.device, self.cache.k.dtype)
+        if n < batch or min(sizes) < size:
+            b.ints.copy_(b.layout)  # the padding, over whatever bigger trees or more rows left in this bucket
+        if isinstance(roots, torch.Tensor):
+            b.ids[:n, 0].copy_(roots)
+        elif batch == 1:
+            b.ids[:1, 0].fill_(roots[0])
         else:
-            b.ids[0, :1].fill_(root)
-        b.start.fill_(start)
-        if tree is not None:
-            b.nodes[:, 1:n].copy_(tree.nodes)
+            stage(b.ids[:n, 0], b.host[:batch], roots)
+        if batch == 1:
+            b.start.fill_(starts[0])
+        else:
+            stage(b.start[:n], b.host[batch:], starts)
+        for row, tree in enumerate(trees):
+            if tree is not None:
+                b.nodes[:, row, 1:tree.size].copy_(tree.nodes)
         if not self.use_graphs:
-            return _views(b, self._forward(b), n)
-        if b.graph is None:
-            b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
-        b.graph.replay()
-        if n not in b.views:  # the views of static buffers are made once (a slice is host time)
-            b.views[n] = _views(b, b.out, n)
-        return b.views[n]
+            out = self._forward(b)
+        else:
+            if b.graph is None:
+                b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
+            b.graph.replay()
+            out = b.out
+        logits, feats, mask = out
+        return TreePass(logits, feats, b.ids, b.parents, b.depths, mask, b.start)
 
     def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        tree = ancestor_mask(b.parents, min(self.max_depth, b.size - 1))   # [T, T]
-        rel = b.cols - b.start                                  # [L] cache slot relative to the tree
-        in_tree = tree[:, rel.clamp(0, b.size - 1)]             # [T, L] ancestor bit of that slot's node
-        allowed = (rel < 0) | ((rel < b.size) & in_tree)        # context, or an ancestor (or self)
-        bias = torch.where(allowed, b.zero, b.neg_inf)          # [T, L] additive, cache dtype
-        slots = b.start + b.rows                                # [T]
-        pos = (b.start + b.depths)[None]                        # [1, T]
-        h, feats = self.target(b.ids, pos, self.cache,
-                               static=TreeInputs(slots, bias[None, None], b.kv_len, tree))
-        return self.target.logits(h[0]), feats, tree
+        tree = ancestor_mask(b.parents, min(self.max_depth, b.size - 1))    # [B, T, T]
+        rel = b.cols[None, :] - b.start[:, None]                             # [B, L] slot relative to the tree
+        in_tree = tree.gather(2, rel.clamp(0, b.size - 1)[:, None, :].expand(-1, b.size, -1))  # [B, T, L]
+        allowed = (rel < 0)[:, None, :] | ((rel < b.size)[:, None, :] & in_tree)  # context, or an ancestor
+        bias = torch.where(allowed, b.zero, b.neg_inf)[:, None]              # [B, 1, T, L] additive
+        slots = b.start[:, None] + b.rows                                    # [B, T]
+        pos = b.start[:, None] + b.depths                                    # [B, T]
+        if b.batch == 1:  # one sequence: the model's shared-slots form, the kernel's full bucket
+            static = TreeInputs(slots[0], bias, b.kv_len, tree[0])
+        else:  # keys past a row's tree are masked: the one-query kernel stops reading there
+            lengths = (b.start + b.size).clamp(max=b.kv_len)                 # [B]
+            static = TreeInputs(slots, bias, b.kv_len, tree, lengths=lengths)
+        h, feats = self.target(b.ids, pos, self.cache.rows(0, b.batch), static=static)
+        return self.target.logits(h, float32=False), feats, tree
 
 
 class _DraftBucket:
-    def __init__(self, block: int, feat_dim: int, kv_len: int, device: torch.device, dtype: torch.dtype,
-                 mask_token_id: int) -> None:
-        self.kv_len = kv_len
-        # ids [1, Q] | start (context already in the cache) | n (context length after this call), written
-        # by device ops only; ids[1:] hold MASK for good
-        self.ints = torch.full((block + 2,), mask_token_id, dtype=torch.long, device=device)
-        self.ids = self.ints[:block].view(1, block)
-        self.start = self.ints[block:block + 1]
-        self.n = self.ints[block + 1:]
-        self.feats = torch.zeros(1, block, feat_dim, dtype=dtype, device=device)        # [1, C=Q, F]
+    def __init__(self, batch: int, block: int, feat_dim: int, kv_len: int, device: torch.device,
+                 dtype: torch.dtype, mask_token_id: int) -> None:
+        self.batch, self.kv_len = batch, kv_len
+        self.ids = torch.full((batch, block), mask_token_id, dtype=torch.long, device=device)  # [B, Q]
+        self.start = torch.zeros(batch, dtype=torch.long, device=device)  # context already in the cache
+        # two staging buffers, used in turn: this pass is queued after the round's read, so only the
+        # next round's read covers its copy
+        self.host = torch.zeros(2, batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.turn = 0
+        self.n = torch.zeros(batch, dtype=torch.long, device=device)      # context length after this pass
+        self.feats = torch.zeros(batch, block, feat_dim, dtype=dtype, device=device)           # [B, Q, F]
         self.offsets = torch.arange(block, device=device)
         self.cols = torch.arange(kv_len, device=device)
         self.zero = torch.zeros((), dtype=dtype, device=device)
@@ -159,12 +190,12 @@ class _DraftBucket:
 
 
 class DraftRunner:
-    """The drafter's per-round pass at a fixed shape: the block [bonus, MASK x (Q-1)] plus up to Q new
-    context features (zero-padded; the padding's k/v land past the context and are overwritten next
-    round). The block's own k/v are written right after the context (over that padding), so attention
-    reads the first kv_len drafter-cache entries with a device-built bias and nothing is concatenated.
-    Graphed on CUDA per kv_len bucket. The first round after a prefill, whose new context is the whole
-    prompt, runs eagerly (engine._draft_prompt)."""
+    """The drafter's per-round pass for B rows at a fixed shape: row b's block [bonus, MASK x (Q-1)]
+    plus up to Q new context features (zero-padded; the padding's k/v land past the context and are
+    overwritten next round). The block's own k/v are written right after the context (over that
+    padding), so attention reads the first kv_len drafter-cache entries with a device-built bias and
+    nothing is concatenated. Graphed on CUDA per (B, kv_len). The first pass after a prefill, whose new
+    context is the whole prompt, runs eagerly (prefilling.py)."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
                  device: torch.device) -> None:
@@ -173,7 +204,7 @@ class DraftRunner:
         self.feat_dim = drafter.fc.in_features
         self.use_graphs = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.buckets: dict[int, _DraftBucket] = {}
+        self.buckets: dict[tuple[int, int], _DraftBucket] = {}
 
     @staticmethod
     def capacity_for(max_context: int, block: int) -> int:
@@ -181,21 +212,28 @@ class DraftRunner:
         return -(-(max_context + 2 * block) // KV_BUCKET) * KV_BUCKET
 
     def run(self, bonus: torch.Tensor, length: torch.Tensor, rows: torch.Tensor, feats: torch.Tensor,
-            start: int) -> torch.Tensor:
-        """The pass after a round, from device values, so it is queued before the round's result reaches
-        the host: bonus [1] (the round's next token), and the target features feats[0, rows[:length]]
-        ([1, N, F], rows [Q] long) of the `length` context positions from `start` on. Returns logits
-        [Q-1, V] for depths 1..Q-1 (a view of a static buffer: use it before the next run)."""
-        kv_len = kv_len_for(start + 2 * self.block, self.cache.capacity, self.use_graphs)
-        b = self.buckets.get(kv_len)
+            starts: list[int]) -> torch.Tensor:
+        """The pass after a round, from the walk's device result, so it is queued before the result
+        reaches the host: bonus, length [B'] (B' >= len(starts): the verify's batch bucket) the round's
+        next tokens and path lengths, rows [B', Q] the path nodes whose features feats [B', T, F] are
+        the new context; starts: each real row's context length before the round. Returns logits
+        [B', Q-1, V] for depths 1..Q-1 (a static buffer: use it before the next run)."""
+        n, batch = len(starts), rows.shape[0]
+        kv_len = kv_len_for(max(starts) + 2 * self.block, self.cache.capacity, self.use_graphs)
+        b = self.buckets.get((batch, kv_len))
         if b is None:
-            b = self.buckets[kv_len] = _DraftBucket(self.block, self.feat_dim, kv_len, self.device,
-                                                    self.cache.k.dtype, self.mask_token_id)
-        b.ids[0, :1].copy_(bonus)
-        b.start.fill_(start)
-        torch.add(length, start, out=b.n)
-        torch.index_select(feats[0], 0, rows, out=b.feats[0])
-        b.feats[0].masked_fill_((b.offsets >= length)[:, None], 0)  # rows past the path: zero padding
+            b = self.buckets[(batch, kv_len)] = _DraftBucket(batch, self.block, self.feat_dim, kv_len, self.device,
+                                                             self.cache.k.dtype, self.mask_token_id)
+        b.ids[:, 0].copy_(bonus)
+        if batch == 1:
+            b.start.fill_(starts[0])
+        else:
+            pad = self.cache.capacity - 2 * self.block  # pad rows write past any context
+            b.turn ^= 1
+            stage(b.start, b.host[b.turn], starts + [pad] * (batch - n))
+        torch.add(length, b.start, out=b.n)
+        torch.gather(feats, 1, rows[..., None].expand(-1, -1, feats.shape[-1]), out=b.feats)
+        b.feats.masked_fill_((b.offsets[None, :] >= length[:, None])[..., None], 0)  # rows past the path
         if not self.use_graphs:
             return self._forward(b)
         if b.graph is None:
@@ -204,11 +242,15 @@ class DraftRunner:
         return b.out
 
     def _forward(self, b: _DraftBucket) -> torch.Tensor:
-        block_pos = (b.n + b.offsets)[None]                     # [1, Q] the block follows the context
-        ctx_pos = (b.start + b.offsets)[None]                   # [1, C] where the new context sits
-        allowed = b.cols < b.n + self.block                     # [L] the context, then the block
-        bias = torch.where(allowed, b.zero, b.neg_inf)[None, None, None]
-        emb = self.target.model.embed_tokens(b.ids)             # [1, Q, H]
-        h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache, mask=bias,
-                         static=(ctx_pos[0], block_pos[0], b.kv_len))
-        return self.target.logits(h[0, 1:])
+        block_pos = b.n[:, None] + b.offsets                     # [B, Q] the block follows the context
+        ctx_pos = b.start[:, None] + b.offsets                   # [B, C] where the new context sits
+        lengths = (b.n + self.block).clamp(max=b.kv_len)          # [B] the keys each row sees
+        allowed = b.cols[None, :] < lengths[:, None]             # [B, L] the context, then the block
+        bias = torch.where(allowed, b.zero, b.neg_inf)[:, None, None]        # [B, 1, 1, L]
+        emb = self.target.model.embed_tokens(b.ids)              # [B, Q, H]
+        if b.batch == 1:  # one sequence: shared slots, the kernel's full bucket
+            static = DraftInputs(ctx_pos[0], block_pos[0], b.kv_len)
+        else:
+            static = DraftInputs(ctx_pos, block_pos, b.kv_len, lengths)
+        h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache.rows(0, b.batch), mask=bias, static=static)
+        return self.target.logits(h[:, 1:], float32=False)

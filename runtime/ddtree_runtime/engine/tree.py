@@ -11,7 +11,7 @@ one host sync reads the walk's result: path length, next token, path nodes and t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -173,37 +173,33 @@ def build_tree_on_gpu(draft_logits: torch.Tensor, budget: int) -> Tree:
 
 
 class TreeBuilder:
-    """The tree build of a round: on CUDA the Triton build, captured with its top-k as one CUDA graph
-    per (budget, draft shape); build_tree elsewhere. Several drafts of one budget (a batched round):
-    one launch over the drafts, a program each (build_trees_on_gpu, not graphed); build_trees elsewhere
-    (graphed on CUDA without Triton)."""
+    """The tree build of a round, for R drafts of one budget at once (a lone request: R = 1). On CUDA
+    with Triton: a lone draft's top-K and build captured as one CUDA graph per (budget, draft shape)
+    and replayed over a static copy of the draft (a few MB); several drafts eagerly, one launch over
+    them (build_trees_on_gpu: a graph would need 146 MB of drafts copied in at 16 requests of
+    Qwen3-8B, while the few launches queue as the device still runs the drafter pass). build_trees
+    elsewhere (graphed per shape on CUDA without Triton)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.use_graphs = self.cuda and tree_kernel.triton is not None
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, Tree | torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
-    def build_rows(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
-        """R drafts [R, D, V] -> their trees' nodes [R, 3, N-1]: build_trees_on_gpu, eagerly, where
-        Triton is installed; else build_trees (on CUDA graphed per (R, budget, shape), its result a static
-        buffer: stage it before the next build of that shape)."""
+    def build(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
+        """R drafts [R, D, V] -> their trees' nodes [R, 3, N-1] (row r: build_tree's for draft r). A
+        graphed build's result is a static buffer: stage it before the next build of that shape."""
         if not self.cuda:
             return build_trees(draft_logits, budget)
-        if self.use_graphs:
-            # eager: a few launches, queued while the device still runs the drafter pass; a graph would
-            # need the drafts copied into its static input first (146 MB at 16 requests of Qwen3-8B)
-            return build_trees_on_gpu(draft_logits, budget)
-        key = ("rows", budget, *draft_logits.shape, draft_logits.dtype)
-        return self._replayed(key, lambda logits: build_trees(logits, budget), draft_logits)
-
-    def build(self, draft_logits: torch.Tensor, budget: int) -> Tree:
-        if not self.use_graphs:
-            return build_tree(draft_logits, budget)
         key = (budget, *draft_logits.shape, draft_logits.dtype)
-        return self._replayed(key, lambda logits: build_tree_on_gpu(logits, budget), draft_logits)
+        if not self.use_graphs:
+            return self._replayed(key, lambda logits: build_trees(logits, budget), draft_logits)
+        if draft_logits.shape[0] > 1:
+            return build_trees_on_gpu(draft_logits, budget)
+        return self._replayed(key, lambda logits: build_trees_on_gpu(logits, budget), draft_logits)
 
-    def _replayed(self, key: tuple, build: Callable[[torch.Tensor], Any], draft_logits: torch.Tensor) -> Any:
+    def _replayed(self, key: tuple, build: Callable[[torch.Tensor], torch.Tensor],
+                  draft_logits: torch.Tensor) -> torch.Tensor:
         """build(logits) captured once per key over a static copy of the input, then replayed on new
         draft logits; returns the capture's static output."""
         if key not in self.graphs:
@@ -232,47 +228,27 @@ class Walk(NamedTuple):
         length, end = result[0], 3 + max_depth
         return cls(result[2:2 + length], result[end:end + length], result[1])
 
-    @staticmethod
-    def on_device(result: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same fields as device views, for work queued before the read: path length [1], next
-        token [1], the path's nodes by depth [max_depth + 1] (zeros after the end)."""
-        return result[:1], result[1:2], result[2:3 + max_depth]
-
 
 def walk(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
          target: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """Follow the target from the root while a child carries the target's token at its parent. [N]
-    node tokens, parents, depths, target tokens and the [N, N] ancestor mask (all on the device) ->
-    a device vector (Walk.read parses it): path length, next token, the path's nodes by depth (zeros
+    """Follow the target from the root while a child carries the target's token at its parent, in each
+    row's tree (a round's requests; a lone request is a batch of one). [B, N] node tokens, parents,
+    depths and target tokens, [B, N, N] ancestor masks (all on the device) -> [B, Walk.size(max_depth)]
+    device vectors (Walk.read parses a row): path length, next token, the path's nodes by depth (zeros
     after the end) and their tokens. No host sync.
 
     A node is on the accepted path iff it and all its ancestors match their parents' target tokens;
-    siblings carry distinct tokens, so the deepest such node is the path's end."""
-    matches = tokens == target[parents]
-    matches[:1].fill_(True)  # the root is committed (a fill: `t[0] = True` copies a host scalar and waits)
-    on_path = (mask.float() @ (~matches).float()) == 0           # no mismatch among its ancestors
-    # the leaf stays a [1] tensor: indexing with a 0-dim tensor would read it on the host (a sync)
-    leaf = torch.argmax(on_path * (depths + 1)).view(1)
-    row = torch.where(mask.index_select(0, leaf)[0], depths, max_depth + 1)  # path nodes by depth
-    nodes = torch.zeros(max_depth + 2, dtype=torch.long, device=tokens.device)  # (+ a spare slot)
-    nodes.scatter_(0, row, torch.arange(tokens.shape[0], device=tokens.device))
-    nodes = nodes[:max_depth + 1]
-    return torch.cat([depths[leaf] + 1, target[leaf], nodes, tokens[nodes]])
-
-
-def walk_rows(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor,
-              target: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """walk() for a batch of trees, one per row (a batched round): [B, N] tokens, parents, depths and
-    target tokens, [B, N, N] ancestor masks -> [B, Walk.size(max_depth)], row b as walk() gives it
-    for tree b. Padding nodes (their own parents, at depth 0) never outrank the root."""
+    siblings carry distinct tokens, so the deepest such node is the path's end. Padding nodes (their
+    own parents, at depth 0) never outrank the root."""
     b, n = tokens.shape
     matches = tokens == target.gather(1, parents)
-    matches[:, :1].fill_(True)
+    matches[:, :1].fill_(True)  # the root is committed (a fill: `t[:, 0] = True` copies a host scalar and waits)
     on_path = (mask.float() @ (~matches).float()[..., None])[..., 0] == 0     # [B, N]
+    # the leaf stays a tensor: indexing with a 0-dim tensor would read it on the host (a sync)
     leaf = torch.argmax(on_path * (depths + 1), dim=1, keepdim=True)          # [B, 1]
     leaf_row = mask.gather(1, leaf[..., None].expand(b, 1, n))[:, 0]          # [B, N] the leaf's path
     row = torch.where(leaf_row, depths, max_depth + 1)
-    nodes = torch.zeros(b, max_depth + 2, dtype=torch.long, device=tokens.device)
+    nodes = torch.zeros(b, max_depth + 2, dtype=torch.long, device=tokens.device)  # (+ a spare slot)
     nodes.scatter_(1, row, torch.arange(n, device=tokens.device).expand(b, n))
     nodes = nodes[:, :max_depth + 1]
     return torch.cat([depths.gather(1, leaf) + 1, target.gather(1, leaf), nodes, tokens.gather(1, nodes)], dim=1)

@@ -86,7 +86,7 @@ class RequestState:
     snapshot_at: int = 0      # where a hybrid's prompt state is kept for later reuse (prefix_cache.py)
     prompt_feats: torch.Tensor | None = None  # [1, P, F] the prompt's target features, for the first draft
     drafted: torch.Tensor | None = None  # [block-1, V] draft logits for the next round, queued on the device
-    ahead: torch.Tensor | None = None    # [1] the next AR token, chosen on the device, not yet read
+    ahead: torch.Tensor | None = None    # [1, 1] a lone AR step run ahead: its token, chosen, not yet read
     ahead_logprobs: "PendingLogprobs | None" = None  # its log-probabilities, on their way to the host
     stop_tensor: torch.Tensor | None = None  # stop_ids on the device, while min_tokens masks them
     rounds: int = 0

@@ -41,16 +41,29 @@ def test_pieces_equal_one_forward(pair):
 
 
 def test_engine_tokens_are_the_same_with_pieces(pair, monkeypatch):
-    engine = Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), max_context=512))
-    prompt = torch.randint(0, 200, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    """Alone and batched, in every mode: the same greedy tokens with prompts in pieces of 50 (the prefix
+    cache off, so every run prefills its whole prompt)."""
+    engine = Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), max_context=512, prefix_cache=False))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (120, 70, 40)]
+    modes = ("ar", "dflash", "ddtree")
 
-    def tokens(mode: str) -> list[int]:
-        params = SamplingParams(max_new_tokens=24, mode=mode, tree_budget=16)
-        return [t for out in engine.generate(prompt, params) for t in out.token_ids]
-    whole = {mode: tokens(mode) for mode in ("ar", "ddtree")}
+    def params(mode: str) -> SamplingParams:
+        return SamplingParams(max_new_tokens=24, mode=mode, tree_budget=16)
+
+    def tokens(prompt: list[int], mode: str) -> list[int]:
+        return [t for out in engine.generate(prompt, params(mode)) for t in out.token_ids]
+    whole = {mode: tokens(prompts[0], mode) for mode in modes}
     monkeypatch.setattr(prefilling, "PREFILL_PIECE", 50)  # the engine's prefill steps go 50 tokens a forward
-    assert {mode: tokens(mode) for mode in ("ar", "ddtree")} == whole
-    assert whole["ar"] == whole["ddtree"] and len(whole["ar"]) == 24
+    assert {mode: tokens(prompts[0], mode) for mode in modes} == whole
+    assert whole["ar"] == whole["ddtree"] == whole["dflash"] and len(whole["ar"]) == 24
+    alone = [tokens(prompt, mode) for prompt, mode in zip(prompts, modes)]
+    ids = [engine.submit(prompt, params(mode)) for prompt, mode in zip(prompts, modes)]
+    batched = {i: [] for i in ids}
+    while engine.has_work:
+        for request_id, out in engine.step():
+            batched[request_id] += out.token_ids
+    assert [batched[i] for i in ids] == alone
 
 
 def whole_prompt_draft_kv(engine: Engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Long-context prefill and decode of the runtime's engine on a GPU, beside the field's own kernels.
 
     PYTHONPATH=runtime python runtime/bench/prefill_bench.py [--shapes qwen3.6-27b,qwen3-8b]
-        [--contexts 4096,32768,131072] [--out OUT.json]
+        [--contexts 4096,32768,131072] [--pieces 32768,16384,8192] [--skip-checks] [--out OUT.json]
 
 Randomly initialised models of real shapes (gpu_bench.SHAPES), bf16. Per shape and context: the time to
 first token of `Engine.generate` (the prefill and the first token's choice; what a request waits for
@@ -11,8 +11,11 @@ token). Beside it, the same prefill assembled from the field's kernels alone (fl
 chunk_gated_delta_rule for the Gated DeltaNet layers, PyTorch SDPA flash attention with is_causal for the
 attention layers, plain bf16 GEMMs and torch elementwise ops for the rest), over the same weights, in the
 same run. Floors: 2 x non-embedding parameters x tokens over the measured bf16 matmul rate, and the same
-plus the causal attention's FLOPs. Writes the JSON after every measurement, so a run cut short keeps
-what it measured."""
+plus the causal attention's FLOPs. `--pieces`: the engine's prefill piece (PREFILL_PIECE) to compare,
+each context served once per piece (the first listed also times the round; a context's row holds its
+figures, `by_piece` every piece's), with the peak memory the prefill took above what was allocated
+before it. The prefix cache is off, so a repeated prompt is prefilled again. Writes the JSON after every
+measurement, so a run cut short keeps what it measured."""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_bench import build_models, measure_ceilings, nbytes, sync
-from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.capacity import PREFILL_PIECE
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams, prefilling
 from ddtree_runtime.engine.kv_cache import target_cache
 from ddtree_runtime.engine.prefill import prefill
 from ddtree_runtime.model import Qwen35Config
@@ -161,6 +165,27 @@ def serve_once(engine: Engine, prompt: list[int], rounds: int) -> dict:
     return out
 
 
+def serve_with_piece(engine: Engine, prompt: list[int], piece: int, rounds: int, repeat: bool) -> dict:
+    """serve_once with prefill pieces of `piece` tokens, and the peak memory above what was allocated
+    before (the prefill's activations: what capacity.prefill_workspace_bytes bounds); with `repeat`, a
+    second time to first token (the first at a new length may pay allocations)."""
+    shipped = prefilling.PREFILL_PIECE
+    prefilling.PREFILL_PIECE = piece
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    try:
+        run = serve_once(engine, prompt, rounds)
+        run["serving_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        run["prefill_peak_above_gib"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+        if repeat:
+            run["ttft_s_repeat"] = serve_once(engine, prompt, 0)["ttft_s"]
+    except Exception:  # noqa: BLE001 (the benchmark reports what failed and goes on)
+        run = {"error": traceback.format_exc()[-2000:]}
+    finally:
+        prefilling.PREFILL_PIECE = shipped
+    return run
+
+
 def floors(target, ctx: int, rate: float) -> dict:
     cfg = target.config
     params = (sum(p.numel() for p in target.parameters()) - target.model.embed_tokens.weight.numel()
@@ -177,11 +202,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3.6-27b,qwen3-8b")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--field-max", type=int, default=32768, help="longest context the field assembly runs at")
+    ap.add_argument("--repeat-max", type=int, default=32768, help="longest context whose first token is timed twice")
+    ap.add_argument("--pieces", default=str(PREFILL_PIECE), help="prefill pieces to compare (tokens a forward)")
+    ap.add_argument("--skip-checks", action="store_true", help="skip the fla and pieces accuracy checks")
     ap.add_argument("--out", default="bench/results/runtime-prefill-bench.json")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
     device = torch.device("cuda")
     contexts = [int(c) for c in args.contexts.split(",")]
+    pieces = [int(p) for p in args.pieces.split(",")]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report: dict = {"label": args.label, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -190,16 +219,13 @@ def main() -> None:
     def save() -> None:
         out_path.write_text(json.dumps(report, indent=2))
 
-    try:
-        report["fla_check"] = check_fla(device)
-    except Exception:  # noqa: BLE001 (the benchmark reports what failed and goes on)
-        report["fla_check"] = {"error": traceback.format_exc()[-2000:]}
-    print("fla check:", report["fla_check"], flush=True)
-    try:
-        report["pieces_check"] = check_pieces(device)
-    except Exception:  # noqa: BLE001
-        report["pieces_check"] = {"error": traceback.format_exc()[-2000:]}
-    print("pieces check:", report["pieces_check"], flush=True)
+    checks = {} if args.skip_checks else {"fla_check": check_fla, "pieces_check": check_pieces}
+    for name, check in checks.items():
+        try:
+            report[name] = check(device)
+        except Exception:  # noqa: BLE001 (the benchmark reports what failed and goes on)
+            report[name] = {"error": traceback.format_exc()[-2000:]}
+        print(f"{name}:", report[name], flush=True)
     rate = report["ceilings"]["matmul_flops_per_s"]
     save()
     g = torch.Generator().manual_seed(1)
@@ -210,7 +236,7 @@ def main() -> None:
         # positions are only a limit here)
         target.config.max_position_embeddings = max(contexts) + 2048
         engine = Engine(EngineConfig(f"random-{shape}", None, mode="ddtree", tree_budget=16, device="cuda",
-                                     dtype="bfloat16", max_context=max(contexts) + 1024),
+                                     dtype="bfloat16", max_context=max(contexts) + 1024, prefix_cache=False),
                         target=target, drafter=drafter)
         vocab = target.config.vocab_size
         rows["target_bytes"], rows["drafter_bytes"] = nbytes(target), nbytes(drafter)
@@ -222,14 +248,15 @@ def main() -> None:
         save()
         for ctx in contexts:
             prompt = torch.randint(0, vocab - 1, (ctx,), generator=g).tolist()
-            row = rows[str(ctx)] = {"floors": floors(target, ctx, rate)}
-            torch.cuda.reset_peak_memory_stats()
+            row = rows[str(ctx)] = {"floors": floors(target, ctx, rate), "by_piece": {}}
+            for i, piece in enumerate(pieces):
+                run = serve_with_piece(engine, prompt, piece, DECODE_ROUNDS if i == 0 else 0, ctx <= args.repeat_max)
+                row["by_piece"][str(piece)] = run
+                if i == 0:
+                    row.update(run)
+                print(f"{shape} ctx {ctx} piece {piece}: {json.dumps(run)}", flush=True)
+                save()
             try:
-                first = serve_once(engine, prompt, DECODE_ROUNDS)
-                row.update(first)
-                row["serving_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-                if ctx <= args.field_max:  # a second TTFT: the first at a new length may pay allocations
-                    row["ttft_s_repeat"] = serve_once(engine, prompt, 0)["ttft_s"]
                 ids = torch.tensor([prompt], device=device)
                 if _fla_chunk() is not None and ctx <= args.field_max:
                     field_prefill(target, ids[:, :1024])
@@ -268,6 +295,14 @@ def main() -> None:
                   f"{r['floors']['gemm_s']:>9.3f}{r['floors']['gemm_attention_s']:>8.3f}"
                   f"{r.get('round_ms', float('nan')):>10.2f}"
                   f"{r.get('round_ms', float('nan')) / rows['round_512']['round_ms']:>7.2f}")
+    if len(pieces) > 1:
+        print(f"\n{'shape':<12}{'ctx':>7}{'piece':>7}{'TTFT s':>9}{'again':>8}{'peak above GiB':>16}")
+        for shape, rows in report["shapes"].items():
+            for ctx in contexts:
+                for piece, r in rows.get(str(ctx), {}).get("by_piece", {}).items():
+                    ttft, again, above = (r.get(k, float("nan")) for k in ("ttft_s", "ttft_s_repeat",
+                                                                            "prefill_peak_above_gib"))
+                    print(f"{shape:<12}{ctx:>7}{piece:>7}{ttft:>9.3f}{again:>8.3f}{above:>16.2f}")
     print(f"wrote {out_path}")
 
 

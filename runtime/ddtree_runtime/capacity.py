@@ -183,20 +183,22 @@ def round_reserve(tree_slots: int, block_size: int) -> int:
 
 
 def prefill_workspace_bytes(target: Shape, context: int, feature_layers: int, elem: int) -> int:
-    """A bound on a prefill's live activations at `context` prompt tokens, run in pieces (the engine
-    sizes its pool with it, engine/memory.py): per token of a piece the MLP's gate|up and their product
-    (3 x intermediate), the residual stream, its normed copy and a layer's output (3 x hidden), doubled
-    for the attention and linear layers' own temporaries and the allocator; per prompt token the
-    drafter's features, kept whole, and its first pass over them (hidden per feature layer, plus two).
-    Measured above weights and caches on an H200 for the Qwen3.6-27B shape (docs/performance.md): 1.2
-    GiB at 4K, 9.4 at 32K in one piece, 11.5 at 128K in 16K pieces; this gives 1.3, 10.4 and 12.9 (17.0
-    in 32K pieces). A later piece (or a chunk beside running requests) also gathers one layer's earlier
-    keys and values from the pages into a contiguous copy: 2 x context x KV heads x head_dim more (not
-    measured)."""
+    """A bound on a prefill's live activations at `context` prompt tokens, run in pieces of at most
+    PREFILL_PIECE (the engine sizes its pool with it, engine/memory.py): per token of a piece the MLP's
+    gate|up and their product (3 x intermediate), the residual stream, its normed copy and a layer's
+    output (3 x hidden), doubled for the attention and linear layers' own temporaries and the allocator;
+    and the piece's drafter features (hidden per feature layer), held through the pass, with their
+    projection and its norm (2 x hidden): the drafter's context is written a piece at a time, so
+    nothing scales with the whole prompt but one layer's earlier keys and values, which a later piece
+    (or a chunk beside running requests) gathers from the pages into a contiguous copy (2 x context x
+    KV heads x head_dim). For the Qwen3.6-27B shape this gives 1.3 GiB at 4K, 10.4 at 32K and 10.9 at
+    128K (in 32K pieces); measured above weights and caches on an H200 (docs/performance.md), with the
+    whole prompt's features then kept for the first draft: 1.2 GiB at 4K, 9.4 at 32K in one piece,
+    11.5 at 128K in 16K pieces (8.8 GiB of it those features)."""
     piece = min(context, PREFILL_PIECE)
     gathered = 2 * context * target.kv_heads * target.head_dim
-    return elem * (2 * piece * (3 * target.intermediate + 3 * target.hidden)
-                   + context * (feature_layers + 2) * target.hidden + gathered)
+    return elem * (piece * (2 * (3 * target.intermediate + 3 * target.hidden) + (feature_layers + 2) * target.hidden)
+                   + gathered)
 
 
 @dataclass(frozen=True)

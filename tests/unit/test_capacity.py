@@ -107,8 +107,8 @@ def test_preflight_refuses_a_max_context_that_cannot_fit_in_one_line(zlab):
     problem, = capacity.check_fits(zlab, small)
     assert problem.startswith("one request of serve.max_context 131072 (") and "zlab-ddtree16.yaml:" in problem
     assert "needs 131,104 tokens of KV pool, and on ct200's GPU 0 (" in problem
-    assert "81,559 MiB) the pool holds 2,819 (" in problem  # each row keeps a prompt snapshot of its state too
-    assert "79.6 GiB less weights 53.3 GiB, x mem_fraction 0.88, less workspaces 17.5 GiB and 16 x 0.34 GiB of " \
+    assert "81,559 MiB) the pool holds 84,739 (" in problem  # each row keeps a prompt snapshot of its state too
+    assert "79.6 GiB less weights 53.3 GiB, x mem_fraction 0.88, less workspaces 10.9 GiB and 16 x 0.34 GiB of " \
            "request state" in problem
     # the longest context that fits is measured with its own (smaller) prefill workspace
     longest = small.longest_context

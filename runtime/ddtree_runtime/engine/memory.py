@@ -45,8 +45,9 @@ def free_bytes(device: torch.device) -> int:
 @dataclass(frozen=True)
 class PoolSizing:
     """The pool's costs for one engine: the target's and the drafter's shapes (no drafter: None) in
-    `elem`-byte elements, pages of `page_size` tokens, the drafter's block, the features a prefill keeps
-    for it, and whether a hybrid row keeps a prompt snapshot (the prefix cache)."""
+    `elem`-byte elements, pages of `page_size` tokens, the drafter's block, the target layers whose
+    features a prefill piece hands to the drafter, and whether a hybrid row keeps a prompt snapshot (the
+    prefix cache)."""
     target: Shape
     drafter: Shape | None
     elem: int

@@ -40,7 +40,6 @@ class Placement:
         self.pool.move_rows(dst, src, max((valid[s] for s in src), default=0))
         req.finished = True
         req.drafted = req.ahead = req.ahead_logprobs = req.stop_tensor = None
-        req.prompt_feats = None
         self._prefix_stats()
 
     def _place(self, req: RequestState) -> None:

@@ -115,7 +115,8 @@ class Prefilling:
         # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
         h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
         self.stats.prefill_passes += 1
-        self._prefilled(req, take, feats)
+        self._draft_context([req], feats, pos)
+        self._prefilled(req, take)
         if hi < len(req.context):
             return None
         return self._first_token(req, self.target.logits(h[0, -1:]))
@@ -140,62 +141,33 @@ class Prefilling:
         rows = self.target_cache.rows(reqs[0].slot, reqs[0].slot + n)
         h, feats = self.target(ids.to(dev), pos, rows, static=TreeInputs(slots, bias, kv_len, None))
         self.stats.prefill_passes += 1
-        for i, (req, take) in enumerate(group):
-            self._prefilled(req, take, None if feats is None else feats[i:i + 1, :take])
+        self._draft_context(reqs, feats, pos)
+        for req, take in group:
+            self._prefilled(req, take)
         last = self.target.logits(h[torch.arange(n, device=dev), torch.tensor(takes, device=dev) - 1])  # [n, V]
         firsts = [self._first_token(req, last[i:i + 1], draft=False) for i, req in enumerate(reqs)]
-        if sum(req.mode.drafts for req in reqs) > 1:
-            self._draft_prompts(reqs)
-        else:
-            for req in reqs:
-                if req.mode.drafts:
-                    req.drafted = self._draft_prompt(req)
+        if any(req.mode.drafts for req in reqs):
+            self._draft_prompt(reqs)
         return firsts
 
-    def _draft_prompts(self, reqs: list[RequestState]) -> None:
-        """_draft_prompt for a prefill group (consecutive slots) in one drafter pass: row i's context is
-        its computed prompt (zero-padded to the longest; the padding's k/v land past its context, under
-        its block or masked, as the per-round pass's do), then its block. An AR row takes part at the
-        last cache slot only, so nothing it holds is touched."""
-        dev, bs, n = self.device, self.block_size, len(reqs)
-        spec = [req.mode.drafts for req in reqs]
-        width = max(req.n_ctx - req.reused for req, s in zip(reqs, spec) if s)
-        feats = next(req.prompt_feats for req, s in zip(reqs, spec) if s)
-        ctx = feats.new_zeros(n, width, feats.shape[-1])
-        block = torch.full((n, bs), self.mask_token_id, dtype=torch.long, device=dev)
-        for i, req in enumerate(reqs):
-            if spec[i]:
-                ctx[i, :req.n_ctx - req.reused] = req.prompt_feats[0]
-                req.prompt_feats = None
-            block[i, 0] = req.bonus
-        lo = torch.tensor([req.reused for req in reqs], device=dev)[:, None]
-        end = torch.tensor([req.n_ctx for req in reqs], device=dev)[:, None]
-        ctx_pos, block_pos = lo + torch.arange(width, device=dev), end + torch.arange(bs, device=dev)
+    def _draft_context(self, reqs: list[RequestState], feats: torch.Tensor | None, pos: torch.Tensor) -> None:
+        """Write the drafter's context k/v of a prefill pass's positions pos [n, W] (row i: reqs[i]'s,
+        consecutive slots) from its target features feats [n, W, F] right away, so the first draft needs
+        no features of the whole prompt. An AR row writes to the last cache slot only, so its drafter
+        context (what it inherited with a reused prefix) is untouched; a row's padding lands past its
+        prompt, where its first draft's block and later rounds write over it before anything reads it."""
+        if feats is None or not any(req.mode.drafts for req in reqs):
+            return
         last = self.draft_cache.capacity - 1
-        live = torch.tensor(spec, device=dev)[:, None]
-        ctx_slots = torch.where(live, ctx_pos.clamp(max=last), last)
-        block_slots = torch.where(live, block_pos, last)
-        kv_len = max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs
-        cols = torch.arange(kv_len, device=dev)
-        bias = torch.zeros((), dtype=self.draft_cache.k.dtype, device=dev).expand(n, 1, 1, kv_len)
-        bias = bias.masked_fill((cols >= torch.where(live, end + bs, 1))[:, None, None], float("-inf"))
-        rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
-        h = self.drafter(self.target.model.embed_tokens(block), block_pos, ctx, ctx_pos, rows, mask=bias,
-                         static=(ctx_slots, block_slots, kv_len))
-        drafted = self.target.logits(h[:, 1:])                          # [n, bs-1, V]
-        for i, req in enumerate(reqs):
-            if spec[i]:
-                req.drafted = drafted[i]
+        live = torch.tensor([req.mode.drafts for req in reqs], device=self.device)[:, None]
+        slots = torch.where(live, pos.clamp(max=last), last)
+        self.drafter.write_context(feats, slots, self.draft_cache.rows(reqs[0].slot, reqs[0].slot + len(reqs)))
 
-    def _prefilled(self, req: RequestState, take: int, feats: torch.Tensor | None) -> None:
-        """Book `take` more prompt tokens as computed, keeping their features for the first draft."""
-        lo, hi = req.prefilled, req.prefilled + take
-        req.prefilled = hi
-        if req.mode.drafts:
-            if req.prompt_feats is None:  # the computed prompt's, filled chunk by chunk (no concatenation)
-                req.prompt_feats = feats.new_empty(1, len(req.context) - req.reused, feats.shape[-1])
-            req.prompt_feats[:, lo - req.reused:hi - req.reused] = feats
-        if hi == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
+    def _prefilled(self, req: RequestState, take: int) -> None:
+        """Book `take` more prompt tokens as computed (their drafter context is written: _draft_context),
+        and keep a hybrid's state where a later turn may reuse it."""
+        req.prefilled += take
+        if req.prefilled == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
             self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
 
     def _first_token(self, req: RequestState, logits: torch.Tensor,
@@ -206,28 +178,38 @@ class Prefilling:
         if req.resume_bonus is not None:
             req.n_ctx, req.bonus, req.resume_bonus = len(req.context), req.resume_bonus, None
             if draft and req.mode.drafts:
-                req.drafted = self._draft_prompt(req)
+                self._draft_prompt([req])
             return None, None
         chosen = self._choose(req, logits, 0)
         pending = self._logprobs(req, logits, chosen)
         first = int(chosen[0])
         req.n_ctx, req.bonus = len(req.context), first
         if draft and req.mode.drafts:
-            req.drafted = self._draft_prompt(req)
+            self._draft_prompt([req])
         return first, None if pending is None else pending.rows([0])
 
-    def _draft_prompt(self, req: RequestState) -> torch.Tensor:
-        """The first drafter pass of a request, eager: its context is every prompt position (features
-        from the prefill, written to the drafter's cache after the reused prefix's, which came with it:
-        a position's drafter k/v depend on that position's target features alone) plus the block
-        [bonus, MASK * (block_size-1)] -> logits for depths 1..Q-1."""
-        n, bs, lo = req.n_ctx, self.block_size, req.reused
-        block = torch.full((1, bs), self.mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = req.bonus
-        emb = self.target.model.embed_tokens(block)                     # [1, bs, H]
-        block_pos = torch.arange(n, n + bs, device=self.device)[None]
-        ctx_pos = torch.arange(lo, n, device=self.device)[None]
-        h = self.drafter(emb, block_pos, req.prompt_feats, ctx_pos, self.draft_cache.rows(req.slot, req.slot + 1),
-                         ctx_start=lo)
-        req.prompt_feats = None
-        return self.target.logits(h[0, 1:])
+    def _draft_prompt(self, reqs: list[RequestState]) -> None:
+        """The first drafter pass of requests whose prompts are in (consecutive slots: a prefill group,
+        or one request as a group of one), eager, in one pass: row i's block [bonus, MASK * (block_size-1)]
+        at its context's end attends to the drafter context its prefill wrote (_draft_context; a reused
+        prefix's came with it) and to itself -> each drafting request's `drafted`, logits for depths
+        1..Q-1. An AR row takes part at the last cache slot only, so nothing it holds is touched."""
+        dev, bs, n = self.device, self.block_size, len(reqs)
+        spec = [req.mode.drafts for req in reqs]
+        block = torch.full((n, bs), self.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = torch.tensor([req.bonus for req in reqs], device=dev)
+        end = torch.tensor([req.n_ctx for req in reqs], device=dev)[:, None]
+        block_pos = end + torch.arange(bs, device=dev)
+        live = torch.tensor(spec, device=dev)[:, None]
+        block_slots = torch.where(live, block_pos, self.draft_cache.capacity - 1)
+        kv_len = max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs
+        cols = torch.arange(kv_len, device=dev)
+        bias = torch.zeros((), dtype=self.draft_cache.k.dtype, device=dev).expand(n, 1, 1, kv_len)
+        bias = bias.masked_fill((cols >= torch.where(live, end + bs, 1))[:, None, None], float("-inf"))
+        rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
+        h = self.drafter(self.target.model.embed_tokens(block), block_pos, None, None, rows, mask=bias,
+                         static=(None, block_slots, kv_len))
+        drafted = self.target.logits(h[:, 1:])                          # [n, bs-1, V]
+        for i, req in enumerate(reqs):
+            if spec[i]:
+                req.drafted = drafted[i]

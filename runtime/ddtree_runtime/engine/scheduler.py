@@ -210,7 +210,7 @@ class Scheduler:
         self.pool.move_rows([d for _, d in moves], [s for s, _ in moves], 0)
         req.prefilled = req.reused = req.n_ctx = req.draft_ctx = req.snapshot_at = 0
         req.placed = False
-        req.drafted = req.prompt_feats = None
+        req.drafted = None
         self.waiting.appendleft(req)
 
     # ---- departures ---------------------------------------------------------------------------

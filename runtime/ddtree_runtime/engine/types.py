@@ -84,7 +84,6 @@ class RequestState:
     draft_ctx: int = 0        # positions of the drafter's context inherited with them (AR requests)
     placed: bool = False      # its row has been set up for it (a cached prefix looked for)
     snapshot_at: int = 0      # where a hybrid's prompt state is kept for later reuse (prefix_cache.py)
-    prompt_feats: torch.Tensor | None = None  # [1, P, F] the prompt's target features, for the first draft
     drafted: torch.Tensor | None = None  # [block-1, V] draft logits for the next round, queued on the device
     ahead: torch.Tensor | None = None    # [1, 1] a lone AR step run ahead: its token, chosen, not yet read
     ahead_logprobs: "PendingLogprobs | None" = None  # its log-probabilities, on their way to the host

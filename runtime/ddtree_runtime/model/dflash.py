@@ -4,7 +4,9 @@ The drafter has no embeddings or LM head of its own: the block [bonus, MASK, ...
 target's embed_tokens and its final hidden states go through the target's lm_head. Context comes from
 the target's hidden states at `target_layer_ids`, projected by `fc` + `hidden_norm`; every layer's
 k/v projections read both that context and the block, and the block attends to all of it (no causal
-mask inside the block). Only context k/v is cached, since the block is rebuilt each round."""
+mask inside the block). Only context k/v is cached, since the block is rebuilt each round. A position's
+context k/v depend on that position's features alone, so a prompt's are written a piece at a time as
+the target computes them (`write_context`), and its first draft runs the block alone (feats None)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class DraftInputs(NamedTuple):
 
 
 class DFlashLayer(LayerWeights):
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_c: tuple[torch.Tensor, torch.Tensor], idx: int, cache, ctx_start: int,
                 mask: torch.Tensor | None, static=None) -> torch.Tensor:
         # x: [B, Q, H] block stream; ctx: [B, C, H] projected context (new entries only when cached)
@@ -37,7 +39,8 @@ class DFlashLayer(LayerWeights):
             # cache slots right after the context (free until the next round writes context there),
             # so attention reads one bucketed cache view with an additive bias and nothing is copied
             ctx_slots, block_slots, kv_len, lengths = DraftInputs(*static)
-            attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots)
+            if ctx is not None:  # None: the context is in the cache already (write_context)
+                attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots)
             q = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots)
             x = attn.add_out(x, attend_cache(q, cache, idx, kv_len, mask, lengths))
             return self.mlp.add_to(x, self.post_attention_layernorm(x))
@@ -63,19 +66,31 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
-    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor,
-                ctx_pos: torch.Tensor, cache=None, ctx_start: int = 0,
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor | None,
+                ctx_pos: torch.Tensor | None, cache=None, ctx_start: int = 0,
                 mask: torch.Tensor | None = None, *, static=None) -> torch.Tensor:
         """block_emb: [B, Q, H] target embeddings of the block; feats: [B, C, L*H] raw target features
-        (with a cache: only the ones not cached yet, at positions ctx_start..); mask: bool
+        (with a cache: only the ones not cached yet, at positions ctx_start..; None with `static`: no new
+        context, the cache holds all of it); mask: bool
         [B, 1, Q, C+Q] or None (see everything); static = DraftInputs (context slots, block slots, kv_len):
         write the context and the block k/v at those cache slots and attend over the first kv_len cache
         entries (mask is then an additive bias over [kv_len]). Returns final-normed block hidden
         states [B, Q, H]."""
-        ctx = self.hidden_norm(self.fc(feats))
+        ctx = rope_c = None
+        if feats is not None:
+            ctx = self.hidden_norm(self.fc(feats))
+            rope_c = self.rotary(ctx_pos, block_emb.dtype)
         rope_q = self.rotary(block_pos, block_emb.dtype)
-        rope_c = self.rotary(ctx_pos, block_emb.dtype)
         x = block_emb
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_c, i, cache, ctx_start, mask, static)
         return self.norm(x)
+
+    def write_context(self, feats: torch.Tensor, slots: torch.Tensor, cache) -> None:
+        """Store the context k/v of target features feats [B, C, L*H] at cache positions slots [B, C]
+        (also their RoPE positions) in every layer, with no block: a prefill hands each piece's features
+        over as it computes them, so no buffer of the whole prompt's features is ever held."""
+        ctx = self.hidden_norm(self.fc(feats))
+        rope_c = self.rotary(slots, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.kv_to_cache(ctx, *rope_c, cache, i, slots)

@@ -235,6 +235,25 @@ def test_snapshots_are_sized_into_the_pool(tiny_hybrid_models):
     assert torch.equal(on.target_cache.snap_state, torch.zeros_like(state))
 
 
+def test_hybrid_keeps_its_turn_start_state_within_one_pass(tiny_hybrid_models):
+    """The state at a prompt's last turn start is kept inside the prompt's one prefill pass (not by a pass
+    cut there): the snapshot holds what a prefill of the prompt up to that point leaves as its state."""
+    engine = make_engine(tiny_hybrid_models, max_running=2)
+    plain = make_engine(tiny_hybrid_models, prefix_cache=False, max_running=2)
+    question, follow = heldout_questions(2, seed=31)
+    prompt = chat(engine, [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."},
+                           {"role": "user", "content": follow}])
+    turn_start = snapshot_point(prompt, engine.turn_token, 0)
+    assert 0 < turn_start < len(prompt)
+    rid = engine.submit(prompt, SamplingParams(max_new_tokens=MAX_NEW, mode="ar"))
+    engine.step()
+    assert engine.stats.prefill_passes == 1 and engine.stats.prefill_tokens == len(prompt)
+    row, c = engine.scheduler.find(rid).slot, engine.target_cache
+    *_, state, conv = prefilled_cache(plain, prompt[:turn_start], "ar")
+    assert_same_cache([c.snap_state[:, row], c.snap_conv[:, row]], [state, conv])
+    assert not torch.allclose(c.snap_state[:, row], c.state[:, row])  # the live state went on past it
+
+
 @pytest.mark.slow
 def test_through_the_server_same_text_and_counters(tiny_hybrid_models):
     """A two-turn chat (and a completion continued with its own text) through ddtree-serve, with reuse

@@ -246,6 +246,9 @@ class HybridCache(KVCache):
         # with prefix reuse, each row's conv tail and state at the end of its prompt (engine/prefix_cache.py)
         self.snap_conv = torch.zeros_like(self.conv) if snapshots else None
         self.snap_state = torch.zeros_like(self.state) if snapshots else None
+        # a prompt pass's offset at which each linear layer also keeps its state in the snapshot (set on
+        # a row's view for one pass: prefilling.py), so a prompt is not cut into two passes to keep it
+        self.keep_at: int | None = None
 
     @staticmethod
     def scratch_bytes(cfg: Qwen35Config, nodes: int, elem: int) -> int:

@@ -46,8 +46,6 @@ class Prefilling:
             if not req.placed:
                 self._place(req)
             take = min(left, len(req.context) - req.prefilled, PREFILL_PIECE)
-            if req.prefilled < req.snapshot_at < len(req.context):  # a hybrid's state is kept there
-                take = min(take, req.snapshot_at - req.prefilled)
             left -= take
             self.stats.prefill_tokens += take
             if self._groupable(req, take):
@@ -112,8 +110,11 @@ class Prefilling:
         lo, hi = req.prefilled, req.prefilled + take
         ids = torch.tensor([req.context[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
         pos = torch.arange(lo, hi, device=self.device)[None]
+        rows = self.target_cache.rows(req.slot, req.slot + 1)
+        if lo < req.snapshot_at < hi and self._keeps_snapshots:
+            rows.keep_at = req.snapshot_at - lo  # a hybrid's state there is kept within this pass
         # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
-        h, feats = self.target(ids, pos, self.target_cache.rows(req.slot, req.slot + 1), start=lo)
+        h, feats = self.target(ids, pos, rows, start=lo)
         self.stats.prefill_passes += 1
         self._draft_context([req], feats, pos)
         self._prefilled(req, take)
@@ -167,8 +168,13 @@ class Prefilling:
         """Book `take` more prompt tokens as computed (their drafter context is written: _draft_context),
         and keep a hybrid's state where a later turn may reuse it."""
         req.prefilled += take
-        if req.prefilled == req.snapshot_at and self.prefix is not None and self.prefix.snapshots_only:
+        if req.prefilled == req.snapshot_at and self._keeps_snapshots:
             self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
+
+    @property
+    def _keeps_snapshots(self) -> bool:
+        """Whether a hybrid's prompt state is kept at its snapshot point (the prefix cache on a hybrid)."""
+        return self.prefix is not None and self.prefix.snapshots_only
 
     def _first_token(self, req: RequestState, logits: torch.Tensor,
                      draft: bool = True) -> tuple[int | None, list[TokenLogprob] | None]:

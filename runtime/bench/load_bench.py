@@ -7,13 +7,16 @@
 With --target it starts ddtree-serve itself (testing.ServerProcess, 127.0.0.1, a free port) and stops it
 at the end; with --url it drives a running server. Each client streams completions (temperature 0,
 `stream_options.include_usage` for the token count) one after another until the fixed number is
-done, after a warm-up round at the largest level. Per concurrency level it reports the aggregate
+done, after a warm-up round at the largest level (`--warm-up 0`: none, the server's own warm-up alone,
+which should leave nothing to compile or capture). Per concurrency level it reports the aggregate
 completion tokens/s (over the whole level, and over its window: from the first request's end to the
 last one's start, when every client has a request in, which is what a server under steady load
 delivers), time to first text and request latency (p50 / p99), the wall time against the first
 level's, the requests refused, by status (a 429 when the queue is full is a refusal; a 5xx is a
 defect), and the server's own means from its /metrics (server/timeline.py: tokenizing, queue wait,
-time to first token and to first round, round time), so a client-side loss shows beside them.
+time to first token and to first round, round time), so a client-side loss shows beside them, and the
+CUDA graphs the server captured during the level (`ddtree_graph_captures_total`: shapes its start-up
+warm-up did not reach, each a pause of every running request).
 Random weights emit ids a bench tokenizer has no text for (start_bench.py's has a few hundred), so
 their first text comes late: there time to first text measures the tokenizer, not the server (the
 server's time_to_first_token does not depend on it). Not a test."""
@@ -75,10 +78,12 @@ def window_rate(results: list[dict], last_sent: float) -> float:
 # sum over count, differenced across a level.
 SERVER_STAGES = ("request_prep_seconds", "queue_wait_seconds", "time_to_first_token_seconds",
                  "time_to_first_round_seconds", "round_duration_seconds")
+CAPTURES = "ddtree_graph_captures_total"
 
 
 def scrape(client: httpx.Client) -> dict[str, float]:
-    """The sums and counts of SERVER_STAGES' histograms (empty if the server has none of them)."""
+    """The sums and counts of SERVER_STAGES' histograms and the graph captures (empty if the server has
+    none of them)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = client.get("/metrics")
@@ -86,7 +91,7 @@ def scrape(client: httpx.Client) -> dict[str, float]:
         return {}
     return {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples
             if s.name.removeprefix("ddtree_").removesuffix("_sum").removesuffix("_count") in SERVER_STAGES
-            and s.name.endswith(("_sum", "_count"))}
+            and s.name.endswith(("_sum", "_count")) or s.name == CAPTURES}
 
 
 def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -138,7 +143,8 @@ def load(url: str, concurrency: int, requests: int, bodies: list[dict]) -> dict:
             "tokens_per_s": tokens / wall, "window_tokens_per_s": window_rate(results, last_sent[0]),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "latency_p50_s": percentile(latency, 0.5), "latency_p99_s": percentile(latency, 0.99),
-            "latency_mean_s": statistics.fmean(latency), "server_ms": stage_means_ms(before, after)}
+            "latency_mean_s": statistics.fmean(latency), "server_ms": stage_means_ms(before, after),
+            "graph_captures": after.get(CAPTURES, 0) - before.get(CAPTURES, 0)}
 
 
 def main() -> None:
@@ -155,6 +161,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,16")
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--warm-up", type=int, help="requests of the warm-up round, a client each (default: the "
+                    "largest level; 0: none, the server's own warm-up alone)")
     ap.add_argument("--model", default="bench")
     ap.add_argument("--out", default="bench/results/runtime-load-bench.json")
     args = ap.parse_args()
@@ -177,9 +185,11 @@ def main() -> None:
         server.wait_ready()
         url = server.url
     try:
-        # warm-up at the largest level, a request a client: the batch shapes it reaches capture their CUDA
-        # graphs here (once per server), not inside the first measured level
-        load(url, max(levels), max(levels), bodies)
+        # warm-up at the largest level, a request a client: what the server's own warm-up did not reach
+        # (a longer context's graphs, say) is captured here, not inside the first measured level
+        warm = max(levels) if args.warm_up is None else args.warm_up
+        if warm:
+            load(url, warm, warm, bodies)
         results = []
         for c in levels:
             r = load(url, c, args.requests, bodies)
@@ -190,13 +200,13 @@ def main() -> None:
             server.stop()
     one = next((r for r in results if r["concurrency"] == 1), results[0])
     print(f"\n{'clients':>8}{'wall s':>9}{'tok/s':>9}{'window':>9}{'x 1 client':>11}{'ttft p50':>10}{'ttft p99':>10}"
-          f"{'lat p50':>9}{'lat p99':>9}")
+          f"{'lat p50':>9}{'lat p99':>9}{'graphs':>8}")
     for r in results:
         speedup = r["tokens_per_s"] / one["tokens_per_s"]
         refused = ", ".join(f"{n} x {code}" for code, n in r["refused"].items())
         print(f"{r['concurrency']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{r['window_tokens_per_s']:>9.0f}"
               f"{speedup:>11.2f}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['latency_p50_s']:>9.3f}"
-              f"{r['latency_p99_s']:>9.3f}" + (f"  refused: {refused}" if refused else ""))
+              f"{r['latency_p99_s']:>9.3f}{r['graph_captures']:>8.0f}" + (f"  refused: {refused}" if refused else ""))
     print("server's means, ms (prep: arrival to the engine thread's hand-off; queue_wait: to admission; "
           "first token / first round: from arrival):")
     for r in results:
@@ -204,7 +214,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"url": args.url, "target": args.target, "mode": args.mode,
-                               "max_running": args.max_running, "max_tokens": args.max_tokens,
+                               "max_running": args.max_running, "max_tokens": args.max_tokens, "warm_up": warm,
                                "results": results}, indent=2))
     print(f"wrote {out}")
 

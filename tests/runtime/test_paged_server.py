@@ -81,6 +81,7 @@ def test_pool_exhaustion_queues_and_preempts_never_a_5xx(server):
     assert m["ddtree_kv_pages_total"] == engine.pages.num_pages == POOL_TOKENS // 16
     assert m["ddtree_kv_pages_free"] == m["ddtree_kv_pages_total"] and m["ddtree_kv_pages_used"] == 0
     assert m["ddtree_preemptions_total"] == engine.stats.preemptions  # how many depends on arrival timing
+    assert m["ddtree_graph_captures_total"] == engine.stats.graph_captures == 0  # the CPU captures none
     pool = httpx.get(url + "/health").json()["kv_pool"]
     assert pool["tokens"] == POOL_TOKENS and pool["page_size"] == 16 and pool["requests_full_context"] == 0
 

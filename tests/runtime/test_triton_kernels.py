@@ -605,6 +605,31 @@ def test_paged_decode_attention_reads_keys_through_the_block_table():
     assert len(out.splitlines()) == 2
 
 
+def test_eager_decode_launch_serves_a_prefill_groups_rows_of_any_width():
+    """The fixed launch of passes not graphed (a prefill group: rows of different prompt lengths padded
+    to the widest, causal within each row, keys to a bucket of 64 over a paged pool): equal to grouped
+    attention in float64 for group widths that are not powers of two, one query included."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        hq, hkv, d, page, b = 4, 2, 32, 16, 3
+        for width, starts in ((5, [0, 3, 40]), (1, [7, 0, 20]), (23, [0, 0, 30])):
+            bucket = -(-(max(starts) + width) // 64) * 64
+            table = (torch.randperm(b * bucket // page) + 1).view(b, -1)
+            pool = torch.randn(2, 1, hkv, (b * bucket // page + 1) * page, d, dtype=torch.float16)
+            pos = torch.tensor(starts)[:, None] + torch.arange(width)                     # [b, W]
+            causal = torch.arange(bucket)[None, None, :] <= pos[..., None]               # [b, W, L]
+            bias = torch.where(causal, 0.0, float("-inf")).to(torch.float16)[:, None]
+            q = torch.randn(b, hq, width, d, dtype=torch.float16)
+            slots = (table[:, :, None] * page + torch.arange(page)).view(b, -1)          # [b, L] physical
+            keys, values = pool[0, 0][:, slots].transpose(0, 1), pool[1, 0][:, slots].transpose(0, 1)
+            got = K.decode_attention(q, pool[0], pool[1], bias, launch=K.DECODE_EAGER, table=table,
+                                     page_size=page, length=bucket)
+            torch.testing.assert_close(got.double(), ref(q, keys, values, bias), rtol=2e-3, atol=2e-3)
+            print(width)
+    """)
+    assert len(out.splitlines()) == 3
+
+
 def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch():
     """A batched round of a Qwen3 target over a paged pool (rows of shuffled pages, one row a pad row
     on the scratch page only) with every kernel (the fused RoPE + KV write at physical slots, the paged

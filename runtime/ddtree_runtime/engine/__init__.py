@@ -1,6 +1,6 @@
-"""DDTree engine API: EngineConfig, SamplingParams, RoundOutput and Engine."""
+"""DDTree engine API: EngineConfig, SamplingParams, RoundOutput, WarmUp and Engine."""
 
 from .engine import Engine
-from .types import EngineConfig, RoundOutput, SamplingParams
+from .types import EngineConfig, RoundOutput, SamplingParams, WarmUp
 
-__all__ = ["Engine", "EngineConfig", "RoundOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "RoundOutput", "SamplingParams", "WarmUp"]

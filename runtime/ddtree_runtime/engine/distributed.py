@@ -23,7 +23,7 @@ from ..model import parallel
 from ..model.parallel import TensorParallel
 from ..settings import resolve_device
 from .engine import Engine
-from .types import EngineConfig, RoundOutput, SamplingParams
+from .types import EngineConfig, RoundOutput, SamplingParams, WarmUp
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,17 @@ class Leader:
         self._check("step", digest(outputs))
         return outputs
 
+    def warm_up(self) -> WarmUp:
+        """Engine.warm_up on every rank (its passes are collectives)."""
+        self._send(("warm_up",))
+        try:
+            done = self.engine.warm_up()
+        except Exception:
+            self._check("warm-up", FAILED)
+            raise
+        self._check("warm-up", done.requests)
+        return done
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
         """Engine.generate through the broadcast calls (the server's warm-up)."""
         if self.engine.has_work:
@@ -144,7 +155,12 @@ def follow(engine: Engine, tp: TensorParallel) -> None:
             engine.cancel(*args)
             continue
         try:
-            value = engine.submit(*args) if name == "submit" else digest(engine.step())
+            if name == "submit":
+                value = engine.submit(*args)
+            elif name == "warm_up":
+                value = engine.warm_up().requests
+            else:
+                value = digest(engine.step())
         except Exception as exc:  # noqa: BLE001 - rank 0 reports it to its client
             log.debug("rank %d: %s failed as on rank 0: %r", tp.rank, name, exc)
             value = FAILED

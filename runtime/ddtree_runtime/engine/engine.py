@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -46,12 +47,15 @@ from .pool import KVPool
 from .prefilling import Prefilling
 from .prefix_cache import PrefixCache
 from .rounds import Rounds
-from .runner import DraftRunner, TargetRunner, tree_bucket
+from .runner import DraftRunner, TargetRunner, batch_bucket, tree_bucket
 from .scheduler import Scheduler
 from .tree import TreeBuilder, Walk
-from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams
+from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, WarmUp
 
 log = logging.getLogger(__name__)
+
+# A warm-up request: two tokens (the prefill's, then one round's), whatever the model says.
+WARM_UP_PARAMS = SamplingParams(max_new_tokens=2, ignore_eos=True)
 
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
@@ -162,6 +166,7 @@ class Engine(Placement, Prefilling, Rounds):
                                            mem_fraction=config.mem_fraction, kv_pool_tokens=config.kv_pool_tokens,
                                            device=self.device)
         self.pages = BlockManager(pages, self.page_size)
+        self.stats = BatchStats(pages_total=self.pages.num_pages)
         width = -(-self.sizing.row_capacity(self.max_context) // self.page_size)
         self.page_table = PageTable(self.pages, self.rows, width, self.device)
         self.pool = KVPool(self.pages, self.page_table, self.prefix, self.sizing, self.max_context)
@@ -171,7 +176,7 @@ class Engine(Placement, Prefilling, Rounds):
                                        self.device, self.target.lm_head.weight.dtype, table=self.page_table)
             self.pool.draft_cache = self.draft_cache
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
-                                            self.mask_token_id, self.device)
+                                            self.mask_token_id, self.device, self.stats)
         self.target_cache: KVCache | None = None
         self.runner: TargetRunner | None = None
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
@@ -181,7 +186,6 @@ class Engine(Placement, Prefilling, Rounds):
         # an AR step's accepted path in each row: its root alone (what a hybrid's state advances along)
         self.root_paths = torch.zeros(self.slots, 1, dtype=torch.long, device=self.device)
         self.root_lengths = torch.ones(self.slots, dtype=torch.long, device=self.device)
-        self.stats = BatchStats(pages_total=self.pages.num_pages)
         self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats, self._alloc_target_cache,
                                    has_drafter=self.drafter is not None)
         self._next_id = 0
@@ -244,7 +248,7 @@ class Engine(Placement, Prefilling, Rounds):
         self.target_cache = target_cache(cfg, 0, self.device, dtype, nodes=tree_bucket(tree_slots),
                                          snapshots=self.prefix is not None, table=self.page_table)
         self.pool.target_cache = self.target_cache
-        self.runner = TargetRunner(self.target, self.target_cache, self.device, max_depth=self.block_size - 1)
+        self.runner = TargetRunner(self.target, self.target_cache, self.device, self.block_size - 1, self.stats)
         self.pool.target_slots = tree_slots
 
     # ---- public API -------------------------------------------------------------------------------
@@ -328,6 +332,47 @@ class Engine(Placement, Prefilling, Rounds):
                         yield out
         finally:
             self.cancel(req.id)
+
+    @torch.inference_mode()
+    def warm_up(self, batches: Sequence[int] | None = None) -> WarmUp:
+        """Run before any traffic what traffic will run, so that Triton compiles its kernels and the
+        runners capture their CUDA graphs now, not on the engine's thread while users wait (a served
+        engine measured 20% of its time compiling and 12% capturing, docs/performance.md). For each
+        batch size in `batches` (by default every batch bucket of the round, largest first, where
+        graphs are captured; one request without them: nothing to compile), that many short prompts
+        of different lengths arrive together (one grouped prefill), then one round of the configured
+        mode runs at that batch size, at the smallest KV bucket. Its requests neither reuse nor leave
+        cached sequences and the stats are put back, so the pool and every counter are as before.
+        Needs an idle engine with nothing cached (RuntimeError)."""
+        if self.has_work or (self.prefix is not None and len(self.prefix)):
+            raise RuntimeError("warm_up() runs before serving: on an idle engine with nothing cached")
+        if batches is None:
+            buckets = {batch_bucket(n, self.slots) for n in range(1, self.slots + 1)}
+            batches = sorted(buckets, reverse=True) if self.runner.use_graphs else [1]
+        started, kept = time.perf_counter(), dataclasses.replace(self.stats)
+        prefix, hook = self.prefix, self.phase_hook
+        self.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
+        vocab, ids = self.target.config.vocab_size, []
+        try:
+            for n in batches:
+                # first tokens differ, so no two prompts share a page (admission counts shared pages);
+                # 4 to 79 tokens: a group's rows differ in length, all within the smallest KV bucket
+                lengths = [min(4 + 5 * (i % 16), self.max_context - WARM_UP_PARAMS.max_new_tokens) for i in range(n)]
+                ids += [self.submit([(i + 1 + 3 * j) % vocab for j in range(length)], WARM_UP_PARAMS)
+                        for i, length in enumerate(lengths)]
+                while self.has_work:
+                    self.step()
+        finally:
+            for request_id in ids:
+                self.cancel(request_id)  # a no-op for those that finished
+            self.prefix, self.phase_hook = prefix, hook
+            captures = self.stats.graph_captures - kept.graph_captures
+            for f in dataclasses.fields(kept):
+                setattr(self.stats, f.name, getattr(kept, f.name))
+        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids), captures)
+        log.info("warm-up: %d requests at batch sizes %s, %d CUDA graphs captured, in %.1f s", done.requests,
+                 ", ".join(map(str, done.batches)), done.graph_captures, done.seconds)
+        return done
 
     # ---- request setup ----------------------------------------------------------------------------
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from ..model.dflash import DraftInputs
+from ..model.kernels import DECODE_EAGER
 from ..model.layers import TreeInputs
 from .prefill import PREFILL_PIECE
 from .prefix_cache import common_prefix
+from .runner import kv_len_for
 from .types import RequestState, RoundOutput, TokenLogprob
 
 # The most attention-bias elements (rows x queries x keys) one grouped prefill pass builds (_group_holds):
@@ -134,13 +137,16 @@ class Prefilling:
         for i, (req, take) in enumerate(group):
             ids[i, :take] = torch.tensor(req.context[req.prefilled:req.prefilled + take])
         pos = torch.tensor([req.prefilled for req in reqs], device=dev)[:, None] + torch.arange(width, device=dev)
-        kv_len = max(req.prefilled + take for req, take in group)
+        # keys to a bucket and a fixed kernel launch: a group's shape follows its prompts, and each new
+        # shape would be a kernel compile on the engine's thread while it serves (kernels.DECODE_EAGER)
+        kv_len = kv_len_for(max(req.prefilled + take for req, take in group), self.target_cache.capacity, False)
         cols = torch.arange(kv_len, device=dev)
         bias = torch.zeros((), dtype=self.target_cache.k.dtype, device=dev).expand(n, 1, width, kv_len)
         bias = bias.masked_fill(cols > pos[:, None, :, None], float("-inf"))       # [n, 1, W, L] causal per row
         slots = pos.clamp(max=self.target_cache.capacity - 1)
         rows = self.target_cache.rows(reqs[0].slot, reqs[0].slot + n)
-        h, feats = self.target(ids.to(dev), pos, rows, static=TreeInputs(slots, bias, kv_len, None))
+        h, feats = self.target(ids.to(dev), pos, rows, static=TreeInputs(slots, bias, kv_len, None,
+                                                                          launch=DECODE_EAGER))
         self.stats.prefill_passes += 1
         self._draft_context(reqs, feats, pos)
         for req, take in group:
@@ -208,13 +214,13 @@ class Prefilling:
         block_pos = end + torch.arange(bs, device=dev)
         live = torch.tensor(spec, device=dev)[:, None]
         block_slots = torch.where(live, block_pos, self.draft_cache.capacity - 1)
-        kv_len = max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs
+        kv_len = kv_len_for(max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs, self.draft_cache.capacity, False)
         cols = torch.arange(kv_len, device=dev)
         bias = torch.zeros((), dtype=self.draft_cache.k.dtype, device=dev).expand(n, 1, 1, kv_len)
         bias = bias.masked_fill((cols >= torch.where(live, end + bs, 1))[:, None, None], float("-inf"))
         rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
         h = self.drafter(self.target.model.embed_tokens(block), block_pos, None, None, rows, mask=bias,
-                         static=(None, block_slots, kv_len))
+                         static=DraftInputs(None, block_slots, kv_len, launch=DECODE_EAGER))
         drafted = self.target.logits(h[:, 1:])                          # [n, bs-1, V]
         for i, req in enumerate(reqs):
             if spec[i]:

@@ -28,6 +28,7 @@ from ..model.layers import TreeInputs
 from .graphs import capture
 from .kv_cache import KVCache
 from .tree import Tree, ancestor_mask
+from .types import BatchStats
 
 KV_BUCKET = 512
 # Without CUDA graphs a shape costs nothing to change, and a pass's attention reads every key up to the
@@ -100,9 +101,12 @@ class _Bucket:
 
 
 class TargetRunner:
-    def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device, max_depth: int) -> None:
-        """max_depth: the deepest tree node the engine will pass (bounds the device-side mask build)."""
+    def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device, max_depth: int,
+                 stats: BatchStats | None = None) -> None:
+        """max_depth: the deepest tree node the engine will pass (bounds the device-side mask build);
+        stats: where each graph capture is counted (the engine's; by default the runner's own)."""
         self.target, self.cache, self.device, self.max_depth = target, cache, device, max_depth
+        self.stats = BatchStats() if stats is None else stats
         self.use_graphs = device.type == "cuda"
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -147,6 +151,7 @@ class TargetRunner:
         else:
             if b.graph is None:
                 b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
+                self.stats.graph_captures += 1
             b.graph.replay()
             out = b.out
         logits, feats, mask = out
@@ -198,8 +203,9 @@ class DraftRunner:
     context is the whole prompt, runs eagerly (prefilling.py)."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
-                 device: torch.device) -> None:
+                 device: torch.device, stats: BatchStats | None = None) -> None:
         self.target, self.drafter, self.cache, self.block = target, drafter, cache, block
+        self.stats = BatchStats() if stats is None else stats  # where each graph capture is counted
         self.mask_token_id, self.device = mask_token_id, device
         self.feat_dim = drafter.fc.in_features
         self.use_graphs = device.type == "cuda"
@@ -238,6 +244,7 @@ class DraftRunner:
             return self._forward(b)
         if b.graph is None:
             b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
+            self.stats.graph_captures += 1
         b.graph.replay()
         return b.out
 

@@ -103,6 +103,15 @@ class RequestState:
             self.context = self.prompt_ids
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """What Engine.warm_up ran (the server's start-up line, the benchmarks)."""
+    seconds: float
+    batches: tuple[int, ...]  # the batch sizes its rounds ran at, one prefill group each
+    requests: int
+    graph_captures: int
+
+
 @dataclass
 class BatchStats:
     """The last step's shape, for /metrics."""
@@ -122,3 +131,4 @@ class BatchStats:
     pages_used: int = 0           # ... held by running, prefilling and cached sequences now
     pages_shared: int = 0         # ... held by more than one sequence (shared prompt prefixes)
     preemptions: int = 0          # since start: requests whose pages were taken back (recomputed later)
+    graph_captures: int = 0       # since start, the warm-up's left out: CUDA graphs captured while serving

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .config import DFlashConfig
+from .kernels import DecodeLaunch
 from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_cache
 
 
@@ -25,6 +26,7 @@ class DraftInputs(NamedTuple):
     block_slots: torch.Tensor             # [Q] or [B, Q] cache slots of the block
     kv_len: int
     lengths: torch.Tensor | None = None   # [B] keys each row's bias allows (layers.attend_decode)
+    launch: DecodeLaunch | None = None    # the decode kernel's launch (kernels.DECODE_EAGER for the first draft)
 
 
 class DFlashLayer(LayerWeights):
@@ -38,11 +40,11 @@ class DFlashLayer(LayerWeights):
             # the graphed path (device-side offsets, see engine/runner.py): the block's k/v go to the
             # cache slots right after the context (free until the next round writes context there),
             # so attention reads one bucketed cache view with an additive bias and nothing is copied
-            ctx_slots, block_slots, kv_len, lengths = DraftInputs(*static)
+            ctx_slots, block_slots, kv_len, lengths, launch = DraftInputs(*static)
             if ctx is not None:  # None: the context is in the cache already (write_context)
                 attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots)
             q = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots)
-            x = attn.add_out(x, attend_cache(q, cache, idx, kv_len, mask, lengths))
+            x = attn.add_out(x, attend_cache(q, cache, idx, kv_len, mask, lengths, launch))
             return self.mlp.add_to(x, self.post_attention_layernorm(x))
         q, kb, vb = attn.qkv(h, *rope_q)
         kc, vc = attn.kv(ctx, *rope_c)

@@ -167,7 +167,9 @@ if triton is not None:
         subnormal = (v + 24576.0) - 24576.0
         return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
-    @triton.jit
+    # M is a pass's token count: not specialised on (it only masks rows), so prompts of every length
+    # share a compile
+    @triton.jit(do_not_specialize=["M"])
     def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
                          stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):

@@ -38,7 +38,9 @@ if triton is not None:
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_out + offs, (x * r * w).to(out_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    # tokens and the slots' row stride follow a pass's length: not specialised on (one compile for every
+    # prompt length; they only index, so nothing is lost)
+    @triton.jit(do_not_specialize=["tokens", "stride_sb"])
     def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, vout_ptr,
                               heads, tokens, stride_tok, stride_ob, stride_oh, stride_ot, stride_sb, eps,
                               HALF: tl.constexpr, HP: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
@@ -202,7 +204,12 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
 # ---- split-KV decode attention ------------------------------------------------------------------------
 
 if triton is not None:
-    @triton.jit
+    # Triton compiles a kernel per distinct set of constexprs and of integer properties (== 1, a
+    # multiple of 16). T and rows_pad follow a pass's query count (a prefill group's width): not
+    # specialised on, as they only index. L stays specialised: its being a multiple of 16 lets the
+    # bias loads along the keys vectorise, and every caller passes a bucket (graphs: KV_BUCKET; eager
+    # passes: EAGER_KV_BUCKET, with DECODE_EAGER's fixed launch), so it always is one
+    @triton.jit(do_not_specialize=["T", "rows_pad"])
     def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr, bt_ptr,
                                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, so_b, so_h, so_t,
                                  sbt_b, HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr, G: tl.constexpr,
@@ -263,7 +270,7 @@ if triton is not None:
             tl.store(ml_ptr + 2 * row, m)
             tl.store(ml_ptr + 2 * row + 1, l)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "L", "rows_pad", "n_splits"])
     def _decode_attn_reduce_kernel(o_ptr, ml_ptr, len_ptr, out_ptr, so_b, so_h, so_t, HKV, T, L, rows_pad,
                                    n_splits, SPLIT: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                                    BLOCK_S: tl.constexpr, HAS_LENGTHS: tl.constexpr):
@@ -330,6 +337,11 @@ DECODE_BATCHED_ONE_QUERY = True
 # of 17 queries, the sweep above), so lengths are used for one-query passes only.
 DECODE_LENGTHS_MAX_QUERIES = 1
 DECODE_MAX_ROWS = 4 * 129
+# The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
+# draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
+# served engine compiled kernels well into its traffic: 20% of its thread's time, docs/performance.md).
+# A 1024-key split keeps short prompts in one direct pass (no reduce); 64-row blocks, the one-sequence rule's.
+DECODE_EAGER = DecodeLaunch(block_rows=64, split=1024, warps=4)
 
 
 def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: int,

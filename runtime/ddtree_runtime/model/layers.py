@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from .fp8 import BlockFP8, FP8Linear, fp8_linear, fuse_fp8_rows, slice_rows
-from .kernels import (decode_attention, decode_attention_fits, rms_norm, rms_norm_rope, rms_norm_rope_to_cache,
-                      rotate_half_rope, silu_mul)
+from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
+                      rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
 from .parallel import TensorParallel, add_reduced
 
 
@@ -82,6 +82,7 @@ class TreeInputs(NamedTuple):
     tree: torch.Tensor      # [T, T] bool, node j is node i or one of its ancestors
     paths: object = None    # gated_delta.Paths, filled by a hybrid model
     lengths: torch.Tensor | None = None  # [B] keys each row may attend (a batched pass): see attend_decode
+    launch: DecodeLaunch | None = None   # the decode kernel's launch (kernels.DECODE_EAGER for passes not graphed)
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx: int, start: int,
@@ -91,7 +92,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx:
     prompt, start > 0, causal with its queries aligned to the end of the keys)."""
     if tree is not None:
         cache.put_at(idx, tree.slots, k, v)
-        return attend_cache(q, cache, idx, tree.kv_len, tree.bias, tree.lengths)
+        return attend_cache(q, cache, idx, tree.kv_len, tree.bias, tree.lengths, tree.launch)
     if cache is not None:
         k, v = cache.write(idx, start, k, v)
     if mask is None and q.shape[2] > 1 and q.shape[2] < k.shape[2]:
@@ -228,7 +229,7 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                  lengths: torch.Tensor | None = None) -> torch.Tensor:
+                  lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """Attention of the graphed decode path (bias additive, KV length bucketed). On CUDA in 16 bits the
     split-KV kernel (kernels.decode_attention) takes every shape it fits. Otherwise, as measured on an
     H200 (docs/performance.md): the batched-GEMM form wins for small blocks of queries over a long
@@ -236,24 +237,25 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     query (the AR step) and for large trees, whose float32 score matrix the GEMM form materialises.
 
     lengths ([B] on the device, optional): row b's bias masks every key from lengths[b] on, so the
-    kernel stops reading there (the bucket's padding is free); the other forms rely on the bias."""
+    kernel stops reading there (the bucket's padding is free); the other forms rely on the bias.
+    launch: the kernel's, where the caller fixes it (kernels.decode_attention)."""
     if decode_attention_fits(q, k, lengths):
-        return decode_attention(q, k, v, bias, lengths)
+        return decode_attention(q, k, v, bias, lengths, launch)
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)
 
 
 def attend_cache(q: torch.Tensor, cache, idx: int, kv_len: int, bias: torch.Tensor,
-                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """A tree pass's attention over layer idx's first kv_len cache positions (attend_decode's rules):
     a paged cache is read through its block tables by the paged split-KV kernel where that fits, and
     otherwise (the torch path, the shapes the kernel leaves to SDPA) from a gathered copy."""
     pages = cache.pages(idx)
     if pages is not None and decode_attention_fits(q, pages.k, lengths):
-        return decode_attention(q, pages.k, pages.v, bias, lengths, table=pages.block, page_size=pages.page_size,
-                                length=kv_len)
-    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths)
+        return decode_attention(q, pages.k, pages.v, bias, lengths, launch, table=pages.block,
+                                page_size=pages.page_size, length=kv_len)
+    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths, launch)
 
 
 class RowParts(NamedTuple):

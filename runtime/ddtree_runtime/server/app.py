@@ -66,6 +66,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
                       lambda: worker.engine_stats("pages_shared"))
     metrics.add_counter("preemptions_total", "Requests whose KV pages were taken back when the pool ran out "
                         "(recomputed later, the same output).", lambda: worker.engine_stats("preemptions"))
+    metrics.add_counter("graph_captures_total", "CUDA graphs captured while serving: shapes the start-up warm-up "
+                        "did not reach (each a pause of the engine's thread).",
+                        lambda: worker.engine_stats("graph_captures"))
     metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
     metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
                       lambda: 1 if worker.health()[0] == READY else 0)

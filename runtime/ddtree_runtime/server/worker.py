@@ -8,8 +8,10 @@ requests' event loops as events (``RoundEvent`` ... then ``DoneEvent`` or ``Erro
 cancelled by setting its flag: the thread takes the request out of the engine before its next step,
 wherever it is there, waiting or running (``withdraw`` wakes the thread for it at once).
 
-Health is the worker's own word: ``ready`` only after the warm-up generation succeeded, and only
-while the thread is alive and the engine can still serve (``Engine.can_serve``).
+Health is the worker's own word: ``ready`` only after the warm-up (``Engine.warm_up``: every batch
+size's kernels compiled and graphs captured, so the first users do not wait for them) and a warm-up
+generation succeeded, and only while the thread is alive and the engine can still serve
+(``Engine.can_serve``).
 """
 
 from __future__ import annotations
@@ -275,9 +277,12 @@ class EngineWorker:
         self._detail = "loading model"
         self.engine = self._engine_factory(self.config)
         self.metrics.set_max_acceptance_length(engine_block_size(self.engine) or 1)
-        log.info("--> loaded in %.1fs; warm-up generation", time.perf_counter() - started)
+        log.info("--> loaded in %.1fs; warm-up", time.perf_counter() - started)
         self._detail = "warming up"
         from ddtree_runtime.engine import SamplingParams
+
+        if hasattr(self.engine, "warm_up"):  # the engine logs what it ran and how long it took
+            self.engine.warm_up()
 
         prompt = self.engine.tokenizer.encode(WARMUP_PROMPT, add_special_tokens=False)
         params = SamplingParams(max_new_tokens=WARMUP_TOKENS, temperature=0.0)

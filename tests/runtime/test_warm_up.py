@@ -1,0 +1,64 @@
+"""Engine.warm_up, both tiny pairs: it runs a prefill group and a round at each batch size asked for,
+then leaves the pool, the cached sequences and every counter as it found them, and the engine's outputs
+(greedy and seeded sampling, requests arriving together) are the same as a fresh engine's; it refuses a
+busy engine; on the CPU (no graphs, nothing to compile) its default is one request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_devtools.tiny_corpus import mixed_prompts
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def models(request):
+    return request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
+
+
+def make(models) -> Engine:
+    return Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8))
+
+
+def serve(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    ids = [engine.submit(prompt, p) for prompt, p in jobs]
+    out = {i: [] for i in ids}
+    while engine.has_work:
+        for request_id, o in engine.step():
+            out[request_id] += o.token_ids
+    return [out[i] for i in ids]
+
+
+def pool_state(engine: Engine) -> tuple:
+    return (engine.capacity(), dataclasses.asdict(engine.stats), len(engine.prefix),
+            engine.page_table.block.tolist(), [list(p) for p in engine.page_table.pages])
+
+
+def test_warm_up_leaves_the_pool_and_counters_as_they_were_and_outputs_unchanged(models):
+    fresh, warmed = make(models), make(models)
+    before = pool_state(warmed)
+    rounds = []
+    warmed.phase_hook = rounds.append  # put back afterwards; the warm-up's own phases are not reported
+    done = warmed.warm_up([4, 2, 1])
+    assert (done.batches, done.requests, done.graph_captures) == ((4, 2, 1), 7, 0)  # CPU: no graphs
+    assert pool_state(warmed) == before and rounds == [] and warmed.phase_hook == rounds.append
+    prompts = mixed_prompts(warmed.tokenizer, chats=2, chat_seed=3, plain=1, plain_seed=5, cut=4)
+    jobs = [(prompts[0], SamplingParams(max_new_tokens=12)),
+            (prompts[1], SamplingParams(max_new_tokens=12, temperature=0.8, seed=7)),
+            (prompts[2], SamplingParams(max_new_tokens=12, mode="ar"))]
+    assert serve(warmed, jobs) == serve(fresh, jobs)
+
+
+def test_warm_up_runs_its_batch_sizes_and_refuses_a_busy_engine(models):
+    engine = make(models)
+    sizes = []
+    original = engine._round
+    engine._round = lambda reqs: sizes.append(len(reqs)) or original(reqs)
+    assert engine.warm_up().batches == (1,)  # the CPU's default: nothing to compile or capture
+    assert engine.warm_up([4, 2]).requests == 6
+    assert sizes == [1, 4, 2]
+    engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warm_up()

@@ -72,10 +72,10 @@ def drop_cached(engine: Engine, row: int | None = None) -> None:
 
 # What a turn's first token is made of: the engine's methods timed (synchronised), each without the
 # time of those nested in it, so the parts add up to the whole: placing the request at its cached
-# prefix (lookup, page references, the partial page's copy), each prefill pass (`_prefill_chunk`: a
-# hybrid's prompt is cut where its state is kept, so a turn may take two), the first token's choice,
+# prefix (lookup, page references, the partial page's copy), each prefill pass (`_prefill`:
+# one a turn, a hybrid keeping its turn-start state inside it), the first token's choice,
 # the drafter's first pass (eager), and the rest of the step.
-PHASES = {"_place": "place", "_prefill_chunk": "prefill", "_first_token": "first_token",
+PHASES = {"_place": "place", "_prefill": "prefill", "_first_token": "first_token",
           "_draft_prompt": "first_draft"}
 
 

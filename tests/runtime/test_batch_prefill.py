@@ -1,4 +1,4 @@
-"""A burst of short prompts is prefilled in one target pass (engine._prefill_rows): each row at its own
+"""A burst of short prompts is prefilled in one target pass (engine._prefill): each row at its own
 offset over its own cache row, padded to the longest. Greedy output must equal each request served
 alone, for mixed lengths and modes, a row that starts from a reused prefix, and a long prompt in the
 middle of the burst (it is prefilled alone, between two groups). The hybrid target keeps one pass a

@@ -2,7 +2,7 @@
 
 The request in progress goes first, then the queue's head while the scheduler admits it; a long prompt
 takes several steps, between which the running requests keep decoding. The last pieces of several
-prompts run as one target pass (`_prefill_rows`, attention-only targets), and their first drafts as
+prompts run as one target pass (`_prefill`, attention-only targets), and their first drafts as
 one drafter pass. A part of the Engine (engine.py), on its state: the models, the caches, the
 scheduler and the pool."""
 
@@ -31,7 +31,7 @@ class Prefilling:
         queue's head while slots are free: a long prompt takes several steps, between which the
         running requests keep decoding. Returns the first tokens and the requests that joined."""
         outputs, joined = [], []
-        group: list[tuple[RequestState, int]] = []  # prompts' last pieces, run as one pass (_prefill_rows)
+        group: list[tuple[RequestState, int]] = []  # prompts' last pieces, run as one pass (_prefill)
         # with nothing decoding there is no one to stall: a prompt goes in pieces as large as prefill.py's
         left = self.scheduler.prefill_budget(self.config.prefill_chunk)
         self.stats.prefill_tokens = self.stats.prefill_passes = 0
@@ -60,7 +60,7 @@ class Prefilling:
                 group.append((req, take))
                 continue
             self._prefill_group(group, outputs)
-            first = self._prefill_chunk(req, take)
+            first = self._prefill([(req, take)])[0]
             if first is not None:
                 self.scheduler.start_running(req)
                 joined.append(req)
@@ -82,7 +82,7 @@ class Prefilling:
         outputs.append((req.id, self._emit(req, [token], 0, logprobs)))
 
     def _groupable(self, req: RequestState, take: int) -> bool:
-        """Whether this piece may share a prefill pass with other requests' (_prefill_rows): the last
+        """Whether this piece may share a prefill pass with other requests' (_prefill): the last
         of its prompt, no longer than a chunk, on an attention-only target (a hybrid's recurrent state
         would run on over the padding of a shorter row)."""
         return self.arch == "qwen3" and take <= self.config.prefill_chunk and req.prefilled + take == len(req.context)
@@ -97,40 +97,54 @@ class Prefilling:
         return len(rows) * width <= PREFILL_PIECE and len(rows) * width * keys <= GROUP_BIAS
 
     def _prefill_group(self, group: list[tuple[RequestState, int]], outputs: list[tuple[int, RoundOutput]]) -> None:
-        """Run the deferred last pieces (one pass for two or more, the lone path for one), then empty it."""
-        if len(group) == 1:
-            req, take = group[0]
-            self._joined(req, self._prefill_chunk(req, take), outputs)
-        elif group:
-            for req, first in zip([r for r, _ in group], self._prefill_rows(group)):
+        """Run the deferred last pieces as one pass, then empty the group."""
+        if group:
+            for (req, _), first in zip(group, self._prefill(group)):
                 self._joined(req, first, outputs)
         group.clear()
 
-    def _prefill_chunk(self, req: RequestState, take: int) -> tuple[int, list[TokenLogprob] | None] | None:
-        """Prompt tokens prefilled..prefilled+take into the request's slot; at the prompt's end, the
-        first token (and, for a speculative request, the first draft). Returns the first token (and its
-        log-probabilities if asked for) then."""
+    def _prefill(self, group: list[tuple[RequestState, int]]) -> list[tuple[int | None, list[TokenLogprob] | None] | None]:
+        """One target pass over pieces of prompts (group[i]: a request and how many of its next prompt
+        tokens), then for each prompt it completes the first token (and its log-probabilities if asked
+        for; a recomputed request's is None: it chooses none) and one drafter pass for the first drafts.
+        A piece not ending its prompt gives None. A lone piece is a causal pass over its own row, of any
+        length (`_causal_pass`); several are last pieces of attention-only targets, padded into one pass
+        (`_rows_pass`), so a burst of short prompts reads the weights once instead of once each."""
+        reqs = [req for req, _ in group]
+        h, feats, pos = self._causal_pass(*group[0]) if len(group) == 1 else self._rows_pass(group)
+        self.stats.prefill_passes += 1
+        self._draft_context(reqs, feats, pos)
+        for req, take in group:
+            self._prefilled(req, take)
+        done = [i for i, req in enumerate(reqs) if req.prefilled == len(req.context)]
+        if not done:
+            return [None] * len(group)
+        ends = torch.tensor([group[i][1] - 1 for i in done], device=self.device)
+        last = self.target.logits(h[torch.tensor(done, device=self.device), ends])          # [done, V]
+        firsts: list = [None] * len(group)
+        for j, i in enumerate(done):
+            firsts[i] = self._first_token(reqs[i], last[j:j + 1])
+        finished = [reqs[i] for i in done]
+        if any(req.mode.drafts for req in finished):
+            self._draft_prompt(finished)
+        return firsts
+
+    def _causal_pass(self, req: RequestState, take: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Prompt tokens prefilled..prefilled+take of one request, causal over its cached prompt and
+        themselves (layers.attend_cached). Returns hidden [1, T, H], features, positions [1, T]."""
         lo, hi = req.prefilled, req.prefilled + take
-        ids = torch.tensor([req.context[lo:hi]], dtype=torch.long, device=self.device)   # [1, C]
+        ids = torch.tensor([req.context[lo:hi]], dtype=torch.long, device=self.device)   # [1, T]
         pos = torch.arange(lo, hi, device=self.device)[None]
         rows = self.target_cache.rows(req.slot, req.slot + 1)
         if lo < req.snapshot_at < hi and self._keeps_snapshots:
             rows.keep_at = req.snapshot_at - lo  # a hybrid's state there is kept within this pass
-        # a later chunk attends to the cached prompt and itself, causally (layers.attend_cached)
-        h, feats = self.target(ids, pos, rows, start=lo)
-        self.stats.prefill_passes += 1
-        self._draft_context([req], feats, pos)
-        self._prefilled(req, take)
-        if hi < len(req.context):
-            return None
-        return self._first_token(req, self.target.logits(h[0, -1:]))
+        return (*self.target(ids, pos, rows, start=lo), pos)
 
-    def _prefill_rows(self, group: list[tuple[RequestState, int]]) -> list[tuple[int, list[TokenLogprob] | None]]:
-        """The last pieces of several prompts in one target pass: row i is group[i]'s piece at its own
-        offset over its own cache row (the group holds consecutive slots), padded to the longest piece
-        and causal within its row, so a burst of short prompts reads the weights once instead of once
-        each. The padding's k/v land past a row's prompt, where the first round writes over them before
-        anything may read there. Returns each request's first token, as _prefill_chunk does."""
+    def _rows_pass(self, group: list[tuple[RequestState, int]]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The last pieces of several prompts in one pass: row i is group[i]'s piece at its own offset
+        over its own cache row (the group holds consecutive slots), padded to the longest piece and
+        causal within its row. The padding's k/v land past a row's prompt, where the first round writes
+        over them before anything may read there. Returns hidden [n, W, H], features, positions [n, W]."""
         reqs, takes = [r for r, _ in group], [t for _, t in group]
         n, width, dev = len(group), max(takes), self.device
         ids = torch.zeros(n, width, dtype=torch.long)
@@ -147,15 +161,7 @@ class Prefilling:
         rows = self.target_cache.rows(reqs[0].slot, reqs[0].slot + n)
         h, feats = self.target(ids.to(dev), pos, rows, static=TreeInputs(slots, bias, kv_len, None,
                                                                           launch=DECODE_EAGER))
-        self.stats.prefill_passes += 1
-        self._draft_context(reqs, feats, pos)
-        for req, take in group:
-            self._prefilled(req, take)
-        last = self.target.logits(h[torch.arange(n, device=dev), torch.tensor(takes, device=dev) - 1])  # [n, V]
-        firsts = [self._first_token(req, last[i:i + 1], draft=False) for i, req in enumerate(reqs)]
-        if any(req.mode.drafts for req in reqs):
-            self._draft_prompt(reqs)
-        return firsts
+        return h, feats, pos
 
     def _draft_context(self, reqs: list[RequestState], feats: torch.Tensor | None, pos: torch.Tensor) -> None:
         """Write the drafter's context k/v of a prefill pass's positions pos [n, W] (row i: reqs[i]'s,
@@ -182,22 +188,17 @@ class Prefilling:
         """Whether a hybrid's prompt state is kept at its snapshot point (the prefix cache on a hybrid)."""
         return self.prefix is not None and self.prefix.snapshots_only
 
-    def _first_token(self, req: RequestState, logits: torch.Tensor,
-                     draft: bool = True) -> tuple[int | None, list[TokenLogprob] | None]:
-        """The prompt is in: choose the first token from the last position's logits [1, V], and draft
-        (unless the caller drafts for several requests at once). A request recomputed after a
+    def _first_token(self, req: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
+        """The prompt is in: choose the first token from the last position's logits [1, V] (the caller
+        then drafts, for all the requests its pass completed at once). A request recomputed after a
         preemption chooses nothing: its next round's root is the last token it produced (None)."""
         if req.resume_bonus is not None:
             req.n_ctx, req.bonus, req.resume_bonus = len(req.context), req.resume_bonus, None
-            if draft and req.mode.drafts:
-                self._draft_prompt([req])
             return None, None
         chosen = self._choose(req, logits, 0)
         pending = self._logprobs(req, logits, chosen)
         first = int(chosen[0])
         req.n_ctx, req.bonus = len(req.context), first
-        if draft and req.mode.drafts:
-            self._draft_prompt([req])
         return first, None if pending is None else pending.rows([0])
 
     def _draft_prompt(self, reqs: list[RequestState]) -> None:

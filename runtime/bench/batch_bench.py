@@ -142,13 +142,18 @@ def tiny_prompts(engine: Engine, n: int) -> list[list[int]]:
     return [p for p in ids if len(p) >= 8][:n]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """Where the models come from (tiny checkpoints, or random weights of a shape) and how they run."""
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--models", help="a tiny-models directory (target/, draft/)")
     src.add_argument("--shape", help="a gpu_bench shape, random weights (qwen3-8b, qwen3.6-27b, small, ...)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(ap)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--round-nodes", type=int, default=128, help="the adaptive case's nodes per round")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from batch_bench import steady_rounds, sync
+from batch_bench import model_arguments, steady_rounds, sync
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.metrics import Metrics
@@ -251,11 +251,7 @@ def build_engine(args) -> tuple[Engine, list[list[int]]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", help="a tiny-models directory (target/, draft/)")
-    src.add_argument("--shape", help="a gpu_bench shape, random weights (qwen3-8b, qwen3.6-27b, ...)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
+    model_arguments(ap)
     ap.add_argument("--clients", type=int, default=16, help="closed-loop clients (and the engine's max_running)")
     ap.add_argument("--requests", type=int, default=64, help="requests per path")
     ap.add_argument("--max-tokens", type=int, default=128)

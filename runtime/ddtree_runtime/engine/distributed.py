@@ -69,39 +69,31 @@ class Leader:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if params.temperature > 0 and params.seed is None:  # each rank would draw its own seed
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        self._send(("submit", list(prompt_ids), params))
-        try:
-            request_id = self.engine.submit(prompt_ids, params)
-        except Exception:
-            self._check("submit", FAILED)
-            raise
-        self._check("submit", request_id)
-        return request_id
+        return self._replayed(("submit", list(prompt_ids), params), lambda: self.engine.submit(prompt_ids, params),
+                              lambda request_id: request_id)
 
     def cancel(self, request_id: int) -> None:
         self._send(("cancel", request_id))
         self.engine.cancel(request_id)
 
     def step(self) -> list[tuple[int, RoundOutput]]:
-        self._send(("step",))
-        try:
-            outputs = self.engine.step()
-        except Exception:
-            self._check("step", FAILED)
-            raise
-        self._check("step", digest(outputs))
-        return outputs
+        return self._replayed(("step",), self.engine.step, digest)
 
     def warm_up(self) -> WarmUp:
         """Engine.warm_up on every rank (its passes are collectives)."""
-        self._send(("warm_up",))
+        return self._replayed(("warm_up",), self.engine.warm_up, lambda done: done.requests)
+
+    def _replayed(self, call: tuple, run: Callable[[], Any], summary: Callable[[Any], int]) -> Any:
+        """Send `call` to the followers, run it here, then compare every rank's summary of its result
+        (FAILED where it raised): a rank that went another way ends the server."""
+        self._send(call)
         try:
-            done = self.engine.warm_up()
+            result = run()
         except Exception:
-            self._check("warm-up", FAILED)
+            self._check(call[0], FAILED)
             raise
-        self._check("warm-up", done.requests)
-        return done
+        self._check(call[0], summary(result))
+        return result
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
         """Engine.generate through the broadcast calls (the server's warm-up)."""

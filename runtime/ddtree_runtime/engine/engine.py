@@ -370,7 +370,7 @@ class Engine(Placement, Prefilling, Rounds):
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
         done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids), captures)
-        log.info("warm-up: %d requests at batch sizes %s, %d CUDA graphs captured, in %.1f s", done.requests,
+        log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s", done.requests,
                  ", ".join(map(str, done.batches)), done.graph_captures, done.seconds)
         return done
 

@@ -246,8 +246,8 @@ class HybridCache(KVCache):
         # with prefix reuse, each row's conv tail and state at the end of its prompt (engine/prefix_cache.py)
         self.snap_conv = torch.zeros_like(self.conv) if snapshots else None
         self.snap_state = torch.zeros_like(self.state) if snapshots else None
-        # a prompt pass's offset at which each linear layer also keeps its state in the snapshot (set on
-        # a row's view for one pass: prefilling.py), so a prompt is not cut into two passes to keep it
+        # a prompt pass's offset (1..its length) at which each linear layer writes its state to the
+        # snapshot (set on a row's view for one pass: prefilling.py), so a prompt is not cut there
         self.keep_at: int | None = None
 
     @staticmethod
@@ -272,11 +272,6 @@ class HybridCache(KVCache):
         pass), and the end-of-prompt snapshot where there is one."""
         snaps = [self.snap_conv, self.snap_state] if self.snap_state is not None else []
         return [self.conv, self.state, *snaps]
-
-    def snapshot(self, row: int) -> None:
-        """Keep row's state as it is now (the end of its prompt) beside the live one."""
-        self.snap_conv[:, row] = self.conv[:, row]
-        self.snap_state[:, row] = self.state[:, row]
 
     def copy_prefix(self, src: int, dst: int, length: int, from_snapshot: bool = False) -> None:
         """Also the linear layers' state at `length`: src's live state (its sequence's end) or its

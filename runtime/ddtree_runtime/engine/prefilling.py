@@ -103,7 +103,8 @@ class Prefilling:
                 self._joined(req, first, outputs)
         group.clear()
 
-    def _prefill(self, group: list[tuple[RequestState, int]]) -> list[tuple[int | None, list[TokenLogprob] | None] | None]:
+    def _prefill(self, group: list[tuple[RequestState, int]]
+                 ) -> list[tuple[int | None, list[TokenLogprob] | None] | None]:
         """One target pass over pieces of prompts (group[i]: a request and how many of its next prompt
         tokens), then for each prompt it completes the first token (and its log-probabilities if asked
         for; a recomputed request's is None: it chooses none) and one drafter pass for the first drafts.
@@ -136,11 +137,12 @@ class Prefilling:
         ids = torch.tensor([req.context[lo:hi]], dtype=torch.long, device=self.device)   # [1, T]
         pos = torch.arange(lo, hi, device=self.device)[None]
         rows = self.target_cache.rows(req.slot, req.slot + 1)
-        if lo < req.snapshot_at < hi and self._keeps_snapshots:
-            rows.keep_at = req.snapshot_at - lo  # a hybrid's state there is kept within this pass
+        if lo < req.snapshot_at <= hi and self._keeps_snapshots:
+            rows.keep_at = req.snapshot_at - lo  # a hybrid keeps its state there, within this pass
         return (*self.target(ids, pos, rows, start=lo), pos)
 
-    def _rows_pass(self, group: list[tuple[RequestState, int]]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _rows_pass(self, group: list[tuple[RequestState, int]]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The last pieces of several prompts in one pass: row i is group[i]'s piece at its own offset
         over its own cache row (the group holds consecutive slots), padded to the longest piece and
         causal within its row. The padding's k/v land past a row's prompt, where the first round writes
@@ -177,11 +179,9 @@ class Prefilling:
         self.drafter.write_context(feats, slots, self.draft_cache.rows(reqs[0].slot, reqs[0].slot + len(reqs)))
 
     def _prefilled(self, req: RequestState, take: int) -> None:
-        """Book `take` more prompt tokens as computed (their drafter context is written: _draft_context),
-        and keep a hybrid's state where a later turn may reuse it."""
+        """Book `take` more prompt tokens as computed (their drafter context is written: _draft_context;
+        a hybrid's kept state, by the pass: _causal_pass)."""
         req.prefilled += take
-        if req.prefilled == req.snapshot_at and self._keeps_snapshots:
-            self.target_cache.snapshot(req.slot)  # the prompt's state there, for a later turn's reuse
 
     @property
     def _keeps_snapshots(self) -> bool:

@@ -160,29 +160,25 @@ class GatedDeltaNet(nn.Module):
             conv_state, state = cache.conv[self.slot], cache.state[self.slot]
         else:
             conv_state, state = mixed.new_zeros(b, self.kernel - 1, self.conv_dim), None
+        # the prompt's kept state may fall in this pass, `keep` tokens in (a later turn resumes there)
         keep = None if cache is None else cache.keep_at
-        if keep is not None and 0 < keep < t:  # the state there goes to the snapshot, the pass goes on
-            self._keep(mixed, conv_state, keep, cache)
-        conv, conv_state = prompt_conv(mixed, conv_state, self.conv1d.weight[:, 0])
+        conv, tail = prompt_conv(mixed, conv_state, self.conv1d.weight[:, 0])
         nk = self.n_k * self.dk
         q, k, v = (y.view(b, t, -1, d) for y, d in zip(conv.split([nk, nk, self.n_v * self.dv], dim=-1),
                                                         (self.dk, self.dk, self.dv)))
-        if keep is not None and 0 < keep < t:
-            head, kept = chunk_gated_delta(q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], state)
-            cache.snap_state[self.slot] = kept
-            tail, state = chunk_gated_delta(q[:, keep:], k[:, keep:], v[:, keep:], g[:, keep:], beta[:, keep:], kept)
-            out = torch.cat([head, tail], dim=1)
-        else:
-            out, state = chunk_gated_delta(q, k, v, g, beta, state)
+        cut = t if keep is None else keep  # the recurrence runs in two calls where the state is kept
+        out, state = chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], state)
+        if keep is not None:  # the snapshot: the K-1 conv inputs before that point, the state there
+            inputs = torch.cat([conv_state.to(mixed.dtype), mixed[:, :keep]], dim=1)
+            cache.snap_conv[self.slot] = inputs[:, -(self.kernel - 1):]
+            cache.snap_state[self.slot] = state
+        if cut < t:
+            rest, state = chunk_gated_delta(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], state)
+            out = torch.cat([out, rest], dim=1)
         if cache is not None:
-            cache.conv[self.slot] = conv_state
+            cache.conv[self.slot] = tail
             cache.state[self.slot] = state
         return out.transpose(1, 2)
-
-    def _keep(self, mixed: torch.Tensor, conv_state: torch.Tensor, keep: int, cache) -> None:
-        """The conv tail `keep` tokens into the pass (the K-1 inputs before it) to the snapshot."""
-        inputs = torch.cat([conv_state.to(mixed.dtype), mixed[:, :keep]], dim=1)
-        cache.snap_conv[self.slot] = inputs[:, -(self.kernel - 1):]
 
 
 class HybridLayer(nn.Module):

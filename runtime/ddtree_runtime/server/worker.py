@@ -115,8 +115,12 @@ class _Tracked:
     """A job the engine holds: its request id there, and what the metrics need."""
     job: Job
     request_id: int
-    admitted: float | None = None  # time.monotonic() at the start of the step that admitted it
     outputs: int = 0
+
+    @property
+    def admitted(self) -> float | None:
+        """When the step that admitted it started (its timeline's clock); None while it waits."""
+        return self.job.timeline.admitted
 
 
 class QueueFull(Exception):
@@ -220,7 +224,7 @@ class EngineWorker:
         if not durations:
             return 1
         mean = sum(durations) / len(durations)
-        now = time.monotonic()
+        now = Timeline.now()
         remaining = max((max(mean - (now - t.admitted), 0.0) for t in list(self._jobs.values())
                          if t.admitted is not None), default=0.0)
         return max(1, math.ceil(remaining + mean * math.ceil(self.queue_depth() / self.capacity())))
@@ -341,7 +345,7 @@ class EngineWorker:
     def _step(self) -> None:
         """One engine step (admissions, then one round for every running job), then each job's output
         (and its end), and which waiting jobs this step admitted."""
-        started_at, started = time.monotonic(), time.perf_counter()
+        started = Timeline.now()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # every job fails; the engine drops them and serves the next
@@ -349,14 +353,13 @@ class EngineWorker:
             for t in list(self._jobs.values()):
                 self._finish(t, ErrorEvent(500, f"engine error: {type(exc).__name__}: {exc}"))
             return
-        ended = time.perf_counter()
+        ended = Timeline.now()
         elapsed = ended - started
-        now = time.monotonic()
+        now = time.monotonic()  # the token-rate window's clock
         for t in self._jobs.values():  # in the order they came, which is the order of first admission
             if t.admitted is None:
                 if self.engine.queued(t.request_id):
                     break  # and every job after it waits too
-                t.admitted = started_at
                 t.job.timeline.admitted = started
         outbox = _Outbox()
         for request_id, out in outputs:
@@ -370,7 +373,7 @@ class EngineWorker:
                 continue
             timeline = t.job.timeline
             if t.outputs == 0:  # the engine's first output is the prefill, not a speculative round
-                self.metrics.observe_prefill(now - t.admitted, len(out.token_ids))
+                self.metrics.observe_prefill(ended - t.admitted, len(out.token_ids))
                 timeline.first_token = ended
             else:
                 self.metrics.observe_round(elapsed, out.accepted + 1, len(out.token_ids))
@@ -393,9 +396,9 @@ class EngineWorker:
         del self._jobs[t.request_id]
         self.engine.cancel(t.request_id)
         if t.admitted is not None:
-            self._durations.append(time.monotonic() - t.admitted)
+            self._durations.append(Timeline.now() - t.admitted)
         timeline = t.job.timeline
-        timeline.finished = time.perf_counter()
+        timeline.finished = Timeline.now()
         if isinstance(event, DoneEvent) and not t.job.cancelled.is_set() and t.outputs:
             self.metrics.observe_timeline(timeline)
             if log.isEnabledFor(logging.DEBUG):

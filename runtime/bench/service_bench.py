@@ -39,26 +39,12 @@ from pathlib import Path
 import torch
 
 from batch_bench import model_arguments, steady_rounds, sync
+from gpu_bench import PhaseTimer
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.metrics import Metrics
 from ddtree_runtime.server.timeline import INTERVALS, Timeline
 from ddtree_runtime.server.worker import DoneEvent, EngineWorker, ErrorEvent, Job, RoundEvent
-
-
-class PhaseTotals:
-    """engine.phase_hook that synchronizes at each boundary and sums each phase's seconds over the run."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.current, self.t0 = device, None, 0.0
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def __call__(self, name: str) -> None:
-        sync(self.device)
-        now = time.perf_counter()
-        if self.current is not None:
-            self.seconds[self.current] += now - self.t0
-        self.current, self.t0 = (None if name == "end" else name), now
 
 
 class Steps:
@@ -291,13 +277,13 @@ def main() -> None:
         results.append(r)
         print(json.dumps(r), flush=True)
     if args.phases:
-        totals = PhaseTotals(engine.device)
-        engine.phase_hook = totals
+        timer = PhaseTimer(engine.device)  # each step's phases (a step ends with "end")
+        engine.phase_hook = timer
         try:
             _, _, wall, _ = closed_loop_engine(engine, prompts, params, args.clients, args.requests)
         finally:
             engine.phase_hook = None
-        report["phases_ms_per_request"] = {k: 1e3 * v / args.requests for k, v in totals.seconds.items()}
+        report["phases_ms_per_request"] = {k: 1e3 * sum(v) / args.requests for k, v in timer.acc.items()}
         report["phases_wall_s"] = wall
         print(json.dumps({"phases_ms_per_request": report["phases_ms_per_request"]}), flush=True)
 

@@ -22,6 +22,7 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
+from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.server_process import HOST, ServerProcess
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine import engine as engine_module
@@ -174,15 +175,6 @@ def engine(tiny_models) -> Engine:
                                max_running=4, round_nodes=40))
 
 
-def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-    ids = [engine.submit(p, q) for p, q in requests]
-    tokens = {i: [] for i in ids}
-    while engine.has_work:
-        for i, out in engine.step():
-            tokens[i] += out.token_ids
-    return [tokens[i] for i in ids]
-
-
 def test_a_bigger_tree_does_not_hold_the_requests_behind_it(engine):
     tok = engine.tokenizer
     prompt = tok("1 2 3 4", add_special_tokens=False)["input_ids"]
@@ -210,7 +202,7 @@ def test_a_seed_reproduces_batched_and_alone_under_round_nodes(engine):
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("cat dog", "The weather", "1 2 3", "Once")]
     requests = [(p, SamplingParams(max_new_tokens=16, temperature=0.8, seed=100 + i)) for i, p in enumerate(prompts)]
     alone = [[t for r in engine.generate(p, q) for t in r.token_ids] for p, q in requests]
-    assert _run(engine, requests) == alone
+    assert serve(engine, requests) == alone
 
 
 # -- items 7 and 8: no client text becomes a control token -------------------------------------------

@@ -14,6 +14,7 @@ from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.block_manager import BlockManager, PageTable
 from ddtree_runtime.engine.kv_cache import target_cache
 from ddtree_runtime.engine.prefill import prefill
+from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.tiny_corpus import heldout_questions, mixed_prompts
 
 PAGE = 8
@@ -37,17 +38,6 @@ def reference_engine(models) -> Engine:
 
 def alone(engine: Engine, prompt: list[int], p: SamplingParams) -> list[int]:
     return [t for r in engine.generate(prompt, p) for t in r.token_ids]
-
-
-def serve(engine: Engine, jobs: list[tuple[list[int], SamplingParams]], watch=None) -> list[list[int]]:
-    ids = [engine.submit(prompt, p) for prompt, p in jobs]
-    out = {i: [] for i in ids}
-    while engine.has_work:
-        for request_id, o in engine.step():
-            out[request_id] += o.token_ids
-        if watch is not None:
-            watch(engine)
-    return [out[i] for i in ids]
 
 
 def test_block_manager_counts_references_and_copies_partial_pages():

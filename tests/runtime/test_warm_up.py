@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.tiny_corpus import mixed_prompts
 
 
@@ -20,15 +21,6 @@ def models(request):
 
 def make(models) -> Engine:
     return Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8))
-
-
-def serve(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-    ids = [engine.submit(prompt, p) for prompt, p in jobs]
-    out = {i: [] for i in ids}
-    while engine.has_work:
-        for request_id, o in engine.step():
-            out[request_id] += o.token_ids
-    return [out[i] for i in ids]
 
 
 def pool_state(engine: Engine) -> tuple:

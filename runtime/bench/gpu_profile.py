@@ -3,6 +3,7 @@ drafter's pass and the tree build, each replayed many times from its CUDA graph 
 
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py [--shape qwen3-8b] [--context 512] [--nodes 17]
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py --batch 16 [--mode ar]   # a batched round, all rows decoding
+    PYTHONPATH=runtime python runtime/bench/gpu_profile.py --shape qwen3.6-27b --batch 1,8,16   # one build, three steps
 
 Prints, per pass, the mean GPU time per replay and the kernels that take it (summed over a replay), and
 writes JSON. With --batch B: B requests decode together and the whole engine step (verify, walks, the
@@ -28,6 +29,35 @@ from ddtree_runtime.limits import MODES  # noqa: E402
 
 
 PHASE = "phase:"  # the record_function ranges of profile_batched_step
+
+# (kind, substrings of a kernel's name, any of which puts it there); the first match wins. Kinds say
+# which work a step's GPU time goes to (issue 39: how much of the verify is not the bf16 GEMMs)
+KINDS = [
+    ("gemm f32", ("f32", "sgemm", "tf32")),
+    ("triangular solve", ("trsm", "trsv", "solve")),
+    ("gemm 16-bit", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "wgmma", "_fp8_gemm")),
+    ("attention", ("attn", "flash", "fmha", "sdpa")),
+    ("gdn kernels", ("_conv_heads", "_gated_norm", "_advance", "chunk", "delta", "fused_recurrent")),
+    ("conv", ("conv",)),
+    ("norm, rope, act", ("rms_norm", "silu", "rope")),
+    ("tree build, sampling", ("tree", "_row_top", "_tile_heads", "sort", "topk", "argmax", "softmax")),
+    ("copy, cat, index", ("copy", "cat", "index", "gather", "scatter", "fill", "where")),
+    ("element-wise", ("elementwise", "vectorized", "unrolled", "reduce")),
+]
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def by_kind(rows: list[tuple[str, float, int]]) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per step, summed per kernel kind, largest first."""
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, us, count in rows:
+        kinds[kernel_kind(name)][0] += us
+        kinds[kernel_kind(name)][1] += count
+    return {k: (v[0], int(v[1])) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])}
 
 
 def kernel_table(fn, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
@@ -55,18 +85,18 @@ def kernel_rows(prof, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
     return sum(r[1] for r in rows), rows
 
 
-def profile_batched_step(args, target, drafter) -> None:
+def profile_batched_step(args, batch: int, target, drafter) -> dict:
     """B requests of `context` random tokens, all decoding; then `reps` engine steps under the profiler,
     each engine phase inside a record_function range (so its kernels' GPU time adds up under it)."""
     engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
-                                 dtype="bfloat16", max_context=args.context + 512, max_running=args.batch),
+                                 dtype="bfloat16", max_context=args.context + 512, max_running=batch),
                     target=target, drafter=drafter)
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     params = SamplingParams(max_new_tokens=480, tree_budget=args.nodes - 1, ignore_eos=True, mode=args.mode)
-    for _ in range(args.batch):
+    for _ in range(batch):
         engine.submit(torch.randint(0, vocab - 1, (args.context,), generator=g).tolist(), params)
-    for _ in range(args.batch + 6):  # every prefill done, then rounds with every graph captured
+    for _ in range(batch + 6):  # every prefill done, then rounds with every graph captured
         engine.step()
     torch.cuda.synchronize()
     ranges: list = []
@@ -93,14 +123,16 @@ def profile_batched_step(args, target, drafter) -> None:
                                                       sorted(phases.items(), key=lambda kv: -kv[1])))
     total, rows = kernel_rows(prof, args.reps)
     case = "ar" if args.mode == "ar" else f"{args.mode}@{args.nodes - 1}"
-    print(f"batched step, {args.batch} requests, {case}, context {args.context}: "
+    print(f"batched step, {batch} requests, {case}, context {args.context}: "
           f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
+    kinds = by_kind(rows)
+    print("  by kind: " + ", ".join(f"{k} {us / 1e3:.2f} ms (x{n})" for k, (us, n) in kinds.items()))
     for kname, us, count in rows[:args.top]:
         print(f"  {us:8.1f} us  x{count:<4} {kname}")
-    report = {"shape": args.shape, "context": args.context, "batch": args.batch, "case": case, "gpu_us": total,
-              "phases_us": dict(phases), "kernels": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    del engine
+    torch.cuda.empty_cache()
+    return {"shape": args.shape, "context": args.context, "batch": batch, "case": case, "gpu_us": total,
+            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows}
 
 
 @torch.inference_mode()
@@ -111,7 +143,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=17, help="tree size of the verify pass (root + budget)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--batch", type=int, default=0, help="profile a batched engine step of this many requests")
+    ap.add_argument("--batch", default="", help="profile a batched engine step of this many requests "
+                                                "(a comma list: one step per size, one model build)")
     ap.add_argument("--mode", choices=MODES, default="ddtree",
                     help="--batch: every request's speculative mode")
     ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")
@@ -119,7 +152,9 @@ def main() -> None:
     device = torch.device("cuda")
     target, drafter = build_models(args.shape, device, torch.bfloat16)
     if args.batch:
-        profile_batched_step(args, target, drafter)
+        steps = [profile_batched_step(args, int(b), target, drafter) for b in args.batch.split(",")]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(steps[0] if len(steps) == 1 else steps, indent=2))
         return
     engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
                                  dtype="bfloat16", max_context=args.context + 256), target=target, drafter=drafter)

@@ -96,7 +96,10 @@ def profile_batched_step(args, batch: int, target, drafter) -> dict:
     params = SamplingParams(max_new_tokens=480, tree_budget=args.nodes - 1, ignore_eos=True, mode=args.mode)
     for _ in range(batch):
         engine.submit(torch.randint(0, vocab - 1, (args.context,), generator=g).tolist(), params)
-    for _ in range(batch + 6):  # every prefill done, then rounds with every graph captured
+    sched = engine.scheduler
+    while sched.waiting or sched.prefilling is not None:  # every prompt prefilled (pieces of a long one too)
+        engine.step()
+    for _ in range(6):  # then rounds, every graph of this batch captured
         engine.step()
     torch.cuda.synchronize()
     ranges: list = []

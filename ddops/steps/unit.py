@@ -141,7 +141,10 @@ class Rendered:
 
 
 def env_lines(profile: Profile, secret_values: dict[str, str], *, masked: bool) -> str:
-    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": f"/var/cache/{profile.engine}/hf"}
+    cache = f"/var/cache/{profile.engine}"  # the unit's CacheDirectory=: kept across restarts and pivots
+    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": f"{cache}/hf"}
+    if profile.engine == "ddtree":  # compiled kernels survive a restart: the warm-up then loads, not compiles
+        env |= {"TRITON_CACHE_DIR": f"{cache}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
     if profile.gpus is not None and not profile.replicated:  # a replica's GPUs are in its instance env
         env["CUDA_VISIBLE_DEVICES"] = profile.gpus
     env.update(profile.env)

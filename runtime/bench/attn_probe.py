@@ -1,4 +1,4 @@
-"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128) on the GPU, with
+"""Time one layer's decode attention (Qwen3-8B heads: 32 query / 8 KV heads of 128; --heads for others) on the GPU, with
 an additive tree bias: SDPA, the split-KV kernel at a grid of launch shapes, and the kernel as the
 rules in kernels.py configure it. Decides kernels.DECODE_ONE_SEQUENCE, DECODE_BATCH and
 DECODE_BATCHED_ONE_QUERY (and where attend_decode uses the kernel).
@@ -176,7 +176,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/runtime-attn-probe-batched.json")
     ap.add_argument("--grid", nargs="+", default=[], metavar="DIM=V,V",
                     help="narrow or widen the batched grid: block_rows=, splits=, warps=, stages=, keys=")
+    ap.add_argument("--heads", default="32,8,128", metavar="HQ,HKV,D",
+                    help="query heads, KV heads, head dim (Qwen3.6-27B's full attention: 24,4,256)")
     args = ap.parse_args()
+    globals().update(zip(("HQ", "HKV", "D"), (int(v) for v in args.heads.split(","))))
     for spec in args.grid:
         dim, values = spec.split("=")
         globals()[f"GRID_{dim.upper()}"] = tuple(int(v) for v in values.split(","))

@@ -272,6 +272,13 @@ class EngineWorker:
             self._set(ERROR, f"engine worker died: {type(exc).__name__}: {exc}")
             self._fail_handed_over("the engine worker died")
 
+    @property
+    def _loaded(self) -> ServedEngine:
+        """The engine, on the worker thread once it is loaded (the thread serves only then)."""
+        if self.engine is None:
+            raise RuntimeError("the engine is not loaded")
+        return self.engine
+
     def _set(self, state: str, detail: str) -> None:
         self._state, self._detail = state, detail
 
@@ -292,7 +299,7 @@ class EngineWorker:
         try:
             while True:
                 self._carry()
-                if not self.engine.has_work:
+                if not self._loaded.has_work:
                     if self._stopping:
                         return
                     with self._wake:
@@ -325,7 +332,7 @@ class EngineWorker:
             job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
             return
         try:
-            request_id = self.engine.submit(job.prompt_ids, job.params)
+            request_id = self._loaded.submit(job.prompt_ids, job.params)
         except ValueError as exc:  # the engine rejected the parameters before doing anything
             job.emit(ErrorEvent(400, str(exc)))
             return
@@ -341,7 +348,7 @@ class EngineWorker:
         (and its end), and which waiting jobs this step admitted."""
         started = Timeline.now()
         try:
-            outputs = self.engine.step()
+            outputs = self._loaded.step()
         except Exception as exc:  # every job fails; the engine drops them and serves the next
             log.exception("engine error during generation")
             for t in list(self._jobs.values()):
@@ -352,7 +359,7 @@ class EngineWorker:
         now = time.monotonic()  # the token-rate window's clock
         for t in self._jobs.values():  # in the order they came, which is the order of first admission
             if t.admitted is None:
-                if self.engine.queued(t.request_id):
+                if self._loaded.queued(t.request_id):
                     break  # and every job after it waits too
                 t.job.timeline.admitted = started
         outbox = _Outbox()
@@ -388,7 +395,7 @@ class EngineWorker:
         with the step's others when an outbox is given); a job that ran to its end has its timeline
         observed (one that was cancelled or failed would skew it)."""
         del self._jobs[t.request_id]
-        self.engine.cancel(t.request_id)
+        self._loaded.cancel(t.request_id)
         if t.admitted is not None:
             self._durations.append(Timeline.now() - t.admitted)
         timeline = t.job.timeline

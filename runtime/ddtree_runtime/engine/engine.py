@@ -15,8 +15,9 @@ gives its pages back and is recomputed later from its tokens, so its output does
 request that leaves keeps its pages as a cached sequence that later prompts share (prefix_cache.py).
 
 This file holds what ties them together: loading and checking the models, sizing the pool and its
-re-size for bigger trees, the public API (submit, cancel, step, generate, capacity) and a request's
-validation at submit."""
+re-size for bigger trees, and the public API (submit, cancel, step, generate, capacity, warm_up). What
+the server calls of it, what it publishes (`info`: its names and the limits a request is checked
+against, once, by `RequestLimits.check`) and the refusal it raises are engine/api.py's."""
 
 from __future__ import annotations
 

@@ -182,6 +182,35 @@ def round_reserve(tree_slots: int, block_size: int) -> int:
     return max(tree_slots + 1, 2 * block_size)
 
 
+def round_tree_slots(mode: str, tree_budget: int, block_size: int) -> int:
+    """Nodes (root included) a round of `mode` verifies (engine/modes.py's Mode.tree_slots): a root
+    alone (ar), the drafter's chain (dflash), or the tree's budget and its root (ddtree)."""
+    if mode == "ar":
+        return 1
+    return block_size if mode == "dflash" else tree_budget + 1
+
+
+# The least request a server must hold to start at all: the start-up warm-up's longest (engine.warm_up:
+# prompts of 4 to WARM_UP_PROMPT_MAX tokens, WARM_UP_NEW_TOKENS new tokens each).
+WARM_UP_PROMPT_MAX, WARM_UP_NEW_TOKENS = 79, 2
+
+
+def least_pool_tokens(mode: str, tree_budget: int, block_size: int, page_size: int,
+                      max_context: int | None = None) -> int:
+    """The smallest KV pool (in tokens, whole pages) that serves: one warm-up request of the longest
+    kind (within `max_context`) with one round's reservation for `mode`. A smaller pool cannot start."""
+    longest = min(WARM_UP_PROMPT_MAX + WARM_UP_NEW_TOKENS, max_context or WARM_UP_PROMPT_MAX + WARM_UP_NEW_TOKENS)
+    tokens = longest - 1 + round_reserve(round_tree_slots(mode, tree_budget, block_size), block_size)
+    return -(-tokens // page_size) * page_size
+
+
+def pool_too_small(name: str, tokens: int, least: int, mode: str, page_size: int) -> str:
+    """The one line that refuses a pool of `tokens` under `least_pool_tokens` (`name`: the setting's)."""
+    return (f"{name} {tokens}: too small to serve: the start-up warm-up's longest request "
+            f"({WARM_UP_PROMPT_MAX + WARM_UP_NEW_TOKENS} tokens) with one {mode} round's reservation needs "
+            f"{least} tokens in pages of {page_size}: give at least {least}")
+
+
 def prefill_workspace_bytes(target: Shape, context: int, feature_layers: int, elem: int) -> int:
     """A bound on a prefill's live activations at `context` prompt tokens, run in pieces of at most
     PREFILL_PIECE (the engine sizes its pool with it, engine/memory.py): per token of a piece the MLP's

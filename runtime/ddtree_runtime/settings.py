@@ -124,6 +124,9 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_running", int, 16, "requests decoded together, each round one batch (like SGLang's "
             "--max-running-requests)", minimum=1, maximum=MAX_RUNNING, engine=True, profile=True, metavar="N"),
     Setting("tensor_parallel", int, 1, "GPUs one server spans: the target's layers split over them, one process each (the GPUs from CUDA_VISIBLE_DEVICES)", minimum=1, maximum=8, engine=True, profile=True, metavar="N"),
+    Setting("rank_timeout", float, 300.0, "with --tensor-parallel: seconds one engine call (a step, a submission, a "
+            "cancellation) may wait on the other ranks; past it the rank that stalled is named and the server "
+            "stops, exit 1", minimum=1, metavar="S"),
     Setting("max_queue", int, 16, "requests waiting behind the running ones before 429", minimum=1,
             maximum=MAX_QUEUE, engine=True, profile=True, metavar="N"),
     Setting("mem_fraction", float, 0.9, "share of the free device memory the KV pool may take; fewer requests "

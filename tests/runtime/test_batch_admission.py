@@ -33,7 +33,7 @@ def _serve(engine: Engine) -> dict[int, list[int]]:
 
 
 def test_a_request_that_can_never_fit_is_refused_at_submit(engine):
-    with pytest.raises(ValueError, match="exceeds the context limit 256"):
+    with pytest.raises(ValueError, match="this model.s context is 256 tokens, but 200 prompt tokens"):
         engine.submit([1] * 200, SamplingParams(max_new_tokens=100))
     with pytest.raises(ValueError):
         engine.submit([1, 2], SamplingParams(max_new_tokens=4, mode="beam"))

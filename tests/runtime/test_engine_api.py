@@ -1,11 +1,18 @@
-"""Engine API behaviour the server relies on: validation errors, stop/length handling, cancellation,
-per-request overrides, and an engine without a drafter."""
+"""Engine API behaviour the server relies on: the seam it calls (api.ServedEngine, met by the engine and
+the tensor-parallel Leader alike), the limits it publishes and the one check of a request against them,
+validation errors, stop/length handling, cancellation, per-request overrides, and an engine without a
+drafter."""
 
 from __future__ import annotations
 
 import pytest
 
+import inspect
+
+from ddtree_runtime.capacity import least_pool_tokens
 from ddtree_runtime.engine import Engine, EngineConfig, RoundOutput, SamplingParams
+from ddtree_runtime.engine.api import RequestRefused, ServedEngine
+from ddtree_runtime.engine.distributed import Leader
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +30,53 @@ def test_attributes(engine, tiny_models):
     assert engine.max_context == 256
     assert engine.model_name == "target" and engine.draft_name == "draft"
     assert engine.tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.eos_ids
+
+
+def _interface() -> set[str]:
+    return {name for name, _ in inspect.getmembers(ServedEngine) if not name.startswith("_")} | set(
+        ServedEngine.__annotations__)
+
+
+def test_the_engine_and_the_leader_both_are_the_servers_engine(engine):
+    """Every call of the seam is the engine's own, and the Leader's own (not its fall-through to rank 0's
+    engine): a tensor-parallel server is served through the same interface."""
+    names = _interface()
+    assert {"info", "tokenizer", "submit", "step", "cancel", "warm_up", "capacity", "has_room"} <= names
+    assert all(hasattr(engine, name) for name in names)
+    assert all(name in vars(Leader) for name in names), names - set(vars(Leader))
+
+
+def test_the_limits_are_published_and_checked_once(engine):
+    limits = engine.info.limits
+    assert (limits.max_context, limits.vocab_size, limits.has_drafter, limits.mode) == (
+        256, engine.target.config.vocab_size, True, "ddtree")
+    assert limits.pool_pages == engine.capacity()["pages_total"] and limits.block_size == engine.block_size
+    assert (engine.info.model_name, engine.info.draft_name, engine.info.arch) == ("target", "draft", "qwen3")
+    for prompt, params, field, code in (
+            ([1] * 256, SamplingParams(max_new_tokens=1), "prompt", "context_length_exceeded"),
+            ([1] * 200, SamplingParams(max_new_tokens=100), "max_new_tokens", "context_length_exceeded"),
+            ([1, 2], SamplingParams(max_new_tokens=4, logit_bias={limits.vocab_size: 1.0}), "logit_bias", None),
+            ([1, 2], SamplingParams(max_new_tokens=4, stop_token_ids=frozenset({-1})), "stop_token_ids", None),
+            ([1, 2], SamplingParams(max_new_tokens=4, mode="beam"), "mode", None),
+            ([1, 2], SamplingParams(max_new_tokens=4, min_tokens=5), "min_tokens", None)):
+        with pytest.raises(RequestRefused) as refused:
+            limits.check(prompt, params)
+        assert (refused.value.field, refused.value.code) == (field, code)
+        with pytest.raises(RequestRefused):  # submit runs the same check
+            engine.submit(prompt, params)
+    assert not engine.has_work
+
+
+def test_a_pool_too_small_for_one_request_is_refused_at_construction(tiny_models):
+    least = least_pool_tokens("ddtree", 16, 16, 16)
+    assert least == 112  # the warm-up's longest request (81 tokens) and a ddtree@16 round's 32 positions
+    with pytest.raises(ValueError, match=f"kv_pool_tokens 16: too small to serve.*give at least {least}"):
+        Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256,
+                            kv_pool_tokens=16))
+    smallest = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_context=256,
+                                   kv_pool_tokens=least))
+    smallest.warm_up()  # the least pool serves the warm-up
+    assert smallest.capacity()["pages_used"] == 0
 
 
 @pytest.mark.parametrize("prompt,params", [

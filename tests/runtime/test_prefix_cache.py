@@ -289,7 +289,8 @@ def test_through_the_server_same_text_and_counters(tiny_hybrid_models):
 
     with ServerProcess(base + ["--prefix-cache-rows", "1"]) as srv:
         srv.wait_ready()
-        before = counters(srv)  # the warm-up generation looked once
+        before = counters(srv)
+        assert before["ddtree_prefix_cache_lookups_total"] == 0  # the start-up warm-up leaves no trace there
         texts = converse(srv)
         after = counters(srv)
     with ServerProcess(base + ["--no-prefix-cache"]) as srv:

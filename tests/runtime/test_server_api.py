@@ -210,6 +210,25 @@ def test_bad_requests_are_400_with_openai_error(client, server, kw, param):
     assert server.health()[0] == 200
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"1024": 1}}, "logit_bias"),        # the tiny target's vocabulary is 0..1023
+    ({"stop_token_ids": [1024]}, "stop_token_ids"),
+    ({"max_tokens": 2040}, "max_tokens"),                # over the 2,048-token context with the prompt
+    ({"speculative": {"tree_budget": 65}}, "speculative.tree_budget"),  # over --max-tree-budget (64)
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_the_engines_limits_refuse_chat_and_completions_alike(server, http, path, body, param):
+    """One check of a request against the engine's published limits, on the path both endpoints share:
+    the same 400 naming the same field, before the request reaches the engine."""
+    prompt = {"messages": [{"role": "user", "content": "1 2 3 4 5 6 7 8 9"}]} if "chat" in path else {
+        "prompt": "1 2 3 4 5 6 7 8 9"}
+    r = http.post(path, json={**prompt, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["code"] == ("context_length_exceeded" if param == "max_tokens" else None)
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         _chat(client, model="gpt-4")

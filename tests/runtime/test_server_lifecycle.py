@@ -64,7 +64,10 @@ def test_startup_health_auth_and_sigterm_drain(tiny_models):
         assert full["status"] == "ok" and full["model"] == "target" and full["draft_model"] == "draft"
         r = httpx.get(srv.url + "/metrics")
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and "ddtree_" not in r.text
-        assert "ddtree_engine_up 1" in httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        assert "ddtree_engine_up 1" in metrics
+        # the start-up warm-up left the pool and the prefix cache as it found them: nothing held, nothing cached
+        assert full["kv_pool"]["pages_used"] == 0 and "\nddtree_prefix_cache_sequences 0.0" in metrics, metrics
         resp = _client(srv, KEY).chat.completions.create(model="target", messages=CHAT, max_tokens=2)
         assert resp.choices[0].message.content is not None
 
@@ -148,6 +151,11 @@ def test_fault_endpoint_is_absent_from_the_served_runtime(tiny_models):
     (["--target", "{target}", "--draft", "{draft}", "--chat-template-kwargs", '{{"tools": []}}'],
      "--chat-template-kwargs: 'tools' is not a chat template variable"),
     (["--target", "{target}", "--draft", "{draft}", "--tool-call-parser", "mistral"], "--tool-call-parser"),
+    # a pool that cannot hold one request (the warm-up's longest, 81 tokens, and a ddtree@16 round's 32)
+    (["--target", "{target}", "--draft", "{draft}", "--kv-pool-tokens", "1"],
+     "--kv-pool-tokens 1: too small to serve"),
+    (["--target", "{target}", "--draft", "{draft}", "--kv-pool-tokens", "16"], "give at least 112"),
+    (["--target", "{target}", "--mode", "ar", "--kv-pool-tokens", "82"], "give at least 96"),  # 81 + 2, pages of 16
 ])
 def test_bad_cli_input_is_one_line_and_exit_2(tiny_models, argv, message):
     argv = [a.format(target=tiny_models / "target", draft=tiny_models / "draft") for a in argv]

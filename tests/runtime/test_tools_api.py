@@ -18,7 +18,8 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
-from ddtree_runtime.engine.types import RoundOutput
+from ddtree_runtime.engine.api import EngineInfo, RequestLimits
+from ddtree_runtime.engine.types import BatchStats, RoundOutput, WarmUp
 from ddtree_runtime.server.app import create_app
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_devtools.server_process import HOST, free_port
@@ -42,17 +43,28 @@ REASONED = REASONING + "\n"  # as vLLM returns it: the newline before </think> i
 
 
 class ScriptedEngine:
-    """Stands in for the Engine: replies with text chosen from the prompt, a few tokens a round (through
-    generate, and the batching API the server's worker uses: submit, step, cancel, has_work, and its queue's
-    has_room, queue_depth and queued)."""
+    """Stands in for the Engine: replies with text chosen from the prompt, a few tokens a round, through
+    the server's interface to the engine (engine/api.ServedEngine): submit, step, cancel, has_work, its
+    queue's has_room, queue_depth and queued, and what it is (info, stats, capacity, a warm-up that runs
+    nothing)."""
 
-    block_size, draft_name, max_context, can_serve = 4, "draft", 2048, True
+    can_serve, slots = True, 16
 
     def __init__(self, tokenizer, arch: str) -> None:
-        self.tokenizer, self.arch, self.model_name = tokenizer, arch, MODEL
+        self.tokenizer = tokenizer
+        self.info = EngineInfo(MODEL, arch, "draft", "none", RequestLimits(
+            max_context=2048, vocab_size=len(tokenizer), has_drafter=True, mode="ddtree", tree_budget=16,
+            block_size=4, page_size=16, pool_pages=1024))
+        self.stats = BatchStats()
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.prompts: list[str] = []
         self.running: dict[int, object] = {}  # request id -> its rounds, for the batching API below
+
+    def capacity(self) -> dict[str, int]:
+        return {"pages_total": self.info.limits.pool_pages, "pages_used": 0}
+
+    def warm_up(self) -> WarmUp:
+        return WarmUp(0.0, (), 0, 0)
 
     def submit(self, prompt_ids, params) -> int:
         request_id = len(self.prompts)
@@ -83,7 +95,7 @@ class ScriptedEngine:
         self.running.pop(request_id, None)
 
     def reply(self, prompt: str) -> str:
-        call = CALLS[self.arch]
+        call = CALLS[self.info.arch]
         for k in range(len(call), 0, -1):  # a forced call: the prompt holds its opening
             if call.startswith("<tool_call>") and prompt.endswith(call[:k]) and k >= len("<tool_call>"):
                 return call[k:]
@@ -192,7 +204,7 @@ def test_a_full_tool_loop(served, stream):
     assert content == ANSWER and (final["finish"] if stream else final.finish_reason) == "stop"
     # the call and its result reached the model through its own template
     prompt = engine.prompts[-1]
-    assert CALLS[engine.arch] in prompt
+    assert CALLS[engine.info.arch] in prompt
     assert "<tool_response>\nsunny, 24°C\n</tool_response>" in prompt
 
 

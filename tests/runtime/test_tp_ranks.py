@@ -5,7 +5,8 @@
   batched, with prefix reuse on (the cases repeat prompts); each rank's KV cache holds half the KV heads. One launch of two processes runs every case
   (tp_ranks.py), since each process start imports torch.
 - The server: `ddtree-serve --tensor-parallel 2` answers as TP=1 does; a follower killed mid-request
-  takes the whole server down, non-zero, with one line naming the rank; nothing is left behind.
+  takes the whole server down, non-zero, with one line naming the rank, and so does one that stalls past
+  --rank-timeout; nothing is left behind.
 - What is refused before anything starts: a target that does not split, a --device cuda:N, fewer GPUs
   than ranks."""
 
@@ -197,6 +198,31 @@ def test_a_follower_killed_mid_request_takes_the_server_down(tiny_models):
         assert f"tensor-parallel rank 1 (pid {follower}) exited with signal SIGKILL: stopping the server" in \
             srv.log_tail()
         assert isinstance(answer[0], httpx.HTTPError) or answer[0].status_code >= 500  # never a whole answer
+
+
+def test_a_stalled_follower_is_named_and_ends_the_server(tiny_models):
+    """A follower that stops (SIGSTOP) fails no collective: rank 0 just waits in one. Past --rank-timeout
+    the watchdog names it and ends the server, so requests are never left hanging behind an "ok"."""
+    with ServerProcess(_args(tiny_models, "--tensor-parallel", "2", "--rank-timeout", "5")) as srv:
+        srv.wait_ready()
+        (follower,) = _followers(srv.proc.pid)
+        os.kill(follower, signal.SIGSTOP)
+        try:
+            answer = _safe(lambda: _complete(srv, 8, timeout=60))
+            assert srv.wait_exit(timeout=30) == 1
+        finally:
+            _resume(follower)
+        assert f"tensor-parallel rank 1 (pid {follower}) is stopped: a submit waited on the ranks for more than " \
+               "5 s (--rank-timeout): stopping the server" in srv.log_tail()
+        assert isinstance(answer, httpx.HTTPError) or answer.status_code >= 500  # never an answer
+        assert _gone(follower)
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # killed with the server already
+        pass
 
 
 def test_a_follower_exits_when_rank_0_is_gone(tmp_path):

@@ -9,21 +9,30 @@ rank, calls the leader's `on_lost`, which must stop the whole server (server/ran
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import secrets
+import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ..model import parallel
+from ..model.config import target_config
 from ..model.parallel import TensorParallel
 from ..settings import resolve_device
+from .api import EngineInfo
 from .engine import Engine
-from .types import EngineConfig, RoundOutput, SamplingParams, WarmUp
+from .types import BatchStats, EngineConfig, RoundOutput, SamplingParams, WarmUp
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,16 @@ def join(config: EngineConfig, rank: int, port: int) -> tuple[TensorParallel, En
     return tp, dataclasses.replace(config, device=device)
 
 
+def split_problem(target_dir: str, world: int) -> str | None:
+    """Why the target in `target_dir` does not split over `world` ranks (model/parallel.py); None when it
+    does, or when its config.json cannot be read (the engine's load then says why, as with one rank)."""
+    try:
+        cfg = target_config(json.loads(Path(target_dir, "config.json").read_text()))
+    except (OSError, ValueError, KeyError):
+        return None
+    return parallel.split_problem(cfg, world)
+
+
 def digest(outputs: list[tuple[int, RoundOutput]]) -> int:
     """What a step did, as a number every rank must agree on: each request's tokens and whether it ended."""
     return zlib.crc32(repr([(rid, out.token_ids, out.finished) for rid, out in outputs]).encode())
@@ -57,14 +76,58 @@ def _agree(tp: TensorParallel, value: int) -> list[int]:
 
 
 class Leader:
-    """Rank 0's engine: the engine's API, each mutating call sent to the followers first. Everything else
-    (the tokenizer, stats, capacity...) is the engine's own."""
+    """Rank 0's engine: the server's engine interface (api.ServedEngine), each mutating call sent to the
+    followers first. The reads (the tokenizer, stats, capacity...) are rank 0's engine's own."""
 
     def __init__(self, engine: Engine, tp: TensorParallel, on_lost: Callable[[str], NoReturn]) -> None:
         self.engine, self.tp, self.on_lost = engine, tp, on_lost
+        # the serving call the ranks are in now (its name, and when it began on time.monotonic()), None
+        # between calls: a watchdog (server/ranks.py) gives it a deadline, since a rank that stalls
+        # (stopped, or hung on its device) blocks the others' collectives without failing them. The
+        # warm-up is not watched: it takes minutes on a large model, and while it runs the server is not
+        # ready (a stall there leaves /health "starting", which no request waits behind).
+        self.in_call: tuple[str, float] | None = None
 
     def __getattr__(self, name: str) -> Any:
+        """What the interface does not name (a benchmark's look inside rank 0's engine) is its engine's."""
         return getattr(self.engine, name)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
+    def stats(self) -> BatchStats:
+        return self.engine.stats
+
+    @property
+    def slots(self) -> int:
+        return self.engine.slots
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    @property
+    def can_serve(self) -> bool:
+        return self.engine.can_serve
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
+    @property
+    def queue_depth(self) -> int:
+        return self.engine.queue_depth
+
+    def capacity(self) -> dict[str, int]:
+        return self.engine.capacity()
+
+    def has_room(self, arriving: int = 0) -> bool:
+        return self.engine.has_room(arriving)
+
+    def queued(self, request_id: int) -> bool:
+        return self.engine.queued(request_id)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if params.temperature > 0 and params.seed is None:  # each rank would draw its own seed
@@ -73,27 +136,38 @@ class Leader:
                               lambda request_id: request_id)
 
     def cancel(self, request_id: int) -> None:
-        self._send(("cancel", request_id))
-        self.engine.cancel(request_id)
+        with self._call("cancel"):
+            self._send(("cancel", request_id))
+            self.engine.cancel(request_id)
 
     def step(self) -> list[tuple[int, RoundOutput]]:
         return self._replayed(("step",), self.engine.step, digest)
 
     def warm_up(self) -> WarmUp:
         """Engine.warm_up on every rank (its passes are collectives)."""
-        return self._replayed(("warm_up",), self.engine.warm_up, lambda done: done.requests)
+        return self._replayed(("warm_up",), self.engine.warm_up, lambda done: done.requests, watched=False)
 
-    def _replayed(self, call: tuple, run: Callable[[], Any], summary: Callable[[Any], int]) -> Any:
+    def _replayed(self, call: tuple, run: Callable[[], Any], summary: Callable[[Any], int],
+                  watched: bool = True) -> Any:
         """Send `call` to the followers, run it here, then compare every rank's summary of its result
         (FAILED where it raised): a rank that went another way ends the server."""
-        self._send(call)
+        with self._call(call[0]) if watched else contextlib.nullcontext():
+            self._send(call)
+            try:
+                result = run()
+            except Exception:
+                self._check(call[0], FAILED)
+                raise
+            self._check(call[0], summary(result))
+            return result
+
+    @contextlib.contextmanager
+    def _call(self, name: str) -> Iterator[None]:
+        self.in_call = (name, time.monotonic())
         try:
-            result = run()
-        except Exception:
-            self._check(call[0], FAILED)
-            raise
-        self._check(call[0], summary(result))
-        return result
+            yield
+        finally:
+            self.in_call = None
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
         """Engine.generate through the broadcast calls (the server's warm-up)."""

@@ -15,8 +15,9 @@ gives its pages back and is recomputed later from its tokens, so its output does
 request that leaves keeps its pages as a cached sequence that later prompts share (prefix_cache.py).
 
 This file holds what ties them together: loading and checking the models, sizing the pool and its
-re-size for bigger trees, the public API (submit, cancel, step, generate, capacity) and a request's
-validation at submit."""
+re-size for bigger trees, and the public API (submit, cancel, step, generate, capacity, warm_up). What
+the server calls of it, what it publishes (`info`: its names and the limits a request is checked
+against, once, by `RequestLimits.check`) and the refusal it raises are engine/api.py's."""
 
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ from pathlib import Path
 
 import torch
 
-from ..capacity import SHORT_REQUEST
-from ..limits import DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS
+from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, least_pool_tokens,
+                        pool_too_small)
+from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
 from ..model.fp8 import FP8Linear
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
 from . import memory
+from .api import EngineInfo, RequestLimits
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
 from .graphs import HostRead
@@ -55,7 +58,7 @@ from .types import BatchStats, EngineConfig, RequestState, RoundOutput, Sampling
 log = logging.getLogger(__name__)
 
 # A warm-up request: two tokens (the prefill's, then one round's), whatever the model says.
-WARM_UP_PARAMS = SamplingParams(max_new_tokens=2, ignore_eos=True)
+WARM_UP_PARAMS = SamplingParams(max_new_tokens=WARM_UP_NEW_TOKENS, ignore_eos=True)
 
 
 def _eos_ids(tokenizer, target_dir: str) -> set[int]:
@@ -161,6 +164,9 @@ class Engine(Placement, Prefilling, Rounds):
         extra = config.prefix_cache_rows if config.prefix_cache else 0
         self.rows = config.max_running + extra   # the pool's rows (block tables, a hybrid's state slots)
         self.slots = config.max_running          # of them, running requests'
+        least = least_pool_tokens(config.mode, config.tree_budget, self.block_size, self.page_size, self.max_context)
+        if config.kv_pool_tokens is not None and config.kv_pool_tokens < least:
+            raise ValueError(pool_too_small("kv_pool_tokens", config.kv_pool_tokens, least, config.mode, self.page_size))
         pages = self.sizing.pages_that_fit(free=memory.free_bytes(self.device), rows=self.rows,
                                            max_context=self.max_context, tree_slots=tree_slots,
                                            mem_fraction=config.mem_fraction, kv_pool_tokens=config.kv_pool_tokens,
@@ -189,6 +195,9 @@ class Engine(Placement, Prefilling, Rounds):
         self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats, self._alloc_target_cache,
                                    has_drafter=self.drafter is not None)
         self._next_id = 0
+        limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
+                               config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)
+        self.info = EngineInfo(self.model_name, self.arch, self.draft_name, self.quantization, limits)
         cap = self.capacity()
         log.info("KV pool: %d tokens (%d pages x %d); holds %d requests of %d tokens, %d of the full context "
                  "(%d); %d running at most", cap["tokens"], cap["pages_total"], self.page_size, cap["requests_8k"],
@@ -356,8 +365,10 @@ class Engine(Placement, Prefilling, Rounds):
         try:
             for n in batches:
                 # first tokens differ, so no two prompts share a page (admission counts shared pages);
-                # 4 to 79 tokens: a group's rows differ in length, all within the smallest KV bucket
-                lengths = [min(4 + 5 * (i % 16), self.max_context - WARM_UP_PARAMS.max_new_tokens) for i in range(n)]
+                # 4 to 79 tokens (WARM_UP_PROMPT_MAX: the least pool holds one): a group's rows differ in
+                # length, all within the smallest KV bucket
+                lengths = [min(WARM_UP_PROMPT_MAX - 5 * (15 - i % 16), self.max_context - WARM_UP_NEW_TOKENS)
+                           for i in range(n)]
                 ids += [self.submit([(i + 1 + 3 * j) % vocab for j in range(length)], WARM_UP_PARAMS)
                         for i, length in enumerate(lengths)]
                 while self.has_work:
@@ -377,28 +388,9 @@ class Engine(Placement, Prefilling, Rounds):
     # ---- request setup ----------------------------------------------------------------------------
 
     def _new_request(self, prompt_ids: list[int], p: SamplingParams) -> RequestState:
+        self.info.limits.check(prompt_ids, p)  # RequestRefused (a ValueError): never servable
         mode = mode_named(p.mode or self.config.mode)
-        if mode.drafts and self.drafter is None:
-            raise ValueError(f"mode {mode.name!r} needs a drafter; this engine has none")
-        budget = self.config.tree_budget if p.tree_budget is None else p.tree_budget
-        if not MIN_TREE_BUDGET <= budget <= MAX_TREE_BUDGET:
-            raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}], got {budget}")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if p.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if len(prompt_ids) + p.max_new_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({p.max_new_tokens}) "
-                             f"exceeds the context limit {self.max_context}")
-        vocab = self.target.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if p.temperature < 0 or not 0 < p.top_p <= 1:
-            raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
-        if not 0 <= p.min_tokens <= p.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {p.max_new_tokens}], got {p.min_tokens}")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+        budget = self.info.limits.budget(p)
         uniforms = None
         if p.temperature > 0:  # the draw of every output position (and of tree nodes past the last one)
             gen = torch.Generator(device=self.device)
@@ -417,11 +409,6 @@ class Engine(Placement, Prefilling, Rounds):
             # a bigger tree than the pool was sized for: the pool is re-sized when the engine is idle,
             # so refuse now if even that could not hold it
             self._check_resize(tree_slots)
-        need = self.sizing.request_pages(len(prompt_ids) + p.max_new_tokens - 1, tree_slots)
-        if need > self.pages.num_pages:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({p.max_new_tokens}) needs {need} KV pages "
-                             f"of {self.page_size} tokens, the pool holds {self.pages.num_pages}: shorten the prompt "
-                             f"or lower max_tokens")
         self._next_id += 1
         return req
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..capacity import round_tree_slots
 from ..limits import MODES
 from .tree import Tree, TreeBuilder, build_chain
 
@@ -22,7 +23,7 @@ class Mode:
 
     def tree_slots(self, budget: int, block_size: int) -> int:
         """Nodes (root included) of this mode's round at a tree budget: what the pool reserves for it."""
-        raise NotImplementedError
+        return round_tree_slots(self.name, budget, block_size)
 
     def trees(self, builder: TreeBuilder, drafted: list[torch.Tensor], budget: int,
               block_size: int) -> list[Tree | None]:
@@ -38,9 +39,6 @@ class AutoRegressive(Mode):
     """One token a round from the target alone: no drafter, no tree."""
     name, drafts = "ar", False
 
-    def tree_slots(self, budget: int, block_size: int) -> int:
-        return 1
-
     def trees(self, builder, drafted, budget, block_size):
         return [None] * len(drafted)
 
@@ -49,9 +47,6 @@ class DFlash(Mode):
     """The drafter's block read as one chain: its top-1 token at every depth."""
     name = "dflash"
 
-    def tree_slots(self, budget: int, block_size: int) -> int:
-        return block_size
-
     def trees(self, builder, drafted, budget, block_size):
         return [build_chain(d) for d in drafted]
 
@@ -59,9 +54,6 @@ class DFlash(Mode):
 class DDTree(Mode):
     """A best-first tree of `budget` draft nodes over the drafter's per-depth distributions."""
     name = "ddtree"
-
-    def tree_slots(self, budget: int, block_size: int) -> int:
-        return budget + 1
 
     def trees(self, builder, drafted, budget, block_size):
         depth = min(block_size - 1, budget)

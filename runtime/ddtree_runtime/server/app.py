@@ -6,13 +6,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ddtree_runtime.engine.api import ServedEngine
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.context import ServerContext
 from ddtree_runtime.server.errors import APIError, error_body
@@ -28,7 +28,7 @@ ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/c
 UNCOUNTED_IN_FLIGHT = ("/health", "/metrics")
 
 
-def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], Any] | None = None) -> FastAPI:
+def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], ServedEngine] | None = None) -> FastAPI:
     """Build the app. The engine loads on the worker thread once the app starts (lifespan), so the
     HTTP listener answers /health with ``starting`` while the model loads."""
     metrics = Metrics()
@@ -40,35 +40,35 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], An
     metrics.add_gauge("max_running_requests", "Requests the engine runs at once (--max-running, or what fit).",
                       worker.capacity)
     metrics.add_gauge("batch_size", "Requests verified together in the last round.",
-                      lambda: worker.engine_stats("batch_size"))
+                      lambda: worker.stats().batch_size)
     metrics.add_gauge("round_tree_nodes", "Tree nodes (roots included) verified in the last round, all requests.",
-                      lambda: worker.engine_stats("tree_nodes"))
+                      lambda: worker.stats().tree_nodes)
     metrics.add_gauge("tokens_per_second", "Tokens committed per second, all requests, over the last 10 s.",
                       worker.tokens_per_second)
     metrics.add_counter("prefix_cache_lookups_total", "Admitted requests that looked for a cached prefix.",
-                        lambda: worker.engine_stats("prefix_lookups"))
+                        lambda: worker.stats().prefix_lookups)
     metrics.add_counter("prefix_cache_hits_total", "Admitted requests that reused a cached prefix.",
-                        lambda: worker.engine_stats("prefix_hits"))
+                        lambda: worker.stats().prefix_hits)
     metrics.add_counter("prefix_cache_tokens_saved_total", "Prompt tokens reused from cached prefixes, not prefilled.",
-                        lambda: worker.engine_stats("prefix_tokens_saved"))
+                        lambda: worker.stats().prefix_tokens_saved)
     metrics.add_counter("prefix_cache_evictions_total", "Cached sequences dropped to free a row or KV pages.",
-                        lambda: worker.engine_stats("prefix_evictions"))
+                        lambda: worker.stats().prefix_evictions)
     metrics.add_gauge("prefix_cache_sequences", "Finished requests' sequences held for prefix reuse.",
-                      lambda: worker.engine_stats("prefix_cached"))
+                      lambda: worker.stats().prefix_cached)
     metrics.add_gauge("kv_pages_total", "Pages of the engine's KV pool (kv_page_size tokens each).",
-                      lambda: worker.engine_stats("pages_total"))
-    metrics.add_gauge("kv_page_size", "Tokens a KV page holds.", lambda: getattr(worker.engine, "page_size", 0))
+                      lambda: worker.stats().pages_total)
+    metrics.add_gauge("kv_page_size", "Tokens a KV page holds.", lambda: 0 if worker.engine is None else worker.engine.info.limits.page_size)
     metrics.add_gauge("kv_pages_used", "KV pages held by running, prefilling and cached sequences.",
-                      lambda: worker.engine_stats("pages_used"))
+                      lambda: worker.stats().pages_used)
     metrics.add_gauge("kv_pages_free", "KV pages free now.",
-                      lambda: worker.engine_stats("pages_total") - worker.engine_stats("pages_used"))
+                      lambda: worker.stats().pages_total - worker.stats().pages_used)
     metrics.add_gauge("kv_pages_shared", "KV pages held by more than one sequence (shared prompt prefixes).",
-                      lambda: worker.engine_stats("pages_shared"))
+                      lambda: worker.stats().pages_shared)
     metrics.add_counter("preemptions_total", "Requests whose KV pages were taken back when the pool ran out "
-                        "(recomputed later, the same output).", lambda: worker.engine_stats("preemptions"))
+                        "(recomputed later, the same output).", lambda: worker.stats().preemptions)
     metrics.add_counter("graph_captures_total", "CUDA graphs captured while serving: shapes the start-up warm-up "
                         "did not reach (each a pause of the engine's thread).",
-                        lambda: worker.engine_stats("graph_captures"))
+                        lambda: worker.stats().graph_captures)
     metrics.add_gauge("requests_in_flight", "API requests being answered.", lambda: ctx.in_flight)
     metrics.add_gauge("engine_up", "1 when the engine is warmed up and its worker thread alive.",
                       lambda: 1 if worker.health()[0] == READY else 0)

@@ -14,13 +14,17 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ddtree_runtime import settings
+from ddtree_runtime.capacity import Shape, least_pool_tokens, pool_too_small
 from ddtree_runtime.server import ranks
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
 from ddtree_runtime.server.schemas import RESERVED_TEMPLATE_ARGS
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("ddtree_runtime.server")
 
@@ -60,6 +64,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         raise UsageError("--quantize-drafter needs --quantize fp8")
     for flag, path in (("--target", values["target_dir"]), ("--draft", values.get("draft_dir"))):
         _implemented(path, flag)
+    if args.kv_pool_tokens is not None:
+        _pool_serves(args, values.get("draft_dir"))
     if args.prefix_cache_rows and not args.prefix_cache:
         raise UsageError("--prefix-cache-rows needs the prefix cache: drop --no-prefix-cache")
     api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
@@ -95,11 +101,25 @@ def _implemented(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: cannot read the checkpoint: {exc}") from None
 
 
+def _pool_serves(args: argparse.Namespace, draft_dir: str | None) -> None:
+    """--kv-pool-tokens: at least the pool that serves one request (capacity.least_pool_tokens)."""
+    block = args.block_size
+    if block is None:  # the drafter's (1 with none), as the engine takes it
+        block = 1 if draft_dir is None else Shape.from_config(_config_json(draft_dir, "--draft")).block_size
+    least = least_pool_tokens(args.mode, args.tree_budget, block, args.page_size, args.max_context)
+    if args.kv_pool_tokens < least:
+        raise UsageError(pool_too_small("--kv-pool-tokens", args.kv_pool_tokens, least, args.mode, args.page_size))
+
+
+def _config_json(model_dir: str, flag: str) -> dict:
+    try:
+        return json.loads(Path(model_dir, "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {model_dir}: cannot read config.json: {exc}") from None
+
+
 def _splits(target_dir: str, world: int, device: str) -> None:
     """--tensor-parallel N: the target's heads and rows must split over N ranks, each on its own GPU."""
-    from ddtree_runtime.model.config import target_config
-    from ddtree_runtime.model.parallel import split_problem
-
     if device.startswith("cuda:"):
         raise UsageError(f"--tensor-parallel {world} takes its GPUs from CUDA_VISIBLE_DEVICES: give --device cuda, "
                          f"not {device}")
@@ -109,11 +129,9 @@ def _splits(target_dir: str, world: int, device: str) -> None:
         if torch.cuda.device_count() < world:
             raise UsageError(f"--tensor-parallel {world} needs {world} GPUs, {torch.cuda.device_count()} visible "
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-    try:
-        cfg = target_config(json.loads(Path(target_dir, "config.json").read_text()))
-    except (OSError, ValueError, KeyError):  # a config the engine cannot read: its load says why, as at TP=1
-        return
-    problem = split_problem(cfg, world)
+    from ddtree_runtime.engine.distributed import split_problem
+
+    problem = split_problem(target_dir, world)
     if problem:
         raise UsageError(problem)
 
@@ -141,7 +159,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] | None = None) -> int:
+def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], FastAPI] | None = None) -> int:
     """Parse, build the app (``make_app``: app.create_app unless a wrapper brings its own) and serve
     until SIGTERM has drained it. Exit 2 on a usage error."""
     try:
@@ -172,7 +190,8 @@ def main(argv: list[str] | None = None, make_app: Callable[[ServerConfig], Any] 
 
     followers = None
     if config.tensor_parallel > 1:
-        followers = ranks.start_followers(sys.argv[1:] if argv is None else list(argv), config.tensor_parallel)
+        followers = ranks.start_followers(sys.argv[1:] if argv is None else list(argv), config.tensor_parallel,
+                                          config.rank_timeout)
     try:
         app = (make_app or create_app)(config)
         uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,

@@ -8,10 +8,14 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from ddtree_runtime.engine.api import CONTEXT_LENGTH_EXCEEDED, RequestRefused, ServedEngine
+from ddtree_runtime.engine.modes import mode_named
+from ddtree_runtime.engine.types import SamplingParams
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.generation import Generation, SpeculativeStats
@@ -30,14 +34,26 @@ from ddtree_runtime.server.output_parsers import (
 )
 from ddtree_runtime.server.prompts import ChatPrompt, ControlTokens, render_chat
 from ddtree_runtime.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body, validate
-from ddtree_runtime.server.worker import READY, EngineWorker, engine_block_size
+from ddtree_runtime.server.worker import READY, EngineWorker
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy decoding
 # How each target architecture's chat template writes tool calls (SGLang's parser names).
 TOOL_PARSER_FOR_ARCH = {"qwen3": "hermes", "qwen3_5": "qwen3_coder"}
 # Tags the reply parsers read: decoded into the text even where the tokenizer calls them special.
 PARSER_TAGS = (THINK_START, THINK_END, CALL_START, CALL_END)
+# The API's names of the engine's request fields where they differ (RequestRefused.field -> param).
+FIELD_PARAMS = {"max_new_tokens": "max_tokens", "mode": "speculative.mode", "tree_budget": "speculative.tree_budget"}
 T = TypeVar("T")
+
+
+@dataclass
+class Prepared:
+    """A chat or completion request after its own parsing: from here both take one path."""
+    req: ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams  # checked against the engine's limits
+    stats: SpeculativeStats
+    splitter: ReplySplitter | None  # how a chat reply is split (reasoning, content, tool calls); None: text
 
 
 class ServerContext:
@@ -70,30 +86,29 @@ class ServerContext:
         if self.config.served_model_name:
             return self.config.served_model_name
         engine = self.worker.engine
-        name = getattr(engine, "model_name", None) if engine is not None else None
-        return name or os.path.basename(os.path.normpath(self.config.target_dir))
+        if engine is not None:
+            return engine.info.model_name
+        return os.path.basename(os.path.normpath(self.config.target_dir))
 
-    def describe(self) -> dict:
-        from ddtree_runtime.engine.modes import mode_named
-
-        engine = self.worker.engine
-        mode = self.config.mode
-        block = engine_block_size(engine)
+    def describe(self, engine: ServedEngine) -> dict:
+        """/health's account of a ready server and its engine."""
+        info, mode = engine.info, self.config.mode
+        block = info.limits.block_size
         return {
             "mode": mode,
             "block_size": block,
-            "max_draft_len": block - 1 if mode_named(mode).drafts and block is not None else 0,
+            "max_draft_len": block - 1 if mode_named(mode).drafts else 0,
             "tree_budget": self.config.tree_budget,
             "model": self.model_name(),
-            "target_arch": getattr(engine, "arch", None),
-            "draft_model": getattr(engine, "draft_name", None),
-            "quantization": getattr(engine, "quantization", None),
+            "target_arch": info.arch,
+            "draft_model": info.draft_name,
+            "quantization": info.quantization,
             "tensor_parallel": self.config.tensor_parallel,  # GPUs (processes) this server spans
             "max_running": self.worker.capacity(),
             "running": self.worker.running(),
             "waiting": self.worker.queue_depth(),
             # the KV pool (engine.capacity()): tokens, pages, requests of 8K and of the full context
-            "kv_pool": engine.capacity() if hasattr(engine, "capacity") else None,
+            "kv_pool": engine.capacity(),
         }
 
     # -- gates --
@@ -119,13 +134,14 @@ class ServerContext:
             return "incorrect API key"
         return None
 
-    def engine_for_requests(self) -> Any:
+    def engine_for_requests(self) -> ServedEngine:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         state, detail = self.worker.health()
-        if state != READY:
+        engine = self.worker.engine
+        if state != READY or engine is None:
             raise APIError(503, f"the engine is not ready ({state}): {detail}", code="engine_unavailable")
-        return self.worker.engine
+        return engine
 
     def max_tree_budget(self) -> int:
         """The largest tree budget a request may ask for: --max-tree-budget, or the server's own budget
@@ -156,111 +172,33 @@ class ServerContext:
         finally:
             self._preparing -= 1
 
-    def prepare_chat(self, engine: Any, raw: bytes) -> tuple[ChatCompletionRequest, ChatPrompt]:
+    def prepare_chat(self, engine: ServedEngine, raw: bytes) -> Prepared:
         req = validate(ChatCompletionRequest, parse_body(raw))
         self.check_model(req.model)
-        self.check_token_ids(engine, req)
         prompt = render_chat(engine.tokenizer, self.control_tokens(engine), req, self.config.chat_template_kwargs,
                              self.tool_parser(engine) if req.offered_tools() else None,
-                             max_tokens=engine.max_context - 1)
-        return req, prompt
+                             max_tokens=engine.info.limits.max_context - 1)
+        return self._checked(engine, req, prompt.ids, "messages", self.reply_splitter(engine, req, prompt))
 
-    def prepare_completion(self, engine: Any, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+    def prepare_completion(self, engine: ServedEngine, raw: bytes) -> Prepared:
         req = validate(CompletionRequest, parse_body(raw))
         self.check_model(req.model)
-        self.check_token_ids(engine, req)
-        return req, self.completion_prompt_ids(engine, req)
+        return self._checked(engine, req, self.completion_prompt_ids(engine, req), "prompt", None)
 
-    def check_token_ids(self, engine: Any, req: Any) -> None:
-        vocab = len(engine.tokenizer)
-        for field, ids in (("logit_bias", req.token_bias()), ("stop_token_ids", req.stop_token_ids or ())):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                               param=field)
-
-    def token_texts(self, engine: Any, req: Any) -> TokenTexts | None:
-        """How returned tokens are shown beside their log-probabilities; None unless the request asked."""
-        if req.requested_logprobs() is None:
-            return None
-        if self._token_texts is None:
-            self._token_texts = TokenTexts(engine.tokenizer)
-        return self._token_texts
-
-    def control_tokens(self, engine: Any) -> ControlTokens:
-        if self._controls is None:
-            self._controls = ControlTokens(engine.tokenizer)
-        return self._controls
-
-    def tool_parser(self, engine: Any) -> type[ToolCallParser]:
-        name = self.config.tool_call_parser or TOOL_PARSER_FOR_ARCH.get(getattr(engine, "arch", None), "hermes")
-        return TOOL_PARSERS[name]
-
-    def reply_splitter(self, engine: Any, req: ChatCompletionRequest, prompt: ChatPrompt) -> ReplySplitter:
-        """How the chat reply's text is split into reasoning, content and tool calls for this request."""
-        reasoning = ReasoningParser(prompt.opens_thinking) if self.config.reasoning_parser else None
-        offered = req.offered_tools()
-        tools = None
-        if offered:
-            tools = self.tool_parser(engine)(tool_schemas(t.as_template_dict() for t in offered))
-        return ReplySplitter(reasoning, tools, prompt.opening)
-
-    def hidden_ids(self, engine: Any, skip_special_tokens: bool) -> frozenset[int]:
-        """The control tokens left out of the text: all special ones but the tags the parsers read."""
-        if not skip_special_tokens:
-            return frozenset()
-        tok = engine.tokenizer
-        tags = {tok.convert_tokens_to_ids(tag) for tag in PARSER_TAGS}
-        return frozenset(tok.all_special_ids) - tags
-
-    def completion_prompt_ids(self, engine: Any, req: Any) -> list[int]:
-        if isinstance(req.prompt, str):
-            self.control_tokens(engine).check_fits(req.prompt, engine.max_context - 1, "prompt")
-            ids = list(engine.tokenizer.encode(req.prompt, add_special_tokens=False))
-            if not ids:
-                raise APIError(400, "prompt: encodes to no tokens", param="prompt")
-            return ids
-        vocab = len(engine.tokenizer)
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        return list(req.prompt)
-
-    # -- generation --
-
-    def start_generation(
-        self, engine: Any, request: Request, prompt_ids: list[int], req: Any, max_tokens: int | None,
-        arrived: float | None = None,
-    ) -> Generation:
-        from ddtree_runtime.engine import SamplingParams
-        from ddtree_runtime.engine.modes import mode_named
-
-        limit = engine.max_context
-        if len(prompt_ids) >= limit:
-            raise APIError(
-                400,
-                f"the prompt is {len(prompt_ids)} tokens; this model's context is {limit} tokens",
-                param="messages" if hasattr(req, "messages") else "prompt",
-                code="context_length_exceeded",
-            )
-        if max_tokens is None:
-            max_tokens = limit - len(prompt_ids)
-            if req.min_tokens and req.min_tokens > max_tokens:
+    def _checked(self, engine: ServedEngine, req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+                 prompt_param: str, splitter: ReplySplitter | None) -> Prepared:
+        """The request's engine parameters, checked against the engine's limits (the one check the engine
+        publishes, run here so that a refusal is a 400 before the request is queued)."""
+        limits = engine.info.limits
+        max_tokens = req.requested_max_tokens()
+        if max_tokens is None:  # the rest of the context
+            max_tokens = limits.max_context - len(prompt_ids)
+            if req.min_tokens and 0 < max_tokens < req.min_tokens:
                 raise APIError(
                     400,
                     f"min_tokens: {req.min_tokens} is more than the {max_tokens} tokens left in this model's "
-                    f"{limit}-token context after {len(prompt_ids)} prompt tokens (the most max_tokens can be)",
-                    param="min_tokens",
-                    code="context_length_exceeded",
-                )
-        elif len(prompt_ids) + max_tokens > limit:
-            raise APIError(
-                400,
-                f"this model's context is {limit} tokens, but {len(prompt_ids)} prompt tokens + "
-                f"max_tokens {max_tokens} = {len(prompt_ids) + max_tokens}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+                    f"{limits.max_context}-token context after {len(prompt_ids)} prompt tokens (the most "
+                    "max_tokens can be)", param="min_tokens", code=CONTEXT_LENGTH_EXCEEDED)
         spec = req.speculative
         mode = (spec.mode if spec else None) or self.config.mode
         budget = (spec.tree_budget if spec else None) or self.config.tree_budget
@@ -268,8 +206,6 @@ class ServerContext:
         if budget > cap:
             raise APIError(400, f"speculative.tree_budget: {budget} is more than this server's limit of {cap} "
                            "(its --max-tree-budget)", param="speculative.tree_budget")
-        if mode_named(mode).drafts and getattr(engine, "draft_name", None) is None and not self.config.draft_dir:
-            raise APIError(400, f"speculative.mode: '{mode}' needs a draft model; this server has none", param="speculative.mode")
         params = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
@@ -285,9 +221,59 @@ class ServerContext:
             mode=spec.mode if spec else None,
             tree_budget=spec.tree_budget if spec else None,
         )
-        gen = Generation(
-            self.worker, engine.tokenizer, prompt_ids, params, req.stop_strings(), SpeculativeStats(mode, budget),
-            self.hidden_ids(engine, req.skip_special_tokens), arrived,
-        )
+        try:
+            limits.check(prompt_ids, params)
+        except RequestRefused as exc:
+            param = prompt_param if exc.field == "prompt" else FIELD_PARAMS.get(exc.field, exc.field)
+            raise APIError(400, str(exc), param=param, code=exc.code) from None
+        return Prepared(req, prompt_ids, params, SpeculativeStats(mode, budget), splitter)
+
+    def token_texts(self, engine: ServedEngine, req: ChatCompletionRequest | CompletionRequest) -> TokenTexts | None:
+        """How returned tokens are shown beside their log-probabilities; None unless the request asked."""
+        if req.requested_logprobs() is None:
+            return None
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(engine.tokenizer)
+        return self._token_texts
+
+    def control_tokens(self, engine: ServedEngine) -> ControlTokens:
+        if self._controls is None:
+            self._controls = ControlTokens(engine.tokenizer)
+        return self._controls
+
+    def tool_parser(self, engine: ServedEngine) -> type[ToolCallParser]:
+        name = self.config.tool_call_parser or TOOL_PARSER_FOR_ARCH.get(engine.info.arch, "hermes")
+        return TOOL_PARSERS[name]
+
+    def reply_splitter(self, engine: ServedEngine, req: ChatCompletionRequest, prompt: ChatPrompt) -> ReplySplitter:
+        """How the chat reply's text is split into reasoning, content and tool calls for this request."""
+        reasoning = ReasoningParser(prompt.opens_thinking) if self.config.reasoning_parser else None
+        offered = req.offered_tools()
+        tools = None
+        if offered:
+            tools = self.tool_parser(engine)(tool_schemas(t.as_template_dict() for t in offered))
+        return ReplySplitter(reasoning, tools, prompt.opening)
+
+    def hidden_ids(self, engine: ServedEngine, skip_special_tokens: bool) -> frozenset[int]:
+        """The control tokens left out of the text: all special ones but the tags the parsers read."""
+        if not skip_special_tokens:
+            return frozenset()
+        tok = engine.tokenizer
+        tags = {tok.convert_tokens_to_ids(tag) for tag in PARSER_TAGS}
+        return frozenset(tok.all_special_ids) - tags
+
+    def completion_prompt_ids(self, engine: ServedEngine, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            self.control_tokens(engine).check_fits(req.prompt, engine.info.limits.max_context - 1, "prompt")
+            return list(engine.tokenizer.encode(req.prompt, add_special_tokens=False))
+        return list(req.prompt)
+
+    # -- generation --
+
+    def start_generation(self, engine: ServedEngine, request: Request, prepared: Prepared,
+                         arrived: float | None = None) -> Generation:
+        req = prepared.req
+        gen = Generation(self.worker, engine.tokenizer, prepared.prompt_ids, prepared.params, req.stop_strings(),
+                         prepared.stats, self.hidden_ids(engine, req.skip_special_tokens), arrived)
         gen.submit(request)
         return gen

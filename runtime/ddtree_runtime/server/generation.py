@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
+
+from ddtree_runtime.engine.types import SamplingParams
 
 from ddtree_runtime.server.detok import IncrementalDecoder, StopMatcher
 from ddtree_runtime.server.errors import APIError
 from ddtree_runtime.server.logprobs import ReturnedToken
 from ddtree_runtime.server.timeline import Timeline
 from ddtree_runtime.server.worker import DoneEvent, EngineWorker, ErrorEvent, Job, NotReady, QueueFull
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class ClientGone(Exception):
@@ -51,9 +56,9 @@ class Generation:
     def __init__(
         self,
         worker: EngineWorker,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         prompt_ids: list[int],
-        params: Any,
+        params: SamplingParams,
         stops: list[str],
         stats: SpeculativeStats,
         hidden_ids: frozenset[int] = frozenset(),

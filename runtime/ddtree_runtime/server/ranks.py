@@ -3,8 +3,10 @@ starts a follower per other rank (the same command line, the rank in the environ
 steps its engine as the `Leader` (engine/distributed.py); the followers only follow its calls.
 
 All ranks live and die together, so systemd's restart and the health gate see one server: a watchdog
-thread in rank 0 stops the server (exit 1, one log line) as soon as a follower exits, and kills the
-others; a follower exits when rank 0 is gone (its parent changed). A follower ignores SIGTERM and SIGINT
+thread in rank 0 stops the server (exit 1, one log line) as soon as a follower exits, or when an engine
+call has waited on the other ranks past --rank-timeout (a follower stopped or hung blocks the collectives
+without failing them: the line names a follower that is stopped), and kills the others; a follower exits
+when rank 0 is gone (its parent changed). A follower ignores SIGTERM and SIGINT
 (systemd and a terminal send them to the whole tree): rank 0 drains, then ends them."""
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from ddtree_runtime.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from ddtree_runtime.engine.distributed import Leader
 
 log = logging.getLogger("ddtree_runtime.server")
 
@@ -50,8 +56,9 @@ def _exit_words(code: int) -> str:
 class Followers:
     """Rank 0's followers: started, watched, and ended with the server."""
 
-    def __init__(self, argv: list[str], world: int) -> None:
-        self.argv, self.world = argv, world
+    def __init__(self, argv: list[str], world: int, call_timeout_s: float) -> None:
+        self.argv, self.world, self.call_timeout_s = argv, world, call_timeout_s
+        self.leader: Leader | None = None  # rank 0's engine once loaded: its calls are watched too
         self.procs: dict[int, subprocess.Popen] = {}
         self._stopping = False
         self._ending = threading.Lock()  # held by the one fatal() that speaks
@@ -68,7 +75,7 @@ class Followers:
 
     def _watch(self) -> None:
         while not self._stopping:
-            gone = self._exited()
+            gone = self._exited() or self._stalled()
             if gone and not self._stopping:
                 self.fatal(gone)
             time.sleep(WATCH_S)
@@ -79,6 +86,17 @@ class Followers:
             if code is not None:
                 return f"tensor-parallel rank {r} (pid {proc.pid}) exited with {_exit_words(code)}"
         return None
+
+    def _stalled(self) -> str | None:
+        """Why the ranks are stalled: the Leader's call has waited past the timeout (naming the followers
+        that are stopped, if any are); None otherwise."""
+        call = self.leader.in_call if self.leader is not None else None
+        if call is None or time.monotonic() - call[1] < self.call_timeout_s:
+            return None
+        stopped = [f"tensor-parallel rank {r} (pid {p.pid}) is stopped" for r, p in self.procs.items()
+                   if _process_state(p.pid) in ("T", "t")]
+        return (f"{', '.join(stopped) or 'a tensor-parallel rank is stuck'}: a {call[0]} waited on the ranks "
+                f"for more than {self.call_timeout_s:g} s (--rank-timeout)")
 
     def lost(self, why: str) -> NoReturn:
         """The Leader cannot reach the other ranks (or they disagree): name the follower that died, if one
@@ -131,14 +149,22 @@ def end_process(code: int) -> NoReturn:
 _followers: Followers | None = None  # this process's, when it is rank 0 of a tensor-parallel server
 
 
-def start_followers(argv: list[str], world: int) -> Followers:
+def _process_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, D, T when stopped...); "" if it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def start_followers(argv: list[str], world: int, call_timeout_s: float) -> Followers:
     global _followers
-    _followers = Followers(argv, world)
+    _followers = Followers(argv, world, call_timeout_s)
     _followers.start()
     return _followers
 
 
-def lead(config: ServerConfig):
+def lead(config: ServerConfig) -> Leader:
     """Rank 0's engine (the worker's factory): join the followers, load this rank's shard, and wrap the
     engine so that every call reaches them. If that fails the followers are ended and the worker reports
     the error (/health), as a one-device server does."""
@@ -149,7 +175,9 @@ def lead(config: ServerConfig):
         raise RuntimeError("tensor parallel: rank 0's followers were not started (server/cli.py starts them)")
     try:
         tp, engine_config = join(EngineConfig(**config.engine_kwargs()), 0, int(os.environ[PORT_ENV]))
-        return Leader(Engine(engine_config), tp, _followers.lost)
+        leader = Leader(Engine(engine_config), tp, _followers.lost)
+        _followers.leader = leader
+        return leader
     except Exception:  # /health reports it, as when one device serves; the followers would wait forever
         _followers.stop()
         raise

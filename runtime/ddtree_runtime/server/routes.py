@@ -7,20 +7,20 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from ddtree_runtime.server.context import ServerContext
+from ddtree_runtime.engine.api import ServedEngine
+from ddtree_runtime.server.context import Prepared, ServerContext
 from ddtree_runtime.server.errors import APIError, error_body
 from ddtree_runtime.server.generation import ClientGone, Generation
 from ddtree_runtime.server.logprobs import ReturnedToken, TokenTexts, chat_content, completion_logprobs
 from ddtree_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ddtree_runtime.server.output_parsers import ReplyPiece, ReplySplitter
-from ddtree_runtime.server.schemas import parse_body
+from ddtree_runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 from ddtree_runtime.server.timeline import Timeline
 from ddtree_runtime.server.worker import READY
 
@@ -45,13 +45,14 @@ PUBLIC_HEALTH = ("status", "mode", "block_size")
 async def health(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     state, detail = ctx.worker.health()
+    engine = ctx.worker.engine
     uptime = round(time.monotonic() - ctx.started, 3)
     if state == READY and ctx.draining:
         body, code = {"status": "draining", "detail": "shutting down", "uptime_s": uptime}, 503
-    elif state != READY:
+    elif state != READY or engine is None:
         body, code = {"status": state, "detail": detail, "uptime_s": uptime}, 503
     else:
-        body, code = {"status": "ok", **ctx.describe(), "uptime_s": uptime}, 200
+        body, code = {"status": "ok", **ctx.describe(engine), "uptime_s": uptime}, 200
     if not ctx.authorized(request):
         body = {key: value for key, value in body.items() if key in PUBLIC_HEALTH}
     return JSONResponse(body, status_code=code)
@@ -76,28 +77,28 @@ async def list_models(request: Request) -> JSONResponse:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    arrived = Timeline.now()
-    ctx = _ctx(request)
-    ctx.authorize(request)
-    engine = ctx.engine_for_requests()
-    raw = await _read_body(request, ctx)
-    req, prompt = await ctx.off_loop(ctx.prepare_chat, engine, raw)
-    gen = ctx.start_generation(engine, request, prompt.ids, req, req.requested_max_tokens(), arrived)
-    shape = _Shape(ctx.reply_splitter(engine, req, prompt), ctx.model_name(), bool(ctx.config.reasoning_parser),
-                   ctx.token_texts(engine, req))
-    return await _respond(request, gen, req, shape)
+    return await _generate(request, _ctx(request).prepare_chat)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
+    return await _generate(request, _ctx(request).prepare_completion)
+
+
+async def _generate(request: Request, prepare: Callable[[ServedEngine, bytes], Prepared]) -> Response:
+    """Chat and text completions alike, once `prepare` has parsed the body its own way (on the prep
+    thread): the request's generation, answered in its shape (a chat reply when it has a splitter)."""
     arrived = Timeline.now()
     ctx = _ctx(request)
     ctx.authorize(request)
     engine = ctx.engine_for_requests()
     raw = await _read_body(request, ctx)
-    req, prompt_ids = await ctx.off_loop(ctx.prepare_completion, engine, raw)
-    gen = ctx.start_generation(engine, request, prompt_ids, req, req.requested_max_tokens(), arrived)
-    return await _respond(request, gen, req, _Shape(None, ctx.model_name(), False, ctx.token_texts(engine, req)))
+    prepared = await ctx.off_loop(prepare, engine, raw)
+    gen = ctx.start_generation(engine, request, prepared, arrived)
+    chat = prepared.splitter is not None
+    shape = _Shape(prepared.splitter, ctx.model_name(), chat and bool(ctx.config.reasoning_parser),
+                   ctx.token_texts(engine, prepared.req))
+    return await _respond(request, gen, prepared.req, shape)
 
 
 async def _read_body(request: Request, ctx: ServerContext) -> bytes:
@@ -134,7 +135,8 @@ async def _read_body(request: Request, ctx: ServerContext) -> bytes:
         draining.cancel()
 
 
-async def _respond(request: Request, gen: Generation, req: Any, shape: "_Shape") -> Response:
+async def _respond(request: Request, gen: Generation, req: ChatCompletionRequest | CompletionRequest,
+                   shape: "_Shape") -> Response:
     """The answer to a chat request or a text completion, in `shape`'s form."""
     pieces = gen.pieces()
     if not req.stream:

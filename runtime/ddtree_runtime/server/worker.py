@@ -8,9 +8,10 @@ requests' event loops as events (``RoundEvent`` ... then ``DoneEvent`` or ``Erro
 cancelled by setting its flag: the thread takes the request out of the engine before its next step,
 wherever it is there, waiting or running (``withdraw`` wakes the thread for it at once).
 
-Health is the worker's own word: ``ready`` only after the warm-up (``Engine.warm_up``: every batch
-size's kernels compiled and graphs captured, so the first users do not wait for them) and a warm-up
-generation succeeded, and only while the thread is alive and the engine can still serve
+The worker knows the engine only through ``engine.api.ServedEngine``. Health is the worker's own word:
+``ready`` only after the warm-up (``Engine.warm_up``: every batch size's kernels compiled and graphs
+captured, so the first users do not wait for them; it leaves the pool, the prefix cache and the counters
+as it found them), and only while the thread is alive and the engine can still serve
 (``Engine.can_serve``).
 """
 
@@ -24,8 +25,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
+from ddtree_runtime.engine.api import ServedEngine
+from ddtree_runtime.engine.types import BatchStats, RoundOutput, SamplingParams
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.metrics import Metrics
 from ddtree_runtime.server.timeline import Timeline
@@ -33,8 +34,6 @@ from ddtree_runtime.server.timeline import Timeline
 log = logging.getLogger("ddtree_runtime.server")
 
 STARTING, READY, ERROR = "starting", "ready", "error"
-WARMUP_PROMPT = "Hello"
-WARMUP_TOKENS = 4
 IDLE_POLL_S = 0.1  # how often an idle worker looks at its stop flag
 RECENT_JOBS = 32  # job durations kept for the Retry-After estimate
 TOKEN_RATE_WINDOW_S = 10.0  # /metrics' tokens per second: over this many seconds
@@ -45,7 +44,7 @@ TOKEN_RATE_WINDOW_S = 10.0  # /metrics' tokens per second: over this many second
 
 @dataclass
 class RoundEvent:
-    output: Any  # engine.RoundOutput
+    output: RoundOutput
 
 
 @dataclass
@@ -65,7 +64,7 @@ class ErrorEvent:
 @dataclass
 class Job:
     prompt_ids: list[int]
-    params: Any  # engine.SamplingParams
+    params: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -123,6 +122,9 @@ class _Tracked:
         return self.job.timeline.admitted
 
 
+_NO_STATS = BatchStats()  # what the metrics read before the engine is loaded
+
+
 class QueueFull(Exception):
     pass
 
@@ -141,11 +143,11 @@ class EngineWorker:
         self,
         config: ServerConfig,
         metrics: Metrics,
-        engine_factory: Callable[[ServerConfig], Any] | None = None,
+        engine_factory: Callable[[ServerConfig], ServedEngine] | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
-        self.engine: Any = None
+        self.engine: ServedEngine | None = None  # once loaded
         self._engine_factory = engine_factory or load_engine
         self._handoff: deque[Job] = deque()  # submitted, not yet carried into the engine
         self._wake = threading.Condition()  # guards _handoff; notified by submit, withdraw and cancel_all
@@ -168,7 +170,7 @@ class EngineWorker:
         state, detail = self._state, self._detail
         if state != ERROR and self._thread.ident is not None and not self._thread.is_alive():
             return ERROR, "engine worker thread is not running"
-        if state == READY and not getattr(self.engine, "can_serve", True):
+        if state == READY and self.engine is not None and not self.engine.can_serve:
             return ERROR, "the engine cannot serve: a cache re-allocation failed (restart the service)"
         return state, detail
 
@@ -179,7 +181,7 @@ class EngineWorker:
         if state != READY:
             raise NotReady(state, detail)
         with self._wake:
-            if not self.engine.has_room(len(self._handoff)):
+            if self.engine is None or not self.engine.has_room(len(self._handoff)):
                 raise QueueFull
             job.timeline.handed = Timeline.now()
             self._handoff.append(job)
@@ -205,11 +207,11 @@ class EngineWorker:
 
     def capacity(self) -> int:
         """Jobs the engine runs at once: --max-running, or the slots its memory allowed."""
-        return getattr(self.engine, "slots", self.config.max_running)
+        return self.config.max_running if self.engine is None else self.engine.slots
 
-    def engine_stats(self, name: str) -> float:
-        """A field of the engine's BatchStats (0 before the engine is loaded)."""
-        return getattr(getattr(self.engine, "stats", None), name, 0)
+    def stats(self) -> BatchStats:
+        """The engine's counters (all 0 before it is loaded)."""
+        return _NO_STATS if self.engine is None else self.engine.stats
 
     def tokens_per_second(self) -> float:
         """Tokens committed per second over the last TOKEN_RATE_WINDOW_S seconds."""
@@ -270,6 +272,13 @@ class EngineWorker:
             self._set(ERROR, f"engine worker died: {type(exc).__name__}: {exc}")
             self._fail_handed_over("the engine worker died")
 
+    @property
+    def _loaded(self) -> ServedEngine:
+        """The engine, on the worker thread once it is loaded (the thread serves only then)."""
+        if self.engine is None:
+            raise RuntimeError("the engine is not loaded")
+        return self.engine
+
     def _set(self, state: str, detail: str) -> None:
         self._state, self._detail = state, detail
 
@@ -279,26 +288,18 @@ class EngineWorker:
                  c.device, c.dtype)
         started = time.perf_counter()
         self._detail = "loading model"
-        self.engine = self._engine_factory(self.config)
-        self.metrics.set_max_acceptance_length(engine_block_size(self.engine) or 1)
+        engine = self._engine_factory(self.config)
+        self.metrics.set_max_acceptance_length(engine.info.limits.block_size)
         log.info("--> loaded in %.1fs; warm-up", time.perf_counter() - started)
         self._detail = "warming up"
-        from ddtree_runtime.engine import SamplingParams
-
-        if hasattr(self.engine, "warm_up"):  # the engine logs what it ran and how long it took
-            self.engine.warm_up()
-
-        prompt = self.engine.tokenizer.encode(WARMUP_PROMPT, add_special_tokens=False)
-        params = SamplingParams(max_new_tokens=WARMUP_TOKENS, temperature=0.0)
-        produced = sum(len(out.token_ids) for out in self.engine.generate(prompt, params))
-        if produced == 0:
-            raise RuntimeError("warm-up generation produced no tokens")
+        engine.warm_up()  # the engine logs what it ran and how long it took
+        self.engine = engine
 
     def _serve(self) -> None:
         try:
             while True:
                 self._carry()
-                if not self.engine.has_work:
+                if not self._loaded.has_work:
                     if self._stopping:
                         return
                     with self._wake:
@@ -331,7 +332,7 @@ class EngineWorker:
             job.emit(ErrorEvent(503, f"the engine is not ready ({state}): {detail}"))
             return
         try:
-            request_id = self.engine.submit(job.prompt_ids, job.params)
+            request_id = self._loaded.submit(job.prompt_ids, job.params)
         except ValueError as exc:  # the engine rejected the parameters before doing anything
             job.emit(ErrorEvent(400, str(exc)))
             return
@@ -347,7 +348,7 @@ class EngineWorker:
         (and its end), and which waiting jobs this step admitted."""
         started = Timeline.now()
         try:
-            outputs = self.engine.step()
+            outputs = self._loaded.step()
         except Exception as exc:  # every job fails; the engine drops them and serves the next
             log.exception("engine error during generation")
             for t in list(self._jobs.values()):
@@ -358,7 +359,7 @@ class EngineWorker:
         now = time.monotonic()  # the token-rate window's clock
         for t in self._jobs.values():  # in the order they came, which is the order of first admission
             if t.admitted is None:
-                if self.engine.queued(t.request_id):
+                if self._loaded.queued(t.request_id):
                     break  # and every job after it waits too
                 t.job.timeline.admitted = started
         outbox = _Outbox()
@@ -394,7 +395,7 @@ class EngineWorker:
         with the step's others when an outbox is given); a job that ran to its end has its timeline
         observed (one that was cancelled or failed would skew it)."""
         del self._jobs[t.request_id]
-        self.engine.cancel(t.request_id)
+        self._loaded.cancel(t.request_id)
         if t.admitted is not None:
             self._durations.append(Timeline.now() - t.admitted)
         timeline = t.job.timeline
@@ -414,7 +415,7 @@ class EngineWorker:
                 self._handoff.popleft().emit(ErrorEvent(503, message))
 
 
-def load_engine(config: ServerConfig) -> Any:
+def load_engine(config: ServerConfig) -> ServedEngine:
     """The engine the worker builds unless the app is given another factory."""
     from ddtree_runtime.engine import Engine, EngineConfig
 
@@ -423,12 +424,3 @@ def load_engine(config: ServerConfig) -> Any:
 
         return lead(config)
     return Engine(EngineConfig(**config.engine_kwargs()))
-
-
-def engine_block_size(engine: Any) -> int | None:
-    """The block size the engine really uses (the drafter's default when none was configured)."""
-    for source in (engine, getattr(engine, "config", None)):
-        value = getattr(source, "block_size", None)
-        if isinstance(value, int):
-            return value
-    return None

@@ -478,6 +478,76 @@ def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
     """)
 
 
+def test_tree_delta_kernel_matches_the_torch_gated_delta():
+    """The one-launch tree verify against gated_delta in torch, float32: random trees (one shared, or
+    one per sequence: a tree, a chain, a star among them) of 1, 5, 17 and 33 nodes, several sequences,
+    strided inputs as the layer gives them (beta, g: transposed views; the state: rows of a pool), with
+    and without a start state, dv split over several programs, and near-equal keys with beta near 1
+    (the solve's far terms, a whole chain long, then count), by substitution and by squaring."""
+    interpret("""
+        from ddtree_runtime.engine.tree import ancestor_mask
+        from ddtree_runtime.model.gated_delta import Paths, Step, gated_delta, gated_delta_torch
+
+        def random_parents(b, t, gen):
+            parents = torch.zeros(b, t, dtype=torch.long)
+            for i in range(1, t):
+                parents[:, i] = torch.randint(0, i, (b,), generator=gen)
+            if b > 2 and t > 2:
+                parents[1] = torch.arange(-1, t - 1).clamp(min=0)   # a chain
+                parents[2] = 0                                        # a star
+            return parents
+
+        def case(b, h, t, dk, dv, shared, with_state, launch, aligned=False):
+            gen = torch.Generator().manual_seed(b * 100 + t)
+            parents = random_parents(1 if shared else b, t, gen)
+            mask = ancestor_mask(parents, t)
+            paths = Paths(mask[0] if shared else mask[:, None], torch.zeros(0))
+            q = torch.nn.functional.normalize(torch.randn(b, h, t, dk, generator=gen), dim=-1) * dk ** -0.5
+            k = torch.randn(b, h, t, dk, generator=gen) * (0.05 if aligned else 1.0)
+            k = torch.nn.functional.normalize(k + (1.0 if aligned else 0.0), dim=-1)
+            v = torch.randn(b, h, t, dv, generator=gen)
+            g = -torch.rand(b, t, h, generator=gen).transpose(1, 2) * (0.01 if aligned else 0.5)  # strided views
+            beta = (torch.rand(b, t, h, generator=gen) * 0.5 + (0.5 if aligned else 0.0)).transpose(1, 2)
+            pool = torch.randn(b + 2, h, dk, dv, generator=gen)
+            state = pool[1:b + 1] if with_state else None
+            # the reference in float64; the kernel within a few times torch's own float32 error
+            exact = Paths(paths.mask, paths.window)
+            exact.summing = exact.summing.double()
+            want, step = gated_delta_torch(*(x.double() for x in (q, k, v, g, beta)),
+                                           None if state is None else state.double(), exact)
+            torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
+            out, u, pathsum = G.tree_delta(q, k, v, g, beta, state, paths.mask, launch)
+            scale = want.abs().max()
+            err, err32 = (((x - want).abs().max() / scale).item() for x in (out, torch32))
+            assert err < max(1e-5, 4 * err32), (b, t, err, err32)
+            assert ((u - step.u).abs().max() / step.u.abs().max()).item() < max(1e-5, 4 * err32)
+            assert torch.allclose(pathsum.double(), step.g, atol=1e-6)
+            assert not out.isnan().any()
+            print(b, t, err, err32)
+
+        small = G.TreeDeltaLaunch(8, 8, 1)       # dk and dv in two blocks each
+        for b, t, shared in [(1, 1, True), (2, 5, False), (3, 17, False), (1, 17, True), (3, 33, False)]:
+            case(b, 4, t, 16, 16, shared, True, small)
+        case(3, 2, 17, 16, 32, False, False, G.TreeDeltaLaunch())        # no start state, one dv block
+        case(2, 2, 5, 32, 16, False, True, G.TreeDeltaLaunch(16, 16, 4))
+        case(3, 2, 17, 16, 16, False, True, small, aligned=True)
+        # the squaring solve: the same within its wider error where keys align
+        case(3, 4, 17, 16, 16, False, True, small._replace(squaring=True))
+        case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch(squaring=True))
+
+        # gated_delta dispatches to the kernel where it fits, with the same Step
+        G._use_triton = lambda x: True
+        q, k = (torch.nn.functional.normalize(torch.randn(2, 2, 5, 16), dim=-1) for _ in range(2))
+        v, g, beta = torch.randn(2, 2, 5, 16), -torch.rand(2, 2, 5), torch.rand(2, 2, 5)
+        paths = Paths(ancestor_mask(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 2, 3]]), 5)[:, None], torch.zeros(0))
+        state = torch.randn(2, 2, 16, 16)
+        assert G.tree_delta_fits(q, v)
+        (a, sa), (c, sc) = gated_delta(q, k, v, g, beta, state, paths), gated_delta_torch(q, k, v, g, beta, state, paths)
+        assert torch.allclose(a, c, atol=1e-5) and torch.allclose(sa.u, sc.u, atol=1e-5) and sa.k is k
+        assert not G.tree_delta_fits(torch.randn(1, 2, 65, 16), v)      # past the kernel's largest tree
+    """)
+
+
 def test_batched_tree_pass_through_the_kernels_matches_torch():
     """A batched round of a Qwen3 target end to end with every kernel (the fused KV write into each row's
     cache row, the split-KV attention with per-row lengths) against the torch path: the same logits and

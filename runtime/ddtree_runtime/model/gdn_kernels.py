@@ -7,8 +7,12 @@ split into q/k/v + L2 normalisation (+ q's scale), and the output's RMSNorm gate
 The commit's state advance is one more: the recurrent state is the largest tensor a commit touches
 (~151 MB a request at Qwen3.6-27B), and torch reads and writes it twice (the decay, then the rank-P
 update) besides the gathers; the kernel reads each tile once and writes it once.
+The verify's recurrence itself (gated_delta) is one more: in torch it is float32 batched GEMMs against
+the state (k S0, q S0: the state read twice), [B, H, T, T] temporaries and a batched triangular solve;
+`tree_delta` does a (sequence, head)'s whole tree in one program, reading the state once.
 Numerics: the conv sums in float32 (the torch path sums in the model dtype); the gated norm rounds where
-the torch path does; the state advance is float32 throughout, as in torch (summed in path order)."""
+the torch path does; the state advance is float32 throughout, as in torch (summed in path order); the tree verify's products run
+at TreeDeltaLaunch.precision (three TF32 products by default: float32's error, on the tensor cores)."""
 
 from __future__ import annotations
 
@@ -103,6 +107,77 @@ if triton is not None:
             acc += k[:, None] * u[None, :]
         tl.store(tile, acc, mask=in_tile)
 
+    @triton.jit
+    def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, mask_ptr, out_ptr, u_ptr, sum_ptr,
+                           s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+                           s_gb, s_gh, s_gt, s_bb, s_bh, s_bt, s_sb, s_sh, s_sk, s_sv, s_mb, s_mi, s_mj, T, H,
+                           DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, PRECISION: tl.constexpr,
+                           SQUARING: tl.constexpr):
+        # one (sequence, value head)'s whole tree for BV columns of dv: the state's [dk, BV] columns read
+        # once, everything else [BT, BT] or [BT, BV] in registers
+        pid = tl.program_id(0)
+        b = (pid // H).to(tl.int64)
+        h = (pid % H).to(tl.int64)
+        cols = tl.program_id(1) * BV + tl.arange(0, BV)
+        node = tl.arange(0, BT)
+        live = node < T
+        on_path = tl.load(mask_ptr + b * s_mb + node[:, None] * s_mi + node[None, :] * s_mj,
+                          mask=live[:, None] & live[None, :], other=0) != 0      # [i, j]: j is i or an ancestor
+        g = tl.load(g_ptr + b * s_gb + h * s_gh + node * s_gt, mask=live, other=0.0)
+        beta = tl.load(beta_ptr + b * s_bb + h * s_bh + node * s_bt, mask=live, other=0.0)
+        pathsum = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)            # G_i over i's path
+        decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        ks = tl.zeros([BT, BV], dtype=tl.float32)
+        qs = tl.zeros([BT, BV], dtype=tl.float32)
+        for c in tl.static_range(0, DK, BK):
+            d = c + tl.arange(0, BK)
+            kc = tl.load(k_ptr + b * s_kb + h * s_kh + node[:, None] * s_kt + d[None, :] * s_kd,
+                         mask=live[:, None], other=0.0)
+            qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
+                         mask=live[:, None], other=0.0)
+            kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
+            qk += tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+            if HAS_STATE:
+                s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
+                ks += tl.dot(kc, s0, input_precision=PRECISION)
+                qs += tl.dot(qc, s0, input_precision=PRECISION)
+        strict = on_path & (node[:, None] != node[None, :])
+        a = tl.where(strict, kk * decay * beta[:, None], 0.0)
+        v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
+                    mask=live[:, None], other=0.0)
+        grow = tl.exp(pathsum)[:, None]
+        if HAS_STATE:
+            v = v - grow * ks
+        rhs = beta[:, None] * v
+        # u = (I + A)^-1 rhs, A strictly lower triangular (ancestors first)
+        if SQUARING:
+            # A^BT = 0, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BT/2)): log2(BT) - 1 squarings,
+            # no T-long chain of steps; but its terms grow where keys along a path align (beta near 1),
+            # and cancel: errors up to ~1e-5 of the output where the substitution keeps ~1e-7
+            u = rhs - tl.dot(a, rhs, input_precision=PRECISION)
+            power = a
+            for _ in tl.static_range(LOG_BT - 1):
+                power = tl.dot(power, power, input_precision=PRECISION)
+                u += tl.dot(power, u, input_precision=PRECISION)
+        else:  # forward substitution, a node at a time: u_i = rhs_i - sum_j A_ij u_j
+            u = tl.zeros([BT, BV], dtype=tl.float32)
+            for i in range(0, T):
+                row = (node == i)[:, None]
+                a_i = tl.sum(tl.where(row, a, 0.0), axis=0)                   # A[i, :], over j
+                u_i = tl.sum(tl.where(row, rhs, 0.0), axis=0) - tl.sum(a_i[:, None] * u, axis=0)
+                u = tl.where(row, u_i[None, :], u)
+        out = tl.dot(qk * decay, u, input_precision=PRECISION)
+        if HAS_STATE:
+            out += grow * qs
+        at = ((b * H + h) * T + node[:, None]) * DV + cols[None, :]
+        tl.store(out_ptr + at, out, mask=live[:, None])
+        tl.store(u_ptr + at, u, mask=live[:, None])
+        if tl.program_id(1) == 0:
+            tl.store(sum_ptr + (b * H + h) * T + node, pathsum, mask=live)
+
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
     """On CUDA, power-of-two head dims and conv width (the Qwen3.5/3.6 shapes)."""
@@ -163,3 +238,52 @@ def advance_state(k: torch.Tensor, u: torch.Tensor, g: torch.Tensor, state: torc
     _advance_kernel[grid](state, k, u, g, nodes, length, *state.stride(), *k.stride(), *u.stride(), *g.stride(),
                           *nodes.stride(), length.stride(0), b, h, DK=dk, DV=dv, BLOCK_K=block_k,
                           BLOCK_V=block_v, num_warps=launch.warps)
+
+
+# the largest tree the one-kernel verify takes: its [T, T] matrices and [T, BV] blocks live in registers
+TREE_DELTA_MAX_NODES = 64
+
+
+class TreeDeltaLaunch(NamedTuple):
+    """A program per (sequence, value head, BLOCK_V columns of dv), the dk reduction in BLOCK_K chunks;
+    `precision`: Triton's float32 dot ("tf32x3": three TF32 products, about float32's error on the tensor
+    cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative); `squaring`: solve the
+    triangular system by repeated squaring (log2 T products) rather than by substitution (T steps)."""
+    block_k: int = 64
+    block_v: int = 64
+    warps: int = 4
+    precision: str = "tf32x3"
+    squaring: bool = False
+
+
+def tree_delta_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """On CUDA, power-of-two head dims of at least 16 (a Triton dot's smallest side) and trees of up to
+    TREE_DELTA_MAX_NODES nodes."""
+    return (_use_triton(q) and q.shape[2] <= TREE_DELTA_MAX_NODES
+            and all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1])))
+
+
+def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor | None, mask: torch.Tensor,
+               launch: TreeDeltaLaunch = TreeDeltaLaunch()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gated_delta.gated_delta in one launch: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T], all
+    float32 with any strides; state [B, H, dk, dv] float32 (any strides) or None; mask [T, T] or
+    [B, 1, T, T] bool (ancestor-or-self, ancestors first). Returns out, u [B, H, T, dv] and the path
+    sums G [B, H, T] (contiguous)."""
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    block_t = max(16, triton.next_power_of_2(t))
+    block_k, block_v = min(launch.block_k, dk), min(launch.block_v, dv)
+    out = torch.empty(b, h, t, dv, device=q.device, dtype=torch.float32)
+    u = torch.empty_like(out)
+    pathsum = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
+    flags = mask.view(torch.uint8)
+    s_mb, s_mi, s_mj = (0, *flags.stride()) if flags.dim() == 2 else (flags.stride(0), *flags.stride()[-2:])
+    s_state = (0, 0, 0, 0) if state is None else state.stride()
+    _tree_delta_kernel[(b * h, dv // block_v)](
+        q, k, v, g, beta, q if state is None else state, flags, out, u, pathsum,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *s_state, s_mb, s_mi, s_mj, t, h,
+        DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
+        HAS_STATE=state is not None, PRECISION=launch.precision, SQUARING=launch.squaring,
+        num_warps=launch.warps)
+    return out, u, pathsum

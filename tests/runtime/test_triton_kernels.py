@@ -19,24 +19,16 @@ pytest.importorskip("triton")
 
 PRELUDE = """
 import torch
-import triton.runtime.interpreter as interpreter
 import ddtree_runtime.model.kernels as K
 import ddtree_runtime.model.gdn_kernels as G
+from ddtree_devtools.interpreter import allow_loop_bounds
 torch.manual_seed(0)
+allow_loop_bounds()
 
 def ref(q, k, v, bias):  # grouped-head attention in float64: the decode attention kernel's reference
     g = q.shape[1] // k.shape[1]
     s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
     return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
-
-# the interpreter holds a scalar as a one-element array, which numpy 2 no longer turns into an int:
-# a loop bound computed from program ids or loaded values (decode attention's per-row key lengths)
-# needs it to
-patch_tensor = interpreter._patch_lang_tensor
-def patch_tensor_with_index(tensor):
-    patch_tensor(tensor)
-    tensor.__index__ = lambda self: int(self.handle.data.item())
-interpreter._patch_lang_tensor = patch_tensor_with_index
 """
 
 
@@ -483,7 +475,8 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
     one per sequence: a tree, a chain, a star among them) of 1, 5, 17 and 33 nodes, several sequences,
     strided inputs as the layer gives them (beta, g: transposed views; the state: rows of a pool), with
     and without a start state, dv split over several programs, and near-equal keys with beta near 1
-    (the solve's far terms, a whole chain long, then count), by substitution and by squaring."""
+    (the solve's far terms, a whole chain long, then count), by substitution and by squaring; the gates
+    made in the kernel from 16-bit in-projection columns, u and G written into the cache's scratch."""
     interpret("""
         from ddtree_runtime.engine.tree import ancestor_mask
         from ddtree_runtime.model.gated_delta import Paths, Step, gated_delta, gated_delta_torch
@@ -534,6 +527,27 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
         # the squaring solve: the same within its wider error where keys align
         case(3, 4, 17, 16, 16, False, True, small._replace(squaring=True))
         case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch(squaring=True))
+
+        # the gates made in the kernel from the in-projection's 16-bit columns, as the layer makes them in
+        # torch (float16 here: the interpreter truncates casts to bfloat16 where the GPU rounds, like
+        # torch), and u / G written into strided views of a larger scratch (the rest untouched)
+        b, h, t, d = 2, 4, 5, 16
+        gen = torch.Generator().manual_seed(7)
+        projected = (torch.randn(b, t, 3 * h, generator=gen) * 3).half()   # [.. | b | a] columns
+        b_in, a_in = projected[..., h:2 * h], projected[..., 2 * h:]
+        a_log, dt_bias = torch.rand(h, generator=gen).half(), torch.randn(h, generator=gen).half()
+        beta = torch.sigmoid(b_in).float().transpose(1, 2)
+        g = (-a_log.float().exp() * torch.nn.functional.softplus(a_in.float() + dt_bias.float())).transpose(1, 2)
+        q, k = (torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=gen), dim=-1) for _ in range(2))
+        v, state = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, d, d, generator=gen)
+        paths = Paths(ancestor_mask(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 2, 3]]), 5)[:, None], torch.zeros(0))
+        want, step = gated_delta_torch(q, k, v, g, beta, state, paths)
+        scratch_u, scratch_g = torch.zeros(b, h, 9, d), torch.zeros(b, h, 9)
+        out, u, pathsum = G.tree_delta(q, k, v, None, None, state, paths.mask, gates=G.Gates(b_in, a_in, a_log, dt_bias),
+                                       u=scratch_u[:, :, :t], pathsum=scratch_g[:, :, :t])
+        assert torch.allclose(out, want, atol=1e-5) and torch.allclose(scratch_u[:, :, :t], step.u, atol=1e-5)
+        assert torch.allclose(scratch_g[:, :, :t], step.g, rtol=1e-5)
+        assert not scratch_u[:, :, t:].any() and not scratch_g[:, :, t:].any()
 
         # gated_delta dispatches to the kernel where it fits, with the same Step
         G._use_triton = lambda x: True

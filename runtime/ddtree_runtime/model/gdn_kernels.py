@@ -107,13 +107,15 @@ if triton is not None:
             acc += k[:, None] * u[None, :]
         tl.store(tile, acc, mask=in_tile)
 
-    @triton.jit
-    def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, mask_ptr, out_ptr, u_ptr, sum_ptr,
-                           s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
-                           s_gb, s_gh, s_gt, s_bb, s_bh, s_bt, s_sb, s_sh, s_sk, s_sv, s_mb, s_mi, s_mj, T, H,
+    # T follows the tree: not specialised on (one compile for every tree size up to a block)
+    @triton.jit(do_not_specialize=["T"])
+    def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, mask_ptr,
+                           out_ptr, u_ptr, sum_ptr, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd,
+                           s_vb, s_vh, s_vt, s_vd, s_gb, s_gh, s_gt, s_bb, s_bh, s_bt, s_sb, s_sh, s_sk, s_sv,
+                           s_mb, s_mi, s_mj, s_ub, s_uh, s_ut, s_ud, s_Gb, s_Gh, s_Gt, T, H,
                            DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, PRECISION: tl.constexpr,
-                           SQUARING: tl.constexpr):
+                           BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, RAW_GATES: tl.constexpr,
+                           PRECISION: tl.constexpr, SQUARING: tl.constexpr):
         # one (sequence, value head)'s whole tree for BV columns of dv: the state's [dk, BV] columns read
         # once, everything else [BT, BT] or [BT, BV] in registers
         pid = tl.program_id(0)
@@ -124,8 +126,16 @@ if triton is not None:
         live = node < T
         on_path = tl.load(mask_ptr + b * s_mb + node[:, None] * s_mi + node[None, :] * s_mj,
                           mask=live[:, None] & live[None, :], other=0) != 0      # [i, j]: j is i or an ancestor
-        g = tl.load(g_ptr + b * s_gb + h * s_gh + node * s_gt, mask=live, other=0.0)
-        beta = tl.load(beta_ptr + b * s_bb + h * s_bh + node * s_bt, mask=live, other=0.0)
+        g = tl.load(g_ptr + b * s_gb + h * s_gh + node * s_gt, mask=live, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + b * s_bb + h * s_bh + node * s_bt, mask=live, other=0.0).to(tl.float32)
+        if RAW_GATES:
+            # the in-projection's b and a columns, made into beta and g as GatedDeltaNet.forward does in
+            # torch: the sigmoid rounded to the model dtype; softplus(x) = log1p(e^x) (x <= 20), in float32
+            beta = tl.sigmoid(beta).to(beta_ptr.dtype.element_ty).to(tl.float32)
+            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
+            e = tl.exp(tl.minimum(x, 20.0))
+            softplus = tl.where(x > 20.0, x, tl.where(e < 1e-4, e * (1.0 - 0.5 * e), tl.log(1.0 + e)))
+            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
         pathsum = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)            # G_i over i's path
         decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
         kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -172,11 +182,10 @@ if triton is not None:
         out = tl.dot(qk * decay, u, input_precision=PRECISION)
         if HAS_STATE:
             out += grow * qs
-        at = ((b * H + h) * T + node[:, None]) * DV + cols[None, :]
-        tl.store(out_ptr + at, out, mask=live[:, None])
-        tl.store(u_ptr + at, u, mask=live[:, None])
+        tl.store(out_ptr + ((b * H + h) * T + node[:, None]) * DV + cols[None, :], out, mask=live[:, None])
+        tl.store(u_ptr + b * s_ub + h * s_uh + node[:, None] * s_ut + cols[None, :] * s_ud, u, mask=live[:, None])
         if tl.program_id(1) == 0:
-            tl.store(sum_ptr + (b * H + h) * T + node, pathsum, mask=live)
+            tl.store(sum_ptr + b * s_Gb + h * s_Gh + node * s_Gt, pathsum, mask=live)
 
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
@@ -245,7 +254,8 @@ TREE_DELTA_MAX_NODES = 64
 
 
 class TreeDeltaLaunch(NamedTuple):
-    """A program per (sequence, value head, BLOCK_V columns of dv), the dk reduction in BLOCK_K chunks;
+    """A program per (sequence, value head, BLOCK_V columns of dv), the dk reduction in BLOCK_K chunks,
+    `warps` for trees of up to 32 nodes (twice as many for 64);
     `precision`: Triton's float32 dot ("tf32x3": three TF32 products, about float32's error on the tensor
     cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative); `squaring`: solve the
     triangular system by repeated squaring (log2 T products) rather than by substitution (T steps)."""
@@ -263,27 +273,43 @@ def tree_delta_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
             and all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1])))
 
 
-def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor | None, mask: torch.Tensor,
-               launch: TreeDeltaLaunch = TreeDeltaLaunch()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gated_delta.gated_delta in one launch: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T], all
-    float32 with any strides; state [B, H, dk, dv] float32 (any strides) or None; mask [T, T] or
-    [B, 1, T, T] bool (ancestor-or-self, ancestors first). Returns out, u [B, H, T, dv] and the path
-    sums G [B, H, T] (contiguous)."""
+class Gates(NamedTuple):
+    """A linear layer's gate inputs as its in-projection gives them: b and a [B, T, Hv] (any strides, the
+    model dtype) and its A_log, dt_bias [Hv]. tree_delta then makes beta = sigmoid(b) and
+    g = -exp(A_log) softplus(a + dt_bias) itself (about ten small torch kernels a layer fewer)."""
+    b: torch.Tensor
+    a: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
+               state: torch.Tensor | None, mask: torch.Tensor, launch: TreeDeltaLaunch = TreeDeltaLaunch(),
+               gates: Gates | None = None, u: torch.Tensor | None = None,
+               pathsum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gated_delta.gated_delta in one launch: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T] (or
+    None with `gates`), all float32 with any strides; state [B, H, dk, dv] float32 (any strides) or None;
+    mask [T, T] or [B, 1, T, T] bool (ancestor-or-self, ancestors first). Returns out [B, H, T, dv]
+    (contiguous), u [B, H, T, dv] and the path sums G [B, H, T]: written into `u` and `pathsum` where
+    given (any strides: the cache's scratch), else new."""
     b, h, t, dk = q.shape
     dv = v.shape[-1]
     block_t = max(16, triton.next_power_of_2(t))
     block_k, block_v = min(launch.block_k, dk), min(launch.block_v, dv)
     out = torch.empty(b, h, t, dv, device=q.device, dtype=torch.float32)
-    u = torch.empty_like(out)
-    pathsum = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
+    u = torch.empty_like(out) if u is None else u
+    pathsum = torch.empty(b, h, t, device=q.device, dtype=torch.float32) if pathsum is None else pathsum
+    if gates is not None:  # [B, T, H] columns, read as [B, H, T]
+        g, beta = gates.a.transpose(1, 2), gates.b.transpose(1, 2)
     flags = mask.view(torch.uint8)
     s_mb, s_mi, s_mj = (0, *flags.stride()) if flags.dim() == 2 else (flags.stride(0), *flags.stride()[-2:])
     s_state = (0, 0, 0, 0) if state is None else state.stride()
+    params = (gates.a_log, gates.dt_bias) if gates is not None else (g, g)
     _tree_delta_kernel[(b * h, dv // block_v)](
-        q, k, v, g, beta, q if state is None else state, flags, out, u, pathsum,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *s_state, s_mb, s_mi, s_mj, t, h,
+        q, k, v, g, beta, *params, q if state is None else state, flags, out, u, pathsum,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *s_state, s_mb, s_mi, s_mj,
+        *u.stride(), *pathsum.stride(), t, h,
         DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
-        HAS_STATE=state is not None, PRECISION=launch.precision, SQUARING=launch.squaring,
-        num_warps=launch.warps)
+        HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
+        SQUARING=launch.squaring, num_warps=launch.warps * max(1, block_t // 32))
     return out, u, pathsum

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen35Config
-from .gated_delta import Paths, causal_conv, gated_delta, tree_paths
+from .gated_delta import Paths, Step, causal_conv, gated_delta, tree_paths
 from .gdn_chunk import chunk_gated_delta, prompt_conv
-from .gdn_kernels import conv_heads, fused_fits, gated_norm
+from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear
 from .parallel import TensorParallel, reduced
 from .qwen3 import Qwen3ForCausalLM
@@ -108,18 +108,22 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None) -> torch.Tensor:
         b, t, _ = x.shape
         if self._in_proj is not None:
-            mixed, z, beta, a = linear(x, self._in_proj).split(
+            mixed, z, b_in, a = linear(x, self._in_proj).split(
                 [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v], dim=-1)
         else:
-            mixed, z, beta, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
-        beta = torch.sigmoid(beta).float()                                         # [B, T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            mixed, z, b_in, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         if tree is not None and fused_fits(mixed, self.dk, self.dv, self.kernel):
-            # the graphed tree pass on CUDA: conv..normalisation and the gated norm as one kernel each
+            # the graphed tree pass on CUDA: conv..normalisation, the recurrence (with the gates) and the
+            # gated norm as one kernel each
             q, k, v = conv_heads(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window,
                                  self.n_k, self.n_v, self.dk, self.dv)
-            core = self._tree(mixed, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
+            if tree_delta_fits(q, v):
+                core = self._tree_kernel(mixed, q, k, v, Gates(b_in, a, self.A_log, self.dt_bias), cache, tree.paths)
+            else:
+                beta, g = self._gates(b_in, a)
+                core = self._tree(mixed, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
             return reduced(self.out_proj(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype)), self.tp)
+        beta, g = self._gates(b_in, a)
         if tree is not None:
             conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window)
             core = self._tree(mixed, *self._heads(conv, beta, g), cache, tree.paths)
@@ -129,6 +133,12 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(b, t, self.n_v, self.dv)
         out = (self.norm(core) * F.silu(z.float())).to(x.dtype)
         return reduced(self.out_proj(out.reshape(b, t, -1)), self.tp)
+
+    def _gates(self, b_in: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-projection's b and a columns -> beta, g [B, T, Hv] float32 (gdn_kernels.tree_delta makes
+        them the same way in its kernel)."""
+        beta = torch.sigmoid(b_in).float()
+        return beta, -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
     def _heads(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor):
         """Conv output [B, T, C] -> q, k [B, Hv, T, dk] (L2-normalised, q scaled), v [B, Hv, T, dv],
@@ -149,6 +159,16 @@ class GatedDeltaNet(nn.Module):
         to advance it along the accepted path goes to the cache's scratch."""
         out, step = gated_delta(q, k, v, g, beta, cache.state[self.slot], paths)
         cache.save_step(self.slot, mixed, step, mixed.shape[1])
+        return out
+
+    def _tree_kernel(self, mixed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Gates,
+                     cache, paths: Paths) -> torch.Tensor:
+        """_tree in one Triton launch that also makes the gates and writes u and the path sums straight
+        into the cache's scratch."""
+        scratch = cache.scratch(self.slot, mixed.shape[1])
+        out, u, pathsum = tree_delta(q, k, v, None, None, cache.state[self.slot], paths.mask, gates=gates,
+                                     u=scratch.u, pathsum=scratch.g)
+        cache.save_step(self.slot, mixed, Step(k, u, pathsum), mixed.shape[1])
         return out
 
     def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache, resume: bool) -> torch.Tensor:

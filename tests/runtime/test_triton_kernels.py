@@ -418,6 +418,7 @@ def test_fused_gated_deltanet_tree_pass_matches_torch():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         for name in ("k", "u", "g"):
             assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+        assert torch.equal(ca.inputs, cb.inputs)   # the kernels' own writes into the scratch
     """)
 
 
@@ -467,6 +468,7 @@ def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         for name in ("k", "u", "g"):
             assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+        assert torch.equal(ca.inputs, cb.inputs)   # the kernels' own writes into the scratch
     """)
 
 

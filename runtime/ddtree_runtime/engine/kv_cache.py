@@ -258,20 +258,21 @@ class HybridCache(KVCache):
     def holds(self, capacity: int, nodes: int) -> bool:
         return super().holds(capacity, nodes) and nodes <= self.inputs.shape[2]
 
-    def scratch(self, layer: int, t: int) -> Step:
-        """Layer `layer`'s scratch for a tree pass of t nodes, as views (a kernel may write there directly)."""
+    def scratch(self, layer: int, t: int) -> tuple[torch.Tensor, Step]:
+        """Layer `layer`'s scratch for a tree pass of t nodes, its inputs and Step, as views (the kernels
+        of the tree pass write there directly)."""
         if t > self.inputs.shape[2]:
             raise RuntimeError(f"tree of {t} nodes exceeds the recurrent scratch ({self.inputs.shape[2]})")
-        return Step(self.step.k[layer, :, :, :t], self.step.u[layer, :, :, :t], self.step.g[layer, :, :, :t])
+        return self.inputs[layer, :, :t], Step(self.step.k[layer, :, :, :t], self.step.u[layer, :, :, :t],
+                                               self.step.g[layer, :, :, :t])
 
     def save_step(self, layer: int, inputs: torch.Tensor, step: Step, t: int) -> None:
         """Keep what a tree pass of layer `layer` over t nodes leaves for `compact` (what is already there,
         written through `scratch`, is not copied)."""
-        self.inputs[layer, :, :t] = inputs
-        kept = self.scratch(layer, t)
-        for name in ("k", "u", "g"):
-            if getattr(step, name).data_ptr() != getattr(kept, name).data_ptr():
-                getattr(kept, name).copy_(getattr(step, name))
+        kept_inputs, kept = self.scratch(layer, t)
+        for new, old in ((inputs, kept_inputs), (step.k, kept.k), (step.u, kept.u), (step.g, kept.g)):
+            if new.data_ptr() != old.data_ptr():
+                old.copy_(new)
 
     def _states(self) -> list[torch.Tensor]:
         """What a request keeps between rounds besides the KV (the scratch is rewritten by every tree

@@ -37,15 +37,15 @@ if triton is not None:
         return y * tl.sigmoid(y)
 
     @triton.jit
-    def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, s_mixb, s_mix, s_win, T, C,
-                           KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           K: tl.constexpr):
+    def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, s_mixb, s_mix,
+                           s_win, s_kb, s_kh, s_keepb, T, C, KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr,
+                           DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KEEP: tl.constexpr):
         t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # node, value head, sequence
         HV = tl.num_programs(1)
         mixed_ptr += b * s_mixb
         state_ptr += b * KM1 * C
         q_ptr += b * HV * T * DK
-        k_ptr += b * HV * T * DK
+        k_ptr += b * s_kb
         v_ptr += b * HV * T * DV
         kh = h // GROUP
         ext = tl.load(win_ptr + b * s_win + t * K + tl.arange(0, K))
@@ -58,8 +58,17 @@ if triton is not None:
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         tl.store(q_ptr + (h * T + t) * DK + dk, q)
-        tl.store(k_ptr + (h * T + t) * DK + dk, k)
+        tl.store(k_ptr + h * s_kh + t * DK + dk, k)
         tl.store(v_ptr + (h * T + t) * DV + dv, v)
+        if KEEP:  # the node's own input row, each channel by one program: a value head's v, and q, k by
+            # the first value head of their key head
+            row = mixed_ptr + t * s_mix
+            keep_ptr += b * s_keepb + t * C
+            v_ch = 2 * NK + h * DV + dv
+            tl.store(keep_ptr + v_ch, tl.load(row + v_ch))
+            if h % GROUP == 0:
+                tl.store(keep_ptr + kh * DK + dk, tl.load(row + kh * DK + dk))
+                tl.store(keep_ptr + NK + kh * DK + dk, tl.load(row + NK + kh * DK + dk))
 
     @triton.jit
     def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, s_zb, s_z, T, H, eps, DV: tl.constexpr):
@@ -195,20 +204,25 @@ def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
 
 
 def conv_heads(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
-               n_k: int, n_v: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               n_k: int, n_v: int, dk: int, dv: int,
+               k: torch.Tensor | None = None,
+               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixed [B, T, C] new inputs (rows may be strided), conv_state [B, K-1, C], weight [C, K], window
     [T, K] (or [B, T, K]: each sequence its own tree) -> q, k [B, Hv, T, dk] (L2-normalised, q scaled
-    by dk^-0.5), v [B, Hv, T, dv], float32."""
+    by dk^-0.5), v [B, Hv, T, dv], float32. k is written into `k` where given (rows and heads may be
+    strided, nodes dense: the cache's scratch), and a copy of mixed into `keep` ([B, T, C], rows may
+    be strided) where given (the scratch's inputs)."""
     b, t, c = mixed.shape
     kernel = weight.shape[1]
     q = torch.empty(b, n_v, t, dk, device=mixed.device, dtype=torch.float32)
-    k = torch.empty_like(q)
+    k = torch.empty_like(q) if k is None else k
     v = torch.empty(b, n_v, t, dv, device=mixed.device, dtype=torch.float32)
     window = window.contiguous()
     _conv_heads_kernel[(t, n_v, b)](mixed, conv_state.contiguous(), weight.contiguous(), window, q, k, v,
-                                    mixed.stride(0), mixed.stride(1), t * kernel if window.dim() == 3 else 0,
-                                    t, c, kernel - 1, dk ** -0.5,
-                                    NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel)
+                                    mixed if keep is None else keep, mixed.stride(0), mixed.stride(1),
+                                    t * kernel if window.dim() == 3 else 0, k.stride(0), k.stride(1),
+                                    0 if keep is None else keep.stride(0), t, c, kernel - 1, dk ** -0.5,
+                                    NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel, KEEP=keep is not None)
     return q, k, v
 
 

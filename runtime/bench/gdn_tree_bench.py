@@ -39,6 +39,7 @@ if "--tiny" in sys.argv:  # before Triton loads: the kernels then run in its int
 import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -247,7 +248,10 @@ def main() -> int:
     ok = True
     for batch in batches:
         rec = recurrence_case(cfg, batch, args.nodes, device, gen)
-        lay = layer_case(cfg, batch, args.nodes, device, torch.float32 if args.tiny else torch.bfloat16, gen)
+        try:
+            lay = layer_case(cfg, batch, args.nodes, device, torch.float32 if args.tiny else torch.bfloat16, gen)
+        except Exception:  # reported, and the other cases still run
+            lay = {"failed": traceback.format_exc(limit=6), "ok": False}
         floor = floors(cfg, batch, args.nodes, bandwidth)
         report["cases"].append({"batch": batch, "recurrence": rec, "layer": lay, "floor": floor})
         ok &= rec["ok"] and lay["ok"]
@@ -265,6 +269,9 @@ def main() -> int:
         for name, r in rec["launches"].items():
             print(f"      {name:28} " + (f"{r['us']:8.1f} us  err {r['error']:.1e}" + ("  NaN" if r["nan"] else "")
                                           if "us" in r else f"failed: {r['failed'][:120]}"))
+        if "failed" in lay:
+            print(f"      layer: FAILED\n{lay['failed']}", flush=True)
+            continue
         us = lay["us"]
         print("      layer pieces: " + "  ".join(f"{n} {t:.1f}" for n, t in us.items()))
         print(f"      layer: torch recurrence {us['layer-torch']:.1f} us -> kernel {us['layer-kernel']:.1f} us "

@@ -19,24 +19,16 @@ pytest.importorskip("triton")
 
 PRELUDE = """
 import torch
-import triton.runtime.interpreter as interpreter
 import ddtree_runtime.model.kernels as K
 import ddtree_runtime.model.gdn_kernels as G
+from ddtree_devtools.interpreter import allow_loop_bounds
 torch.manual_seed(0)
+allow_loop_bounds()
 
 def ref(q, k, v, bias):  # grouped-head attention in float64: the decode attention kernel's reference
     g = q.shape[1] // k.shape[1]
     s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
     return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
-
-# the interpreter holds a scalar as a one-element array, which numpy 2 no longer turns into an int:
-# a loop bound computed from program ids or loaded values (decode attention's per-row key lengths)
-# needs it to
-patch_tensor = interpreter._patch_lang_tensor
-def patch_tensor_with_index(tensor):
-    patch_tensor(tensor)
-    tensor.__index__ = lambda self: int(self.handle.data.item())
-interpreter._patch_lang_tensor = patch_tensor_with_index
 """
 
 
@@ -426,6 +418,7 @@ def test_fused_gated_deltanet_tree_pass_matches_torch():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         for name in ("k", "u", "g"):
             assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+        assert torch.equal(ca.inputs, cb.inputs)   # the kernels' own writes into the scratch
     """)
 
 
@@ -475,6 +468,99 @@ def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         for name in ("k", "u", "g"):
             assert torch.allclose(getattr(ca.step, name), getattr(cb.step, name), atol=1e-5), name
+        assert torch.equal(ca.inputs, cb.inputs)   # the kernels' own writes into the scratch
+    """)
+
+
+def test_tree_delta_kernel_matches_the_torch_gated_delta():
+    """The one-launch tree verify against gated_delta in torch, float32: random trees (one shared, or
+    one per sequence: a tree, a chain, a star among them) of 1, 5, 17 and 33 nodes, several sequences,
+    strided inputs as the layer gives them (beta, g: transposed views; the state: rows of a pool), with
+    and without a start state, dv split over several programs, and near-equal keys with beta near 1
+    (the solve's far terms, a whole chain long, then count), by substitution and by squaring; the gates
+    made in the kernel from 16-bit in-projection columns, u and G written into the cache's scratch."""
+    interpret("""
+        from ddtree_runtime.engine.tree import ancestor_mask
+        from ddtree_runtime.model.gated_delta import Paths, Step, gated_delta, gated_delta_torch
+
+        def random_parents(b, t, gen):
+            parents = torch.zeros(b, t, dtype=torch.long)
+            for i in range(1, t):
+                parents[:, i] = torch.randint(0, i, (b,), generator=gen)
+            if b > 2 and t > 2:
+                parents[1] = torch.arange(-1, t - 1).clamp(min=0)   # a chain
+                parents[2] = 0                                        # a star
+            return parents
+
+        def case(b, h, t, dk, dv, shared, with_state, launch, aligned=False):
+            gen = torch.Generator().manual_seed(b * 100 + t)
+            parents = random_parents(1 if shared else b, t, gen)
+            mask = ancestor_mask(parents, t)
+            paths = Paths(mask[0] if shared else mask[:, None], torch.zeros(0))
+            q = torch.nn.functional.normalize(torch.randn(b, h, t, dk, generator=gen), dim=-1) * dk ** -0.5
+            k = torch.randn(b, h, t, dk, generator=gen) * (0.05 if aligned else 1.0)
+            k = torch.nn.functional.normalize(k + (1.0 if aligned else 0.0), dim=-1)
+            v = torch.randn(b, h, t, dv, generator=gen)
+            g = -torch.rand(b, t, h, generator=gen).transpose(1, 2) * (0.01 if aligned else 0.5)  # strided views
+            beta = (torch.rand(b, t, h, generator=gen) * 0.5 + (0.5 if aligned else 0.0)).transpose(1, 2)
+            pool = torch.randn(b + 2, h, dk, dv, generator=gen)
+            state = pool[1:b + 1] if with_state else None
+            # the reference in float64; the kernel within a few times torch's own float32 error
+            exact = Paths(paths.mask, paths.window)
+            exact.summing = exact.summing.double()
+            want, step = gated_delta_torch(*(x.double() for x in (q, k, v, g, beta)),
+                                           None if state is None else state.double(), exact)
+            torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
+            out, u, pathsum = G.tree_delta(q, k, v, g, beta, state, paths.mask, launch)
+            scale = want.abs().max()
+            err, err32 = (((x - want).abs().max() / scale).item() for x in (out, torch32))
+            assert err < max(1e-5, 4 * err32), (b, t, err, err32)
+            assert ((u - step.u).abs().max() / step.u.abs().max()).item() < max(1e-5, 4 * err32)
+            assert torch.allclose(pathsum.double(), step.g, atol=1e-6)
+            assert not out.isnan().any()
+            print(b, t, err, err32)
+
+        small = G.TreeDeltaLaunch(8, 8, 1)       # dk and dv in two blocks each
+        for b, t, shared in [(1, 1, True), (2, 5, False), (3, 17, False), (1, 17, True), (3, 33, False)]:
+            case(b, 4, t, 16, 16, shared, True, small)
+        case(3, 2, 17, 16, 32, False, False, G.TreeDeltaLaunch())        # no start state, one dv block
+        case(2, 2, 5, 32, 16, False, True, G.TreeDeltaLaunch(16, 16, 4))
+        case(3, 2, 17, 16, 16, False, True, small, aligned=True)
+        # the squaring solve: the same within its wider error where keys align
+        case(3, 4, 17, 16, 16, False, True, small._replace(squaring=True))
+        case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch(squaring=True))
+
+        # the gates made in the kernel from the in-projection's 16-bit columns, as the layer makes them in
+        # torch (float16 here: the interpreter truncates casts to bfloat16 where the GPU rounds, like
+        # torch), and u / G written into strided views of a larger scratch (the rest untouched)
+        b, h, t, d = 2, 4, 5, 16
+        gen = torch.Generator().manual_seed(7)
+        projected = (torch.randn(b, t, 3 * h, generator=gen) * 3).half()   # [.. | b | a] columns
+        b_in, a_in = projected[..., h:2 * h], projected[..., 2 * h:]
+        a_log, dt_bias = torch.rand(h, generator=gen).half(), torch.randn(h, generator=gen).half()
+        beta = torch.sigmoid(b_in).float().transpose(1, 2)
+        g = (-a_log.float().exp() * torch.nn.functional.softplus(a_in.float() + dt_bias.float())).transpose(1, 2)
+        q, k = (torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=gen), dim=-1) for _ in range(2))
+        v, state = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, d, d, generator=gen)
+        paths = Paths(ancestor_mask(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 2, 3]]), 5)[:, None], torch.zeros(0))
+        want, step = gated_delta_torch(q, k, v, g, beta, state, paths)
+        scratch_u, scratch_g = torch.zeros(b, h, 9, d), torch.zeros(b, h, 9)
+        out, u, pathsum = G.tree_delta(q, k, v, None, None, state, paths.mask, gates=G.Gates(b_in, a_in, a_log, dt_bias),
+                                       u=scratch_u[:, :, :t], pathsum=scratch_g[:, :, :t])
+        assert torch.allclose(out, want, atol=1e-5) and torch.allclose(scratch_u[:, :, :t], step.u, atol=1e-5)
+        assert torch.allclose(scratch_g[:, :, :t], step.g, rtol=1e-5)
+        assert not scratch_u[:, :, t:].any() and not scratch_g[:, :, t:].any()
+
+        # gated_delta dispatches to the kernel where it fits, with the same Step
+        G._use_triton = lambda x: True
+        q, k = (torch.nn.functional.normalize(torch.randn(2, 2, 5, 16), dim=-1) for _ in range(2))
+        v, g, beta = torch.randn(2, 2, 5, 16), -torch.rand(2, 2, 5), torch.rand(2, 2, 5)
+        paths = Paths(ancestor_mask(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 2, 3]]), 5)[:, None], torch.zeros(0))
+        state = torch.randn(2, 2, 16, 16)
+        assert G.tree_delta_fits(q, v)
+        (a, sa), (c, sc) = gated_delta(q, k, v, g, beta, state, paths), gated_delta_torch(q, k, v, g, beta, state, paths)
+        assert torch.allclose(a, c, atol=1e-5) and torch.allclose(sa.u, sc.u, atol=1e-5) and sa.k is k
+        assert not G.tree_delta_fits(torch.randn(1, 2, 65, 16), v)      # past the kernel's largest tree
     """)
 
 

@@ -258,14 +258,21 @@ class HybridCache(KVCache):
     def holds(self, capacity: int, nodes: int) -> bool:
         return super().holds(capacity, nodes) and nodes <= self.inputs.shape[2]
 
-    def save_step(self, layer: int, inputs: torch.Tensor, step: Step, t: int) -> None:
-        """Keep what a tree pass of layer `layer` over t nodes leaves for `compact`."""
+    def scratch(self, layer: int, t: int) -> tuple[torch.Tensor, Step]:
+        """Layer `layer`'s scratch for a tree pass of t nodes, its inputs and Step, as views (the kernels
+        of the tree pass write there directly)."""
         if t > self.inputs.shape[2]:
             raise RuntimeError(f"tree of {t} nodes exceeds the recurrent scratch ({self.inputs.shape[2]})")
-        self.inputs[layer, :, :t] = inputs
-        self.step.k[layer, :, :, :t] = step.k
-        self.step.u[layer, :, :, :t] = step.u
-        self.step.g[layer, :, :, :t] = step.g
+        return self.inputs[layer, :, :t], Step(self.step.k[layer, :, :, :t], self.step.u[layer, :, :, :t],
+                                               self.step.g[layer, :, :, :t])
+
+    def save_step(self, layer: int, inputs: torch.Tensor, step: Step, t: int) -> None:
+        """Keep what a tree pass of layer `layer` over t nodes leaves for `compact` (what is already there,
+        written through `scratch`, is not copied)."""
+        kept_inputs, kept = self.scratch(layer, t)
+        for new, old in ((inputs, kept_inputs), (step.k, kept.k), (step.u, kept.u), (step.g, kept.g)):
+            if new.data_ptr() != old.data_ptr():
+                old.copy_(new)
 
     def _states(self) -> list[torch.Tensor]:
         """What a request keeps between rounds besides the KV (the scratch is rewritten by every tree

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .gdn_kernels import advance_fits, advance_state
+from .gdn_kernels import advance_fits, advance_state, tree_delta, tree_delta_fits
 
 
 @dataclass
@@ -88,7 +88,17 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 state: torch.Tensor | None, paths: Paths) -> tuple[torch.Tensor, Step]:
     """q, k: [B, H, T, dk] (normalised, q scaled), v: [B, H, T, dv], g, beta: [B, H, T], all float32;
     state: [B, H, dk, dv] float32 or None (zeros); paths: each token's ancestors.
-    Returns outputs [B, H, T, dv] and the Step for `state_at`."""
+    Returns outputs [B, H, T, dv] and the Step for `state_at`. On CUDA one Triton launch for all
+    sequences and heads (gdn_kernels.tree_delta), reading each state once; else torch."""
+    if tree_delta_fits(q, v):
+        out, u, pathsum = tree_delta(q, k, v, g, beta, state, paths.mask)
+        return out, Step(k, u, pathsum)
+    return gated_delta_torch(q, k, v, g, beta, state, paths)
+
+
+def gated_delta_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor | None, paths: Paths) -> tuple[torch.Tensor, Step]:
+    """gated_delta in torch: path sums by a matmul, [B, H, T, T] decays, a batched triangular solve."""
     if paths.summing.dim() == 2:
         pathsum = g @ paths.summing                               # [B, H, T]: G_i = sum over i's path
     else:  # a tree per sequence: summing [B, 1, T, T]

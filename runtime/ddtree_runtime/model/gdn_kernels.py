@@ -7,8 +7,12 @@ split into q/k/v + L2 normalisation (+ q's scale), and the output's RMSNorm gate
 The commit's state advance is one more: the recurrent state is the largest tensor a commit touches
 (~151 MB a request at Qwen3.6-27B), and torch reads and writes it twice (the decay, then the rank-P
 update) besides the gathers; the kernel reads each tile once and writes it once.
+The verify's recurrence itself (gated_delta) is one more: in torch it is float32 batched GEMMs against
+the state (k S0, q S0: the state read twice), [B, H, T, T] temporaries and a batched triangular solve;
+`tree_delta` does a (sequence, head)'s whole tree in one program, reading the state once.
 Numerics: the conv sums in float32 (the torch path sums in the model dtype); the gated norm rounds where
-the torch path does; the state advance is float32 throughout, as in torch (summed in path order)."""
+the torch path does; the state advance is float32 throughout, as in torch (summed in path order); the tree verify's products run
+at TreeDeltaLaunch.precision (three TF32 products by default: float32's error, on the tensor cores)."""
 
 from __future__ import annotations
 
@@ -33,15 +37,15 @@ if triton is not None:
         return y * tl.sigmoid(y)
 
     @triton.jit
-    def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, s_mixb, s_mix, s_win, T, C,
-                           KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           K: tl.constexpr):
+    def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, s_mixb, s_mix,
+                           s_win, s_kb, s_kh, s_keepb, T, C, KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr,
+                           DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KEEP: tl.constexpr):
         t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # node, value head, sequence
         HV = tl.num_programs(1)
         mixed_ptr += b * s_mixb
         state_ptr += b * KM1 * C
         q_ptr += b * HV * T * DK
-        k_ptr += b * HV * T * DK
+        k_ptr += b * s_kb
         v_ptr += b * HV * T * DV
         kh = h // GROUP
         ext = tl.load(win_ptr + b * s_win + t * K + tl.arange(0, K))
@@ -54,8 +58,17 @@ if triton is not None:
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         tl.store(q_ptr + (h * T + t) * DK + dk, q)
-        tl.store(k_ptr + (h * T + t) * DK + dk, k)
+        tl.store(k_ptr + h * s_kh + t * DK + dk, k)
         tl.store(v_ptr + (h * T + t) * DV + dv, v)
+        if KEEP:  # the node's own input row, each channel by one program: a value head's v, and q, k by
+            # the first value head of their key head
+            row = mixed_ptr + t * s_mix
+            keep_ptr += b * s_keepb + t * C
+            v_ch = 2 * NK + h * DV + dv
+            tl.store(keep_ptr + v_ch, tl.load(row + v_ch))
+            if h % GROUP == 0:
+                tl.store(keep_ptr + kh * DK + dk, tl.load(row + kh * DK + dk))
+                tl.store(keep_ptr + NK + kh * DK + dk, tl.load(row + NK + kh * DK + dk))
 
     @triton.jit
     def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, s_zb, s_z, T, H, eps, DV: tl.constexpr):
@@ -103,6 +116,86 @@ if triton is not None:
             acc += k[:, None] * u[None, :]
         tl.store(tile, acc, mask=in_tile)
 
+    # T follows the tree: not specialised on (one compile for every tree size up to a block)
+    @triton.jit(do_not_specialize=["T"])
+    def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, mask_ptr,
+                           out_ptr, u_ptr, sum_ptr, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd,
+                           s_vb, s_vh, s_vt, s_vd, s_gb, s_gh, s_gt, s_bb, s_bh, s_bt, s_sb, s_sh, s_sk, s_sv,
+                           s_mb, s_mi, s_mj, s_ub, s_uh, s_ut, s_ud, s_Gb, s_Gh, s_Gt, T, H,
+                           DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, RAW_GATES: tl.constexpr,
+                           PRECISION: tl.constexpr, SQUARING: tl.constexpr):
+        # one (sequence, value head)'s whole tree for BV columns of dv: the state's [dk, BV] columns read
+        # once, everything else [BT, BT] or [BT, BV] in registers
+        pid = tl.program_id(0)
+        b = (pid // H).to(tl.int64)
+        h = (pid % H).to(tl.int64)
+        cols = tl.program_id(1) * BV + tl.arange(0, BV)
+        node = tl.arange(0, BT)
+        live = node < T
+        on_path = tl.load(mask_ptr + b * s_mb + node[:, None] * s_mi + node[None, :] * s_mj,
+                          mask=live[:, None] & live[None, :], other=0) != 0      # [i, j]: j is i or an ancestor
+        g = tl.load(g_ptr + b * s_gb + h * s_gh + node * s_gt, mask=live, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + b * s_bb + h * s_bh + node * s_bt, mask=live, other=0.0).to(tl.float32)
+        if RAW_GATES:
+            # the in-projection's b and a columns, made into beta and g as GatedDeltaNet.forward does in
+            # torch: the sigmoid rounded to the model dtype; softplus(x) = log1p(e^x) (x <= 20), in float32
+            beta = tl.sigmoid(beta).to(beta_ptr.dtype.element_ty).to(tl.float32)
+            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
+            e = tl.exp(tl.minimum(x, 20.0))
+            softplus = tl.where(x > 20.0, x, tl.where(e < 1e-4, e * (1.0 - 0.5 * e), tl.log(1.0 + e)))
+            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+        pathsum = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)            # G_i over i's path
+        decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        ks = tl.zeros([BT, BV], dtype=tl.float32)
+        qs = tl.zeros([BT, BV], dtype=tl.float32)
+        for c in tl.static_range(0, DK, BK):
+            d = c + tl.arange(0, BK)
+            kc = tl.load(k_ptr + b * s_kb + h * s_kh + node[:, None] * s_kt + d[None, :] * s_kd,
+                         mask=live[:, None], other=0.0)
+            qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
+                         mask=live[:, None], other=0.0)
+            kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
+            qk += tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+            if HAS_STATE:
+                s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
+                ks += tl.dot(kc, s0, input_precision=PRECISION)
+                qs += tl.dot(qc, s0, input_precision=PRECISION)
+        strict = on_path & (node[:, None] != node[None, :])
+        a = tl.where(strict, kk * decay * beta[:, None], 0.0)
+        v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
+                    mask=live[:, None], other=0.0)
+        grow = tl.exp(pathsum)[:, None]
+        if HAS_STATE:
+            v = v - grow * ks
+        rhs = beta[:, None] * v
+        # u = (I + A)^-1 rhs, A strictly lower triangular (ancestors first)
+        if SQUARING:
+            # A^BT = 0, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BT/2)): log2(BT) - 1 squarings,
+            # no T-long chain of steps; but its terms grow where keys along a path align (beta near 1),
+            # and cancel: errors up to ~1e-5 of the output where the substitution keeps ~1e-7
+            u = rhs - tl.dot(a, rhs, input_precision=PRECISION)
+            power = a
+            for _ in tl.static_range(LOG_BT - 1):
+                power = tl.dot(power, power, input_precision=PRECISION)
+                u += tl.dot(power, u, input_precision=PRECISION)
+        else:  # forward substitution, a node at a time: u_i = rhs_i - sum_j A_ij u_j
+            u = tl.zeros([BT, BV], dtype=tl.float32)
+            for i in range(0, T):
+                row = (node == i)[:, None]
+                a_i = tl.sum(tl.where(row, a, 0.0), axis=0)                   # A[i, :], over j
+                u_i = tl.sum(tl.where(row, rhs, 0.0), axis=0) - tl.sum(a_i[:, None] * u, axis=0)
+                u = tl.where(row, u_i[None, :], u)
+        out = tl.dot(qk * decay, u, input_precision=PRECISION)
+        if HAS_STATE:
+            out += grow * qs
+        tl.store(out_ptr + ((b * H + h) * T + node[:, None]) * DV + cols[None, :], out, mask=live[:, None])
+        tl.store(u_ptr + b * s_ub + h * s_uh + node[:, None] * s_ut + cols[None, :] * s_ud, u, mask=live[:, None])
+        if tl.program_id(1) == 0:
+            tl.store(sum_ptr + b * s_Gb + h * s_Gh + node * s_Gt, pathsum, mask=live)
+
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
     """On CUDA, power-of-two head dims and conv width (the Qwen3.5/3.6 shapes)."""
@@ -111,20 +204,25 @@ def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
 
 
 def conv_heads(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
-               n_k: int, n_v: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               n_k: int, n_v: int, dk: int, dv: int,
+               k: torch.Tensor | None = None,
+               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixed [B, T, C] new inputs (rows may be strided), conv_state [B, K-1, C], weight [C, K], window
     [T, K] (or [B, T, K]: each sequence its own tree) -> q, k [B, Hv, T, dk] (L2-normalised, q scaled
-    by dk^-0.5), v [B, Hv, T, dv], float32."""
+    by dk^-0.5), v [B, Hv, T, dv], float32. k is written into `k` where given (rows and heads may be
+    strided, nodes dense: the cache's scratch), and a copy of mixed into `keep` ([B, T, C], rows may
+    be strided) where given (the scratch's inputs)."""
     b, t, c = mixed.shape
     kernel = weight.shape[1]
     q = torch.empty(b, n_v, t, dk, device=mixed.device, dtype=torch.float32)
-    k = torch.empty_like(q)
+    k = torch.empty_like(q) if k is None else k
     v = torch.empty(b, n_v, t, dv, device=mixed.device, dtype=torch.float32)
     window = window.contiguous()
     _conv_heads_kernel[(t, n_v, b)](mixed, conv_state.contiguous(), weight.contiguous(), window, q, k, v,
-                                    mixed.stride(0), mixed.stride(1), t * kernel if window.dim() == 3 else 0,
-                                    t, c, kernel - 1, dk ** -0.5,
-                                    NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel)
+                                    mixed if keep is None else keep, mixed.stride(0), mixed.stride(1),
+                                    t * kernel if window.dim() == 3 else 0, k.stride(0), k.stride(1),
+                                    0 if keep is None else keep.stride(0), t, c, kernel - 1, dk ** -0.5,
+                                    NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel, KEEP=keep is not None)
     return q, k, v
 
 
@@ -163,3 +261,69 @@ def advance_state(k: torch.Tensor, u: torch.Tensor, g: torch.Tensor, state: torc
     _advance_kernel[grid](state, k, u, g, nodes, length, *state.stride(), *k.stride(), *u.stride(), *g.stride(),
                           *nodes.stride(), length.stride(0), b, h, DK=dk, DV=dv, BLOCK_K=block_k,
                           BLOCK_V=block_v, num_warps=launch.warps)
+
+
+# the largest tree the one-kernel verify takes: its [T, T] matrices and [T, BV] blocks live in registers
+TREE_DELTA_MAX_NODES = 64
+
+
+class TreeDeltaLaunch(NamedTuple):
+    """A program per (sequence, value head, BLOCK_V columns of dv), the dk reduction in BLOCK_K chunks,
+    `warps` for trees of up to 32 nodes (twice as many for 64);
+    `precision`: Triton's float32 dot ("tf32x3": three TF32 products, about float32's error on the tensor
+    cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative); `squaring`: solve the
+    triangular system by repeated squaring (log2 T products) rather than by substitution (T steps)."""
+    block_k: int = 64
+    block_v: int = 64
+    warps: int = 4
+    precision: str = "tf32x3"
+    squaring: bool = False
+
+
+def tree_delta_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """On CUDA, power-of-two head dims of at least 16 (a Triton dot's smallest side) and trees of up to
+    TREE_DELTA_MAX_NODES nodes."""
+    return (_use_triton(q) and q.shape[2] <= TREE_DELTA_MAX_NODES
+            and all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1])))
+
+
+class Gates(NamedTuple):
+    """A linear layer's gate inputs as its in-projection gives them: b and a [B, T, Hv] (any strides, the
+    model dtype) and its A_log, dt_bias [Hv]. tree_delta then makes beta = sigmoid(b) and
+    g = -exp(A_log) softplus(a + dt_bias) itself (about ten small torch kernels a layer fewer)."""
+    b: torch.Tensor
+    a: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
+               state: torch.Tensor | None, mask: torch.Tensor, launch: TreeDeltaLaunch = TreeDeltaLaunch(),
+               gates: Gates | None = None, u: torch.Tensor | None = None,
+               pathsum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gated_delta.gated_delta in one launch: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T] (or
+    None with `gates`), all float32 with any strides; state [B, H, dk, dv] float32 (any strides) or None;
+    mask [T, T] or [B, 1, T, T] bool (ancestor-or-self, ancestors first). Returns out [B, H, T, dv]
+    (contiguous), u [B, H, T, dv] and the path sums G [B, H, T]: written into `u` and `pathsum` where
+    given (any strides: the cache's scratch), else new."""
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    block_t = max(16, triton.next_power_of_2(t))
+    block_k, block_v = min(launch.block_k, dk), min(launch.block_v, dv)
+    out = torch.empty(b, h, t, dv, device=q.device, dtype=torch.float32)
+    u = torch.empty_like(out) if u is None else u
+    pathsum = torch.empty(b, h, t, device=q.device, dtype=torch.float32) if pathsum is None else pathsum
+    if gates is not None:  # [B, T, H] columns, read as [B, H, T]
+        g, beta = gates.a.transpose(1, 2), gates.b.transpose(1, 2)
+    flags = mask.view(torch.uint8)
+    s_mb, s_mi, s_mj = (0, *flags.stride()) if flags.dim() == 2 else (flags.stride(0), *flags.stride()[-2:])
+    s_state = (0, 0, 0, 0) if state is None else state.stride()
+    params = (gates.a_log, gates.dt_bias) if gates is not None else (g, g)
+    _tree_delta_kernel[(b * h, dv // block_v)](
+        q, k, v, g, beta, *params, q if state is None else state, flags, out, u, pathsum,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *s_state, s_mb, s_mi, s_mj,
+        *u.stride(), *pathsum.stride(), t, h,
+        DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
+        HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
+        SQUARING=launch.squaring, num_warps=launch.warps * max(1, block_t // 32))
+    return out, u, pathsum

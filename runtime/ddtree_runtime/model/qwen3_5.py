@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen35Config
-from .gated_delta import Paths, causal_conv, gated_delta, tree_paths
+from .gated_delta import Paths, Step, causal_conv, gated_delta, tree_paths
 from .gdn_chunk import chunk_gated_delta, prompt_conv
-from .gdn_kernels import conv_heads, fused_fits, gated_norm
+from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear
-from .parallel import TensorParallel, reduced
+from .parallel import TensorParallel, add_reduced, reduced
 from .qwen3 import Qwen3ForCausalLM
 
 ZERO_CENTRED = re.compile(r"(^model\.norm|layernorm|self_attn\.[qk]_norm)\.weight$")
@@ -39,6 +39,15 @@ def from_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def to_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Ours -> HF Qwen3_5ForCausalLM layout (zero-centred norm weights)."""
     return {k: (v - 1.0 if ZERO_CENTRED.search(k) else v) for k, v in state.items()}
+
+
+def projected(y: torch.Tensor, out_proj: nn.Linear, tp: TensorParallel | None,
+              residual: torch.Tensor | None) -> torch.Tensor:
+    """out_proj(y) summed over the ranks, added to `residual` where given by the GEMM itself on CUDA
+    (parallel.add_reduced: no add kernel, 64 of them a pass at Qwen3.6-27B)."""
+    if residual is None:
+        return reduced(out_proj(y), tp)
+    return add_reduced(residual, y, out_proj, tp)
 
 
 class GatedAttention(nn.Module):
@@ -63,7 +72,9 @@ class GatedAttention(nn.Module):
         self._qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int,
-                mask: torch.Tensor | None, tree: TreeInputs | None) -> torch.Tensor:
+                mask: torch.Tensor | None, tree: TreeInputs | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention's output; with `residual`, residual + it (on CUDA the out-projection's GEMM adds
+        it in place: the residual stream must be held by nothing else)."""
         b, t, _ = x.shape
         d = self.head_dim
         if self._qkv is not None:
@@ -76,7 +87,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(b, t, self.n_kv, d).transpose(1, 2)
         o = attend_cached(q, k, v, cache, self.slot, start, mask, tree)            # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
-        return reduced(self.o_proj(o), self.tp)
+        return projected(o, self.o_proj, self.tp, residual)
 
 
 class GatedDeltaNet(nn.Module):
@@ -105,21 +116,33 @@ class GatedDeltaNet(nn.Module):
     def fuse(self) -> None:
         self._in_proj = fuse_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])[0]
 
-    def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output; with `residual`, residual + it (as GatedAttention.forward)."""
         b, t, _ = x.shape
         if self._in_proj is not None:
-            mixed, z, beta, a = linear(x, self._in_proj).split(
+            mixed, z, b_in, a = linear(x, self._in_proj).split(
                 [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v], dim=-1)
         else:
-            mixed, z, beta, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
-        beta = torch.sigmoid(beta).float()                                         # [B, T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            mixed, z, b_in, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         if tree is not None and fused_fits(mixed, self.dk, self.dv, self.kernel):
-            # the graphed tree pass on CUDA: conv..normalisation and the gated norm as one kernel each
+            # the graphed tree pass on CUDA: conv..normalisation, the recurrence (with the gates) and the
+            # gated norm as one kernel each, the inputs and keys written straight into the scratch that
+            # `compact` reads
+            inputs, scratch = cache.scratch(self.slot, t)
             q, k, v = conv_heads(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window,
-                                 self.n_k, self.n_v, self.dk, self.dv)
-            core = self._tree(mixed, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
-            return reduced(self.out_proj(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype)), self.tp)
+                                 self.n_k, self.n_v, self.dk, self.dv, k=scratch.k, keep=inputs)
+            if tree_delta_fits(q, v):
+                core, u, pathsum = tree_delta(q, k, v, None, None, cache.state[self.slot], tree.paths.mask,
+                                              gates=Gates(b_in, a, self.A_log, self.dt_bias), u=scratch.u,
+                                              pathsum=scratch.g)
+                cache.save_step(self.slot, inputs, Step(k, u, pathsum), t)   # all in place: nothing copied
+            else:
+                beta, g = self._gates(b_in, a)
+                core = self._tree(inputs, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
+            return projected(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype), self.out_proj, self.tp,
+                             residual)
+        beta, g = self._gates(b_in, a)
         if tree is not None:
             conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window)
             core = self._tree(mixed, *self._heads(conv, beta, g), cache, tree.paths)
@@ -128,7 +151,13 @@ class GatedDeltaNet(nn.Module):
         core = core.transpose(1, 2).to(x.dtype)                                    # [B, T, Hv, dv]
         z = z.reshape(b, t, self.n_v, self.dv)
         out = (self.norm(core) * F.silu(z.float())).to(x.dtype)
-        return reduced(self.out_proj(out.reshape(b, t, -1)), self.tp)
+        return projected(out.reshape(b, t, -1), self.out_proj, self.tp, residual)
+
+    def _gates(self, b_in: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-projection's b and a columns -> beta, g [B, T, Hv] float32 (gdn_kernels.tree_delta makes
+        them the same way in its kernel)."""
+        beta = torch.sigmoid(b_in).float()
+        return beta, -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
     def _heads(self, conv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor):
         """Conv output [B, T, C] -> q, k [B, Hv, T, dk] (L2-normalised, q scaled), v [B, Hv, T, dv],
@@ -200,9 +229,9 @@ class HybridLayer(nn.Module):
         if hasattr(self, "linear_attn"):
             if mask is not None:
                 raise ValueError("linear-attention layers take no mask: use a tree pass")
-            x = x + self.linear_attn(h, cache, start, static)
+            x = self.linear_attn(h, cache, start, static, residual=x)
         else:
-            x = x + self.self_attn(h, cos, sin, cache, start, mask, static)
+            x = self.self_attn(h, cos, sin, cache, start, mask, static, residual=x)
         return self.mlp.add_to(x, self.post_attention_layernorm(x))
 
 

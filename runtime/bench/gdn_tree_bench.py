@@ -1,0 +1,288 @@
+"""The Gated DeltaNet tree verify of one linear layer at the Qwen3.6-27B shape (48 value heads, 16 key heads,
+dk = dv = 128, conv 4; 48 such layers a step), B rows of a T-node tree each (T = 17: ddtree@16), on the GPU:
+
+    recurrence   gated_delta_torch (today's torch: path sums by matmul, [B, H, T, T] decays, float32
+                 GEMMs against the state, a batched triangular solve) against gdn_kernels.tree_delta (one
+                 launch: a (row, head)'s whole tree per program, the state read once) at its default
+                 launch and a grid of others (precision, solve, tiles, warps)
+    the layer    each piece of GatedDeltaNet.forward's tree pass: the fused in-projection (GEMM), the
+                 torch ops that split it and make beta and g (`split_beta_g`, before the kernel made
+                 them), conv_heads (alone; as the layer calls it, also writing the inputs and keys into
+                 the cache's scratch), the recurrence (torch; the kernel; the kernel as the layer calls
+                 it, making the gates and writing into the scratch), the save_step copies those writes
+                 removed, gated_norm, the out-projection (GEMM), and the
+                 residual add its GEMM now does in place; and the whole layer forward as before the kernel
+                 (`layer-torch`: torch gates and recurrence) and now (`layer-kernel`), and their outputs'
+                 difference (bf16 rounding: under 5e-2 of the largest)
+
+Every timing is a CUDA graph of 20 calls (attn_probe.timed), in microseconds per call; `x48` is per step.
+Self-checking: before timing, every kernel launch is compared with the torch recurrence computed in float64
+(relative error: max |diff| / max |reference|, printed, with torch float32's own); a NaN, or the default
+launch over its bound, marks the case FAIL and the script exits 1 after writing its JSON. A launch that
+does not compile is reported with its error and skipped.
+
+The floor: the kernel must read each row's state once (B x 48 x 128 x 128 x 4 bytes a layer) plus its
+inputs and outputs; `floor_us` is those bytes over the copy bandwidth measured here (gpu_bench).
+
+    PYTHONPATH=runtime python runtime/bench/gdn_tree_bench.py [--batch 1 8 16] [--nodes 17] [--out F.json]
+    PYTHONPATH=runtime python runtime/bench/gdn_tree_bench.py --tiny     # CPU, small dims, Triton's interpreter
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--tiny" in sys.argv:  # before Triton loads: the kernels then run in its interpreter on the CPU
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import SHAPES, measure_ceilings  # noqa: E402
+
+import ddtree_runtime.model.gated_delta as gated_delta_module  # noqa: E402
+from ddtree_runtime.engine.kv_cache import target_cache  # noqa: E402
+from ddtree_runtime.engine.tree import ancestor_mask  # noqa: E402
+from ddtree_runtime.model import Qwen35Config  # noqa: E402
+from ddtree_runtime.model import gdn_kernels  # noqa: E402
+from ddtree_runtime.model.gated_delta import Paths, gated_delta_torch, tree_paths  # noqa: E402
+from ddtree_runtime.model.gdn_kernels import Gates, TreeDeltaLaunch, conv_heads, gated_norm, tree_delta  # noqa: E402
+from ddtree_runtime.model.layers import TreeInputs, linear  # noqa: E402
+from ddtree_runtime.model import qwen3_5  # noqa: E402
+from ddtree_runtime.model.qwen3_5 import GatedDeltaNet  # noqa: E402
+
+# the default launch's bound against float64 (TF32x3 and the substitution: float32-like); other launches
+# are only reported (plain TF32 is ~1e-3 by design)
+MAX_ERROR = 1e-4
+LAUNCHES = [TreeDeltaLaunch(precision=p, squaring=s) for p in ("tf32x3", "ieee", "tf32") for s in (False, True)] + [
+    TreeDeltaLaunch(block_k=k, block_v=v, warps=w, squaring=s)
+    for k, v, w in ((32, 32, 4), (64, 32, 4), (32, 64, 4), (64, 128, 8), (128, 64, 8), (64, 64, 8), (32, 128, 4))
+    for s in (False, True)]
+
+
+def launch_name(launch: TreeDeltaLaunch) -> str:
+    return (f"k{launch.block_k}-v{launch.block_v}-w{launch.warps}-{launch.precision}"
+            + ("-squaring" if launch.squaring else ""))
+
+
+def shape_config(shape: str) -> Qwen35Config:
+    s = {k: v for k, v in SHAPES[shape].items() if k not in ("draft_layers", "target_layer_ids", "draft")}
+    return Qwen35Config(**s)
+
+
+def measure(fn: Callable[[], object], device: torch.device) -> float:
+    """Microseconds per call: a CUDA graph of 20 calls on the GPU; on the CPU (--tiny: only that the
+    script runs) one call."""
+    if device.type == "cuda":
+        from attn_probe import timed
+        return timed(fn)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
+
+
+def random_trees(batch: int, nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row its own tree: every node's parent drawn among the earlier ones. -> mask [B, T, T], depth [B, T]."""
+    parents = torch.zeros(batch, nodes, dtype=torch.long)
+    depth = torch.zeros(batch, nodes, dtype=torch.long)
+    for i in range(1, nodes):
+        parents[:, i] = torch.randint(0, i, (batch,), generator=gen)
+        depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1
+    return ancestor_mask(parents, nodes), depth
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.device, gen: torch.Generator) -> dict:
+    """The recurrence alone on random data: errors against float64, then torch and every launch timed."""
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mask, _ = random_trees(batch, nodes, gen)
+    paths = Paths(mask[:, None].to(device), torch.zeros(0, device=device))
+    q = F.normalize(torch.randn(batch, h, nodes, dk, generator=gen), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(batch, h, nodes, dk, generator=gen), dim=-1)
+    v = torch.randn(batch, h, nodes, dv, generator=gen)
+    g = -torch.rand(batch, nodes, h, generator=gen).transpose(1, 2) * 0.5   # strided, as the layer passes them
+    beta = torch.rand(batch, nodes, h, generator=gen).transpose(1, 2)
+    state = torch.randn(batch, h, dk, dv, generator=gen) * 0.1
+    exact = Paths(mask[:, None], torch.zeros(0))
+    exact.summing = exact.summing.double()
+    want = gated_delta_torch(*(x.double() for x in (q, k, v, g, beta, state)), exact)[0]
+    q, k, v, g, beta, state = (x.to(device) for x in (q, k, v, g, beta, state))
+    torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
+    case = {"torch_f32_error": relative_error(torch32, want), "torch_us": measure(
+        lambda: gated_delta_torch(q, k, v, g, beta, state, paths), device), "launches": {}}
+    for launch in [TreeDeltaLaunch()] + LAUNCHES:
+        name = launch_name(launch)
+        if name in case["launches"]:
+            continue
+        try:
+            out = tree_delta(q, k, v, g, beta, state, paths.mask, launch)[0]
+            err = relative_error(out, want)
+            us = measure(lambda launch=launch: tree_delta(q, k, v, g, beta, state, paths.mask, launch), device)
+            case["launches"][name] = {"error": err, "nan": bool(out.isnan().any()), "us": us}
+        except Exception as exc:  # a launch this device's Triton cannot build (registers, shared memory)
+            case["launches"][name] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        if device.type != "cuda":
+            break  # the interpreter: the default launch only
+    default = case["launches"][launch_name(TreeDeltaLaunch())]
+    case["default"] = launch_name(TreeDeltaLaunch())
+    case["ok"] = "failed" not in default and not default["nan"] and default["error"] < MAX_ERROR
+    timed = {n: r for n, r in case["launches"].items() if "us" in r and not r["nan"] and r["error"] < MAX_ERROR}
+    case["best"] = min(timed, key=lambda n: timed[n]["us"]) if timed else None
+    return case
+
+
+def layer_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.device, dtype: torch.dtype,
+               gen: torch.Generator) -> dict:
+    """One GatedDeltaNet layer's tree pass, piece by piece as GatedDeltaNet.forward runs it, and whole."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        layer = GatedDeltaNet(cfg, 0).to(dtype).eval()
+        with torch.no_grad():
+            layer.A_log.uniform_(-1, 1)
+    layer.fuse()
+    cache = target_cache(cfg, 64, device, dtype, batch=batch, nodes=nodes)
+    cache.conv.normal_()        # (on the device: the state is 2.4 GB at 16 rows)
+    cache.state.normal_(0.0, 0.1)
+    mask, depth = random_trees(batch, nodes, gen)
+    mask, depth = mask.to(device), depth.to(device)
+    paths = tree_paths(mask, depth + 10, cfg.linear_conv_kernel_dim)
+    tree = TreeInputs(depth + 10, None, 64, mask, paths)
+    x = torch.randn(batch, nodes, cfg.hidden_size, generator=gen).to(device, dtype)
+    nv, dk, dv = layer.n_v, layer.dk, layer.dv
+
+    def split(projected: torch.Tensor) -> tuple[torch.Tensor, ...]:  # as GatedDeltaNet.forward does
+        mixed, z, beta, a = projected.split([layer.conv_dim, nv * dv, nv, nv], dim=-1)
+        return mixed, z, torch.sigmoid(beta).float(), -layer.A_log.float().exp() * F.softplus(
+            a.float() + layer.dt_bias.float())
+
+    with torch.no_grad():
+        projected = linear(x, layer._in_proj)
+        mixed, z, beta, g = split(projected)
+        weight = layer.conv1d.weight[:, 0]
+        q, k, v = conv_heads(mixed, cache.conv[0], weight, paths.window, layer.n_k, nv, dk, dv)
+        beta_t, g_t = beta.transpose(1, 2), g.transpose(1, 2)
+        core, step = gated_delta_torch(q, k, v, g_t, beta_t, cache.state[0], paths)
+        normed = gated_norm(core, z, layer.norm.weight, layer.norm.eps, dtype)
+        projected_out = F.linear(normed, layer.out_proj.weight)
+        b_in, a = projected.split([layer.conv_dim, nv * dv, nv, nv], dim=-1)[2:]
+        gates = Gates(b_in, a, layer.A_log, layer.dt_bias)
+        keep, scratch = cache.scratch(0, nodes)
+        pieces = {
+            "in_proj_gemm": lambda: linear(x, layer._in_proj),
+            "split_beta_g": lambda: split(projected),
+            "conv_heads": lambda: conv_heads(mixed, cache.conv[0], weight, paths.window, layer.n_k, nv, dk, dv),
+            "conv_heads_as_layer": lambda: conv_heads(mixed, cache.conv[0], weight, paths.window, layer.n_k, nv,
+                                                      dk, dv, k=scratch.k, keep=keep),
+            "recurrence_torch": lambda: gated_delta_torch(q, k, v, g_t, beta_t, cache.state[0], paths),
+            "recurrence_kernel": lambda: tree_delta(q, k, v, g_t, beta_t, cache.state[0], paths.mask),
+            "recurrence_kernel_as_layer": lambda: tree_delta(q, k, v, None, None, cache.state[0], paths.mask,
+                                                             gates=gates, u=scratch.u, pathsum=scratch.g),
+            "save_step": lambda: cache.save_step(0, mixed, step, nodes),
+            "gated_norm": lambda: gated_norm(core, z, layer.norm.weight, layer.norm.eps, dtype),
+            "out_proj_gemm": lambda: F.linear(normed, layer.out_proj.weight),
+            "residual_add": lambda: x + projected_out,   # what the out-projection's GEMM now adds in place
+        }
+        timings = {name: measure(fn, device) for name, fn in pieces.items()}
+        kernel_out = layer(x, cache, 0, tree)
+        timings["layer-kernel"] = measure(lambda: layer(x, cache, 0, tree), device)
+        for module in (gated_delta_module, qwen3_5):   # the layer as before the kernel
+            module.tree_delta_fits = lambda *args: False
+        try:
+            torch_out = layer(x, cache, 0, tree)
+            timings["layer-torch"] = measure(lambda: layer(x, cache, 0, tree), device)
+        finally:
+            for module in (gated_delta_module, qwen3_5):
+                module.tree_delta_fits = gdn_kernels.tree_delta_fits
+    diff = relative_error(kernel_out.float(), torch_out.double())
+    return {"us": timings, "layer_output_error": diff, "ok": not kernel_out.isnan().any().item() and diff < 5e-2}
+
+
+def floors(cfg: Qwen35Config, batch: int, nodes: int, bandwidth: float) -> dict:
+    """Bytes the recurrence must move a layer (the state once, q/k/v in, out/u out, float32) and its
+    useful FLOPs (unpadded T)."""
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    state = batch * h * dk * dv * 4
+    io = batch * h * nodes * (2 * dk + 3 * dv + 3) * 4
+    flops = 2 * batch * h * (2 * nodes * dk * dv + 2 * nodes * nodes * dk + 1.5 * nodes * nodes * dv)
+    return {"state_bytes": state, "io_bytes": io, "flops": flops, "floor_us": (state + io) / bandwidth * 1e6,
+            "state_floor_us": state / bandwidth * 1e6}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="rows (default 1 8 16; --tiny: 3)")
+    ap.add_argument("--nodes", type=int, default=17, help="tree nodes a row (root + budget)")
+    ap.add_argument("--tiny", action="store_true", help="small dims on the CPU through Triton's interpreter")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/gdn_tree_bench[-tiny].json)")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:  # conv_heads / gated_norm take their kernels (interpreted) as on CUDA
+        from ddtree_devtools.interpreter import allow_loop_bounds
+        allow_loop_bounds()
+        gdn_kernels._use_triton = lambda x: True
+    elif not torch.cuda.is_available():
+        print("gdn_tree_bench: no CUDA device; run with --tiny on the CPU", file=sys.stderr)
+        return 2
+    cfg = shape_config("hybrid-small" if args.tiny else "qwen3.6-27b")
+    layers = len(cfg.linear_layers)
+    batches = args.batch or ([3] if args.tiny else [1, 8, 16])
+    ceilings = measure_ceilings(device)
+    bandwidth = ceilings["copy_bytes_per_s"]
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+              "shape": "hybrid-small" if args.tiny else "qwen3.6-27b", "nodes": args.nodes,
+              "linear_layers": layers, "unit": "us per call (CUDA graph of 20)", "ceilings": ceilings,
+              "max_error": MAX_ERROR, "cases": []}
+    gen = torch.Generator().manual_seed(0)
+    ok = True
+    for batch in batches:
+        rec = recurrence_case(cfg, batch, args.nodes, device, gen)
+        try:
+            lay = layer_case(cfg, batch, args.nodes, device, torch.float32 if args.tiny else torch.bfloat16, gen)
+        except Exception:  # reported, and the other cases still run
+            lay = {"failed": traceback.format_exc(limit=6), "ok": False}
+        floor = floors(cfg, batch, args.nodes, bandwidth)
+        report["cases"].append({"batch": batch, "recurrence": rec, "layer": lay, "floor": floor})
+        ok &= rec["ok"] and lay["ok"]
+        default = rec["launches"][rec["default"]]
+        print(f"B {batch:2} T {args.nodes}: recurrence torch {rec['torch_us']:8.1f} us (x{layers} "
+              f"{rec['torch_us'] * layers / 1e3:6.2f} ms, f32 err {rec['torch_f32_error']:.1e})  kernel "
+              + (f"{default['us']:8.1f} us (x{layers} {default['us'] * layers / 1e3:6.2f} ms, err "
+                 f"{default['error']:.1e})" if "us" in default else f"FAILED {default['failed']}")
+              + f"  floor {floor['floor_us']:6.1f} us (state alone {floor['state_floor_us']:.1f})"
+              + ("" if rec["ok"] else "  FAIL"), flush=True)
+        if rec["best"]:
+            best = rec["launches"][rec["best"]]
+            print(f"      best launch {rec['best']}: {best['us']:.1f} us, err {best['error']:.1e}, "
+                  f"{floor['flops'] / best['us'] / 1e6:.1f} TFLOP/s useful")
+        for name, r in rec["launches"].items():
+            print(f"      {name:28} " + (f"{r['us']:8.1f} us  err {r['error']:.1e}" + ("  NaN" if r["nan"] else "")
+                                          if "us" in r else f"failed: {r['failed'][:120]}"))
+        if "failed" in lay:
+            print(f"      layer: FAILED\n{lay['failed']}", flush=True)
+            continue
+        us = lay["us"]
+        print("      layer pieces: " + "  ".join(f"{n} {t:.1f}" for n, t in us.items()))
+        print(f"      layer: torch recurrence {us['layer-torch']:.1f} us -> kernel {us['layer-kernel']:.1f} us "
+              f"(x{layers}: {us['layer-torch'] * layers / 1e3:.2f} -> {us['layer-kernel'] * layers / 1e3:.2f} ms a "
+              f"step; outputs differ by {lay['layer_output_error']:.1e})" + ("" if lay["ok"] else "  FAIL"), flush=True)
+    out = Path(args.out or f"bench/results/gdn_tree_bench{'-tiny' if args.tiny else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"{'all checks passed' if ok else 'CHECK FAILED'}; wrote {out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

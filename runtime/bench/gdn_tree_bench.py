@@ -31,6 +31,9 @@ inputs and outputs; `floor_us` is those bytes over the copy bandwidth measured h
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("DDTREE_TREE_DELTA", "1")  # the kernel on the GPU: this bench is what checks it there
+
 import sys
 
 if "--tiny" in sys.argv:  # before Triton loads: the kernels then run in its interpreter on the CPU

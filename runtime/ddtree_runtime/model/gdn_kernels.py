@@ -16,6 +16,7 @@ at TreeDeltaLaunch.precision (three TF32 products by default: float32's error, o
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -280,10 +281,16 @@ class TreeDeltaLaunch(NamedTuple):
     squaring: bool = False
 
 
+# The kernel has passed Triton's interpreter (tests) but has not yet compiled or run on a GPU: a GPU
+# serves the tree pass in torch until gdn_tree_bench.py has checked and timed it on one (then this
+# default flips); DDTREE_TREE_DELTA=1 takes the kernel there now (the bench does, to measure it)
+TREE_DELTA_ON_GPU = os.environ.get("DDTREE_TREE_DELTA") == "1"
+
+
 def tree_delta_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """On CUDA, power-of-two head dims of at least 16 (a Triton dot's smallest side) and trees of up to
-    TREE_DELTA_MAX_NODES nodes."""
-    return (_use_triton(q) and q.shape[2] <= TREE_DELTA_MAX_NODES
+    """On CUDA (once TREE_DELTA_ON_GPU), power-of-two head dims of at least 16 (a Triton dot's smallest
+    side) and trees of up to TREE_DELTA_MAX_NODES nodes."""
+    return (_use_triton(q) and (TREE_DELTA_ON_GPU or not q.is_cuda) and q.shape[2] <= TREE_DELTA_MAX_NODES
             and all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1])))
 
 

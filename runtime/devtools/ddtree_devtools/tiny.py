@@ -250,6 +250,29 @@ def drafter_config_dict(cfg: DFlashConfig) -> dict:
     }
 
 
+def zlab_layout(config: dict, window: int, **fields) -> dict:
+    """A drafter config.json laid out as z-lab's Qwen3.6 drafters: every layer sliding (causal inside the
+    block, `window` positions back) but the last, which is full; `fields` set more (dflash_config's
+    scalars go under dflash_config)."""
+    n = config["num_hidden_layers"]
+    inner = {k: fields.pop(k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+             if k in fields}
+    return {**config, "use_sliding_window": True, "sliding_window": window,
+            "layer_types": ["sliding_attention"] * (n - 1) + ["full_attention"],
+            "dflash_config": {**config.get("dflash_config", {}), **inner}, **fields}
+
+
+def relaid_drafter(src: Path, out: Path, window: int, **fields) -> Path:
+    """A copy of drafter dir `src` (its weights linked) whose config is zlab_layout's."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = zlab_layout(json.loads((src / "config.json").read_text()), window, **fields)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def save_drafter(drafter: DFlashDrafter, out: Path) -> None:
     from safetensors.torch import save_file
 

@@ -23,6 +23,7 @@ from ddtree_devtools.tiny_corpus import documents
 from ddtree_runtime.drafter_layout import (FULL_ATTENTION, DraftAttention, UnsupportedDrafter, drafter_layout,
                                            drafter_problem)
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.model.dflash import DraftMask
 
 MAX_NEW = 48
 SCALARS = dict(input_embedding_scale=1.5, output_multiplier=0.8, final_logit_softcapping=6.0)
@@ -269,3 +270,27 @@ def test_loader_refuses_dflash2(tiny_models, tmp_path):
     (draft / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
     with pytest.raises(UnsupportedDrafter, match="DFlash2DraftModel"):
         engine_for(tiny_models, draft)
+
+
+def test_training_masks_follow_the_layout(tiny_models, tmp_path, target, prompts):
+    """ddtree-tiny --sliding-window trains with each layer's own mask: two blocks of a row in one
+    training pass (its DraftMask over per-query present keys) get DFlashDraftModel's logits for each
+    block alone, within 1e-4."""
+    from ddtree_devtools.tiny import draft_batch
+    from ddtree_runtime.model import load_drafter
+
+    draft = drafter_dir(tiny_models, tmp_path, 6)
+    model, drafter = zlab(draft), load_drafter(draft)
+    seq = torch.tensor([prompts[2]])
+    with torch.no_grad():
+        feats = extract_context_feature(target(seq, output_hidden_states=True).hidden_states,
+                                        model.target_layer_ids)
+        block, pos, _, mask = draft_batch(seq, feats, 20, 2, model.mask_token_id, torch.Generator().manual_seed(1))
+        ctx_pos = torch.arange(seq.shape[1])[None]
+        keys = DraftMask(torch.cat([ctx_pos, pos], dim=1), pos, mask)
+        h = drafter(target.get_input_embeddings()(block), pos, feats, ctx_pos, mask=keys)
+        logits = drafter.draft_logits(target.lm_head(h)).view(2, model.block_size, -1)[:, 1:]
+    for b in range(2):
+        start = int(pos[0, b * model.block_size])
+        ref = zlab_block_logits(model, target, prompts[2][:start], prompts[2][start])
+        torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=0)

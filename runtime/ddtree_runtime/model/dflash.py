@@ -36,7 +36,8 @@ class DraftMask:
     """Which keys each block query sees, per kind of draft layer (one tensor per kind, built once a pass).
 
     key_pos [B or 1, L]: each key's position; query_pos [B, Q]: each block query's; present [B, L] bool:
-    the keys that hold this row's context or block (the rest are padding or another round's). additive:
+    the keys that hold this row's context or block (the rest are padding or another round's), or
+    [B, 1, Q, L] where it differs by query (the tiny drafter's training: several blocks a row). additive:
     a bias in that dtype (0 / -inf, the graphed and paged paths), else bool (True = may attend). A full
     layer's is [B, 1, 1, L] (every query sees the same keys); a causal or sliding layer's [B, 1, Q, L]."""
 
@@ -51,7 +52,7 @@ class DraftMask:
         return self._made[kind]
 
     def _visible(self, kind: DraftAttention) -> torch.Tensor:
-        seen = self.present[:, None, None, :]                                  # [B, 1, 1, L]
+        seen = self.present if self.present.dim() == 4 else self.present[:, None, None, :]  # [B, 1, 1 or Q, L]
         if kind.causal or kind.window is not None:
             back = self.query_pos[:, None, :, None] - self.key_pos[:, None, None, :]   # [B, 1, Q, L] p - k
             if kind.causal:

@@ -30,7 +30,7 @@ from capacity_bench import MIB, config_dicts, hold_back, random_prompt
 from ddtree_runtime import capacity
 from ddtree_runtime.drafter_layout import FULL_ATTENTION, DraftAttention
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_bench import PhaseTimer, build_models, sync
+from gpu_bench import build_models, run_case, sync
 
 
 def layout(name: str, layers: int, window: int) -> tuple[DraftAttention, ...]:
@@ -40,20 +40,21 @@ def layout(name: str, layers: int, window: int) -> tuple[DraftAttention, ...]:
     return (DraftAttention(causal=True, window=window),) * (layers - 1) + (FULL_ATTENTION,)
 
 
-def pool_figures(target, drafter, card_mib: int, dtype: str, engine: Engine) -> dict:
-    """capacity.py's pool for this card and, by the same arithmetic, the pool were each sliding layer's
-    drafter KV kept at its window (a fixed per-request cost instead of a per-token one)."""
+def pool_figures(target, drafter, card_mib: int, dtype: str, config: EngineConfig, block: int) -> dict:
+    """capacity.py's pool for this card (the engine's and ddops's plan line) and, by the same arithmetic,
+    the pool were each sliding layer's drafter KV kept at its window (a fixed per-request cost instead of
+    a per-token one)."""
     tcfg, dcfg = config_dicts(target, drafter)
-    plan = capacity.pool_capacity(card_mib * MIB, tcfg, dcfg, dtype=dtype, mem_fraction=engine.config.mem_fraction,
-                                  max_running=engine.slots, max_context=engine.max_context,
-                                  tree_budget=engine.config.tree_budget, prefix_cache=engine.prefix is not None)
+    plan = capacity.pool_capacity(card_mib * MIB, tcfg, dcfg, dtype=dtype, mem_fraction=config.mem_fraction,
+                                  max_running=config.max_running, max_context=config.max_context,
+                                  tree_budget=config.tree_budget, prefix_cache=config.prefix_cache)
     d = drafter.config
     elem = torch.finfo(getattr(torch, dtype)).bits // 8
     layer_token = 2 * d.num_key_value_heads * d.head_dim * elem
     sliding = [a.window for a in d.attention if a.window is not None]
     token = plan.token_bytes
     windowed_token = token - len(sliding) * layer_token
-    window_state = sum(w + 2 * engine.block_size for w in sliding) * layer_token * engine.slots
+    window_state = sum(w + 2 * block for w in sliding) * layer_token * config.max_running
     usable = plan.pool_tokens * token
     return {"plan_tokens": plan.pool_tokens, "token_bytes": token, "plan_breakdown": plan.breakdown(),
             "windowed_tokens": (usable - window_state) // windowed_token, "windowed_token_bytes": windowed_token,
@@ -82,23 +83,6 @@ def round_at(engine: Engine, vocab: int, running: int, context: int, budget: int
     return {"running": running, "context": context, "budget": budget, "step_ms": 1e3 * statistics.median(times)}
 
 
-def draft_phase(engine: Engine, vocab: int, context: int, rounds: int, g: torch.Generator) -> float:
-    """A lone ddtree request at `context`: its draft phase's median ms (synchronized at each phase)."""
-    gen = engine.generate(random_prompt(vocab, context, g), SamplingParams(
-        max_new_tokens=engine.max_context - context - 64, ignore_eos=True, mode="ddtree", tree_budget=16))
-    for _ in range(3):  # the prefill, then graph captures
-        next(gen)
-    timer = PhaseTimer(engine.device)
-    engine.phase_hook = timer
-    try:
-        for _ in range(rounds):
-            next(gen)
-    finally:
-        engine.phase_hook = None
-        gen.close()
-    return timer.medians_ms()["draft"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft-layout", choices=["zlab", "full"], default="zlab")
@@ -116,7 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny:
         args.shape, args.window, args.max_context, args.running = "hybrid-small-5draft", 16, 1024, 4
-        args.context, args.draft_contexts, args.steps, args.card_mib = 128, "128,768", 3, 1024
+        args.context, args.draft_contexts, args.steps, args.card_mib = 128, "128,512", 3, 1024
     out = Path(args.out or f"bench/results/runtime-drafter-layout-{args.draft_layout}{'-tiny' if args.tiny else ''}.json")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -132,21 +116,24 @@ def main() -> None:
     pools = {}
     for name in ("full", args.draft_layout):  # the pool's arithmetic for five full layers, then this layout
         drafter.config.attention = layout(name, drafter.config.num_hidden_layers, args.window)
-        engine = Engine(engine_config, target=target, drafter=drafter, tokenizer=None)
-        pools[name] = pool_figures(target, drafter, args.card_mib, str(dtype).removeprefix("torch."), engine)
-        if name != args.draft_layout:
-            del engine
+        pools[name] = pool_figures(target, drafter, args.card_mib, str(dtype).removeprefix("torch."),
+                                   engine_config, drafter.config.block_size)
     report["pool"] = pools
+    engine = Engine(engine_config, target=target, drafter=drafter, tokenizer=None)
+    report["pool_engine_tokens"] = engine.capacity()["tokens"]
     p, f = pools[args.draft_layout], pools["full"]
     print(f"pool ({args.draft_layout}, {p['sliding_layers']} sliding layers of {args.window}): capacity.py "
-          f"{p['plan_tokens']} tokens (five full layers {f['plan_tokens']}); the sliding layers' KV at the window "
+          f"{p['plan_tokens']} tokens (five full layers {f['plan_tokens']}; the engine's {report['pool_engine_tokens']}); "
+          f"the sliding layers' KV at the window "
           f"would give {p['windowed_tokens']} ({p['windowed_tokens'] / f['plan_tokens']:.2f}x)", flush=True)
     vocab, g = target.config.vocab_size, torch.Generator().manual_seed(0)
     report["round"] = round_at(engine, vocab, args.running, args.context, args.budget, args.steps, g)
     print(f"round: ddtree@{args.budget}, {args.running} running at {args.context}: "
           f"{report['round']['step_ms']:.1f} ms a step", flush=True)
     contexts = [int(c) for c in args.draft_contexts.split(",")]
-    drafts = {c: draft_phase(engine, vocab, c, args.steps, g) for c in contexts}
+    # a lone ddtree request at each context: its draft phase's median, synchronized at each phase
+    drafts = {c: run_case(engine, random_prompt(vocab, c, g), "ddtree", 16, args.steps, 3)["phases_ms"]["draft"]
+              for c in contexts}
     report["draft_ms"] = drafts
     report["draft_last_over_first"] = drafts[contexts[-1]] / drafts[contexts[0]]
     print("draft phase: " + ", ".join(f"{c}: {ms:.2f} ms" for c, ms in drafts.items())

@@ -54,13 +54,6 @@ SHAPES = {
                          linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                          linear_num_value_heads=4, partial_rotary_factor=0.25,
                          draft_layers=1, target_layer_ids=[1, 2]),
-    # hybrid-small with a five-layer drafter (drafter_layout_bench.py --tiny: four sliding layers and a full one)
-    "hybrid-small-5draft": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
-                                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                                linear_num_value_heads=4, partial_rotary_factor=0.25,
-                                draft_layers=5, target_layer_ids=[1, 2]),
     # Qwen3-8B and a DFlash drafter of the same width (z-lab's layout for it)
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -73,6 +66,8 @@ SHAPES = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   draft_layers=1, target_layer_ids=[1, 2]),
 }
+# hybrid-small with a five-layer drafter (drafter_layout_bench.py --tiny: four sliding layers and a full one)
+SHAPES["hybrid-small-5draft"] = dict(SHAPES["hybrid-small"], draft_layers=5)
 TAUS = (1, 3, 5, 7)
 
 

@@ -206,6 +206,26 @@ def test_batched_and_prefix_reuse_equal_zlab(tiny_models, tmp_path, target, prom
     assert engine.stats.prefix_tokens_saved > saved
 
 
+def test_preempted_requests_equal_zlab(tiny_models, tmp_path, target, prompts):
+    """Four DFlash requests through a pool that holds about one and a half of them: the newest are
+    preempted and recomputed (their drafter context written again); each one's tokens per round still
+    equal dflash_generate's alone."""
+    draft = drafter_dir(tiny_models, tmp_path, 4)
+    model = zlab(draft)
+    chosen = prompts[1:]
+    longest = max(len(p) for p in chosen) + MAX_NEW + 40
+    engine = engine_for(tiny_models, draft, max_running=4, prefix_cache=False, kv_pool_tokens=longest * 3 // 2)
+    ids = [engine.submit(p, params("dflash")) for p in chosen]
+    rounds: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_work:
+        for request_id, out in engine.step():
+            rounds[request_id].append(len(out.token_ids))
+    assert engine.stats.preemptions > 0
+    for i, prompt in zip(ids, chosen):
+        # a recomputed request's prefill yields no token (it resumes where it was): its rounds are the rest
+        assert [n for n in rounds[i] if n][1:] == zlab_rounds(model, target, prompt)[1]
+
+
 def config(**fields) -> dict:
     base = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 32,
             "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,

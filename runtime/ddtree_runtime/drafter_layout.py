@@ -46,10 +46,6 @@ class DrafterLayout:
     output_multiplier: float = 1.0           # the draft logits are multiplied by it
     final_logit_softcapping: float | None = None  # then softcap * tanh(logits / softcap)
 
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        return tuple(a.window for a in self.attention)
-
 
 class UnsupportedDrafter(ValueError):
     """A drafter config.json this runtime would serve wrongly: its message is one line naming the field."""

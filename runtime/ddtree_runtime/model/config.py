@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..drafter_layout import FULL_ATTENTION, DraftAttention, default_target_layer_ids, drafter_layout, rope_problem
+from ..drafter_layout import FULL_ATTENTION, DraftAttention, drafter_layout, rope_problem
 
 
 def _rope_theta(d: dict[str, Any]) -> float:
@@ -66,20 +66,20 @@ class Qwen3Config:
 def _qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3 numbers of a config.json, unchecked."""
     return dict(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(d),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", False),
-            raw=d,
-        )
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(d),
+        max_position_embeddings=d.get("max_position_embeddings", 40960),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        attention_bias=d.get("attention_bias", False),
+        raw=d,
+    )
 
 
 # model_type -> the target family this runtime implements for it (a checkpoint's own name, not ours)

@@ -130,7 +130,7 @@ def test_dflash_chain_alone_equals_zlab_round_for_round(tiny_models, tmp_path, t
     draft = drafter_dir(tiny_models, tmp_path, window, **fields)
     model = zlab(draft)
     engine = engine_for(tiny_models, draft)
-    for prompt in prompts:
+    for prompt in prompts[::2]:  # 20, 90 and 200 tokens
         theirs = record_zlab_blocks(model)
         zlab_tokens, zlab_per_round = zlab_rounds(model, target, prompt)
         ours = record_runtime_blocks(engine)

@@ -129,6 +129,8 @@ def drafter_problem(config: dict[str, Any]) -> str | None:
         drafter_layout(config)
     except UnsupportedDrafter as e:
         return str(e)
-    except (KeyError, TypeError, ValueError) as e:
-        return f"drafter config.json is unreadable: {e!r}"
+    except KeyError as e:
+        return f"drafter config.json has no {e.args[0]}"
+    except (TypeError, ValueError) as e:
+        return f"drafter config.json is unreadable: {e}"
     return None

@@ -281,6 +281,8 @@ def test_dflash_fields_precedence_and_refusals():
         assert problem and named in problem and "\n" not in problem
         with pytest.raises(UnsupportedDrafter):
             drafter_layout(config(**fields))
+    unnamed = {k: v for k, v in config().items() if k != "num_hidden_layers"}
+    assert drafter_problem(unnamed) == "drafter config.json has no num_hidden_layers"
 
 
 def test_loader_refuses_dflash2(tiny_models, tmp_path):

@@ -1,5 +1,6 @@
 """The bundled runtime's pure-Python modules ddops reads: `limits` (the serve limits), `settings` (every
-serve setting, declared once) and `capacity` (what a GPU's memory holds). Nothing else of the runtime.
+serve setting, declared once), `capacity` (what a GPU's memory holds) and `drafter_layout` (the drafter
+layouts its loader serves). Nothing else of the runtime.
 
 Read from this checkout's runtime/ when there is one: that is the runtime `runtime.ship` builds and
 deploys, whatever version of it is installed here (setup.sh installs it editable, so they agree). Else
@@ -43,3 +44,4 @@ def runtime_module(name: str) -> ModuleType:
 LIMITS = runtime_module("limits")
 SETTINGS = runtime_module("settings")
 CAPACITY = runtime_module("capacity")
+DRAFTER = runtime_module("drafter_layout")

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import capacity
-from .bundled import CAPACITY, SETTINGS
+from .bundled import CAPACITY, DRAFTER, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
@@ -96,7 +96,12 @@ def check_models(profile: Profile, trees: dict[str, Tree]) -> list[str]:
         # multimodal checkpoints (Qwen3.5/3.6) keep the language model's config under text_config
         dc, tc = draft.config, target.config.get("text_config") or target.config
         inner = dc.get("dflash_config") or {}
-        block = dc.get("block_size", inner.get("block_size"))
+        if profile.engine == "ddtree":
+            # the runtime's loader's own check (drafter_layout.py): layers, fields, architecture
+            problem = DRAFTER.drafter_problem(dc)
+            if problem:
+                problems.append(f"draft model {trees_where(profile, 'draft')}: {problem}")
+        block = DRAFTER.draft_value(dc, "block_size")
         wanted = profile.serve.block_size if profile.engine == "ddtree" else profile.sglang.num_draft_tokens
         if block is None:
             problems.append("drafter config.json has no block_size")

@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 venv=.venv
 # torch is pinned to the CPU wheel that pip's find-links holds: a plain `torch` pulls a multi-GB CUDA build.
 pip_args=("torch==2.13.0" -e ./runtime -e ./runtime/devtools -e ".[test]")
+# z-lab's reference DFlash code, the tests' oracle (tests/runtime/test_drafter_zlab.py): without its
+# dependencies, which pin other torch and transformers versions than ours
+oracle_args=(--no-deps "dflash==0.1.0")
 stamp=$venv/.ddops-setup
 
 # Run "$@", saying every 8 s that it still runs (pip and apt are quiet here, and a log must never sit silent).
@@ -33,7 +36,7 @@ quietly() { "$@" >/dev/null; }
 # where the checkout is (editable installs and the venv's scripts hold absolute paths).
 wanted_stamp() {
   cat pyproject.toml runtime/pyproject.toml runtime/devtools/pyproject.toml | sha256sum | cut -d' ' -f1
-  echo "${pip_args[*]}"
+  echo "${pip_args[*]} ${oracle_args[*]}"
   echo "$PWD"
   "$venv/bin/python" -c 'import sys; print(sys.version)'
 }
@@ -45,7 +48,7 @@ venv_usable() { "$venv/bin/python" -m pip --version >/dev/null 2>&1; }
 # Everything installed, as the last successful run left it.
 venv_ready() {
   venv_usable && [[ -f $stamp && "$(cat "$stamp")" == "$(wanted_stamp)" ]] &&
-    "$venv/bin/python" -c 'import ddops, ddtree_runtime, ddtree_devtools' 2>/dev/null &&
+    "$venv/bin/python" -c 'import ddops, ddtree_runtime, ddtree_devtools, dflash.model' 2>/dev/null &&
     "$venv/bin/ddops" --version >/dev/null 2>&1
 }
 
@@ -79,6 +82,7 @@ fi
 echo "--> pip: ddops, the runtime and the test tools (into $venv)"
 rm -f "$stamp"
 with_heartbeat "pip install" "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pip_args[@]}"
+with_heartbeat "pip install dflash" "$venv/bin/python" -m pip install -q --disable-pip-version-check "${oracle_args[@]}"
 "$venv/bin/ddops" --version >/dev/null
 wanted_stamp >"$stamp"
 echo "--> ready: $venv/bin/ddops ($("$venv/bin/ddops" --version)); put it on PATH with: . $venv/bin/activate"

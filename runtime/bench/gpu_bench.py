@@ -66,6 +66,8 @@ SHAPES = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   draft_layers=1, target_layer_ids=[1, 2]),
 }
+# hybrid-small with a five-layer drafter (drafter_layout_bench.py --tiny: four sliding layers and a full one)
+SHAPES["hybrid-small-5draft"] = dict(SHAPES["hybrid-small"], draft_layers=5)
 TAUS = (1, 3, 5, 7)
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .drafter_layout import SLIDING, draft_value
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The engine's constants, declared here (torch-free) and imported by it: prompt tokens per prefill
 # forward (engine/prefill.py says why this many), and the sizes a tree pass is padded to (root + 2^k
@@ -83,7 +85,9 @@ class Shape:
         return cls(vocab=text["vocab_size"], hidden=text["hidden_size"], intermediate=text["intermediate_size"],
                    heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                    head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-                   full_layers=kinds.count("full_attention"), linear_layers=kinds.count("linear_attention"),
+                   # a drafter's sliding-window layers keep their KV at full length, as its full layers do
+                   full_layers=kinds.count("full_attention") + kinds.count(SLIDING),
+                   linear_layers=kinds.count("linear_attention"),
                    tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
                    bias=bool(text.get("attention_bias", False)), gated=hybrid,
                    conv_kernel=text.get("linear_conv_kernel_dim", 4),
@@ -93,7 +97,7 @@ class Shape:
                    value_dim=text.get("linear_value_head_dim", 128) if hybrid else 0,
                    positions=text.get("max_position_embeddings", 40960),
                    feature_layers=len(dflash.get("target_layer_ids") or []),
-                   block_size=int(config.get("block_size", dflash.get("block_size", 16))))
+                   block_size=int(draft_value(config, "block_size", 16)))
 
     def split_counts(self) -> dict[str, int]:
         """What tensor parallelism shares out evenly, each rank an equal part: the attention heads, the

@@ -18,11 +18,18 @@ from ddtree_runtime.engine.memory import shape_of  # noqa: E402
 from ddtree_runtime.model import load_drafter, load_target  # noqa: E402
 
 
-@pytest.fixture(params=["qwen3", "qwen3_5"])
-def pair(request, tiny_models, tiny_hybrid_models):
-    root = tiny_models if request.param == "qwen3" else tiny_hybrid_models
-    target, draft = load_target(str(root / "target"), "cpu", "float32"), load_drafter(str(root / "draft"), "cpu", "float32")
-    configs = [json.loads((root / name / "config.json").read_text()) for name in ("target", "draft")]
+@pytest.fixture(params=["qwen3", "qwen3_5", "qwen3-sliding"])
+def pair(request, tiny_models, tiny_hybrid_models, tmp_path):
+    """A tiny pair; qwen3-sliding: its drafter laid out as z-lab's (a sliding layer, then a full one),
+    whose sliding layer's KV is kept at full length and counted so."""
+    from ddtree_devtools.tiny import relaid_drafter
+
+    root = tiny_hybrid_models if request.param == "qwen3_5" else tiny_models
+    draft_dir = root / "draft"
+    if request.param == "qwen3-sliding":
+        draft_dir = relaid_drafter(draft_dir, tmp_path / "draft", 8)
+    target, draft = load_target(str(root / "target"), "cpu", "float32"), load_drafter(str(draft_dir), "cpu", "float32")
+    configs = [json.loads((d / "config.json").read_text()) for d in (root / "target", draft_dir)]
     return target, draft, *configs
 
 

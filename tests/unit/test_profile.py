@@ -41,7 +41,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["lab-ddtree16", "zlab-ddtree16", "llm-two-sglang-dflash"])
+@pytest.mark.parametrize("name", ["lab-ddtree16", "lab-sliding-ddtree16", "zlab-ddtree16", "llm-two-sglang-dflash"])
 def test_shipped_profiles_load(name):
     profile = load_profile(resolve_profile(name, REPO / "playbooks"), repo_root=REPO)
     assert profile.name == name

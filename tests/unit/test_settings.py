@@ -173,7 +173,7 @@ def test_without_block_size_the_drafters_is_taken_everywhere(tmp_path):
     assert profile.serve.block_size is None and "--block-size" not in exec_argv(profile)
     assert serving_shape(profile) == {"mode": "ddtree"}
     target = Tree(exists=True, config={"model_type": "qwen3", "num_hidden_layers": 4})
-    draft = Tree(exists=True, config={"block_size": 8, "num_target_layers": 4,
+    draft = Tree(exists=True, config={"block_size": 8, "num_target_layers": 4, "num_hidden_layers": 2,
                                       "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]}})
     assert check_models(profile, {"target": target, "draft": draft}) == []
     sixteen = profile_from(tmp_path, BASE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -177,7 +178,7 @@ def test_plan_model(profile):
 # -- preflight -------------------------------------------------------------------------------------
 
 TARGET = {"exists": True, "config": {"model_type": "qwen3", "num_hidden_layers": 4}, "bytes": 1}
-DRAFT = {"exists": True, "bytes": 1, "config": {"block_size": 16, "num_target_layers": 4,
+DRAFT = {"exists": True, "bytes": 1, "config": {"block_size": 16, "num_target_layers": 4, "num_hidden_layers": 2,
                                                 "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2, 3]}}}
 
 
@@ -187,11 +188,42 @@ DRAFT = {"exists": True, "bytes": 1, "config": {"block_size": 16, "num_target_la
     ({"num_target_layers": 3}, "num_target_layers 3 != target's num_hidden_layers 4"),
     ({"dflash_config": {"mask_token_id": 5}}, "no dflash_config.target_layer_ids"),
     ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 9]}}, "out of range"),
+    # z-lab's Qwen3.6 layout is served; what the runtime's loader refuses, preflight refuses in its words
+    ({"use_sliding_window": True, "sliding_window": 4096,
+      "layer_types": ["sliding_attention", "full_attention"]}, None),
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel (z-lab's DFlash2"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "drafter layer_types"),
+    ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2, 3], "block_size": 8}},
+     "block_size 8 is smaller"),
 ])
 def test_check_models_drafter_config(profile, draft_config, problem):
     draft = {**DRAFT, "config": {**DRAFT["config"], **draft_config}}
     problems = check_models(profile, {"target": Tree.from_json(TARGET), "draft": Tree.from_json(draft)})
-    assert (problem is None and problems == []) or any(problem in p for p in problems)
+    assert (problem is None and problems == []) or any(problem in p for p in problems), problems
+
+
+def test_preflight_refuses_what_the_loader_refuses(profile, tiny_models, tmp_path):
+    """The same drafter_layout check in both: a drafter config the runtime's loader refuses at load is a
+    preflight problem with the loader's line, and one it loads is none."""
+    from ddtree_runtime.model.loading import load_drafter
+
+    base = json.loads((tiny_models / "draft" / "config.json").read_text())
+    target = {**TARGET, "config": json.loads((tiny_models / "target" / "config.json").read_text())}
+    for change in [{}, {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention",
+                                                                                         "full_attention"]},
+                   {"architectures": ["DFlash2DraftModel"]}, {"hidden_act": "gelu"}, {"is_causal": True}]:
+        config = {**base, **change}
+        (tmp_path / "model.safetensors").unlink(missing_ok=True)
+        (tmp_path / "model.safetensors").symlink_to(tiny_models / "draft" / "model.safetensors")
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        try:
+            load_drafter(tmp_path)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        problems = check_models(profile, {"target": Tree.from_json(target),
+                                          "draft": Tree.from_json({**DRAFT, "config": config})})
+        assert [p.split(": ", 1)[1] for p in problems] == ([refused] if refused else []), change
 
 
 @pytest.mark.parametrize("config, problem", [

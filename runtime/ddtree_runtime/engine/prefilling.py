@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.dflash import DraftInputs
+from ..model.dflash import DraftInputs, DraftMask
 from ..model.kernels import DECODE_EAGER
 from ..model.layers import TreeInputs
 from .prefill import PREFILL_PIECE
@@ -217,12 +217,12 @@ class Prefilling:
         block_slots = torch.where(live, block_pos, self.draft_cache.capacity - 1)
         kv_len = kv_len_for(max(req.n_ctx for req, s in zip(reqs, spec) if s) + bs, self.draft_cache.capacity, False)
         cols = torch.arange(kv_len, device=dev)
-        bias = torch.zeros((), dtype=self.draft_cache.k.dtype, device=dev).expand(n, 1, 1, kv_len)
-        bias = bias.masked_fill((cols >= torch.where(live, end + bs, 1))[:, None, None], float("-inf"))
+        present = cols[None, :] < torch.where(live, end + bs, 1)       # [n, L] the context, then the block
+        mask = DraftMask(cols[None, :], block_pos, present, self.draft_cache.k.dtype)  # slot = position
         rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
-        h = self.drafter(self.target.model.embed_tokens(block), block_pos, None, None, rows, mask=bias,
+        h = self.drafter(self.target.model.embed_tokens(block), block_pos, None, None, rows, mask=mask,
                          static=DraftInputs(None, block_slots, kv_len, launch=DECODE_EAGER))
-        drafted = self.target.logits(h[:, 1:])                          # [n, bs-1, V]
+        drafted = self.drafter.draft_logits(self.target.logits(h[:, 1:]))   # [n, bs-1, V]
         for i, req in enumerate(reqs):
             if spec[i]:
                 req.drafted = drafted[i]

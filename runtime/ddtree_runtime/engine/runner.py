@@ -23,7 +23,7 @@ import torch
 
 from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes (declared there: the pool is sized by them)
 from ..model import Qwen3ForCausalLM
-from ..model.dflash import DraftInputs
+from ..model.dflash import DraftInputs, DraftMask
 from ..model.layers import TreeInputs
 from .graphs import capture
 from .kv_cache import KVCache
@@ -188,8 +188,7 @@ class _DraftBucket:
         self.feats = torch.zeros(batch, block, feat_dim, dtype=dtype, device=device)           # [B, Q, F]
         self.offsets = torch.arange(block, device=device)
         self.cols = torch.arange(kv_len, device=device)
-        self.zero = torch.zeros((), dtype=dtype, device=device)
-        self.neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+        self.dtype = dtype
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
@@ -252,12 +251,12 @@ class DraftRunner:
         block_pos = b.n[:, None] + b.offsets                     # [B, Q] the block follows the context
         ctx_pos = b.start[:, None] + b.offsets                   # [B, C] where the new context sits
         lengths = (b.n + self.block).clamp(max=b.kv_len)          # [B] the keys each row sees
-        allowed = b.cols[None, :] < lengths[:, None]             # [B, L] the context, then the block
-        bias = torch.where(allowed, b.zero, b.neg_inf)[:, None, None]        # [B, 1, 1, L]
+        present = b.cols[None, :] < lengths[:, None]             # [B, L] the context, then the block
+        mask = DraftMask(b.cols[None, :], block_pos, present, b.dtype)  # slot = position; per layer kind
         emb = self.target.model.embed_tokens(b.ids)              # [B, Q, H]
         if b.batch == 1:  # one sequence: shared slots, the kernel's full bucket
             static = DraftInputs(ctx_pos[0], block_pos[0], b.kv_len)
         else:
             static = DraftInputs(ctx_pos, block_pos, b.kv_len, lengths)
-        h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache.rows(0, b.batch), mask=bias, static=static)
-        return self.target.logits(h[:, 1:], float32=False)
+        h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache.rows(0, b.batch), mask=mask, static=static)
+        return self.drafter.draft_logits(self.target.logits(h[:, 1:], float32=False))

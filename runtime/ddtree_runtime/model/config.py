@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..drafter_layout import FULL_ATTENTION, DraftAttention, drafter_layout, rope_problem
+
 
 def _rope_theta(d: dict[str, Any]) -> float:
     # transformers >= 5 moves rope_theta under rope_parameters; older configs keep it flat.
@@ -17,13 +19,13 @@ def _rope_theta(d: dict[str, Any]) -> float:
 
 
 def _check_supported(d: dict[str, Any]) -> None:
-    """Fail loudly on features this compact implementation would otherwise silently get wrong."""
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in (None, "default"):
-        raise ValueError(f"unsupported RoPE scaling {kind!r} (only default RoPE is implemented)")
+    """Fail loudly on features this compact implementation would otherwise silently get wrong (a
+    target's; a drafter's are drafter_layout's)."""
+    problem = rope_problem(d)
+    if problem:
+        raise ValueError(problem)
     if d.get("use_sliding_window") and d.get("sliding_window"):
-        raise ValueError("sliding-window attention is not implemented")
+        raise ValueError("sliding-window attention is not implemented for targets")
 
 
 @dataclass
@@ -54,25 +56,30 @@ class Qwen3Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
         _check_supported(d)
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(d),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", False),
-            raw=d,
-        )
+        return cls(**_qwen3_fields(d))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Qwen3Config":
         return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3 numbers of a config.json, unchecked."""
+    return dict(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(d),
+        max_position_embeddings=d.get("max_position_embeddings", 40960),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        attention_bias=d.get("attention_bias", False),
+        raw=d,
+    )
 
 
 # model_type -> the target family this runtime implements for it (a checkpoint's own name, not ours)
@@ -161,32 +168,30 @@ def target_config(d: dict[str, Any]) -> Qwen3Config:
 
 @dataclass
 class DFlashConfig(Qwen3Config):
+    """A DFlash drafter, as drafter_layout reads z-lab's fields (the refusals are its)."""
     block_size: int = 16
     mask_token_id: int = 0
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int = 0
+    attention: tuple[DraftAttention, ...] = ()   # per layer; () reads as every layer full
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def layer_attention(self, layer: int) -> DraftAttention:
+        return self.attention[layer] if self.attention else FULL_ATTENTION
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        base = Qwen3Config.from_dict(d)
-        dc = d.get("dflash_config") or {}
-        n_target = int(d.get("num_target_layers", 0))
-        ids = dc.get("target_layer_ids")
-        if ids is None:
-            ids = default_target_layer_ids(n_target, base.num_hidden_layers)
+        layout = drafter_layout(d)
         return cls(
-            **{k: getattr(base, k) for k in base.__dataclass_fields__},
-            block_size=int(d.get("block_size", dc.get("block_size", 16))),
-            mask_token_id=int(dc.get("mask_token_id", d.get("mask_token_id", 0))),
-            target_layer_ids=[int(i) for i in ids],
-            num_target_layers=n_target,
+            **_qwen3_fields(d),
+            block_size=layout.block_size,
+            mask_token_id=0 if layout.mask_token_id is None else layout.mask_token_id,
+            target_layer_ids=list(layout.target_layer_ids),
+            num_target_layers=int(d.get("num_target_layers", 0)),
+            attention=layout.attention,
+            input_embedding_scale=layout.input_embedding_scale,
+            output_multiplier=layout.output_multiplier,
+            final_logit_softcapping=layout.final_logit_softcapping,
         )
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spread layer ids between layer 1 and layer n-3, as DFlash checkpoints without explicit ids assume."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]

@@ -3,8 +3,10 @@
 The drafter has no embeddings or LM head of its own: the block [bonus, MASK, ...] is embedded with the
 target's embed_tokens and its final hidden states go through the target's lm_head. Context comes from
 the target's hidden states at `target_layer_ids`, projected by `fc` + `hidden_norm`; every layer's
-k/v projections read both that context and the block, and the block attends to all of it (no causal
-mask inside the block). Only context k/v is cached, since the block is rebuilt each round. A position's
+k/v projections read both that context and the block. What a layer's block queries see is z-lab's
+(drafter_layout.py): a full layer, the whole context and the whole block; a sliding layer, causal inside
+the block and only the keys in (p - window, p] for query position p (`DraftMask`). Only context k/v is
+cached, since the block is rebuilt each round. A position's
 context k/v depend on that position's features alone, so a prompt's are written a piece at a time as
 the target computes them (`write_context`), and its first draft runs the block alone (feats None)."""
 
@@ -15,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..drafter_layout import DraftAttention
 from .config import DFlashConfig
 from .kernels import DecodeLaunch
 from .layers import LayerWeights, RMSNorm, Rotary, attend, attend_cache
@@ -27,6 +30,45 @@ class DraftInputs(NamedTuple):
     kv_len: int
     lengths: torch.Tensor | None = None   # [B] keys each row's bias allows (layers.attend_decode)
     launch: DecodeLaunch | None = None    # the decode kernel's launch (kernels.DECODE_EAGER for the first draft)
+
+
+class DraftMask:
+    """Which keys each block query sees, per kind of draft layer (one tensor per kind, built once a pass).
+
+    key_pos [B or 1, L]: each key's position; query_pos [B, Q]: each block query's; present [B, L] bool:
+    the keys that hold this row's context or block (the rest are padding or another round's), or
+    [B, 1, Q, L] where it differs by query (the tiny drafter's training: several blocks a row). additive:
+    a bias in that dtype (0 / -inf, the graphed and paged paths), else bool (True = may attend). A full
+    layer's is [B, 1, 1, L] (every query sees the same keys); a causal or sliding layer's [B, 1, Q, L]."""
+
+    def __init__(self, key_pos: torch.Tensor, query_pos: torch.Tensor, present: torch.Tensor,
+                 additive: torch.dtype | None = None) -> None:
+        self.key_pos, self.query_pos, self.present, self.additive = key_pos, query_pos, present, additive
+        self._made: dict[DraftAttention, torch.Tensor] = {}
+
+    def __call__(self, kind: DraftAttention) -> torch.Tensor:
+        if kind not in self._made:
+            self._made[kind] = self._visible(kind)
+        return self._made[kind]
+
+    def _visible(self, kind: DraftAttention) -> torch.Tensor:
+        seen = self.present if self.present.dim() == 4 else self.present[:, None, None, :]  # [B, 1, 1 or Q, L]
+        if kind.causal or kind.window is not None:
+            back = self.query_pos[:, None, :, None] - self.key_pos[:, None, None, :]   # [B, 1, Q, L] p - k
+            if kind.causal:
+                seen = seen & (back >= 0)
+            if kind.window is not None:
+                seen = seen & (back < kind.window)
+                if not kind.causal:
+                    seen = seen & (-back < kind.window)
+            # a padding row's query (an AR row's, a batch bucket's pad row's) may see no key: it sees the
+            # first, as with a full layer, since a softmax over nothing is NaN and NaN k/v it wrote would
+            # poison later reads that mask them (a real query always sees its own key)
+            seen = seen | ((self.key_pos == 0)[:, None, None, :] & ~seen.any(-1, keepdim=True))
+        if self.additive is None:
+            return seen
+        zero = torch.zeros((), dtype=self.additive, device=seen.device)
+        return torch.where(seen, zero, torch.full((), float("-inf"), dtype=self.additive, device=seen.device))
 
 
 class DFlashLayer(LayerWeights):
@@ -70,23 +112,47 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor | None,
                 ctx_pos: torch.Tensor | None, cache=None, ctx_start: int = 0,
-                mask: torch.Tensor | None = None, *, static=None) -> torch.Tensor:
+                mask: torch.Tensor | DraftMask | None = None, *, static=None) -> torch.Tensor:
         """block_emb: [B, Q, H] target embeddings of the block; feats: [B, C, L*H] raw target features
         (with a cache: only the ones not cached yet, at positions ctx_start..; None with `static`: no new
-        context, the cache holds all of it); mask: bool
-        [B, 1, Q, C+Q] or None (see everything); static = DraftInputs (context slots, block slots, kv_len):
-        write the context and the block k/v at those cache slots and attend over the first kv_len cache
-        entries (mask is then an additive bias over [kv_len]). Returns final-normed block hidden
-        states [B, Q, H]."""
+        context, the cache holds all of it); mask: a DraftMask (each layer its kind's), a tensor every
+        layer uses (bool [B, 1, Q, C+Q]), or None (without `static`: the DraftMask of the keys' positions);
+        static = DraftInputs (context slots, block slots, kv_len): write the context and the block k/v at
+        those cache slots and attend over the first kv_len cache entries (the mask is then additive over
+        [kv_len]). The block's embeddings are scaled by input_embedding_scale here. Returns final-normed
+        block hidden states [B, Q, H]."""
+        cfg = self.config
         ctx = rope_c = None
         if feats is not None:
             ctx = self.hidden_norm(self.fc(feats))
             rope_c = self.rotary(ctx_pos, block_emb.dtype)
+        if mask is None and static is None:
+            mask = self._keys_mask(block_pos, ctx_pos, cache, ctx_start)
         rope_q = self.rotary(block_pos, block_emb.dtype)
-        x = block_emb
+        x = block_emb if cfg.input_embedding_scale == 1.0 else block_emb * cfg.input_embedding_scale
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, rope_q, rope_c, i, cache, ctx_start, mask, static)
+            layer_mask = mask(cfg.layer_attention(i)) if isinstance(mask, DraftMask) else mask
+            x = layer(x, ctx, rope_q, rope_c, i, cache, ctx_start, layer_mask, static)
         return self.norm(x)
+
+    def _keys_mask(self, block_pos: torch.Tensor, ctx_pos: torch.Tensor, cache, ctx_start: int) -> DraftMask:
+        """The eager path's keys: the cached context from position 0 (with a cache) or the new context,
+        then the block."""
+        if cache is not None:
+            ctx_pos = torch.arange(ctx_start + ctx_pos.shape[1], device=block_pos.device)[None]
+        key_pos = torch.cat([ctx_pos.expand(block_pos.shape[0], -1), block_pos], dim=1)
+        return DraftMask(key_pos, block_pos, torch.ones_like(key_pos, dtype=torch.bool))
+
+    def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target head's logits of the block made the drafter's: times output_multiplier, then
+        softcapped (z-lab's compute_logits)."""
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def write_context(self, feats: torch.Tensor, slots: torch.Tensor, cache) -> None:
         """Store the context k/v of target features feats [B, C, L*H] at cache positions slots [B, C]

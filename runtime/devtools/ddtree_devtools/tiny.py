@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from ddtree_runtime.engine.kv_cache import target_cache
 from ddtree_runtime.model import (DFlashConfig, DFlashDrafter, Qwen35Config, Qwen35ForCausalLM, Qwen3Config,
                                   Qwen3ForCausalLM)
+from ddtree_runtime.drafter_layout import drafter_layout
+from ddtree_runtime.model.dflash import DraftMask
 from ddtree_runtime.model.qwen3_5 import to_hf_state
 from .tiny_corpus import ENDOFTEXT, IM_END, IM_START, documents, heldout_questions
 from .tiny_templates import CHAT_TEMPLATES
@@ -189,7 +191,8 @@ def train_drafter(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.
         with torch.no_grad():
             emb = target.model.embed_tokens(block)
         ctx_pos = torch.arange(seqs.shape[1])[None].expand(bsz, -1)
-        h = drafter(emb, pos, feats[rows], ctx_pos, mask=mask).view(bsz, nb, BLOCK, -1)
+        keys = DraftMask(torch.cat([ctx_pos, pos], dim=1), pos, mask)  # each layer's kind (sliding: its window)
+        h = drafter(emb, pos, feats[rows], ctx_pos, mask=keys).view(bsz, nb, BLOCK, -1)
         logits = target.logits(h[:, :, 1:])                                           # [B, nb, 15, V]
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
         loss = (ce.view(bsz, nb, BLOCK - 1) * weight).sum(-1).mean() / weight.sum()
@@ -236,8 +239,9 @@ def save_target(model: Qwen3ForCausalLM, arch: str, tok, out: Path) -> None:
         {"eos_token_id": [tok.eos_token_id], "pad_token_id": tok.pad_token_id, "do_sample": False}, indent=2))
 
 
-def drafter_config_dict(cfg: DFlashConfig) -> dict:
-    return {
+def drafter_config_dict(cfg: DFlashConfig, window: int | None = None) -> dict:
+    """The drafter's config.json; with `window`, laid out as z-lab's (zlab_layout)."""
+    plain = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -248,13 +252,38 @@ def drafter_config_dict(cfg: DFlashConfig) -> dict:
         "torch_dtype": "float32", "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids},
     }
+    return plain if window is None else zlab_layout(plain, window)
 
 
-def save_drafter(drafter: DFlashDrafter, out: Path) -> None:
+def zlab_layout(config: dict, window: int, **fields) -> dict:
+    """A drafter config.json laid out as z-lab's Qwen3.6 drafters: every layer sliding (causal inside the
+    block, `window` positions back) but the last, which is full; `fields` set more (dflash_config's
+    scalars go under dflash_config)."""
+    n = config["num_hidden_layers"]
+    inner = {k: fields.pop(k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+             if k in fields}
+    return {**config, "use_sliding_window": True, "sliding_window": window,
+            "layer_types": ["sliding_attention"] * (n - 1) + ["full_attention"],
+            "dflash_config": {**config.get("dflash_config", {}), **inner}, **fields}
+
+
+def relaid_drafter(src: Path, out: Path, window: int, **fields) -> Path:
+    """A copy of drafter dir `src` whose config is zlab_layout's (its weights as they are: trained
+    without the window)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            shutil.copyfile(f, out / f.name)
+    config = zlab_layout(json.loads((src / "config.json").read_text()), window, **fields)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def save_drafter(drafter: DFlashDrafter, out: Path, window: int | None = None) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(drafter_config_dict(drafter.config), indent=2))
+    (out / "config.json").write_text(json.dumps(drafter_config_dict(drafter.config, window), indent=2))
     state = {k: v.contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
@@ -298,7 +327,9 @@ def init_target(model: Qwen3ForCausalLM) -> None:
             p.data.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
 
 
-def build(out: Path, seed: int, target_steps: int = TARGET_STEPS, draft_steps: int = 800, arch: str = "qwen3") -> dict:
+def build(out: Path, seed: int, target_steps: int = TARGET_STEPS, draft_steps: int = 800, arch: str = "qwen3",
+          window: int | None = None) -> dict:
+    """The pair; with `window`, the drafter laid out as z-lab's (zlab_layout) and trained so."""
     t_start = time.time()
     torch.manual_seed(seed)
     random.seed(seed)
@@ -342,12 +373,14 @@ def build(out: Path, seed: int, target_steps: int = TARGET_STEPS, draft_steps: i
                         num_target_layers=cfg.num_hidden_layers)
     dcfg.num_hidden_layers = DRAFT_LAYERS
     dcfg.tie_word_embeddings = False
+    if window is not None:
+        dcfg.attention = drafter_layout(drafter_config_dict(dcfg, window)).attention
     drafter = DFlashDrafter(dcfg)
     for p in drafter.parameters():
         if p.dim() >= 2:
             torch.nn.init.normal_(p, std=0.02)
     train_drafter(drafter, target, seqs, feats, prompt_len, draft_steps, mask_id, g)
-    save_drafter(drafter, ddir)
+    save_drafter(drafter, ddir, window)
 
     from ddtree_runtime.engine import Engine, EngineConfig
 
@@ -375,8 +408,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3",
                     help="target family: qwen3, or qwen3_5 (hybrid Gated DeltaNet + full attention)")
+    ap.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                    help="lay the drafter out as z-lab's Qwen3.6 drafters (every layer but the last sliding, "
+                         "W positions back) and train it so")
+    ap.add_argument("--relayout", type=Path, default=None, metavar="DRAFT_DIR",
+                    help="with --sliding-window: write OUT as a copy of the drafter DRAFT_DIR laid out so, "
+                         "without training (its weights keep the layout they were trained with)")
     args = ap.parse_args(argv)
-    build(args.out, args.seed, args.target_steps, args.draft_steps, args.arch)
+    if args.relayout is not None:
+        if args.sliding_window is None:
+            ap.error("--relayout needs --sliding-window")
+        relaid_drafter(args.relayout, args.out, args.sliding_window)
+        return
+    build(args.out, args.seed, args.target_steps, args.draft_steps, args.arch, args.sliding_window)
 
 
 if __name__ == "__main__":

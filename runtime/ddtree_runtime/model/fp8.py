@@ -199,6 +199,122 @@ if triton is not None:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+if triton is not None:
+    @triton.jit(do_not_specialize=["M", "M_OUT"])
+    def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sk,
+                                ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x [M, K] -> e4m3 codes q [M_OUT, K] and float32 scales s [ceil(K/128), M_OUT] (token-major, the
+        layout cuBLASLt's 1x128 scales take); rows M..M_OUT (padding) are written as zeros."""
+        rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        kb = tl.program_id(1)
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+        q = _round_to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0)).to(tl.float8e4nv)
+        out_ok = rm < M_OUT
+        tl.store(q_ptr + rm[:, None] * stride_qm + k[None, :], q, mask=out_ok[:, None] & k_ok[None, :])
+        tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_xsk,
+                           stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """out[m, n] (+)= sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]:
+        each block's dot starts from zero, so a row's result does not depend on the tile it lands in."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        lm, ln = rm % M, rn % N            # loads wrap inside the matrices; the store masks
+        a_ptrs = q_ptr + lm[:, None] * stride_qm + rk[None, :]
+        b_ptrs = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+        xs_ptrs = xs_ptr + lm
+        ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = rk < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            xs = tl.load(xs_ptrs + kb * stride_xsk)
+            ws = tl.load(ws_ptrs + kb)
+            acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        n_ok = rn < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        ok = (rm < M)[:, None] & n_ok[None, :]
+        if HAS_RESIDUAL:
+            acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class GemmTile(NamedTuple):
+    """One launch of _block_gemm_kernel."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups on the GPU in one launch: (e4m3 [rows_out, K], float32 scales [ceil(K/128),
+    rows_out]); rows past x2's are zeros (cuBLASLt's padding)."""
+    m, k = x2.shape
+    rows_out = m if rows_out is None else rows_out
+    kb = cdiv(k, BLOCK)
+    q = torch.empty((rows_out, k), dtype=FP8, device=x2.device)
+    s = torch.empty((kb, rows_out), dtype=torch.float32, device=x2.device)
+    rows = 4
+    _quantize_groups_kernel[(cdiv(rows_out, rows), kb)](x2, q, s, m, rows_out, k, x2.stride(0), q.stride(0),
+                                                        s.stride(0), ROWS=rows, BLOCK_K=BLOCK, num_warps=4)
+    return q, s
+
+
+def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
+    """The Triton path: x2 [M, K] quantized by quantize_groups_cuda, then _block_gemm_kernel with `tile`;
+    with residual=True `out` holds the residual and receives the sum."""
+    m, k = x2.shape
+    n = w.qweight.shape[0]
+    q, s = quantize_groups_cuda(x2)
+    if out is None:
+        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    grid = (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),)
+    _block_gemm_kernel[grid](q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
+                             q.stride(0), s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
+                             SCALE_ROWS=w.scale_rows, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK,
+                             EVEN_K=k % BLOCK == 0, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual,
+                             num_warps=tile.warps, num_stages=tile.stages)
+    return out
+
+
+def scaled_mm_rows(m: int) -> int:
+    """The rows cuBLASLt's block-scaled GEMM is given: m padded to a multiple of 16 (it refuses 1 and 17)."""
+    return cdiv(m, 16) * 16
+
+
+def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+    """PyTorch's block-scaled GEMM (cuBLASLt, Hopper): 1x128 activation scales, 128x128 weight scales;
+    [M, N] in x2's dtype (a view of the padded result)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+    m = x2.shape[0]
+    q, s = quantize_groups_cuda(x2, scaled_mm_rows(m))
+    out = scaled_mm(q, w.qweight.t(), s.t(), ScalingType.BlockWise1x128, w.scale_inv.t(),
+                    ScalingType.BlockWise128x128, output_dtype=x2.dtype)
+    return out[:m]
+
+
 class FP8Linear(nn.Module):
     """A Linear with an FP8 weight; its state dict is the checkpoint's (`weight`, `weight_scale_inv`,
     `bias`), so a fine-grained FP8 checkpoint loads into it as it is."""

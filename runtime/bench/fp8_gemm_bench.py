@@ -1,0 +1,162 @@
+"""The block-scaled FP8 GEMM kernel by kernel (issue 35): every candidate at every (projection, rows) point
+of a shape, under CUDA graphs, against bf16 F.linear, with its error and whether a row's result depends on
+how many rows ran beside it.
+
+    PYTHONPATH=runtime:runtime/bench python runtime/bench/fp8_gemm_bench.py [--shape qwen3.6-27b] [--out F.json]
+
+Candidates (activation quantization counted in each FP8 one):
+- `bf16`: F.linear on the bf16 weight;
+- `scaled_mm`: torch.nn.functional.scaled_mm block-wise (cuBLASLt; rows padded to 16, Hopper only);
+- `triton_old`: the kernel the runtime had before (quantizing its tiles itself), if fp8.py still has it;
+- `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (fp8.TILE_SWEEP), the best one reported
+  as `triton`.
+Each weight is copied until the copies pass three times the L2, and the timed calls rotate among them,
+so no candidate reads its weight from cache. `row0_invariant`: the first row's output, bit for bit, is
+the same at every row count (and, for Triton, at every tile). Not a test: figures depend on the machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ddtree_runtime.model import fp8  # noqa: E402
+
+# (name, N, K) of the projections as the engine runs them (fused)
+SHAPES = {
+    "qwen3.6-27b": [("gdn_in_proj", 16480, 5120), ("attn_qkv", 14336, 5120), ("o_proj", 5120, 6144),
+                    ("gate_up", 34816, 5120), ("down_proj", 5120, 17408)],
+    "qwen3-8b": [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down_proj", 4096, 12288)],
+}
+ROWS = (1, 16, 17, 64, 128, 272, 4096)
+
+
+def tiles_for(m: int) -> list[fp8.GemmTile]:
+    """The sweep at m rows: tiles no taller than m needs (one M tile at decode sizes)."""
+    if m <= 64:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        return [fp8.GemmTile(bm, bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (3, 4, 5)
+                if not (bn == 32 and w == 8)]
+    if m <= 512:
+        return [fp8.GemmTile(bm, bn, w, s) for bm in (32, 64, 128) for bn in (64, 128) for w in (4, 8) for s in (3, 4, 5)
+                if not (bm == 128 and w == 4)]
+    return [fp8.GemmTile(bm, bn, w, s) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))
+            for s in (3, 4)]
+
+
+def timed_us(fns: list, reps: int = 24) -> float:
+    """Microseconds per call: `reps` calls, rotating over `fns`, captured in one CUDA graph (as the engine
+    runs them), median of 7 replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times) * 1e3 / reps
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log) -> list[dict]:
+    dev = torch.device("cuda")
+    copies = max(1, min(8, -(-3 * l2_bytes // (n * k))))   # FP8 copies past 3x L2
+    w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(1, -(-copies // 2)))]
+    wq = [fp8.BlockFP8(*fp8.quantize_blocks(w16[i % len(w16)] * (1 + i / 64)), fp8.BLOCK) for i in range(copies)]
+    x_all = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
+    out_rows = []
+    ref_row0: dict[str, torch.Tensor] = {}
+    for m in rows:
+        x = x_all[:m]
+        want = fp8.fp8_linear_torch(x[:64].float(), wq[0])   # the torch reference, on the first 64 rows
+        point = {"projection": name, "n": n, "k": k, "rows": m, "us": {}, "rel_err": {}, "row0_invariant": {}}
+
+        def record(cand: str, fns, out0: torch.Tensor | None) -> None:
+            try:
+                point["us"][cand] = timed_us(fns)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run this size says why
+                point["us"][cand] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                return
+            if out0 is not None:
+                point["rel_err"][cand] = rel_err(out0[:64], want)
+                key = cand.split("[")[0]
+                first = out0[0].clone()
+                same = bool(torch.equal(ref_row0.setdefault(key, first), first))
+                point["row0_invariant"][key] = point["row0_invariant"].get(key, True) and same
+
+        record("bf16", [lambda w=w: F.linear(x, w) for w in w16], None)
+        try:
+            o = fp8.scaled_mm_gemm(x, wq[0])
+            record("scaled_mm", [lambda w=w: fp8.scaled_mm_gemm(x, w) for w in wq], o)
+        except Exception as exc:  # noqa: BLE001
+            point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        if old is not None and m <= 272:
+            record("triton_old", [lambda w=w: old(x, w) for w in wq], old(x, wq[0]))
+        for t in tiles_for(m):
+            cand = f"triton[{t.block_m}x{t.block_n}w{t.warps}s{t.stages}]"
+            try:
+                o = fp8.block_gemm(x, wq[0], t)
+            except Exception as exc:  # noqa: BLE001 - Triton's out-of-resources, per tile
+                point["us"][cand] = f"{type(exc).__name__}"
+                continue
+            record(cand, [lambda w=w, t=t: fp8.block_gemm(x, w, t) for w in wq], o)
+        tri = {c: v for c, v in point["us"].items() if c.startswith("triton[") and isinstance(v, float)}
+        best = min(tri, key=tri.get) if tri else None
+        point["triton_best"] = best
+        point["us"]["triton"] = tri[best] if best else None
+        sm = point["us"].get("scaled_mm")
+        log(f"  {name:<12} rows {m:>5}: bf16 {point['us']['bf16']:8.1f}  scaled_mm "
+            f"{sm if isinstance(sm, str) else f'{sm:8.1f}'}  old {point['us'].get('triton_old', float('nan')) if not isinstance(point['us'].get('triton_old'), str) else 'err'}"
+            f"  triton {point['us']['triton']:8.1f} {best}  err {point['rel_err'].get(best, float('nan')):.2e}"
+            f" inv {point['row0_invariant']}")
+        out_rows.append(point)
+    del w16, wq, x_all
+    torch.cuda.empty_cache()
+    return out_rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--out", default="bench/results/runtime-fp8-gemm-bench.json")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 60 << 20)
+    old = getattr(fp8, "fp8_linear", None) if hasattr(fp8, "_fp8_gemm_kernel") else None
+    report = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+              "torch": torch.__version__, "shape": args.shape, "unit": "us per call (CUDA graph)", "points": []}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode():
+        for name, n, k in SHAPES[args.shape]:
+            report["points"] += bench_projection(name, n, k, [int(r) for r in args.rows.split(",")], l2, old,
+                                                 lambda s: print(s, flush=True))
+            Path(args.out).write_text(json.dumps(report, indent=1))   # kept as it grows
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,8 @@ how many rows ran beside it.
 Candidates (activation quantization counted in each FP8 one):
 - `bf16`: F.linear on the bf16 weight;
 - `scaled_mm`: torch.nn.functional.scaled_mm block-wise (cuBLASLt; rows padded to 16, Hopper only);
-- `triton_old`: the kernel the runtime had before (quantizing its tiles itself), if fp8.py still has it;
+- `triton_old`: the kernel the runtime had before issue 35 (quantizing its tiles itself), read from an
+  older fp8.py (`--legacy-fp8 PATH`, e.g. main's before the merge), at up to 272 rows;
 - `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (fp8.TILE_SWEEP), the best one reported
   as `triton`.
 Each weight is copied until the copies pass three times the L2, and the timed calls rotate among them,
@@ -17,6 +18,7 @@ the same at every row count (and, for Triton, at every tile). Not a test: figure
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -41,11 +43,10 @@ def tiles_for(m: int) -> list[fp8.GemmTile]:
     """The sweep at m rows: tiles no taller than m needs (one M tile at decode sizes)."""
     if m <= 64:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        return [fp8.GemmTile(bm, bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (3, 4, 5)
-                if not (bn == 32 and w == 8)]
+        return [fp8.GemmTile(bm, bn, 4, s) for bn in (32, 64, 128) for s in (3, 4, 5)] + [fp8.GemmTile(bm, 128, 8, 4)]
     if m <= 512:
-        return [fp8.GemmTile(bm, bn, w, s) for bm in (32, 64, 128) for bn in (64, 128) for w in (4, 8) for s in (3, 4, 5)
-                if not (bm == 128 and w == 4)]
+        return [fp8.GemmTile(bm, bn, w, s) for bm, bn, w in ((32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8))
+                for s in (3, 4)]
     return [fp8.GemmTile(bm, bn, w, s) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))
             for s in (3, 4)]
 
@@ -80,7 +81,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
-def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log) -> list[dict]:
+def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
+                     tiles=tiles_for) -> list[dict]:
+    """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed."""
     dev = torch.device("cuda")
     copies = max(1, min(8, -(-3 * l2_bytes // (n * k))))   # FP8 copies past 3x L2
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(1, -(-copies // 2)))]
@@ -114,7 +117,7 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
             point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         if old is not None and m <= 272:
             record("triton_old", [lambda w=w: old(x, w) for w in wq], old(x, wq[0]))
-        for t in tiles_for(m):
+        for t in tiles(m):
             cand = f"triton[{t.block_m}x{t.block_n}w{t.warps}s{t.stages}]"
             try:
                 o = fp8.block_gemm(x, wq[0], t)
@@ -137,16 +140,36 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
     return out_rows
 
 
+def best_tiles(points: list[dict]) -> dict[str, list]:
+    """"N,K" -> [[rows, [block_m, block_n, warps, stages]], ...]: the fastest Triton tile at each row count."""
+    table: dict[str, list] = {}
+    for p in points:
+        best = p.get("triton_best")
+        if best:
+            bm, rest = best[len("triton["):-1].split("x")
+            bn, rest = rest.split("w")
+            w, st = rest.split("s")
+            table.setdefault(f"{p['n']},{p['k']}", []).append([p["rows"], [int(bm), int(bn), int(w), int(st)]])
+    return table
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--legacy-fp8", help="an older model/fp8.py whose fp8_linear is timed as triton_old")
+    ap.add_argument("--tiles-out", help="also write the fastest tile per (N, K, rows) here (fp8.TILES' form)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-gemm-bench.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 60 << 20)
-    old = getattr(fp8, "fp8_linear", None) if hasattr(fp8, "_fp8_gemm_kernel") else None
+    old = None
+    if args.legacy_fp8:
+        spec = importlib.util.spec_from_file_location("legacy_fp8", args.legacy_fp8)
+        legacy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(legacy)
+        old = legacy.fp8_linear
     report = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
               "torch": torch.__version__, "shape": args.shape, "unit": "us per call (CUDA graph)", "points": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
             report["points"] += bench_projection(name, n, k, [int(r) for r in args.rows.split(",")], l2, old,
                                                  lambda s: print(s, flush=True))
             Path(args.out).write_text(json.dumps(report, indent=1))   # kept as it grows
+    if args.tiles_out:
+        Path(args.tiles_out).write_text(json.dumps(best_tiles(report["points"])))
     print(f"wrote {args.out}")
 
 

@@ -283,5 +283,5 @@ def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
     assert result["fp8"]["target_bytes"] < result["bf16"]["target_bytes"]
     for precision in ("bf16", "fp8"):
         assert {"ar_step_ms", "ddtree16_round_ms", "ar_step_4_running_ms", "prefill_128_ms"} <= set(result[precision])
-    assert {row["rows"] for row in result["gemm"]} == {1, 17}
+    assert report["fp8_gemm"] == "torch"   # the GEMM points need a GPU (fp8_gemm_bench.py)
     assert set(result["fp8"]["checks"]["matching_prefix_of_8"]) == {"ar", "dflash", "ddtree@16", "ddtree@128"}

@@ -32,7 +32,7 @@ import torch
 from ..capacity import SHORT_REQUEST
 from ..limits import DTYPE_NAMES, MAX_LOGPROBS, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
-from ..model.fp8 import FP8Linear
+from ..model.fp8 import FP8Linear, gemm_path
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
 from . import memory
@@ -127,6 +127,10 @@ class Engine(Placement, Prefilling, Rounds):
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
         # what the target's projections are (the checkpoint's, or --quantize's), also for /health
         self.quantization = "fp8" if any(isinstance(m, FP8Linear) for m in self.target.modules()) else "none"
+        # which FP8 GEMM this device runs (model/fp8.gemm_path), also for /health; None in 16 bits
+        self.fp8_gemm = gemm_path(self.device) if self.quantization == "fp8" else None
+        if self.fp8_gemm:
+            log.info("fp8 GEMM on %s: %s", self.device, self.fp8_gemm)
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter

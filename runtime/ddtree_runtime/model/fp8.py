@@ -119,31 +119,35 @@ def fp8_linear_torch(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = N
 
 def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) (+ residual). On CUDA one Triton kernel, which writes the sum over
-    `residual` in place (as kernels.residual_linear does in 16 bits); elsewhere fp8_linear_torch."""
+    """x [..., K] @ W^T (+ bias) (+ residual). On a GPU with FP8 tensor cores the Triton path
+    (quantize_groups_cuda, then _block_gemm_kernel), which writes the sum over `residual` in place (as
+    kernels.residual_linear does in 16 bits); elsewhere fp8_linear_torch. Either way a row's result
+    does not depend on the other rows of the call."""
     if not _use_kernel(x):
         return fp8_linear_torch(x, w, bias, residual)
     n, k = w.qweight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    if residual is not None:
-        out = residual.view(-1, n)
-    else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, warps, stages = gemm_launch(m, n, _sm_count(x.device.index or 0))
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
-    _fp8_gemm_kernel[grid](x2, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
-                           x2.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
-                           SCALE_ROWS=w.scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
-                           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                           num_warps=warps, num_stages=stages)
+    out = None if residual is None else residual.view(-1, n)
+    tile = gemm_tile(x2.shape[0], n, k, _sm_count(x.device.index or 0))
+    out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
     return residual if residual is not None else out.view(*x.shape[:-1], n)
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and not torch.is_grad_enabled()
+    return triton is not None and x.is_cuda and not torch.is_grad_enabled() and gemm_path(x.device) == "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_path(device: torch.device) -> str:
+    """The FP8 GEMM a device runs, chosen once per device (named in the log and in /health): `triton` on
+    GPUs with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper, Blackwell), `torch` (the
+    weight dequantized per call) elsewhere. cuBLASLt's block-scaled GEMM (scaled_mm_gemm) is not used:
+    see docs/performance.md, FP8."""
+    if device.type != "cuda" or triton is None:
+        return "torch"
+    return "triton" if torch.cuda.get_device_capability(device) >= (8, 9) else "torch"
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,20 +155,31 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def gemm_launch(m: int, n: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for an [m, K] x [K, n] GEMM. At decode and verify sizes (1 to
-    ~300 rows) the GEMM is bound by reading W, so the N tiles shrink until there are about two
-    programs per SM (each streams its rows of W); larger GEMMs take 64-row tiles. The software pipeline
-    gets as many stages (2 to 6) as fit in 96 KB of shared memory, which every FP8 GPU has (an RTX PRO
-    6000's SM about 100 KB, an H200's 228 KB): a small tile keeps more loads of W in flight that way.
-    Not yet tuned on a GPU: bench/fp8_bench.py --sweep measures the alternatives."""
+# (N, K) -> [(up to this many rows, tile)], measured on the H200 by bench/fp8_gemm_bench.py (the fastest
+# tile at each row count); shapes not listed take default_tile's
+TILES: dict[tuple[int, int], list[tuple[int, "GemmTile"]]] = {}
+
+
+def gemm_tile(m: int, n: int, k: int, sms: int) -> "GemmTile":
+    """The tile for an [m, k] x [k, n] GEMM: the measured table's, else default_tile. Any tile gives a
+    row the same result (each K block's dot starts from zero and the blocks are summed in order), so
+    choosing by m keeps the speculative path and the AR reference in agreement."""
+    for rows, tile in TILES.get((n, k), ()):
+        if m <= rows:
+            return tile
+    return default_tile(m, n, sms)
+
+
+def default_tile(m: int, n: int, sms: int) -> "GemmTile":
+    """Decode and verify sizes are bound by reading W: one tile of rows and N tiles narrow enough that
+    about two programs run per SM. Prefill sizes are bound by the tensor cores: 128x128 tiles."""
+    if m > 256:
+        return GemmTile(128, 128, 8, 4)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 128
-    while block_n > 16 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
+    while block_n > 32 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    stage_bytes = block_m * BLOCK * 2 + block_n * BLOCK   # a 16-bit tile of x and an e4m3 tile of W
-    stages = max(2, min(6, 96 * 1024 // stage_bytes))
-    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8, stages
+    return GemmTile(block_m, block_n, 4, 4)
 
 
 if triton is not None:
@@ -180,38 +195,6 @@ if triton is not None:
         # below 2**-6, e4m3 is subnormal: multiples of 2**-9, rounded by adding a constant whose ulp is that
         subnormal = (v + 24576.0) - 24576.0
         return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-    # M is a pass's token count: not specialised on (it only masks rows), so prompts of every length
-    # share a compile
-    @triton.jit(do_not_specialize=["M"])
-    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
-                         stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        # out[m, n] (+)= sum over K blocks of (x_q[m, blk] . w_q[n, blk]) * x_scale[m, blk] * w_scale[n, blk]
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k = kb * BLOCK_K + rk
-            k_ok = k < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            # this tile's activations quantized per row (one token's group of 128), as quantize_groups
-            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-            xq = _round_to_e4m3(tl.clamp(x / x_scale[:, None], -448.0, 448.0)).to(tl.float8e4nv)
-            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            w_scale = tl.load(ws_ptr + (rn // SCALE_ROWS) * stride_wsn + kb, mask=n_ok, other=0.0)
-            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        if HAS_RESIDUAL:  # out holds the residual stream: the sum is rounded once, as addmm_ does in 16 bits
-            acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
 
 if triton is not None:
     @triton.jit(do_not_specialize=["M", "M_OUT"])

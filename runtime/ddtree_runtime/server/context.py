@@ -88,6 +88,7 @@ class ServerContext:
             "target_arch": getattr(engine, "arch", None),
             "draft_model": getattr(engine, "draft_name", None),
             "quantization": getattr(engine, "quantization", None),
+            **({"fp8_gemm": engine.fp8_gemm} if getattr(engine, "fp8_gemm", None) else {}),
             "tensor_parallel": self.config.tensor_parallel,  # GPUs (processes) this server spans
             "max_running": self.worker.capacity(),
             "running": self.worker.running(),

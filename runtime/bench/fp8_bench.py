@@ -42,18 +42,14 @@ TARGETS = {
 def gemm_points(shape: str, rows: list[int], device: torch.device) -> list[dict]:
     """Every GEMM point of the shape (fp8_gemm_bench.SHAPES) for each candidate: bf16, scaled_mm and the
     Triton kernel at the tile the runtime chooses (fp8.gemm_tile)."""
-    sms = _sms(device)
+    limits = fp8._device_limits(device.index or 0)
     points = []
     with torch.inference_mode():
         for name, n, k in fp8_gemm_bench.SHAPES[shape]:
             points += fp8_gemm_bench.bench_projection(
                 name, n, k, rows, torch.cuda.get_device_properties(device).L2_cache_size, None,
-                lambda s: print(s, flush=True), tiles=lambda m, n=n, k=k: [fp8.gemm_tile(m, n, k, sms)])
+                lambda s: print(s, flush=True), tiles=lambda m, n=n, k=k: [fp8.gemm_tile(m, n, k, *limits)])
     return points
-
-
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def load_tiles(path: str) -> None:

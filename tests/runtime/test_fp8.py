@@ -192,6 +192,16 @@ def test_a_row_of_the_fp8_gemm_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(alone[0], some[0]) and torch.equal(some, many[:17])
 
 
+def test_a_gemm_tile_fits_the_shared_memory_of_the_gpu_it_runs_on():
+    """The H200's tiles on an RTX PRO 6000 (about 100 KB a program): fewer pipeline stages, same tile."""
+    from ddtree_runtime.model import fp8
+
+    for m in (1, 17, 272, 4096):
+        h200, small = fp8.gemm_tile(m, 5120, 17408, 132, 232448), fp8.gemm_tile(m, 5120, 17408, 188, 101376)
+        assert small._replace(stages=h200.stages) == h200 or small.block_n < h200.block_n
+        assert 2 <= small.stages and small.stages * (small.block_m + small.block_n) * 128 <= 101376 - 8192
+
+
 def test_seeded_sampling_in_fp8_is_the_same_alone_batched_and_after_a_cached_prefix(pair, prompts):
     """With --quantize fp8, a seed gives one text whatever runs beside it (a prefill chunked by 16 beside
     another request's decode) and whether its prompt's prefix was cached or not."""

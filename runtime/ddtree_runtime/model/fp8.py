@@ -130,7 +130,7 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = None if residual is None else residual.view(-1, n)
-    tile = gemm_tile(x2.shape[0], n, k, _sm_count(x.device.index or 0))
+    tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
     out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
     return residual if residual is not None else out.view(*x.shape[:-1], n)
 
@@ -151,8 +151,10 @@ def gemm_path(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _device_limits(device: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory a program may take in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 99 * 1024)
 
 
 # (N, K) -> [(up to this many rows, tile)], measured on the H200 by bench/fp8_gemm_bench.py (the fastest
@@ -160,14 +162,15 @@ def _sm_count(device: int) -> int:
 TILES: dict[tuple[int, int], list[tuple[int, "GemmTile"]]] = {}
 
 
-def gemm_tile(m: int, n: int, k: int, sms: int) -> "GemmTile":
-    """The tile for an [m, k] x [k, n] GEMM: the measured table's, else default_tile. Any tile gives a
-    row the same result (each K block's dot starts from zero and the blocks are summed in order), so
-    choosing by m keeps the speculative path and the AR reference in agreement."""
-    for rows, tile in TILES.get((n, k), ()):
-        if m <= rows:
-            return tile
-    return default_tile(m, n, sms)
+def gemm_tile(m: int, n: int, k: int, sms: int, shared: int) -> "GemmTile":
+    """The tile for an [m, k] x [k, n] GEMM: the measured table's, else default_tile, with no more
+    pipeline stages than the device's shared memory holds (an RTX PRO 6000's SM has about 100 KB, an
+    H200's 228 KB). Any tile gives a row the same result (each K block's dot starts from zero and the
+    blocks are summed in order), so choosing by m keeps the speculative path and the AR reference in
+    agreement."""
+    tile = next((t for rows, t in TILES.get((n, k), ()) if m <= rows), None) or default_tile(m, n, sms)
+    stage = (tile.block_m + tile.block_n) * BLOCK     # an e4m3 tile of x and one of W per stage
+    return tile._replace(stages=max(2, min(tile.stages, (shared - 8192) // stage)))
 
 
 def default_tile(m: int, n: int, sms: int) -> "GemmTile":

@@ -129,11 +129,10 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
         best = min(tri, key=tri.get) if tri else None
         point["triton_best"] = best
         point["us"]["triton"] = tri[best] if best else None
-        sm = point["us"].get("scaled_mm")
-        log(f"  {name:<12} rows {m:>5}: bf16 {point['us']['bf16']:8.1f}  scaled_mm "
-            f"{sm if isinstance(sm, str) else f'{sm:8.1f}'}  old {point['us'].get('triton_old', float('nan')) if not isinstance(point['us'].get('triton_old'), str) else 'err'}"
-            f"  triton {point['us']['triton']:8.1f} {best}  err {point['rel_err'].get(best, float('nan')):.2e}"
-            f" inv {point['row0_invariant']}")
+        log(f"  {name:<12} rows {m:>5}: " + "  ".join(
+            f"{c} {v:.1f}" if isinstance(v, float) else f"{c} {str(v)[:60]}" for c, v in point["us"].items()
+            if not c.startswith("triton[")) + f"  ({best}; err {point['rel_err'].get(best, float('nan')):.1e};"
+            f" row-invariant {point['row0_invariant']})")
         out_rows.append(point)
     del w16, wq, x_all
     torch.cuda.empty_cache()

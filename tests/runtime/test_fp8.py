@@ -263,6 +263,7 @@ def test_speculative_decoding_is_lossless_against_the_fp8_target(pair, fp8_targe
         assert got[n] == reference[i], f"prompt {i}, {mode}, batched"
     assert isinstance(batched.target.model.layers[0].mlp.down_proj, FP8Linear)
     assert engine.quantization == batched.quantization == "fp8"   # the checkpoint's, and --quantize's
+    assert engine.fp8_gemm == batched.fp8_gemm == "torch"          # the GEMM path a CPU runs (/health)
     assert type(batched.drafter.layers[0].mlp.down_proj) is torch.nn.Linear  # the drafter stays unless asked
 
 

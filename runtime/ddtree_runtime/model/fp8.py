@@ -5,14 +5,20 @@ the bytes. The layout is the one Qwen's FP8 releases, transformers ("fine-graine
 use: `weight` e4m3 [N, K] and `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)], W = W_fp8 *
 scale_inv blockwise. `--quantize fp8` writes the same layout from bf16 weights at load.
 
-The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block:
-- on CUDA one Triton kernel (`_fp8_gemm_kernel`): it quantizes its tile of x itself (no separate
-  activation-quantization launch, which a decode step would pay in every projection), multiplies
-  e4m3 x e4m3 into float32 per K block, applies the scales, adds the bias and the residual, and writes
-  in the activations' dtype;
-- elsewhere (CPU, CI) the same arithmetic in torch: x quantized and dequantized per group, the
-  weight dequantized, one float32 matmul. The kernel runs through Triton's interpreter in
-  tests/runtime/test_triton_kernels.py and must agree with it.
+The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block, in
+one fixed arithmetic on every path: per K block, the dot of e4m3 codes from zero, times the row's and
+the weight block's scales, added to a float32 sum in block order. A row's result therefore does not
+depend on how many rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk
+after a cached prefix): the speculative path and its AR reference agree, and a seed gives one text.
+- on GPUs with FP8 tensor cores (gemm_path: "triton"): quantize_groups_cuda (one small launch: codes
+  and scales of x), then _block_gemm_kernel, which reads each W tile once, multiplies e4m3 x e4m3 into
+  float32, applies the scales, adds the bias and the residual and writes in the activations' dtype;
+  its tile comes from a table measured on the H200 (TILES), its stages from the device's shared memory;
+- elsewhere (CPU, CI; gemm_path "torch") the same arithmetic in torch (block_products: each block's
+  dot exact in float64). The kernels run through Triton's interpreter in tests/runtime/test_triton_kernels.py
+  and must agree with it.
+scaled_mm_gemm (cuBLASLt's block-scaled GEMM, Hopper only) is kept for bench/fp8_gemm_bench.py, which
+times it beside the kernel: docs/performance.md (FP8) says why the runtime does not use it.
 
 Serving an FP8 model is exact with respect to that FP8 model (speculative decoding verifies against
 it), not with respect to the bf16 model it came from; bench/fp8_accuracy.py measures how far it is."""

@@ -40,15 +40,19 @@ ROWS = (1, 16, 17, 64, 128, 272, 4096)
 
 
 def tiles_for(m: int) -> list[fp8.GemmTile]:
-    """The sweep at m rows: tiles no taller than m needs (one M tile at decode sizes)."""
-    if m <= 64:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        return [fp8.GemmTile(bm, bn, 4, s) for bn in (32, 64, 128) for s in (3, 4, 5)] + [fp8.GemmTile(bm, 128, 8, 4)]
-    if m <= 512:
-        return [fp8.GemmTile(bm, bn, w, s) for bm, bn, w in ((32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8))
-                for s in (3, 4)]
-    return [fp8.GemmTile(bm, bn, w, s) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))
-            for s in (3, 4)]
+    """The sweep at m rows, in both families of tiles (family()): rows tiles of 16/32 and of 64/128."""
+    small = ([fp8.GemmTile(16, bn, w, 4) for bn, w in ((32, 4), (64, 4), (128, 8))] if m <= 16 else
+             [fp8.GemmTile(32, bn, w, s) for bn, w, s in ((32, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3))])
+    large = [fp8.GemmTile(64, bn, 4, s) for bn, s in ((32, 4), (64, 4), (128, 3))]
+    if m >= 1024:
+        large += [fp8.GemmTile(128, 128, 8, 3), fp8.GemmTile(64, 256, 8, 3)]
+    return small + large
+
+
+def family(tile: fp8.GemmTile) -> str:
+    """Tiles of 16 or 32 rows run mma.sync on a Hopper GPU, tiles of 64 or more wgmma: the two round a
+    K block's dot differently (measured), so a row's bits are the same across the tiles of one family only."""
+    return "triton_m32" if tile.block_m <= 32 else "triton_m64"
 
 
 def timed_us(fns: list, reps: int = 24) -> float:
@@ -82,7 +86,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
-                     tiles=tiles_for) -> list[dict]:
+                     tiles=tiles_for, libraries: bool = True) -> list[dict]:
     """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed."""
     dev = torch.device("cuda")
     copies = max(1, min(8, -(-3 * l2_bytes // (n * k))))   # FP8 copies past 3x L2
@@ -96,7 +100,7 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
         want = fp8.fp8_linear_torch(x[:64].float(), wq[0])   # the torch reference, on the first 64 rows
         point = {"projection": name, "n": n, "k": k, "rows": m, "us": {}, "rel_err": {}, "row0_invariant": {}}
 
-        def record(cand: str, fns, out0: torch.Tensor | None) -> None:
+        def record(cand: str, fns, out0: torch.Tensor | None, tile: fp8.GemmTile | None = None) -> None:
             try:
                 point["us"][cand] = timed_us(fns)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run this size says why
@@ -104,17 +108,18 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
                 return
             if out0 is not None:
                 point["rel_err"][cand] = rel_err(out0[:64], want)
-                key = cand.split("[")[0]
+                key = family(tile) if tile else cand
                 first = out0[0].clone()
                 same = bool(torch.equal(ref_row0.setdefault(key, first), first))
                 point["row0_invariant"][key] = point["row0_invariant"].get(key, True) and same
 
-        record("bf16", [lambda w=w: F.linear(x, w) for w in w16], None)
-        try:
-            o = fp8.scaled_mm_gemm(x, wq[0])
-            record("scaled_mm", [lambda w=w: fp8.scaled_mm_gemm(x, w) for w in wq], o)
-        except Exception as exc:  # noqa: BLE001
-            point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        if libraries:
+            record("bf16", [lambda w=w: F.linear(x, w) for w in w16], None)
+            try:
+                o = fp8.scaled_mm_gemm(x, wq[0])
+                record("scaled_mm", [lambda w=w: fp8.scaled_mm_gemm(x, w) for w in wq], o)
+            except Exception as exc:  # noqa: BLE001
+                point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         if old is not None and m <= 272:
             record("triton_old", [lambda w=w: old(x, w) for w in wq], old(x, wq[0]))
         for t in tiles(m):
@@ -124,11 +129,16 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
             except Exception as exc:  # noqa: BLE001 - Triton's out-of-resources, per tile
                 point["us"][cand] = f"{type(exc).__name__}"
                 continue
-            record(cand, [lambda w=w, t=t: fp8.block_gemm(x, w, t) for w in wq], o)
+            record(cand, [lambda w=w, t=t: fp8.block_gemm(x, w, t) for w in wq], o, t)
         tri = {c: v for c, v in point["us"].items() if c.startswith("triton[") and isinstance(v, float)}
         best = min(tri, key=tri.get) if tri else None
         point["triton_best"] = best
         point["us"]["triton"] = tri[best] if best else None
+        for fam in ("triton_m32", "triton_m64"):
+            mine = {c: v for c, v in tri.items() if family(fp8.GemmTile(*parse_tile(c))) == fam}
+            if mine:
+                point[f"{fam}_best"] = min(mine, key=mine.get)
+                point["us"][fam] = mine[point[f"{fam}_best"]]
         log(f"  {name:<12} rows {m:>5}: " + "  ".join(
             f"{c} {v:.1f}" if isinstance(v, float) else f"{c} {str(v)[:60]}" for c, v in point["us"].items()
             if not c.startswith("triton[")) + f"  ({best}; err {point['rel_err'].get(best, float('nan')):.1e};"
@@ -139,16 +149,21 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
     return out_rows
 
 
-def best_tiles(points: list[dict]) -> dict[str, list]:
-    """"N,K" -> [[rows, [block_m, block_n, warps, stages]], ...]: the fastest Triton tile at each row count."""
+def parse_tile(cand: str) -> list[int]:
+    """"triton[BMxBNwWsS]" -> [BM, BN, W, S]."""
+    bm, rest = cand[len("triton["):-1].split("x")
+    bn, rest = rest.split("w")
+    w, st = rest.split("s")
+    return [int(bm), int(bn), int(w), int(st)]
+
+
+def best_tiles(points: list[dict], key: str = "triton_best") -> dict[str, list]:
+    """"N,K" -> [[rows, [block_m, block_n, warps, stages]], ...]: the fastest tile at each row count
+    (key: "triton_best", or one family's, e.g. "triton_m32_best")."""
     table: dict[str, list] = {}
     for p in points:
-        best = p.get("triton_best")
-        if best:
-            bm, rest = best[len("triton["):-1].split("x")
-            bn, rest = rest.split("w")
-            w, st = rest.split("s")
-            table.setdefault(f"{p['n']},{p['k']}", []).append([p["rows"], [int(bm), int(bn), int(w), int(st)]])
+        if p.get(key):
+            table.setdefault(f"{p['n']},{p['k']}", []).append([p["rows"], parse_tile(p[key])])
     return table
 
 
@@ -157,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--legacy-fp8", help="an older model/fp8.py whose fp8_linear is timed as triton_old")
+    ap.add_argument("--triton-only", action="store_true", help="the Triton tiles alone (no bf16, scaled_mm)")
     ap.add_argument("--tiles-out", help="also write the fastest tile per (N, K, rows) here (fp8.TILES' form)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-gemm-bench.json")
     args = ap.parse_args(argv)
@@ -175,10 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for name, n, k in SHAPES[args.shape]:
             report["points"] += bench_projection(name, n, k, [int(r) for r in args.rows.split(",")], l2, old,
-                                                 lambda s: print(s, flush=True))
+                                                 lambda s: print(s, flush=True), libraries=not args.triton_only)
             Path(args.out).write_text(json.dumps(report, indent=1))   # kept as it grows
     if args.tiles_out:
-        Path(args.tiles_out).write_text(json.dumps(best_tiles(report["points"])))
+        Path(args.tiles_out).write_text(json.dumps({fam: best_tiles(report["points"], f"{fam}_best")
+                                                    for fam in ("triton_m32", "triton_m64")}))
     print(f"wrote {args.out}")
 
 

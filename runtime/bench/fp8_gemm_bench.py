@@ -86,12 +86,18 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
-                     tiles=tiles_for, libraries: bool = True) -> list[dict]:
+                     tiles=tiles_for, libraries: bool = True, runtime: bool = False) -> list[dict]:
     """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed."""
     dev = torch.device("cuda")
     copies = max(1, min(8, -(-3 * l2_bytes // (n * k))))   # FP8 copies past 3x L2
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(1, -(-copies // 2)))]
     wq = [fp8.BlockFP8(*fp8.quantize_blocks(w16[i % len(w16)] * (1 + i / 64)), fp8.BLOCK) for i in range(copies)]
+    if n % fp8.BLOCK:  # fused from parts not a multiple of 128 rows: the runtime keeps a scale per row
+        wq = [fp8.BlockFP8(w.qweight, w.scale_inv.repeat_interleave(fp8.BLOCK, 0)[:n], 1) for w in wq]
+    if runtime:  # what the engine decides at load, probed up to its largest pass (16 x 1025 rows)
+        holder = torch.nn.Module()
+        holder.weight = wq[0]
+        log(f"  {name}: {fp8.choose_gemms(holder, dev, 16 * 1025)}")
     x_all = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
     out_rows = []
     ref_row0: dict[str, torch.Tensor] = {}
@@ -120,6 +126,11 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
                 record("scaled_mm", [lambda w=w: fp8.scaled_mm_gemm(x, w) for w in wq], o)
             except Exception as exc:  # noqa: BLE001
                 point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        if runtime:
+            record("fp8_runtime", [lambda w=w: fp8.fp8_linear(x, w) for w in wq], fp8.fp8_linear(x, wq[0]))
+            res = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+            got = fp8.fp8_linear(x, wq[0], residual=res.clone())
+            point["rel_err"]["fp8_runtime_residual"] = rel_err(got[:64] - res[:64], want)
         if old is not None and m <= 272:
             record("triton_old", [lambda w=w: old(x, w) for w in wq], old(x, wq[0]))
         for t in tiles(m):
@@ -172,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="qwen3.6-27b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--legacy-fp8", help="an older model/fp8.py whose fp8_linear is timed as triton_old")
+    ap.add_argument("--runtime", action="store_true",
+                    help="bf16 against fp8_linear as the engine runs it (choose_gemms' choice per shape) only")
     ap.add_argument("--triton-only", action="store_true", help="the Triton tiles alone (no bf16, scaled_mm)")
     ap.add_argument("--tiles-out", help="also write the fastest tile per (N, K, rows) here (fp8.TILES' form)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-gemm-bench.json")
@@ -191,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for name, n, k in SHAPES[args.shape]:
             report["points"] += bench_projection(name, n, k, [int(r) for r in args.rows.split(",")], l2, old,
-                                                 lambda s: print(s, flush=True), libraries=not args.triton_only)
+                                                 lambda s: print(s, flush=True), libraries=not args.triton_only,
+                                                 runtime=args.runtime, tiles=(lambda m: []) if args.runtime else tiles_for)
             Path(args.out).write_text(json.dumps(report, indent=1))   # kept as it grows
     if args.tiles_out:
         Path(args.tiles_out).write_text(json.dumps({fam: best_tiles(report["points"], f"{fam}_best")

@@ -125,10 +125,10 @@ def fp8_linear_torch(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = N
 
 def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) (+ residual). On a GPU with FP8 tensor cores the Triton path
-    (quantize_groups_cuda, then _block_gemm_kernel), which writes the sum over `residual` in place (as
-    kernels.residual_linear does in 16 bits); elsewhere fp8_linear_torch. Either way a row's result
-    does not depend on the other rows of the call."""
+    """x [..., K] @ W^T (+ bias) (+ residual, written over it in place on a GPU, as
+    kernels.residual_linear does in 16 bits). On a GPU with FP8 tensor cores cuBLASLt's block-scaled
+    GEMM for the weight shapes choose_gemms found row-invariant, else the Triton path; elsewhere
+    fp8_linear_torch. Either way a row's result does not depend on the other rows of the call."""
     if not _use_kernel(x):
         return fp8_linear_torch(x, w, bias, residual)
     n, k = w.qweight.shape
@@ -136,24 +136,84 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = None if residual is None else residual.view(-1, n)
-    tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
-    out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
+    if (x.device.index or 0, n, k, w.scale_rows) in SCALED_MM_SHAPES:
+        out = scaled_mm_linear(x2, w, bias, out)
+    else:
+        tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
+        out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
     return residual if residual is not None else out.view(*x.shape[:-1], n)
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and not torch.is_grad_enabled() and gemm_path(x.device) == "triton"
+    return triton is not None and x.is_cuda and not torch.is_grad_enabled() and gemm_path(x.device) != "torch"
 
 
 @functools.lru_cache(maxsize=None)
 def gemm_path(device: torch.device) -> str:
-    """The FP8 GEMM a device runs, chosen once per device (named in the log and in /health): `triton` on
-    GPUs with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper, Blackwell), `torch` (the
-    weight dequantized per call) elsewhere. cuBLASLt's block-scaled GEMM (scaled_mm_gemm) is not used:
-    see docs/performance.md, FP8."""
+    """The FP8 GEMMs a device runs, chosen once per device (named in the log and in /health):
+    `scaled_mm+triton` on Hopper (cuBLASLt's block-scaled GEMM for the weight shapes choose_gemms finds
+    row-invariant, the Triton kernel for the rest), `triton` on the other GPUs with FP8 tensor cores
+    (compute capability 8.9 and up: Ada, Blackwell; cuBLASLt's 128x128 block scaling is Hopper-only),
+    `torch` (the CPU path's arithmetic) elsewhere."""
     if device.type != "cuda" or triton is None:
         return "torch"
-    return "triton" if torch.cuda.get_device_capability(device) >= (8, 9) else "torch"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return "torch"
+    return "scaled_mm+triton" if cap[0] == 9 and hasattr(torch.nn.functional, "scaled_mm") else "triton"
+
+
+# (device index, N, K, scale_rows) of the weights fp8_linear gives to cuBLASLt (choose_gemms fills it)
+SCALED_MM_SHAPES: set[tuple[int, int, int, int]] = set()
+# row counts choose_gemms checks, with the largest pass the engine runs
+PROBE_ROWS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 100, 128, 136, 200, 256, 272, 300, 512, 1024, 2048, 4096, 8192)
+
+
+def fp8_weights(model: nn.Module) -> list[BlockFP8]:
+    """Every FP8 weight a model's forward multiplies by: its FP8Linears' and the fused ones its modules
+    hold (layers.fuse_rows: a BlockFP8, a (weight, bias) pair, or RowParts)."""
+    found = [m.block() for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in model.modules():
+        stack = list(vars(m).values())
+        while stack:
+            v = stack.pop()
+            if isinstance(v, BlockFP8):
+                found.append(v)
+            elif isinstance(v, tuple):
+                stack.extend(v)
+    return found
+
+
+def choose_gemms(model: nn.Module, device: torch.device, max_rows: int) -> dict[str, str]:
+    """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load: cuBLASLt's
+    block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
+    pass) and at max_rows, has the bits it has among max_rows rows (cuBLASLt picks its kernel by
+    the row count, and some picks sum a row differently: 27B's o_proj shape, measured), the Triton kernel
+    otherwise, and for weights whose scales are per row (fused projections not a multiple of 128 rows).
+    Returns "NxK" -> the GEMM, for the log."""
+    if gemm_path(device) != "scaled_mm+triton":
+        return {}
+    index = device.index or 0
+    rows = sorted({r for r in PROBE_ROWS if r < max_rows} | {max_rows})
+    chosen = {}
+    for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
+        if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device):
+            SCALED_MM_SHAPES.add((index, n, k, scale_rows))
+        chosen[f"{n}x{k}"] = "scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else "triton"
+    return chosen
+
+
+def _rows_independent(n: int, k: int, rows: list[int], device: torch.device) -> bool:
+    """Whether scaled_mm_gemm gives each row the same bits at every row count in `rows` (random data)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode():
+        w = BlockFP8(*quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), BLOCK)
+        x = torch.randn(rows[-1], k, device=device, generator=g).to(torch.bfloat16)
+        full = scaled_mm_gemm(x, w)
+        same = all(torch.equal(scaled_mm_gemm(x[:m], w), full[:m]) for m in rows[:-1])
+    del w, x, full
+    torch.cuda.empty_cache()
+    return same
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,32 +223,35 @@ def _device_limits(device: int) -> tuple[int, int]:
     return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 99 * 1024)
 
 
-# (N, K) -> [(up to this many rows, tile)], measured on the H200 by bench/fp8_gemm_bench.py (the fastest
-# tile at each row count); shapes not listed take default_tile's
-TILES: dict[tuple[int, int], list[tuple[int, "GemmTile"]]] = {}
+# The Triton kernel's tiles are all of 16 or 32 rows: those run mma.sync on a Hopper GPU, tiles of 64
+# rows wgmma, and the two round a K block's dot differently (measured on the H200: a row's bits differ
+# between the families, never within one), so one family for every row count keeps a row's result
+# independent of the row count. The 16/32 family is the faster at decode sizes (1-16 rows: 28-58 us
+# against 44-111 for 64-row tiles on the 27B shapes), where the Triton kernel serves (choose_gemms).
+# (N, K) -> [(up to this many rows, tile)]: the fastest 16/32-row tile per row count on the H200
+# (bench/results/runtime-fp8-gemm-families-27b-v1.json); other shapes take default_tile's.
+def _table(rows_tiles: list[tuple[int, tuple[int, int, int, int]]]) -> list[tuple[int, "GemmTile"]]:
+    return [(rows, GemmTile(*tile)) for rows, tile in rows_tiles]
+
+
+def default_tile(m: int, n: int, sms: int) -> "GemmTile":
+    """One tile of 16 rows up to 16 rows, with N tiles narrow enough for about two programs per SM
+    (the GEMM is bound by reading W); 32 rows above, N tiles of 32 to 128 as the rows grow."""
+    if m > 16:
+        return GemmTile(32, 32 if m <= 64 else 64 if m <= 128 else 128, 4, 4 if m <= 64 else 3)
+    block_n = 128
+    while block_n > 32 and cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    return GemmTile(16, block_n, 4, 4)
 
 
 def gemm_tile(m: int, n: int, k: int, sms: int, shared: int) -> "GemmTile":
     """The tile for an [m, k] x [k, n] GEMM: the measured table's, else default_tile, with no more
     pipeline stages than the device's shared memory holds (an RTX PRO 6000's SM has about 100 KB, an
-    H200's 228 KB). Any tile gives a row the same result (each K block's dot starts from zero and the
-    blocks are summed in order), so choosing by m keeps the speculative path and the AR reference in
-    agreement."""
+    H200's 228 KB)."""
     tile = next((t for rows, t in TILES.get((n, k), ()) if m <= rows), None) or default_tile(m, n, sms)
     stage = (tile.block_m + tile.block_n) * BLOCK     # an e4m3 tile of x and one of W per stage
     return tile._replace(stages=max(2, min(tile.stages, (shared - 8192) // stage)))
-
-
-def default_tile(m: int, n: int, sms: int) -> "GemmTile":
-    """Decode and verify sizes are bound by reading W: one tile of rows and N tiles narrow enough that
-    about two programs run per SM. Prefill sizes are bound by the tensor cores: 128x128 tiles."""
-    if m > 256:
-        return GemmTile(128, 128, 8, 4)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128
-    while block_n > 32 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    return GemmTile(block_m, block_n, 4, 4)
 
 
 if triton is not None:
@@ -273,6 +336,16 @@ class GemmTile(NamedTuple):
     stages: int
 
 
+_LARGE = [(64, (32, 64, 4, 3)), (128, (32, 64, 4, 3)), (1 << 62, (32, 128, 4, 3))]
+TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
+    (16480, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
+    (14336, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
+    (5120, 6144): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+    (34816, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 64, 4, 4)), (17, (32, 128, 4, 3))] + _LARGE),
+    (5120, 17408): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+}
+
+
 def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_groups on the GPU in one launch: (e4m3 [rows_out, K], float32 scales [ceil(K/128),
     rows_out]); rows past x2's are zeros (cuBLASLt's padding)."""
@@ -310,14 +383,25 @@ def scaled_mm_rows(m: int) -> int:
     return cdiv(m, 16) * 16
 
 
-def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """fp8_linear through scaled_mm_gemm: with a bias or a residual (`out`, which receives the sum) the
+    GEMM's float32 result is added and rounded once, as the Triton kernel does."""
+    if bias is None and out is None:
+        return scaled_mm_gemm(x2, w)
+    y = scaled_mm_gemm(x2, w, torch.float32)
+    if bias is not None:
+        y += bias.float()
+    return out.add_(y) if out is not None else y.to(x2.dtype)
+
+
+def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8, dtype: torch.dtype | None = None) -> torch.Tensor:
     """PyTorch's block-scaled GEMM (cuBLASLt, Hopper): 1x128 activation scales, 128x128 weight scales;
-    [M, N] in x2's dtype (a view of the padded result)."""
+    [M, N] in `dtype` (x2's by default; a view of the padded result)."""
     from torch.nn.functional import ScalingType, scaled_mm
     m = x2.shape[0]
     q, s = quantize_groups_cuda(x2, scaled_mm_rows(m))
     out = scaled_mm(q, w.qweight.t(), s.t(), ScalingType.BlockWise1x128, w.scale_inv.t(),
-                    ScalingType.BlockWise128x128, output_dtype=x2.dtype)
+                    ScalingType.BlockWise128x128, output_dtype=dtype or x2.dtype)
     return out[:m]
 
 

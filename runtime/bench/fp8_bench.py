@@ -103,7 +103,8 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     out: dict = {"target_bytes": nbytes(target), "drafter_bytes": nbytes(drafter)}
     contexts = [int(c) for c in args.prefill.split(",")]
     running = max(args.running)
-    engine = Engine(EngineConfig(f"random-{shape}-{precision}", None, tree_budget=16, device=str(device),
+    # sized for the agreement check's ddtree@128 from the start (no pool resize between the cases)
+    engine = Engine(EngineConfig(f"random-{shape}-{precision}", None, tree_budget=128, device=str(device),
                                  dtype=args.dtype, max_context=max(contexts + [args.context]) + 64 * 17,
                                  max_running=running, prefill_chunk=max(contexts)),
                     target=target, drafter=drafter)

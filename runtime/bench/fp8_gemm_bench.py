@@ -97,7 +97,7 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
     if runtime:  # what the engine decides at load, probed up to its largest pass (16 x 1025 rows)
         holder = torch.nn.Module()
         holder.weight = wq[0]
-        log(f"  {name}: {fp8.choose_gemms(holder, dev, 16 * 1025)}")
+        log(f"  {name}: {fp8.choose_gemms(holder, dev, torch.bfloat16, 16 * 1025)}")
     x_all = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
     out_rows = []
     ref_row0: dict[str, torch.Tensor] = {}

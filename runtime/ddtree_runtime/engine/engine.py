@@ -148,8 +148,9 @@ class Engine(Placement, Prefilling, Rounds):
             self.target.feature_layers = list(dcfg.target_layer_ids)
         if self.fp8_gemm:  # probed up to the largest pass: a prefill chunk, or every request's biggest tree
             rows = max(config.prefill_chunk, config.max_running * (MAX_TREE_BUDGET + 1))
-            shapes = {**choose_gemms(self.target, self.device, rows),
-                      **(choose_gemms(self.drafter, self.device, rows) if self.drafter is not None else {})}
+            dtype = self.target.lm_head.weight.dtype
+            shapes = {**choose_gemms(self.target, self.device, dtype, rows),
+                      **(choose_gemms(self.drafter, self.device, dtype, rows) if self.drafter is not None else {})}
             log.info("fp8 GEMM on %s: %s%s", self.device, self.fp8_gemm,
                      f" ({', '.join(f'{s} {g}' for s, g in shapes.items())})" if shapes else "")
         tree_slots = max(config.tree_budget, self.block_size) + 1

@@ -184,10 +184,10 @@ def fp8_weights(model: nn.Module) -> list[BlockFP8]:
     return found
 
 
-def choose_gemms(model: nn.Module, device: torch.device, max_rows: int) -> dict[str, str]:
+def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max_rows: int) -> dict[str, str]:
     """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load: cuBLASLt's
     block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
-    pass) and at max_rows, has the bits it has among max_rows rows (cuBLASLt picks its kernel by
+    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`) (cuBLASLt picks its kernel by
     the row count, and some picks sum a row differently: 27B's o_proj shape, measured), the Triton kernel
     otherwise, and for weights whose scales are per row (fused projections not a multiple of 128 rows).
     Returns "NxK" -> the GEMM, for the log."""
@@ -197,21 +197,23 @@ def choose_gemms(model: nn.Module, device: torch.device, max_rows: int) -> dict[
     rows = sorted({r for r in PROBE_ROWS if r < max_rows} | {max_rows})
     chosen = {}
     for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
-        if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device):
+        if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device, dtype):
             SCALED_MM_SHAPES.add((index, n, k, scale_rows))
         chosen[f"{n}x{k}"] = "scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else "triton"
     return chosen
 
 
-def _rows_independent(n: int, k: int, rows: list[int], device: torch.device) -> bool:
+def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype) -> bool:
     """Whether scaled_mm_gemm gives each row the same bits at every row count in `rows` (random data)."""
     g = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode():
         w = BlockFP8(*quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), BLOCK)
-        x = torch.randn(rows[-1], k, device=device, generator=g).to(torch.bfloat16)
-        full = scaled_mm_gemm(x, w)
-        same = all(torch.equal(scaled_mm_gemm(x[:m], w), full[:m]) for m in rows[:-1])
-    del w, x, full
+        x = torch.randn(rows[-1], k, device=device, generator=g).to(dtype)
+        try:
+            full = scaled_mm_gemm(x, w)
+            same = all(torch.equal(scaled_mm_gemm(x[:m], w), full[:m]) for m in rows[:-1])
+        except RuntimeError:  # a shape cuBLASLt does not take: the Triton kernel serves it
+            same = False
     torch.cuda.empty_cache()
     return same
 
@@ -384,24 +386,23 @@ def scaled_mm_rows(m: int) -> int:
 
 
 def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-    """fp8_linear through scaled_mm_gemm: with a bias or a residual (`out`, which receives the sum) the
-    GEMM's float32 result is added and rounded once, as the Triton kernel does."""
-    if bias is None and out is None:
-        return scaled_mm_gemm(x2, w)
-    y = scaled_mm_gemm(x2, w, torch.float32)
+    """fp8_linear through scaled_mm_gemm (the call choose_gemms probed); the bias and the residual (`out`,
+    which receives the sum) are added after it, in x2's dtype: one rounding more than the Triton kernel,
+    the same for every row count."""
+    y = scaled_mm_gemm(x2, w)
     if bias is not None:
-        y += bias.float()
-    return out.add_(y) if out is not None else y.to(x2.dtype)
+        y = y + bias
+    return out.add_(y) if out is not None else y
 
 
-def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8, dtype: torch.dtype | None = None) -> torch.Tensor:
+def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
     """PyTorch's block-scaled GEMM (cuBLASLt, Hopper): 1x128 activation scales, 128x128 weight scales;
-    [M, N] in `dtype` (x2's by default; a view of the padded result)."""
+    [M, N] in x2's dtype (a view of the padded result)."""
     from torch.nn.functional import ScalingType, scaled_mm
     m = x2.shape[0]
     q, s = quantize_groups_cuda(x2, scaled_mm_rows(m))
     out = scaled_mm(q, w.qweight.t(), s.t(), ScalingType.BlockWise1x128, w.scale_inv.t(),
-                    ScalingType.BlockWise128x128, output_dtype=dtype or x2.dtype)
+                    ScalingType.BlockWise128x128, output_dtype=x2.dtype)
     return out[:m]
 
 

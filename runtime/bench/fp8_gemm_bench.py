@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from attn_probe import timed  # noqa: E402
 from ddtree_runtime.model import fp8  # noqa: E402
 
 # (name, N, K) of the projections as the engine runs them (fused)
@@ -56,29 +57,9 @@ def family(tile: fp8.GemmTile) -> str:
 
 
 def timed_us(fns: list, reps: int = 24) -> float:
-    """Microseconds per call: `reps` calls, rotating over `fns`, captured in one CUDA graph (as the engine
-    runs them), median of 7 replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times) * 1e3 / reps
+    """Microseconds per call: attn_probe.timed's CUDA graph of `reps` calls, rotating over `fns`."""
+    calls = itertools.cycle(fns)
+    return timed(lambda: next(calls)(), reps)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

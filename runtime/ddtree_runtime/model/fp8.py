@@ -225,17 +225,6 @@ def _device_limits(device: int) -> tuple[int, int]:
     return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 99 * 1024)
 
 
-# The Triton kernel's tiles are all of 16 or 32 rows: those run mma.sync on a Hopper GPU, tiles of 64
-# rows wgmma, and the two round a K block's dot differently (measured on the H200: a row's bits differ
-# between the families, never within one), so one family for every row count keeps a row's result
-# independent of the row count. The 16/32 family is the faster at decode sizes (1-16 rows: 28-58 us
-# against 44-111 for 64-row tiles on the 27B shapes), where the Triton kernel serves (choose_gemms).
-# (N, K) -> [(up to this many rows, tile)]: the fastest 16/32-row tile per row count on the H200
-# (bench/results/runtime-fp8-gemm-families-27b-v1.json); other shapes take default_tile's.
-def _table(rows_tiles: list[tuple[int, tuple[int, int, int, int]]]) -> list[tuple[int, "GemmTile"]]:
-    return [(rows, GemmTile(*tile)) for rows, tile in rows_tiles]
-
-
 def default_tile(m: int, n: int, sms: int) -> "GemmTile":
     """One tile of 16 rows up to 16 rows, with N tiles narrow enough for about two programs per SM
     (the GEMM is bound by reading W); 32 rows above, N tiles of 32 to 128 as the rows grow."""
@@ -336,6 +325,17 @@ class GemmTile(NamedTuple):
     block_n: int
     warps: int
     stages: int
+
+
+# The Triton kernel's tiles are all of 16 or 32 rows: those run mma.sync on a Hopper GPU, tiles of 64
+# rows wgmma, and the two round a K block's dot differently (measured on the H200: a row's bits differ
+# between the families, never within one), so one family for every row count keeps a row's result
+# independent of the row count. The 16/32 family is the faster at decode sizes (1-16 rows: 28-58 us
+# against 44-111 for 64-row tiles on the 27B shapes), where the Triton kernel serves (choose_gemms).
+# (N, K) -> [(up to this many rows, tile)]: the fastest 16/32-row tile per row count on the H200
+# (bench/results/runtime-fp8-gemm-families-27b-v1.json); other shapes take default_tile's.
+def _table(rows_tiles: list[tuple[int, tuple[int, int, int, int]]]) -> list[tuple[int, GemmTile]]:
+    return [(rows, GemmTile(*tile)) for rows, tile in rows_tiles]
 
 
 _LARGE = [(64, (32, 64, 4, 3)), (128, (32, 64, 4, 3)), (1 << 62, (32, 128, 4, 3))]

@@ -106,6 +106,7 @@ def test_health_and_models(server, client):
     assert body["max_draft_len"] == body["block_size"] - 1 > 0
     assert body["model"] == MODEL and body["draft_model"] == "draft" and body["target_arch"] == "qwen3"
     assert body["quantization"] == "none" and body["uptime_s"] > 0
+    assert "fp8_gemm" not in body   # named only when FP8 is in use
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 

@@ -234,7 +234,7 @@ def test_fp8_gemm_matches_its_blocks_and_scales_in_float64():
     interpret("""
         import ddtree_runtime.model.fp8 as F8
         F8._use_kernel = lambda x: True
-        F8._sm_count = lambda device: 132
+        F8._device_limits = lambda device: (132, 232448)
 
         def ref(x, w, bias, residual):  # float64
             q, s = F8.quantize_groups(x)
@@ -266,7 +266,7 @@ def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, ti
         from ddtree_devtools.fp8_checkpoint import write_fp8_checkpoint
         from ddtree_runtime.model import load_target
         from ddtree_runtime.model.layers import fuse_projections
-        F8._sm_count = lambda device: 132
+        F8._device_limits = lambda device: (132, 232448)
         for name, pair in (("qwen3", {str(tiny_models)!r}), ("hybrid", {str(tiny_hybrid_models)!r})):
             model = load_target(write_fp8_checkpoint(pair + "/target", {str(tmp_path)!r} + "/" + name))
             fuse_projections(model)

@@ -115,6 +115,7 @@ class EngineInfo:
     draft_name: str | None
     quantization: str          # what the target's projections are: "fp8" or "none"
     limits: RequestLimits
+    fp8_gemm: str | None = None  # with FP8, the GEMM path chosen for this GPU at load (model/fp8.py)
 
 
 class ServedEngine(Protocol):

@@ -34,7 +34,7 @@ from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, l
                         pool_too_small)
 from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
-from ..model.fp8 import FP8Linear
+from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
 from . import memory
@@ -130,6 +130,8 @@ class Engine(Placement, Prefilling, Rounds):
         self.arch = "qwen3_5" if isinstance(tcfg, Qwen35Config) else "qwen3"  # reported by /health
         # what the target's projections are (the checkpoint's, or --quantize's), also for /health
         self.quantization = "fp8" if any(isinstance(m, FP8Linear) for m in self.target.modules()) else "none"
+        # which FP8 GEMMs this device runs (model/fp8.gemm_path), also for /health; None in 16 bits
+        self.fp8_gemm = gemm_path(self.device) if self.quantization == "fp8" else None
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter
@@ -147,6 +149,13 @@ class Engine(Placement, Prefilling, Rounds):
                 raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
+        if self.fp8_gemm:  # probed up to the largest pass: a prefill chunk, or every request's biggest tree
+            rows = max(config.prefill_chunk, config.max_running * (MAX_TREE_BUDGET + 1))
+            dtype = self.target.lm_head.weight.dtype
+            shapes = {**choose_gemms(self.target, self.device, dtype, rows),
+                      **(choose_gemms(self.drafter, self.device, dtype, rows) if self.drafter is not None else {})}
+            log.info("fp8 GEMM on %s: %s%s", self.device, self.fp8_gemm,
+                     f" ({', '.join(f'{s} {g}' for s, g in shapes.items())})" if shapes else "")
         tree_slots = max(config.tree_budget, self.block_size) + 1
         # finished requests' rows kept for prefix reuse; a hybrid reuses only where a state was kept
         self.prefix = PrefixCache(snapshots_only=self.arch == "qwen3_5") if config.prefix_cache else None
@@ -197,7 +206,8 @@ class Engine(Placement, Prefilling, Rounds):
         self._next_id = 0
         limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
                                config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)
-        self.info = EngineInfo(self.model_name, self.arch, self.draft_name, self.quantization, limits)
+        self.info = EngineInfo(self.model_name, self.arch, self.draft_name, self.quantization, limits,
+                               fp8_gemm=self.fp8_gemm)
         cap = self.capacity()
         log.info("KV pool: %d tokens (%d pages x %d); holds %d requests of %d tokens, %d of the full context "
                  "(%d); %d running at most", cap["tokens"], cap["pages_total"], self.page_size, cap["requests_8k"],

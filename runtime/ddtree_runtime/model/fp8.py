@@ -5,14 +5,20 @@ the bytes. The layout is the one Qwen's FP8 releases, transformers ("fine-graine
 use: `weight` e4m3 [N, K] and `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)], W = W_fp8 *
 scale_inv blockwise. `--quantize fp8` writes the same layout from bf16 weights at load.
 
-The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block:
-- on CUDA one Triton kernel (`_fp8_gemm_kernel`): it quantizes its tile of x itself (no separate
-  activation-quantization launch, which a decode step would pay in every projection), multiplies
-  e4m3 x e4m3 into float32 per K block, applies the scales, adds the bias and the residual, and writes
-  in the activations' dtype;
-- elsewhere (CPU, CI) the same arithmetic in torch: x quantized and dequantized per group, the
-  weight dequantized, one float32 matmul. The kernel runs through Triton's interpreter in
-  tests/runtime/test_triton_kernels.py and must agree with it.
+The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block, in
+one fixed arithmetic on every path: per K block, the dot of e4m3 codes from zero, times the row's and
+the weight block's scales, added to a float32 sum in block order. A row's result therefore does not
+depend on how many rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk
+after a cached prefix): the speculative path and its AR reference agree, and a seed gives one text.
+- on GPUs with FP8 tensor cores (gemm_path: "triton"): quantize_groups_cuda (one small launch: codes
+  and scales of x), then _block_gemm_kernel, which reads each W tile once, multiplies e4m3 x e4m3 into
+  float32, applies the scales, adds the bias and the residual and writes in the activations' dtype;
+  its tile comes from a table measured on the H200 (TILES), its stages from the device's shared memory;
+- elsewhere (CPU, CI; gemm_path "torch") the same arithmetic in torch (block_products: each block's
+  dot exact in float64). The kernels run through Triton's interpreter in tests/runtime/test_triton_kernels.py
+  and must agree with it.
+scaled_mm_gemm (cuBLASLt's block-scaled GEMM, Hopper only) is kept for bench/fp8_gemm_bench.py, which
+times it beside the kernel: docs/performance.md (FP8) says why the runtime does not use it.
 
 Serving an FP8 model is exact with respect to that FP8 model (speculative decoding verifies against
 it), not with respect to the bf16 model it came from; bench/fp8_accuracy.py measures how far it is."""
@@ -87,14 +93,28 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(m, kb * BLOCK)[:, :k], scale
 
 
+def block_products(q: torch.Tensor, x_scale: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+    """float32 [M, N]: the sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * x_scale[m, kb] *
+    w_scale[n, kb], as the kernel computes it. Each block's dot of e4m3 codes is exact in float64 (the
+    products are multiples of 2**-18 below 2**18, 128 of them stay far inside 53 bits) whatever order the
+    matmul sums them in, so a row's result does not depend on how many rows run beside it."""
+    m, k = q.shape
+    n = w.qweight.shape[0]
+    w_scale = w.scale_inv.repeat_interleave(w.scale_rows, 0)[:n]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=q.device)
+    for kb in range(cdiv(k, BLOCK)):
+        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        dot = (q[:, cols].double() @ w.qweight[:, cols].double().t()).float()
+        acc += dot * x_scale[:, kb, None] * w_scale[None, :, kb]
+    return acc
+
+
 def fp8_linear_torch(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM's arithmetic in torch (the CPU path and the kernel's reference): x [..., K] ->
     [..., N] in x's dtype, plus the residual if given."""
     x2 = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_groups(x2)
-    xd = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :x2.shape[1]]
-    out = xd @ dequantize(w).t()
+    out = block_products(*quantize_groups(x2), w)
     if bias is not None:
         out = out + bias.float()
     out = out.view(*x.shape[:-1], -1)
@@ -105,52 +125,124 @@ def fp8_linear_torch(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = N
 
 def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) (+ residual). On CUDA one Triton kernel, which writes the sum over
-    `residual` in place (as kernels.residual_linear does in 16 bits); elsewhere fp8_linear_torch."""
+    """x [..., K] @ W^T (+ bias) (+ residual, written over it in place on a GPU, as
+    kernels.residual_linear does in 16 bits). On a GPU with FP8 tensor cores cuBLASLt's block-scaled
+    GEMM for the weight shapes choose_gemms found row-invariant, else the Triton path; elsewhere
+    fp8_linear_torch. Either way a row's result does not depend on the other rows of the call."""
     if not _use_kernel(x):
         return fp8_linear_torch(x, w, bias, residual)
     n, k = w.qweight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    if residual is not None:
-        out = residual.view(-1, n)
+    out = None if residual is None else residual.view(-1, n)
+    if (x.device.index or 0, n, k, w.scale_rows) in SCALED_MM_SHAPES:
+        out = scaled_mm_linear(x2, w, bias, out)
     else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, warps, stages = gemm_launch(m, n, _sm_count(x.device.index or 0))
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
-    _fp8_gemm_kernel[grid](x2, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
-                           x2.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
-                           SCALE_ROWS=w.scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
-                           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                           num_warps=warps, num_stages=stages)
+        tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
+        out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
     return residual if residual is not None else out.view(*x.shape[:-1], n)
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and not torch.is_grad_enabled()
+    return triton is not None and x.is_cuda and not torch.is_grad_enabled() and gemm_path(x.device) != "torch"
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def gemm_path(device: torch.device) -> str:
+    """The FP8 GEMMs a device runs, chosen once per device (named in the log and in /health):
+    `scaled_mm+triton` on Hopper (cuBLASLt's block-scaled GEMM for the weight shapes choose_gemms finds
+    row-invariant, the Triton kernel for the rest), `triton` on the other GPUs with FP8 tensor cores
+    (compute capability 8.9 and up: Ada, Blackwell; cuBLASLt's 128x128 block scaling is Hopper-only),
+    `torch` (the CPU path's arithmetic) elsewhere."""
+    if device.type != "cuda" or triton is None:
+        return "torch"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return "torch"
+    return "scaled_mm+triton" if cap[0] == 9 and hasattr(torch.nn.functional, "scaled_mm") else "triton"
 
 
-def gemm_launch(m: int, n: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for an [m, K] x [K, n] GEMM. At decode and verify sizes (1 to
-    ~300 rows) the GEMM is bound by reading W, so the N tiles shrink until there are about two
-    programs per SM (each streams its rows of W); larger GEMMs take 64-row tiles. The software pipeline
-    gets as many stages (2 to 6) as fit in 96 KB of shared memory, which every FP8 GPU has (an RTX PRO
-    6000's SM about 100 KB, an H200's 228 KB): a small tile keeps more loads of W in flight that way.
-    Not yet tuned on a GPU: bench/fp8_bench.py --sweep measures the alternatives."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+# (device index, N, K, scale_rows) of the weights fp8_linear gives to cuBLASLt (choose_gemms fills it)
+SCALED_MM_SHAPES: set[tuple[int, int, int, int]] = set()
+# row counts choose_gemms checks, with the largest pass the engine runs
+PROBE_ROWS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 100, 128, 136, 200, 256, 272, 300, 512, 1024, 2048, 4096, 8192)
+
+
+def fp8_weights(model: nn.Module) -> list[BlockFP8]:
+    """Every FP8 weight a model's forward multiplies by: its FP8Linears' and the fused ones its modules
+    hold (layers.fuse_rows: a BlockFP8, a (weight, bias) pair, or RowParts)."""
+    found = [m.block() for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in model.modules():
+        stack = list(vars(m).values())
+        while stack:
+            v = stack.pop()
+            if isinstance(v, BlockFP8):
+                found.append(v)
+            elif isinstance(v, tuple):
+                stack.extend(v)
+    return found
+
+
+def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max_rows: int) -> dict[str, str]:
+    """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load: cuBLASLt's
+    block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
+    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`) (cuBLASLt picks its kernel by
+    the row count, and some picks sum a row differently: 27B's o_proj shape, measured), the Triton kernel
+    otherwise, and for weights whose scales are per row (fused projections not a multiple of 128 rows).
+    Returns "NxK" -> the GEMM, for the log."""
+    if gemm_path(device) != "scaled_mm+triton":
+        return {}
+    index = device.index or 0
+    rows = sorted({r for r in PROBE_ROWS if r < max_rows} | {max_rows})
+    chosen = {}
+    for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
+        if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device, dtype):
+            SCALED_MM_SHAPES.add((index, n, k, scale_rows))
+        chosen[f"{n}x{k}"] = "scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else "triton"
+    return chosen
+
+
+def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether scaled_mm_gemm gives each row the same bits at every row count in `rows` (random data)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode():
+        w = BlockFP8(*quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), BLOCK)
+        x = torch.randn(rows[-1], k, device=device, generator=g).to(dtype)
+        try:
+            full = scaled_mm_gemm(x, w)
+            same = all(torch.equal(scaled_mm_gemm(x[:m], w), full[:m]) for m in rows[:-1])
+        except RuntimeError:  # a shape cuBLASLt does not take: the Triton kernel serves it
+            same = False
+    torch.cuda.empty_cache()
+    return same
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(device: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory a program may take in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+
+
+def default_tile(m: int, n: int, sms: int) -> "GemmTile":
+    """One tile of 16 rows up to 16 rows, with N tiles narrow enough for about two programs per SM
+    (the GEMM is bound by reading W); 32 rows above, N tiles of 32 to 128 as the rows grow."""
+    if m > 16:
+        return GemmTile(32, 32 if m <= 64 else 64 if m <= 128 else 128, 4, 4 if m <= 64 else 3)
     block_n = 128
-    while block_n > 16 and cdiv(m, block_m) * cdiv(n, block_n) < 2 * sms:
+    while block_n > 32 and cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    stage_bytes = block_m * BLOCK * 2 + block_n * BLOCK   # a 16-bit tile of x and an e4m3 tile of W
-    stages = max(2, min(6, 96 * 1024 // stage_bytes))
-    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8, stages
+    return GemmTile(16, block_n, 4, 4)
+
+
+def gemm_tile(m: int, n: int, k: int, sms: int, shared: int) -> "GemmTile":
+    """The tile for an [m, k] x [k, n] GEMM: the measured table's, else default_tile, with no more
+    pipeline stages than the device's shared memory holds (an RTX PRO 6000's SM has about 100 KB, an
+    H200's 228 KB)."""
+    tile = next((t for rows, t in TILES.get((n, k), ()) if m <= rows), None) or default_tile(m, n, sms)
+    stage = (tile.block_m + tile.block_n) * BLOCK     # an e4m3 tile of x and one of W per stage
+    return tile._replace(stages=max(2, min(tile.stages, (shared - 8192) // stage)))
 
 
 if triton is not None:
@@ -167,36 +259,151 @@ if triton is not None:
         subnormal = (v + 24576.0) - 24576.0
         return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
-    # M is a pass's token count: not specialised on (it only masks rows), so prompts of every length
-    # share a compile
+if triton is not None:
+    @triton.jit(do_not_specialize=["M", "M_OUT"])
+    def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_qm, stride_sk,
+                                ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x [M, K] -> e4m3 codes q [M_OUT, K] and float32 scales s [ceil(K/128), M_OUT] (token-major, the
+        layout cuBLASLt's 1x128 scales take); rows M..M_OUT (padding) are written as zeros."""
+        rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        kb = tl.program_id(1)
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+        q = _round_to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0)).to(tl.float8e4nv)
+        out_ok = rm < M_OUT
+        tl.store(q_ptr + rm[:, None] * stride_qm + k[None, :], q, mask=out_ok[:, None] & k_ok[None, :])
+        tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
+
     @triton.jit(do_not_specialize=["M"])
-    def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
-                         stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        # out[m, n] (+)= sum over K blocks of (x_q[m, blk] . w_q[n, blk]) * x_scale[m, blk] * w_scale[n, blk]
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_xsk,
+                           stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """out[m, n] (+)= sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]:
+        each block's dot starts from zero, so a row's result does not depend on the tile it lands in."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        m_ok, n_ok = rm < M, rn < N
+        lm, ln = rm % M, rn % N            # loads wrap inside the matrices; the store masks
+        a_ptrs = q_ptr + lm[:, None] * stride_qm + rk[None, :]
+        b_ptrs = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+        xs_ptrs = xs_ptr + lm
+        ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k = kb * BLOCK_K + rk
-            k_ok = k < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            # this tile's activations quantized per row (one token's group of 128), as quantize_groups
-            x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-            xq = _round_to_e4m3(tl.clamp(x / x_scale[:, None], -448.0, 448.0)).to(tl.float8e4nv)
-            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            w_scale = tl.load(ws_ptr + (rn // SCALE_ROWS) * stride_wsn + kb, mask=n_ok, other=0.0)
-            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = rk < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            xs = tl.load(xs_ptrs + kb * stride_xsk)
+            ws = tl.load(ws_ptrs + kb)
+            acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        n_ok = rn < N
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        if HAS_RESIDUAL:  # out holds the residual stream: the sum is rounded once, as addmm_ does in 16 bits
+        ok = (rm < M)[:, None] & n_ok[None, :]
+        if HAS_RESIDUAL:
             acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class GemmTile(NamedTuple):
+    """One launch of _block_gemm_kernel."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# The Triton kernel's tiles are all of 16 or 32 rows: those run mma.sync on a Hopper GPU, tiles of 64
+# rows wgmma, and the two round a K block's dot differently (measured on the H200: a row's bits differ
+# between the families, never within one), so one family for every row count keeps a row's result
+# independent of the row count. The 16/32 family is the faster at decode sizes (1-16 rows: 28-58 us
+# against 44-111 for 64-row tiles on the 27B shapes), where the Triton kernel serves (choose_gemms).
+# (N, K) -> [(up to this many rows, tile)]: the fastest 16/32-row tile per row count on the H200
+# (bench/results/runtime-fp8-gemm-families-27b-v1.json); other shapes take default_tile's.
+def _table(rows_tiles: list[tuple[int, tuple[int, int, int, int]]]) -> list[tuple[int, GemmTile]]:
+    return [(rows, GemmTile(*tile)) for rows, tile in rows_tiles]
+
+
+_LARGE = [(64, (32, 64, 4, 3)), (128, (32, 64, 4, 3)), (1 << 62, (32, 128, 4, 3))]
+TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
+    (16480, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
+    (14336, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
+    (5120, 6144): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+    (34816, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 64, 4, 4)), (17, (32, 128, 4, 3))] + _LARGE),
+    (5120, 17408): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+}
+
+
+def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups on the GPU in one launch: (e4m3 [rows_out, K], float32 scales [ceil(K/128),
+    rows_out]); rows past x2's are zeros (cuBLASLt's padding)."""
+    m, k = x2.shape
+    rows_out = m if rows_out is None else rows_out
+    kb = cdiv(k, BLOCK)
+    q = torch.empty((rows_out, k), dtype=FP8, device=x2.device)
+    s = torch.empty((kb, rows_out), dtype=torch.float32, device=x2.device)
+    rows = 4
+    _quantize_groups_kernel[(cdiv(rows_out, rows), kb)](x2, q, s, m, rows_out, k, x2.stride(0), q.stride(0),
+                                                        s.stride(0), ROWS=rows, BLOCK_K=BLOCK, num_warps=4)
+    return q, s
+
+
+def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
+    """The Triton path: x2 [M, K] quantized by quantize_groups_cuda, then _block_gemm_kernel with `tile`;
+    with residual=True `out` holds the residual and receives the sum."""
+    m, k = x2.shape
+    n = w.qweight.shape[0]
+    q, s = quantize_groups_cuda(x2)
+    if out is None:
+        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    grid = (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),)
+    _block_gemm_kernel[grid](q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
+                             q.stride(0), s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
+                             SCALE_ROWS=w.scale_rows, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK,
+                             EVEN_K=k % BLOCK == 0, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual,
+                             num_warps=tile.warps, num_stages=tile.stages)
+    return out
+
+
+def scaled_mm_rows(m: int) -> int:
+    """The rows cuBLASLt's block-scaled GEMM is given: m padded to a multiple of 16 (it refuses 1 and 17)."""
+    return cdiv(m, 16) * 16
+
+
+def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """fp8_linear through scaled_mm_gemm (the call choose_gemms probed); the bias and the residual (`out`,
+    which receives the sum) are added after it, in x2's dtype: one rounding more than the Triton kernel,
+    the same for every row count."""
+    y = scaled_mm_gemm(x2, w)
+    if bias is not None:
+        y = y + bias
+    return out.add_(y) if out is not None else y
+
+
+def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+    """PyTorch's block-scaled GEMM (cuBLASLt, Hopper): 1x128 activation scales, 128x128 weight scales;
+    [M, N] in x2's dtype (a view of the padded result)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+    m = x2.shape[0]
+    q, s = quantize_groups_cuda(x2, scaled_mm_rows(m))
+    out = scaled_mm(q, w.qweight.t(), s.t(), ScalingType.BlockWise1x128, w.scale_inv.t(),
+                    ScalingType.BlockWise128x128, output_dtype=x2.dtype)
+    return out[:m]
 
 
 class FP8Linear(nn.Module):

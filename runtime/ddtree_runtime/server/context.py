@@ -103,6 +103,7 @@ class ServerContext:
             "target_arch": info.arch,
             "draft_model": info.draft_name,
             "quantization": info.quantization,
+            **({"fp8_gemm": info.fp8_gemm} if info.fp8_gemm else {}),
             "tensor_parallel": self.config.tensor_parallel,  # GPUs (processes) this server spans
             "max_running": self.worker.capacity(),
             "running": self.worker.running(),

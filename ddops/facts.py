@@ -259,6 +259,7 @@ class Inspection:
     imports: Imports = field(default_factory=Imports)
     units: dict[str, UnitFact] = field(default_factory=dict)
     lock_holder: dict[str, Any] | None = None
+    journal: dict[str, Any] | None = None          # an unfinished pivot's journal of intent (paths.JOURNAL_PATH)
     ports: dict[int, dict[str, Any] | None] = field(default_factory=dict)   # replicas: each port's holder
     commands: dict[str, str | None] = field(default_factory=dict)          # command -> its path, None if absent
 
@@ -270,7 +271,7 @@ class Inspection:
                    files={p: FileFact.from_json(f) for p, f in (data.get("files") or {}).items()},
                    imports=Imports.from_json(data.get("imports")),
                    units={u: UnitFact.from_json(s) for u, s in (data.get("units") or {}).items()},
-                   lock_holder=data.get("lock"),
+                   lock_holder=data.get("lock"), journal=data.get("journal"),
                    ports={int(p): h for p, h in (data.get("ports") or {}).items()},
                    commands=dict(data.get("commands") or {}))
 

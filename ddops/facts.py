@@ -9,7 +9,7 @@ from typing import Any
 from .errors import DdopsError
 from .executor import Executor
 from .inventory import Expect, Host
-from .paths import REPLICAS_DIR, replicas_manifest
+from .paths import JOURNAL_PATH, LOCK_PATH, REPLICAS_DIR, replicas_manifest
 from .probes import probe_source
 
 
@@ -39,7 +39,8 @@ def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None)
 
 def probe_args(host: Host) -> dict[str, Any]:
     training = asdict(host.training) if host.training else None
-    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR}
+    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR,
+            "lock": LOCK_PATH, "journal": JOURNAL_PATH}
 
 
 def gather(executor: Executor, host: Host, *, metrics: list[str] | None = None,

@@ -181,17 +181,7 @@ def journal(executor: Executor, host: Host, action: str, token: str | None = Non
     return out
 
 
-def unfinished_words(journal: dict[str, Any]) -> str:
-    """An unfinished pivot in words: which profile, who, when, how far it got."""
-    if journal.get("unreadable"):
-        return f"its journal {JOURNAL_PATH} cannot be read"
-    step = journal.get("step")
-    return (f"{journal.get('profile')} by {journal.get('user')}@{journal.get('control_host')} pid "
-            f"{journal.get('pid')}, started {journal.get('started_at')}"
-            + (f", stopped during {step}" if step else ", before its first change"))
-
-
 def unfinished_problem(host: str, journal: dict[str, Any]) -> str:
     """The one line that refuses a pivot over an unfinished one, with the way out."""
-    return (f"{host} has an unfinished pivot ({unfinished_words(journal)}): restore the state from before it "
+    return (f"{host} has an unfinished pivot ({history.unfinished_words(journal)}): restore the state from before it "
             f"with `ddops rollback --host {host}` (add --break-lock if its dead run still holds the lock)")

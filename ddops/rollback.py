@@ -299,7 +299,7 @@ def rollback_undos(executor: Executor, host: Host, unit: str, backup_id: str | N
     backup; None when the newest backup was restored by the last rollback (nothing to do)."""
     if unfinished is not None:
         if backup_id is not None:
-            raise UsageError(f"{host.name} has an unfinished pivot ({hostlock.unfinished_words(unfinished)}): "
+            raise UsageError(f"{host.name} has an unfinished pivot ({history.unfinished_words(unfinished)}): "
                              "it is rolled back first, to the state from before it",
                              fix=f"run ddops rollback --host {host.name} without --to")
         report["unfinished"] = {k: unfinished.get(k) for k in ("profile", "unit", "started_at", "step", "user",

@@ -239,9 +239,13 @@ def history_table(records: list[dict[str, Any]]) -> Table:
         table.add_column(column, overflow="fold")
     for r in records:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("time", 0)))
+        outcome: str | Text = r.get("outcome", "")
+        if outcome == "unfinished":
+            outcome = Text(f"UNFINISHED\n{r.get('state')}", style="bold red")
+        wall = f"{r['wall_s']}s" if r.get("wall_s") is not None else "-"
         table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
-                      r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
-                      f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
+                      outcome, r.get("release") or "", r.get("backup_id") or "",
+                      wall, f"{r.get('user')}@{r.get('control_host')}")
     return table
 
 
@@ -255,7 +259,7 @@ def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
     source = f"from backup {report['backup_id']}" if report.get("backup_id") else ""
     pivot = report.get("unfinished")
     return ((f"[bold green]ROLLED BACK:[/] the unfinished pivot of {pivot['profile']} on {host} (started "
-             f"{pivot['started_at']}, stopped during {pivot['step'] or 'its start'}): {unit} {what} {source}".rstrip()
+             f"{pivot['started_at']}, got as far as {pivot['step'] or 'its start'}): {unit} {what} {source}".rstrip()
              if pivot else f"[bold green]ROLLED BACK:[/] {unit} on {host} {what} {source}".rstrip())
             + (f"; running again: {', '.join(report['restarted'])}" if report["restarted"] else "")
             + (f"; already running: {', '.join(report['running'])}" if report.get("running") else "")

@@ -187,6 +187,10 @@ class Pivot:
         first = next((s for s in self.states if s.changes), None)
         if first is None:
             return None
+        at = [first]
+
+        def preparing(name: str) -> None:
+            at[0] = self.by_name[name]
         try:
             out = hostlock.journal(ctx.executor, ctx.host, "journal-open", self.lock_token, record={
                 **self.journal_owner(), "kind": "pivot", "profile": ctx.profile.name, "unit": ctx.profile.unit,
@@ -194,12 +198,12 @@ class Pivot:
             if "unfinished" in out:
                 raise StepFailed(hostlock.unfinished_problem(ctx.host.name, out["unfinished"]))
             self.journal_open = True
-            undos = way_back(ctx, self.steps, {s.name: s.changes for s in self.states})
+            undos = way_back(ctx, self.steps, {s.name: s.changes for s in self.states}, at=preparing)
             hostlock.journal(ctx.executor, ctx.host, "journal-note", self.lock_token,
                              note={"what": "the way back", "undo": len(undos)},
                              update={"undo": [as_record(u) for u in undos]})
         except DdopsError as exc:
-            return self.fail_at(first, exc)
+            return self.fail_at(at[0], exc)
         return None
 
     def note(self, state: StepState) -> DdopsError | None:

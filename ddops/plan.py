@@ -234,14 +234,17 @@ class Prepares(Protocol):
     def prepare(self, ctx: RunContext, operations: list[Operation]) -> list[Undo]: ...
 
 
-def way_back(ctx: RunContext, steps: Sequence[Step], plans: dict[str, list[Operation]]) -> list[Undo]:
+def way_back(ctx: RunContext, steps: Sequence[Step], plans: dict[str, list[Operation]],
+             at: Callable[[str], None] = lambda name: None) -> list[Undo]:
     """Every undo the planned operations would need, made ready before the first change, in the order of
-    the steps (a rollback applies them newest first): what the pivot's journal of intent records."""
+    the steps (a rollback applies them newest first): what the pivot's journal of intent records.
+    `at(name)` is told which step is preparing (a failure there is that step's)."""
     undos: list[Undo] = []
     for step in steps:
         operations = plans.get(step.name) or []
         if not operations:
             continue
+        at(step.name)
         if isinstance(step, Prepares):
             undos += step.prepare(ctx, operations)
         undos += [op.undo for op in operations if op.undo is not None]

@@ -327,7 +327,7 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
-        console.print(rollback_line(report, unit, host.name))
+        console.print(rollback_line(report, unit, host.name), soft_wrap=True)
 
 
 @cli.command("history")

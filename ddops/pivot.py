@@ -107,7 +107,10 @@ class Pivot:
         if changing and not options.yes and self.confirm is not None and not self.confirm("Apply this plan?"):
             return self.finish("aborted", "not confirmed: nothing was changed", None, started)
         with InterruptGuard(ctx) as guard:
-            self.acquire_lock()
+            try:
+                self.acquire_lock()
+            except DdopsError as exc:   # held by another run (a live one, for --break-lock): nothing changed
+                return self.finish("failed", f"nothing was changed on {ctx.host.name}", exc, started)
             with PlanView(self.states, self.console) as view:
                 error: DdopsError | None = None
                 try:

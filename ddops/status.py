@@ -81,7 +81,7 @@ def render(records: list[dict[str, Any]], console: Console) -> None:
     for r in records:
         if r.get("pivot"):
             style = "bold red" if r["pivot"]["state"] in ("unfinished", "stale-lock") else "yellow"
-            console.print(Text(r["pivot"]["line"], style=style))
+            console.print(Text(r["pivot"]["line"], style=style), soft_wrap=True)
     for r in records:
         if r["identity"] and not r["identity"]["ok"]:
             console.print(f"[bold red]IDENTITY MISMATCH on {r['host']}: "

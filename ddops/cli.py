@@ -97,7 +97,7 @@ def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: boo
         as_json: bool, fail_on: str | None) -> None:
     """The fleet live: per host GPUs and training, per serving unit or replica health, load, tokens/s,
     acceptance, TTFT and round time (p50/p95 over the refresh), errors, the balancer; and alarms."""
-    from .alarms import KINDS
+    from .alarms import KINDS, top_frame
     from .profile import check_against_inventory, load_profile, resolve_profile
     from .top import HISTORY, Poller, settings_from_profiles
     from .topview import render_frame, run_live, run_stream
@@ -121,17 +121,17 @@ def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: boo
                 deadline = time.monotonic() + samples * interval + poller.timeout + 5
                 while not poller.samples_at_least(min(samples, HISTORY)) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                frame = poller.frame(thresholds)
+                frame = top_frame(poller, thresholds)
                 if as_json:
                     click.echo(json.dumps(frame, default=str))
                 else:
                     stdout_console().print(render_frame(frame))
             elif sys.stdout.isatty() and sys.stdin.isatty() and not as_json:
                 _wait_first_answers(poller)
-                frame = run_live(lambda: poller.frame(thresholds), interval, stdout_console(), count=count)
+                frame = run_live(lambda: top_frame(poller, thresholds), interval, stdout_console(), count=count)
             else:
                 _wait_first_answers(poller)
-                frame = run_stream(lambda: poller.frame(thresholds), interval, stdout_console(), as_json=as_json,
+                frame = run_stream(lambda: top_frame(poller, thresholds), interval, stdout_console(), as_json=as_json,
                                    count=count)
         finally:
             poller.stop()

@@ -15,25 +15,7 @@ import json
 import os
 import sys
 import time
-# read_json comes from hostlib.py, which probe_source() prepends to this script.
-
-
-def write_atomic(path, data):
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = path + ".ddops-tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+# read_json and write_atomic come from hostlib.py, which probe_source() prepends to this script.
 
 
 def lease_left(holder):

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+# write_atomic comes from hostlib.py, which probe_source() prepends to this script.
 
 
 def sha(path):
@@ -23,25 +24,6 @@ def sha(path):
             return hashlib.sha256(fh.read()).hexdigest()
     except FileNotFoundError:
         return None
-
-
-def write_atomic(path, data, mode):
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, ".%s.ddops-tmp" % os.path.basename(path))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    dfd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def remove(path):

@@ -83,7 +83,8 @@ class RestoreBackup(Undo):
         else:
             ctx.executor.run(ctx.host, ["systemctl", "disable", self.unit], timeout=60)
             ctx.executor.run(ctx.host, ["systemctl", "reset-failed", self.unit], timeout=60)
-            ctx.report["removed"] = True
+            # removed only if there was one (a pivot may have died before it installed anything)
+            ctx.report["removed"] = out["before"].get("unit") is not None
         ctx.restored[self.unit] = out["after"].get("unit")
 
     def restore_template(self, ctx: UndoTarget, backup_id: str, meta: dict[str, Any]) -> None:

@@ -254,8 +254,10 @@ def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(report.get("rolled_back_at") or 0))
         return (f"[bold]UNCHANGED:[/] nothing to roll back on {host}: backup {report['backup_id']} of {unit} was "
                 f"restored by the last rollback ({when}); restore another with --to (see --list)")
-    what = ("removed (it did not exist before)" if report.get("removed") else "restored" if report.get("backup_id")
-            else "untouched (the pivot had not reached it)")
+    files = report.get("files") or {}
+    what = ("removed (it did not exist before)" if report.get("removed")
+            else "already as before (the pivot had not changed it)" if files and files["before"] == files["after"]
+            else "restored" if report.get("backup_id") else "untouched (the pivot had not reached it)")
     source = f"from backup {report['backup_id']}" if report.get("backup_id") else ""
     pivot = report.get("unfinished")
     return ((f"[bold green]ROLLED BACK:[/] the unfinished pivot of {pivot['profile']} on {host} (started "

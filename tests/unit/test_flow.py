@@ -162,7 +162,8 @@ class FakeExecutor:
                                                     "journal": None}))
         if name == "unitfile":
             spec = json.loads(stdin)
-            out = self.backups if spec["action"] == "list" else {"before": {}, "after": {},
+            # a restore finds the unit the pivot installed, and puts back what the backup holds
+            out = self.backups if spec["action"] == "list" else {"before": {"unit": "installed"}, "after": {},
                                                                    "daemon_reload": {"rc": 0, "stderr": ""}}
             return self.result(host, 0, json.dumps(out))
         if argv[:2] == ["bash", "-c"] and "history" in argv[-1]:

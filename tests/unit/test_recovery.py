@@ -276,3 +276,22 @@ def test_a_backup_that_cannot_be_written_stops_the_pivot_before_training_stops(m
     assert training.applied == [] and unit.applied == [] and ex.systemctl() == []
     assert (report["outcome"], report["exit_code"], report["failed_step"]) == ("failed", 2, "unit")
     assert report["state"].startswith("nothing was changed on ct200") and "No space left" in report["error"]
+
+
+# -- status: an unfinished pivot, a pivot in progress, a stale lock -----------------------------------
+
+def test_status_tells_an_unfinished_pivot_from_one_in_progress_and_a_stale_lock():
+    from ddops.status import pivot_state
+
+    me = history.who()["control_host"]
+    journal = {"profile": "lab", "user": "u", "control_host": me, "pid": os.getpid(), "started_at": "T",
+               "step": "sync"}
+    live = {"user": "u", "control_host": me, "pid": os.getpid(), "pid_start": hostlock.process_start(os.getpid())}
+    dead = {**live, "pid_start": "another-boot:1"}
+    running = pivot_state("ct200", {"lock": live, "journal": journal, "same_run": True, "lease_left_s": 100})
+    assert running["state"] == "running" and "got as far as sync" in running["line"]
+    crashed = pivot_state("ct200", {"lock": dead, "journal": journal, "same_run": True, "lease_left_s": 100})
+    assert crashed["state"] == "unfinished" and "`ddops rollback --host ct200`" in crashed["line"]
+    assert pivot_state("ct200", {"lock": None, "journal": journal, "same_run": False})["state"] == "unfinished"
+    assert pivot_state("ct200", {"lock": dead, "journal": None, "same_run": False})["state"] == "stale-lock"
+    assert pivot_state("ct200", {"lock": None, "journal": None, "same_run": False}) is None

@@ -397,10 +397,13 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
                         f"{training.last_step}); pass --kill-training to stop it")
     elif not dry_run:  # a dry run shows the cost and what a real run needs
         problems += check_kill_cost(profile, training, accept_lost_steps)
-    if dest.journal is not None:
+    # A journal under a lock may be a pivot in progress: the lock speaks first (with --break-lock, taking
+    # the lock decides whether its run is dead, and then the journal refuses the pivot).
+    if dest.lock_holder is not None:
+        if not break_lock:
+            problems.append(lock_problem(profile.host, dest.lock_holder))
+    elif dest.journal is not None:
         problems.append(unfinished_problem(profile.host, dest.journal))
-    elif dest.lock_holder is not None and not break_lock:
-        problems.append(lock_problem(profile.host, dest.lock_holder))
     if problems:
         _fail(problems, False)
     flags_note = flags_summary(server_flags, argv)

@@ -56,7 +56,7 @@ def journal(lab) -> dict | None:
 def settle(lab) -> None:
     """What a killed run left running on ct200 (a pip, an action) finishes, as it would before anyone
     looked; nothing of ddops runs there afterwards."""
-    assert wait_for(lambda: not sh(lab, "ct200", "pgrep -f 'pip install|ddops-action|ddops-probe' || true").strip(),
+    assert wait_for(lambda: not sh(lab, "ct200", "pgrep -f 'pip install|ddops-action|ddops-probe|rsync' || true").strip(),
                     120, 0.5)
 
 

@@ -56,7 +56,7 @@ def journal(lab) -> dict | None:
 def settle(lab) -> None:
     """What a killed run left running on ct200 (a pip, an action) finishes, as it would before anyone
     looked; nothing of ddops runs there afterwards."""
-    assert wait_for(lambda: not sh(lab, "ct200", "pgrep -f 'pip install|ddops-action|ddops-probe|rsync' || true").strip(),
+    assert wait_for(lambda: not sh(lab, "ct200", "pgrep -f '[p]ip install|[d]dops-action|[d]dops-probe|[r]sync' || true").strip(),
                     120, 0.5)
 
 
@@ -238,7 +238,7 @@ def test_damaged_backups_are_listed_refused_by_name_and_a_restore_keeps_what_it_
 # -- the kill matrix ---------------------------------------------------------------------------------
 
 def pip_running(lab) -> bool:
-    return bool(sh(lab, "ct200", "pgrep -f 'pip install' || true").strip())
+    return bool(sh(lab, "ct200", "pgrep -f '[p]ip install' || true").strip())
 
 
 # (name, when to kill: a predicate on the journal, and on ct200)

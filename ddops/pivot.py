@@ -277,9 +277,11 @@ class Pivot:
     def fail_at(self, state: StepState, exc: DdopsError) -> DdopsError:
         state.status, state.summary = "failed", exc.line().split("\n")[0]
         self.report.failed_step = state.name
-        for later in self.states[self.states.index(state) + 1:]:
-            if later.name != "record":
-                later.status, later.summary = "skipped", "not run"
+        # every row after it is not run, and so is any before it still planned (the journal failed)
+        for other in self.states:
+            after = self.states.index(other) > self.states.index(state)
+            if other is not state and other.name != "record" and (after or other.status == "planned"):
+                other.status, other.summary = "skipped", "not run"
         return exc
 
     def stop_here(self, state: StepState) -> Interrupted:

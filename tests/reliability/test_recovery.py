@@ -243,7 +243,9 @@ def pip_running(lab) -> bool:
 
 # (name, when to kill: a predicate on the journal, and on ct200)
 BOUNDARIES = {
-    "before the first change": lambda lab, j: j.get("step") is None and bool(j.get("undo")),
+    # the way back written, the first step about to start (the window is one round trip: the journal
+    # names where the kill landed)
+    "before the first change": lambda lab, j: bool(j.get("undo")),
     "training": lambda lab, j: j.get("step") == "training",
     "sync": lambda lab, j: j.get("step") == "sync",
     "inside sync": lambda lab, j: j.get("step") == "sync" and bool(sh(lab, "ct200", "pgrep -x sleep || true").strip()),

@@ -202,9 +202,9 @@ class Pivot:
                 raise StepFailed(hostlock.unfinished_problem(ctx.host.name, out["unfinished"]))
             self.journal_open = True
             undos = way_back(ctx, self.steps, {s.name: s.changes for s in self.states}, at=preparing)
+            self.report.way_back = [as_record(u) for u in undos]
             hostlock.journal(ctx.executor, ctx.host, "journal-note", self.lock_token,
-                             note={"what": "the way back", "undo": len(undos)},
-                             update={"undo": [as_record(u) for u in undos]})
+                             note={"what": "the way back", "undo": len(undos)}, update={"undo": self.report.way_back})
         except DdopsError as exc:
             return self.fail_at(at[0], exc)
         return None

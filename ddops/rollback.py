@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from tenacity import Retrying, stop_after_attempt
 
 from . import history, hostlock
-from .backups import is_active, read_manifest
+from .backups import choose_backup, is_active, read_manifest
 from .cycle import Balanced, cycle
 from .errors import DdopsError, StepFailed, UsageError
 from .executor import Executor
@@ -305,13 +305,22 @@ def rollback_undos(executor: Executor, host: Host, unit: str, backup_id: str | N
         report["unfinished"] = {k: unfinished.get(k) for k in ("profile", "unit", "started_at", "step", "user",
                                                                 "control_host", "pid")}
         return [from_record(r) for r in unfinished.get("undo") or []]
+    records = history.read(executor, host)
     if backup_id is None:
-        last = last_change(history.read(executor, host), unit)
+        last = last_change(records, unit)
         if last is not None and last.get("kind") == "rollback" and last.get("outcome") == "ok":
             report.update(unchanged=True, backup_id=last.get("backup_id"), restarted=[],
                           rolled_back_at=last.get("time"))
             return None
-    return [RestoreBackup(unit, backup_id, every_replica=True)]
+    chosen = choose_backup(executor, host, unit, backup_id)["id"]   # a damaged one is refused here
+    restore = RestoreBackup(unit, chosen, every_replica=True)
+    # the pivot that took this backup recorded its way back: the release before it, what it stopped
+    took = next((r for r in reversed(records) if r.get("kind") == "pivot" and r.get("backup_id") == chosen
+                 and r.get("way_back")), None)
+    if took is None:
+        return [restore]
+    return [restore if isinstance(u, RestoreBackup) and u.unit == unit else u
+            for u in map(from_record, took["way_back"])]
 
 
 def last_change(records: list[dict[str, Any]], unit: str) -> dict[str, Any] | None:

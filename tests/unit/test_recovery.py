@@ -179,7 +179,18 @@ def test_a_second_rollback_in_a_row_has_nothing_to_do():
     assert report["unchanged"] and report["backup_id"] == "B1" and report["restarted"] == []
     # a pivot since: its backup is rolled back again
     ex.lines.append({"kind": "pivot", "unit": "x.service", "outcome": "ok", "time": 3})
-    assert rollback_undos(ex, CT200, "x.service", None, None, {}) == [RestoreBackup("x.service", None, True)]
+    assert rollback_undos(ex, CT200, "x.service", None, None, {}) == [RestoreBackup("x.service", "B1", True)]
+
+
+def test_a_rollback_to_a_pivot_s_backup_applies_the_way_back_it_recorded():
+    """The release from before that pivot and what it stopped come back too, not only the unit's files."""
+    previous = {"release": "0.1", "python": "p", "wheel": "w", "record": "r", "record_text": "{}"}
+    way_back = [StartAgain("dflash-train.service"), Reinstall(previous), RestoreBackup("x.service", "B1")]
+    ex = Backups([{"id": "B1", "meta": {"reason": "pivot"}}], history_lines=[
+        {"kind": "pivot", "unit": "x.service", "outcome": "ok", "backup_id": "B1",
+         "way_back": [as_record(u) for u in way_back]}])
+    assert rollback_undos(ex, CT200, "x.service", None, None, {}) == [
+        StartAgain("dflash-train.service"), Reinstall(previous), RestoreBackup("x.service", "B1", True)]
 
 
 def test_an_unfinished_pivot_is_rolled_back_with_the_undos_it_recorded():

@@ -258,7 +258,7 @@ def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
     what = ("removed (it did not exist before)" if report.get("removed")
             else "already as before (the pivot had not changed it)" if files and files["before"] == files["after"]
             else "restored" if report.get("backup_id") else "untouched (the pivot had not reached it)")
-    source = f"from backup {report['backup_id']}" if report.get("backup_id") else ""
+    source = f"from backup {report['backup_id']}" if report.get("backup_id") and what == "restored" else ""
     pivot = report.get("unfinished")
     return ((f"[bold green]ROLLED BACK:[/] the unfinished pivot of {pivot['profile']} on {host} (started "
              f"{pivot['started_at']}, got as far as {pivot['step'] or 'its start'}): {unit} {what} {source}".rstrip()

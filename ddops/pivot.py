@@ -19,11 +19,11 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from . import history, hostlock
 from .errors import DdopsError, HostUnreachable, StepFailed
-from .hostlock import LeaseKeeper, LockLost
 from .executor import CommandTimeout, Executor
 from .gates import Gate, GateFailed
 from .gates.health import HealthGate
 from .gates.smoke import SmokeGate
+from .hostlock import LeaseKeeper, LockLost
 from .inventory import Inventory
 from .paths import HISTORY_PATH
 from .plan import Interrupted, Operation, PlanContext, RunContext, Step, StepState, way_back
@@ -190,10 +190,12 @@ class Pivot:
         first = next((s for s in self.states if s.changes), None)
         if first is None:
             return None
-        at = [first]
+        failed_at = first   # the row a failure here is shown on: the step whose preparation failed
 
         def preparing(name: str) -> None:
-            at[0] = self.by_name[name]
+            nonlocal failed_at
+            failed_at = self.by_name[name]
+
         try:
             out = hostlock.journal(ctx.executor, ctx.host, "journal-open", self.lock_token, record={
                 **self.journal_owner(), "kind": "pivot", "profile": ctx.profile.name, "unit": ctx.profile.unit,
@@ -206,7 +208,7 @@ class Pivot:
             hostlock.journal(ctx.executor, ctx.host, "journal-note", self.lock_token,
                              note={"what": "the way back", "undo": len(undos)}, update={"undo": self.report.way_back})
         except DdopsError as exc:
-            return self.fail_at(at[0], exc)
+            return self.fail_at(failed_at, exc)
         return None
 
     def note(self, state: StepState) -> DdopsError | None:

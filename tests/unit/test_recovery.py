@@ -20,7 +20,7 @@ from ddops.plan import Operation
 from ddops.probes import probe_source
 from ddops.rollback import rollback_undos, undo
 from ddops.undo import Reinstall, RestoreBackup, RollBackReplicas, StartAgain, as_record, from_record
-from test_flow import LAB, FakeExecutor, FakeGate, FakeStep, profile, run_pivot  # noqa: F401 - profile: a fixture
+from test_flow import LAB, FakeExecutor, FakeStep, profile, run_pivot  # noqa: F401 - profile: a fixture
 
 CT200 = LAB.host("ct200")
 

@@ -25,6 +25,7 @@ from .paths import JOURNAL_PATH, LOCK_PATH
 from .remote import run_probe
 
 LEASE_S = 120.0    # a holder on another control machine is dead once its lease is this old
+RENEW_TIMEOUT_S = 30.0
 
 
 class LockLost(StepFailed):
@@ -148,8 +149,10 @@ class LeaseKeeper:
         return self
 
     def stop(self) -> None:
+        """Stop renewing; a renewal in flight finishes first (it must not write the lock back after its
+        release)."""
         self.stopping.set()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=RENEW_TIMEOUT_S + 5)
 
     def __enter__(self) -> "LeaseKeeper":
         return self.start()
@@ -161,7 +164,7 @@ class LeaseKeeper:
         while not self.stopping.wait(LEASE_S / 4):
             try:
                 out = run_probe(self.executor, self.host, "lock",
-                                {"action": "renew", "path": LOCK_PATH, "token": self.token}, timeout=30)
+                                {"action": "renew", "path": LOCK_PATH, "token": self.token}, timeout=RENEW_TIMEOUT_S)
             except DdopsError:
                 continue
             if not out.get("renewed"):

@@ -258,9 +258,6 @@ def test_two_pivots_at_once_and_a_stale_lock(lab, base, tmp_path):
         done, report = pivot(lab, base["profile"])
         assert done.returncode == 2 and "locked by another ddops run" in report["error"]
         assert f"pid {first.proc.pid}" in report["error"] and "--break-lock" in report["error"]
-        # --break-lock does not clear the lock of a live run
-        done, report = pivot(lab, base["profile"], "--break-lock")
-        assert done.returncode == 2 and "locked by a live ddops run" in report["error"], report
         # The holder dies without cleaning up: its lock stays and keeps refusing, until cleared.
         first.kill()
     finally:

@@ -80,7 +80,7 @@ def pivot_lab(lab):
     with Executor(inventory) as ex:
         seed_drafter(inventory, ex, lambda m: None)
     ct200(lab, "systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service "
-               "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/backups; "
+               "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/backups; "
                "systemctl daemon-reload; systemctl reset-failed; systemctl start dflash-train.service")
     return lab
 

@@ -72,6 +72,8 @@ _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 # What cannot be one line of a unit file, an environment file or a log: C0 controls (tab included),
 # DEL, and the Unicode line separators.
 CONTROL_CHARS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+# What YAML's reader refuses in a stream (a ReaderError that names an offset, not a line).
+_UNPRINTABLE = yaml.reader.Reader.NON_PRINTABLE
 
 
 def load_yaml(path: Path, what: str) -> "Section":
@@ -83,6 +85,11 @@ def load_yaml(path: Path, what: str) -> "Section":
                           fix="check the path, or pass another with -i/--inventory") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {what}: {exc.__class__.__name__}", where=str(path)) from None
+    bad = _UNPRINTABLE.search(text)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        raise ConfigError(f"control character {bad.group()!r} (U+{ord(bad.group()):04X}) in the {what}",
+                          where=f"{path}:{line}", fix="remove it: YAML takes printable text, tabs and line breaks")
     loader = _Loader(text)
     loader.name = str(path)
     try:

@@ -92,6 +92,8 @@ BAD = [
     ("secrets: {DDTREE_API_KEY: {env: 1x}}", "invalid environment variable name", None),
     ("training: {grace: 3}", "unknown key `training.grace`", "did you mean `grace_s`"),
     ("engine: vllm", "must be one of ddtree, sglang", None),
+    ("description: ring\x07bell", "control character '\\x07' (U+0007)", "remove it"),  # YAML's reader refuses it
+    ("description: nul\x00", "control character '\\x00' (U+0000)", None),
 ]
 
 

@@ -227,7 +227,14 @@ class Section:
         if CONTROL_CHARS.search(value):
             raise self.fail(key, f"`{self._name(key)}` contains a newline or control character: {value!r}",
                             "a path is one line of printable text")
+        self.refuse_parent_steps(key, value)
         return value
+
+    def refuse_parent_steps(self, key: str, path: str) -> None:
+        """A path with a `..` step: what it names depends on links along the way, and it is how a path
+        climbs out of where it may live (`/opt/ddtree/../../usr`)."""
+        if ".." in path.split("/"):
+            raise self.fail(key, f"`{self._name(key)}` {path!r} has a `..` step", "write the path it means without `..`")
 
     def list(self, key: str, *, required: bool = False) -> list[Any]:
         value = self._get(key, required)

@@ -116,6 +116,8 @@ def test_bad_profile_lines(tmp_path, line, message, fix):
     ("models:\n  draft: {path: /root/models/d}\n", "needs a `models.target`"),
     ("models:\n  target: {path: /root/models/t, from: {host: h}}\n  draft: {path: /root/models/d}\n",
      "missing required key `models.target.from.path`"),
+    ("models:\n  target: {path: /root/models/../../usr/lib}\n", "has a `..` step"),
+    ("models:\n  target: {path: /root/t, from: {host: h, path: /root/models/../../etc}}\n", "has a `..` step"),
 ])
 def test_bad_models(tmp_path, models, message):
     head = GOOD.split("models:")[0]
@@ -123,6 +125,25 @@ def test_bad_models(tmp_path, models, message):
     with pytest.raises(ConfigError) as err:
         load_profile(write(tmp_path, head + models + tail), repo_root=REPO)
     assert message in err.value.line()
+
+
+@pytest.mark.parametrize("venv, message", [
+    ("/opt/ddtree/../../usr", "`runtime.venv` '/opt/ddtree/../../usr' has a `..` step"),   # issue 36's escape
+    ("/usr", "'/usr' is a system directory or too shallow"),
+    ("/usr/local/ddtree", "inside /usr"),
+    ("/var/lib/venv", "inside /var/lib"),
+    ("/opt", "too shallow"),
+])
+def test_the_venv_stays_out_of_system_directories(tmp_path, venv, message):
+    with pytest.raises(ConfigError) as err:
+        load_profile(write(tmp_path, GOOD.replace("venv: /opt/ddtree/venv", f"venv: {venv}")), repo_root=REPO)
+    assert message in err.value.line() and err.value.line().startswith(f"{tmp_path / 'p.yaml'}:10:")
+
+
+def test_the_venv_path_is_normalised(tmp_path):
+    profile = load_profile(write(tmp_path, GOOD.replace("venv: /opt/ddtree/venv", "venv: /opt//ddtree/./venv/")),
+                           repo_root=REPO)
+    assert profile.runtime.venv == "/opt/ddtree/venv"
 
 
 def local_source(tmp_path: Path, path: str) -> Path:
@@ -134,7 +155,7 @@ def local_source(tmp_path: Path, path: str) -> Path:
     ("../../../../etc", "must be absolute"),
     ("models/t", "must be absolute"),
     ("$HOME/models/t", "must be absolute"),  # only ${DDOPS_CACHE} and ~ are expanded
-    ("/root/../etc", "is /etc, a system directory"),
+    ("/root/../etc", "has a `..` step"),
     ("/usr/share", "is /usr/share, a system directory"),
     ("/", "too shallow"),
 ])

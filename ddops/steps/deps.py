@@ -4,8 +4,8 @@ balancer is Debian's `haproxy` package, installed with apt when the host lacks i
 
 from __future__ import annotations
 
-from ..errors import StepFailed
-from ..facts import Imports, Inspection
+from ..errors import DdopsError, StepFailed
+from ..facts import Imports, Inspection, PathFact
 from ..paths import WHEELHOUSE
 from ..plan import Operation, PlanContext, RunContext
 from ..profile import Profile
@@ -33,13 +33,16 @@ def pip_argv(profile: Profile, modules: list[str]) -> list[str]:
     return argv + [profile.runtime.packages[m] for m in modules]
 
 
-def plan_deps(profile: Profile, imports: Imports) -> list[Operation]:
+def plan_deps(profile: Profile, imports: Imports, venv_dir: PathFact | None = None) -> list[Operation]:
+    """`venv_dir`: what is at the venv's path now (preflight refused a non-empty dir that is no venv);
+    a venv made where nothing was is removed again if the step fails."""
     if profile.engine != "ddtree":
         return []
     operations = []
     if not imports.venv:
+        new_dir = venv_dir is not None and not venv_dir.exists
         operations.append(Operation(f"create venv {profile.runtime.venv}", commands=(tuple(venv_argv(profile)),),
-                                    data={"venv": profile.runtime.venv}))
+                                    data={"venv": profile.runtime.venv, "new_dir": new_dir}))
     missing = missing_modules(profile, imports)
     if missing:
         specs = [profile.runtime.packages[m] for m in missing]
@@ -72,9 +75,24 @@ class DepsStep:
     title = "Install runtime deps"
 
     def plan(self, ctx: PlanContext) -> list[Operation]:
-        return plan_system_packages(ctx.profile, ctx.facts.dest) + plan_deps(ctx.profile, ctx.facts.dest.imports)
+        dest = ctx.facts.dest
+        return plan_system_packages(ctx.profile, dest) + plan_deps(ctx.profile, dest.imports,
+                                                                   dest.paths.get(ctx.profile.runtime.venv))
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
+        made = next((op.data["venv"] for op in operations if op.data.get("new_dir")), None)
+        try:
+            return self._apply(ctx, operations)
+        except BaseException:
+            if made is not None:  # a venv this step made where nothing was: the failure takes it back
+                ctx.progress(f"removing {made}, which this failed step created")
+                try:
+                    ctx.executor.run(ctx.host, ["rm", "-rf", "--one-file-system", "--", made], timeout=300)
+                except DdopsError as exc:
+                    ctx.progress(f"could not remove {made}: {exc.line()}")
+            raise
+
+    def _apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         profile, host, ex = ctx.profile, ctx.host, ctx.executor
         created, installed = False, []
         for op in operations:

@@ -367,8 +367,17 @@ def test_ctrl_c_stops_at_the_next_safe_point_rolls_back_and_exits_130(monkeypatc
     steps = [FakeStep("training", [op("stop")], undo=StartAgain("dflash-train.service"), interrupt=True), later]
     report, ex = run_pivot(monkeypatch, profile, steps)
     assert later.applied == [] and (report["outcome"], report["exit_code"]) == ("rolled-back", 130)
-    assert report["state"].startswith("interrupted by SIGINT during unit; rolled back on ct200")
+    assert report["state"].startswith("interrupted by SIGINT during training; rolled back on ct200")
+    assert report["error"] == "interrupted by SIGINT during training: stopped at a safe point, before unit"
     assert ex.systemctl() == ["start dflash-train.service"]
+
+
+def test_an_interrupt_s_summary_names_the_step_that_was_running(monkeypatch, profile):
+    """SIGINT while pip ran in deps: the summary says deps (it said ship, the step it stopped before)."""
+    steps = [FakeStep("deps", [op("pip install")], interrupt=True), FakeStep("ship", [op("install wheel")])]
+    report, _ = run_pivot(monkeypatch, profile, steps)
+    assert report["state"].startswith("interrupted by SIGINT during deps;")
+    assert report["failed_step"] == "ship" and "during deps" in report["error"]
 
 
 def test_a_dry_run_changes_nothing_and_says_what_a_real_run_needs(monkeypatch, profile):

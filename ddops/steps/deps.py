@@ -4,6 +4,11 @@ balancer is Debian's `haproxy` package, installed with apt when the host lacks i
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+from typing import Callable
+
 from ..errors import DdopsError, StepFailed
 from ..facts import Imports, Inspection, PathFact
 from ..paths import WHEELHOUSE
@@ -113,8 +118,8 @@ class DepsStep:
                     rsync(rsync_argv(ctx.inventory, profile.runtime.wheelhouse, WHEELHOUSE, dst_host=host),
                           ctx.progress, "push wheelhouse")
                 ctx.progress(f"pip install {' '.join(modules)}")
-                result = ex.run(host, list(op.commands[0]), timeout=3600,
-                                on_output=lambda text: _last_lines(text, ctx.progress))
+                with PipProgress(len(modules), ctx.progress) as pip:
+                    result = ex.run(host, list(op.commands[0]), timeout=3600, on_output=pip.feed)
                 check(result, "pip install " + " ".join(profile.runtime.packages[m] for m in modules))
                 installed += modules
         after = Inspection.from_json(run_probe(ex, host, "inspect", import_probe_args(profile), timeout=300)).imports
@@ -131,3 +136,58 @@ def _last_lines(text: str, progress) -> None:
     for line in text.splitlines():
         if line.strip():
             progress(line.strip()[:100])
+
+
+class PipProgress:
+    """pip's output as one progress note that moves: what pip is doing (collecting, downloading a wheel of
+    a known size, installing), for how long, and how far through the requirements it is. pip prints
+    nothing while it downloads a large wheel, so the note is refreshed every REFRESH_S with its time."""
+
+    REFRESH_S = 5.0
+    _DOWNLOADING = re.compile(r"Downloading (\S+?)(?:\s+\((.+)\))?$")
+
+    def __init__(self, requested: int, progress: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.requested, self.progress, self.clock = requested, progress, clock
+        self.collected = 0
+        self.doing, self.since = "starting", clock()
+        self.pending = ""
+        self.done = threading.Event()
+
+    def feed(self, text: str) -> None:
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        for line in (l.strip() for l in lines):
+            self.read(line)
+        self.progress(self.line())
+
+    def read(self, line: str) -> None:
+        if line.startswith("Collecting "):
+            self.collected += 1
+            self.now(f"collecting {line.split()[1]}")
+        elif (match := self._DOWNLOADING.match(line)) is not None:
+            name, size = match.group(1).rsplit("/", 1)[-1], match.group(2)
+            self.now(f"downloading {name}" + (f" ({size})" if size else ""))
+        elif line.startswith("Installing collected packages:"):
+            count = len(line.split(":", 1)[1].split(","))
+            self.now(f"installing {count} package(s)")
+        elif line.startswith("Successfully installed"):
+            self.now("installed")
+
+    def now(self, doing: str) -> None:
+        self.doing, self.since = doing, self.clock()
+
+    def line(self) -> str:
+        return (f"pip: {self.doing}, {self.clock() - self.since:.0f}s; {self.collected} requirement(s) "
+                f"collected ({self.requested} asked for, with their dependencies)")
+
+    def refresh(self) -> None:
+        while not self.done.wait(self.REFRESH_S):
+            self.progress(self.line())
+
+    def __enter__(self) -> "PipProgress":
+        threading.Thread(target=self.refresh, name="pip-progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()

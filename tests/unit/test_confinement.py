@@ -162,3 +162,4 @@ def test_a_complete_venv_needs_no_room_for_pip(profile):
 def test_a_port_holder_is_named_with_what_is_known(holder, words):
     assert holder_words(holder).startswith(words)
     assert "None" not in holder_words(holder)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from ddops.inventory import load_inventory
 from ddops.preflight import RUNTIME_TARGETS, check_models, check_port
 from ddops.profile import load_profile
 from ddops.rollback import restore_spec
-from ddops.steps.deps import pip_argv, plan_deps
+from ddops.steps.deps import PipProgress, pip_argv, plan_deps
 from ddops.steps.ship import plan_ship
 from ddops.steps.start import plan_start, start_argvs
 from ddops.steps.sync import plan_model
@@ -251,6 +252,42 @@ def test_pip_argv_offline(profile):
     p = replace(profile, runtime=replace(profile.runtime, index=False, wheelhouse="/w"))
     argv = pip_argv(p, ["torch"])
     assert "--no-index" in argv and argv[argv.index("--find-links") + 1] == "/var/cache/ddops/wheelhouse"
+
+PIP_OUTPUT = """\
+Collecting torch>=2.4
+  Downloading torch-2.5.1-cp311-cp311-manylinux1_x86_64.whl (906.4 MB)
+Collecting safetensors>=0.4
+  Downloading https://files.example/safetensors-0.4.5-cp311-none-any.whl (435 kB)
+Installing collected packages: safetensors, torch
+Successfully installed safetensors-0.4.5 torch-2.5.1
+"""
+
+
+def test_the_pip_note_moves_while_pip_is_silent():
+    now = [100.0]
+    notes: list[str] = []
+    pip = PipProgress(2, notes.append, clock=lambda: now[0])
+    lines = PIP_OUTPUT.splitlines(keepends=True)
+    pip.feed("".join(lines[:2]))
+    assert notes[-1] == ("pip: downloading torch-2.5.1-cp311-cp311-manylinux1_x86_64.whl (906.4 MB), 0s; "
+                         "1 requirement(s) collected (2 asked for, with their dependencies)")
+    now[0] += 45                       # pip prints nothing while the wheel comes down: the note still moves
+    assert pip.line().startswith("pip: downloading torch-2.5.1-cp311-cp311-manylinux1_x86_64.whl (906.4 MB), 45s")
+    pip.feed("".join(lines[2:4])[:30])   # a line arrives in two pieces
+    pip.feed("".join(lines[2:4])[30:])
+    assert notes[-1].startswith("pip: downloading safetensors-0.4.5-cp311-none-any.whl (435 kB), 0s; 2 requirement(s)")
+    pip.feed("".join(lines[4:5]))
+    assert notes[-1].startswith("pip: installing 2 package(s), 0s")
+    pip.feed("".join(lines[5:]))
+    assert notes[-1].startswith("pip: installed")
+
+
+def test_the_pip_note_is_refreshed_without_output(monkeypatch):
+    monkeypatch.setattr(PipProgress, "REFRESH_S", 0.05)
+    notes: list[str] = []
+    with PipProgress(1, notes.append):
+        time.sleep(0.3)
+    assert len(notes) >= 2 and all(n.startswith("pip: starting") for n in notes)
 
 
 def test_plan_ship(profile):

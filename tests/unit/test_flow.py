@@ -431,3 +431,17 @@ def test_the_break_lock_banner_is_a_readable_line(monkeypatch, profile):
     banner = next(line for line in out.getvalue().splitlines() if "cleared the lock" in line)
     assert banner == ("--> cleared the lock on ct200 held by ana@laptop, pid 12, ddops pivot --deploy lab-ddtree16, "
                       "since 2026-12-01T10:00:00Z")
+
+
+def test_a_pivot_in_a_log_prints_its_step_list_once(monkeypatch, profile):
+    monkeypatch.setattr(pivot_module, "preflight", lambda *a, **k: (fixture_facts(profile), "1 host(s) ok"))
+    out = io.StringIO()
+    flow = pivot_module.Pivot(profile, LAB, FakeExecutor(), Console(file=out, width=160, force_terminal=False),
+                              options=pivot_module.PivotOptions(yes=True),
+                              steps=[FakeStep("sync", [op("copy a")]), FakeStep("unit", [op("write unit")])])
+    flow.execute()
+    lines = out.getvalue().splitlines()
+    assert sum("Preflight" in line for line in lines) == 2          # the banner, and its row in the one table
+    assert [line.split() for line in lines if "Unit" in line] == [["•", "Unit", "planned", "write", "unit"],
+                                                                  ["▶", "Unit", "..."],
+                                                                  ["✔", "Unit:", "done", "0.0s:", "applied", "1"]]

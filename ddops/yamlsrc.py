@@ -111,6 +111,8 @@ def load_yaml(path: Path, what: str) -> "Section":
 
 
 _MISSING = object()
+# A number with an exponent but no dot (`1e308`, `5E-3`): YAML 1.1 leaves it a string.
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _type_name(value: Any) -> str:
@@ -187,6 +189,9 @@ class Section:
         value = self._get(key, required)
         if value is _MISSING:
             return default
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            raise self.fail(key, f"`{self._name(key)}` must be an integer, got {value} (a number with an exponent)",
+                            "write it out in digits")
         self._expect(key, value, (int,), "an integer")
         self._check_range(key, value, min, max)
         return value
@@ -196,6 +201,8 @@ class Section:
         value = self._get(key, required)
         if value is _MISSING:
             return default
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)   # YAML 1.1 reads `1e308` (no dot) as text; it is the number it looks like
         self._expect(key, value, (int, float), "a number")
         if not math.isfinite(value):
             raise self.fail(key, f"`{self._name(key)}` must be a finite number, got {value}")

@@ -54,6 +54,11 @@ def test_shipped_profiles_load(name):
     assert ("max_running" in profile.serve.given) == (name == "zlab-ddtree16")
 
 
+def test_a_number_with_an_exponent_is_the_number_it_looks_like(tmp_path):
+    profile = load_profile(write(tmp_path, GOOD + "health: {deadline_s: 6e2}\n"), repo_root=REPO)
+    assert profile.health.deadline_s == 600.0
+
+
 def test_good_profile(tmp_path):
     p = load_profile(write(tmp_path, GOOD), repo_root=REPO)
     assert p.model("draft").source.host == "eval-a6000"
@@ -88,6 +93,9 @@ BAD = [
     ("health: {deadline_s: .nan}", "must be a finite number", None),
     ("training: {grace_s: .inf}", "must be a finite number", None),
     ("health: {deadline_s: -1}", "between 1", None),
+    ("health: {deadline_s: 1e308}", "`health.deadline_s` must be between 1 and 7200, got 1e+308", None),
+    ("health: {deadline_s: 1e400}", "must be a finite number, got inf", None),
+    ("port: 8e3", "`port` must be an integer, got 8e3 (a number with an exponent)", "in digits"),
     ("env: {BAD-NAME: 1}", "invalid environment variable name", None),
     ("secrets: {DDTREE_API_KEY: {env: 1x}}", "invalid environment variable name", None),
     ("training: {grace: 3}", "unknown key `training.grace`", "did you mean `grace_s`"),

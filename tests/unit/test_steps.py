@@ -441,3 +441,43 @@ def test_a_single_wait_in_a_log_says_each_note_once_and_beats(monkeypatch):
     lines = console.file.getvalue().splitlines()
     assert lines[:2] == ["     probing ct200", "     probing eval-a6000"]
     assert any(line.startswith("     ... preflight, ") and line.endswith(": probing eval-a6000") for line in lines[2:])
+
+
+# -- a stopped sync leaves no holding dirs in the model folder --------------------------------------
+
+def test_clearing_removes_rsync_s_holding_dirs_only(tmp_path):
+    import subprocess
+
+    from ddops.steps.sync import HOLDING, clear_holding_argv
+
+    (tmp_path / HOLDING).mkdir()
+    (tmp_path / HOLDING / "model.safetensors").write_bytes(b"half")
+    (tmp_path / "sub" / HOLDING).mkdir(parents=True)
+    (tmp_path / "sub" / HOLDING / "tokenizer.json").write_text("{")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "sub" / "kept.txt").write_text("x")
+    subprocess.run(clear_holding_argv(str(tmp_path)), check=True, timeout=30)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["config.json", "sub", "sub/kept.txt"]
+
+
+def test_a_failed_sync_clears_the_holding_dirs_before_and_after(profile):
+    from ddops.executor import CommandResult
+    from ddops.plan import RunContext
+    from ddops.steps.sync import SyncStep, clear_holding_argv
+
+    class Recorder:
+        def __init__(self):
+            self.commands = []
+
+        def run(self, host, argv, **kwargs):
+            self.commands.append(list(argv))
+            return CommandResult(host.name, "", 0, "", "", 0)
+
+    class Stopped(SyncStep):
+        def transfer(self, ctx, model):
+            raise KeyboardInterrupt   # Ctrl-C reaching rsync: it stops with its holding dirs in place
+
+    executor, model = Recorder(), profile.model("target")
+    with pytest.raises(KeyboardInterrupt):
+        Stopped().sync_model(RunContext(profile=profile, inventory=LAB, executor=executor), model)
+    assert executor.commands.count(clear_holding_argv(model.path)) == 2

@@ -66,13 +66,17 @@ class SyncStep:
     def sync_model(self, ctx: RunContext, model: Model) -> None:
         """One model dir; rsync's holding dirs (--delay-updates) are cleared before, and after a sync that
         failed or was stopped, so no half-copied file is left in the model folder."""
+        new_dir = ctx.facts is not None and not ctx.facts.dest.tree(model.path).exists
         check(ctx.executor.run(ctx.host, ["mkdir", "-p", "--", model.path]), f"mkdir {model.path}")
         check(ctx.executor.run(ctx.host, clear_holding_argv(model.path)), f"clearing {HOLDING} in {model.path}")
         try:
             self.transfer(ctx, model)
         except BaseException:
+            # a dir this sync made is removed again if nothing arrived in it (rmdir leaves a non-empty one)
+            undo = [clear_holding_argv(model.path)] + ([["rmdir", "--", model.path]] if new_dir else [])
             try:
-                ctx.executor.run(ctx.host, clear_holding_argv(model.path), timeout=120)
+                for argv in undo:
+                    ctx.executor.run(ctx.host, argv, timeout=120)
             except DdopsError as exc:
                 ctx.progress(f"could not clear {HOLDING} in {model.path}: {exc.line()}")
             raise

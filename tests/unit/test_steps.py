@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddops.facts import FileFact, Imports, Inspection, Training, Tree
+from ddops.facts import FileFact, Imports, Inspection, PivotFacts, Training, Tree
 from ddops.gates.health import judge
 from ddops.history import scrub
 from ddops.hostlock import lock_problem
@@ -477,7 +477,12 @@ def test_a_failed_sync_clears_the_holding_dirs_before_and_after(profile):
         def transfer(self, ctx, model):
             raise KeyboardInterrupt   # Ctrl-C reaching rsync: it stops with its holding dirs in place
 
-    executor, model = Recorder(), profile.model("target")
-    with pytest.raises(KeyboardInterrupt):
-        Stopped().sync_model(RunContext(profile=profile, inventory=LAB, executor=executor), model)
-    assert executor.commands.count(clear_holding_argv(model.path)) == 2
+    model = profile.model("target")
+    for facts, removed in ((None, False), (PivotFacts(serving="ct200", hosts={}, inspections={"ct200": Inspection()}),
+                                           True)):
+        executor = Recorder()
+        with pytest.raises(KeyboardInterrupt):
+            Stopped().sync_model(RunContext(profile=profile, inventory=LAB, executor=executor, facts=facts), model)
+        assert executor.commands.count(clear_holding_argv(model.path)) == 2
+        # a model dir the sync made (none there before) goes again; one that was there stays
+        assert (["rmdir", "--", model.path] in executor.commands) is removed

@@ -1,7 +1,8 @@
 """Issue 36's hardening on real hosts: a venv path that leads into a system directory through a symlink,
-or into a folder of someone else's files, is refused by preflight (nothing changed, /usr untouched); and
+or into a folder of someone else's files, is refused by preflight (nothing changed, /usr untouched);
 `ddops monitor` refuses a taken port 9090 at once, naming what is known of its holder (the lab hosts share
-this machine's loopback, so a listener here is one that eval-a6000 cannot see the process of)."""
+this machine's loopback, so a listener here is one that eval-a6000 cannot see the process of); and rsync's
+holding dirs a stopped sync left in a model folder are gone after the next pivot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from tests.lab.test_pivot import ct200, ddops, variant
+from tests.lab.test_pivot import ct200, ddops, pivot, pivot_lab, step, variant  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -54,3 +55,18 @@ def test_monitor_refuses_a_taken_port_at_once(lab):
     assert "None" not in lines[0] and "nothing was changed" in lines[0]
     assert took < 60, took      # before: two 60 s waits for /-/ready, and a failed rollback restart
     assert lab.ssh("eval-a6000", "ls /var/lib/ddops/backups/prometheus.service 2>/dev/null").stdout == before
+
+
+def test_holding_dirs_a_stopped_sync_left_are_cleared(pivot_lab):
+    lab = pivot_lab
+    ct200(lab, "mkdir -p '/root/models/tiny-target/.~tmp~' '/root/models/tiny-draft/sub/.~tmp~' && "
+               "echo half > '/root/models/tiny-target/.~tmp~/model.safetensors' && "
+               "echo half > '/root/models/tiny-draft/sub/.~tmp~/x'")
+    done, report = pivot(lab)
+    assert done.returncode == 0 and report["outcome"] == "ok", report
+    assert step(report, "sync")["status"] == "done"
+    assert ct200(lab, "find /root/models -name '.~tmp~'") == ""
+    # the folder that held only rsync's holding dir is not the drafter's: the mirror removed it
+    assert ct200(lab, "test -e /root/models/tiny-draft/sub || echo absent").strip() == "absent"
+    done, report = pivot(lab)
+    assert report["outcome"] == "unchanged", report

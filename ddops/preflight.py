@@ -453,10 +453,11 @@ RELEASES_FLOOR = 256 * 2**20   # a shipped runtime wheel, kept beside the earlie
 
 
 def written_paths(profile: Profile) -> list[str]:
-    """Every path on the serving host a pivot writes into: its dirs (venv, models) and files (unit,
+    """Every path on the serving host a pivot writes into: its dirs (models, venv) and files (unit,
     environment, release record, a replicated profile's env files, manifest and balancer config)."""
-    paths = [profile.runtime.venv, *(m.path for m in profile.models), unit_path(profile.unit), profile.env_file,
-             release_path(profile.runtime.venv)]
+    paths = [*(m.path for m in profile.models), unit_path(profile.unit), profile.env_file]
+    if profile.engine == "ddtree":   # its venv and release record (an SGLang profile's venv is SGLang's own)
+        paths += [profile.runtime.venv, release_path(profile.runtime.venv)]
     if profile.replicated:
         paths += [env_path(r.unit) for r in profile.replicas.members]
         paths += [replicas_manifest(profile.unit), profile.balancer.config]
@@ -508,7 +509,8 @@ def check_confinement(profile: Profile, dest: Inspection) -> list[str]:
     writes are not links to somewhere else."""
     problems = []
     where = profile.where("runtime")
-    dirs = {profile.runtime.venv: (venv_dir_problem, "runtime.venv")}
+    # the venv ddops makes and pip-installs into (an SGLang profile's is SGLang's own, only read)
+    dirs = {profile.runtime.venv: (venv_dir_problem, "runtime.venv")} if profile.engine == "ddtree" else {}
     dirs.update({m.path: (model_dir_problem, f"models.{m.role}.path") for m in profile.models})
     for path, (problem_of, key) in dirs.items():
         fact = dest.paths.get(path)

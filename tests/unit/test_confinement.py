@@ -163,3 +163,11 @@ def test_a_port_holder_is_named_with_what_is_known(holder, words):
     assert holder_words(holder).startswith(words)
     assert "None" not in holder_words(holder)
 
+
+
+def test_an_sglang_profile_s_venv_is_sglang_s_own(profile):
+    """ddops never writes into an SGLang venv: a link there (to /usr/local, say) is the operator's choice."""
+    sglang = load_profile(REPO / "playbooks" / "lab-sglang-dflash.yaml", repo_root=REPO)
+    venv = sglang.runtime.venv
+    assert check_confinement(sglang, dest({venv: {"real": "/usr/local/sglang", "link": True, "exists": True,
+                                                  "dir": True, "entries": 5, "venv": True}})) == []

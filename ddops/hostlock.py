@@ -33,14 +33,6 @@ def lock_problem(host: str, holder: dict | None) -> str | None:
             f"clear the lock with --break-lock")
 
 
-def holder_line(holder: dict[str, Any]) -> str:
-    """A lock's holder for a person: `ana@laptop, pid 12, ddops pivot --deploy x, since 2026-...`."""
-    who = "@".join(str(holder[k]) for k in ("user", "control_host") if holder.get(k))
-    parts = [who, f"pid {holder['pid']}" if holder.get("pid") is not None else "", holder.get("command") or "",
-             f"since {holder['started_at']}" if holder.get("started_at") else ""]
-    return ", ".join(p for p in parts if p) or "an unknown holder"
-
-
 def clear(executor: Executor, host: Host) -> dict[str, Any] | None:
     """Remove the lock whoever holds it; returns the holder it removed, if any."""
     out = run_probe(executor, host, "lock", {"action": "clear", "path": LOCK_PATH})

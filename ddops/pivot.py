@@ -260,7 +260,7 @@ class Pivot:
         if self.options.break_lock:
             holder = hostlock.clear(ctx.executor, ctx.host)
             if holder is not None:
-                self.banner(f"cleared the lock on {ctx.host.name} held by {hostlock.holder_line(holder)}")
+                self.banner(f"cleared a stale lock held by {holder}")
         self.lock_token = hostlock.acquire(ctx.executor, ctx.host, ctx.profile.name)
 
     def release_lock(self) -> None:

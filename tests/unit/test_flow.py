@@ -412,27 +412,6 @@ def test_a_step_with_its_own_kind_of_undo_is_rolled_back_by_it(monkeypatch, prof
     assert report["rollback"] == {"restarted": ["marker-reader.service", "dflash-train.service"]}
 
 
-def test_the_break_lock_banner_is_a_readable_line(monkeypatch, profile):
-    holder = {"user": "ana", "control_host": "laptop", "pid": 12, "command": "ddops pivot --deploy lab-ddtree16",
-              "started_at": "2026-12-01T10:00:00Z", "token": "abc"}
-
-    class Locked(FakeExecutor):
-        def run(self, host, argv, **kwargs):
-            if argv[:3] == ["python3", "-c", probe_source("lock")] and json.loads(argv[3])["action"] == "clear":
-                return self.result(host, 0, json.dumps({"cleared": True, "holder": holder}))
-            return super().run(host, argv, **kwargs)
-
-    monkeypatch.setattr(pivot_module, "preflight", lambda *a, **k: (fixture_facts(profile), "1 host(s) ok"))
-    out = io.StringIO()
-    flow = pivot_module.Pivot(profile, LAB, Locked(), Console(file=out, width=200, force_terminal=False),
-                              options=pivot_module.PivotOptions(yes=True, break_lock=True),
-                              steps=[FakeStep("unit", [])], gates=[])
-    flow.execute()
-    banner = next(line for line in out.getvalue().splitlines() if "cleared the lock" in line)
-    assert banner == ("--> cleared the lock on ct200 held by ana@laptop, pid 12, ddops pivot --deploy lab-ddtree16, "
-                      "since 2026-12-01T10:00:00Z")
-
-
 def test_a_pivot_in_a_log_prints_its_step_list_once(monkeypatch, profile):
     monkeypatch.setattr(pivot_module, "preflight", lambda *a, **k: (fixture_facts(profile), "1 host(s) ok"))
     out = io.StringIO()

@@ -26,13 +26,14 @@ from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
 from .hostlock import lock_problem
 from .inventory import Host, Inventory
-from .paths import BACKUP_ROOT, LOCK_PATH, RELEASES, WHEELHOUSE, env_path, release_path, replicas_manifest, unit_path
+from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
 from .profile import LIMITS, LOCAL, Profile, model_dir_problem, venv_dir_problem
 from .release import release_id
 from .remote import run_probe
 from .serverflags import check_flags, host_flags, shipped_flags, ships_server
 from .serverflags import summary as flags_summary
+from .paths import BACKUP_ROOT, RELEASES, WHEELHOUSE   # where ddops itself writes (own_writes)
 from .steps.deps import missing_modules
 from .steps.unit import exec_argv
 # target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)

@@ -16,7 +16,7 @@ from ddops.inventory import load_inventory
 from ddops.preflight import RUNTIME_TARGETS, check_models, check_port
 from ddops.profile import load_profile
 from ddops.rollback import restore_spec
-from ddops.steps.deps import PipProgress, pip_argv, plan_deps
+from ddops.steps.deps import pip_argv, plan_deps
 from ddops.steps.ship import plan_ship
 from ddops.steps.start import plan_start, start_argvs
 from ddops.steps.sync import plan_model
@@ -264,6 +264,8 @@ Successfully installed safetensors-0.4.5 torch-2.5.1
 
 
 def test_the_pip_note_moves_while_pip_is_silent():
+    from ddops.steps.deps import PipProgress
+
     now = [100.0]
     notes: list[str] = []
     pip = PipProgress(2, notes.append, clock=lambda: now[0])
@@ -283,6 +285,8 @@ def test_the_pip_note_moves_while_pip_is_silent():
 
 
 def test_the_pip_note_is_refreshed_without_output(monkeypatch):
+    from ddops.steps.deps import PipProgress
+
     monkeypatch.setattr(PipProgress, "REFRESH_S", 0.05)
     notes: list[str] = []
     with PipProgress(1, notes.append):

@@ -61,9 +61,9 @@ def bus_key(bus_id):
 def health_cells(cells):
     """The health fields of one GPU's CSV row (HEALTH_FIELDS' order)."""
     driver, bus_id, volatile, aggregate, remap, retired, throttle = cells
-    return {"driver_version": cell(driver), "bus_id": cell(bus_id), "ecc_volatile": count(volatile),
-            "ecc_aggregate": count(aggregate), "remap_pending": yes_no(remap), "retired_pending": yes_no(retired),
-            "throttle": throttle_reasons(throttle)}
+    return {"driver_version": cell(driver), "bus_id": cell(bus_id), "bus": bus_key(bus_id),
+            "ecc_volatile": count(volatile), "ecc_aggregate": count(aggregate), "remap_pending": yes_no(remap),
+            "retired_pending": yes_no(retired), "throttle": throttle_reasons(throttle)}
 
 
 def unit_of_pid(pid):
@@ -86,9 +86,9 @@ def holders(rows):
         return
     code, out, _ = run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory,gpu_bus_id",
                         "--format=csv,noheader,nounits"])
-    by_bus = dict((bus_key(r.get("bus_id")), r) for r in rows)
+    by_bus = dict((r.get("bus"), r) for r in rows)
     for r in rows:
-        r["processes"] = [] if code == 0 and r.get("bus_id") else None
+        r["processes"] = [] if code == 0 and r.get("bus") else None
     if code != 0:
         return
     for line in out.strip().splitlines():
@@ -130,7 +130,7 @@ def kmsg_lines():
 
 def journal_lines():
     """The journal's kernel messages of this boot, as (seconds since boot, message)."""
-    code, out, err = run(["journalctl", "-k", "-b", "-q", "--no-pager", "-o", "short-monotonic"], timeout=10)
+    code, out, err = run(["journalctl", "-k", "-b", "-q", "--no-pager", "-o", "short-monotonic"])
     if code != 0:
         raise OSError((err or out).strip() or "journalctl exit %d" % code)
     lines = []

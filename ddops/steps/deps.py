@@ -30,6 +30,8 @@ def pip_argv(profile: Profile, modules: list[str]) -> list[str]:
             "--progress-bar", "off"]
     if not profile.runtime.index:
         argv += ["--no-index", "--find-links", WHEELHOUSE]
+    elif profile.runtime.torch is not None and profile.runtime.torch.index and "torch" in modules:
+        argv += ["--extra-index-url", profile.runtime.torch.index]
     return argv + [profile.runtime.packages[m] for m in modules]
 
 

@@ -91,7 +91,7 @@ def status(obj: Context, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object a line, one per refresh.")
 @click.option("--fail-on", "fail_on", default=None, metavar="KINDS",
               help="With --once or --count: exit 1 when one of these alarms is up at the end (comma list, or "
-                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, balancer, down, unreachable.")
+                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, gpu, balancer, down, unreachable.")
 @click.pass_obj
 def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: bool, count: int | None,
         as_json: bool, fail_on: str | None) -> None:

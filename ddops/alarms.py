@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .gpuhealth import assess
+from .gpuhealth import assess, stray_xids
 
 if TYPE_CHECKING:
     from .top import Sample, Target, Thresholds
@@ -60,6 +60,7 @@ def host_alarms(host: str, history: list["Sample"], thresholds: "Thresholds", *,
 
 def _gpu_alarms(host: str, facts: dict[str, Any], fraction: float) -> list[Alarm]:
     out = [Alarm("gpu", host, f"GPU {h.index}: {'; '.join(h.faults)}") for h in assess(facts) if h.faults]
+    out += [Alarm("gpu", host, stray) for stray in stray_xids(facts)]
     for g in facts.get("gpus", {}).get("list", []):
         used, total = g.get("memory_used_mib"), g.get("memory_total_mib")
         if used is not None and total and used / total > fraction:

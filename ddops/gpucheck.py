@@ -113,6 +113,7 @@ def check_gpus(profile: Profile, host: HostFacts, found: dict[str, Any] | None,
             warnings += [f"{where}: {w}" for w in health.warnings]
         elif health.faults:
             warnings.append(f"{where}, which this profile does not use: {'; '.join(health.faults)}")
+    warnings += gpuhealth.stray_xids(host.raw)
     if faults and not accept_faults:
         problems.append(f"{profile.host} has a faulty GPU the profile would use: {'; '.join(faults)}; drain and reset "
                         "it (or reboot the host), list healthy GPUs in `gpus`, or pass --accept-gpu-faults")

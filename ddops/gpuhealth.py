@@ -89,6 +89,14 @@ def assess(facts: dict[str, Any], units: Iterable[str] = ()) -> list[GpuHealth]:
     return out
 
 
+def stray_xids(facts: dict[str, Any]) -> list[str]:
+    """Fatal Xids on a bus no listed GPU has: a GPU that fell off the bus may no longer be listed at all."""
+    buses = {g.get("bus") for g in (facts.get("gpus") or {}).get("list") or []}
+    events = ((facts.get("gpus") or {}).get("xid") or {}).get("events") or []
+    return [f"Xid {e['xid']} ({FATAL_XIDS[e['xid']]}) on bus {e.get('bus')}, which no listed GPU has, at "
+            f"{e.get('at_s'):g} s since boot" for e in events if e.get("xid") in FATAL_XIDS and e.get("bus") not in buses]
+
+
 def _word(g: dict[str, Any], xids: list[dict], throttled: list[str], strangers: list[dict], blind: bool) -> str:
     fatal = [e["xid"] for e in xids if e.get("xid") in FATAL_XIDS]
     if fatal:
@@ -132,4 +140,4 @@ def summary(facts: dict[str, Any]) -> dict[str, Any]:
     """What status and top's --json add per host: the driver, each GPU's health, the kernel log's source."""
     xid = (facts.get("gpus") or {}).get("xid") or {}
     return {"driver": driver(facts), "gpu_health": [h.as_json() for h in assess(facts)],
-            "kernel_log": {"source": xid.get("source"), "error": xid.get("error")}}
+            "kernel_log": {"source": xid.get("source"), "error": xid.get("error"), "stray": stray_xids(facts)}}

@@ -36,9 +36,10 @@ def gpus(with_cuda=False):
         code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
         if code == 0:
             break
-    if code != 0:
+    if code != 0:   # a GPU off the bus can fail nvidia-smi as a whole: its Xid is wanted most then
         return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": [],
-                "driver": {"version": None, "cuda": None}, "xid": xid_events()}
+                "driver": {"version": None, "cuda": None},
+                "xid": {"source": None, "error": None, "events": []} if code == 127 else xid_events()}
     rows = []
     for line in out.strip().splitlines():
         cells = [c.strip() for c in line.split(",")]

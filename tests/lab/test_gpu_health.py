@@ -110,7 +110,7 @@ def test_status_and_top_show_each_gpus_health_and_the_driver(gpus, monkeypatch):
     assert [g["word"] for g in hosts["ct200"]["gpu_health"]] == ["ok"] * 8
     assert [g["word"] for g in hosts["llm-two"]["gpu_health"]] == ["ok", "throttled"]
     assert hosts["llm-two"]["gpu_health"][1]["warnings"] == ["throttled (HwThermalSlowdown)"]
-    assert hosts["ct200"]["kernel_log"] == {"source": "/dev/kmsg", "error": None}
+    assert hosts["ct200"]["kernel_log"] == {"source": "/dev/kmsg", "error": None, "stray": []}
     table = ddops(gpus, "status").stdout
     assert "driver 570.133.20" in table and "health ok x8" in table and "GPU 1 throttled" in table
     top = ddops(gpus, "top", "--once", "--json", "--interval", "1")

@@ -112,6 +112,10 @@ def test_health_words_and_faults():
     assert [h.word for h in health] == ["ok", "ecc", "remap", "ok", "throttled", "held by 9", "xid 79", "ok"]
     assert health[6].faults == ("Xid 79 (GPU has fallen off the bus) at 12.5 s since boot",)
     assert health[7].faults == () and "Xid 13" in health[7].warnings[0]
+    assert gpuhealth.stray_xids(facts) == []
+    lost = facts_with([gpu(0)], events=[{"xid": 79, "bus": "0000:3b:00", "at_s": 9.0, "text": "off"}])
+    assert gpuhealth.stray_xids(lost) == ["Xid 79 (GPU has fallen off the bus) on bus 0000:3b:00, which no listed "
+                                          "GPU has, at 9 s since boot"]
     assert gpuhealth.words([h.as_json() for h in health]) == (
         "ok x3, GPU 1 ecc, GPU 2 remap, GPU 4 throttled, GPU 5 held by 9, GPU 6 xid 79")
 

@@ -235,7 +235,8 @@ def history_table(records: list[dict[str, Any]]) -> Table:
     for r in records:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("time", 0)))
         table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
-                      r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
+                      r.get("outcome", "") + (" (GPU faults accepted)" if r.get("accepted_gpu_faults") else ""),
+                      r.get("release") or "", r.get("backup_id") or "",
                       f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
     return table
 

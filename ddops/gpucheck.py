@@ -19,6 +19,7 @@ class GpuCheck:
     """What preflight found about the GPUs: the torch checked, faults accepted, and the plan's warnings."""
 
     torch: str | None = None                                  # e.g. "torch 2.7.1+cu128 (runtime.torch (x.yaml:20))"
+    installed_torch: str | None = None                        # the venv's torch version (the deps step's)
     accepted: tuple[str, ...] = ()                            # faults --accept-gpu-faults let through
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
@@ -57,7 +58,7 @@ def torch_probe_args(profile: Profile, inspected: dict[str, Any]) -> dict[str, A
     step would install one from the host's index with no pin to say which, what pip resolves it to."""
     if not checks_stack(profile):
         return None
-    keeps = "torch" in Inspection.from_json(inspected).imports.ok   # the deps step leaves it as it is
+    keeps = "torch" in Inspection.from_json(inspected).imports.ok   # unpinned, the deps step leaves it as it is
     runtime = profile.runtime
     resolve = None if keeps or runtime.torch is not None or not runtime.index else runtime.packages.get("torch")
     return {"venv": runtime.venv, "resolve": resolve, "keeps": keeps}
@@ -66,11 +67,11 @@ def torch_probe_args(profile: Profile, inspected: dict[str, Any]) -> dict[str, A
 def torch_build(profile: Profile, found: dict[str, Any] | None, host: str) -> tuple[TorchBuild | None, str | None]:
     """The torch the pivot would run, and why it is unknown when it is."""
     runtime = profile.runtime
+    if runtime.torch is not None:   # the deps step installs the pinned build over any other
+        return cudastack.from_pin(runtime.torch, runtime.torch.where), None
     if found and found.get("keeps"):
         build = cudastack.from_installed(found.get("installed"), runtime.venv)
         return build, None if build else f"{runtime.venv} imports torch, but its torch/version.py was not found"
-    if runtime.torch is not None:
-        return cudastack.from_pin(runtime.torch, runtime.torch.where), None
     requirement = runtime.packages.get("torch")
     if requirement is None:
         return None, "runtime.packages installs no torch"
@@ -117,4 +118,6 @@ def check_gpus(profile: Profile, host: HostFacts, found: dict[str, Any] | None,
     if faults and not accept_faults:
         problems.append(f"{profile.host} has a faulty GPU the profile would use: {'; '.join(faults)}; drain and reset "
                         "it (or reboot the host), list healthy GPUs in `gpus`, or pass --accept-gpu-faults")
-    return problems, GpuCheck(torch=label, accepted=tuple(faults) if accept_faults else (), warnings=tuple(warnings))
+    installed = ((found or {}).get("installed") or {}).get("version")
+    return problems, GpuCheck(torch=label, installed_torch=installed, accepted=tuple(faults) if accept_faults else (),
+                              warnings=tuple(warnings))

@@ -72,8 +72,12 @@ class TorchPin:
     where: str = ""            # file:line, for preflight's lines
 
     @property
+    def build(self) -> str:
+        return f"{self.version}+cu{self.cuda.replace('.', '')}"
+
+    @property
     def requirement(self) -> str:
-        return f"torch=={self.version}+cu{self.cuda.replace('.', '')}"
+        return f"torch=={self.build}"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ def pip_argv(profile: Profile, modules: list[str]) -> list[str]:
     return argv + [profile.runtime.packages[m] for m in modules]
 
 
-def plan_deps(profile: Profile, imports: Imports) -> list[Operation]:
+def plan_deps(profile: Profile, imports: Imports, installed_torch: str | None = None) -> list[Operation]:
+    """What to install: the modules that do not import, and torch again when runtime.torch pins another build
+    than `installed_torch` (the venv's torch version, which preflight read)."""
     if profile.engine != "ddtree":
         return []
     operations = []
@@ -43,6 +45,9 @@ def plan_deps(profile: Profile, imports: Imports) -> list[Operation]:
         operations.append(Operation(f"create venv {profile.runtime.venv}", commands=(tuple(venv_argv(profile)),),
                                     data={"venv": profile.runtime.venv}))
     missing = missing_modules(profile, imports)
+    pin = profile.runtime.torch
+    if pin is not None and installed_torch and installed_torch != pin.build and "torch" not in missing:
+        missing = sorted(missing + ["torch"])
     if missing:
         specs = [profile.runtime.packages[m] for m in missing]
         source = "the index" if profile.runtime.index else "a pushed wheelhouse"
@@ -74,7 +79,9 @@ class DepsStep:
     title = "Install runtime deps"
 
     def plan(self, ctx: PlanContext) -> list[Operation]:
-        return plan_system_packages(ctx.profile, ctx.facts.dest) + plan_deps(ctx.profile, ctx.facts.dest.imports)
+        installed = ctx.facts.gpu_check.installed_torch if ctx.facts.gpu_check is not None else None
+        return plan_system_packages(ctx.profile, ctx.facts.dest) + plan_deps(ctx.profile, ctx.facts.dest.imports,
+                                                                             installed)
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         profile, host, ex = ctx.profile, ctx.host, ctx.executor

@@ -45,12 +45,15 @@ def gpus(lab):
         lab_gpu(lab, host, "clear")
 
 
-def cuda_profile(tmp_path, cuda: str) -> str:
-    """lab-ddtree16 on ct200's GPU 0 with torch pinned to a CUDA build."""
+def cuda_profile(tmp_path, cuda: str | None, venv: str | None = None) -> str:
+    """lab-ddtree16 on ct200's GPU 0, with torch pinned to a CUDA build (None: its packages' torch==2.13.0)."""
     doc = yaml.safe_load(DDTREE.read_text())
     doc.update(device="cuda", gpus=[0])
-    del doc["runtime"]["packages"]["torch"]
-    doc["runtime"]["torch"] = {"version": "2.7.1", "cuda": cuda}
+    if cuda is not None:
+        del doc["runtime"]["packages"]["torch"]
+        doc["runtime"]["torch"] = {"version": "2.7.1", "cuda": cuda}
+    if venv is not None:
+        doc["runtime"]["venv"] = venv
     path = tmp_path / "cuda.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
@@ -85,6 +88,33 @@ def test_a_wheel_without_the_gpus_architecture_is_refused(gpus, tmp_path):
     report = refused_unchanged(gpus, cuda_profile(tmp_path, "12.6"))
     assert "has kernels for sm 50;60;70;75;80;86;90 only, not ct200's GPU 0 (NVIDIA RTX PRO 6000" in report["error"]
     assert 'pin `runtime.torch: {version: "2.7.0" or newer, cuda: "12.8"}`' in report["error"]
+
+
+SCRATCH_VENV = "/opt/gpucheck/venv"   # a venv of these tests' own: other modules' pivots use /opt/ddtree/venv
+
+
+def test_the_torch_pip_would_install_is_resolved_on_the_host_without_installing_it(gpus, tmp_path):
+    """No pin and no venv: pip's --dry-run --report on ct200 (from a throwaway venv, removed again) resolves
+    the lab's torch==2.13.0 to its wheel there, a CPU build, which a profile on the GPU cannot run."""
+    gpus.ssh("ct200", "rm -rf /opt/gpucheck")
+    report = refused_unchanged(gpus, cuda_profile(tmp_path, None, venv=SCRATCH_VENV))
+    assert "torch 2.13.0+cpu (pip --dry-run on ct200) is a CPU build, and the profile runs on ct200's GPU(s)" in (
+        report["error"])
+    assert 'pin `runtime.torch: {version: "2.7.0" or newer, cuda: "12.8"}`' in report["error"]   # 12.9 needs 575
+    assert gpus.ssh("ct200", "ls -d /opt/gpucheck /tmp/ddops-pip-* 2>/dev/null").stdout == ""
+
+
+def test_a_rerun_checks_the_torch_the_venv_already_holds(gpus, tmp_path):
+    site = f"{SCRATCH_VENV}/lib/python3.11/site-packages/torch"
+    made = gpus.ssh("ct200", f"python3 -m venv --without-pip {SCRATCH_VENV} && mkdir -p {site} && touch {site}/__init__.py"
+                             f" && printf \"__version__ = '2.6.0+cu126'\\ncuda: Optional[str] = '12.6'\\n\" > {site}/version.py")
+    assert made.returncode == 0, made.stderr
+    try:
+        report = refused_unchanged(gpus, cuda_profile(tmp_path, None, venv=SCRATCH_VENV))
+    finally:
+        gpus.ssh("ct200", "rm -rf /opt/gpucheck")
+    assert ("torch 2.6.0+cu126 (installed in /opt/gpucheck/venv) has kernels for sm 50;60;70;75;80;86;90 only, "
+            "not ct200's GPU 0 (NVIDIA RTX PRO 6000") in report["error"]
 
 
 def test_ecc_on_a_gpu_the_profile_does_not_use_is_shown_not_refused(gpus, tmp_path):

@@ -216,3 +216,16 @@ def test_runtime_torch_pins_the_build_and_its_index(tmp_path):
         profile_from(tmp_path, BASE, {"runtime.torch": pin, "runtime.packages": {"torch": "torch>=2.4"}})
     with pytest.raises(ConfigError, match="runtime.torch.cuda must be a CUDA version"):
         profile_from(tmp_path, BASE, {"runtime.torch": {"version": "2.7.1", "cuda": "cu128"}})
+
+
+def test_a_pinned_torch_replaces_another_build_in_the_venv(tmp_path):
+    from test_render_safety import BASE, profile_from
+
+    from ddops.facts import Imports
+    from ddops.steps.deps import plan_deps
+
+    profile = profile_from(tmp_path, BASE, {"runtime.torch": {"version": "2.7.1", "cuda": "12.8"}})
+    everything = Imports.from_json({"venv": True, "modules": {m: {"ok": True} for m in profile.runtime.packages}})
+    assert plan_deps(profile, everything, "2.7.1+cu128") == []
+    replace, = plan_deps(profile, everything, "2.13.0+cpu")
+    assert replace.data == {"modules": ["torch"]} and replace.what.startswith("pip install torch==2.7.1+cu128")

@@ -38,10 +38,12 @@ class GpuHealth:
     warnings: tuple[str, ...] = ()    # what the plan shows
     word: str = "ok"                  # status and top: ok, xid 79, ecc, remap, throttled, held by PID, unknown
     xids: tuple[dict[str, Any], ...] = ()
+    processes: tuple[dict[str, Any], ...] | None = None   # what holds its memory (None: unknown)
 
     def as_json(self) -> dict[str, Any]:
         return {"index": self.index, "bus_id": self.bus_id, "word": self.word, "faults": list(self.faults),
-                "warnings": list(self.warnings), "xids": list(self.xids)}
+                "warnings": list(self.warnings), "xids": list(self.xids),
+                "processes": None if self.processes is None else list(self.processes)}
 
 
 def known_holders(facts: dict[str, Any], units: Iterable[str] = ()) -> tuple[set[str], set[int]]:
@@ -80,12 +82,14 @@ def assess(facts: dict[str, Any], units: Iterable[str] = ()) -> list[GpuHealth]:
         throttled = [r for r in g.get("throttle") or () if r in THROTTLING]
         if throttled:
             warnings.append(f"throttled ({', '.join(throttled)})")
-        strangers = [p for p in g.get("processes") or ()
-                     if p.get("unit") not in known_units and p.get("pid") not in known_pids]
+        # a pid this host's /proc lacks is another namespace's (a container's host): not called a stranger
+        strangers = [p for p in g.get("processes") or () if p.get("seen", True)
+                     and p.get("unit") not in known_units and p.get("pid") not in known_pids]
         warnings += [f"memory held by pid {p['pid']} ({p.get('name')}, {p.get('used_mib')} MiB"
                      f"{', ' + p['unit'] if p.get('unit') else ''})" for p in strangers]
         out.append(GpuHealth(index=index, bus_id=g.get("bus_id"), faults=tuple(faults), warnings=tuple(warnings),
-                             word=_word(g, mine, throttled, strangers, events is None), xids=tuple(mine)))
+                             word=_word(g, mine, throttled, strangers, events is None), xids=tuple(mine),
+                             processes=None if g.get("processes") is None else tuple(g["processes"])))
     return out
 
 

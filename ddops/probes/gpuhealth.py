@@ -78,8 +78,9 @@ def unit_of_pid(pid):
 
 
 def holders(rows):
-    """Each GPU's processes (pid, name, MiB, unit), asked only when a GPU's memory is in use; the GPUs
-    of `rows` get `processes` (None: not asked or unknown)."""
+    """Each GPU's processes (pid, name, MiB, unit, and whether the pid is in this host's /proc: in a
+    container the driver may name the host's pids), asked only when a GPU's memory is in use; the GPUs of
+    `rows` get `processes` (None: unknown)."""
     if not any((r.get("memory_used_mib") or 0) > IDLE_MIB for r in rows):
         for r in rows:
             r["processes"] = []
@@ -99,7 +100,7 @@ def holders(rows):
         if gpu is not None and gpu["processes"] is not None:
             pid = int(parts[0])
             gpu["processes"].append({"pid": pid, "name": ",".join(parts[1:-2]), "used_mib": count(parts[-2]),
-                                     "unit": unit_of_pid(pid)})
+                                     "unit": unit_of_pid(pid), "seen": os.path.isdir("/proc/%d" % pid)})
 
 
 def kmsg_lines():

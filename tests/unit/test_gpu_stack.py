@@ -52,8 +52,9 @@ def test_health_fields_parse_from_an_h100_query_with_holders_and_the_kernel_log(
     assert (first["ecc_volatile"], first["remap_pending"], first["retired_pending"], first["throttle"]) == (0, False, None, [])
     assert (second["ecc_volatile"], second["ecc_aggregate"], second["remap_pending"]) == (2, 7, True)
     assert third["throttle"] == ["SwPowerCap", "HwThermalSlowdown"]          # 0x44
-    assert first["processes"] == [{"pid": 48211, "name": "/usr/bin/python3", "used_mib": 71230, "unit": None}]
-    assert second["processes"] == [] and third["processes"][0]["pid"] == 51002
+    assert first["processes"] == [{"pid": 4190001, "name": "/usr/bin/python3", "used_mib": 71230, "unit": None,
+                                   "seen": False}]   # no such pid here: another namespace's
+    assert second["processes"] == [] and third["processes"][0]["pid"] == 4190002
     assert gpus["xid"]["source"] == str(FIXTURES / "kmsg.txt")
     assert [(e["xid"], e["bus"], e["at_s"]) for e in gpus["xid"]["events"]] == [(79, "0000:2a:00", 1337.85),
                                                                                (13, "0000:18:00", 1400.0)]
@@ -104,7 +105,8 @@ def test_health_words_and_faults():
     facts = facts_with([gpu(0, processes=[{"pid": 700, "name": "python3", "used_mib": 9000, "unit": None}]),
                         gpu(1, ecc_volatile=3), gpu(2, remap_pending=True), gpu(3, throttle=["SwPowerCap"]),
                         gpu(4, throttle=["HwSlowdown"]),
-                        gpu(5, processes=[{"pid": 9, "name": "x", "used_mib": 10, "unit": "user@0.service"}]),
+                        gpu(5, processes=[{"pid": 9, "name": "x", "used_mib": 10, "unit": "user@0.service"},
+                                          {"pid": 8, "name": "y", "used_mib": 10, "unit": None, "seen": False}]),
                         gpu(6), gpu(7)],
                        events=[{"xid": 79, "bus": "0000:78:00", "at_s": 12.5, "text": "off the bus"},
                                {"xid": 13, "bus": "0000:88:00", "at_s": 13.0, "text": "app fault"}], training=training)

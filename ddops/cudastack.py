@@ -47,6 +47,19 @@ BF16_MIN_CAPABILITY = 8.0   # bfloat16 tensor cores: Ampere and later
 _CUDA_RUNTIME = re.compile(r"^nvidia-cuda-runtime(?:-cu\d+)?$")
 
 
+def _driver_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+def _cuda_tuple(text: str) -> Cuda:
+    major, minor = (int(p) for p in text.split(".")[:2])
+    return major, minor
+
+
+def _cuda_text(cuda: Cuda) -> str:
+    return f"{cuda[0]}.{cuda[1]}"
+
+
 @dataclass(frozen=True)
 class TorchBuild:
     """A torch build: its version, the CUDA it is built for (None: a CPU build; `cuda_known` False when
@@ -88,8 +101,7 @@ def cuda_of(version: str, requires: list[str] | None = None) -> tuple[Cuda | Non
 
 def from_pin(pin: Any, where: str) -> TorchBuild:
     """runtime.torch's {version, cuda}."""
-    major, minor = (int(p) for p in pin.cuda.split("."))
-    return TorchBuild(version=f"{pin.version}+cu{major}{minor}", cuda=(major, minor), source=f"runtime.torch ({where})")
+    return TorchBuild(version=pin.build, cuda=_cuda_tuple(pin.cuda), source=f"runtime.torch ({where})")
 
 
 def from_report(report: dict[str, Any], where: str) -> TorchBuild | None:
@@ -137,19 +149,11 @@ def from_installed(installed: dict[str, Any] | None, venv: str) -> TorchBuild | 
     """The torch a venv holds, from its torch/version.py (`__version__`, and `cuda`: None in a CPU build)."""
     if not installed or not installed.get("version"):
         return None
-    cuda = tuple(int(p) for p in installed["cuda"].split(".")[:2]) if installed.get("cuda") else None
+    cuda = _cuda_tuple(installed["cuda"]) if installed.get("cuda") else None
     return TorchBuild(version=installed["version"], cuda=cuda, source=f"installed in {venv}")
 
 
 # -- the checks ----------------------------------------------------------------------------------------
-
-def _driver_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version))
-
-
-def _cuda_text(cuda: Cuda) -> str:
-    return f"{cuda[0]}.{cuda[1]}"
-
 
 def covers(archs: str, capability: float) -> bool:
     """Whether a wheel's arch list runs on a GPU of this compute capability (same-major binaries, or PTX)."""
@@ -182,9 +186,10 @@ def suggestion(capabilities: list[float], driver: str | None) -> str:
     return "no PyTorch wheel in ddops's table is built for these GPUs: build torch for them"
 
 
-def check_build(build: TorchBuild, host: str, driver: str | None,
-                gpus: list[tuple[int, str | None, float | None]]) -> list[str]:
-    """Problems of running `build` on these GPUs ((index, name, compute capability)) under this driver."""
+def check_build(build: TorchBuild, host: str, driver: str | None, gpus: list[tuple[int, str | None, float | None]],
+                driver_cuda: str | None = None) -> list[str]:
+    """Problems of running `build` on these GPUs ((index, name, compute capability)) under this driver (its
+    version, and the highest CUDA it supports, which decides where MIN_DRIVER has no row)."""
     problems: list[str] = []
     caps = [cap for _, _, cap in gpus if cap is not None]
     where = f"{build.label} ({build.source})"
@@ -196,6 +201,10 @@ def check_build(build: TorchBuild, host: str, driver: str | None,
         need = MIN_DRIVER[build.cuda]
         problems.append(f"{where} needs CUDA {_cuda_text(build.cuda)}, which needs NVIDIA driver {need} or newer, "
                         f"and {host} has driver {driver}: upgrade the driver to {need}+, or "
+                        + suggestion(caps, driver))
+    elif (driver is None or build.cuda not in MIN_DRIVER) and driver_cuda and _cuda_tuple(driver_cuda) < build.cuda:
+        problems.append(f"{where} needs CUDA {_cuda_text(build.cuda)}, and {host}'s driver"
+                        f"{' ' + driver if driver else ''} supports CUDA {driver_cuda} at most: upgrade the driver, or "
                         + suggestion(caps, driver))
     archs = build.archs
     if archs is not None:

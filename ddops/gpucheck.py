@@ -93,14 +93,16 @@ def check_gpus(profile: Profile, host: HostFacts, found: dict[str, Any] | None,
     warnings: list[str] = []
     if checks_stack(profile) and not host.gpu_error:
         build, unknown = torch_build(profile, found, profile.host)
-        driver = gpuhealth.driver(host.raw).get("version")
+        driver = gpuhealth.driver(host.raw)
         if build is not None:
-            stack = cudastack.check_build(build, profile.host, driver, on)
+            stack = cudastack.check_build(build, profile.host, driver["version"], on, driver["cuda"])
             problems += stack
             label = None if stack or not build.cuda_known else f"{build.label} ({build.source})"
+            if not build.cuda_known:
+                unknown = f"{build.label} ({build.source}) names no CUDA version"
         if unknown:
             warnings.append(f"the torch to install is unknown ({unknown}): its CUDA was not matched to the driver")
-        if driver is None:
+        if driver["version"] is None and driver["cuda"] is None:
             warnings.append("the driver's version is unknown: the torch's CUDA was not matched to it")
     if profile.device.startswith("cuda"):
         problems += cudastack.check_dtype(profile.dtype, profile.host, on)

@@ -231,3 +231,11 @@ def test_a_pinned_torch_replaces_another_build_in_the_venv(tmp_path):
     assert plan_deps(profile, everything, "2.7.1+cu128") == []
     replace, = plan_deps(profile, everything, "2.13.0+cpu")
     assert replace.data == {"modules": ["torch"]} and replace.what.startswith("pip install torch==2.7.1+cu128")
+
+
+def test_a_cuda_past_the_table_is_matched_to_the_drivers_own_cuda_version():
+    future = cudastack.TorchBuild("3.1.0+cu131", (13, 1), "runtime.torch")
+    blackwell = [(0, "NVIDIA RTX PRO 6000", 12.0)]
+    problem, = cudastack.check_build(future, "ct200", "580.65.06", blackwell, driver_cuda="13.0")
+    assert "needs CUDA 13.1, and ct200's driver 580.65.06 supports CUDA 13.0 at most" in problem
+    assert cudastack.check_build(future, "ct200", "590.1", blackwell, driver_cuda="13.1") == []

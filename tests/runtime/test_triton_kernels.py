@@ -520,15 +520,15 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
             assert not out.isnan().any()
             print(b, t, err, err32)
 
-        small = G.TreeDeltaLaunch(8, 8, 1)       # dk and dv in two blocks each
+        small = G.TreeDeltaLaunch(8, 8, 1, squaring=False)  # dk and dv in two blocks each, by substitution
         for b, t, shared in [(1, 1, True), (2, 5, False), (3, 17, False), (1, 17, True), (3, 33, False)]:
             case(b, 4, t, 16, 16, shared, True, small)
-        case(3, 2, 17, 16, 32, False, False, G.TreeDeltaLaunch())        # no start state, one dv block
+        case(3, 2, 17, 16, 32, False, False, G.TreeDeltaLaunch(64, 64, 4, squaring=False))  # no start state, one dv block
         case(2, 2, 5, 32, 16, False, True, G.TreeDeltaLaunch(16, 16, 4))
         case(3, 2, 17, 16, 16, False, True, small, aligned=True)
         # the squaring solve: the same within its wider error where keys align
         case(3, 4, 17, 16, 16, False, True, small._replace(squaring=True))
-        case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch(squaring=True))
+        case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch())          # the default: squaring, blocks wider than dk
 
         # the gates made in the kernel from the in-projection's 16-bit columns, as the layer makes them in
         # torch (float16 here: the interpreter truncates casts to bfloat16 where the GPU rounds, like

@@ -273,22 +273,23 @@ class TreeDeltaLaunch(NamedTuple):
     `warps` for trees of up to 32 nodes (twice as many for 64);
     `precision`: Triton's float32 dot ("tf32x3": three TF32 products, about float32's error on the tensor
     cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative); `squaring`: solve the
-    triangular system by repeated squaring (log2 T products) rather than by substitution (T steps)."""
-    block_k: int = 64
+    triangular system by repeated squaring (log2 T products) rather than by substitution (T steps).
+    The default is the fastest of gdn_tree_bench.py's 20 launches on the H200 at 1, 8 and 16 rows of
+    17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7, error 3e-7)."""
+    block_k: int = 32
     block_v: int = 64
     warps: int = 4
     precision: str = "tf32x3"
-    squaring: bool = False
+    squaring: bool = True
 
 
-# The kernel has passed Triton's interpreter (tests) but has not yet compiled or run on a GPU: a GPU
-# serves the tree pass in torch until gdn_tree_bench.py has checked and timed it on one (then this
-# default flips); DDTREE_TREE_DELTA=1 takes the kernel there now (the bench does, to measure it)
-TREE_DELTA_ON_GPU = os.environ.get("DDTREE_TREE_DELTA") == "1"
+# Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves
+# the tree pass in torch instead (to compare, or should a GPU's compiler refuse the kernel)
+TREE_DELTA_ON_GPU = os.environ.get("DDTREE_TREE_DELTA") != "0"
 
 
 def tree_delta_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """On CUDA (once TREE_DELTA_ON_GPU), power-of-two head dims of at least 16 (a Triton dot's smallest
+    """On CUDA (unless DDTREE_TREE_DELTA=0), power-of-two head dims of at least 16 (a Triton dot's smallest
     side) and trees of up to TREE_DELTA_MAX_NODES nodes."""
     return (_use_triton(q) and (TREE_DELTA_ON_GPU or not q.is_cuda) and q.shape[2] <= TREE_DELTA_MAX_NODES
             and all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1])))

@@ -30,6 +30,7 @@ inputs and outputs; `floor_us` is those bytes over the copy bandwidth measured h
 
 from __future__ import annotations
 
+import os
 import sys
 
 if "--tiny" in sys.argv:  # before Triton loads: the kernels then run in its interpreter on the CPU

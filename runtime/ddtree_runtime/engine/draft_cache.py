@@ -166,12 +166,16 @@ class DraftCache:
         self.paged.copy_page(src, dst, count)
 
     def permute(self, dst: list[int], src: list[int]) -> None:
-        """Row dst[i] takes row src[i]'s rings (the pages move with the block tables)."""
+        """Row dst[i] takes row src[i]'s rings (the pages move with the block tables); a source row
+        that is no destination is cleared, as its block table is (PageTable.move)."""
         if not dst or not self.ring_size:
             return
         d, s = (torch.tensor(rows, device=self.ring_k.device) for rows in (dst, src))
+        vacated = sorted(set(src) - set(dst))
         for t in self._rings():
             t.index_copy_(1, d, t.index_select(1, s))
+            if vacated:
+                t[:, vacated] = 0
 
     def copy_prefix(self, src: int, dst: int, from_snapshot: bool) -> None:
         """Row dst starts from row src's ring at its end, or at its snapshot point (`from_snapshot`), in

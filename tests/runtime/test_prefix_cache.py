@@ -121,8 +121,8 @@ def test_two_turn_conversation_same_tokens_with_reuse(models, plain, mode):
 def test_sliding_drafter_same_rounds_with_reuse(models, tmp_path, mode):
     """A drafter whose first layer slides over 8 positions keeps them in a ring per row (draft_cache.py):
     a chat's second turn and a completion continued by 5 tokens (fewer than the window: it takes the
-    first sequence's ring, where its row lies) commit the same tokens, round for round, with reuse as without it (a wrong
-    ring would change what is drafted, so what each round accepts)."""
+    first sequence's ring, where its row lies) commit the same tokens, round for round, with reuse as
+    without it (a wrong ring would change what is drafted, so what each round accepts)."""
     from ddtree_devtools.tiny import relaid_drafter
 
     draft = relaid_drafter(models / "draft", tmp_path / "draft", 8)

@@ -85,7 +85,11 @@ class Peaks:
 def config_dicts(target, drafter) -> tuple[dict, dict]:
     """The random models' configs as the config.json dicts capacity.py reads (ddops reads the checkpoints')."""
     dcfg = drafter.config
-    return dataclasses.asdict(target.config), {**dataclasses.asdict(dcfg), "block_size": dcfg.block_size,
+    windows = [dcfg.layer_attention(i).window for i in range(dcfg.num_hidden_layers)]
+    layout = {"layer_types": ["full_attention" if w is None else "sliding_attention" for w in windows]}
+    if any(w is not None for w in windows):  # z-lab's fields for the sliding layers (drafter_layout.py)
+        layout |= {"use_sliding_window": True, "sliding_window": max(w for w in windows if w is not None)}
+    return dataclasses.asdict(target.config), {**dataclasses.asdict(dcfg), **layout, "block_size": dcfg.block_size,
                                                "dflash_config": {"target_layer_ids": list(dcfg.target_layer_ids)}}
 
 

@@ -7,8 +7,8 @@ drafter with every layer full, on the runtime's engine with random weights of a 
 
 Figures (JSON under bench/results/):
 - pool: capacity.py's tokens for the card (what the engine sizes and ddops's plan line shows) for this
-  layout, and the arithmetic's tokens were the sliding layers' drafter KV kept at the window only, both
-  against five full layers;
+  layout (its sliding layers' KV in a ring of the window per row, engine/draft_cache.py) against five
+  full layers, and the engine's own pool;
 - round: the ddtree@budget round with `--running` requests of `--context` tokens running together (the
   median step once all run);
 - draft: a lone request's draft phase (engine.phase_hook, synchronized) at each of `--draft-contexts`,
@@ -40,25 +40,16 @@ def layout(name: str, layers: int, window: int) -> tuple[DraftAttention, ...]:
     return (DraftAttention(causal=True, window=window),) * (layers - 1) + (FULL_ATTENTION,)
 
 
-def pool_figures(target, drafter, card_mib: int, dtype: str, config: EngineConfig, block: int) -> dict:
-    """capacity.py's pool for this card (the engine's and ddops's plan line) and, by the same arithmetic,
-    the pool were each sliding layer's drafter KV kept at its window (a fixed per-request cost instead of
-    a per-token one)."""
+def pool_figures(target, drafter, card_mib: int, dtype: str, config: EngineConfig) -> dict:
+    """capacity.py's pool for this card (what the engine sizes and ddops's plan line shows): the drafter's
+    full layers' KV per token, its sliding layers' rings per row (engine/draft_cache.py)."""
     tcfg, dcfg = config_dicts(target, drafter)
     plan = capacity.pool_capacity(card_mib * MIB, tcfg, dcfg, dtype=dtype, mem_fraction=config.mem_fraction,
                                   max_running=config.max_running, max_context=config.max_context,
                                   tree_budget=config.tree_budget, prefix_cache=config.prefix_cache)
-    d = drafter.config
-    elem = torch.finfo(getattr(torch, dtype)).bits // 8
-    layer_token = 2 * d.num_key_value_heads * d.head_dim * elem
-    sliding = [a.window for a in d.attention if a.window is not None]
-    token = plan.token_bytes
-    windowed_token = token - len(sliding) * layer_token
-    window_state = sum(w + 2 * block for w in sliding) * layer_token * config.max_running
-    usable = plan.pool_tokens * token
-    return {"plan_tokens": plan.pool_tokens, "token_bytes": token, "plan_breakdown": plan.breakdown(),
-            "windowed_tokens": (usable - window_state) // windowed_token, "windowed_token_bytes": windowed_token,
-            "sliding_layers": len(sliding)}
+    sliding = [a.window for a in drafter.config.attention if a.window is not None]
+    return {"plan_tokens": plan.pool_tokens, "token_bytes": plan.token_bytes, "request_bytes": plan.request_bytes,
+            "plan_breakdown": plan.breakdown(), "sliding_layers": len(sliding)}
 
 
 def round_at(engine: Engine, vocab: int, running: int, context: int, budget: int, steps: int,
@@ -116,16 +107,14 @@ def main() -> None:
     pools = {}
     for name in ("full", args.draft_layout):  # the pool's arithmetic for five full layers, then this layout
         drafter.config.attention = layout(name, drafter.config.num_hidden_layers, args.window)
-        pools[name] = pool_figures(target, drafter, args.card_mib, str(dtype).removeprefix("torch."),
-                                   engine_config, drafter.config.block_size)
+        pools[name] = pool_figures(target, drafter, args.card_mib, str(dtype).removeprefix("torch."), engine_config)
     report["pool"] = pools
     engine = Engine(engine_config, target=target, drafter=drafter, tokenizer=None)
     report["pool_engine_tokens"] = engine.capacity()["tokens"]
     p, f = pools[args.draft_layout], pools["full"]
     print(f"pool ({args.draft_layout}, {p['sliding_layers']} sliding layers of {args.window}): capacity.py "
-          f"{p['plan_tokens']} tokens (five full layers {f['plan_tokens']}; the engine's {report['pool_engine_tokens']}); "
-          f"the sliding layers' KV at the window "
-          f"would give {p['windowed_tokens']} ({p['windowed_tokens'] / f['plan_tokens']:.2f}x)", flush=True)
+          f"{p['plan_tokens']} tokens ({p['plan_tokens'] / f['plan_tokens']:.2f}x five full layers' "
+          f"{f['plan_tokens']}); the engine's {report['pool_engine_tokens']}", flush=True)
     vocab, g = target.config.vocab_size, torch.Generator().manual_seed(0)
     report["round"] = round_at(engine, vocab, args.running, args.context, args.budget, args.steps, g)
     print(f"round: ddtree@{args.budget}, {args.running} running at {args.context}: "

@@ -6,6 +6,7 @@ allocator's fragmentation and the graphs' memory pool are not in it.
 
     PYTHONPATH=runtime:runtime/bench python runtime/bench/pool_plan.py --shape qwen3.6-27b \\
         --memory-mib 97887 --max-context 131072 --max-running 16 --out bench/results/runtime-pool-plan.json
+    ... --sliding-window 4096   # the drafter laid out as z-lab's: its layers sliding but the last
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import torch
 
 import ddtree_runtime.engine.memory as memory
 from ddtree_runtime.engine import Engine, EngineConfig
+from drafter_layout_bench import layout
 from gpu_bench import SHAPES, build_models, nbytes
 
 
 def plan(shape: str, memory_mib: int, max_context: int, max_running: int, tree_budget: int,
-         mem_fraction: float, page_size: int) -> dict:
+         mem_fraction: float, page_size: int, sliding_window: int | None = None) -> dict:
     target, drafter = build_models(shape, torch.device("meta"), torch.bfloat16)
+    if sliding_window:
+        drafter.config.attention = layout("zlab", drafter.config.num_hidden_layers, sliding_window)
     target.config.max_position_embeddings = max(target.config.max_position_embeddings, max_context)  # 262144 real
     weights = nbytes(target) + nbytes(drafter)
     free = memory_mib * 2**20 - weights
@@ -53,10 +57,11 @@ def main() -> None:
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--sliding-window", type=int, default=None, help="z-lab's drafter layout with this window")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out = plan(args.shape, args.memory_mib, args.max_context, args.max_running, args.tree_budget,
-               args.mem_fraction, args.page_size)
+               args.mem_fraction, args.page_size, args.sliding_window)
     print(f"{out['shape']} on {out['memory_mib']} MiB: weights {out['weights_gib']:.1f} GiB, pool {out['tokens']} "
           f"tokens ({out['pages_total']} pages x {out['page_size']}, {out['token_bytes']} B a token), "
           f"{out['share_of_ceiling']:.1%} of the {out['ceiling_tokens']} the memory allows; "

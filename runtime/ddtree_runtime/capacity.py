@@ -9,7 +9,10 @@ its max_context) and the runtime can log the same figures at start-up.
 - workspaces: one prefill's activations at max_context (the engine's bound, engine/context.py);
 - request_state: what a running request holds outside the pool: a hybrid target's recurrent and conv
   state per linear layer, and the tree pass's per-node scratch (engine/kv_cache.py, HybridCache);
-- token_bytes: a token's KV in the target's full-attention layers and in the drafter's layers.
+- token_bytes: a token's KV in the target's full-attention layers and in the drafter's full layers;
+- a drafter's sliding-window layers keep no per-token KV in the pool: each row keeps their last
+  positions in a ring of `ring_length` slots (the window and two blocks), counted in request_state
+  (twice with the prefix cache: a snapshot at the prompt, engine/draft_cache.py).
 
 With tensor parallelism over T GPUs the figures are one GPU's (model/parallel.py's split): its share of
 every layer's heads, KV heads and MLP rows and of the LM head's vocabulary (`Shape.split`), and whole
@@ -22,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .drafter_layout import SLIDING, draft_value
+from .drafter_layout import drafter_layout, draft_value
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The engine's constants, declared here (torch-free) and imported by it: prompt tokens per prefill
@@ -31,6 +34,18 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PREFILL_PIECE = 32768
 TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 SHORT_REQUEST = 8192    # the "requests of 8K" the plan and the start-up line count
+RING_ALIGN = 64         # a sliding layer's ring is a whole number of these slots (the decode kernel's key blocks)
+
+
+def ring_length(window: int, block_size: int) -> int:
+    """Slots of a sliding-window drafter layer's ring per row (engine/draft_cache.py): the window, and
+    what one drafter pass writes past the committed context (up to a block of new context, then the
+    block), so that no write reaches a key a query of the pass still sees."""
+    return -(-(window + 2 * block_size) // RING_ALIGN) * RING_ALIGN
+
+
+def _is_drafter(config: dict[str, Any]) -> bool:
+    return "dflash_config" in config or any("DFlash" in a for a in config.get("architectures") or [])
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +88,8 @@ class Shape:
     positions: int = 40960
     feature_layers: int = 0       # a drafter: the target layers it reads
     block_size: int = 0           # a drafter: its block size
+    window_layers: int = 0        # a drafter: its sliding-window layers (besides full_layers), kept in rings
+    window: int = 0               # ... their largest window
     head_vocab: int | None = None  # a tensor-parallel rank's LM head rows (None: the whole vocabulary)
 
     @classmethod
@@ -82,11 +99,12 @@ class Shape:
         hybrid = "linear_attention" in kinds
         heads = text["num_attention_heads"]
         dflash = config.get("dflash_config") or {}
+        windows = [a.window for a in drafter_layout(config).attention] if _is_drafter(config) else []
+        sliding = [w for w in windows if w is not None]
         return cls(vocab=text["vocab_size"], hidden=text["hidden_size"], intermediate=text["intermediate_size"],
                    heads=heads, kv_heads=text.get("num_key_value_heads", heads),
                    head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-                   # a drafter's sliding-window layers keep their KV at full length, as its full layers do
-                   full_layers=kinds.count("full_attention") + kinds.count(SLIDING),
+                   full_layers=len(windows) - len(sliding) if windows else kinds.count("full_attention"),
                    linear_layers=kinds.count("linear_attention"),
                    tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
                    bias=bool(text.get("attention_bias", False)), gated=hybrid,
@@ -97,7 +115,8 @@ class Shape:
                    value_dim=text.get("linear_value_head_dim", 128) if hybrid else 0,
                    positions=text.get("max_position_embeddings", 40960),
                    feature_layers=len(dflash.get("target_layer_ids") or []),
-                   block_size=int(draft_value(config, "block_size", 16)))
+                   block_size=int(draft_value(config, "block_size", 16)),
+                   window_layers=len(sliding), window=max(sliding, default=0))
 
     def split_counts(self) -> dict[str, int]:
         """What tensor parallelism shares out evenly, each rank an equal part: the attention heads, the
@@ -128,6 +147,14 @@ class Shape:
     def token_bytes(self, elem: int) -> int:
         """One token's K and V in every full-attention layer."""
         return 2 * self.full_layers * self.kv_heads * self.head_dim * elem
+
+    def ring_bytes(self, elem: int, block_size: int, snapshots: bool = False) -> int:
+        """A drafter row's rings: each sliding layer's K and V at ring_length slots (and one scratch
+        slot), twice with `snapshots` (the prefix cache keeps the ring at the prompt's snapshot point)."""
+        if not self.window_layers:
+            return 0
+        slots = ring_length(self.window, block_size) + 1
+        return 2 * self.window_layers * self.kv_heads * self.head_dim * elem * slots * (2 if snapshots else 1)
 
     def state_bytes(self, elem: int) -> int:
         """A hybrid's per-request state: each linear layer's float32 recurrent state (Hv x dk x dv) and
@@ -173,7 +200,8 @@ class Shape:
         """A DFlash drafter: its layers, the projection of the target's features, two norms; it shares
         the target's embeddings and head."""
         full, _ = self._layer_parameters()
-        return self.full_layers * full + self.hidden * self.feature_layers * self.hidden + 2 * self.hidden
+        layers = self.full_layers + self.window_layers
+        return layers * full + self.hidden * self.feature_layers * self.hidden + 2 * self.hidden
 
 
 def tree_bucket(nodes: int) -> int:
@@ -244,7 +272,7 @@ class Capacity:
     workspace_bytes: int
     request_bytes: int          # per running request, outside the pool
     max_running: int
-    token_bytes: int            # per token in the pool (target + drafter KV)
+    token_bytes: int            # per token in the pool (target + the drafter's full layers' KV)
     reserve_tokens: int         # a request's tokens beyond its context: the tree pass and the drafter's block
     max_context: int
     tensor_parallel: int = 1    # GPUs the server spans; the bytes above are one GPU's
@@ -292,7 +320,8 @@ def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config
     """The pool on a GPU of `memory_bytes`, for these models served in `dtype` (`draft_config` None:
     mode ar, no drafter). `max_context` None: the target's positions; `block_size` None: the drafter's;
     `tensor_parallel` T: the target split over T such GPUs, the drafter whole on each; `prefix_cache`: a
-    hybrid's rows keep a prompt snapshot of their state (the engine's default)."""
+    hybrid's rows keep a prompt snapshot of their state, and a sliding drafter's of its rings (the
+    engine's default)."""
     elem = DTYPE_BYTES[dtype]
     whole = Shape.from_config(target_config)
     target = whole.split(tensor_parallel)
@@ -303,14 +332,15 @@ def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config
     nodes = tree_bucket(tree_slots)
     weights = target.target_parameters() * elem
     token = target.token_bytes(elem)
-    features = 0
+    features, rings = 0, 0
     if drafter is not None:
         weights += drafter.drafter_parameters() * elem
         token += drafter.token_bytes(elem)
         features = drafter.feature_layers
+        rings = drafter.ring_bytes(elem, block, snapshots=prefix_cache)
     return Capacity(memory_bytes=memory_bytes, mem_fraction=mem_fraction, weights_bytes=weights,
                     workspace_bytes=prefill_workspace_bytes(target, context, features, elem),
-                    request_bytes=target.request_bytes(nodes, elem, snapshots=prefix_cache),
+                    request_bytes=target.request_bytes(nodes, elem, snapshots=prefix_cache) + rings,
                     max_running=max_running, token_bytes=token, reserve_tokens=round_reserve(tree_slots, block),
                     max_context=context, tensor_parallel=tensor_parallel)
 

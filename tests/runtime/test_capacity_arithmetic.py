@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 
 from ddtree_runtime import capacity  # noqa: E402
 from ddtree_runtime.engine import Engine, EngineConfig  # noqa: E402
+from ddtree_runtime.engine.block_manager import BlockManager, PageTable  # noqa: E402
+from ddtree_runtime.engine.draft_cache import DraftCache  # noqa: E402
 from ddtree_runtime.engine.kv_cache import target_cache_bytes  # noqa: E402
 from ddtree_runtime.engine.memory import shape_of  # noqa: E402
 from ddtree_runtime.model import load_drafter, load_target  # noqa: E402
@@ -21,7 +23,7 @@ from ddtree_runtime.model import load_drafter, load_target  # noqa: E402
 @pytest.fixture(params=["qwen3", "qwen3_5", "qwen3-sliding"])
 def pair(request, tiny_models, tiny_hybrid_models, tmp_path):
     """A tiny pair; qwen3-sliding: its drafter laid out as z-lab's (a sliding layer, then a full one),
-    whose sliding layer's KV is kept at full length and counted so."""
+    whose sliding layer keeps a ring per row instead of pages."""
     from ddtree_devtools.tiny import relaid_drafter
 
     root = tiny_hybrid_models if request.param == "qwen3_5" else tiny_models
@@ -53,8 +55,14 @@ def test_a_token_and_a_request_cost_what_the_engines_caches_take(pair):
         for snapshots in (False, True):
             engine = target_cache_bytes(target.config, tokens, nodes, elem, snapshots=snapshots)
             assert tokens * shape.token_bytes(elem) + shape.request_bytes(nodes, elem, snapshots) == engine
-        drafter = capacity.Shape.from_config(dconfig)
-        assert tokens * drafter.token_bytes(elem) == target_cache_bytes(draft.config, tokens, 1, elem)
+        drafter, page = capacity.Shape.from_config(dconfig), 16
+        for snapshots in (False, True):
+            table = PageTable(BlockManager(tokens // page, page), 1, tokens // page, torch.device("cpu"))
+            cache = DraftCache(draft.config, drafter.block_size, table, tokens, "cpu",
+                               {2: torch.bfloat16, 4: torch.float32}[elem], snapshots)
+            # the pages (and the scratch page) hold the full layers' KV; a row's rings the sliding layers'
+            assert cache.paged.k.nbytes + cache.paged.v.nbytes == (tokens + page) * drafter.token_bytes(elem)
+            assert sum(t.nbytes for t in cache._rings()) == drafter.ring_bytes(elem, drafter.block_size, snapshots)
 
 
 def test_the_engine_reads_the_shapes_the_arithmetic_reads(pair):

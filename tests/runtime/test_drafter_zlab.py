@@ -316,3 +316,22 @@ def test_training_masks_follow_the_layout(tiny_models, tmp_path, target, prompts
         start = int(pos[0, b * model.block_size])
         ref = zlab_block_logits(model, target, prompts[2][:start], prompts[2][start])
         torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=0)
+
+
+def test_prefix_reuse_through_the_rings_equals_zlab(tiny_models, tmp_path, target, prompts):
+    """A sliding layer keeps only its window, in a ring per row (engine/draft_cache.py): a prompt that
+    reuses a cached sequence and adds fewer tokens than the window takes the sequence's ring (at its end:
+    a continuation; at its prompt's end, the snapshot ring: the same prompt with another tail), and its
+    tokens per round still equal dflash_generate's alone; one adding more than the window needs no ring."""
+    draft = drafter_dir(tiny_models, tmp_path, 16)
+    model = zlab(draft)
+    engine = engine_for(tiny_models, draft, max_running=2, page_size=16, prefix_cache=True)
+    assert engine.draft_cache.ring_size == 64 and engine.draft_cache.paged.k.shape[0] == 1
+    first = prompts[3]                                         # 140 tokens, and 48 more: the ring wraps
+    out = runtime_rounds(engine, first)[0]
+    for follow, reused in [(first + out + prompts[0][:5], len(first) + MAX_NEW - 1),   # its end's ring
+                           (first + prompts[1][:3], len(first)),                        # its snapshot ring
+                           (first[:100] + prompts[2][:40], 100)]:                       # its own prefill
+        saved = engine.stats.prefix_tokens_saved
+        assert runtime_rounds(engine, follow) == zlab_rounds(model, target, follow)
+        assert engine.stats.prefix_tokens_saved - saved == reused

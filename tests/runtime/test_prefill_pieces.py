@@ -80,13 +80,20 @@ def whole_prompt_draft_kv(engine: Engine, prompt: list[int]) -> tuple[torch.Tens
     return cache.held(0, n)
 
 
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_draft_context_in_pieces_equals_the_whole_prompt_pass(pair, monkeypatch, reuse):
+def test_draft_context_in_pieces_equals_the_whole_prompt_pass(pair, monkeypatch, tmp_path, reuse, sliding):
     """A long prompt in pieces of 50 (its last piece grouped with two short prompts on the attention-only
     target), beside an AR request: each drafting row's drafter context equals the whole-prompt pass's to
     1e-5, and the AR row's holds nothing. With `reuse`, the long prompt continues a finished request's
-    (its reused prefix's drafter context comes with the pages)."""
-    engine = Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), max_context=512, prefix_cache=reuse))
+    (its reused prefix's drafter context comes with the pages). `sliding`: the drafter's first layer
+    slides over 48 positions, so its ring (128 slots, engine/draft_cache.py) holds the prompt's last 47
+    positions, those the first draft reads, and nothing before them."""
+    draft = pair / "draft"
+    if sliding:
+        from ddtree_devtools.tiny import relaid_drafter
+        draft = relaid_drafter(draft, tmp_path / "draft", 48)
+    engine = Engine(EngineConfig(str(pair / "target"), str(draft), max_context=512, prefix_cache=reuse))
     monkeypatch.setattr(prefilling, "PREFILL_PIECE", 50)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (130, 30, 45)]
@@ -109,5 +116,10 @@ def test_draft_context_in_pieces_equals_the_whole_prompt_pass(pair, monkeypatch,
             if mode == "ar":
                 assert all(not t.any() for t in held)
                 continue
-            for got, want in zip(held, whole_prompt_draft_kv(engine, prompt)):
-                assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
+            want = whole_prompt_draft_kv(engine, prompt)
+            for layer in range(engine.drafter.config.num_hidden_layers):
+                if engine.draft_cache.windowed(layer):  # before the window: not kept
+                    for t in want:
+                        t[layer, :, :max(0, len(prompt) - engine.draft_cache.reach)] = 0
+            for got, w in zip(held, want):
+                assert torch.allclose(got, w, atol=atol), (got - w).abs().max()

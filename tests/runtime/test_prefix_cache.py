@@ -117,6 +117,38 @@ def test_two_turn_conversation_same_tokens_with_reuse(models, plain, mode):
     assert tokens_saved >= turn_start + len(first) + len(answers[True][0]) - 1
 
 
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_sliding_drafter_same_rounds_with_reuse(models, tmp_path, mode):
+    """A drafter whose first layer slides over 8 positions keeps them in a ring per row (draft_cache.py):
+    a chat's second turn and a completion continued by 5 tokens (fewer than the window: it takes the
+    first sequence's ring, where its row lies) commit the same tokens, round for round, with reuse as
+    without it (a wrong ring would change what is drafted, so what each round accepts)."""
+    from ddtree_devtools.tiny import relaid_drafter
+
+    draft = relaid_drafter(models / "draft", tmp_path / "draft", 8)
+    engines = [Engine(EngineConfig(str(models / "target"), str(draft), prefix_cache=reuse, max_running=2))
+               for reuse in (False, True)]
+    question, follow = heldout_questions(2, seed=12)
+    runs = []
+    for eng in engines:
+        rounds = []
+
+        def run(prompt: list[int]) -> list[int]:
+            outs = [r.token_ids for r in eng.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW, mode=mode))]
+            rounds.append([len(o) for o in outs])
+            return [t for o in outs for t in o]
+        messages = [{"role": "user", "content": question}]
+        first = chat(eng, messages)
+        a1 = run(first)
+        messages += [{"role": "assistant", "content": eng.tokenizer.decode(a1, skip_special_tokens=True)},
+                     {"role": "user", "content": follow}]
+        run(chat(eng, messages))
+        run(first + a1 + eng.tokenizer.encode("\nAnd?\n", add_special_tokens=False)[:5])
+        runs.append(rounds)
+    assert runs[0] == runs[1]
+    assert saved(engines[1])[1] == 2 and engines[1].draft_cache.ring_size == 64
+
+
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_reused_prefill_leaves_the_same_cache(models, plain, mode):
     """Token equality is a weak witness on tiny models (a wrong recurrent state moves the logits by

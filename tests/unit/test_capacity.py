@@ -64,6 +64,28 @@ def test_the_production_shape_holds_16_requests_of_8k_and_one_of_131072():
                          max_context=131072).pool_tokens < c.pool_tokens - 48 * 150e6 / c.token_bytes
 
 
+def test_zlabs_layout_keeps_its_sliding_layers_at_the_window():
+    """z-lab's Qwen3.6 drafter layout (four sliding layers of window 4,096, then a full one): a token costs
+    the target's KV and the one full layer's; each running row keeps every sliding layer's K and V at
+    4,096 + 2 blocks (rounded to 64, and a scratch slot), twice with the prefix cache (a snapshot ring).
+    On the 96 GB card at 0.9, 16 running, 131,072 context: 270,454 tokens with five full layers, 302,760."""
+    zlab = {**DRAFT, "use_sliding_window": True, "sliding_window": 4096,
+            "layer_types": ["sliding_attention"] * 4 + ["full_attention"]}
+    shape = Shape.from_config(zlab)
+    assert (shape.full_layers, shape.window_layers, shape.window) == (1, 4, 4096)
+    assert shape.drafter_parameters() == Shape.from_config(DRAFT).drafter_parameters()
+    ring = 2 * 4 * 8 * 128 * 2 * (4160 + 1)
+    assert shape.ring_bytes(2, 16) == ring and shape.ring_bytes(2, 16, snapshots=True) == 2 * ring
+    settings = dict(dtype="bfloat16", mem_fraction=0.9, max_running=16, max_context=131072)
+    full, windowed = (pool_capacity(RTX_PRO_6000 * 2**20, TARGET, d, **settings) for d in (DRAFT, zlab))
+    assert windowed.token_bytes == full.token_bytes - 4 * 2 * 8 * 128 * 2
+    assert windowed.request_bytes == full.request_bytes + 2 * ring
+    assert (full.pool_tokens, windowed.pool_tokens) == (270_454, 302_760)
+    off = {**settings, "prefix_cache": False}  # no snapshot ring (nor the hybrid's state snapshot)
+    assert (pool_capacity(RTX_PRO_6000 * 2**20, TARGET, DRAFT, **off).pool_tokens,
+            pool_capacity(RTX_PRO_6000 * 2**20, TARGET, zlab, **off).pool_tokens) == (299_089, 353_798)
+
+
 def test_a_plain_transformer_keeps_no_state_and_ar_no_drafter():
     qwen3 = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
              "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

@@ -1,7 +1,7 @@
 """The KV pool's pages: a free list, reference counts, and a block table per pool row.
 
-A page holds PAGE_SIZE consecutive positions of one sequence, for every layer of the target and the
-drafter (one page id covers both caches). A row's block table maps its logical position p to the
+A page holds PAGE_SIZE consecutive positions of one sequence, for every layer of the target and every
+full layer of the drafter (one page id covers both caches; its sliding layers keep rings: draft_cache.py). A row's block table maps its logical position p to the
 physical slot table[row, p // page_size] * page_size + p % page_size. Page 0 is the scratch page:
 never handed out, it is what every unassigned table entry points at, so a pass may write its padding
 (pad rows, pad nodes, positions past a row's pages) anywhere without touching a live page, and the

@@ -42,6 +42,7 @@ from .api import EngineInfo, RequestLimits
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
 from .graphs import HostRead
+from .draft_cache import DraftCache
 from .kv_cache import KVCache, target_cache
 from .memory import PoolSizing, shape_of
 from .modes import mode_named
@@ -50,7 +51,7 @@ from .pool import KVPool
 from .prefilling import Prefilling
 from .prefix_cache import PrefixCache
 from .rounds import Rounds
-from .runner import DraftRunner, TargetRunner, batch_bucket, tree_bucket
+from .runner import KV_BUCKET, DraftRunner, TargetRunner, batch_bucket, tree_bucket
 from .scheduler import Scheduler
 from .tree import TreeBuilder, Walk
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, WarmUp
@@ -166,7 +167,8 @@ class Engine(Placement, Prefilling, Rounds):
         elem = self.target.lm_head.weight.element_size()
         self.sizing = PoolSizing(shape_of(tcfg), None if self.drafter is None else shape_of(self.drafter.config),
                                  elem, self.page_size, self.block_size, len(self.target.feature_layers),
-                                 snapshots=self.arch == "qwen3_5" and self.prefix is not None)
+                                 snapshots=self.arch == "qwen3_5" and self.prefix is not None,
+                                 ring_snapshots=self.prefix is not None)
         self.tree_slots = tree_slots  # the configured tree's nodes, root included: what the pool is sized for
         self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self.needed_bytes,
                                            memory.free_bytes(self.device), str(self.device))
@@ -186,10 +188,11 @@ class Engine(Placement, Prefilling, Rounds):
         self.page_table = PageTable(self.pages, self.rows, width, self.device)
         self.pool = KVPool(self.pages, self.page_table, self.prefix, self.sizing, self.max_context)
         if self.drafter is not None:
-            dcfg = self.drafter.config
-            self.draft_cache = KVCache(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, 0,
-                                       self.device, self.target.lm_head.weight.dtype, table=self.page_table)
-            self.pool.draft_cache = self.draft_cache
+            # full layers in the pages, sliding ones in rings past which pad writes go (draft_cache.py)
+            self.draft_cache = DraftCache(self.drafter.config, self.block_size, self.page_table,
+                                          self.page_table.capacity - KV_BUCKET, self.device,
+                                          self.target.lm_head.weight.dtype, snapshots=self.prefix is not None)
+            self.pool.attach_drafter(self.draft_cache)
             self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
                                             self.mask_token_id, self.device, self.stats)
         self.target_cache: KVCache | None = None

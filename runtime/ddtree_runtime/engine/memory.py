@@ -14,7 +14,7 @@ import torch
 from ..capacity import TREE_BUCKETS, Capacity, Shape, prefill_workspace_bytes, round_reserve
 from ..limits import MAX_TREE_BUDGET
 from ..model import Qwen35Config, parallel
-from ..model.config import Qwen3Config
+from ..model.config import DFlashConfig, Qwen3Config
 from .runner import KV_BUCKET, tree_bucket
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,13 @@ log = logging.getLogger(__name__)
 def shape_of(cfg: Qwen3Config) -> Shape:
     """capacity.py's Shape of a loaded model's config (a benchmark's random model has no config.json)."""
     hybrid = isinstance(cfg, Qwen35Config)
+    windows = ([cfg.layer_attention(i).window for i in range(cfg.num_hidden_layers)]
+               if isinstance(cfg, DFlashConfig) else [])
+    sliding = [w for w in windows if w is not None]
     return Shape(vocab=cfg.vocab_size, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
                  heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                 full_layers=cfg.kv_layers, linear_layers=len(cfg.linear_layers) if hybrid else 0,
+                 full_layers=cfg.kv_layers - len(sliding), linear_layers=len(cfg.linear_layers) if hybrid else 0,
+                 window_layers=len(sliding), window=max(sliding, default=0),
                  tied=cfg.tie_word_embeddings, bias=cfg.attention_bias, gated=hybrid,
                  conv_kernel=cfg.linear_conv_kernel_dim if hybrid else 4,
                  key_heads=cfg.linear_num_key_heads if hybrid else 0, key_dim=cfg.linear_key_head_dim if hybrid else 0,
@@ -46,8 +50,8 @@ def free_bytes(device: torch.device) -> int:
 class PoolSizing:
     """The pool's costs for one engine: the target's and the drafter's shapes (no drafter: None) in
     `elem`-byte elements, pages of `page_size` tokens, the drafter's block, the target layers whose
-    features a prefill piece hands to the drafter, and whether a hybrid row keeps a prompt snapshot (the
-    prefix cache)."""
+    features a prefill piece hands to the drafter, whether a hybrid row keeps a prompt snapshot, and
+    whether a sliding drafter's rows keep one of their rings (both: the prefix cache)."""
     target: Shape
     drafter: Shape | None
     elem: int
@@ -55,9 +59,11 @@ class PoolSizing:
     block_size: int
     feature_layers: int
     snapshots: bool
+    ring_snapshots: bool = False
 
     def page_bytes(self) -> int:
-        """One page: page_size positions of the target's KV and the drafter's."""
+        """One page: page_size positions of the target's KV and the drafter's full layers' (its sliding
+        layers keep rings per row: row_bytes)."""
         token = self.target.token_bytes(self.elem)
         if self.drafter is not None:
             token += self.drafter.token_bytes(self.elem)
@@ -67,8 +73,10 @@ class PoolSizing:
         return self.target.token_bytes(self.elem) * self.page_size
 
     def row_bytes(self, tree_slots: int) -> int:
-        """What a row costs beside its pages: a hybrid's state slot and tree scratch (none otherwise)."""
-        return self.target.request_bytes(tree_bucket(tree_slots), self.elem, self.snapshots)
+        """What a row costs beside its pages: a hybrid's state slot and tree scratch, a sliding drafter's
+        rings (none otherwise)."""
+        rings = 0 if self.drafter is None else self.drafter.ring_bytes(self.elem, self.block_size, self.ring_snapshots)
+        return self.target.request_bytes(tree_bucket(tree_slots), self.elem, self.snapshots) + rings
 
     def round_reserve(self, tree_slots: int) -> int:
         return round_reserve(tree_slots, self.block_size)

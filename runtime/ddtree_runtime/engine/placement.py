@@ -60,7 +60,7 @@ class Placement:
                     self.pool.copy_pages(self.page_table.truncate(row, hit.length))
                 else:  # its full pages by reference, the partial last one copied
                     self.pool.copy_pages(self.page_table.share(seq.row, row, hit.length))
-                self.target_cache.copy_prefix(seq.row, row, hit.length, hit.from_snapshot)
+                self.pool.copy_prefix(seq.row, row, hit.length, hit.from_snapshot)
                 req.draft_ctx = min(hit.length, seq.draft_len) if self.drafter is not None else 0
                 req.prefilled = req.reused = hit.length
             req.snapshot_at = len(req.context)

@@ -4,11 +4,13 @@ the cached sequences that hold pages between requests.
 Rows are the engine's batch rows (scheduler.py): the running requests in 0..R-1, the prefilling one
 at R, cached sequences in the rows above. A row takes pages as it grows (take_pages), evicting cached
 sequences, least recently used first, while too few are free; rows that change places take their
-block tables (so both caches' KV) and a hybrid's state slots along (move_rows)."""
+block tables (so both caches' KV), a hybrid's state slots and a sliding drafter's rings along
+(move_rows)."""
 
 from __future__ import annotations
 
 from .block_manager import BlockManager, PageTable
+from .draft_cache import DraftCache
 from .kv_cache import KVCache
 from .memory import PoolSizing
 from .prefix_cache import CachedSequence, PrefixCache
@@ -22,8 +24,15 @@ class KVPool:
         self.page_size = pages.page_size
         self.sizing, self.max_context = sizing, max_context
         self.target_cache: KVCache | None = None  # set (and re-set by a re-size) by the engine
-        self.draft_cache: KVCache | None = None
+        self.draft_cache: DraftCache | None = None  # set by attach_drafter
         self.target_slots = 0  # the tree size the target cache was sized for
+
+    def attach_drafter(self, cache: DraftCache) -> None:
+        """The drafter's cache; the prefix cache then knows how far before a prompt's end its sliding
+        layers read (what a reused prefix must bring along, prefix_cache.PrefixCache.lookup)."""
+        self.draft_cache = cache
+        if self.prefix is not None:
+            self.prefix.draft_reach = cache.reach
 
     def holds(self, tree_slots: int) -> bool:
         """Whether the target cache's per-row tree scratch takes a tree of `tree_slots` nodes."""
@@ -67,8 +76,17 @@ class KVPool:
             if self.draft_cache is not None:
                 self.draft_cache.copy_page(*pair, self.page_size)
 
+    def copy_prefix(self, src: int, dst: int, length: int, from_snapshot: bool) -> None:
+        """Row dst starts from row src's first `length` positions (their pages already shared or
+        copied): a hybrid's state and a sliding drafter's rings, at src's end or its snapshot point."""
+        self.target_cache.copy_prefix(src, dst, length, from_snapshot)
+        if self.draft_cache is not None:
+            self.draft_cache.copy_prefix(src, dst, from_snapshot)
+
     def move_rows(self, dst: list[int], src: list[int], length: int) -> None:
-        """Rows change places: their block tables (the KV of both caches comes along) and a hybrid's
-        state slots (their first `length` positions' worth)."""
+        """Rows change places: their block tables (the KV of both caches comes along), a hybrid's
+        state slots (their first `length` positions' worth) and a sliding drafter's rings."""
         self.page_table.move(dst, src)
         self.target_cache.permute(dst, src, length)
+        if self.draft_cache is not None:
+            self.draft_cache.permute(dst, src)

@@ -168,15 +168,17 @@ class Prefilling:
     def _draft_context(self, reqs: list[RequestState], feats: torch.Tensor | None, pos: torch.Tensor) -> None:
         """Write the drafter's context k/v of a prefill pass's positions pos [n, W] (row i: reqs[i]'s,
         consecutive slots) from its target features feats [n, W, F] right away, so the first draft needs
-        no features of the whole prompt. An AR row writes to the last cache slot only, so its drafter
-        context (what it inherited with a reused prefix) is untouched; a row's padding lands past its
-        prompt, where its first draft's block and later rounds write over it before anything reads it."""
+        no features of the whole prompt. An AR row, and a row's padding past its prompt, write to the
+        last cache slot only, so an AR row's drafter context (what it inherited with a reused prefix) is
+        untouched and a sliding layer's ring (draft_cache.py) keeps the prompt's last positions; positions
+        before a row's snapshot point also go to its snapshot ring."""
         if feats is None or not any(req.mode.drafts for req in reqs):
             return
         last = self.draft_cache.capacity - 1
-        live = torch.tensor([req.mode.drafts for req in reqs], device=self.device)[:, None]
-        slots = torch.where(live, pos.clamp(max=last), last)
-        self.drafter.write_context(feats, slots, self.draft_cache.rows(reqs[0].slot, reqs[0].slot + len(reqs)))
+        ends = torch.tensor([len(req.context) if req.mode.drafts else 0 for req in reqs], device=self.device)
+        slots = torch.where(pos < ends[:, None], pos, last)
+        rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + len(reqs))
+        self.drafter.write_context(feats, slots, rows.until([req.snapshot_at for req in reqs]))
 
     def _prefilled(self, req: RequestState, take: int) -> None:
         """Book `take` more prompt tokens as computed (their drafter context is written: _draft_context;

@@ -22,7 +22,11 @@ pure-attention target can reuse any prefix length.
 
 At least one prompt token is always computed (the first token's logits come from it), and a
 speculative request reuses no further than the drafter's context was kept (an AR request's drafter
-context is never written). Eviction: least recently used, when an admission needs a row."""
+context is never written). A drafter with sliding-window layers keeps their keys in a ring per row
+(draft_cache.py), at the row's end and at its prompt's snapshot point: a speculative prompt reusing L
+tokens either prefills the window before its own end itself (L <= its length - `draft_reach`) or takes
+one of those rings, which must lie at or before its end (a ring further on has moved past the window
+its first draft reads). Eviction: least recently used, when an admission needs a row."""
 
 from __future__ import annotations
 
@@ -96,6 +100,7 @@ class PrefixCache:
     def __init__(self, snapshots_only: bool) -> None:
         """snapshots_only: a hybrid target (reuse only at a kept state)."""
         self.snapshots_only = snapshots_only
+        self.draft_reach = 0  # positions before a prompt's end its first draft's sliding layers read (pool.py)
         self.by_row: dict[int, CachedSequence] = {}
         self.stats = PrefixStats()
         self._clock = 0
@@ -115,15 +120,20 @@ class PrefixCache:
         if count:
             self.stats.lookups += 1
         best: Hit | None = None
+        windowed = speculative and self.draft_reach > 0
         for seq in (*self.by_row.values(), *live):
             limit = min(common_prefix(prompt, seq.tokens), len(prompt) - 1)
             if speculative:
                 limit = min(limit, seq.draft_len)
-            length, from_snapshot = limit, False
+            points = [(limit, False)]  # (length, whether the state comes from the prompt's snapshot)
             if self.snapshots_only:
                 kept = (seq.snapshot_at,) if seq.live else (seq.end, seq.snapshot_at)
                 points = [(p, seq.live or p != seq.end) for p in kept if p <= limit]
-                length, from_snapshot = max(points, default=(0, False), key=lambda point: point[0])
+            elif windowed:
+                points += [(min(limit, seq.snapshot_at), True), (min(limit, len(prompt) - self.draft_reach), False)]
+            if windowed:
+                points = [point for point in points if self._window_served(seq, *point, len(prompt))]
+            length, from_snapshot = max(points, default=(0, False), key=lambda point: point[0])
             if length > 0 and (best is None or length > best.length):
                 best = Hit(seq, length, from_snapshot)
         if best is not None and count:
@@ -132,6 +142,16 @@ class PrefixCache:
             self.stats.hits += 1
             self.stats.tokens_saved += best.length
         return best
+
+    def _window_served(self, seq: CachedSequence, length: int, from_snapshot: bool, prompt: int) -> bool:
+        """Whether a prompt of `prompt` tokens reusing `length` of `seq` has its first draft's sliding
+        keys: its prefill writes them, or seq's ring at the point it comes from (its end, or its
+        snapshot point) holds them: a ring the sequence's drafting wrote (an AR row's is not), lying at
+        or before the prompt's end."""
+        if length <= prompt - self.draft_reach:
+            return True
+        point = seq.snapshot_at if from_snapshot else seq.end
+        return 0 < point <= min(seq.draft_len, prompt) and (from_snapshot or seq.draft_len == seq.end)
 
     def pop(self, row: int) -> CachedSequence | None:
         return self.by_row.pop(row, None)

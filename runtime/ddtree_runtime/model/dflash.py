@@ -6,7 +6,8 @@ the target's hidden states at `target_layer_ids`, projected by `fc` + `hidden_no
 k/v projections read both that context and the block. What a layer's block queries see is z-lab's
 (drafter_layout.py): a full layer, the whole context and the whole block; a sliding layer, causal inside
 the block and only the keys in (p - window, p] for query position p (`DraftMask`). Only context k/v is
-cached, since the block is rebuilt each round. A position's
+cached, since the block is rebuilt each round; the engine keeps a sliding layer's in a ring of its
+last positions per row (engine/draft_cache.py), whose slots the mask then covers. A position's
 context k/v depend on that position's features alone, so a prompt's are written a piece at a time as
 the target computes them (`write_context`), and its first draft runs the block alone (feats None)."""
 
@@ -39,11 +40,16 @@ class DraftMask:
     the keys that hold this row's context or block (the rest are padding or another round's), or
     [B, 1, Q, L] where it differs by query (the tiny drafter's training: several blocks a row). additive:
     a bias in that dtype (0 / -inf, the graphed and paged paths), else bool (True = may attend). A full
-    layer's is [B, 1, 1, L] (every query sees the same keys); a causal or sliding layer's [B, 1, Q, L]."""
+    layer's is [B, 1, 1, L] (every query sees the same keys); a causal or sliding layer's [B, 1, Q, L].
+
+    ring R > 0 (set by the drafter's graphed pass over a cache with rings, engine/draft_cache.py): a
+    sliding layer's keys are instead its ring's R slots, slot j holding the latest position <= T with
+    position mod R == j, T each row's last block position (the pass's highest write): [B, 1, Q, R]."""
 
     def __init__(self, key_pos: torch.Tensor, query_pos: torch.Tensor, present: torch.Tensor,
                  additive: torch.dtype | None = None) -> None:
         self.key_pos, self.query_pos, self.present, self.additive = key_pos, query_pos, present, additive
+        self.ring = 0
         self._made: dict[DraftAttention, torch.Tensor] = {}
 
     def __call__(self, kind: DraftAttention) -> torch.Tensor:
@@ -52,9 +58,15 @@ class DraftMask:
         return self._made[kind]
 
     def _visible(self, kind: DraftAttention) -> torch.Tensor:
-        seen = self.present if self.present.dim() == 4 else self.present[:, None, None, :]  # [B, 1, 1 or Q, L]
+        key_pos, present = self.key_pos, self.present
+        if self.ring and kind.window is not None:
+            top = self.query_pos[:, -1:]                                                # [B, 1]
+            slot = torch.arange(self.ring, device=top.device)
+            key_pos = top - (top - slot) % self.ring                                    # [B, R]
+            present = key_pos >= 0
+        seen = present if present.dim() == 4 else present[:, None, None, :]  # [B, 1, 1 or Q, L]
         if kind.causal or kind.window is not None:
-            back = self.query_pos[:, None, :, None] - self.key_pos[:, None, None, :]   # [B, 1, Q, L] p - k
+            back = self.query_pos[:, None, :, None] - key_pos[:, None, None, :]        # [B, 1, Q, L] p - k
             if kind.causal:
                 seen = seen & (back >= 0)
             if kind.window is not None:
@@ -62,9 +74,10 @@ class DraftMask:
                 if not kind.causal:
                     seen = seen & (-back < kind.window)
             # a padding row's query (an AR row's, a batch bucket's pad row's) may see no key: it sees the
-            # first, as with a full layer, since a softmax over nothing is NaN and NaN k/v it wrote would
-            # poison later reads that mask them (a real query always sees its own key)
-            seen = seen | ((self.key_pos == 0)[:, None, None, :] & ~seen.any(-1, keepdim=True))
+            # first slot, as with a full layer, since a softmax over nothing is NaN and NaN k/v it wrote
+            # would poison later reads that mask them (a real query always sees its own key)
+            first = torch.arange(seen.shape[-1], device=seen.device) == 0
+            seen = seen | (first & ~seen.any(-1, keepdim=True))
         if self.additive is None:
             return seen
         zero = torch.zeros((), dtype=self.additive, device=seen.device)
@@ -83,6 +96,8 @@ class DFlashLayer(LayerWeights):
             # cache slots right after the context (free until the next round writes context there),
             # so attention reads one bucketed cache view with an additive bias and nothing is copied
             ctx_slots, block_slots, kv_len, lengths, launch = DraftInputs(*static)
+            if cache.windowed(idx):  # a ring (engine/draft_cache.py): every slot, its mask over them
+                kv_len, lengths = cache.ring_size, None
             if ctx is not None:  # None: the context is in the cache already (write_context)
                 attn.kv_to_cache(ctx, *rope_c, cache, idx, ctx_slots)
             q = attn.qkv_to_cache(h, *rope_q, cache, idx, block_slots)
@@ -128,6 +143,8 @@ class DFlashDrafter(nn.Module):
             rope_c = self.rotary(ctx_pos, block_emb.dtype)
         if mask is None and static is None:
             mask = self._keys_mask(block_pos, ctx_pos, cache, ctx_start)
+        if isinstance(mask, DraftMask) and static is not None:
+            mask.ring = cache.ring_size
         rope_q = self.rotary(block_pos, block_emb.dtype)
         x = block_emb if cfg.input_embedding_scale == 1.0 else block_emb * cfg.input_embedding_scale
         for i, layer in enumerate(self.layers):

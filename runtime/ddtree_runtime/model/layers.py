@@ -166,9 +166,11 @@ class QKVProj(nn.Module):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
                slots: torch.Tensor) -> None:
-        """RoPE k [B, T, Hkv, D] and store it and v at positions `slots` of layer idx."""
-        if not rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
-                                      *cache.kernel_target(idx, slots)):
+        """RoPE k [B, T, Hkv, D] and store it and v at positions `slots` of layer idx (fused where the
+        cache names one target for the kernel; None: it stores them itself)."""
+        target = cache.kernel_target(idx, slots)
+        if target is None or not rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
+                                                        *target):
             cache.put_at(idx, slots, self._rope_k(k, cos, sin), v.transpose(1, 2))
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,18 @@ def default_tile(m: int, n: int, sms: int) -> "GemmTile":
     return GemmTile(16, block_n, 4, 4)
 
 
+def k_group(n: int, k: int, sms: int) -> int:
+    """The K blocks _block_gemm_kernel sums per group for an [N, K] weight: from its shape and the device
+    alone, never the row count (a row's sum order is then the same alone and batched). The measured table's
+    (K_GROUPS), else about four programs per SM at the narrowest tile when the rows are few (a 5120-wide
+    output fills 160 programs of 32 columns: each would stream all of K alone), at least 8 blocks a group."""
+    if (n, k) in K_GROUPS:
+        return K_GROUPS[(n, k)]
+    blocks = cdiv(k, BLOCK)
+    groups = max(1, min(blocks // 8, round(4 * sms / cdiv(n, 32))))
+    return cdiv(blocks, groups)
+
+
 def gemm_tile(m: int, n: int, k: int, sms: int, shared: int) -> "GemmTile":
     """The tile for an [m, k] x [k, n] GEMM: the measured table's, else default_tile, with no more
     pipeline stages than the device's shared memory holds (an RTX PRO 6000's SM has about 100 KB, an
@@ -278,12 +290,16 @@ if triton is not None:
         tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
 
     @triton.jit(do_not_specialize=["M"])
-    def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_xsk,
-                           stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        """out[m, n] (+)= sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]:
-        each block's dot starts from zero, so a row's result does not depend on the tile it lands in."""
+    def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
+                           stride_xsk, stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+        """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
+        blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]. Each block's
+        dot starts from zero and GROUP depends on the weight's shape alone, so a row's result does not
+        depend on the tile it lands in nor on the rows beside it. With SPLIT, program (tile, g) sums group g
+        alone into part[g] (float32) and _sum_parts_kernel adds the groups in order: the same bits, the
+        K walk spread over more programs when the rows are few."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
         pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
@@ -291,32 +307,59 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         lm, ln = rm % M, rn % N            # loads wrap inside the matrices; the store masks
-        a_ptrs = q_ptr + lm[:, None] * stride_qm + rk[None, :]
-        b_ptrs = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+        a_base = q_ptr + lm[:, None] * stride_qm + rk[None, :]
+        b_base = w_ptr + ln[None, :] * stride_wn + rk[:, None]
         xs_ptrs = xs_ptr + lm
         ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = rk < K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            xs = tl.load(xs_ptrs + kb * stride_xsk)
-            ws = tl.load(ws_ptrs + kb)
-            acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        blocks = tl.cdiv(K, BLOCK_K)
+        first, last = 0, blocks
+        if SPLIT:
+            first = tl.program_id(1) * GROUP
+            last = tl.minimum(first + GROUP, blocks)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(first, last, GROUP):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(g, tl.minimum(g + GROUP, blocks)):
+                if EVEN_K:
+                    a = tl.load(a_base + kb * BLOCK_K)
+                    b = tl.load(b_base + kb * BLOCK_K)
+                else:
+                    k_ok = rk < K - kb * BLOCK_K
+                    a = tl.load(a_base + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_base + kb * BLOCK_K, mask=k_ok[:, None], other=0.0)
+                xs = tl.load(xs_ptrs + kb * stride_xsk)
+                ws = tl.load(ws_ptrs + kb)
+                acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+            total += acc
         n_ok = rn < N
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
         ok = (rm < M)[:, None] & n_ok[None, :]
+        if SPLIT:
+            tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], total, mask=ok)
+        else:
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+            if HAS_RESIDUAL:
+                total += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _sum_parts_kernel(part_ptr, bias_ptr, out_ptr, M, N, GROUPS, stride_om, HAS_BIAS: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """out = part[0] + part[1] + ... (in order) + bias (+ the residual in out): _block_gemm_kernel's
+        epilogue after a split launch, the same additions in the same order."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < M * N
+        total = tl.load(part_ptr + i, mask=ok, other=0.0)
+        for g in range(1, GROUPS):
+            total += tl.load(part_ptr + g * M * N + i, mask=ok, other=0.0)
+        m, n = i // N, i % N
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        ptrs = out_ptr + m * stride_om + n
         if HAS_RESIDUAL:
-            acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            total += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 class GemmTile(NamedTuple):
@@ -348,6 +391,10 @@ TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
 }
 
 
+# (N, K) -> K blocks per group of the Triton kernel on the H200 (k_group)
+K_GROUPS: dict[tuple[int, int], int] = {}
+
+
 def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_groups on the GPU in one launch: (e4m3 [rows_out, K], float32 scales [ceil(K/128),
     rows_out]); rows past x2's are zeros (cuBLASLt's padding)."""
@@ -363,21 +410,38 @@ def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple
 
 
 def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
-    """The Triton path: x2 [M, K] quantized by quantize_groups_cuda, then _block_gemm_kernel with `tile`;
-    with residual=True `out` holds the residual and receives the sum."""
+               out: torch.Tensor | None = None, residual: bool = False, group: int | None = None,
+               split: bool | None = None) -> torch.Tensor:
+    """The Triton path: x2 [M, K] quantized by quantize_groups_cuda, then _block_gemm_kernel with `tile`,
+    summing K in groups of `group` blocks (k_group's, for the weight's shape, if None); the groups run
+    in programs of their own (split) when the tiles alone would not fill the GPU, unless `split` says.
+    With residual=True `out` holds the residual and receives the sum."""
     m, k = x2.shape
     n = w.qweight.shape[0]
+    sms = _device_limits(x2.device.index or 0)[0]
+    blocks = cdiv(k, BLOCK)
+    group = min(group or k_group(n, k, sms), blocks)
+    groups = cdiv(blocks, group)
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    if split is None:
+        split = groups > 1 and tiles < sms
     q, s = quantize_groups_cuda(x2)
     if out is None:
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    grid = (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),)
-    _block_gemm_kernel[grid](q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
-                             q.stride(0), s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
-                             SCALE_ROWS=w.scale_rows, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK,
-                             EVEN_K=k % BLOCK == 0, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual,
-                             num_warps=tile.warps, num_stages=tile.stages)
+    part = torch.empty((groups, m, n), dtype=torch.float32, device=x2.device) if split else out
+    _block_gemm_kernel[(tiles, groups if split else 1)](
+        q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
+        s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, num_warps=tile.warps, num_stages=tile.stages)
+    if split:
+        _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,
+                                                     out.stride(0), HAS_BIAS=bias is not None,
+                                                     HAS_RESIDUAL=residual, BLOCK=SUM_BLOCK, num_warps=4)
     return out
+
+
+SUM_BLOCK = 1024   # outputs per program of _sum_parts_kernel
 
 
 def scaled_mm_rows(m: int) -> int:
@@ -445,26 +509,36 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks of {BLOCK}"
 
 
-def fuse_fp8_rows(linears: list[FP8Linear]) -> tuple[BlockFP8, torch.Tensor | None]:
+def fuse_fp8_rows(linears: list[FP8Linear], pad: bool = False) -> tuple[BlockFP8, torch.Tensor | None]:
     """layers.fuse_rows for FP8 projections: one weight, its scales and bias, with each module's
     parameters made row slices of them. Where a projection's rows are not a multiple of 128 (a
-    tiny model's k/v, a hybrid's gate inputs) its block scales would straddle the next one's: the
-    fused scales are then kept per row (a row's scale is its block's)."""
+    tiny model's k/v, a hybrid's gate inputs) its block scales would straddle the next one's: with
+    `pad` each projection then starts at a multiple of 128 rows, the gap zero rows (their outputs
+    zeros, layers.split_parts skips them), and the scales stay the checkpoint's 128-row blocks, which
+    cuBLASLt's block-scaled GEMM takes; else the fused scales are kept per row (a row's scale is its
+    block's)."""
     aligned = all(lin.scale_rows == BLOCK and lin.out_features % BLOCK == 0 for lin in linears)
-    rows = BLOCK if aligned else 1
-    scales = [lin.weight_scale_inv if aligned else lin.weight_scale_inv.repeat_interleave(lin.scale_rows, 0)
+    padded = pad and not aligned and all(lin.scale_rows == BLOCK for lin in linears)
+    rows = BLOCK if aligned or padded else 1
+    span = [cdiv(lin.out_features, BLOCK) * BLOCK if padded else lin.out_features for lin in linears]
+
+    def grown(t: torch.Tensor, n: int) -> torch.Tensor:   # t's rows, then zero rows up to n
+        return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
+
+    scales = [lin.weight_scale_inv if rows == BLOCK else lin.weight_scale_inv.repeat_interleave(lin.scale_rows, 0)
               [:lin.out_features] for lin in linears]
-    q, s = torch.cat([lin.weight for lin in linears]), torch.cat(scales)
-    b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    q = torch.cat([grown(lin.weight, n) for lin, n in zip(linears, span)])
+    s = torch.cat(scales)
+    b = torch.cat([grown(lin.bias, n) for lin, n in zip(linears, span)]) if linears[0].bias is not None else None
     row = 0
-    for lin in linears:
+    for lin, n_span in zip(linears, span):
         n = lin.out_features
         lin.weight = nn.Parameter(q[row:row + n], requires_grad=False)
-        lin.weight_scale_inv = nn.Parameter(s[row // rows:(row + n) // rows], requires_grad=False)
+        lin.weight_scale_inv = nn.Parameter(s[row // rows:row // rows + cdiv(n, rows)], requires_grad=False)
         lin.scale_rows = rows
         if b is not None:
             lin.bias = nn.Parameter(b[row:row + n], requires_grad=False)
-        row += n
+        row += n_span
     return BlockFP8(q, s, rows), b
 
 

@@ -6,19 +6,21 @@ use: `weight` e4m3 [N, K] and `weight_scale_inv` float32 [ceil(N/128), ceil(K/12
 scale_inv blockwise. `--quantize fp8` writes the same layout from bf16 weights at load.
 
 The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block, in
-one fixed arithmetic on every path: per K block, the dot of e4m3 codes from zero, times the row's and
-the weight block's scales, added to a float32 sum in block order. A row's result therefore does not
-depend on how many rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk
-after a cached prefix): the speculative path and its AR reference agree, and a seed gives one text.
-- on GPUs with FP8 tensor cores (gemm_path: "triton"): quantize_groups_cuda (one small launch: codes
-  and scales of x), then _block_gemm_kernel, which reads each W tile once, multiplies e4m3 x e4m3 into
-  float32, applies the scales, adds the bias and the residual and writes in the activations' dtype;
-  its tile comes from a table measured on the H200 (TILES), its stages from the device's shared memory;
-- elsewhere (CPU, CI; gemm_path "torch") the same arithmetic in torch (block_products: each block's
-  dot exact in float64). The kernels run through Triton's interpreter in tests/runtime/test_triton_kernels.py
-  and must agree with it.
-scaled_mm_gemm (cuBLASLt's block-scaled GEMM, Hopper only) is kept for bench/fp8_gemm_bench.py, which
-times it beside the kernel: docs/performance.md (FP8) says why the runtime does not use it.
+one fixed arithmetic per weight shape and device. A row's result therefore does not depend on how many
+rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk after a cached prefix):
+the speculative path and its AR reference agree, and a seed gives one text.
+- on Hopper (gemm_path "scaled_mm+triton"): cuBLASLt's block-scaled GEMM (scaled_mm_gemm) for each
+  weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others;
+- on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
+  quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
+  the dot of e4m3 codes from zero times the row's and the weight block's scales, summed in block order
+  within groups of k_group blocks (from the weight's shape, never the row count), the groups added in
+  order; when the rows are few each group runs in a program of its own and _sum_parts_kernel adds
+  them (the same bits). Its tile comes from a table measured on the H200 (TILES), its stages from the
+  device's shared memory;
+- elsewhere (CPU, CI; gemm_path "torch") the same per-block arithmetic in torch (block_products: each
+  block's dot exact in float64). The kernels run through Triton's interpreter in
+  tests/runtime/test_triton_kernels.py and must agree with it.
 
 Serving an FP8 model is exact with respect to that FP8 model (speculative decoding verifies against
 it), not with respect to the bf16 model it came from; bench/fp8_accuracy.py measures how far it is."""
@@ -189,7 +191,7 @@ def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max
     block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
     pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`) (cuBLASLt picks its kernel by
     the row count, and some picks sum a row differently: 27B's o_proj shape, measured), the Triton kernel
-    otherwise, and for weights whose scales are per row (fused projections not a multiple of 128 rows).
+    otherwise (`triton/G` where it sums K in G groups: k_group), and for weights whose scales are per row.
     Returns "NxK" -> the GEMM, for the log."""
     if gemm_path(device) != "scaled_mm+triton":
         return {}
@@ -199,7 +201,9 @@ def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max
     for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
         if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device, dtype):
             SCALED_MM_SHAPES.add((index, n, k, scale_rows))
-        chosen[f"{n}x{k}"] = "scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else "triton"
+        groups = cdiv(cdiv(k, BLOCK), k_group(n, k, _device_limits(index)[0]))
+        chosen[f"{n}x{k}"] = ("scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else
+                              "triton" if groups == 1 else f"triton/{groups}")
     return chosen
 
 

@@ -129,7 +129,7 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) (+ residual, written over it in place on a GPU, as
     kernels.residual_linear does in 16 bits). On a GPU with FP8 tensor cores cuBLASLt's block-scaled
-    GEMM for the weight shapes choose_gemms found row-invariant, else the Triton path; elsewhere
+    GEMM for the weight shapes choose_gemms found row-invariant (at their row floor), else the Triton path; elsewhere
     fp8_linear_torch. Either way a row's result does not depend on the other rows of the call."""
     if not _use_kernel(x):
         return fp8_linear_torch(x, w, bias, residual)
@@ -138,8 +138,9 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = None if residual is None else residual.view(-1, n)
-    if (x.device.index or 0, n, k, w.scale_rows) in SCALED_MM_SHAPES:
-        out = scaled_mm_linear(x2, w, bias, out)
+    floor = SCALED_MM_SHAPES.get((x.device.index or 0, n, k, w.scale_rows))
+    if floor:
+        out = scaled_mm_linear(x2, w, bias, out, floor)
     else:
         tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
         out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
@@ -165,8 +166,13 @@ def gemm_path(device: torch.device) -> str:
     return "scaled_mm+triton" if cap[0] == 9 and hasattr(torch.nn.functional, "scaled_mm") else "triton"
 
 
-# (device index, N, K, scale_rows) of the weights fp8_linear gives to cuBLASLt (choose_gemms fills it)
-SCALED_MM_SHAPES: set[tuple[int, int, int, int]] = set()
+# (device index, N, K, scale_rows) of the weights fp8_linear gives to cuBLASLt -> the fewest rows each call
+# is given (scaled_mm_rows' floor; choose_gemms fills it)
+SCALED_MM_SHAPES: dict[tuple[int, int, int, int], int] = {}
+# floors choose_gemms tries, in order: cuBLASLt picks its kernel by the row count, and on the H200 some
+# shapes (the 27B's o_proj and down_proj, the 8B's down_proj) sum a row differently at 16 rows than at
+# 17 and more: given at least 32 rows, every call takes the second kind
+SCALED_MM_FLOORS = (16, 32, 64)
 # row counts choose_gemms checks, with the largest pass the engine runs
 PROBE_ROWS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 100, 128, 136, 200, 256, 272, 300, 512, 1024, 2048, 4096, 8192)
 
@@ -189,33 +195,38 @@ def fp8_weights(model: nn.Module) -> list[BlockFP8]:
 def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max_rows: int) -> dict[str, str]:
     """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load: cuBLASLt's
     block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
-    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`) (cuBLASLt picks its kernel by
-    the row count, and some picks sum a row differently: 27B's o_proj shape, measured), the Triton kernel
-    otherwise (`triton/G` where it sums K in G groups: k_group), and for weights whose scales are per row.
-    Returns "NxK" -> the GEMM, for the log."""
+    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`), with calls
+    padded to the first of SCALED_MM_FLOORS that makes it so (`scaled_mm/32`: at least 32 rows a call);
+    the Triton kernel otherwise (`triton/G` where it sums K in G groups: k_group), and for weights whose
+    scales are per row. Returns "NxK" -> the GEMM, for the log."""
     if gemm_path(device) != "scaled_mm+triton":
         return {}
     index = device.index or 0
     rows = sorted({r for r in PROBE_ROWS if r < max_rows} | {max_rows})
     chosen = {}
     for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
-        if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device, dtype):
-            SCALED_MM_SHAPES.add((index, n, k, scale_rows))
+        key = (index, n, k, scale_rows)
+        if scale_rows == BLOCK and k % BLOCK == 0:
+            floor = next((f for f in SCALED_MM_FLOORS if _rows_independent(n, k, rows, device, dtype, f)), None)
+            if floor:
+                SCALED_MM_SHAPES[key] = floor
         groups = cdiv(cdiv(k, BLOCK), k_group(n, k, _device_limits(index)[0]))
-        chosen[f"{n}x{k}"] = ("scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else
+        floor = SCALED_MM_SHAPES.get(key)
+        chosen[f"{n}x{k}"] = (("scaled_mm" if floor == 16 else f"scaled_mm/{floor}") if floor else
                               "triton" if groups == 1 else f"triton/{groups}")
     return chosen
 
 
-def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether scaled_mm_gemm gives each row the same bits at every row count in `rows` (random data)."""
+def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype, floor: int) -> bool:
+    """Whether scaled_mm_gemm (each call given at least `floor` rows) gives each row the same bits at
+    every row count in `rows` (random data)."""
     g = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode():
         w = BlockFP8(*quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), BLOCK)
         x = torch.randn(rows[-1], k, device=device, generator=g).to(dtype)
         try:
-            full = scaled_mm_gemm(x, w)
-            same = all(torch.equal(scaled_mm_gemm(x[:m], w), full[:m]) for m in rows[:-1])
+            full = scaled_mm_gemm(x, w, floor)
+            same = all(torch.equal(scaled_mm_gemm(x[:m], w, floor), full[:m]) for m in rows[:-1])
         except RuntimeError:  # a shape cuBLASLt does not take: the Triton kernel serves it
             same = False
     torch.cuda.empty_cache()
@@ -389,14 +400,15 @@ _LARGE = [(64, (32, 64, 4, 3)), (128, (32, 64, 4, 3)), (1 << 62, (32, 128, 4, 3)
 TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
     (16480, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
     (14336, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
-    (5120, 6144): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+    (5120, 6144): _table([(16, (16, 64, 4, 4)), (17, (32, 64, 4, 3)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
     (34816, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 64, 4, 4)), (17, (32, 128, 4, 3))] + _LARGE),
-    (5120, 17408): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+    (5120, 17408): _table([(16, (16, 64, 4, 4)), (17, (32, 64, 4, 3)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
 }
 
 
-# (N, K) -> K blocks per group of the Triton kernel on the H200 (k_group)
-K_GROUPS: dict[tuple[int, int], int] = {}
+# (N, K) -> K blocks per group of the Triton kernel on the H200 (k_group): the fastest of 1, 2, 4 and 8
+# groups at 1-17 rows (bench/results/runtime-fp8-gemm-groups-27b-v1.json)
+K_GROUPS: dict[tuple[int, int], int] = {(5120, 6144): 12, (5120, 17408): 34}
 
 
 def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,27 +460,29 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
 SUM_BLOCK = 1024   # outputs per program of _sum_parts_kernel
 
 
-def scaled_mm_rows(m: int) -> int:
-    """The rows cuBLASLt's block-scaled GEMM is given: m padded to a multiple of 16 (it refuses 1 and 17)."""
-    return cdiv(m, 16) * 16
+def scaled_mm_rows(m: int, floor: int = 16) -> int:
+    """The rows cuBLASLt's block-scaled GEMM is given: m padded to a multiple of 16 (it refuses 1 and 17),
+    and to `floor` at least (the weight's, SCALED_MM_SHAPES)."""
+    return max(floor, cdiv(m, 16) * 16)
 
 
-def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None,
+                     floor: int = 16) -> torch.Tensor:
     """fp8_linear through scaled_mm_gemm (the call choose_gemms probed); the bias and the residual (`out`,
     which receives the sum) are added after it, in x2's dtype: one rounding more than the Triton kernel,
     the same for every row count."""
-    y = scaled_mm_gemm(x2, w)
+    y = scaled_mm_gemm(x2, w, floor)
     if bias is not None:
         y = y + bias
     return out.add_(y) if out is not None else y
 
 
-def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8, floor: int = 16) -> torch.Tensor:
     """PyTorch's block-scaled GEMM (cuBLASLt, Hopper): 1x128 activation scales, 128x128 weight scales;
-    [M, N] in x2's dtype (a view of the padded result)."""
+    [M, N] in x2's dtype (a view of the padded result, scaled_mm_rows(M, floor) rows)."""
     from torch.nn.functional import ScalingType, scaled_mm
     m = x2.shape[0]
-    q, s = quantize_groups_cuda(x2, scaled_mm_rows(m))
+    q, s = quantize_groups_cuda(x2, scaled_mm_rows(m, floor))
     out = scaled_mm(q, w.qweight.t(), s.t(), ScalingType.BlockWise1x128, w.scale_inv.t(),
                     ScalingType.BlockWise128x128, output_dtype=x2.dtype)
     return out[:m]

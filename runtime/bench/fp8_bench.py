@@ -1,18 +1,18 @@
 """FP8 weights against bf16 in one run (issues 25 and 35), random weights of real shapes, on a GPU.
 
-    PYTHONPATH=runtime python runtime/bench/fp8_bench.py [--shapes qwen3-8b,qwen3.6-27b] [--out OUT.json]
-    PYTHONPATH=runtime python runtime/bench/fp8_bench.py --device cpu --tiny     # its code, on a small hybrid shape
+    PYTHONPATH=runtime:runtime/bench python runtime/bench/fp8_bench.py [--shapes qwen3-8b,qwen3.6-27b] [--out OUT.json]
+    PYTHONPATH=runtime:runtime/bench python runtime/bench/fp8_bench.py --device cpu --tiny   # its code, on a small hybrid shape
 
 For each shape, bf16 first and then the same random weights quantized (model/fp8.quantize_linears: the
 target's projections; the LM head, embeddings and the drafter stay bf16), each measured in its own
-engine: the weights in memory, the AR step and the ddtree@16 round at a short context (gpu_bench's
-run_case), the AR step with 16 requests running (batch_bench's steady_rounds), and the prefill of a 4K
-and a 32K prompt. Before that, every GEMM point (each projection at 1 to 4096 rows) for each candidate:
-bf16 F.linear, cuBLASLt's block-scaled scaled_mm and the Triton kernel at the tile the runtime picks
-(fp8_gemm_bench.py, which also sweeps the tiles: `--tiles` takes its table). Then the issue's targets,
-each with its figure and whether it is met. Random weights
-accept almost nothing: this measures time, not acceptance (bench/fp8_accuracy.py measures that).
-Not a test: figures depend on the machine."""
+engine: the weights in memory, the greedy tokens of dflash and ddtree against AR's (lossless against the
+target that runs), the AR step and the ddtree@16 round of a lone request at a short context (gpu_bench's
+run_case), the ddtree@16 round with 16 requests running (batch_bench's steady_rounds), and the prefill
+of a 4K and a 32K prompt; then the issue's targets, each with its figure and whether it is met. About 4
+minutes for both shapes on an H200. With `--gemm-rows`, first every GEMM point (each projection at
+those rows) for bf16, scaled_mm and fp8_linear as the engine runs it (fp8_gemm_bench.py --runtime; that
+script also sweeps the Triton tiles). Random weights accept almost nothing: this measures time, not
+acceptance (bench/fp8_accuracy.py measures that). Not a test: figures depend on the machine."""
 
 from __future__ import annotations
 
@@ -40,15 +40,14 @@ TARGETS = {
 
 
 def gemm_points(shape: str, rows: list[int], device: torch.device) -> list[dict]:
-    """Every GEMM point of the shape (fp8_gemm_bench.SHAPES) for each candidate: bf16, scaled_mm and the
-    Triton kernel at the tile the runtime chooses (fp8.gemm_tile)."""
-    limits = fp8._device_limits(device.index or 0)
+    """Every GEMM point of the shape (fp8_gemm_bench.SHAPES): bf16, scaled_mm and fp8_linear after
+    fp8.choose_gemms, as the engine runs it."""
     points = []
     with torch.inference_mode():
         for name, n, k in fp8_gemm_bench.SHAPES[shape]:
             points += fp8_gemm_bench.bench_projection(
                 name, n, k, rows, torch.cuda.get_device_properties(device).L2_cache_size, None,
-                lambda s: print(s, flush=True), tiles=lambda m, n=n, k=k: [fp8.gemm_tile(m, n, k, *limits)])
+                lambda s: print(s, flush=True), tiles=lambda m: [], runtime=True)
     return points
 
 
@@ -79,17 +78,18 @@ def check_gemm(device: torch.device, dtype: torch.dtype, shapes) -> dict:
     return out
 
 
-def prefill_ms(engine: Engine, prompt: list[int]) -> float:
-    """The first token of a lone request: the prompt's prefill (once warm)."""
+def prefill_ms(engine: Engine, prompts: list[list[int]]) -> list[float]:
+    """The first token of a lone request for each prompt: its prefill, once the shortest one has run
+    (which pays the kernels' compilation)."""
     params = SamplingParams(max_new_tokens=1, mode="ar")
     times = []
-    for _ in range(2):  # the first one pays the kernels' compilation
+    for prompt in [min(prompts, key=len)] + prompts:
         sync(engine.device)
         t0 = time.perf_counter()
         list(engine.generate(prompt, params))
         sync(engine.device)
         times.append(1e3 * (time.perf_counter() - t0))
-    return times[-1]
+    return times[1:]
 
 
 def measure(shape: str, precision: str, args, device: torch.device) -> dict:
@@ -106,7 +106,7 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     # sized for the agreement check's ddtree@128 from the start (no pool resize between the cases)
     engine = Engine(EngineConfig(f"random-{shape}-{precision}", None, tree_budget=128, device=str(device),
                                  dtype=args.dtype, max_context=max(contexts + [args.context]) + 64 * 17,
-                                 max_running=running, prefill_chunk=max(contexts)),
+                                 max_running=running, prefill_chunk=max(contexts + [args.context])),
                     target=target, drafter=drafter)
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
@@ -121,11 +121,11 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
         out[f"{key}_phases_ms"] = r["phases_ms"]
     for n in args.running:
         prompts = [torch.randint(0, vocab - 1, (args.context,), generator=g).tolist() for _ in range(n)]
-        steady = steady_rounds(engine, prompts, SamplingParams(max_new_tokens=(args.rounds + args.warmup + 4) * 17,
-                                                               mode="ar"), args.rounds, args.warmup)
-        out[f"ar_step_{n}_running_ms"] = steady["round_ms"]
-    for ctx in contexts:
-        out[f"prefill_{ctx}_ms"] = prefill_ms(engine, torch.randint(0, vocab - 1, (ctx,), generator=g).tolist())
+        params = SamplingParams(max_new_tokens=(args.rounds + args.warmup + 4) * 17, mode="ddtree", tree_budget=16)
+        out[f"ddtree16_{n}_running_ms"] = steady_rounds(engine, prompts, params, args.rounds, args.warmup)["round_ms"]
+    prompts = [torch.randint(0, vocab - 1, (ctx,), generator=g).tolist() for ctx in contexts]
+    for ctx, ms in zip(contexts, prefill_ms(engine, prompts) if prompts else []):
+        out[f"prefill_{ctx}_ms"] = ms
     print(f"  {shape} {precision}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in out.items() if not k.endswith(("phases_ms", "checks"))),
           flush=True)
@@ -157,20 +157,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="the small shapes, short prompts, few rounds (runs on a CPU)")
     ap.add_argument("--context", type=int, default=512, help="prompt length of the AR and ddtree timings")
     ap.add_argument("--prefill", default="4096,32768", help="prompt lengths whose prefill is timed")
-    ap.add_argument("--running", default="1,16", help="requests running together for the batched AR step")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--gemm-rows", default="1,16,17,64,128,272,4096",
-                    help="GEMM rows timed: an AR step, a ddtree@16 round, ..., 16 requests x 17 nodes, a prefill chunk")
+    ap.add_argument("--running", default="16", help="requests running together for the batched ddtree@16 round")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--gemm-rows", default="",
+                    help="GEMM rows timed first, e.g. 1,16,17,64,128,272,4096: an AR step, a ddtree@16 round, ..., "
+                         "16 requests x 17 nodes, a prefill chunk (about a minute a shape)")
     ap.add_argument("--tiles", help="a tile table fp8_gemm_bench.py --tiles-out wrote, used instead of fp8.TILES")
-    ap.add_argument("--agreement", type=int, default=48, help="prompts of the lossless check")
+    ap.add_argument("--agreement", type=int, default=24, help="tokens of the lossless check")
     ap.add_argument("--skip-e2e", action="store_true", help="the GEMM points only")
     ap.add_argument("--label", default="", help="free text stored with the results (the version)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-bench.json")
     args = ap.parse_args(argv)
     if args.tiny:  # every part of the script once, in seconds: the code, not figures
         args.shapes, args.context, args.prefill, args.rounds, args.warmup = "hybrid-small", 32, "64,128", 2, 1
-        args.running = "1,4"
+        args.running = "4"
         torch.set_num_threads(1)
     args.running = [int(n) for n in args.running.split(",")]
     device = torch.device(args.device)
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         entry["weights_floor_ms"] = {p: 1e3 * r["target_bytes"] / ceil["copy_bytes_per_s"]
                                      for p, r in (("bf16", bf16), ("fp8", fp))}
         entry["targets"] = verdicts(shape, bf16, fp, contexts)
+        entry["fp8_over_bf16"] = {k: v / bf16[k] for k, v in fp.items() if k.endswith("_ms") and isinstance(v, float)}
+        print("  fp8 / bf16: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in entry["fp8_over_bf16"].items()))
         for name, v in entry["targets"].items():
             print(f"  target {name}: {v['figure']:.3f} (at most {v['at_most']}) {'met' if v['met'] else 'NOT met'}")
         out.write_text(json.dumps(report, indent=2))

@@ -9,8 +9,11 @@ Candidates (activation quantization counted in each FP8 one):
 - `scaled_mm`: torch.nn.functional.scaled_mm block-wise (cuBLASLt; rows padded to 16, Hopper only);
 - `triton_old`: the kernel the runtime had before issue 35 (quantizing its tiles itself), read from an
   older fp8.py (`--legacy-fp8 PATH`, e.g. main's before the merge), at up to 272 rows;
-- `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (fp8.TILE_SWEEP), the best one reported
-  as `triton`.
+- `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (tiles_for), the best one reported
+  as `triton`; with `--groups`, at each count of K groups too (`...gG`: K summed in G groups, fp8.k_group);
+- `fp8_runtime` (`--runtime`): fp8.fp8_linear as the engine runs it, after fp8.choose_gemms.
+`--probe-scaled-mm` also lists, per shape, which row counts (fp8.PROBE_ROWS and the engine's largest
+pass) give a row other bits in scaled_mm than among the most rows.
 Each weight is copied until the copies pass three times the L2, and the timed calls rotate among them,
 so no candidate reads its weight from cache. `row0_invariant`: the first row's output, bit for bit, is
 the same at every row count (and, for Triton, at every tile). Not a test: figures depend on the machine."""
@@ -33,7 +36,8 @@ from ddtree_runtime.model import fp8  # noqa: E402
 
 # (name, N, K) of the projections as the engine runs them (fused)
 SHAPES = {
-    "qwen3.6-27b": [("gdn_in_proj", 16480, 5120), ("attn_qkv", 14336, 5120), ("o_proj", 5120, 6144),
+    # the GDN in_proj: qkv, z, b and a, the 48-row b and a each padded to a 128-row block (layers.fuse_rows)
+    "qwen3.6-27b": [("gdn_in_proj", 16640, 5120), ("attn_qkv", 14336, 5120), ("o_proj", 5120, 6144),
                     ("gate_up", 34816, 5120), ("down_proj", 5120, 17408)],
     "qwen3-8b": [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down_proj", 4096, 12288)],
 }
@@ -48,6 +52,17 @@ def tiles_for(m: int) -> list[fp8.GemmTile]:
     if m >= 1024:
         large += [fp8.GemmTile(128, 128, 8, 3), fp8.GemmTile(64, 256, 8, 3)]
     return small + large
+
+
+def lean_tiles(m: int) -> list[fp8.GemmTile]:
+    """A shorter sweep, two tiles per family at each row count (with --groups, each is timed per count)."""
+    if m <= 16:
+        return [fp8.GemmTile(*t) for t in ((16, 32, 4, 4), (16, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4))]
+    if m <= 128:
+        return [fp8.GemmTile(*t) for t in ((32, 32, 4, 4), (32, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 4))]
+    if m <= 1024:
+        return [fp8.GemmTile(*t) for t in ((32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3))]
+    return [fp8.GemmTile(*t) for t in ((32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3))]
 
 
 def family(tile: fp8.GemmTile) -> str:
@@ -67,8 +82,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
-                     tiles=tiles_for, libraries: bool = True, runtime: bool = False) -> list[dict]:
-    """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed."""
+                     tiles=tiles_for, libraries: bool = True, runtime: bool = False,
+                     groups: list[int | None] = (None,)) -> list[dict]:
+    """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed, each
+    at every count of K groups in `groups` (None: the runtime's, fp8.k_group)."""
     dev = torch.device("cuda")
     copies = max(1, min(8, -(-3 * l2_bytes // (n * k))))   # FP8 copies past 3x L2
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(1, -(-copies // 2)))]
@@ -87,7 +104,8 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
         want = fp8.fp8_linear_torch(x[:64].float(), wq[0])   # the torch reference, on the first 64 rows
         point = {"projection": name, "n": n, "k": k, "rows": m, "us": {}, "rel_err": {}, "row0_invariant": {}}
 
-        def record(cand: str, fns, out0: torch.Tensor | None, tile: fp8.GemmTile | None = None) -> None:
+        def record(cand: str, fns, out0: torch.Tensor | None, tile: fp8.GemmTile | None = None,
+                   arithmetic: str = "") -> None:
             try:
                 point["us"][cand] = timed_us(fns)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run this size says why
@@ -95,7 +113,7 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
                 return
             if out0 is not None:
                 point["rel_err"][cand] = rel_err(out0[:64], want)
-                key = family(tile) if tile else cand
+                key = family(tile) + arithmetic if tile else cand
                 first = out0[0].clone()
                 same = bool(torch.equal(ref_row0.setdefault(key, first), first))
                 point["row0_invariant"][key] = point["row0_invariant"].get(key, True) and same
@@ -114,15 +132,19 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
             point["rel_err"]["fp8_runtime_residual"] = rel_err(got[:64] - res[:64], want)
         if old is not None and m <= 272:
             record("triton_old", [lambda w=w: old(x, w) for w in wq], old(x, wq[0]))
-        for t in tiles(m):
-            cand = f"triton[{t.block_m}x{t.block_n}w{t.warps}s{t.stages}]"
+        for t, g in itertools.product(tiles(m), groups):
+            blocks = None if g is None else fp8.cdiv(fp8.cdiv(k, fp8.BLOCK), g)
+            cand = f"triton[{t.block_m}x{t.block_n}w{t.warps}s{t.stages}]" + ("" if g is None else f"g{g}")
             try:
-                o = fp8.block_gemm(x, wq[0], t)
+                o = fp8.block_gemm(x, wq[0], t, group=blocks)
             except Exception as exc:  # noqa: BLE001 - Triton's out-of-resources, per tile
                 point["us"][cand] = f"{type(exc).__name__}"
                 continue
-            record(cand, [lambda w=w, t=t: fp8.block_gemm(x, w, t) for w in wq], o, t)
+            record(cand, [lambda w=w, t=t: fp8.block_gemm(x, w, t, group=blocks) for w in wq], o, t,
+                   "" if g is None else f"g{g}")
         tri = {c: v for c, v in point["us"].items() if c.startswith("triton[") and isinstance(v, float)}
+        for cand, v in sorted(tri.items()):
+            log(f"    {cand} {v:.1f}")
         best = min(tri, key=tri.get) if tri else None
         point["triton_best"] = best
         point["us"]["triton"] = tri[best] if best else None
@@ -142,11 +164,23 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
 
 
 def parse_tile(cand: str) -> list[int]:
-    """"triton[BMxBNwWsS]" -> [BM, BN, W, S]."""
-    bm, rest = cand[len("triton["):-1].split("x")
+    """"triton[BMxBNwWsS]" (and a "gG" after it) -> [BM, BN, W, S]."""
+    bm, rest = cand[len("triton["):cand.index("]")].split("x")
     bn, rest = rest.split("w")
     w, st = rest.split("s")
     return [int(bm), int(bn), int(w), int(st)]
+
+
+def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:
+    """Row count -> whether scaled_mm gives its first min(rows, 16) rows the bits they have among max(rows)
+    (random data; what fp8.choose_gemms probes, listed)."""
+    dev = torch.device("cuda")
+    w = fp8.BlockFP8(*fp8.quantize_blocks(torch.randn(n, k, device=dev) * 0.02), fp8.BLOCK)
+    x = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
+    full = fp8.scaled_mm_gemm(x, w)
+    same = {m: bool(torch.equal(fp8.scaled_mm_gemm(x[:m], w)[:16], full[:min(m, 16)])) for m in rows}
+    log(f"  scaled_mm {n}x{k}: rows whose bits differ from {max(rows)} rows': {[m for m, ok in same.items() if not ok]}")
+    return same
 
 
 def best_tiles(points: list[dict], key: str = "triton_best") -> dict[str, list]:
@@ -167,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runtime", action="store_true",
                     help="bf16 against fp8_linear as the engine runs it (choose_gemms' choice per shape) only")
     ap.add_argument("--triton-only", action="store_true", help="the Triton tiles alone (no bf16, scaled_mm)")
+    ap.add_argument("--groups", help="counts of K groups each tile is timed at (e.g. 1,2,4,8; default: fp8.k_group's)")
+    ap.add_argument("--lean", action="store_true", help="two tiles per family and row count (lean_tiles)")
+    ap.add_argument("--projections", help="only these projections of the shape (names, comma-separated)")
+    ap.add_argument("--probe-scaled-mm", action="store_true",
+                    help="first, per projection, the row counts at which scaled_mm changes a row's bits")
     ap.add_argument("--tiles-out", help="also write the fastest tile per (N, K, rows) here (fp8.TILES' form)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-gemm-bench.json")
     args = ap.parse_args(argv)
@@ -182,11 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     report = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
               "torch": torch.__version__, "shape": args.shape, "unit": "us per call (CUDA graph)", "points": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
+    groups = [int(g) for g in args.groups.split(",")] if args.groups else [None]
+    tiles = (lambda m: []) if args.runtime else lean_tiles if args.lean else tiles_for
     with torch.inference_mode():
-        for name, n, k in SHAPES[args.shape]:
+        if args.probe_scaled_mm:
+            probe = sorted(set(fp8.PROBE_ROWS) | {16 * 1025})
+            report["scaled_mm_rows_same"] = {f"{n}x{k}": scaled_mm_classes(n, k, probe, print) for _, n, k in shapes}
+        for name, n, k in shapes:
             report["points"] += bench_projection(name, n, k, [int(r) for r in args.rows.split(",")], l2, old,
                                                  lambda s: print(s, flush=True), libraries=not args.triton_only,
-                                                 runtime=args.runtime, tiles=(lambda m: []) if args.runtime else tiles_for)
+                                                 runtime=args.runtime, tiles=tiles, groups=groups)
             Path(args.out).write_text(json.dumps(report, indent=1))   # kept as it grows
     if args.tiles_out:
         Path(args.tiles_out).write_text(json.dumps({fam: best_tiles(report["points"], f"{fam}_best")

@@ -91,6 +91,35 @@ def test_the_residual_and_mixed_fusions_agree_with_the_plain_projections(tiny_hy
     assert torch.equal(fp8_linear_torch(y, lin.block(), residual=x), (x + lin(y).float()).float())
 
 
+def test_a_hybrid_in_projection_fuses_into_whole_blocks_with_the_same_outputs(tiny_hybrid_models, tmp_path):
+    """The GDN in-projection (qkv, z, b, a: b and a not multiples of 128 rows) fuses with each part on a
+    128-row block of its own, so it keeps the checkpoint's block scales (the form cuBLASLt takes); its
+    parts' outputs are the projections' own, bit for bit, and the gap rows are zeros."""
+    from ddtree_runtime.model.fp8 import BLOCK, BlockFP8
+    from ddtree_runtime.model.layers import linear, split_parts
+
+    gdn = load_target(write_fp8_checkpoint(tiny_hybrid_models / "target", tmp_path / "t")).model.layers[0].linear_attn
+    parts = [gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a]
+    sizes = [p.out_features for p in parts]
+    assert any(n % BLOCK for n in sizes)
+    x = torch.randn(2, 5, gdn.in_proj_qkv.in_features)
+    with torch.inference_mode():
+        alone = [p(x) for p in parts]
+        gdn.fuse()
+        fused = gdn._in_proj
+        y = linear(x, fused)
+    assert isinstance(fused, BlockFP8) and fused.scale_rows == BLOCK
+    assert fused.qweight.shape[0] == sum(-(-n // BLOCK) * BLOCK for n in sizes)
+    starts = [sum(-(-n // BLOCK) * BLOCK for n in sizes[:i]) for i in range(4)]
+    for got, want, start in zip(split_parts(y, sizes), alone, starts):
+        assert torch.equal(got, want) and got.data_ptr() == y[..., start:].data_ptr()
+    gaps = torch.ones(y.shape[-1], dtype=torch.bool)
+    for start, n in zip(starts, sizes):
+        gaps[start:start + n] = False
+    assert gaps.any() and not y[..., gaps].any()
+    assert gdn.in_proj_b.weight.data_ptr() == fused.qweight[starts[2]:].data_ptr()   # the state dict's views
+
+
 def _set_config(d, **changes):
     config = json.loads((d / "config.json").read_text())
     config.update(changes)
@@ -293,6 +322,7 @@ def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
     result = report["shapes"]["hybrid-small"]
     assert result["fp8"]["target_bytes"] < result["bf16"]["target_bytes"]
     for precision in ("bf16", "fp8"):
-        assert {"ar_step_ms", "ddtree16_round_ms", "ar_step_4_running_ms", "prefill_128_ms"} <= set(result[precision])
+        assert {"ar_step_ms", "ddtree16_round_ms", "ddtree16_4_running_ms", "prefill_128_ms"} <= set(result[precision])
+    assert result["fp8_over_bf16"]["prefill_64_ms"] > 0
     assert report["fp8_gemm"] == "torch"   # the GEMM points need a GPU (fp8_gemm_bench.py)
     assert set(result["fp8"]["checks"]["matching_prefix_of_8"]) == {"ar", "dflash", "ddtree@16", "ddtree@128"}

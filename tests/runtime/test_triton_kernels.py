@@ -258,6 +258,28 @@ def test_fp8_gemm_matches_its_blocks_and_scales_in_float64():
     """)
 
 
+def test_fp8_gemm_sums_k_in_fixed_groups_split_or_not_to_the_same_bits():
+    """K summed in groups (fp8.k_group: from the weight's shape, never the row count): the same bits
+    whether the groups run in one program or in programs of their own (a split launch, then
+    _sum_parts_kernel), at either tile; within float32 rounding of the float64 reference."""
+    interpret("""
+        import ddtree_runtime.model.fp8 as F8
+        F8._device_limits = lambda device: (132, 232448)
+        for m, n, k, rows, dtype in [(3, 80, 640, 128, torch.float32), (17, 96, 520, 1, torch.float16)]:
+            x = torch.randn(m, k).to(dtype)
+            q, s = F8.quantize_blocks(torch.randn(n, k) * 0.05)
+            w = F8.BlockFP8(q, s if rows == 128 else s.repeat_interleave(128, 0)[:n], rows)
+            bias, res = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
+            want = F8.fp8_linear_torch(x, w, bias, res).double()
+            for group in (2, 5):
+                outs = [F8.block_gemm(x, w, tile, bias, res.clone(), residual=True, group=group, split=split)
+                        for tile in (F8.GemmTile(16, 32, 4, 2), F8.GemmTile(32, 64, 4, 2)) for split in (False, True)]
+                assert all(torch.equal(o, outs[0]) for o in outs), (m, n, k, group)
+                err = ((outs[0].double() - want).abs().max() / want.abs().max()).item()
+                assert err < (1e-6 if dtype == torch.float32 else 1e-3), (m, n, k, group, err)
+    """)
+
+
 def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, tiny_hybrid_models, tmp_path):
     """Both tiny FP8 targets, fused as the engine runs them (q/k/v with per-row scales, gate/up, the
     residual written in place by o_proj and down_proj), with every projection in the Triton kernel."""

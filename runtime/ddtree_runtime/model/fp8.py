@@ -6,19 +6,21 @@ use: `weight` e4m3 [N, K] and `weight_scale_inv` float32 [ceil(N/128), ceil(K/12
 scale_inv blockwise. `--quantize fp8` writes the same layout from bf16 weights at load.
 
 The GEMM, out = (x quantized per token-group) @ W^T with both scales applied per 128-wide K block, in
-one fixed arithmetic on every path: per K block, the dot of e4m3 codes from zero, times the row's and
-the weight block's scales, added to a float32 sum in block order. A row's result therefore does not
-depend on how many rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk
-after a cached prefix): the speculative path and its AR reference agree, and a seed gives one text.
-- on GPUs with FP8 tensor cores (gemm_path: "triton"): quantize_groups_cuda (one small launch: codes
-  and scales of x), then _block_gemm_kernel, which reads each W tile once, multiplies e4m3 x e4m3 into
-  float32, applies the scales, adds the bias and the residual and writes in the activations' dtype;
-  its tile comes from a table measured on the H200 (TILES), its stages from the device's shared memory;
-- elsewhere (CPU, CI; gemm_path "torch") the same arithmetic in torch (block_products: each block's
-  dot exact in float64). The kernels run through Triton's interpreter in tests/runtime/test_triton_kernels.py
-  and must agree with it.
-scaled_mm_gemm (cuBLASLt's block-scaled GEMM, Hopper only) is kept for bench/fp8_gemm_bench.py, which
-times it beside the kernel: docs/performance.md (FP8) says why the runtime does not use it.
+one fixed arithmetic per weight shape and device. A row's result therefore does not depend on how many
+rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk after a cached prefix):
+the speculative path and its AR reference agree, and a seed gives one text.
+- on Hopper (gemm_path "scaled_mm+triton"): cuBLASLt's block-scaled GEMM (scaled_mm_gemm) for each
+  weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others;
+- on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
+  quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
+  the dot of e4m3 codes from zero times the row's and the weight block's scales, summed in block order
+  within groups of k_group blocks (from the weight's shape, never the row count), the groups added in
+  order; when the rows are few each group runs in a program of its own and _sum_parts_kernel adds
+  them (the same bits). Its tile comes from a table measured on the H200 (TILES), its stages from the
+  device's shared memory;
+- elsewhere (CPU, CI; gemm_path "torch") the same per-block arithmetic in torch (block_products: each
+  block's dot exact in float64). The kernels run through Triton's interpreter in
+  tests/runtime/test_triton_kernels.py and must agree with it.
 
 Serving an FP8 model is exact with respect to that FP8 model (speculative decoding verifies against
 it), not with respect to the bf16 model it came from; bench/fp8_accuracy.py measures how far it is."""
@@ -127,7 +129,7 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) (+ residual, written over it in place on a GPU, as
     kernels.residual_linear does in 16 bits). On a GPU with FP8 tensor cores cuBLASLt's block-scaled
-    GEMM for the weight shapes choose_gemms found row-invariant, else the Triton path; elsewhere
+    GEMM for the weight shapes choose_gemms found row-invariant (at their row floor), else the Triton path; elsewhere
     fp8_linear_torch. Either way a row's result does not depend on the other rows of the call."""
     if not _use_kernel(x):
         return fp8_linear_torch(x, w, bias, residual)
@@ -136,8 +138,9 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = None if residual is None else residual.view(-1, n)
-    if (x.device.index or 0, n, k, w.scale_rows) in SCALED_MM_SHAPES:
-        out = scaled_mm_linear(x2, w, bias, out)
+    floor = SCALED_MM_SHAPES.get((x.device.index or 0, n, k, w.scale_rows))
+    if floor:
+        out = scaled_mm_linear(x2, w, bias, out, floor)
     else:
         tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
         out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
@@ -163,8 +166,13 @@ def gemm_path(device: torch.device) -> str:
     return "scaled_mm+triton" if cap[0] == 9 and hasattr(torch.nn.functional, "scaled_mm") else "triton"
 
 
-# (device index, N, K, scale_rows) of the weights fp8_linear gives to cuBLASLt (choose_gemms fills it)
-SCALED_MM_SHAPES: set[tuple[int, int, int, int]] = set()
+# (device index, N, K, scale_rows) of the weights fp8_linear gives to cuBLASLt -> the fewest rows each call
+# is given (scaled_mm_rows' floor; choose_gemms fills it)
+SCALED_MM_SHAPES: dict[tuple[int, int, int, int], int] = {}
+# floors choose_gemms tries, in order: cuBLASLt picks its kernel by the row count, and on the H200 some
+# shapes (the 27B's o_proj and down_proj, the 8B's down_proj) sum a row differently at 16 rows than at
+# 17 and more: given at least 32 rows, every call takes the second kind
+SCALED_MM_FLOORS = (16, 32, 64)
 # row counts choose_gemms checks, with the largest pass the engine runs
 PROBE_ROWS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 100, 128, 136, 200, 256, 272, 300, 512, 1024, 2048, 4096, 8192)
 
@@ -187,31 +195,38 @@ def fp8_weights(model: nn.Module) -> list[BlockFP8]:
 def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max_rows: int) -> dict[str, str]:
     """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load: cuBLASLt's
     block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
-    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`) (cuBLASLt picks its kernel by
-    the row count, and some picks sum a row differently: 27B's o_proj shape, measured), the Triton kernel
-    otherwise, and for weights whose scales are per row (fused projections not a multiple of 128 rows).
-    Returns "NxK" -> the GEMM, for the log."""
+    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`), with calls
+    padded to the first of SCALED_MM_FLOORS that makes it so (`scaled_mm/32`: at least 32 rows a call);
+    the Triton kernel otherwise (`triton/G` where it sums K in G groups: k_group), and for weights whose
+    scales are per row. Returns "NxK" -> the GEMM, for the log."""
     if gemm_path(device) != "scaled_mm+triton":
         return {}
     index = device.index or 0
     rows = sorted({r for r in PROBE_ROWS if r < max_rows} | {max_rows})
     chosen = {}
     for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
-        if scale_rows == BLOCK and k % BLOCK == 0 and _rows_independent(n, k, rows, device, dtype):
-            SCALED_MM_SHAPES.add((index, n, k, scale_rows))
-        chosen[f"{n}x{k}"] = "scaled_mm" if (index, n, k, scale_rows) in SCALED_MM_SHAPES else "triton"
+        key = (index, n, k, scale_rows)
+        if scale_rows == BLOCK and k % BLOCK == 0:
+            floor = next((f for f in SCALED_MM_FLOORS if _rows_independent(n, k, rows, device, dtype, f)), None)
+            if floor:
+                SCALED_MM_SHAPES[key] = floor
+        groups = cdiv(cdiv(k, BLOCK), k_group(n, k, _device_limits(index)[0]))
+        floor = SCALED_MM_SHAPES.get(key)
+        chosen[f"{n}x{k}"] = (("scaled_mm" if floor == 16 else f"scaled_mm/{floor}") if floor else
+                              "triton" if groups == 1 else f"triton/{groups}")
     return chosen
 
 
-def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether scaled_mm_gemm gives each row the same bits at every row count in `rows` (random data)."""
+def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype, floor: int) -> bool:
+    """Whether scaled_mm_gemm (each call given at least `floor` rows) gives each row the same bits at
+    every row count in `rows` (random data)."""
     g = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode():
         w = BlockFP8(*quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), BLOCK)
         x = torch.randn(rows[-1], k, device=device, generator=g).to(dtype)
         try:
-            full = scaled_mm_gemm(x, w)
-            same = all(torch.equal(scaled_mm_gemm(x[:m], w), full[:m]) for m in rows[:-1])
+            full = scaled_mm_gemm(x, w, floor)
+            same = all(torch.equal(scaled_mm_gemm(x[:m], w, floor), full[:m]) for m in rows[:-1])
         except RuntimeError:  # a shape cuBLASLt does not take: the Triton kernel serves it
             same = False
     torch.cuda.empty_cache()
@@ -234,6 +249,18 @@ def default_tile(m: int, n: int, sms: int) -> "GemmTile":
     while block_n > 32 and cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     return GemmTile(16, block_n, 4, 4)
+
+
+def k_group(n: int, k: int, sms: int) -> int:
+    """The K blocks _block_gemm_kernel sums per group for an [N, K] weight: from its shape and the device
+    alone, never the row count (a row's sum order is then the same alone and batched). The measured table's
+    (K_GROUPS), else about four programs per SM at the narrowest tile when the rows are few (a 5120-wide
+    output fills 160 programs of 32 columns: each would stream all of K alone), at least 8 blocks a group."""
+    if (n, k) in K_GROUPS:
+        return K_GROUPS[(n, k)]
+    blocks = cdiv(k, BLOCK)
+    groups = max(1, min(blocks // 8, round(4 * sms / cdiv(n, 32))))
+    return cdiv(blocks, groups)
 
 
 def gemm_tile(m: int, n: int, k: int, sms: int, shared: int) -> "GemmTile":
@@ -278,12 +305,16 @@ if triton is not None:
         tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
 
     @triton.jit(do_not_specialize=["M"])
-    def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_xsk,
-                           stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        """out[m, n] (+)= sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]:
-        each block's dot starts from zero, so a row's result does not depend on the tile it lands in."""
+    def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
+                           stride_xsk, stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+        """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
+        blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]. Each block's
+        dot starts from zero and GROUP depends on the weight's shape alone, so a row's result does not
+        depend on the tile it lands in nor on the rows beside it. With SPLIT, program (tile, g) sums group g
+        alone into part[g] (float32) and _sum_parts_kernel adds the groups in order: the same bits, the
+        K walk spread over more programs when the rows are few."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
         pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
@@ -291,32 +322,59 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         lm, ln = rm % M, rn % N            # loads wrap inside the matrices; the store masks
-        a_ptrs = q_ptr + lm[:, None] * stride_qm + rk[None, :]
-        b_ptrs = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+        a_base = q_ptr + lm[:, None] * stride_qm + rk[None, :]
+        b_base = w_ptr + ln[None, :] * stride_wn + rk[:, None]
         xs_ptrs = xs_ptr + lm
         ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = rk < K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            xs = tl.load(xs_ptrs + kb * stride_xsk)
-            ws = tl.load(ws_ptrs + kb)
-            acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        blocks = tl.cdiv(K, BLOCK_K)
+        first, last = 0, blocks
+        if SPLIT:
+            first = tl.program_id(1) * GROUP
+            last = tl.minimum(first + GROUP, blocks)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(first, last, GROUP):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(g, tl.minimum(g + GROUP, blocks)):
+                if EVEN_K:
+                    a = tl.load(a_base + kb * BLOCK_K)
+                    b = tl.load(b_base + kb * BLOCK_K)
+                else:
+                    k_ok = rk < K - kb * BLOCK_K
+                    a = tl.load(a_base + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_base + kb * BLOCK_K, mask=k_ok[:, None], other=0.0)
+                xs = tl.load(xs_ptrs + kb * stride_xsk)
+                ws = tl.load(ws_ptrs + kb)
+                acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+            total += acc
         n_ok = rn < N
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
         ok = (rm < M)[:, None] & n_ok[None, :]
+        if SPLIT:
+            tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], total, mask=ok)
+        else:
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+            if HAS_RESIDUAL:
+                total += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _sum_parts_kernel(part_ptr, bias_ptr, out_ptr, M, N, GROUPS, stride_om, HAS_BIAS: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """out = part[0] + part[1] + ... (in order) + bias (+ the residual in out): _block_gemm_kernel's
+        epilogue after a split launch, the same additions in the same order."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < M * N
+        total = tl.load(part_ptr + i, mask=ok, other=0.0)
+        for g in range(1, GROUPS):
+            total += tl.load(part_ptr + g * M * N + i, mask=ok, other=0.0)
+        m, n = i // N, i % N
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        ptrs = out_ptr + m * stride_om + n
         if HAS_RESIDUAL:
-            acc += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            total += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 class GemmTile(NamedTuple):
@@ -342,10 +400,15 @@ _LARGE = [(64, (32, 64, 4, 3)), (128, (32, 64, 4, 3)), (1 << 62, (32, 128, 4, 3)
 TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
     (16480, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
     (14336, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 32, 4, 4)), (17, (32, 32, 4, 4))] + _LARGE),
-    (5120, 6144): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+    (5120, 6144): _table([(16, (16, 64, 4, 4)), (17, (32, 64, 4, 3)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
     (34816, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 64, 4, 4)), (17, (32, 128, 4, 3))] + _LARGE),
-    (5120, 17408): _table([(1, (16, 64, 4, 4)), (16, (16, 32, 4, 4)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
+    (5120, 17408): _table([(16, (16, 64, 4, 4)), (17, (32, 64, 4, 3)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
 }
+
+
+# (N, K) -> K blocks per group of the Triton kernel on the H200 (k_group): the fastest of 1, 2, 4 and 8
+# groups at 1-17 rows (bench/results/runtime-fp8-gemm-groups-27b-v1.json)
+K_GROUPS: dict[tuple[int, int], int] = {(5120, 6144): 12, (5120, 17408): 34}
 
 
 def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,44 +426,63 @@ def quantize_groups_cuda(x2: torch.Tensor, rows_out: int | None = None) -> tuple
 
 
 def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
-    """The Triton path: x2 [M, K] quantized by quantize_groups_cuda, then _block_gemm_kernel with `tile`;
-    with residual=True `out` holds the residual and receives the sum."""
+               out: torch.Tensor | None = None, residual: bool = False, group: int | None = None,
+               split: bool | None = None) -> torch.Tensor:
+    """The Triton path: x2 [M, K] quantized by quantize_groups_cuda, then _block_gemm_kernel with `tile`,
+    summing K in groups of `group` blocks (k_group's, for the weight's shape, if None); the groups run
+    in programs of their own (split) when the tiles alone would not fill the GPU, unless `split` says.
+    With residual=True `out` holds the residual and receives the sum."""
     m, k = x2.shape
     n = w.qweight.shape[0]
+    sms = _device_limits(x2.device.index or 0)[0]
+    blocks = cdiv(k, BLOCK)
+    group = min(group or k_group(n, k, sms), blocks)
+    groups = cdiv(blocks, group)
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    if split is None:
+        split = groups > 1 and tiles < sms
     q, s = quantize_groups_cuda(x2)
     if out is None:
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    grid = (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),)
-    _block_gemm_kernel[grid](q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, m, n, k,
-                             q.stride(0), s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0),
-                             SCALE_ROWS=w.scale_rows, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK,
-                             EVEN_K=k % BLOCK == 0, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual,
-                             num_warps=tile.warps, num_stages=tile.stages)
+    part = torch.empty((groups, m, n), dtype=torch.float32, device=x2.device) if split else out
+    _block_gemm_kernel[(tiles, groups if split else 1)](
+        q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
+        s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, num_warps=tile.warps, num_stages=tile.stages)
+    if split:
+        _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,
+                                                     out.stride(0), HAS_BIAS=bias is not None,
+                                                     HAS_RESIDUAL=residual, BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
-def scaled_mm_rows(m: int) -> int:
-    """The rows cuBLASLt's block-scaled GEMM is given: m padded to a multiple of 16 (it refuses 1 and 17)."""
-    return cdiv(m, 16) * 16
+SUM_BLOCK = 1024   # outputs per program of _sum_parts_kernel
 
 
-def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+def scaled_mm_rows(m: int, floor: int = 16) -> int:
+    """The rows cuBLASLt's block-scaled GEMM is given: m padded to a multiple of 16 (it refuses 1 and 17),
+    and to `floor` at least (the weight's, SCALED_MM_SHAPES)."""
+    return max(floor, cdiv(m, 16) * 16)
+
+
+def scaled_mm_linear(x2: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None, out: torch.Tensor | None,
+                     floor: int = 16) -> torch.Tensor:
     """fp8_linear through scaled_mm_gemm (the call choose_gemms probed); the bias and the residual (`out`,
     which receives the sum) are added after it, in x2's dtype: one rounding more than the Triton kernel,
     the same for every row count."""
-    y = scaled_mm_gemm(x2, w)
+    y = scaled_mm_gemm(x2, w, floor)
     if bias is not None:
         y = y + bias
     return out.add_(y) if out is not None else y
 
 
-def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+def scaled_mm_gemm(x2: torch.Tensor, w: BlockFP8, floor: int = 16) -> torch.Tensor:
     """PyTorch's block-scaled GEMM (cuBLASLt, Hopper): 1x128 activation scales, 128x128 weight scales;
-    [M, N] in x2's dtype (a view of the padded result)."""
+    [M, N] in x2's dtype (a view of the padded result, scaled_mm_rows(M, floor) rows)."""
     from torch.nn.functional import ScalingType, scaled_mm
     m = x2.shape[0]
-    q, s = quantize_groups_cuda(x2, scaled_mm_rows(m))
+    q, s = quantize_groups_cuda(x2, scaled_mm_rows(m, floor))
     out = scaled_mm(q, w.qweight.t(), s.t(), ScalingType.BlockWise1x128, w.scale_inv.t(),
                     ScalingType.BlockWise128x128, output_dtype=x2.dtype)
     return out[:m]
@@ -445,26 +527,36 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks of {BLOCK}"
 
 
-def fuse_fp8_rows(linears: list[FP8Linear]) -> tuple[BlockFP8, torch.Tensor | None]:
+def fuse_fp8_rows(linears: list[FP8Linear], pad: bool = False) -> tuple[BlockFP8, torch.Tensor | None]:
     """layers.fuse_rows for FP8 projections: one weight, its scales and bias, with each module's
     parameters made row slices of them. Where a projection's rows are not a multiple of 128 (a
-    tiny model's k/v, a hybrid's gate inputs) its block scales would straddle the next one's: the
-    fused scales are then kept per row (a row's scale is its block's)."""
+    tiny model's k/v, a hybrid's gate inputs) its block scales would straddle the next one's: with
+    `pad` each projection then starts at a multiple of 128 rows, the gap zero rows (their outputs
+    zeros, layers.split_parts skips them), and the scales stay the checkpoint's 128-row blocks, which
+    cuBLASLt's block-scaled GEMM takes; else the fused scales are kept per row (a row's scale is its
+    block's)."""
     aligned = all(lin.scale_rows == BLOCK and lin.out_features % BLOCK == 0 for lin in linears)
-    rows = BLOCK if aligned else 1
-    scales = [lin.weight_scale_inv if aligned else lin.weight_scale_inv.repeat_interleave(lin.scale_rows, 0)
+    padded = pad and not aligned and all(lin.scale_rows == BLOCK for lin in linears)
+    rows = BLOCK if aligned or padded else 1
+    span = [cdiv(lin.out_features, BLOCK) * BLOCK if padded else lin.out_features for lin in linears]
+
+    def grown(t: torch.Tensor, n: int) -> torch.Tensor:   # t's rows, then zero rows up to n
+        return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
+
+    scales = [lin.weight_scale_inv if rows == BLOCK else lin.weight_scale_inv.repeat_interleave(lin.scale_rows, 0)
               [:lin.out_features] for lin in linears]
-    q, s = torch.cat([lin.weight for lin in linears]), torch.cat(scales)
-    b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    q = torch.cat([grown(lin.weight, n) for lin, n in zip(linears, span)])
+    s = torch.cat(scales)
+    b = torch.cat([grown(lin.bias, n) for lin, n in zip(linears, span)]) if linears[0].bias is not None else None
     row = 0
-    for lin in linears:
+    for lin, n_span in zip(linears, span):
         n = lin.out_features
         lin.weight = nn.Parameter(q[row:row + n], requires_grad=False)
-        lin.weight_scale_inv = nn.Parameter(s[row // rows:(row + n) // rows], requires_grad=False)
+        lin.weight_scale_inv = nn.Parameter(s[row // rows:row // rows + cdiv(n, rows)], requires_grad=False)
         lin.scale_rows = rows
         if b is not None:
             lin.bias = nn.Parameter(b[row:row + n], requires_grad=False)
-        row += n
+        row += n_span
     return BlockFP8(q, s, rows), b
 
 

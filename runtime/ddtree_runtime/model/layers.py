@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from .fp8 import BlockFP8, FP8Linear, fp8_linear, fuse_fp8_rows, slice_rows
+from .fp8 import BLOCK, BlockFP8, FP8Linear, cdiv, fp8_linear, fuse_fp8_rows, slice_rows
 from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
 from .parallel import TensorParallel, add_reduced
@@ -288,10 +289,11 @@ def rows_from(w: Weight, b: torch.Tensor | None, start: int) -> tuple[Weight, to
     return w[start:], b
 
 
-def fuse_rows(linears: list[nn.Module]) -> tuple[Weight, torch.Tensor | None]:
+def fuse_rows(linears: list[nn.Module], pad: bool = False) -> tuple[Weight, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input (inference): each Linear's
     parameters become row slices of it, so the state dict and the unfused path see the same numbers.
-    FP8 projections fuse into FP8 blocks; a mix of kinds into RowParts (bias then inside the parts)."""
+    FP8 projections fuse into FP8 blocks (with `pad`, each starting on a 128-row block: fp8.fuse_fp8_rows;
+    split the output with split_parts); a mix of kinds into RowParts (bias then inside the parts)."""
     fp8 = [isinstance(lin, FP8Linear) for lin in linears]
     if any(fp8) and not all(fp8):
         runs: list[list[nn.Module]] = []
@@ -302,7 +304,7 @@ def fuse_rows(linears: list[nn.Module]) -> tuple[Weight, torch.Tensor | None]:
                 runs.append([lin])
         return RowParts(tuple(fuse_rows(run) for run in runs)), None
     if all(fp8):
-        return fuse_fp8_rows(linears)
+        return fuse_fp8_rows(linears, pad)
     w = torch.cat([lin.weight for lin in linears])
     b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
     row = 0
@@ -313,6 +315,15 @@ def fuse_rows(linears: list[nn.Module]) -> tuple[Weight, torch.Tensor | None]:
             lin.bias = nn.Parameter(b[row:row + n], requires_grad=False)
         row += n
     return w, b
+
+
+def split_parts(y: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The output of fuse_rows(..., pad=True)'s weight -> each projection's columns (views): side by side,
+    or each from the next multiple of 128 where the FP8 parts were padded to whole blocks."""
+    if y.shape[-1] == sum(sizes):
+        return list(y.split(sizes, dim=-1))
+    starts = itertools.accumulate((cdiv(n, BLOCK) * BLOCK for n in sizes), initial=0)
+    return [y[..., s:s + n] for s, n in zip(starts, sizes)]
 
 
 def fuse_projections(module: nn.Module) -> None:

@@ -20,7 +20,7 @@ from .config import Qwen35Config
 from .gated_delta import Paths, Step, causal_conv, gated_delta, tree_paths
 from .gdn_chunk import chunk_gated_delta, prompt_conv
 from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
-from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear
+from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear, split_parts
 from .parallel import TensorParallel, add_reduced, reduced
 from .qwen3 import Qwen3ForCausalLM
 
@@ -114,15 +114,17 @@ class GatedDeltaNet(nn.Module):
         self.tp: TensorParallel | None = None  # a shard: out_proj's output summed over the ranks
 
     def fuse(self) -> None:
-        self._in_proj = fuse_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])[0]
+        # padded: the 48-row b and a each on a 128-row block of its own, so the whole projection keeps
+        # the checkpoint's block scales and can take cuBLASLt's block-scaled GEMM (model/fp8.py)
+        self._in_proj = fuse_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], pad=True)[0]
 
     def forward(self, x: torch.Tensor, cache, start: int, tree: TreeInputs | None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output; with `residual`, residual + it (as GatedAttention.forward)."""
         b, t, _ = x.shape
         if self._in_proj is not None:
-            mixed, z, b_in, a = linear(x, self._in_proj).split(
-                [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v], dim=-1)
+            mixed, z, b_in, a = split_parts(linear(x, self._in_proj),
+                                            [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v])
         else:
             mixed, z, b_in, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         if tree is not None and fused_fits(mixed, self.dk, self.dv, self.kernel):

@@ -22,10 +22,10 @@ from ..model.layers import TreeInputs
 from . import memory
 from .block_manager import PageTable
 from .graphs import HostRead
-from .kv_cache import KVCache, target_cache
+from .kv_cache import HybridCache, KVCache, target_cache
 from .memory import PoolSizing
 from .pool import KVPool
-from .runner import DraftRunner, TargetRunner, TreePass, kv_len_for, tree_bucket
+from .runner import DraftRunner, PrefillRunner, TargetRunner, TreePass, kv_len_for, prefill_width, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .tree import Tree, TreeBuilder, Walk, walk
 from .types import Batch, BatchStats, Piece, RequestState, Round, StepResult, TokenLogprob
@@ -57,6 +57,7 @@ class ModelRunner:
                                             stats)
         self.target_cache: KVCache | None = None
         self.target_runner: TargetRunner | None = None
+        self.prefill_runner: PrefillRunner | None = None  # short pieces at a fixed shape (attention-only)
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self.resize(tree_slots)
         self.trees = TreeBuilder(device)
@@ -110,7 +111,7 @@ class ModelRunner:
             self.check_resize(tree_slots)
         # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
         self._resizing = True
-        self.target_cache = self.target_runner = None
+        self.target_cache = self.target_runner = self.prefill_runner = None
         self.pool.target_cache, self.pool.target_slots = None, 0
         try:
             self._build_target_cache(tree_slots)
@@ -127,6 +128,8 @@ class ModelRunner:
                                          snapshots=self.pool.prefix is not None, table=self.page_table)
         self.target_runner = TargetRunner(self.target, self.target_cache, self.device, self.block_size - 1,
                                           self.stats)
+        if not isinstance(self.target_cache, HybridCache):  # a hybrid's recurrent state would run on over padding
+            self.prefill_runner = PrefillRunner(self.target, self.target_cache, self.device, self.stats)
         self.pool.target_cache, self.pool.target_slots = self.target_cache, tree_slots
 
     def check_resize(self, tree_slots: int) -> None:
@@ -145,10 +148,17 @@ class ModelRunner:
         """One target pass over pieces of prompts, then for each prompt it completes the first token (and
         its log-probabilities if asked for; a recomputed request's is None: it chooses none) and one
         drafter pass for the first drafts. A lone piece is a causal pass over its own row, of any length
-        (`_causal_pass`); several are last pieces of attention-only targets, padded into one pass
-        (`_rows_pass`), so a burst of short prompts reads the weights once instead of once each."""
+        (`_causal_pass`), or a short one at a fixed, graphed shape (PrefillRunner); several are last
+        pieces of attention-only targets, padded into one pass (`_rows_pass`), so a burst of short
+        prompts reads the weights once instead of once each."""
         reqs = [p.req for p in pieces]
-        h, feats, pos = self._causal_pass(pieces[0]) if len(pieces) == 1 else self._rows_pass(pieces)
+        if len(pieces) > 1:
+            h, feats, pos = self._rows_pass(pieces)
+        elif self.prefill_runner is not None and prefill_width(pieces[0].length) is not None:
+            p = pieces[0]
+            h, feats, pos = self.prefill_runner.run(p.req.slot, p.req.context[p.start:p.start + p.length], p.start)
+        else:
+            h, feats, pos = self._causal_pass(pieces[0])
         self._draft_context(reqs, feats, pos)
         done = [i for i, p in enumerate(pieces) if p.ends_prompt]
         if not done:

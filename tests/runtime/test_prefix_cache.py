@@ -112,7 +112,7 @@ def test_two_turn_conversation_same_tokens_with_reuse(models, plain, mode):
     # a state); the continuation reuses the first turn's whole sequence but its last token (whose KV was
     # never computed)
     first = chat(engine, turns[0])
-    turn_start = snapshot_point(first, engine.turn_token, 0)
+    turn_start = snapshot_point(first, engine.scheduler.turn_token, 0)
     assert 0 < turn_start < len(first)
     assert tokens_saved >= turn_start + len(first) + len(answers[True][0]) - 1
 
@@ -243,7 +243,7 @@ def test_hybrid_keeps_its_turn_start_state_within_one_pass(tiny_hybrid_models):
     question, follow = heldout_questions(2, seed=31)
     prompt = chat(engine, [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."},
                            {"role": "user", "content": follow}])
-    turn_start = snapshot_point(prompt, engine.turn_token, 0)
+    turn_start = snapshot_point(prompt, engine.scheduler.turn_token, 0)
     assert 0 < turn_start < len(prompt)
     rid = engine.submit(prompt, SamplingParams(max_new_tokens=MAX_NEW, mode="ar"))
     engine.step()

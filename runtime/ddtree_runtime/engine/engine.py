@@ -152,7 +152,6 @@ class Engine:
         tree_slots = max(config.tree_budget, self.block_size) + 1
         # finished requests' rows kept for prefix reuse; a hybrid reuses only where a state was kept
         self.prefix = PrefixCache(snapshots_only=self.arch == "qwen3_5") if config.prefix_cache else None
-        self.turn_token = _turn_token(self.tokenizer)  # where a hybrid's prompt state is kept (prefix_cache.py)
         self.page_size = config.page_size
         # sized with both models' weights in place, before any cache: the context one request can have,
         # then the rows (max_running, and those that only hold cached sequences), then the pages
@@ -184,7 +183,7 @@ class Engine:
         self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats,
                                    step_tokens=config.max_batched_tokens, round_nodes=config.round_nodes,
                                    groups=self.arch == "qwen3", has_drafter=self.drafter is not None,
-                                   turn_token=self.turn_token)
+                                   turn_token=_turn_token(self.tokenizer))
         self._next_id = 0
         limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
                                config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)

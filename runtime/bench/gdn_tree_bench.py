@@ -104,6 +104,8 @@ def random_trees(batch: int, nodes: int, gen: torch.Generator) -> tuple[torch.Te
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error over the largest magnitude; `want` (float64) may live on the host."""
+    want = want.to(got.device)
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 

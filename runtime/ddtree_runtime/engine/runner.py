@@ -296,7 +296,7 @@ class DraftRunner:
     overwritten next round). The block's own k/v are written right after the context (over that
     padding), so attention reads the first kv_len drafter-cache entries with a device-built bias and
     nothing is concatenated. Graphed on CUDA per (B, kv_len). The first pass after a prefill, whose new
-    context is the whole prompt, runs eagerly (prefilling.py)."""
+    context is the whole prompt, runs eagerly (model_runner.py)."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
                  device: torch.device, stats: BatchStats | None = None) -> None:

@@ -129,7 +129,8 @@ class ModelRunner:
         self.target_runner = TargetRunner(self.target, self.target_cache, self.device, self.block_size - 1,
                                           self.stats)
         if not isinstance(self.target_cache, HybridCache):  # a hybrid's recurrent state would run on over padding
-            self.prefill_runner = PrefillRunner(self.target, self.target_cache, self.device, self.stats)
+            self.prefill_runner = PrefillRunner(self.target, self.target_cache, self.device, self.stats,
+                                                pool=self.target_runner.pool)
         self.pool.target_cache, self.pool.target_slots = self.target_cache, tree_slots
 
     def check_resize(self, tree_slots: int) -> None:

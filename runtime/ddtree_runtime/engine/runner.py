@@ -26,7 +26,7 @@ from ..model import Qwen3ForCausalLM
 from ..model.dflash import DraftInputs, DraftMask
 from ..model.kernels import DECODE_EAGER
 from ..model.layers import TreeInputs
-from .graphs import capture
+from .graphs import replayed
 from .kv_cache import KVCache
 from .tree import Tree, ancestor_mask
 from .types import BatchStats
@@ -147,15 +147,7 @@ class TargetRunner:
         for row, tree in enumerate(trees):
             if tree is not None:
                 b.nodes[:, row, 1:tree.size].copy_(tree.nodes)
-        if not self.use_graphs:
-            out = self._forward(b)
-        else:
-            if b.graph is None:
-                b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
-                self.stats.graph_captures += 1
-            b.graph.replay()
-            out = b.out
-        logits, feats, mask = out
+        logits, feats, mask = replayed(b, self._forward, self.device, self.pool, self.stats)
         return TreePass(logits, feats, b.ids, b.parents, b.depths, mask, b.start)
 
     def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -230,11 +222,13 @@ class PrefillRunner:
     them (past a row's pages: the scratch page). Causal within the piece, over the row's cached prefix."""
 
     def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device,
-                 stats: BatchStats | None = None) -> None:
+                 stats: BatchStats | None = None, pool=None) -> None:
+        """pool: the graph memory pool to capture into (the verify's: its passes and these never run at
+        once, and what one leaves is read before the other runs); None on the CPU."""
         self.target, self.cache, self.device = target, cache, device
         self.stats = BatchStats() if stats is None else stats
         self.use_graphs = device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = pool if pool is not None or not self.use_graphs else torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple[int, int], _PrefillBucket] = {}
 
     def run(self, row: int, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -254,13 +248,7 @@ class PrefillRunner:
         b.start.fill_(start)
         if self.cache.block is not None:
             b.view.block.copy_(self.cache.block[row:row + 1])
-        if not self.use_graphs:
-            return self._forward(b)
-        if b.graph is None:
-            b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
-            self.stats.graph_captures += 1
-        b.graph.replay()
-        return b.out
+        return replayed(b, self._forward, self.device, self.pool, self.stats)
 
     def _forward(self, b: _PrefillBucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         pos = b.start[:, None] + b.offsets[None]                                   # [1, W]
@@ -336,13 +324,7 @@ class DraftRunner:
         torch.add(length, b.start, out=b.n)
         torch.gather(feats, 1, rows[..., None].expand(-1, -1, feats.shape[-1]), out=b.feats)
         b.feats.masked_fill_((b.offsets[None, :] >= length[:, None])[..., None], 0)  # rows past the path
-        if not self.use_graphs:
-            return self._forward(b)
-        if b.graph is None:
-            b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
-            self.stats.graph_captures += 1
-        b.graph.replay()
-        return b.out
+        return replayed(b, self._forward, self.device, self.pool, self.stats)
 
     def _forward(self, b: _DraftBucket) -> torch.Tensor:
         block_pos = b.n[:, None] + b.offsets                     # [B, Q] the block follows the context

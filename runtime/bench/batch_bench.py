@@ -181,7 +181,7 @@ def main() -> None:
     if args.models:
         models = Path(args.models).expanduser()
         engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device=args.device, dtype=dtype,
-                                     max_running=max(batches), prefill_chunk=4096))
+                                     max_running=max(batches), max_batched_tokens=4096))
         prompts = tiny_prompts(engine, max(batches))
     else:
         import sys
@@ -192,7 +192,7 @@ def main() -> None:
         max_new = (args.rounds + args.warmup + 4) * 17
         engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=16, device=args.device, dtype=dtype,
                                      max_context=args.context + max_new + 64, max_running=max(batches),
-                                     prefill_chunk=args.context * max(batches)),
+                                     max_batched_tokens=args.context * max(batches)),
                         target=target, drafter=drafter)
         g = torch.Generator().manual_seed(1)
         vocab = target.config.vocab_size

@@ -207,7 +207,7 @@ def main() -> None:
     if "share" in parts:
         # each prompt as a chat lays it out: the system prompt, then its own turn, starting with the
         # turn-start token (where a hybrid keeps its prompt state, the point a shared prefix is reused at)
-        engine.turn_token = TURN_START
+        engine.scheduler.turn_token = TURN_START
         system = random_prompt(vocab, args.system, g)
         params = SamplingParams(max_new_tokens=64, ignore_eos=True)
         jobs = [(system + [TURN_START] + random_prompt(vocab, TAIL - 1, g), params) for _ in range(args.requests)]

@@ -106,7 +106,7 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     # sized for the agreement check's ddtree@128 from the start (no pool resize between the cases)
     engine = Engine(EngineConfig(f"random-{shape}-{precision}", None, tree_budget=128, device=str(device),
                                  dtype=args.dtype, max_context=max(contexts + [args.context]) + 64 * 17,
-                                 max_running=running, prefill_chunk=max(contexts + [args.context])),
+                                 max_running=running, max_batched_tokens=max(contexts + [args.context])),
                     target=target, drafter=drafter)
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size

@@ -292,13 +292,13 @@ def run_case(engine: Engine, prompt: list[int], mode: str, budget: int | None, r
         next(gen)
     # uninstrumented: back to back, synchronizing only where the engine does
     sync(dev)
-    t0, waited = time.perf_counter(), engine.readback.waited_s
+    t0, waited = time.perf_counter(), engine.runner.readback.waited_s
     acc = 0
     for _ in range(rounds):
         acc += next(gen).accepted
     sync(dev)
     round_s = (time.perf_counter() - t0) / rounds
-    wait_s = (engine.readback.waited_s - waited) / rounds  # the host blocked on the device's result
+    wait_s = (engine.runner.readback.waited_s - waited) / rounds  # the host blocked on the device's result
     # instrumented: synchronize at every phase boundary
     timer = PhaseTimer(dev)
     engine.phase_hook = timer

@@ -174,10 +174,10 @@ def main() -> None:
     one = torch.ones(1, dtype=torch.long, device=device)
     path_rows = torch.zeros(1, 16, dtype=torch.long, device=device)
     passes = {
-        "ar_step": lambda: engine.runner.run([1], [n_ctx], [None]),
-        f"verify_{tree.size}_nodes": lambda: engine.runner.run([1], [n_ctx], [tree]),
-        "draft": lambda: engine.draft_runner.run(one, one, path_rows, feats, [n_ctx - 1]),
-        "tree_build": lambda: engine.trees.build(draft_logits, args.nodes - 1),
+        "ar_step": lambda: engine.runner.target_runner.run([1], [n_ctx], [None]),
+        f"verify_{tree.size}_nodes": lambda: engine.runner.target_runner.run([1], [n_ctx], [tree]),
+        "draft": lambda: engine.runner.draft_runner.run(one, one, path_rows, feats, [n_ctx - 1]),
+        "tree_build": lambda: engine.runner.trees.build(draft_logits, args.nodes - 1),
     }
     report = {"shape": args.shape, "context": args.context, "passes": {}}
     for name, fn in passes.items():

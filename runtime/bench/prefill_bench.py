@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from gpu_bench import build_models, measure_ceilings, nbytes, sync
 from ddtree_runtime.capacity import PREFILL_PIECE
-from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams, prefilling
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams, scheduler
 from ddtree_runtime.engine.kv_cache import target_cache
 from ddtree_runtime.engine.prefill import prefill
 from ddtree_runtime.model import Qwen35Config
@@ -169,8 +169,8 @@ def serve_with_piece(engine: Engine, prompt: list[int], piece: int, rounds: int,
     """serve_once with prefill pieces of `piece` tokens, and the peak memory above what was allocated
     before (the prefill's activations: what capacity.prefill_workspace_bytes bounds); with `repeat`, a
     second time to first token (the first at a new length may pay allocations)."""
-    shipped = prefilling.PREFILL_PIECE
-    prefilling.PREFILL_PIECE = piece
+    shipped = scheduler.PREFILL_PIECE
+    scheduler.PREFILL_PIECE = piece
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     try:
@@ -182,7 +182,7 @@ def serve_with_piece(engine: Engine, prompt: list[int], piece: int, rounds: int,
     except Exception:  # noqa: BLE001 (the benchmark reports what failed and goes on)
         run = {"error": traceback.format_exc()[-2000:]}
     finally:
-        prefilling.PREFILL_PIECE = shipped
+        scheduler.PREFILL_PIECE = shipped
     return run
 
 

@@ -75,8 +75,9 @@ def drop_cached(engine: Engine, row: int | None = None) -> None:
 # prefix (lookup, page references, the partial page's copy), each prefill pass (`_prefill`:
 # one a turn, a hybrid keeping its turn-start state inside it), the first token's choice,
 # the drafter's first pass (eager), and the rest of the step.
-PHASES = {"_place": "place", "_prefill": "prefill", "_first_token": "first_token",
-          "_draft_prompt": "first_draft"}
+# (the engine's part, its method): the phase's name
+PHASES = {("scheduler", "_place"): "place", ("runner", "_prefill"): "prefill",
+          ("runner", "_first_token"): "first_token", ("runner", "_draft_prompt"): "first_draft"}
 
 
 class PhaseTimes:
@@ -84,8 +85,9 @@ class PhaseTimes:
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.times, self._stack = engine, {}, []
-        for method in PHASES:
-            setattr(engine, method, self._timed(method, getattr(engine, method)))
+        for part, method in PHASES:
+            owner = getattr(engine, part)
+            setattr(owner, method, self._timed((part, method), getattr(owner, method)))
 
     def _timed(self, method: str, fn):
         def run(*args, **kw):
@@ -131,15 +133,15 @@ def conversation(vocab: int, turn: int, context: int, new: int, answer: int, g: 
 def measure(engine: Engine, conv: dict, answer: int, report: dict, save, phases: PhaseTimes) -> None:
     """Turn 1, then each turn-2 form reused (turn 1's sequence stays cached in row 1: the request is
     admitted to row 0, so the prefix is copied over, the dearer of the two ways), then without reuse."""
-    turn = engine.turn_token
+    turn = engine.scheduler.turn_token
     p1 = conv["prompt1"]
 
     def turn1_ttft() -> float:
         drop_cached(engine)
         return first_token_s(engine, p1)[0]
-    engine.turn_token = None  # no prompt state kept: the prefill in one piece
+    engine.scheduler.turn_token = None  # no prompt state kept: the prefill in one piece
     report["turn1_ttft_s_one_piece"] = min(turn1_ttft() for _ in range(REPEATS))
-    engine.turn_token = turn
+    engine.scheduler.turn_token = turn
     report["turn1_ttft_s"] = min(turn1_ttft() for _ in range(REPEATS))
     phases.take()
     turn1_ttft()
@@ -213,11 +215,11 @@ def main() -> None:
                                          dtype=args.dtype, max_context=args.context + 1024, max_running=2),
                             target=target, drafter=drafter)
             vocab = target.config.vocab_size
-            engine.turn_token = vocab - 2  # stands for <|im_start|> (random weights have no tokenizer)
+            engine.scheduler.turn_token = vocab - 2  # stands for <|im_start|> (random weights have no tokenizer)
             warm = torch.randint(0, vocab - 2, (1500,), generator=g).tolist()
             first_token_s(engine, warm, 40)                                # compiles, autotuning, graphs
             first_token_s(engine, warm[:1000] + warm[:300], 4)             # a reused prefill too
-            conv = conversation(vocab, engine.turn_token, args.context, args.new, args.answer, g)
+            conv = conversation(vocab, engine.scheduler.turn_token, args.context, args.new, args.answer, g)
             measure(engine, conv, args.answer, rows, save, PhaseTimes(engine))
         except Exception:  # noqa: BLE001 (the benchmark reports what failed and goes on)
             rows["error"] = traceback.format_exc()[-3000:]

@@ -47,6 +47,7 @@ class Setting:
     engine: bool = False                # an EngineConfig field: the server hands it to the engine
     profile: bool = False               # a deploy profile may set it under `serve:` (same name)
     flag_name: str | None = None        # the flag, when not --NAME-WITH-DASHES
+    aliases: tuple[str, ...] = ()       # older flags that still set it
     metavar: str | None = None
     default_words: str | None = None    # the default in --help, where the value alone does not say it
 
@@ -136,8 +137,12 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             engine=True, metavar="N"),
     Setting("kv_pool_tokens", int, None, "the KV pool's size in tokens, fixed", minimum=1, engine=True, metavar="N",
             default_words="as many as --mem-fraction of the free memory holds"),
-    Setting("prefill_chunk", int, 512, "prompt tokens prefilled per step, so running requests keep decoding",
-            minimum=1, engine=True, metavar="N"),
+    # vLLM's max_num_batched_tokens, SGLang's chunked_prefill_size; 8192 until the H200 burst bench
+    # (runtime/bench/burst_bench.py) decides it, docs/performance.md
+    Setting("max_batched_tokens", int, 8192, "tokens one step computes: the running requests' rounds first, "
+            "prompt pieces of waiting requests in the rest, so a long prompt stalls the running ones for at "
+            "most one step of this many tokens", minimum=1, engine=True, metavar="N",
+            aliases=("--prefill-chunk",)),
     Setting("round_nodes", int, None, "adaptive tree budget: tree nodes verified per round over all running "
             "requests, shared between them", minimum=1, engine=True, metavar="N",
             default_words="off, each request's own budget"),
@@ -194,7 +199,7 @@ def add_arguments(parser, settings: tuple[Setting, ...] = SERVE_SETTINGS) -> Non
                 kwargs["default"] = "{}" if s.type is dict else s.default
             if s.choices is not None:
                 kwargs.update(choices=s.choices, metavar=None)
-        parser.add_argument(s.flag, **kwargs)
+        parser.add_argument(s.flag, *s.aliases, **kwargs)
 
 
 def problems(values: dict[str, Any], settings: tuple[Setting, ...] = SERVE_SETTINGS) -> list[str]:

@@ -75,7 +75,7 @@ def test_pool_pages_come_from_free_memory(tiny_models, monkeypatch):
     monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: 2 * (prefill + page * 100))
     eng = Engine(config)
     assert eng.pages.num_pages == 100 and eng.capacity()["tokens"] == 100 * eng.page_size
-    assert eng.slots == 8 and eng.target_cache.slots == 8 and eng.draft_cache.slots == 8
+    assert eng.slots == 8 and eng.runner.target_cache.slots == 8 and eng.runner.draft_cache.slots == 8
     one = probe.needed_bytes(256)
     monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: one - 1)
     with pytest.raises(ValueError, match="GiB for the caches and a prefill's activations, but .* GiB of cpu is free"):
@@ -89,8 +89,8 @@ def _request(i: int) -> RequestState:
 
 def _scheduler(slots: int, max_queue: int = 16) -> Scheduler:
     """A scheduler whose pool takes any request (no engine behind it)."""
-    s = Scheduler(slots, max_queue, pool=None, stats=BatchStats(), resize=None, has_drafter=False)
-    s.admissible = lambda req: True
+    s = Scheduler(slots, max_queue, pool=None, stats=BatchStats())
+    s.admissible = lambda req, batch=None: True
     return s
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddtree_runtime.engine.rounds as rounds_module
+import ddtree_runtime.engine.model_runner as rounds_module
 from ddtree_runtime.engine import modes
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.tree import Walk
@@ -29,7 +29,7 @@ def models(request):
 def engine(models) -> Engine:
     # a small prefill chunk: the plain-text prompts below take several steps to prefill
     return Engine(EngineConfig(str(models / "target"), str(models / "draft"), tree_budget=32, max_running=6,
-                               prefill_chunk=16))
+                               max_batched_tokens=16))
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
     at depth 3 and grows on below it (k/v and, on the hybrid, recurrent states of nodes then
     rejected) while neighbours share the pass. Output must not change."""
     swapped_depth = 3
-    original_build, original_walk = engine.trees.build, rounds_module.walk
+    original_build, original_walk = engine.runner.trees.build, rounds_module.walk
     diverged_then_continued = 0
 
     def build(draft_logits, budget):  # the requests of one budget, built together
@@ -215,7 +215,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind_with_neighbours(engine, pr
                 diverged_then_continued += 1
         return result
 
-    monkeypatch.setattr(engine.trees, "build", build)
+    monkeypatch.setattr(engine.runner.trees, "build", build)
     monkeypatch.setattr(rounds_module, "walk", walk)
     deep = SamplingParams(max_new_tokens=MAX_NEW, mode="ddtree", tree_budget=32)
     # two batchings of the same requests: some arriving later, then all at once

@@ -18,7 +18,7 @@ MODES = [("ddtree", 16), ("ar", None), ("dflash", None), ("ddtree", 4)]
 def engine(request) -> Engine:
     models = request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
     return Engine(EngineConfig(str(models / "target"), str(models / "draft"), tree_budget=16, max_running=8,
-                               prefill_chunk=64))
+                               max_batched_tokens=64))
 
 
 @pytest.fixture(scope="module")

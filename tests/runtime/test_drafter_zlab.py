@@ -326,7 +326,7 @@ def test_prefix_reuse_through_the_rings_equals_zlab(tiny_models, tmp_path, targe
     draft = drafter_dir(tiny_models, tmp_path, 16)
     model = zlab(draft)
     engine = engine_for(tiny_models, draft, max_running=2, page_size=16, prefix_cache=True)
-    assert engine.draft_cache.ring_size == 64 and engine.draft_cache.paged.k.shape[0] == 1
+    assert engine.runner.draft_cache.ring_size == 64 and engine.runner.draft_cache.paged.k.shape[0] == 1
     first = prompts[3]                                         # 140 tokens, and 48 more: the ring wraps
     out = runtime_rounds(engine, first)[0]
     for follow, reused in [(first + out + prompts[0][:5], len(first) + MAX_NEW - 1),   # its end's ring

@@ -86,10 +86,10 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
     branch now goes wrong at depth 3 and grows on below it (k/v, on the hybrid recurrent states, for
     nodes that are then rejected), while the target's token sits in the sibling branch. Output must
     not change, however often that happens."""
-    import ddtree_runtime.engine.rounds as rounds_module
+    import ddtree_runtime.engine.model_runner as rounds_module
 
     swapped_depth = 3
-    original_build, original_walk = engine.trees.build, rounds_module.walk
+    original_build, original_walk = engine.runner.trees.build, rounds_module.walk
     diverged_then_continued = 0
 
     def build(draft_logits, budget):  # a lone request's draft: a batch of one
@@ -113,7 +113,7 @@ def test_a_branch_rejected_deep_leaves_nothing_behind(engine, prompts, reference
             diverged_then_continued += 1
         return result
 
-    monkeypatch.setattr(engine.trees, "build", build)
+    monkeypatch.setattr(engine.runner.trees, "build", build)
     monkeypatch.setattr(rounds_module, "walk", walk)
     for i, (p, ref) in enumerate(zip(prompts, reference)):
         assert run(engine, p, mode="ddtree", tree_budget=32)[0] == ref, f"prompt {i} diverged"

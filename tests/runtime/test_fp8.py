@@ -235,7 +235,7 @@ def test_seeded_sampling_in_fp8_is_the_same_alone_batched_and_after_a_cached_pre
     """With --quantize fp8, a seed gives one text whatever runs beside it (a prefill chunked by 16 beside
     another request's decode) and whether its prompt's prefix was cached or not."""
     engine = Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), quantization="fp8", max_running=4,
-                                 prefill_chunk=16))
+                                 max_batched_tokens=16))
     requests = [(prompts[i], SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=100 + i,
                                             mode=("ar", "ddtree", "dflash")[i % 3], logprobs=1)) for i in range(4)]
     cold = [list(engine.generate(p, q)) for p, q in requests]                   # each prompt new to the cache

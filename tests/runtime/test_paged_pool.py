@@ -109,7 +109,7 @@ def test_page_boundaries_give_transformers_greedy(models):
     """Prompts of a page size -1, +0, +1 (and two pages +-1), trees of 17 nodes crossing pages every
     round: transformers' greedy tokens; a row never holds more pages than its context and one round
     need (a rejected branch's fresh page is written over next round, not kept), and once every request
-    is done the pool holds only the cached sequences' own lengths."""
+    is done the pool holds only the cached sequences' own lengths (pages they share counted once)."""
     from transformers import AutoModelForCausalLM
 
     engine = make(models, max_running=3)
@@ -131,15 +131,16 @@ def test_page_boundaries_give_transformers_greedy(models):
             assert len(e.page_table.pages[r.slot]) <= -(-(r.n_ctx + reserve) // PAGE)
 
     assert serve(engine, jobs, watch) == want
-    cached = sum(-(-seq.end // PAGE) for seq in engine.prefix.by_row.values())
-    assert engine.pages.used_pages == cached
+    held = [engine.page_table.pages[seq.row] for seq in engine.prefix.by_row.values()]
+    assert [len(pages) for pages in held] == [-(-seq.end // PAGE) for seq in engine.prefix.by_row.values()]
+    assert engine.pages.used_pages == len({p for pages in held for p in pages})  # shared prefix pages once
 
 
 def test_a_paged_row_holds_what_an_unpaged_prefill_leaves(models):
     """A prompt prefilled in 8-token chunks beside a running request (each chunk attending over the
     earlier ones through the block table): its row holds, to 1e-5, what one prefill into a contiguous
     cache leaves (the target's KV; a hybrid's recurrent state and conv tail)."""
-    engine = make(models, max_running=2, prefill_chunk=PAGE)
+    engine = make(models, max_running=2, max_batched_tokens=PAGE)
     prompt = (mixed_prompts(engine.tokenizer, 1, 17, 0, 0, cut=1)[0] * 3)[:45]
     engine.submit(prompt[:5], SamplingParams(max_new_tokens=200, mode="ar", ignore_eos=True))
     engine.step()
@@ -151,13 +152,13 @@ def test_a_paged_row_holds_what_an_unpaged_prefill_leaves(models):
     cache = target_cache(engine.target.config, 512, "cpu", torch.float32)
     with torch.inference_mode():
         prefill(engine.target, torch.tensor([prompt]), cache)
-    got = engine.target_cache.held(req.slot, len(prompt))
+    got = engine.runner.target_cache.held(req.slot, len(prompt))
     n = len(prompt)
     torch.testing.assert_close(got[0], cache.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got[1], cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
     if hasattr(cache, "state"):
-        torch.testing.assert_close(engine.target_cache.state[:, req.slot], cache.state[:, 0], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(engine.target_cache.conv[:, req.slot], cache.conv[:, 0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(engine.runner.target_cache.state[:, req.slot], cache.state[:, 0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(engine.runner.target_cache.conv[:, req.slot], cache.conv[:, 0], atol=1e-5, rtol=1e-4)
 
 
 def test_a_request_the_pool_can_never_hold_is_refused_at_submit(tiny_models):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.engine import prefilling
+from ddtree_runtime.engine import scheduler
 from ddtree_runtime.engine.kv_cache import HybridCache, KVCache, target_cache
 from ddtree_runtime.engine.prefill import prefill
 from ddtree_runtime.model import load_target
@@ -54,7 +54,7 @@ def test_engine_tokens_are_the_same_with_pieces(pair, monkeypatch):
     def tokens(prompt: list[int], mode: str) -> list[int]:
         return [t for out in engine.generate(prompt, params(mode)) for t in out.token_ids]
     whole = {mode: tokens(prompts[0], mode) for mode in modes}
-    monkeypatch.setattr(prefilling, "PREFILL_PIECE", 50)  # the engine's prefill steps go 50 tokens a forward
+    monkeypatch.setattr(scheduler, "PREFILL_PIECE", 50)  # the engine's prefill steps go 50 tokens a forward
     assert {mode: tokens(prompts[0], mode) for mode in modes} == whole
     assert whole["ar"] == whole["ddtree"] == whole["dflash"] and len(whole["ar"]) == 24
     alone = [tokens(prompt, mode) for prompt, mode in zip(prompts, modes)]
@@ -94,7 +94,7 @@ def test_draft_context_in_pieces_equals_the_whole_prompt_pass(pair, monkeypatch,
         from ddtree_devtools.tiny import relaid_drafter
         draft = relaid_drafter(draft, tmp_path / "draft", 48)
     engine = Engine(EngineConfig(str(pair / "target"), str(draft), max_context=512, prefix_cache=reuse))
-    monkeypatch.setattr(prefilling, "PREFILL_PIECE", 50)
+    monkeypatch.setattr(scheduler, "PREFILL_PIECE", 50)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (130, 30, 45)]
     if reuse:
@@ -112,14 +112,14 @@ def test_draft_context_in_pieces_equals_the_whole_prompt_pass(pair, monkeypatch,
         if reuse and engine.arch == "qwen3":
             assert reqs[0].reused > 0
         for req, prompt, mode in zip(reqs, prompts, modes):
-            held = engine.draft_cache.held(req.slot, len(prompt))
+            held = engine.runner.draft_cache.held(req.slot, len(prompt))
             if mode == "ar":
                 assert all(not t.any() for t in held)
                 continue
             want = whole_prompt_draft_kv(engine, prompt)
             for layer in range(engine.drafter.config.num_hidden_layers):
-                if engine.draft_cache.windowed(layer):  # before the window: not kept
+                if engine.runner.draft_cache.windowed(layer):  # before the window: not kept
                     for t in want:
-                        t[layer, :, :max(0, len(prompt) - engine.draft_cache.reach)] = 0
+                        t[layer, :, :max(0, len(prompt) - engine.runner.draft_cache.reach)] = 0
             for got, w in zip(held, want):
                 assert torch.allclose(got, w, atol=atol), (got - w).abs().max()

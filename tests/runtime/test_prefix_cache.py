@@ -46,12 +46,12 @@ def row_cache(engine: Engine, request_id: int) -> list[torch.Tensor]:
     conv tail) and the drafter's KV."""
     req = engine.scheduler.find(request_id)
     row, n = req.slot, req.n_ctx
-    c = engine.target_cache
+    c = engine.runner.target_cache
     held = [*c.held(row, n)]  # through the row's block table
     if hasattr(c, "state"):  # a hybrid target
         held += [c.state[:, row], c.conv[:, row]]
     if req.mode.drafts:
-        held += [*engine.draft_cache.held(row, n)]
+        held += [*engine.runner.draft_cache.held(row, n)]
     return [t.clone() for t in held]
 
 
@@ -112,7 +112,7 @@ def test_two_turn_conversation_same_tokens_with_reuse(models, plain, mode):
     # a state); the continuation reuses the first turn's whole sequence but its last token (whose KV was
     # never computed)
     first = chat(engine, turns[0])
-    turn_start = snapshot_point(first, engine.turn_token, 0)
+    turn_start = snapshot_point(first, engine.scheduler.turn_token, 0)
     assert 0 < turn_start < len(first)
     assert tokens_saved >= turn_start + len(first) + len(answers[True][0]) - 1
 
@@ -146,7 +146,7 @@ def test_sliding_drafter_same_rounds_with_reuse(models, tmp_path, mode):
         run(first + a1 + eng.tokenizer.encode("\nAnd?\n", add_special_tokens=False)[:5])
         runs.append(rounds)
     assert runs[0] == runs[1]
-    assert saved(engines[1])[1] == 2 and engines[1].draft_cache.ring_size == 64
+    assert saved(engines[1])[1] == 2 and engines[1].runner.draft_cache.ring_size == 64
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
@@ -260,11 +260,11 @@ def test_snapshots_are_sized_into_the_pool(tiny_hybrid_models):
     """A hybrid pool with reuse keeps a second state per row (and says so in its size)."""
     on = make_engine(tiny_hybrid_models, max_running=2)
     off = make_engine(tiny_hybrid_models, prefix_cache=False, max_running=2)
-    size = lambda e: sum(t.numel() * t.element_size() for t in e.target_cache._per_slot())  # noqa: E731
-    state = on.target_cache.state
-    assert size(on) - size(off) == state.numel() * state.element_size() + on.target_cache.conv.numel() * \
-        on.target_cache.conv.element_size()
-    assert torch.equal(on.target_cache.snap_state, torch.zeros_like(state))
+    size = lambda e: sum(t.numel() * t.element_size() for t in e.runner.target_cache._per_slot())  # noqa: E731
+    state = on.runner.target_cache.state
+    assert size(on) - size(off) == state.numel() * state.element_size() + on.runner.target_cache.conv.numel() * \
+        on.runner.target_cache.conv.element_size()
+    assert torch.equal(on.runner.target_cache.snap_state, torch.zeros_like(state))
 
 
 def test_hybrid_keeps_its_turn_start_state_within_one_pass(tiny_hybrid_models):
@@ -275,12 +275,12 @@ def test_hybrid_keeps_its_turn_start_state_within_one_pass(tiny_hybrid_models):
     question, follow = heldout_questions(2, seed=31)
     prompt = chat(engine, [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."},
                            {"role": "user", "content": follow}])
-    turn_start = snapshot_point(prompt, engine.turn_token, 0)
+    turn_start = snapshot_point(prompt, engine.scheduler.turn_token, 0)
     assert 0 < turn_start < len(prompt)
     rid = engine.submit(prompt, SamplingParams(max_new_tokens=MAX_NEW, mode="ar"))
     engine.step()
     assert engine.stats.prefill_passes == 1 and engine.stats.prefill_tokens == len(prompt)
-    row, c = engine.scheduler.find(rid).slot, engine.target_cache
+    row, c = engine.scheduler.find(rid).slot, engine.runner.target_cache
     *_, state, conv = prefilled_cache(plain, prompt[:turn_start], "ar")
     assert_same_cache([c.snap_state[:, row], c.snap_conv[:, row]], [state, conv])
     assert not torch.allclose(c.snap_state[:, row], c.state[:, row])  # the live state went on past it

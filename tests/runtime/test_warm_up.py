@@ -46,8 +46,8 @@ def test_warm_up_leaves_the_pool_and_counters_as_they_were_and_outputs_unchanged
 def test_warm_up_runs_its_batch_sizes_and_refuses_a_busy_engine(models):
     engine = make(models)
     sizes = []
-    original = engine._round
-    engine._round = lambda reqs: sizes.append(len(reqs)) or original(reqs)
+    original = engine.runner._round
+    engine.runner._round = lambda reqs, budgets: sizes.append(len(reqs)) or original(reqs, budgets)
     assert engine.warm_up().batches == (1,)  # the CPU's default: nothing to compile or capture
     assert engine.warm_up([4, 2]).requests == 6
     assert sizes == [1, 4, 2]

@@ -22,7 +22,7 @@ MODES = ("ar", "dflash", "ddtree")
 
 def config(pair: Path, world: int, quantization: str = "none") -> EngineConfig:
     return EngineConfig(str(pair / "target"), str(pair / "draft"), device="cpu", dtype="float32", tree_budget=16,
-                        max_running=4, prefill_chunk=16, tensor_parallel=world, quantization=quantization)
+                        max_running=4, max_batched_tokens=16, tensor_parallel=world, quantization=quantization)
 
 
 def fp8_case(engine) -> list[int]:

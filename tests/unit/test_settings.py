@@ -32,7 +32,7 @@ def defaults(config_class) -> dict:
 def test_every_setting_is_a_flag_with_its_default_and_a_field_of_both_configs():
     parser = build_parser()
     text = " ".join(parser.format_help().split())
-    assert parse_help(parser.format_help()) - {"--help"} == {s.flag for s in settings.SERVE_SETTINGS}
+    assert parse_help(parser.format_help()) - {"--help"} == {f for s in settings.SERVE_SETTINGS for f in (s.flag, *s.aliases)}
     parsed = vars(parser.parse_args(["--target", "t"]))
     server = defaults(ServerConfig)
     for s in settings.SERVE_SETTINGS:

@@ -1,11 +1,13 @@
-"""The DDTree engine: the step loop over its parts.
+"""The DDTree engine: schedule -> run -> postprocess, over three parts.
 
-A `step` is: the scheduler reserves the pages each running request's round may write (preempting
-the newest when the pool runs out, scheduler.py); prefill up to a chunk of prompt tokens, admitting
-queued requests while their prompt and a first round fit (prefilling.py, placing each at its longest
-cached prefix: placement.py); then one round for every request already decoding: draft -> tree ->
-verify -> accept and commit, one target pass and one drafter pass for all of them, a lone request
-being a batch of one (rounds.py). The speculative modes are objects (modes.py).
+`Scheduler` (scheduler.py) owns the requests and the KV pool's pages: each step it reserves the running
+requests' round pages (preempting the newest when the pool runs out), gives the step's token budget to
+their rounds first and fills the rest with prompt pieces (admitting queued requests where a row is free
+and the pool holds them, each placed at its longest cached prefix), and afterwards appends the tokens,
+finishes requests and frees their rows. `ModelRunner` (model_runner.py) owns the device: the models, the
+caches, the graphed passes, the prompt passes and the round (draft -> tree -> verify -> accept and
+commit, one target pass and one drafter pass for every request decoding), and re-sizing the pool. The
+speculative modes are objects (modes.py).
 
 Memory: a KV pool of fixed-size pages counted in tokens (block_manager.py, pool.py), sized once at
 start-up from free memory by capacity.py's arithmetic (memory.py), holding the target's and the
@@ -14,10 +16,10 @@ A hybrid target's recurrent state is one slot per row, apart from the pages. A p
 gives its pages back and is recomputed later from its tokens, so its output does not change; a
 request that leaves keeps its pages as a cached sequence that later prompts share (prefix_cache.py).
 
-This file holds what ties them together: loading and checking the models, sizing the pool and its
-re-size for bigger trees, and the public API (submit, cancel, step, generate, capacity, warm_up). What
-the server calls of it, what it publishes (`info`: its names and the limits a request is checked
-against, once, by `RequestLimits.check`) and the refusal it raises are engine/api.py's."""
+This file loads and checks the models, sizes the pool, builds the parts, and holds the public API
+(submit, cancel, step, generate, capacity, warm_up). What the server calls of it, what it publishes
+(`info`: its names and the limits a request is checked against, once, by `RequestLimits.check`) and
+the refusal it raises are engine/api.py's."""
 
 from __future__ import annotations
 
@@ -41,19 +43,13 @@ from . import memory
 from .api import EngineInfo, RequestLimits
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
-from .graphs import HostRead
-from .draft_cache import DraftCache
-from .kv_cache import KVCache, target_cache
 from .memory import PoolSizing, shape_of
+from .model_runner import ModelRunner
 from .modes import mode_named
-from .placement import Placement
 from .pool import KVPool
-from .prefilling import Prefilling
 from .prefix_cache import PrefixCache
-from .rounds import Rounds
-from .runner import KV_BUCKET, DraftRunner, TargetRunner, batch_bucket, tree_bucket
+from .runner import batch_bucket
 from .scheduler import Scheduler
-from .tree import TreeBuilder, Walk
 from .types import BatchStats, EngineConfig, RequestState, RoundOutput, SamplingParams, WarmUp
 
 log = logging.getLogger(__name__)
@@ -81,7 +77,7 @@ def _turn_token(tokenizer) -> int | None:
     return token if isinstance(token, int) and token != tokenizer.unk_token_id else None
 
 
-class Engine(Placement, Prefilling, Rounds):
+class Engine:
     def __init__(self, config: EngineConfig, *, target: Qwen3ForCausalLM | None = None,
                  drafter: DFlashDrafter | None = None, tokenizer=None) -> None:
         """Load the models named by `config`, or take ready ones (the GPU benchmark builds randomly
@@ -98,8 +94,8 @@ class Engine(Placement, Prefilling, Rounds):
             raise ValueError(f"mode {config.mode!r} needs a draft_dir")
         if not MIN_TREE_BUDGET <= config.tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}]")
-        if config.max_running < 1 or config.prefill_chunk < 1 or not 0 < config.mem_fraction <= 1:
-            raise ValueError("need max_running >= 1, prefill_chunk >= 1 and 0 < mem_fraction <= 1")
+        if config.max_running < 1 or config.max_batched_tokens < 1 or not 0 < config.mem_fraction <= 1:
+            raise ValueError("need max_running >= 1, max_batched_tokens >= 1 and 0 < mem_fraction <= 1")
         if config.round_nodes is not None and config.round_nodes < 1:
             raise ValueError("round_nodes must be >= 1 (or None: fixed tree budgets)")
         if config.prefix_cache_rows < 0:
@@ -115,10 +111,6 @@ class Engine(Placement, Prefilling, Rounds):
         self.tokenizer = AutoTokenizer.from_pretrained(config.target_dir) if target is None else tokenizer
         self.model_name = Path(config.target_dir).resolve().name
         self.draft_name = Path(config.draft_dir).resolve().name if config.draft_dir else None
-        # phase_hook(name) is called as each phase of a step starts ("prefill" when it admits or
-        # prefills, then the round's "draft", "tree", "verify", "commit", "step" for AR) and with "end"
-        # after it: the benchmarks' instrumented modes time phases with it; None (the default) costs nothing
-        self.phase_hook = None
 
         tp = parallel.current()  # this process's ranks (engine/distributed.py), None serving alone
         if config.tensor_parallel != (1 if tp is None else tp.world):
@@ -136,7 +128,7 @@ class Engine(Placement, Prefilling, Rounds):
         self.eos_ids = _eos_ids(self.tokenizer, config.target_dir)
 
         self.drafter: DFlashDrafter | None = drafter
-        self.block_size = 1
+        self.block_size, self.mask_token_id = 1, None
         if config.draft_dir and drafter is None:
             self.drafter = load_drafter(config.draft_dir, config.device, config.dtype,
                                         config.quantization if config.quantize_drafter else "none")
@@ -150,8 +142,8 @@ class Engine(Placement, Prefilling, Rounds):
                 raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
-        if self.fp8_gemm:  # probed up to the largest pass: a prefill chunk, or every request's biggest tree
-            rows = max(config.prefill_chunk, config.max_running * (MAX_TREE_BUDGET + 1))
+        if self.fp8_gemm:  # probed up to the largest pass: a step's tokens, or every request's biggest tree
+            rows = max(config.max_batched_tokens, config.max_running * (MAX_TREE_BUDGET + 1))
             dtype = self.target.lm_head.weight.dtype
             shapes = {**choose_gemms(self.target, self.device, dtype, rows),
                       **(choose_gemms(self.drafter, self.device, dtype, rows) if self.drafter is not None else {})}
@@ -160,7 +152,6 @@ class Engine(Placement, Prefilling, Rounds):
         tree_slots = max(config.tree_budget, self.block_size) + 1
         # finished requests' rows kept for prefix reuse; a hybrid reuses only where a state was kept
         self.prefix = PrefixCache(snapshots_only=self.arch == "qwen3_5") if config.prefix_cache else None
-        self.turn_token = _turn_token(self.tokenizer)  # where a hybrid's prompt state is kept (prefix_cache.py)
         self.page_size = config.page_size
         # sized with both models' weights in place, before any cache: the context one request can have,
         # then the rows (max_running, and those that only hold cached sequences), then the pages
@@ -187,25 +178,13 @@ class Engine(Placement, Prefilling, Rounds):
         width = -(-self.sizing.row_capacity(self.max_context) // self.page_size)
         self.page_table = PageTable(self.pages, self.rows, width, self.device)
         self.pool = KVPool(self.pages, self.page_table, self.prefix, self.sizing, self.max_context)
-        if self.drafter is not None:
-            # full layers in the pages, sliding ones in rings past which pad writes go (draft_cache.py)
-            self.draft_cache = DraftCache(self.drafter.config, self.block_size, self.page_table,
-                                          self.page_table.capacity - KV_BUCKET, self.device,
-                                          self.target.lm_head.weight.dtype, snapshots=self.prefix is not None)
-            self.pool.attach_drafter(self.draft_cache)
-            self.draft_runner = DraftRunner(self.target, self.drafter, self.draft_cache, self.block_size,
-                                            self.mask_token_id, self.device, self.stats)
-        self.target_cache: KVCache | None = None
-        self.runner: TargetRunner | None = None
-        self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
-        self._alloc_target_cache(tree_slots)
-        self.trees = TreeBuilder(self.device)
-        self.readback = HostRead(self.slots * Walk.size(self.block_size - 1), self.device)  # the round's one read
-        # an AR step's accepted path in each row: its root alone (what a hybrid's state advances along)
-        self.root_paths = torch.zeros(self.slots, 1, dtype=torch.long, device=self.device)
-        self.root_lengths = torch.ones(self.slots, dtype=torch.long, device=self.device)
-        self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats, self._alloc_target_cache,
-                                   has_drafter=self.drafter is not None)
+        self.runner = ModelRunner(self.target, self.drafter, self.pool, slots=self.slots, block_size=self.block_size,
+                                  mask_token_id=self.mask_token_id, device=self.device,
+                                  stats=self.stats, tree_slots=tree_slots)
+        self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats,
+                                   step_tokens=config.max_batched_tokens, round_nodes=config.round_nodes,
+                                   groups=self.arch == "qwen3", has_drafter=self.drafter is not None,
+                                   turn_token=_turn_token(self.tokenizer))
         self._next_id = 0
         limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
                                config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)
@@ -236,42 +215,20 @@ class Engine(Placement, Prefilling, Rounds):
 
     @property
     def can_serve(self) -> bool:
-        """False only if a re-allocation failed after the old pool was dropped and the old one could
-        not be put back (the server's /health reports it). While the pool is being re-sized it has no
-        cache for a moment, and can serve all the same: requests wait in the scheduler's queue."""
-        return self._resizing or (self.target_cache is not None and self.runner is not None)
+        """False only if a re-size failed after the old pool was dropped and the old one could not be
+        put back (the server's /health reports it)."""
+        return self.runner.can_serve
 
-    def _alloc_target_cache(self, tree_slots: int) -> None:
-        """Size the target pool (self.rows rows) for the context and a tree of tree_slots nodes;
-        ValueError when the device cannot hold it, raised before anything is dropped, so a request
-        refused for one leaves the engine exactly as it was (but for the cached sequences: a new pool
-        starts empty)."""
-        previous = self.pool.target_slots
-        if previous:
-            self._check_resize(tree_slots)
-        if self.prefix is not None:
-            self.prefix.clear()
-        self.page_table.reset()  # idle: only cached sequences held pages
-        # drop the old cache and the graphs captured over it (and their memory pool) before sizing anew
-        self._resizing = True
-        self.target_cache = self.runner = None
-        self.pool.target_slots = 0
-        try:
-            self._build_target_cache(tree_slots)
-        except BaseException:
-            if previous:  # put back what served before (if this fails too, can_serve stays False)
-                self._build_target_cache(previous)
-            raise
-        finally:
-            self._resizing = False
+    @property
+    def phase_hook(self):
+        """Called with each phase's name as a step's phases start ("prefill", the round's "tree",
+        "verify", "draft", "commit") and with "end" after them: the benchmarks time phases with it;
+        None (the default) costs nothing."""
+        return self.runner.phase_hook
 
-    def _build_target_cache(self, tree_slots: int) -> None:
-        cfg, dtype = self.target.config, self.target.lm_head.weight.dtype
-        self.target_cache = target_cache(cfg, 0, self.device, dtype, nodes=tree_bucket(tree_slots),
-                                         snapshots=self.prefix is not None, table=self.page_table)
-        self.pool.target_cache = self.target_cache
-        self.runner = TargetRunner(self.target, self.target_cache, self.device, self.block_size - 1, self.stats)
-        self.pool.target_slots = tree_slots
+    @phase_hook.setter
+    def phase_hook(self, hook) -> None:
+        self.runner.phase_hook = hook
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -289,7 +246,7 @@ class Engine(Placement, Prefilling, Rounds):
         inference tensors.)"""
         req = self.scheduler.find(request_id)
         if req is not None:
-            self._release(req)
+            self.scheduler.release(req)
 
     @property
     def has_work(self) -> bool:
@@ -313,30 +270,13 @@ class Engine(Placement, Prefilling, Rounds):
 
     @torch.inference_mode()
     def step(self) -> list[tuple[int, RoundOutput]]:
-        """One step: prefill up to prefill_chunk prompt tokens (admitting queued requests while slots
-        are free), then one round for every request that was already decoding. Returns (request id,
-        output) for each request that produced tokens; a finished request has left the engine."""
-        self.scheduler.reserve_round()
-        if self.phase_hook is not None and (self.scheduler.waiting or self.scheduler.prefilling is not None):
-            self.phase_hook("prefill")  # closed by the round's first phase (or "end" below)
-        outputs, joined = self._prefill_step()
-        decoding = self.scheduler.decoding(joined)  # rows 0..B-1: the batch is a prefix of the pool
-        rounds = self._round(decoding) if decoding else []
-        self.stats.rounds += bool(rounds)
-        if not rounds:
-            self._phase("end")
-        for req, (tokens, accepted, logprobs) in zip(decoding, rounds):
-            req.produced += tokens
-            req.rounds += 1
-            req.accepted_total += accepted
-            outputs.append((req.id, self._emit(req, tokens, accepted, logprobs)))
-        for request_id, out in outputs:
-            if out.finished:
-                self.cancel(request_id)
-        self.stats.running = len(self.scheduler.running)
-        self.stats.waiting = len(self.scheduler.waiting)
-        self.stats.pages_used, self.stats.pages_shared = self.pages.used_pages, self.pages.shared_pages
-        return outputs
+        """One step: the scheduler decides it (the running requests' rounds first in the token budget,
+        prompt pieces in the rest, admitting queued requests while rows are free), the runner computes
+        it, and the scheduler takes its tokens back (finished requests leave). Returns (request id,
+        output) for each request that produced tokens."""
+        batch = self.scheduler.schedule()
+        result = self.runner.run(batch)
+        return self.scheduler.postprocess(batch, result)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
         """One request on an idle engine: validate now (ValueError), then return a generator of its
@@ -372,8 +312,8 @@ class Engine(Placement, Prefilling, Rounds):
             buckets = {batch_bucket(n, self.slots) for n in range(1, self.slots + 1)}
             batches = sorted(buckets, reverse=True) if self.runner.use_graphs else [1]
         started, kept = time.perf_counter(), dataclasses.replace(self.stats)
-        prefix, hook = self.prefix, self.phase_hook
-        self.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
+        prefix, hook = self.scheduler.prefix, self.phase_hook
+        self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
         vocab, ids = self.target.config.vocab_size, []
         try:
             for n in batches:
@@ -389,7 +329,7 @@ class Engine(Placement, Prefilling, Rounds):
         finally:
             for request_id in ids:
                 self.cancel(request_id)  # a no-op for those that finished
-            self.prefix, self.phase_hook = prefix, hook
+            self.scheduler.prefix, self.phase_hook = prefix, hook
             captures = self.stats.graph_captures - kept.graph_captures
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
@@ -421,16 +361,6 @@ class Engine(Placement, Prefilling, Rounds):
         if not self.pool.holds(tree_slots):
             # a bigger tree than the pool was sized for: the pool is re-sized when the engine is idle,
             # so refuse now if even that could not hold it
-            self._check_resize(tree_slots)
+            self.runner.check_resize(tree_slots)
         self._next_id += 1
         return req
-
-    def _check_resize(self, tree_slots: int) -> None:
-        """ValueError unless a target cache of the same pages and rows for trees of tree_slots nodes
-        fits in what is free once the current one is given back."""
-        current = sum(t.numel() * t.element_size() for t in self.target_cache._per_slot())
-        need = (self.sizing.target_page_bytes() * (self.pages.num_pages + 1)
-                + self.rows * self.sizing.row_bytes(tree_slots))
-        if need > memory.free_bytes(self.device) + current:
-            raise ValueError(f"tree budget {tree_slots - 1} needs more memory than is free for the pool's "
-                             f"{self.rows} slots: lower the tree budget")

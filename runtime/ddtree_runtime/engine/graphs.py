@@ -21,6 +21,19 @@ def capture(fn, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, out
 
 
+def replayed(bucket, forward, device: torch.device, pool, stats) -> object:
+    """forward(bucket) on the static buffers of a fixed-shape pass: eagerly without a graph pool (the
+    CPU), else through the bucket's CUDA graph, captured on first use (counted in stats.graph_captures)
+    and replayed. Returns the pass's outputs (static buffers on CUDA)."""
+    if pool is None:
+        return forward(bucket)
+    if bucket.graph is None:
+        bucket.graph, bucket.out = capture(lambda: forward(bucket), device, pool)
+        stats.graph_captures += 1
+    bucket.graph.replay()
+    return bucket.out
+
+
 class HostRead:
     """Read a small int64 device tensor on the host without waiting for work queued after it: start()
     queues the copy into pinned memory and marks the stream; the engine then queues more work (the

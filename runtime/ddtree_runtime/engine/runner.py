@@ -24,8 +24,9 @@ import torch
 from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes (declared there: the pool is sized by them)
 from ..model import Qwen3ForCausalLM
 from ..model.dflash import DraftInputs, DraftMask
+from ..model.kernels import DECODE_EAGER
 from ..model.layers import TreeInputs
-from .graphs import capture
+from .graphs import replayed
 from .kv_cache import KVCache
 from .tree import Tree, ancestor_mask
 from .types import BatchStats
@@ -146,15 +147,7 @@ class TargetRunner:
         for row, tree in enumerate(trees):
             if tree is not None:
                 b.nodes[:, row, 1:tree.size].copy_(tree.nodes)
-        if not self.use_graphs:
-            out = self._forward(b)
-        else:
-            if b.graph is None:
-                b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
-                self.stats.graph_captures += 1
-            b.graph.replay()
-            out = b.out
-        logits, feats, mask = out
+        logits, feats, mask = replayed(b, self._forward, self.device, self.pool, self.stats)
         return TreePass(logits, feats, b.ids, b.parents, b.depths, mask, b.start)
 
     def _forward(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -172,6 +165,98 @@ class TargetRunner:
             static = TreeInputs(slots, bias, b.kv_len, tree, lengths=lengths)
         h, feats = self.target(b.ids, pos, self.cache.rows(0, b.batch), static=static)
         return self.target.logits(h, float32=False), feats, tree
+
+
+# The widths a short prompt pass is padded to (PrefillRunner): a second turn's few hundred new tokens
+# after a reused prefix. A longer piece is a plain causal pass (its GEMMs, not the host, set its time).
+PREFILL_WIDTHS = (32, 64, 128, 256, 512)
+
+
+def prefill_width(tokens: int) -> int | None:
+    """The width bucket a piece of `tokens` prompt tokens runs at (None: too long for one)."""
+    return next((w for w in PREFILL_WIDTHS if tokens <= w), None)
+
+
+def prefill_kv_len(end: int, capacity: int, graphed: bool) -> int:
+    """The keys a short prompt pass attends over to reach position `end`. Graphed, a power of two times
+    KV_BUCKET: a graph per width and doubling (a few dozen at most), not per 512 keys; the keys past
+    `end` are masked, and reading them costs little beside the pass's GEMMs."""
+    if not graphed:
+        return kv_len_for(end, capacity, False)
+    keys = KV_BUCKET
+    while keys < end:
+        keys *= 2
+    return min(capacity, keys)
+
+
+class _PrefillBucket:
+    """Static inputs of one (width, kv_len) short prompt pass over one row, its CUDA graph once captured."""
+
+    def __init__(self, width: int, kv_len: int, cache: KVCache, device: torch.device) -> None:
+        self.width, self.kv_len = width, kv_len
+        self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.start = torch.zeros(1, dtype=torch.long, device=device)
+        self.host = torch.zeros(width, dtype=torch.long, pin_memory=device.type == "cuda")
+        # marks the last copy out of `host`: written again only once that is done (it always is by the
+        # next pass of this shape, a step or more later, so the wait costs nothing)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.offsets = torch.arange(width, device=device)
+        self.cols = torch.arange(kv_len, device=device)
+        # the row's block table, copied in before each pass: the graph reads this buffer, whichever row
+        # the request holds
+        self.view = cache.rows(0, 1)
+        if cache.block is not None:
+            self.view.block = cache.block[:1].clone()
+        self.zero = torch.zeros((), dtype=cache.k.dtype, device=device)
+        self.neg_inf = torch.full((), float("-inf"), dtype=cache.k.dtype, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+
+
+class PrefillRunner:
+    """A lone piece of a prompt of up to PREFILL_WIDTHS[-1] tokens on an attention-only target, at a
+    fixed shape: padded to a width bucket, its keys to a kv bucket, its row's block table copied into a
+    static one, so on CUDA each (width, kv_len) is captured once as a CUDA graph and replayed (a 64-layer
+    eager pass costs ~130 ms of host launches at any width; its GEMMs, a few ms). The padding's k/v land
+    past the piece, where the next piece or the first round writes over them before anything reads
+    them (past a row's pages: the scratch page). Causal within the piece, over the row's cached prefix."""
+
+    def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device,
+                 stats: BatchStats | None = None, pool=None) -> None:
+        """pool: the graph memory pool to capture into (the verify's: its passes and these never run at
+        once, and what one leaves is read before the other runs); None on the CPU."""
+        self.target, self.cache, self.device = target, cache, device
+        self.stats = BatchStats() if stats is None else stats
+        self.use_graphs = device.type == "cuda"
+        self.pool = pool if pool is not None or not self.use_graphs else torch.cuda.graph_pool_handle()
+        self.buckets: dict[tuple[int, int], _PrefillBucket] = {}
+
+    def run(self, row: int, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Prompt tokens at positions start.. of cache row `row` -> hidden [1, W, H], features
+        [1, W, F] (None without feature layers) and positions [1, W], W the width bucket (the first
+        len(tokens) real). Nothing here waits for the device."""
+        width = prefill_width(len(tokens))
+        kv_len = prefill_kv_len(start + width, self.cache.capacity, self.use_graphs)
+        b = self.buckets.get((width, kv_len))
+        if b is None:
+            b = self.buckets[(width, kv_len)] = _PrefillBucket(width, kv_len, self.cache, self.device)
+        if b.copied is not None:
+            b.copied.synchronize()
+        stage(b.ids[0], b.host, tokens + [0] * (width - len(tokens)))
+        if b.copied is not None:
+            b.copied.record()
+        b.start.fill_(start)
+        if self.cache.block is not None:
+            b.view.block.copy_(self.cache.block[row:row + 1])
+        return replayed(b, self._forward, self.device, self.pool, self.stats)
+
+    def _forward(self, b: _PrefillBucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        pos = b.start[:, None] + b.offsets[None]                                   # [1, W]
+        bias = torch.where(b.cols[None, None, None, :] > pos[:, None, :, None], b.neg_inf, b.zero)  # [1, 1, W, L]
+        slots = pos.clamp(max=self.cache.capacity - 1)
+        launch = None if self.use_graphs else DECODE_EAGER
+        h, feats = self.target(b.ids, pos, b.view, static=TreeInputs(slots, bias, b.kv_len, None, launch=launch))
+        return h, feats, pos
 
 
 class _DraftBucket:
@@ -199,7 +284,7 @@ class DraftRunner:
     overwritten next round). The block's own k/v are written right after the context (over that
     padding), so attention reads the first kv_len drafter-cache entries with a device-built bias and
     nothing is concatenated. Graphed on CUDA per (B, kv_len). The first pass after a prefill, whose new
-    context is the whole prompt, runs eagerly (prefilling.py)."""
+    context is the whole prompt, runs eagerly (model_runner.py)."""
 
     def __init__(self, target: Qwen3ForCausalLM, drafter, cache: KVCache, block: int, mask_token_id: int,
                  device: torch.device, stats: BatchStats | None = None) -> None:
@@ -239,13 +324,7 @@ class DraftRunner:
         torch.add(length, b.start, out=b.n)
         torch.gather(feats, 1, rows[..., None].expand(-1, -1, feats.shape[-1]), out=b.feats)
         b.feats.masked_fill_((b.offsets[None, :] >= length[:, None])[..., None], 0)  # rows past the path
-        if not self.use_graphs:
-            return self._forward(b)
-        if b.graph is None:
-            b.graph, b.out = capture(lambda: self._forward(b), self.device, self.pool)
-            self.stats.graph_captures += 1
-        b.graph.replay()
-        return b.out
+        return replayed(b, self._forward, self.device, self.pool, self.stats)
 
     def _forward(self, b: _DraftBucket) -> torch.Tensor:
         block_pos = b.n[:, None] + b.offsets                     # [B, Q] the block follows the context

@@ -102,6 +102,56 @@ class RequestState:
         if not self.context:
             self.context = self.prompt_ids
 
+    def emits(self, tokens: list[int]) -> int:
+        """How many of a round's tokens the request emits: up to the first stop token or
+        max_new_tokens. A round that finishes the request commits only those, so the cache it leaves
+        behind ends where the client's text does, which is where a next turn can continue it (a
+        hybrid's state cannot be wound back to there later)."""
+        for i, t in enumerate(tokens):
+            if t in self.stop_ids or self.generated + i + 1 >= self.params.max_new_tokens:
+                return i + 1
+        return len(tokens)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Prompt tokens start..start+length-1 of a request, to prefill in one target pass. `keep_at`: a
+    hybrid keeps its state that many tokens in, for the prefix cache (None: nowhere in this piece)."""
+    req: RequestState
+    start: int
+    length: int
+    keep_at: int | None = None
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.start + self.length == len(self.req.context)
+
+
+@dataclass
+class Batch:
+    """What one step computes, as the scheduler decided it (scheduler.py), for the runner to run
+    (model_runner.py): the prompt passes, in order, then one round for the requests decoding."""
+    prefills: list[list[Piece]] = field(default_factory=list)  # a pass: one piece, or last pieces of
+    #                                               prompts in consecutive rows (attention-only targets)
+    decoding: list[RequestState] = field(default_factory=list)  # rows 0..B-1, one round each
+    budgets: list[int] = field(default_factory=list)  # each decoding request's tree budget this round
+    resize: int | None = None  # the target pool re-sized for trees of this many nodes first (the engine idle)
+
+
+# A round's result for one request: the tokens it committed, the draft tokens accepted among them, and
+# their log-probabilities (None unless the request asked for them).
+Round = tuple[list[int], int, "list[TokenLogprob] | None"]
+
+
+@dataclass
+class StepResult:
+    """What the runner computed for a Batch: each prompt it completed, with its first token (None: a
+    recomputed request's, already known) and that token's log-probabilities; each decoding request's
+    round; or why the pool could not be re-sized."""
+    firsts: list[tuple[RequestState, int | None, "list[TokenLogprob] | None"]] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    error: Exception | None = None
+
 
 @dataclass(frozen=True)
 class WarmUp:

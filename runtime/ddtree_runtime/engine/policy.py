@@ -183,7 +183,10 @@ class BudgetPolicy:
         if any(e is None for e in expected):
             return None  # nothing forecast yet: the configured budget, which forecasts
         depth = self.block_size - 1
-        expected = [[min(x, depth) for x in e] for e in expected]
+        # a row capped below a candidate gets its cap's tree there (the largest candidate within it)
+        within = [[max((j for j, c in enumerate(self.candidates) if c <= min(b, reqs[i].budget)), default=0)
+                   for b in self.candidates] for i in chosen]
+        expected = [[min(e[j], depth) for j in idx] for e, idx in zip(expected, within)]
         left = [reqs[i].params.max_new_tokens - reqs[i].generated for i in chosen]
         ar = not any(reqs[i].mode.drafts for i in others)
         stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first

@@ -83,6 +83,12 @@ def test_caps_and_fixed_rows_bound_the_choice():
     assert best_budget(costs(8, FLAT), 4, high, left, CANDIDATES) is None  # this batch is not measured
 
 
+def test_a_bigger_round_never_costs_less():
+    measured = RoundCosts({(1, 1): 0.010, (1, 2): 0.030, (1, 5): 0.020, (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040})
+    assert measured.envelope().seconds == {(1, 1): 0.009, (1, 2): 0.020, (1, 5): 0.020,
+                                           (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040}
+
+
 def test_calibration_scales_the_forecast_to_what_was_accepted():
     prior, req = Acceptance(), Acceptance()
     assert req.expected(prior) is None  # nothing forecast anywhere yet

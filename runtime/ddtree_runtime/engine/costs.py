@@ -3,7 +3,8 @@
 For each batch bucket, that many short ddtree requests are admitted, then every budget the policy may
 choose (plain AR and each candidate) runs a few rounds with all of them running, each round timed from
 its step's start to the device's end, the fastest kept (the first of each budget is dropped: it
-drafts again after AR rounds, or captures a graph; on a shared host, noise only adds time). A round is a whole step: scheduling, the passes and the host's
+drafts again after AR rounds, or captures a graph; on a shared host, noise only adds time), then each
+as the least of it and those of bigger rounds (RoundCosts.envelope). A round is a whole step: scheduling, the passes and the host's
 postprocessing, at the smallest KV bucket. With tensor parallelism the ranks take the slowest rank's
 time of each, so that they all choose alike."""
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_PROMPT = 8   # tokens of each sweep request's prompt
-SWEEP_REPEATS = 3  # timed rounds per (batch, budget), after one untimed
+SWEEP_REPEATS = 5  # timed rounds per (batch, budget), after one untimed (the fastest kept)
 
 
 def measure_round_costs(engine: Engine, repeats: int = SWEEP_REPEATS) -> tuple[RoundCosts, int]:
@@ -60,7 +61,7 @@ def measure_round_costs(engine: Engine, repeats: int = SWEEP_REPEATS) -> tuple[R
             policy.forced = None
             for request_id in ids:
                 engine.cancel(request_id)
-    costs = RoundCosts(_agreed(seconds))
+    costs = RoundCosts(_agreed(seconds)).envelope()
     log.info("round costs (ms) by batch and tree nodes: %s",
              ", ".join(f"{r['batch']}x{r['tree_nodes']} {r['ms']:.2f}" for r in costs.table()))
     return costs, submitted

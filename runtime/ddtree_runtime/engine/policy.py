@@ -69,6 +69,14 @@ class RoundCosts:
         ar, tree = self.of(batch, 1), self.of(batch, TREE_BUCKETS[1])
         return 0.0 if ar is None or tree is None else max(0.0, tree - ar)
 
+    def envelope(self) -> RoundCosts:
+        """Each cost as the least measured at its size or any larger one (more rows or nodes): a bigger
+        round never costs less, and on a shared host noise only adds time."""
+        out = {}
+        for (batch, nodes) in self.seconds:
+            out[(batch, nodes)] = min(s for (b, t), s in self.seconds.items() if b >= batch and t >= nodes)
+        return RoundCosts(out)
+
     def table(self) -> list[dict]:
         """The measurements as rows, for logs and benchmarks."""
         return [{"batch": b, "tree_nodes": t, "ms": round(1e3 * s, 3)} for (b, t), s in sorted(self.seconds.items())]

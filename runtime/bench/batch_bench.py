@@ -135,6 +135,37 @@ def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new
         (j for j, ok in enumerate(same) if not ok), None)}
 
 
+def use_case(engine: Engine, round_nodes: int | None, by_cost: bool) -> None:
+    """The engine's policy for a case: the adaptive case is the fixed policy's share of round_nodes."""
+    engine.policy.by_cost, engine.policy.round_nodes = by_cost and round_nodes is None, round_nodes
+
+
+def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches: list[int], args) -> list[dict]:
+    """--models --interleave: at each batch size, the cases' runs take turns (case 1, 2, 3, 1, 2, 3, ...),
+    the fastest of each case's repeats kept, so a shared machine's load drifts over all cases alike.
+    (No alone runs: vs_one_alone is left out.)"""
+    by_cost, results = engine.policy.by_cost, []
+    for name, mode, budget, round_nodes in chosen:  # each case once, untimed: its shapes and forecasts
+        use_case(engine, round_nodes, by_cost)
+        serve_all(engine, prompts[:max(batches)], SamplingParams(max_new_tokens=args.max_new, mode=mode,
+                                                                 tree_budget=budget))
+    for b in batches:
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, mode, budget, round_nodes in chosen:
+                use_case(engine, round_nodes, by_cost)
+                r = serve_all(engine, prompts[:b], SamplingParams(max_new_tokens=args.max_new, mode=mode,
+                                                                  tree_budget=budget))
+                if name not in best or r["wall_s"] < best[name]["wall_s"]:
+                    best[name] = r
+        for name, r in best.items():
+            r.update(case=name, batch=b, vs_one_alone=float("nan"), vs_one_after_another=float("nan"))
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    use_case(engine, None, by_cost)
+    return results
+
+
 def tiny_prompts(engine: Engine, n: int) -> list[list[int]]:
     """Plain-text openings of unseen documents: they run on to max_new_tokens (a chat answer stops
     after a few tokens), so every request does the same amount of work."""
@@ -165,6 +196,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="--models: runs per measurement, the fastest kept")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--interleave", action="store_true",
+                    help="--models: the cases take turns at each batch size (a shared machine's drift)")
     ap.add_argument("--check", action="store_true", help="only check batched greedy == alone, then exit")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (one: on a shared machine two contend and the figures swing)")
@@ -184,7 +217,8 @@ def main() -> None:
     if args.models:
         models = Path(args.models).expanduser()
         engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device=args.device, dtype=dtype,
-                                     max_running=max(batches), max_batched_tokens=4096))
+                                     max_running=max(batches), max_batched_tokens=4096,
+                                     tree_policy="cost"))
         prompts = tiny_prompts(engine, max(batches))
     else:
         import sys
@@ -195,7 +229,7 @@ def main() -> None:
         max_new = (args.rounds + args.warmup + 4) * 17
         engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=16, device=args.device, dtype=dtype,
                                      max_context=args.context + max_new + 64, max_running=max(batches),
-                                     max_batched_tokens=args.context * max(batches)),
+                                     max_batched_tokens=args.context * max(batches), tree_policy="cost"),
                         target=target, drafter=drafter)
         g = torch.Generator().manual_seed(1)
         vocab = target.config.vocab_size
@@ -212,9 +246,11 @@ def main() -> None:
         return
     results = []
     by_cost = engine.policy.by_cost
+    if args.models and args.interleave:
+        results = interleaved(engine, chosen, prompts, batches, args)
+        chosen = []
     for name, mode, budget, round_nodes in chosen:
-        # the adaptive case is the fixed policy's share of round_nodes (engine/policy.py)
-        engine.policy.by_cost, engine.policy.round_nodes = by_cost and round_nodes is None, round_nodes
+        use_case(engine, round_nodes, by_cost)
         params = SamplingParams(max_new_tokens=args.max_new, mode=mode, tree_budget=budget)
         if args.models:
             serve_all(engine, prompts[:max(batches)], params)  # warm-up
@@ -233,7 +269,7 @@ def main() -> None:
             r.update(case=name, batch=b)
             results.append(r)
             print(json.dumps(r), flush=True)
-    engine.policy.by_cost, engine.policy.round_nodes = by_cost, None
+    use_case(engine, None, by_cost)
 
     print()
     if args.models:

@@ -48,7 +48,7 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     target, drafter = build_models(args.shape, device, getattr(torch, dtype))
     engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=16, device=args.device, dtype=dtype,
-                                 max_context=4096, max_running=args.running),
+                                 max_context=4096, max_running=args.running, tree_policy="cost"),
                     target=target, drafter=drafter)
     warm = engine.warm_up()
     costs = engine.policy.costs

@@ -101,7 +101,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("tree_budget", int, 16, "tree nodes verified per round: the most, by --tree-policy cost; every "
             "round's, by fixed", minimum=MIN_TREE_BUDGET, maximum=MAX_TREE_BUDGET, engine=True, profile=True,
             metavar="B"),
-    Setting("tree_policy", str, "cost", "how each round's tree budget is chosen: cost = the one that maximises "
+    Setting("tree_policy", str, "fixed", "how each round's tree budget is chosen: cost = the one that maximises "
             "the batch's expected tokens/s, from round costs timed at warm-up and each request's acceptance "
             "(plain AR rounds when they are faster), up to --tree-budget; fixed = --tree-budget every round. "
             "A request's speculative.tree_budget is always its own", choices=TREE_POLICIES, engine=True,

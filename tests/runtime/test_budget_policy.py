@@ -171,7 +171,8 @@ def _alternating(engine: Engine) -> None:
 
 
 def test_budgets_chosen_by_cost_change_no_output(models):
-    engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8))
+    engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8,
+                                 tree_policy="cost"))
     _alternating(engine)
     prompts = mixed_prompts(engine.tokenizer, chats=2, chat_seed=3, plain=2, plain_seed=5, cut=4)
     greedy = [(p, SamplingParams(max_new_tokens=40)) for p in prompts]
@@ -189,7 +190,8 @@ def test_the_drafter_context_stays_whole_through_ar_rounds(tiny_models):
     """A request forced to AR rounds and back drafts as well afterwards as one that never left trees
     (its drafter context was written by the AR rounds; without it, the trained drafter's acceptance
     falls)."""
-    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=1))
+    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=1,
+                                 tree_policy="cost"))
     prompt = mixed_prompts(engine.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=7, cut=4)[0]
     params = SamplingParams(max_new_tokens=120, ignore_eos=True)
 

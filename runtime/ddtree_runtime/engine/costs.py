@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SWEEP_PROMPT = 8   # tokens of each sweep request's prompt
+SWEEP_PROMPT = 64  # tokens of each sweep request's prompt (a round's attention grows with the context)
 SWEEP_REPEATS = 5  # timed rounds per (batch, budget), after one untimed (the fastest kept)
 
 

@@ -1,4 +1,4 @@
-"""How big each request's tree is this round: chosen by cost (`tree_policy` "cost", the default), or fixed.
+"""How big each request's tree is this round: chosen by cost (`tree_policy` "cost"), or fixed (the default).
 
 By cost, each round picks the budget that maximises the batch's expected tokens per second:
 

@@ -98,12 +98,12 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("mode", str, "ddtree", "decoding mode", choices=MODES, engine=True, profile=True),
     Setting("block_size", int, None, "draft block size", minimum=MIN_BLOCK_SIZE, engine=True, profile=True,
             metavar="N", default_words="the drafter's"),
-    Setting("tree_budget", int, 16, "tree nodes verified per round: the most, by --tree-policy cost; every "
-            "round's, by fixed", minimum=MIN_TREE_BUDGET, maximum=MAX_TREE_BUDGET, engine=True, profile=True,
+    Setting("tree_budget", int, 16, "tree nodes verified per round: the most, by the cost policy; every "
+            "round's, by the fixed one", minimum=MIN_TREE_BUDGET, maximum=MAX_TREE_BUDGET, engine=True, profile=True,
             metavar="B"),
     Setting("tree_policy", str, "fixed", "how each round's tree budget is chosen: cost = the one that maximises "
             "the batch's expected tokens/s, from round costs timed at warm-up and each request's acceptance "
-            "(plain AR rounds when they are faster), up to --tree-budget; fixed = --tree-budget every round. "
+            "(plain AR rounds when they are faster), up to the tree budget; fixed = the tree budget every round. "
             "A request's speculative.tree_budget is always its own", choices=TREE_POLICIES, engine=True,
             profile=True),
     Setting("max_tree_budget", int, DEFAULT_MAX_TREE_BUDGET, "largest speculative.tree_budget a request may ask "

@@ -3,8 +3,9 @@
     PYTHONPATH=runtime python runtime/bench/batch_bench.py --models ~/.cache/ddops/tiny-models-seed0 [--out F]
     PYTHONPATH=runtime python runtime/bench/batch_bench.py --shape qwen3-8b [--context 512] [--out F]
 
-Cases: ar, dflash, ddtree@16 and the adaptive policy (ddtree, budget 16 at most, `--round-nodes` tree
-nodes per round over the batch).
+Cases: ar, dflash, ddtree@16 (fixed), cost (ddtree, each round's budget chosen by the cost policy, 16 at
+most, from the round costs the warm-up times) and adaptive (the fixed policy's equal share of
+`--round-nodes` tree nodes per round over the batch, 16 at most). The engine is warmed up first.
 
 With `--models` (trained tiny models, real acceptance): each request is first served alone, then for
 each batch size B, B different requests are submitted at once and served to completion; it reports the
@@ -40,7 +41,7 @@ TAUS = (1, 3, 5, 7)
 def cases(round_nodes: int) -> list[tuple[str, str, int | None, int | None]]:
     """(name, mode, tree budget, round_nodes)."""
     return [("ar", "ar", None, None), ("dflash", "dflash", None, None), ("ddtree@16", "ddtree", 16, None),
-            (f"adaptive@{round_nodes}", "ddtree", 16, round_nodes)]
+            ("cost", "ddtree", None, None), (f"adaptive@{round_nodes}", "ddtree", None, round_nodes)]
 
 
 def sync(device: torch.device) -> None:
@@ -53,7 +54,7 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
     sync(engine.device)
     t0 = time.perf_counter()
     ids = [engine.submit(p, params) for p in prompts]
-    tokens, accepted, rounds, steps, nodes = {i: 0 for i in ids}, 0, 0, 0, []
+    tokens, accepted, rounds, steps, nodes, budgets = {i: 0 for i in ids}, 0, 0, 0, [], {}
     first: dict[int, float] = {}
     while engine.has_work:
         before = engine.stats.rounds
@@ -61,6 +62,7 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
         steps += 1
         if engine.stats.rounds > before:
             nodes.append(engine.stats.tree_nodes)
+            budgets[engine.stats.round_budget] = budgets.get(engine.stats.round_budget, 0) + 1
         now = time.perf_counter()
         for i, out in outs:
             first.setdefault(i, now - t0)
@@ -74,6 +76,7 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
     return {"requests": len(prompts), "wall_s": wall, "tokens": total, "tokens_per_s": total / wall,
             "steps": steps, "mean_acceptance_length": 1 + accepted / max(rounds, 1),
             "mean_round_tree_nodes": statistics.fmean(nodes) if nodes else 0,
+            "rounds_by_budget": dict(sorted(budgets.items())),
             "mean_ttft_s": statistics.fmean(first.values())}
 
 
@@ -132,6 +135,37 @@ def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new
         (j for j, ok in enumerate(same) if not ok), None)}
 
 
+def use_case(engine: Engine, round_nodes: int | None, by_cost: bool) -> None:
+    """The engine's policy for a case: the adaptive case is the fixed policy's share of round_nodes."""
+    engine.policy.by_cost, engine.policy.round_nodes = by_cost and round_nodes is None, round_nodes
+
+
+def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches: list[int], args) -> list[dict]:
+    """--models --interleave: at each batch size, the cases' runs take turns (case 1, 2, 3, 1, 2, 3, ...),
+    the fastest of each case's repeats kept, so a shared machine's load drifts over all cases alike.
+    (No alone runs: vs_one_alone is left out.)"""
+    by_cost, results = engine.policy.by_cost, []
+    for name, mode, budget, round_nodes in chosen:  # each case once, untimed: its shapes and forecasts
+        use_case(engine, round_nodes, by_cost)
+        serve_all(engine, prompts[:max(batches)], SamplingParams(max_new_tokens=args.max_new, mode=mode,
+                                                                 tree_budget=budget))
+    for b in batches:
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, mode, budget, round_nodes in chosen:
+                use_case(engine, round_nodes, by_cost)
+                r = serve_all(engine, prompts[:b], SamplingParams(max_new_tokens=args.max_new, mode=mode,
+                                                                  tree_budget=budget))
+                if name not in best or r["wall_s"] < best[name]["wall_s"]:
+                    best[name] = r
+        for name, r in best.items():
+            r.update(case=name, batch=b, vs_one_alone=float("nan"), vs_one_after_another=float("nan"))
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    use_case(engine, None, by_cost)
+    return results
+
+
 def tiny_prompts(engine: Engine, n: int) -> list[list[int]]:
     """Plain-text openings of unseen documents: they run on to max_new_tokens (a chat answer stops
     after a few tokens), so every request does the same amount of work."""
@@ -162,6 +196,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="--models: runs per measurement, the fastest kept")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--interleave", action="store_true",
+                    help="--models: the cases take turns at each batch size (a shared machine's drift)")
     ap.add_argument("--check", action="store_true", help="only check batched greedy == alone, then exit")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (one: on a shared machine two contend and the figures swing)")
@@ -181,7 +217,8 @@ def main() -> None:
     if args.models:
         models = Path(args.models).expanduser()
         engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device=args.device, dtype=dtype,
-                                     max_running=max(batches), max_batched_tokens=4096))
+                                     max_running=max(batches), max_batched_tokens=4096,
+                                     tree_policy="cost"))
         prompts = tiny_prompts(engine, max(batches))
     else:
         import sys
@@ -192,11 +229,15 @@ def main() -> None:
         max_new = (args.rounds + args.warmup + 4) * 17
         engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=16, device=args.device, dtype=dtype,
                                      max_context=args.context + max_new + 64, max_running=max(batches),
-                                     max_batched_tokens=args.context * max(batches)),
+                                     max_batched_tokens=args.context * max(batches), tree_policy="cost"),
                         target=target, drafter=drafter)
         g = torch.Generator().manual_seed(1)
         vocab = target.config.vocab_size
         prompts = [torch.randint(0, vocab - 1, (args.context,), generator=g).tolist() for _ in range(max(batches))]
+    warm = engine.warm_up()
+    costs = engine.policy.costs.table() if engine.policy.costs is not None else []
+    print(f"warm-up {warm.seconds:.1f} s; round costs (ms) by batch x tree nodes: "
+          + ", ".join(f"{r['batch']}x{r['tree_nodes']} {r['ms']:.2f}" for r in costs), flush=True)
     print(f"device {torch.cuda.get_device_name(0) if device.type == 'cuda' else platform.processor() or 'cpu'}; "
           f"{engine.slots} slots; {args.models or args.shape}", flush=True)
 
@@ -204,8 +245,12 @@ def main() -> None:
         print("check:", json.dumps(check_batched_equals_alone(engine, prompts[:8], 48)), flush=True)
         return
     results = []
+    by_cost = engine.policy.by_cost
+    if args.models and args.interleave:
+        results = interleaved(engine, chosen, prompts, batches, args)
+        chosen = []
     for name, mode, budget, round_nodes in chosen:
-        engine.config.round_nodes = round_nodes
+        use_case(engine, round_nodes, by_cost)
         params = SamplingParams(max_new_tokens=args.max_new, mode=mode, tree_budget=budget)
         if args.models:
             serve_all(engine, prompts[:max(batches)], params)  # warm-up
@@ -224,7 +269,7 @@ def main() -> None:
             r.update(case=name, batch=b)
             results.append(r)
             print(json.dumps(r), flush=True)
-    engine.config.round_nodes = None
+    use_case(engine, None, by_cost)
 
     print()
     if args.models:
@@ -248,7 +293,8 @@ def main() -> None:
     out.write_text(json.dumps({"label": args.label, "source": args.models or args.shape, "device": str(device),
                                "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
                                "dtype": dtype, "torch": torch.__version__, "slots": engine.slots,
-                               "context": None if args.models else args.context, "results": results}, indent=2))
+                               "context": None if args.models else args.context, "round_costs": costs,
+                               "results": results}, indent=2))
     print(f"wrote {out}")
 
 

@@ -15,6 +15,8 @@ MAX_RUNNING = 1024        # requests batched at once: a ceiling on the slot pool
 MAX_QUEUE = 100_000       # requests waiting behind them
 MIN_MEM_FRACTION = 0.01   # of free device memory for the pools; less holds nothing useful
 MAX_LOGPROBS = 20         # most likely tokens returned per token (OpenAI's top_logprobs limit, vLLM's default)
+# --tree-policy: each round's tree budget chosen by measured cost and acceptance, or --tree-budget always
+TREE_POLICIES = ("cost", "fixed")
 QUANTIZE_METHODS = ("none", "fp8")  # --quantize: fp8 = fine-grained e4m3, 128x128 weight blocks (model/fp8.py)
 # the one quantized checkpoint layout the runtime serves (config.json's quantization_config; quantization.py)
 FP8_CHECKPOINT = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

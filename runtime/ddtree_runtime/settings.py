@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .limits import (DTYPE_NAMES, MAX_QUEUE, MAX_RUNNING, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_MEM_FRACTION,
-                     MIN_TREE_BUDGET, MODES, QUANTIZE_METHODS)
+                     MIN_TREE_BUDGET, MODES, QUANTIZE_METHODS, TREE_POLICIES)
 
 # A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
 # several times over (about 4 bytes of JSON a token), and bounds what parsing one request may cost.
@@ -98,8 +98,14 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
     Setting("mode", str, "ddtree", "decoding mode", choices=MODES, engine=True, profile=True),
     Setting("block_size", int, None, "draft block size", minimum=MIN_BLOCK_SIZE, engine=True, profile=True,
             metavar="N", default_words="the drafter's"),
-    Setting("tree_budget", int, 16, "tree nodes verified per round", minimum=MIN_TREE_BUDGET,
-            maximum=MAX_TREE_BUDGET, engine=True, profile=True, metavar="B"),
+    Setting("tree_budget", int, 16, "tree nodes verified per round: the most, by the cost policy; every "
+            "round's, by the fixed one", minimum=MIN_TREE_BUDGET, maximum=MAX_TREE_BUDGET, engine=True, profile=True,
+            metavar="B"),
+    Setting("tree_policy", str, "fixed", "how each round's tree budget is chosen: cost = the one that maximises "
+            "the batch's expected tokens/s, from round costs timed at warm-up and each request's acceptance "
+            "(plain AR rounds when they are faster), up to the tree budget; fixed = the tree budget every round. "
+            "A request's speculative.tree_budget is always its own", choices=TREE_POLICIES, engine=True,
+            profile=True),
     Setting("max_tree_budget", int, DEFAULT_MAX_TREE_BUDGET, "largest speculative.tree_budget a request may ask "
             "for; larger is a 400 (a bigger tree slows every batched round it joins)", minimum=MIN_TREE_BUDGET,
             maximum=MAX_TREE_BUDGET, profile=True, metavar="B",
@@ -143,9 +149,9 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             "prompt pieces of waiting requests in the rest, so a long prompt stalls the running ones for at "
             "most one step of this many tokens", minimum=1, engine=True, metavar="N",
             aliases=("--prefill-chunk",)),
-    Setting("round_nodes", int, None, "adaptive tree budget: tree nodes verified per round over all running "
-            "requests, shared between them", minimum=1, engine=True, metavar="N",
-            default_words="off, each request's own budget"),
+    Setting("round_nodes", int, None, "the most tree nodes a round verifies over all running requests: by "
+            "--tree-policy cost, no larger round is chosen; by fixed, each request gets an equal share",
+            minimum=1, engine=True, metavar="N", default_words="no limit"),
     Setting("prefix_cache_rows", int, 0, "slots beyond --max-running that only hold cached prefixes, each the "
             "memory of one running request", minimum=0, maximum=MAX_RUNNING, engine=True, profile=True,
             metavar="N", default_words="0, idle running slots only"),

@@ -59,3 +59,21 @@ def test_a_finished_requests_timeline_fills_its_stage_histograms():
     assert timeline.intervals() == pytest.approx({"prep": 0.002, "handoff": 0.001, "queue": 0.197, "prefill": 0.1,
                                                   "to_round": 0.02, "rounds": 0.68})
     assert timeline.summary().startswith("timeline ms: prep 2.0, handoff 1.0, queue 197.0")
+
+
+def test_rounds_by_tree_budget_are_one_counter_labelled_by_budget():
+    from ddtree_runtime.engine.types import BatchStats
+    from ddtree_runtime.server.app import create_app
+    from ddtree_runtime.server.config import ServerConfig
+
+    m = Metrics()
+    budgets = {"0": 5, "16": 2}
+    m.add_counters("rounds_by_tree_budget_total", "Rounds by budget.", "budget", lambda: budgets)
+    s = _samples(m.render())
+    assert s[("ddtree_rounds_by_tree_budget_total", (("budget", "0"),))] == 5
+    assert s[("ddtree_rounds_by_tree_budget_total", (("budget", "16"),))] == 2
+    # the app publishes the engine's chosen budgets (zeros before an engine loads)
+    app = create_app(ServerConfig(target_dir="t"))
+    s = _samples(app.state.ddtree.metrics.render())
+    assert s[("ddtree_round_tree_budget", ())] == 0 and s[("ddtree_round_predicted_tokens_per_second", ())] == 0
+    assert BatchStats().budget_rounds == {}

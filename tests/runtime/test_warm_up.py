@@ -19,8 +19,8 @@ def models(request):
     return request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
 
 
-def make(models) -> Engine:
-    return Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8))
+def make(models, **config) -> Engine:
+    return Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8, **config))
 
 
 def pool_state(engine: Engine) -> tuple:
@@ -44,7 +44,7 @@ def test_warm_up_leaves_the_pool_and_counters_as_they_were_and_outputs_unchanged
 
 
 def test_warm_up_runs_its_batch_sizes_and_refuses_a_busy_engine(models):
-    engine = make(models)
+    engine = make(models, tree_policy="fixed")  # no cost sweep: its own rounds alone
     sizes = []
     original = engine.runner._round
     engine.runner._round = lambda reqs, budgets: sizes.append(len(reqs)) or original(reqs, budgets)

@@ -34,7 +34,8 @@ import torch
 
 from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, least_pool_tokens,
                         pool_too_small)
-from ..limits import DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS
+from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS,
+                      TREE_POLICIES)
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.layers import fuse_projections
@@ -43,9 +44,11 @@ from . import memory
 from .api import EngineInfo, RequestLimits
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
+from .costs import measure_round_costs
 from .memory import PoolSizing, shape_of
 from .model_runner import ModelRunner
 from .modes import mode_named
+from .policy import BudgetPolicy
 from .pool import KVPool
 from .prefix_cache import PrefixCache
 from .runner import batch_bucket
@@ -96,6 +99,8 @@ class Engine:
             raise ValueError(f"tree_budget must be in [{MIN_TREE_BUDGET}, {MAX_TREE_BUDGET}]")
         if config.max_running < 1 or config.max_batched_tokens < 1 or not 0 < config.mem_fraction <= 1:
             raise ValueError("need max_running >= 1, max_batched_tokens >= 1 and 0 < mem_fraction <= 1")
+        if config.tree_policy not in TREE_POLICIES:
+            raise ValueError(f"tree_policy must be one of {', '.join(TREE_POLICIES)}, got {config.tree_policy!r}")
         if config.round_nodes is not None and config.round_nodes < 1:
             raise ValueError("round_nodes must be >= 1 (or None: fixed tree budgets)")
         if config.prefix_cache_rows < 0:
@@ -178,11 +183,15 @@ class Engine:
         width = -(-self.sizing.row_capacity(self.max_context) // self.page_size)
         self.page_table = PageTable(self.pages, self.rows, width, self.device)
         self.pool = KVPool(self.pages, self.page_table, self.prefix, self.sizing, self.max_context)
+        self.policy = BudgetPolicy(by_cost=config.tree_policy == "cost" and self.drafter is not None,
+                                   cap=config.tree_budget, slots=self.slots, block_size=self.block_size,
+                                   round_nodes=config.round_nodes)
         self.runner = ModelRunner(self.target, self.drafter, self.pool, slots=self.slots, block_size=self.block_size,
                                   mask_token_id=self.mask_token_id, device=self.device,
-                                  stats=self.stats, tree_slots=tree_slots)
+                                  stats=self.stats, tree_slots=tree_slots,
+                                  forecast_at=self.policy.candidates if self.policy.by_cost else ())
         self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats,
-                                   step_tokens=config.max_batched_tokens, round_nodes=config.round_nodes,
+                                   step_tokens=config.max_batched_tokens, policy=self.policy,
                                    groups=self.arch == "qwen3", has_drafter=self.drafter is not None,
                                    turn_token=_turn_token(self.tokenizer))
         self._next_id = 0
@@ -303,11 +312,13 @@ class Engine:
         batch size in `batches` (by default every batch bucket of the round, largest first, where
         graphs are captured; one request without them: nothing to compile), that many short prompts
         of different lengths arrive together (one grouped prefill), then one round of the configured
-        mode runs at that batch size, at the smallest KV bucket. Its requests neither reuse nor leave
+        mode runs at that batch size, at the smallest KV bucket. By default, with the cost policy, it then
+        times a round at every batch bucket and budget the policy may choose (costs.py). Its requests neither reuse nor leave
         cached sequences and the stats are put back, so the pool and every counter are as before.
         Needs an idle engine with nothing cached (RuntimeError)."""
         if self.has_work or (self.prefix is not None and len(self.prefix)):
             raise RuntimeError("warm_up() runs before serving: on an idle engine with nothing cached")
+        sweep, swept = batches is None and self.policy.by_cost, 0  # the default one times the round (costs.py)
         if batches is None:
             buckets = {batch_bucket(n, self.slots) for n in range(1, self.slots + 1)}
             batches = sorted(buckets, reverse=True) if self.runner.use_graphs else [1]
@@ -326,6 +337,8 @@ class Engine:
                         for i, length in enumerate(lengths)]
                 while self.has_work:
                     self.step()
+            if sweep:
+                self.policy.costs, swept = measure_round_costs(self)
         finally:
             for request_id in ids:
                 self.cancel(request_id)  # a no-op for those that finished
@@ -333,7 +346,7 @@ class Engine:
             captures = self.stats.graph_captures - kept.graph_captures
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
-        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids), captures)
+        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures)
         log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s", done.requests,
                  ", ".join(map(str, done.batches)), done.graph_captures, done.seconds)
         return done

@@ -28,16 +28,18 @@ from .memory import PoolSizing
 from .pool import KVPool
 from .runner import KV_BUCKET, DraftRunner, PrefillRunner, TargetRunner, TreePass, kv_len_for, prefill_width, tree_bucket
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
+from .forecast import MILLI
 from .tree import Tree, TreeBuilder, Walk, walk
 from .types import Batch, BatchStats, Piece, RequestState, Round, StepResult, TokenLogprob
 
 
 class ModelRunner:
     def __init__(self, target, drafter, pool: KVPool, *, slots: int, block_size: int, mask_token_id: int | None,
-                 device: torch.device, stats: BatchStats, tree_slots: int) -> None:
+                 device: torch.device, stats: BatchStats, tree_slots: int, forecast_at: tuple[int, ...] = ()) -> None:
         """The caches over the pool's page table (the drafter's, then the target's, sized for trees of
         `tree_slots` nodes), their graphed runners, the tree builder and the round's readback. The pool
-        gets a reference to both caches (its row moves and page copies are made on them)."""
+        gets a reference to both caches (its row moves and page copies are made on them). `forecast_at`:
+        the budgets each ddtree row's drafter forecast is read at (policy.py; none: no forecasts)."""
         self.target, self.drafter, self.pool = target, drafter, pool
         self.device, self.block_size, self.mask_token_id, self.stats = device, block_size, mask_token_id, stats
         self.page_table: PageTable = pool.page_table
@@ -63,7 +65,10 @@ class ModelRunner:
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self.resize(tree_slots)
         self.trees = TreeBuilder(device)
-        self.readback = HostRead(slots * Walk.size(block_size - 1), device)  # the round's one read
+        # a ddtree row's tree is built at its own budget and a prefix of it verified, forecast at these
+        # budgets and the one run (forecast.py), read with the walks
+        self.forecast_at = forecast_at
+        self.readback = HostRead(slots * (Walk.size(block_size - 1) + len(forecast_at) + 1), device)  # the round's one read
         # an AR step's accepted path in each row: its root alone (what a hybrid's state advances along)
         self.root_paths = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.root_lengths = torch.ones(slots, dtype=torch.long, device=device)
@@ -93,7 +98,7 @@ class ModelRunner:
         for pieces in batch.prefills:
             result.firsts += self._prefill(pieces)
         if batch.decoding:
-            result.rounds = self._round(batch.decoding, batch.budgets)
+            result.rounds, result.forecasts = self._round(batch.decoding, batch.budgets)
         else:
             self._phase("end")
         return result
@@ -290,17 +295,23 @@ class ModelRunner:
 
     # ---- the round ----------------------------------------------------------------------------
 
-    def _round(self, reqs: list[RequestState], budgets: list[int]) -> list[Round]:
+    def _round(self, reqs: list[RequestState], budgets: list[int]) -> tuple[list[Round], list[list[float] | None]]:
         """draft (queued by the last round) -> each request's tree -> one verify pass over all of them
         -> the walks -> the next round's first pass, queued before the host reads the walks -> each
-        row's commit. Rows are the pool's rows 0..B-1."""
+        row's commit. Rows are the pool's rows 0..B-1. A round whose budgets are all 0 is plain AR even
+        for drafting rows: their drafter context is written from the verify's features, no draft is
+        made, and the next tree round drafts first (`_redraft`). Returns the rounds and each row's
+        drafter forecast (None: no tree forecast)."""
         depth, n = self.block_size - 1, len(reqs)
-        drafting = any(req.mode.drafts for req in reqs)
-        ahead = n == 1 and not drafting  # a lone AR request: its next step runs before this one's read
+        drafting = any(req.mode.drafts and budget > 0 for req, budget in zip(reqs, budgets))
+        # a lone AR request: its next step runs before this one's read
+        ahead = n == 1 and not any(req.mode.drafts for req in reqs)
         settled_logprobs = [[] if ahead else _rows_of(req.ahead_logprobs) for req in reqs]  # _settle drops them
         settled = [[] if ahead else self._settle(req) for req in reqs]
         self._phase("tree")
-        trees = self._trees(reqs, budgets)
+        if drafting:
+            self._redraft(reqs)
+        trees, forecast = self._trees(reqs, budgets)
         self.stats.batch_size, self.stats.tree_nodes = n, sum(1 if tree is None else tree.size for tree in trees)
         self._phase("verify")
         starts = [req.n_ctx for req in reqs]
@@ -312,8 +323,11 @@ class ModelRunner:
         self._phase("commit")
         # each row's walk, [B', W]; a round of AR steps reads its roots' tokens alone, [B']
         result = walk(out.tokens, out.parents, out.depths, out.mask, target, depth) if drafting else target[:, 0]
-        self.readback.start(result[:n].flatten())
+        self.readback.start(result[:n].flatten() if forecast is None else torch.cat([result[:n].flatten(),
+                                                                                    forecast.flatten()]))
         drafted = None
+        if not drafting and not ahead:
+            self._round_context(reqs, out)
         if drafting:
             self._phase("draft")
             drafted = self.draft_runner.run(result[:, 1], result[:, 0], result[:, 2:3 + depth], out.feats, starts)
@@ -323,7 +337,11 @@ class ModelRunner:
         self._phase("commit")
         host = self.readback.wait()
         width = Walk.size(depth) if drafting else 1
-        rounds = []
+        rounds, forecasts = [], [None] * n
+        if forecast is not None:
+            k, cells = forecast.shape[1], host[n * Walk.size(depth):]
+            forecasts = [[v / MILLI for v in cells[row * k:(row + 1) * k]] if reqs[row].mode.name == "ddtree"
+                         and budgets[row] > 0 else None for row in range(n)]
         moved = 0  # the longest committed path not already in place (KVCache.compact)
         for row, req in enumerate(reqs):
             cells = host[row * width:(row + 1) * width]
@@ -339,7 +357,7 @@ class ModelRunner:
             req.n_ctx += path
             req.bonus = tokens[keep - 1]
             if req.mode.drafts:
-                req.drafted = drafted[row]
+                req.drafted = None if drafted is None else drafted[row]
             logprobs = None
             if pending[row] is not None:
                 logprobs = (settled_logprobs[row] + pending[row].rows(accepted.path))[:keep]
@@ -351,7 +369,7 @@ class ModelRunner:
         elif not ahead:
             self._commit_roots(0, n)
         self._phase("end")
-        return rounds
+        return rounds, forecasts
 
     def _verify(self, reqs: list[RequestState], roots: list[int] | torch.Tensor, starts: list[int],
                 trees: list[Tree | None], positions: list[int]) -> tuple[TreePass, torch.Tensor,
@@ -397,18 +415,49 @@ class ModelRunner:
         hybrid's recurrent state moves on (nothing at all for attention-only KV)."""
         self.target_cache.rows(lo, hi).compact(None, self.root_paths[:hi - lo], self.root_lengths[:hi - lo], moved=0)
 
-    def _trees(self, reqs: list[RequestState], budgets: list[int]) -> list[Tree | None]:
-        """Each request's tree (None: AR): the requests of one mode and budget built together."""
+    def _trees(self, reqs: list[RequestState], budgets: list[int]) -> tuple[list[Tree | None], torch.Tensor | None]:
+        """Each request's tree (None: AR, or a budget of 0: its root alone): the requests of one mode and
+        budget built together. With forecasts, a ddtree row's tree is built at its own budget, the first
+        budgets[row] nodes of it verified, and the drafter's forecast made from it ([B, K+1], rows
+        without one zero; None without forecasts)."""
         groups: dict[tuple, list[int]] = {}
+        forecasting = bool(self.forecast_at)
         for row, req in enumerate(reqs):
-            groups.setdefault((req.mode.name, budgets[row]), []).append(row)
+            if budgets[row] > 0 or not req.mode.drafts:
+                built = req.budget if forecasting and req.mode.name == "ddtree" else budgets[row]
+                groups.setdefault((req.mode.name, built, budgets[row]), []).append(row)
         trees: list[Tree | None] = [None] * len(reqs)
-        for (_, budget), rows in groups.items():
-            mode = reqs[rows[0]].mode
-            for row, tree in zip(rows, mode.trees(self.trees, [reqs[r].drafted for r in rows], budget,
-                                                  self.block_size)):
+        by_row: dict[int, torch.Tensor] = {}
+        for (name, built, budget), rows in groups.items():
+            mode, drafted = reqs[rows[0]].mode, [reqs[r].drafted for r in rows]
+            made = mode.trees(self.trees, drafted, built, self.block_size)
+            if forecasting and name == "ddtree":
+                by_row.update(zip(rows, mode.forecast(made, drafted, [*self.forecast_at, budget], self.block_size)))
+                made = [Tree(t.nodes[:, :budget]) for t in made]
+            for row, tree in zip(rows, made):
                 trees[row] = tree
-        return trees
+        if not by_row:
+            return trees, None
+        zero = torch.zeros(len(self.forecast_at) + 1, dtype=torch.long, device=self.device)
+        return trees, torch.stack([by_row.get(row, zero) for row in range(len(reqs))])
+
+    def _redraft(self, reqs: list[RequestState]) -> None:
+        """After AR rounds, drafting rows have no draft: one drafter pass over the batch makes them from
+        the context those rounds wrote (as after a prompt)."""
+        if any(req.mode.drafts and req.drafted is None for req in reqs):
+            self._draft_prompt(reqs)
+
+    def _round_context(self, reqs: list[RequestState], out: TreePass | None) -> None:
+        """An AR round of drafting rows: their drafter context at the root's position, from the verify's
+        features, so that a later tree round drafts from a complete context."""
+        if out is None or not any(req.mode.drafts for req in reqs):
+            return
+        n = len(reqs)
+        feats, pos = out.feats[:n, :1], out.start[:n, None]                      # [n, 1, F], [n, 1]
+        if all(req.mode.drafts for req in reqs):  # no host tensor: nothing waits for the device
+            self.drafter.write_context(feats, pos, self.draft_cache.rows(0, n))
+        else:
+            self._draft_context(reqs, feats, pos)
 
 
 def _rows_of(pending: PendingLogprobs | None) -> list[TokenLogprob]:

@@ -12,6 +12,7 @@ import torch
 
 from ..capacity import round_tree_slots
 from ..limits import MODES
+from .forecast import forecast_accepted
 from .tree import Tree, TreeBuilder, build_chain
 
 
@@ -60,6 +61,14 @@ class DDTree(Mode):
         nodes = builder.build(_stacked([d[:depth] for d in drafted]), budget)
         # a graphed build's static buffer: one build per budget a round, staged by the verify before the next
         return [Tree(row) for row in nodes]
+
+    def forecast(self, trees: list[Tree], drafted: list[torch.Tensor], budgets: list[int],
+                 block_size: int) -> torch.Tensor:
+        """The drafter's expected accepted tokens ([R, len(budgets)], thousandths) of the first b nodes
+        of each tree (built by `trees` from these drafts), for each b in budgets (forecast.py)."""
+        depth = min(block_size - 1, trees[0].size - 1)
+        nodes = torch.stack([t.nodes for t in trees])
+        return forecast_accepted(nodes, _stacked([d[:depth] for d in drafted]), budgets)
 
 
 REGISTRY: dict[str, Mode] = {mode.name: mode for mode in (DDTree(), DFlash(), AutoRegressive())}

@@ -1,20 +1,232 @@
-"""How big each request's tree is this round.
+"""How big each request's tree is this round: chosen by cost (`tree_policy` "cost"), or fixed (the default).
 
-A round's verify cost grows with the nodes of all trees in the batch (rows x the padded tree), while
-each extra node of a tree buys less acceptance than the one before (best-first order). With a total
-node budget per round (`round_nodes`, near the GEMM knee of the device), each request gets an equal
-share, rounded down to a tree bucket so no row pays for padding; a request never gets more than its
-own budget. None: fixed budgets, each request's own."""
+By cost, each round picks the budget that maximises the batch's expected tokens per second:
+
+    rate(b) = sum over requests of min(1 + E_i(b), tokens left_i) / cost(rows, b)
+
+- cost(rows, b) is the measured time of a round at the batch bucket of `rows` and the tree bucket of
+  b + 1 nodes (`RoundCosts`, timed by Engine.warm_up). Budget 0 is a plain AR round: one target pass of
+  the roots, no tree and no drafter pass (the drafter's context is still written from the pass's
+  features, so a later tree round drafts from a complete context).
+- E_i(b), the accepted draft tokens request i expects at budget b, is its drafter's own forecast (the
+  sum of the path probabilities of the b best nodes of its last tree, forecast.py) times its calibration
+  (what it accepted over what was forecast for the trees it ran, `Acceptance`).
+
+A round verifies every row at one padded tree bucket, so every row gets the round's budget (its own
+cap permitting): a smaller tree for one row saves nothing. AR is a candidate whenever every drafting row
+is chosen by cost, so the choice is never below AR's predicted rate. A request that asked for its own
+`tree_budget`, a dflash chain and the `fixed` policy run their own budget; the chosen ones then take at
+least the bucket those rows pad the round to. Before costs are measured (no warm-up) budgets are fixed.
+
+`round_nodes` (--round-nodes) caps the nodes a round verifies: fixed, each request gets an equal share
+(rounded down to a tree bucket); by cost, no budget whose round would verify more is a candidate."""
 
 from __future__ import annotations
 
-from .runner import TREE_BUCKETS
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..capacity import TREE_BUCKETS
+from .runner import batch_bucket, tree_bucket
+
+if TYPE_CHECKING:
+    from .types import BatchStats, RequestState
+
+AR = 0                  # the budget of a plain AR round: no tree, no drafter pass
+DECAY = 0.8             # the calibration's memory: a round's weight against what came before
+PRIOR_WEIGHT = 2.0      # forecast tokens of the engine-wide calibration a new request starts with
+SCALE_RANGE = (0.05, 4.0)
+PROBE_FIRST, PROBE_LAST = 4, 64  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
 
 
 def round_budgets(budgets: list[int], rows: int, round_nodes: int | None) -> list[int]:
-    """Each request's tree budget (draft nodes) this round, for `rows` requests in the batch."""
+    """The fixed policy: each request's own budget, or with `round_nodes` an equal share of that many
+    nodes (the root included), rounded down to a tree bucket so no row pays for padding."""
     if round_nodes is None:
         return budgets
-    share = max(2, round_nodes // rows)                      # nodes per row, the root included
+    share = max(2, round_nodes // rows)
     cap = max(b for b in TREE_BUCKETS if b <= share) - 1
     return [min(budget, cap) for budget in budgets]
+
+
+def candidate_budgets(cap: int) -> tuple[int, ...]:
+    """The tree budgets a chosen round may take (besides AR): each bucket's full tree below `cap`, and `cap`."""
+    return tuple(sorted({b - 1 for b in TREE_BUCKETS if 1 < b <= cap} | {cap}))
+
+
+@dataclass
+class RoundCosts:
+    """Seconds of one round by (batch bucket, tree bucket); tree bucket 1 is the AR round (no drafter pass)."""
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def of(self, batch: int, nodes: int) -> float | None:
+        return self.seconds.get((batch, nodes))
+
+    def refresh(self, batch: int) -> float:
+        """What drafting again after AR rounds adds to the first tree round (a drafter pass): about a
+        smallest tree round less an AR round."""
+        ar, tree = self.of(batch, 1), self.of(batch, TREE_BUCKETS[1])
+        return 0.0 if ar is None or tree is None else max(0.0, tree - ar)
+
+    def envelope(self) -> RoundCosts:
+        """Each cost as the least measured at its size or any larger one (more rows or nodes): a bigger
+        round never costs less, and on a shared host noise only adds time."""
+        out = {}
+        for (batch, nodes) in self.seconds:
+            out[(batch, nodes)] = min(s for (b, t), s in self.seconds.items() if b >= batch and t >= nodes)
+        return RoundCosts(out)
+
+    def table(self) -> list[dict]:
+        """The measurements as rows, for logs and benchmarks."""
+        return [{"batch": b, "tree_nodes": t, "ms": round(1e3 * s, 3)} for (b, t), s in sorted(self.seconds.items())]
+
+
+@dataclass
+class Acceptance:
+    """A request's acceptance outlook: its drafter's forecast of accepted draft tokens at each candidate
+    budget (its last tree's), and a calibration, the ratio of accepted to forecast tokens over the trees
+    it ran (a moving sum, DECAY per round)."""
+    curve: tuple[float, ...] | None = None
+    accepted: float = 0.0
+    forecast: float = 0.0
+
+    def scale(self) -> float:
+        if self.forecast <= 0:
+            return 1.0
+        return min(max(self.accepted / self.forecast, SCALE_RANGE[0]), SCALE_RANGE[1])
+
+    def observe(self, curve: Sequence[float], forecast: float, accepted: int) -> None:
+        """A round's tree: the new forecast curve, and what was forecast for and accepted of the tree run."""
+        self.curve = tuple(curve)
+        self.accepted = DECAY * self.accepted + accepted
+        self.forecast = DECAY * self.forecast + forecast
+
+    def expected(self, prior: Acceptance) -> tuple[float, ...] | None:
+        """Expected accepted draft tokens at each candidate (the engine-wide outlook until it has its own)."""
+        curve = self.curve or prior.curve
+        if curve is None:
+            return None
+        scale = (self.accepted + PRIOR_WEIGHT * prior.scale()) / (self.forecast + PRIOR_WEIGHT)
+        scale = min(max(scale, SCALE_RANGE[0]), SCALE_RANGE[1])
+        return tuple(scale * c for c in curve)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A round's budget for its chosen rows and the tokens per second it was predicted to give."""
+    budget: int
+    rate: float
+    rates: dict[int, float]   # every candidate's predicted tokens/s (the benchmarks print them)
+
+
+def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float]], left: Sequence[int],
+                candidates: Sequence[int], *, floor_nodes: int = 1, ar: bool = True, refresh: float = 0.0,
+                node_cap: int | None = None) -> Choice | None:
+    """The budget that maximises predicted tokens/s for a round of len(expected) chosen rows (plus any
+    fixed ones, counted in `batch`, the batch bucket, and `floor_nodes`, the tree bucket they pad to).
+    expected[i][k]: row i's expected accepted draft tokens at candidates[k]; left[i]: the tokens it may
+    still emit. `ar`: whether budget 0 (plain AR) may be chosen; `refresh`: seconds a tree round costs
+    more because the rows must draft first (after AR rounds); `node_cap`: the most nodes a round may
+    verify (--round-nodes, rows x tree bucket). None when the costs of this batch are not measured."""
+    rates: dict[int, float] = {}
+    rows = max(batch, 1)
+    if ar and floor_nodes == 1:
+        cost = costs.of(batch, 1)
+        if cost is None:
+            return None
+        rates[AR] = sum(min(1, n) for n in left) / cost
+    for k, budget in enumerate(candidates):
+        nodes = max(tree_bucket(budget + 1), floor_nodes)
+        if node_cap is not None and rows * nodes > node_cap and rates:
+            continue
+        cost = costs.of(batch, nodes)
+        if cost is None:
+            return None
+        tokens = sum(min(1 + e[k], n) for e, n in zip(expected, left))
+        rates[budget] = tokens / (cost + refresh)
+    if not rates:
+        return None
+    best = max(rates, key=lambda b: (rates[b], b))  # a tie goes to the bigger tree (it forecasts more)
+    return Choice(best, rates[best], rates)
+
+
+class BudgetPolicy:
+    """Each round's tree budgets (scheduler.py asks), and what the rounds taught (postprocess tells)."""
+
+    def __init__(self, *, by_cost: bool, cap: int, slots: int, block_size: int, round_nodes: int | None) -> None:
+        self.by_cost, self.slots, self.block_size, self.round_nodes = by_cost, slots, block_size, round_nodes
+        self.candidates = candidate_budgets(cap)
+        self.costs: RoundCosts | None = None  # measured by Engine.warm_up
+        self.prior = Acceptance()             # every chosen request's rounds: a newcomer's outlook
+        self.forced: int | None = None        # the cost sweep's budget for every chosen row
+        self.last: Choice | None = None
+        self._ar_streak, self._probe_after = 0, PROBE_FIRST
+
+    def chooses(self, req: RequestState) -> bool:
+        """Whether this request's budget is chosen each round (a ddtree request that set none)."""
+        return self.by_cost and req.mode.name == "ddtree" and req.params.tree_budget is None
+
+    def budgets(self, reqs: list[RequestState]) -> list[int]:
+        """Each decoding request's tree budget this round (0: its root alone)."""
+        self.last = None
+        fixed = round_budgets([r.budget for r in reqs], len(reqs), self.round_nodes if not self.by_cost else None)
+        chosen = [i for i, r in enumerate(reqs) if self.chooses(r)]
+        if not chosen:
+            return fixed
+        if self.forced is not None:
+            return [min(self.forced, reqs[i].budget) if i in chosen else b for i, b in enumerate(fixed)]
+        choice = self._choose(reqs, chosen, fixed)
+        self.last = choice
+        if choice is None:
+            return [reqs[i].budget if i in chosen else b for i, b in enumerate(fixed)]
+        return [min(choice.budget, reqs[i].budget) if i in chosen else b for i, b in enumerate(fixed)]
+
+    def _choose(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Choice | None:
+        if self.costs is None:
+            return None
+        others = [i for i in range(len(reqs)) if i not in chosen]
+        floor = max((tree_bucket(reqs[i].mode.tree_slots(fixed[i], self.block_size)) for i in others), default=1)
+        expected = [reqs[i].acceptance.expected(self.prior) for i in chosen]
+        if any(e is None for e in expected):
+            return None  # nothing forecast yet: the configured budget, which forecasts
+        depth = self.block_size - 1
+        # a row capped below a candidate gets its cap's tree there (the largest candidate within it)
+        within = [[max((j for j, c in enumerate(self.candidates) if c <= min(b, reqs[i].budget)), default=0)
+                   for b in self.candidates] for i in chosen]
+        expected = [[min(e[j], depth) for j in idx] for e, idx in zip(expected, within)]
+        left = [reqs[i].params.max_new_tokens - reqs[i].generated for i in chosen]
+        ar = not any(reqs[i].mode.drafts for i in others)
+        stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first
+        batch = batch_bucket(len(reqs), self.slots)
+        choice = best_budget(self.costs, batch, expected, left, self.candidates, floor_nodes=floor, ar=ar,
+                             refresh=self.costs.refresh(batch) if stale else 0.0, node_cap=self.round_nodes)
+        if choice is None or choice.budget != AR:
+            self._ar_streak, self._probe_after = 0, PROBE_FIRST
+            return choice
+        self._ar_streak += 1
+        if self._ar_streak < self._probe_after:
+            return choice
+        # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
+        self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)
+        tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
+        return Choice(tree, choice.rates[tree], choice.rates)
+
+    def record(self, reqs: list[RequestState], budgets: list[int], stats: BatchStats) -> None:
+        """The round's budget for /metrics: its largest ddtree tree (0: none, plain AR)."""
+        top = max((b for r, b in zip(reqs, budgets) if r.mode.name == "ddtree"), default=AR)
+        stats.round_budget = top
+        stats.predicted_tokens_per_s = 0.0 if self.last is None else self.last.rate
+        stats.budget_rounds = {**stats.budget_rounds, top: stats.budget_rounds.get(top, 0) + 1}  # a new dict:
+        # the warm-up puts back a copy of the stats taken before it
+
+    def observe(self, reqs: list[RequestState], budgets: list[int], rounds: list, forecasts: list) -> None:
+        """A round's outcome: each chosen row that ran a tree gets its new forecast and calibration.
+        rounds[i]: (tokens, accepted, logprobs); forecasts[i]: the drafter's forecast at each candidate,
+        then at the budget run (None: no tree)."""
+        for req, budget, (_, accepted, _), fc in zip(reqs, budgets, rounds, forecasts):
+            if fc is None or budget == AR or not self.chooses(req):
+                continue
+            curve, ran = fc[:-1], fc[-1]
+            req.acceptance.observe(curve, ran, accepted)
+            self.prior.observe(curve, ran, accepted)

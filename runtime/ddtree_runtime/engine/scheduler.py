@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .policy import round_budgets
+from .policy import BudgetPolicy
 from .pool import KVPool
 from .prefill import PREFILL_PIECE
 from .prefix_cache import CachedSequence, Hit, PrefixCache, TokenView, common_prefix, snapshot_point
@@ -36,16 +36,17 @@ GROUP_BIAS = 1 << 26
 
 class Scheduler:
     def __init__(self, slots: int, max_queue: int, pool: KVPool | None, stats: BatchStats, *,
-                 step_tokens: int = PREFILL_PIECE, round_nodes: int | None = None, groups: bool = False,
+                 step_tokens: int = PREFILL_PIECE, policy: BudgetPolicy | None = None, groups: bool = False,
                  has_drafter: bool = False, turn_token: int | None = None) -> None:
-        """`step_tokens`: the step's token budget (settings.py's max_batched_tokens); `round_nodes`: the
-        adaptive tree budget (policy.py); `groups`: prompts' last pieces may share a pass (an
+        """`step_tokens`: the step's token budget (settings.py's max_batched_tokens); `policy`: each
+        round's tree budgets (policy.py; None: each request's own); `groups`: prompts' last pieces may share a pass (an
         attention-only target: a hybrid's recurrent state would run on over a shorter row's padding);
         `turn_token`: where a hybrid's prompt state is kept for the prefix cache (prefix_cache.py)."""
         self.slots, self.max_queue = slots, max_queue
         self.pool, self.stats = pool, stats
         self.prefix: PrefixCache | None = None if pool is None else pool.prefix  # None: no reuse (the warm-up)
-        self.step_tokens, self.round_nodes, self.groups = step_tokens, round_nodes, groups
+        self.step_tokens, self.groups = step_tokens, groups
+        self.policy = policy or BudgetPolicy(by_cost=False, cap=1, slots=slots, block_size=1, round_nodes=None)
         self._has_drafter, self.turn_token = has_drafter, turn_token
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []   # running[i].slot == i
@@ -88,8 +89,7 @@ class Scheduler:
         rounds first in the token budget, then prompt pieces in what is left (`_prefills`)."""
         self.reserve_round()
         decoding = list(self.running)
-        batch = Batch(decoding=decoding, budgets=round_budgets([r.budget for r in decoding], len(decoding),
-                                                               self.round_nodes))
+        batch = Batch(decoding=decoding, budgets=self.policy.budgets(decoding) if decoding else [])
         self._prefills(batch, self.prompt_budget(batch))
         self.stats.prefill_tokens = sum(p.length for group in batch.prefills for p in group)
         self.stats.prefill_passes = len(batch.prefills)
@@ -168,6 +168,9 @@ class Scheduler:
             req.accepted_total += accepted
             outputs.append((req.id, self._emit(req, tokens, accepted, logprobs)))
         self.stats.rounds += bool(result.rounds)
+        if result.rounds:
+            self.policy.observe(batch.decoding, batch.budgets, result.rounds, result.forecasts)
+            self.policy.record(batch.decoding, batch.budgets, self.stats)
         for request_id, out in outputs:
             if out.finished and request_id in self._requests:
                 self.release(self._requests[request_id])

@@ -11,6 +11,7 @@ from ..settings import ENGINE_SETTINGS, config_class
 
 if TYPE_CHECKING:
     from .modes import Mode
+    from .policy import Acceptance
     from .sampling import PendingLogprobs
 
 # What the engine loads and how it serves: the engine settings of the serve table (settings.py), with
@@ -97,6 +98,7 @@ class RequestState:
     resume_bonus: int | None = None
     admitted: int = -1        # admission order (preemption takes the newest first)
     preempted: int = 0        # times it was preempted (its pages given back, recomputed later)
+    acceptance: "Acceptance" = field(default_factory=lambda: _acceptance())  # its outlook (policy.py)
 
     def __post_init__(self) -> None:
         if not self.context:
@@ -150,6 +152,9 @@ class StepResult:
     round; or why the pool could not be re-sized."""
     firsts: list[tuple[RequestState, int | None, "list[TokenLogprob] | None"]] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
+    # each decoding row's drafter forecast (policy.py: accepted tokens at each candidate budget, then at
+    # the budget run), None where no tree was forecast
+    forecasts: list[list[float] | None] = field(default_factory=list)
     error: Exception | None = None
 
 
@@ -182,3 +187,11 @@ class BatchStats:
     pages_shared: int = 0         # ... held by more than one sequence (shared prompt prefixes)
     preemptions: int = 0          # since start: requests whose pages were taken back (recomputed later)
     graph_captures: int = 0       # since start, the warm-up's left out: CUDA graphs captured while serving
+    round_budget: int = 0         # the largest tree budget of the last round (0: plain AR)
+    predicted_tokens_per_s: float = 0.0  # what the cost policy predicted for it (0: not chosen by cost)
+    budget_rounds: dict[int, int] = field(default_factory=dict)  # since start: rounds by round_budget
+
+
+def _acceptance() -> "Acceptance":
+    from .policy import Acceptance  # policy.py imports the runner, which imports these types
+    return Acceptance()

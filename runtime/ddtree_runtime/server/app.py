@@ -43,6 +43,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[ServerConfig], Se
                       lambda: worker.stats().batch_size)
     metrics.add_gauge("round_tree_nodes", "Tree nodes (roots included) verified in the last round, all requests.",
                       lambda: worker.stats().tree_nodes)
+    metrics.add_gauge("round_tree_budget", "Tree budget of the last round (--tree-policy cost chooses it each round; "
+                      "0: a plain AR round).", lambda: worker.stats().round_budget)
+    metrics.add_gauge("round_predicted_tokens_per_second", "Tokens/s the cost policy predicted for the last round's "
+                      "budget (0: not chosen by cost).", lambda: worker.stats().predicted_tokens_per_s)
+    metrics.add_counters("rounds_by_tree_budget_total", "Decoding rounds by their tree budget (0: plain AR).", "budget",
+                         lambda: {str(b): n for b, n in worker.stats().budget_rounds.items()})
     metrics.add_gauge("tokens_per_second", "Tokens committed per second, all requests, over the last 10 s.",
                       worker.tokens_per_second)
     metrics.add_counter("prefix_cache_lookups_total", "Admitted requests that looked for a cached prefix.",

@@ -38,8 +38,9 @@ prometheus_client.disable_created_metrics()
 class _ReadAtScrape:
     name: str
     help_text: str
-    read: Callable[[], float]
+    read: Callable[[], float | dict[str, float]]
     family: type[GaugeMetricFamily] | type[CounterMetricFamily]
+    label: str | None = None  # read() gives one value per value of this label
 
 
 class _ScrapeTimeValues:
@@ -50,7 +51,13 @@ class _ScrapeTimeValues:
 
     def collect(self) -> Iterator[Metric]:
         for v in self.values:
-            yield v.family(f"{PREFIX}_{v.name}", v.help_text, value=float(v.read()))
+            if v.label is None:
+                yield v.family(f"{PREFIX}_{v.name}", v.help_text, value=float(v.read()))
+                continue
+            family = v.family(f"{PREFIX}_{v.name}", v.help_text, labels=[v.label])
+            for key, value in sorted(v.read().items()):
+                family.add_metric([key], float(value))
+            yield family
 
 
 def _acceptance_buckets(max_length: int) -> tuple[float, ...]:
@@ -108,6 +115,10 @@ class Metrics:
     def add_counter(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A counter kept elsewhere (the engine's own totals), read at scrape time; ``name`` ends in _total."""
         self._scrape_time.values.append(_ReadAtScrape(name, help_text, read, CounterMetricFamily))
+
+    def add_counters(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        """Counters kept elsewhere, one per value of `label` (read() maps each to its count), read at scrape time."""
+        self._scrape_time.values.append(_ReadAtScrape(name, help_text, read, CounterMetricFamily, label))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

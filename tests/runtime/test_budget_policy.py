@@ -1,0 +1,213 @@
+"""The tree budget chosen by cost (engine/policy.py): the choice as a pure function of round costs and
+expected acceptance (the best predicted tokens/s, never below plain AR's, within the caps), the
+drafter's forecast (forecast.py), the calibration, and, on the tiny pairs, that budgets chosen round by
+round (plain AR rounds among tree rounds) change no output: greedy equals the target's own decode and
+seeded sampling is the same batched as alone."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
+from ddtree_runtime.engine.policy import (AR, Acceptance, BudgetPolicy, RoundCosts, best_budget, candidate_budgets)
+from ddtree_runtime.engine.tree import build_trees
+from ddtree_devtools.engine_runs import serve
+from ddtree_devtools.tiny_corpus import mixed_prompts
+
+CANDIDATES = (1, 4, 8, 16)
+
+
+def costs(batch: int, ms: dict[int, float]) -> RoundCosts:
+    """A cost table for one batch bucket: tree bucket (1: AR) -> milliseconds."""
+    return RoundCosts({(batch, nodes): t / 1e3 for nodes, t in ms.items()})
+
+
+FLAT = {1: 10, 2: 11, 5: 11, 9: 11, 17: 11}        # a lone round on a GPU: trees almost free
+STEEP = {1: 10, 2: 14, 5: 20, 9: 30, 17: 60}       # a big batch: verify grows with the nodes
+
+
+def test_candidates_are_full_buckets_below_the_cap_and_the_cap():
+    assert candidate_budgets(16) == (1, 4, 8, 16)
+    assert candidate_budgets(12) == (1, 4, 8, 12)
+    assert candidate_budgets(1) == (1,)
+
+
+def test_the_choice_follows_acceptance_and_cost():
+    high = [[0.9, 3.0, 5.0, 7.0]] * 4    # a drafter that is mostly right
+    none = [[0.0, 0.0, 0.0, 0.0]] * 4
+    left = [100] * 4
+    assert best_budget(costs(4, FLAT), 4, high, left, CANDIDATES).budget == 16
+    assert best_budget(costs(4, FLAT), 4, none, left, CANDIDATES).budget == AR
+    middle = best_budget(costs(4, STEEP), 4, high, left, CANDIDATES)
+    assert middle.budget == 8  # 4 x 6 tokens / 30 ms beats 8 / 60 ms and 4 / 20 ms
+    assert middle.rate == pytest.approx(4 * 6 / 0.030)
+
+
+def test_the_choice_is_never_below_ar_and_is_the_best_predicted():
+    rng = random.Random(0)
+    for _ in range(200):
+        batch = rng.choice([1, 2, 4, 8])
+        table = {1: rng.uniform(5, 20)}
+        for nodes in (2, 5, 9, 17):
+            table[nodes] = table[1] * rng.uniform(1.0, 4.0)
+        expected = [sorted(rng.uniform(0, 8) for _ in CANDIDATES) for _ in range(batch)]
+        left = [rng.randint(1, 20) for _ in range(batch)]
+        choice = best_budget(costs(batch, table), batch, expected, left, CANDIDATES)
+        assert choice.rate >= choice.rates[AR]
+        assert choice.rate == max(choice.rates.values())
+        k = CANDIDATES.index(choice.budget) if choice.budget else None
+        tokens = sum(min(1 + (e[k] if k is not None else 0), n) for e, n in zip(expected, left))
+        nodes = 1 if choice.budget == AR else {1: 2, 4: 5, 8: 9, 16: 17}[choice.budget]
+        assert choice.rate == pytest.approx(tokens / (table[nodes] / 1e3))
+
+
+def test_caps_and_fixed_rows_bound_the_choice():
+    high, left = [[0.9, 3.0, 5.0, 7.0]] * 4, [100] * 4
+    # --round-nodes: 4 rows x 9 nodes at most
+    assert best_budget(costs(4, FLAT), 4, high, left, CANDIDATES, node_cap=36).budget == 8
+    # a fixed row's 17-node tree pads the round: no smaller bucket, and no AR
+    padded = best_budget(costs(4, FLAT), 4, [[0.0] * 4] * 3, [100] * 3, CANDIDATES, floor_nodes=17)
+    assert AR not in padded.rates and padded.budget == 16
+    assert best_budget(costs(4, FLAT), 4, high, left, CANDIDATES, ar=False).budget == 16
+    # tokens a request may still emit: one left each, so nothing beats AR
+    assert best_budget(costs(4, FLAT), 4, high, [1] * 4, CANDIDATES).budget == AR
+    # drafting again after AR rounds costs a drafter pass: a small gain does not pay for it
+    small = [[0.05, 0.1, 0.1, 0.1]] * 4
+    assert best_budget(costs(4, FLAT), 4, small, left, CANDIDATES).budget != AR
+    assert best_budget(costs(4, FLAT), 4, small, left, CANDIDATES, refresh=0.005).budget == AR
+    assert best_budget(costs(8, FLAT), 4, high, left, CANDIDATES) is None  # this batch is not measured
+
+
+def test_a_bigger_round_never_costs_less():
+    measured = RoundCosts({(1, 1): 0.010, (1, 2): 0.030, (1, 5): 0.020, (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040})
+    assert measured.envelope().seconds == {(1, 1): 0.009, (1, 2): 0.020, (1, 5): 0.020,
+                                           (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040}
+
+
+def test_calibration_scales_the_forecast_to_what_was_accepted():
+    prior, req = Acceptance(), Acceptance()
+    assert req.expected(prior) is None  # nothing forecast anywhere yet
+    for _ in range(30):
+        req.observe((1.0, 4.0, 6.0, 8.0), 6.0, 3)   # accepts half of what its drafter forecasts
+    assert req.expected(prior) == pytest.approx((0.5, 2.0, 3.0, 4.0), rel=0.1)  # (the prior weighs a little)
+    prior.observe((1.0, 2.0, 2.0, 2.0), 2.0, 2)
+    assert Acceptance().expected(prior) == pytest.approx((1.0, 2.0, 2.0, 2.0))  # a newcomer: everyone's
+
+
+def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes():
+    torch.manual_seed(0)
+    drafts = torch.randn(2, 3, 7) * 3                     # 2 drafts, depths 1..3, 7 tokens
+    nodes = build_trees(drafts, 6)                        # [2, 3, 6] best first
+    got = forecast_accepted(nodes, drafts, [1, 3, 6])
+    logp = torch.log_softmax(drafts, dim=-1)
+    for r in range(2):
+        tokens, parents, depths = nodes[r].tolist()
+        score = [0.0] * 7
+        for j in range(6):                                # parents come first
+            score[j + 1] = score[parents[j]] + logp[r, depths[j] - 1, tokens[j]].item()
+        probs = [math.exp(s) for s in score[1:]]
+        assert probs == sorted(probs, reverse=True)       # best first: a prefix is the smaller tree
+        want = [round(MILLI * sum(probs[:b])) for b in (1, 3, 6)]
+        assert got[r].tolist() == pytest.approx(want, abs=1)
+
+
+class _Req:
+    """What the policy reads of a request."""
+
+    def __init__(self, mode: str, budget: int, own: int | None = None, drafts: bool = True) -> None:
+        from ddtree_runtime.engine.modes import mode_named
+        self.mode, self.budget = mode_named(mode), budget
+        self.params = SamplingParams(max_new_tokens=100, tree_budget=own)
+        self.generated, self.drafted, self.acceptance = 0, object(), Acceptance()
+
+
+def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_theirs():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=4, block_size=16, round_nodes=None)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 4, own=4), _Req("ar", 16), _Req("ddtree", 8)]
+    assert policy.budgets(reqs) == [16, 4, 16, 8]         # no costs measured yet: each its own
+    policy.costs = costs(4, STEEP)
+    for r in reqs:
+        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    # nothing is accepted, but the row that asked for 4 keeps its tree: no AR, the bucket it pads to
+    assert policy.budgets(reqs) == [4, 4, 16, 4]
+    alone = [reqs[0], reqs[2], reqs[3]]
+    assert policy.budgets(alone) == [AR, 16, AR]          # an AR request's budget is unused
+    policy.costs = RoundCosts({**costs(4, FLAT).seconds, (4, 1): 0.1})
+    for r in alone:
+        r.acceptance = Acceptance()
+        r.acceptance.observe((0.9, 3.0, 5.0, 7.0), 7.0, 7)
+    assert policy.budgets(alone) == [16, 16, 8]            # the one capped at 8 gets 8
+
+
+def test_after_ar_rounds_a_tree_round_looks_again():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
+    policy.costs = costs(2, STEEP)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:
+        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    chosen = [policy.budgets(reqs)[0] for _ in range(40)]
+    probes = [i for i, b in enumerate(chosen) if b != AR]
+    assert probes[:3] == [3, 11, 27]                       # after 4, then 8, then 16 AR rounds
+
+
+# ---- on the tiny pairs ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def models(request):
+    return request.getfixturevalue("tiny_models" if request.param == "qwen3" else "tiny_hybrid_models")
+
+
+def _alternating(engine: Engine) -> None:
+    """Costs that make the choice swing: AR cheap, trees cheap only while acceptance holds up."""
+    table = {}
+    for batch in (1, 2, 4):
+        table.update(costs(batch, {1: 10, 2: 40, 5: 40, 9: 41, 17: 42}).seconds)
+    engine.policy.costs = RoundCosts(table)
+
+
+def test_budgets_chosen_by_cost_change_no_output(models):
+    engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), max_running=4, page_size=8,
+                                 tree_policy="cost"))
+    _alternating(engine)
+    prompts = mixed_prompts(engine.tokenizer, chats=2, chat_seed=3, plain=2, plain_seed=5, cut=4)
+    greedy = [(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+    reference = serve(engine, [(p, SamplingParams(max_new_tokens=40, mode="ar")) for p in prompts])
+    chosen = set()
+    watch = lambda e: chosen.add(e.stats.round_budget)  # noqa: E731
+    assert serve(engine, greedy, watch) == reference                    # batched
+    assert [serve(engine, [job])[0] for job in greedy] == reference     # alone
+    assert AR in chosen and chosen - {AR}                               # both kinds of round ran
+    seeded = [(p, SamplingParams(max_new_tokens=30, temperature=0.9, seed=11 + i)) for i, p in enumerate(prompts)]
+    assert serve(engine, seeded) == [serve(engine, [job])[0] for job in seeded]
+
+
+def test_the_drafter_context_stays_whole_through_ar_rounds(tiny_models):
+    """A request forced to AR rounds and back drafts as well afterwards as one that never left trees
+    (its drafter context was written by the AR rounds; without it, the trained drafter's acceptance
+    falls)."""
+    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=1,
+                                 tree_policy="cost"))
+    prompt = mixed_prompts(engine.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=7, cut=4)[0]
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+
+    def accepted_after(schedule: list[int]) -> list[int]:
+        engine.submit(prompt, params)
+        accepted = []
+        for budget in schedule:
+            engine.policy.forced = budget
+            for _, out in engine.step():
+                if budget:
+                    accepted.append(out.accepted)
+        engine.policy.forced = None
+        while engine.has_work:
+            engine.step()
+        return accepted
+
+    trees = accepted_after([16] * 8)
+    mixed = accepted_after([16] + [AR] * 24 + [16] * 4)
+    assert sum(mixed[1:]) >= 0.6 * sum(trees[1:5]) > 0

@@ -97,7 +97,7 @@ def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: boo
         as_json: bool, fail_on: str | None) -> None:
     """The fleet live: per host GPUs and training, per serving unit or replica health, load, tokens/s,
     acceptance, TTFT and round time (p50/p95 over the refresh), errors, the balancer; and alarms."""
-    from .alarms import KINDS
+    from .alarms import KINDS, top_frame
     from .profile import check_against_inventory, load_profile, resolve_profile
     from .top import HISTORY, Poller, settings_from_profiles
     from .topview import render_frame, run_live, run_stream
@@ -121,17 +121,17 @@ def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: boo
                 deadline = time.monotonic() + samples * interval + poller.timeout + 5
                 while not poller.samples_at_least(min(samples, HISTORY)) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                frame = poller.frame(thresholds)
+                frame = top_frame(poller, thresholds)
                 if as_json:
                     click.echo(json.dumps(frame, default=str))
                 else:
                     stdout_console().print(render_frame(frame))
             elif sys.stdout.isatty() and sys.stdin.isatty() and not as_json:
                 _wait_first_answers(poller)
-                frame = run_live(lambda: poller.frame(thresholds), interval, stdout_console(), count=count)
+                frame = run_live(lambda: top_frame(poller, thresholds), interval, stdout_console(), count=count)
             else:
                 _wait_first_answers(poller)
-                frame = run_stream(lambda: poller.frame(thresholds), interval, stdout_console(), as_json=as_json,
+                frame = run_stream(lambda: top_frame(poller, thresholds), interval, stdout_console(), as_json=as_json,
                                    count=count)
         finally:
             poller.stop()
@@ -244,7 +244,9 @@ LOST_STEPS = LostSteps()
 @click.option("--dry-run", is_flag=True, help="Run preflight, print the plan and the unit diff; change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan without asking.")
 @click.option("--no-rollback", is_flag=True, help="Leave a failed pivot as it is instead of rolling back.")
-@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first (only if its holder is dead).")
+@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first, only if its holder is provably "
+                                               "dead (same control machine: its pid and start time; another: "
+                                               "its lease expired); else refuse, naming it.")
 @click.option("--accept-lost-steps", "accept_lost_steps", type=LOST_STEPS, default=None, metavar="N|all",
               help="Stop training even if that loses up to N steps since its newest checkpoint (`all`: any "
                    "number); replaces the profile's training.max_lost_steps for this run. --yes never does.")
@@ -293,13 +295,17 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
 @click.option("--to", "backup_id", default=None, metavar="BACKUP_ID", help="Restore this backup [default: newest].")
 @click.option("--skip-smoke", is_flag=True, help="Check only the restored units' health, not their smoke test "
                                                  "(the health check always runs).")
+@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first, only if its holder is provably "
+                                               "dead (as pivot's --break-lock).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
 def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, backup_id: str | None,
-             skip_smoke: bool, as_json: bool) -> None:
+             skip_smoke: bool, break_lock: bool, as_json: bool) -> None:
     """Restore a unit's backup (or remove a unit that did not exist before), restart, then gate it: health,
-    and the smoke test of the profile that installed what is restored."""
-    from .rollback import list_backups, rollback_command
+    and the smoke test of the profile that installed what is restored. An unfinished pivot on the host
+    (crashed, killed) is rolled back to the state from before it. Holds the host's pivot lock."""
+    from .backups import list_backups
+    from .rollback import rollback_command
     from .views import backups_table, rollback_line
 
     inventory = obj.inventory()
@@ -316,12 +322,12 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
             return
         with Activity(console, f"rolling back {unit} on {host.name}") as activity:
             report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update,
-                                      skip_smoke=skip_smoke)
+                                      skip_smoke=skip_smoke, break_lock=break_lock)
         _refresh_monitors(inventory, executor, [])
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
-        console.print(rollback_line(report, unit, host.name))
+        console.print(rollback_line(report, unit, host.name), soft_wrap=True)
 
 
 @cli.command("history")

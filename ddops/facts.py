@@ -9,7 +9,7 @@ from typing import Any
 from .errors import DdopsError
 from .executor import Executor
 from .inventory import Expect, Host
-from .paths import REPLICAS_DIR, replicas_manifest
+from .paths import JOURNAL_PATH, LOCK_PATH, REPLICAS_DIR, replicas_manifest
 from .probes import probe_source
 
 
@@ -39,7 +39,8 @@ def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None)
 
 def probe_args(host: Host) -> dict[str, Any]:
     training = asdict(host.training) if host.training else None
-    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR}
+    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR,
+            "lock": LOCK_PATH, "journal": JOURNAL_PATH}
 
 
 def gather(executor: Executor, host: Host, *, metrics: list[str] | None = None,
@@ -259,6 +260,7 @@ class Inspection:
     imports: Imports = field(default_factory=Imports)
     units: dict[str, UnitFact] = field(default_factory=dict)
     lock_holder: dict[str, Any] | None = None
+    journal: dict[str, Any] | None = None          # an unfinished pivot's journal of intent (paths.JOURNAL_PATH)
     ports: dict[int, dict[str, Any] | None] = field(default_factory=dict)   # replicas: each port's holder
     commands: dict[str, str | None] = field(default_factory=dict)          # command -> its path, None if absent
 
@@ -270,7 +272,7 @@ class Inspection:
                    files={p: FileFact.from_json(f) for p, f in (data.get("files") or {}).items()},
                    imports=Imports.from_json(data.get("imports")),
                    units={u: UnitFact.from_json(s) for u, s in (data.get("units") or {}).items()},
-                   lock_holder=data.get("lock"),
+                   lock_holder=data.get("lock"), journal=data.get("journal"),
                    ports={int(p): h for p, h in (data.get("ports") or {}).items()},
                    commands=dict(data.get("commands") or {}))
 

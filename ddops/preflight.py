@@ -23,9 +23,9 @@ from .bundled import CAPACITY, DRAFTER, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
-from .hostlock import lock_problem
+from .hostlock import lock_problem, unfinished_problem
 from .inventory import Host, Inventory
-from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
+from .paths import JOURNAL_PATH, LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
 from .profile import LIMITS, LOCAL, Profile
 from .release import release_id
@@ -48,7 +48,7 @@ def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
             "files": {unit_path(profile.unit): [], profile.env_file: sorted(profile.secrets),
                       release_path(profile.runtime.venv): []},
             "imports": {"python": profile.runtime.python, "modules": modules},
-            "units": units, "lock": LOCK_PATH}
+            "units": units, "lock": LOCK_PATH, "journal": JOURNAL_PATH}
     if profile.replicated:
         add_replica_args(profile, args)
     return args
@@ -402,8 +402,13 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
                         f"{training.last_step}); pass --kill-training to stop it")
     elif not dry_run:  # a dry run shows the cost and what a real run needs
         problems += check_kill_cost(profile, training, accept_lost_steps)
-    if dest.lock_holder is not None and not break_lock:
-        problems.append(lock_problem(profile.host, dest.lock_holder))
+    # A journal under a lock may be a pivot in progress: the lock speaks first (with --break-lock, taking
+    # the lock decides whether its run is dead, and then the journal refuses the pivot).
+    if dest.lock_holder is not None:
+        if not break_lock:
+            problems.append(lock_problem(profile.host, dest.lock_holder))
+    elif dest.journal is not None:
+        problems.append(unfinished_problem(profile.host, dest.journal))
     if problems:
         _fail(problems, False)
     flags_note = flags_summary(server_flags, argv)

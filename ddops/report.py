@@ -33,6 +33,7 @@ class Report:
     rollback_error: str | None = None
     signals: int = 0
     wall_s: float = 0.0
+    way_back: list[dict[str, Any]] = field(default_factory=list)   # the undos to the state before it, as data
 
     @property
     def changed(self) -> bool:
@@ -72,6 +73,8 @@ class Report:
                 "error": self.error.line() if self.error else None, "wall_s": self.wall_s,
                 # what the gates held this unit to: a later rollback to these files is held to the same
                 "checks": Checks.of(self.profile).record(),
+                # what `ddops rollback` to this pivot's backup applies: the release before it, what it stopped
+                "way_back": self.way_back,
                 **({"rolling": self.journal.rolling} if self.journal.rolling else {})}
 
     def as_json(self) -> dict[str, Any]:

@@ -321,19 +321,6 @@ class Poller:
         """Whether every host has answered (or failed) n times."""
         return all(len(w.snapshot()[0]) >= min(n, HISTORY) for w in self.watches.values())
 
-    def frame(self, thresholds: "Thresholds", now: float | None = None) -> dict[str, Any]:
-        from .alarms import host_alarms
-
-        now = time.monotonic() if now is None else now
-        hosts, alarms = [], []
-        for watch in self.watches.values():
-            history, in_flight = watch.snapshot()
-            view = host_view(watch.host, history, in_flight, now, self.interval)
-            hosts.append(view)
-            alarms += host_alarms(watch.host.name, history, thresholds, stalled=view["state"] != "ok")
-        return {"time": time.time(), "interval_s": self.interval, "hosts": hosts,
-                "alarms": [a.as_json() for a in alarms]}
-
 
 @dataclass(frozen=True)
 class Thresholds:

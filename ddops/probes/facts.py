@@ -232,6 +232,19 @@ def replicated(folder, metrics=None):
     return out
 
 
+def pivot_state(lock_path, journal_path):
+    """The pivot lock's holder (its lease's seconds left on this host's clock) and an open journal of
+    intent, and whether both belong to the same run; the tokens themselves stay here."""
+    holder, journal = read_json(lock_path), read_json(journal_path)
+    same = bool(isinstance(holder, dict) and isinstance(journal, dict) and holder.get("token")
+                and holder.get("token") == journal.get("token"))
+    lease_left = None
+    if isinstance(holder, dict) and holder.get("lease_s") and holder.get("renewed_at"):
+        lease_left = round(holder["renewed_at"] + holder["lease_s"] - time.time(), 1)
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("token", "undo", "notes")} if isinstance(d, dict) else d
+    return {"lock": strip(holder), "lease_left_s": lease_left, "journal": strip(journal), "same_run": same}
+
+
 def main():
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     metrics = None
@@ -252,6 +265,8 @@ def main():
     }
     if args.get("replicas_dir"):
         facts["replicas"] = replicated(args["replicas_dir"], metrics)
+    if args.get("lock"):
+        facts["pivot"] = pivot_state(args["lock"], args["journal"])
     facts["probe_s"] = round(time.time() - started, 3)
     json.dump(facts, sys.stdout)
 

@@ -170,6 +170,8 @@ def main():
         out["units"] = units(args["units"])
     if "lock" in args:
         out["lock"] = read_json(args["lock"])
+    if "journal" in args:
+        out["journal"] = read_json(args["journal"])
     json.dump(out, sys.stdout)
 
 

@@ -18,7 +18,7 @@ from test_pivot import REPO, ct200
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 RESET = ("systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service "
-         "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/backups; "
+         "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/backups; "
          "systemctl daemon-reload; systemctl reset-failed; systemctl start dflash-train.service")
 SILENT_S = 10.0     # the longest a log may go without a line
 PROGRESS = re.compile(r"^(-->|\s{5}\S)")   # banners and the plan view's notes and heartbeats

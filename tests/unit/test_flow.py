@@ -158,10 +158,12 @@ class FakeExecutor:
         if any(word in line for word in self.fail):
             return self.result(host, 1, "", f"{line}: failed")
         if name == "lock":
-            return self.result(host, 0, json.dumps({"acquired": True, "released": True, "cleared": False}))
+            return self.result(host, 0, json.dumps({"acquired": True, "released": True, "cleared": False,
+                                                    "journal": None}))
         if name == "unitfile":
             spec = json.loads(stdin)
-            out = self.backups if spec["action"] == "list" else {"before": {}, "after": {},
+            # a restore finds the unit the pivot installed, and puts back what the backup holds
+            out = self.backups if spec["action"] == "list" else {"before": {"unit": "installed"}, "after": {},
                                                                    "daemon_reload": {"rc": 0, "stderr": ""}}
             return self.result(host, 0, json.dumps(out))
         if argv[:2] == ["bash", "-c"] and "history" in argv[-1]:
@@ -173,7 +175,8 @@ class FakeExecutor:
         return CommandResult(host=host.name, command="", exit_code=code, stdout=stdout, stderr=stderr, duration_s=0)
 
     def systemctl(self) -> list[str]:
-        return [" ".join(c[1:]) for c in self.commands if c[0] == "systemctl"]
+        """The systemctl commands that act (not the is-active reads)."""
+        return [" ".join(c[1:]) for c in self.commands if c[0] == "systemctl" and c[1] != "is-active"]
 
 
 class FakeStep:
@@ -241,7 +244,8 @@ def test_a_step_gets_exactly_the_operations_it_planned(monkeypatch, profile):
     report, ex = run_pivot(monkeypatch, profile, [FakeStep("sync", []), step])
     assert step.applied == [planned]
     assert (report["outcome"], report["exit_code"], report["changed"]) == ("ok", 0, ["unit"])
-    assert [json.loads(c[1])["action"] for c in ex.commands if c[0] == "lock"] == ["acquire", "release"]
+    assert [json.loads(c[1])["action"] for c in ex.commands if c[0] == "lock"] == [
+        "acquire", "journal-open", "journal-note", "journal-note", "journal-note", "journal-close", "release"]
 
 
 def test_a_failed_gate_after_a_change_replays_the_undos_newest_first(monkeypatch, profile):

@@ -15,7 +15,7 @@ from ddops.hostlock import lock_problem
 from ddops.inventory import load_inventory
 from ddops.preflight import RUNTIME_TARGETS, check_models, check_port
 from ddops.profile import load_profile
-from ddops.rollback import restore_spec
+from ddops.backups import restore_spec
 from ddops.steps.deps import pip_argv, plan_deps
 from ddops.steps.ship import plan_ship
 from ddops.steps.start import plan_start, start_argvs
@@ -261,7 +261,7 @@ def test_check_port(profile, holder, ok):
 
 def test_lock_problem_names_the_holder():
     text = lock_problem("ct200", {"user": "ana", "control_host": "laptop", "pid": 12})
-    assert "user=ana" in text and "control_host=laptop" in text and "--break-lock" in text
+    assert "ana@laptop pid 12" in text and "--break-lock" in text
     assert lock_problem("ct200", None) is None
 
 

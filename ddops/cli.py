@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 
 from . import __version__
-from .errors import EXIT_ALARM, EXIT_FAILED, DdopsError, UsageError
+from .errors import EXIT_ALARM, EXIT_FAILED, EXIT_INTERNAL, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
 from .progress import Activity
@@ -39,22 +39,40 @@ class Context:
         return Executor(inventory, accept_new_host_keys=self.accept_new_host_keys)
 
 
+# The global options: (declarations, the Context field they set, click settings). The group takes them
+# before the command; every command takes them after it too (`ddops status --limit ct200`), as Ansible's
+# and Kamal's do.
+GLOBAL_OPTIONS = (
+    (("-i", "--inventory", "inventory_path"), "inventory_path",
+     {"type": click.Path(path_type=Path), "default": None,
+      "help": "Inventory file [default: $DDOPS_INVENTORY, then inventories/lab.yaml]."}),
+    (("--limit",), "limit", {"metavar": "HOSTS", "help": "Comma list of hosts or groups to act on."}),
+    (("--accept-new-host-keys",), "accept_new_host_keys",
+     {"is_flag": True, "help": "Trust and record a host key seen for the first time (like accept-new). "
+                               "A changed key is always refused."}),
+    (("-v", "--verbose"), "verbose", {"count": True, "help": "More output; -vv shows tracebacks."}),
+)
+
+
+def _global_options(f):
+    for decls, _, settings in reversed(GLOBAL_OPTIONS):
+        f = click.option(*decls, **settings)(f)
+    return f
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-i", "--inventory", "inventory_path", type=click.Path(path_type=Path),
-              default=None, help="Inventory file [default: $DDOPS_INVENTORY, then inventories/lab.yaml].")
-@click.option("--limit", metavar="HOSTS", help="Comma list of hosts or groups to act on.")
-@click.option("--accept-new-host-keys", is_flag=True,
-              help="Trust and record a host key seen for the first time (like accept-new). "
-                   "A changed key is always refused.")
-@click.option("-v", "--verbose", count=True, help="More output; -vv shows tracebacks.")
+@_global_options
 @click.version_option(__version__, prog_name="ddops")
 @click.pass_context
 def cli(ctx: click.Context, inventory_path: Path | None, limit: str | None,
         accept_new_host_keys: bool, verbose: int) -> None:
     """Fleet ops for GPU hosts that train and serve speculative-decoding LLMs.
 
-    Exit codes: 0 ok, 1 an alarm (`top --fail-on`), 2 user/config error or a failed step, 4 a host
-    unreachable, 130 interrupted (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
+    The global options (-i, --limit, --accept-new-host-keys, -v) go before or after the command.
+
+    Exit codes: 0 ok, 1 an alarm (`top --fail-on`), 2 user/config error or a failed step, 3 an internal
+    error (a bug: the crash log it names goes with the report), 4 a host unreachable, 130 interrupted
+    (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
     """
     ctx.obj = Context(inventory_path=inventory_path or default_inventory_path(), limit=limit,
                       verbose=verbose, accept_new_host_keys=accept_new_host_keys)
@@ -240,7 +258,11 @@ LOST_STEPS = LostSteps()
 @cli.command()
 @click.option("--deploy", "profile_name", required=True, metavar="PROFILE",
               help="Deploy profile: a name in playbooks/ (e.g. zlab-ddtree16) or a path to a .yaml file.")
-@click.option("--kill-training", is_flag=True, help="Stop the training job on the serving host (SIGTERM, grace, SIGKILL).")
+@click.option("--kill-training", is_flag=True,
+              help="Stop the training job on the serving host: first the profile's checkpoint request, if it names "
+                   "one (training.checkpoint_signal or checkpoint_command, then up to checkpoint_wait_s for a newer "
+                   "checkpoint), then SIGTERM (through its unit when it has one), training.grace_s to exit, and "
+                   "SIGKILL for what is left. A stop that would lose more steps than allowed is refused.")
 @click.option("--dry-run", is_flag=True, help="Run preflight, print the plan and the unit diff; change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan without asking.")
 @click.option("--no-rollback", is_flag=True, help="Leave a failed pivot as it is instead of rolling back.")
@@ -297,10 +319,11 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
                                                  "(the health check always runs).")
 @click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first, only if its holder is provably "
                                                "dead (as pivot's --break-lock).")
+@click.option("-y", "--yes", is_flag=True, help="Roll back without asking (it asks only on a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
 def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, backup_id: str | None,
-             skip_smoke: bool, break_lock: bool, as_json: bool) -> None:
+             skip_smoke: bool, break_lock: bool, yes: bool, as_json: bool) -> None:
     """Restore a unit's backup (or remove a unit that did not exist before), restart, then gate it: health,
     and the smoke test of the profile that installed what is restored. An unfinished pivot on the host
     (crashed, killed) is rolled back to the state from before it. Holds the host's pivot lock."""
@@ -312,6 +335,11 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
     host = inventory.host(host_name)
     unit = unit or _default_unit(host)
     console = err_console if as_json else stdout_console()
+    if not (yes or list_only or as_json) and sys.stdin.isatty():
+        target = f"backup {backup_id}" if backup_id else "its newest backup"
+        if not click.confirm(f"Roll {unit} on {host.name} back to {target}?", default=False, err=True):
+            err_console.print("not confirmed: nothing was changed")
+            return
     with obj.executor(inventory) as executor:
         if list_only:
             backups = list_backups(executor, host, unit)
@@ -494,6 +522,30 @@ def lab_status(as_json: bool) -> None:
         stdout_console().print(lab_table(states))
 
 
+def _late_global_option(field: str):
+    """A global option given after the command: it overrides (or, for -v, adds to) the one before it."""
+    def store(ctx: click.Context, param: click.Parameter, value) -> None:
+        if value in (None, False, 0):
+            return
+        obj = ctx.find_object(Context)
+        if field == "verbose":
+            value += obj.verbose
+        setattr(obj, field, value)
+    return store
+
+
+def _accept_global_options_after(group: click.Group) -> None:
+    """Give every command below `group` the global options too."""
+    for command in group.commands.values():
+        command.params += [click.Option(list(decls), expose_value=False, callback=_late_global_option(field),
+                                        **settings) for decls, field, settings in GLOBAL_OPTIONS]
+        if isinstance(command, click.Group):
+            _accept_global_options_after(command)
+
+
+_accept_global_options_after(cli)
+
+
 def _progress(message: str) -> None:
     err_console.print(f"[bold blue]-->[/] {message}", soft_wrap=True)  # one line in a log, never wrapped at 80
 
@@ -530,4 +582,4 @@ def main() -> None:
             traceback.print_exc(file=fh)
         err_console.print(f"[bold red]internal error:[/] {sys.exc_info()[1]!r} — details in {log}; "
                           "please report it with that file")
-        sys.exit(EXIT_FAILED + 1)
+        sys.exit(EXIT_INTERNAL)

@@ -247,6 +247,23 @@ class UnitFact:
 class Free:
     checked: str           # the existing directory the free space was measured on
     free_bytes: int
+    device: int | None = None   # its filesystem (st_dev): paths on one share its free space
+
+
+@dataclass(frozen=True)
+class PathFact:
+    """A path ddops writes, on the host: where it leads with symlinks resolved, and what is there."""
+
+    real: str
+    link: bool = False
+    exists: bool = False
+    dir: bool = False
+    entries: int | None = 0     # how many names a directory holds (None: unreadable)
+    venv: bool = False          # holds a pyvenv.cfg
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "PathFact":
+        return cls(**{k: data.get(k) for k in ("real", "link", "exists", "dir", "entries", "venv")})
 
 
 @dataclass(frozen=True)
@@ -263,11 +280,14 @@ class Inspection:
     journal: dict[str, Any] | None = None          # an unfinished pivot's journal of intent (paths.JOURNAL_PATH)
     ports: dict[int, dict[str, Any] | None] = field(default_factory=dict)   # replicas: each port's holder
     commands: dict[str, str | None] = field(default_factory=dict)          # command -> its path, None if absent
+    paths: dict[str, PathFact] = field(default_factory=dict)               # paths ddops writes: where they lead
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Inspection":
         return cls(trees={p: Tree.from_json(t) for p, t in (data.get("trees") or {}).items()},
-                   free={p: Free(f["checked"], f["free_bytes"]) for p, f in (data.get("free") or {}).items()},
+                   free={p: Free(f["checked"], f["free_bytes"], f.get("device"))
+                         for p, f in (data.get("free") or {}).items()},
+                   paths={p: PathFact.from_json(f) for p, f in (data.get("paths") or {}).items()},
                    port_holder=data.get("port"),
                    files={p: FileFact.from_json(f) for p, f in (data.get("files") or {}).items()},
                    imports=Imports.from_json(data.get("imports")),

@@ -265,6 +265,7 @@ class Pivot:
         state.status = "running"
         view.note = ""
         view.refresh()
+        calm = self.ctx.interrupted is None
         try:
             state.summary = action()
             state.status = "done"
@@ -272,6 +273,8 @@ class Pivot:
         except DdopsError as exc:
             return self.fail_at(state, exc)
         finally:
+            if calm and self.ctx.interrupted is not None:
+                self.report.interrupted_during = state.name
             state.seconds = round(time.monotonic() - t0, 2)
             view.note = ""
             view.refresh()
@@ -287,8 +290,9 @@ class Pivot:
         return exc
 
     def stop_here(self, state: StepState) -> Interrupted:
-        error = Interrupted(f"interrupted by {self.ctx.interrupted} before {state.title.lower()}: "
-                            "stopped at a safe point")
+        during = self.report.interrupted_during
+        error = Interrupted(f"interrupted by {self.ctx.interrupted}" + (f" during {during}" if during else "")
+                            + f": stopped at a safe point, before {state.title.lower()}")
         self.report.failed_step = state.name
         for later in self.states[self.states.index(state):]:
             if later.name != "record":

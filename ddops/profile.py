@@ -400,16 +400,44 @@ def _system_tree(path: str) -> str | None:
     return next((t for t in _SYSTEM_TREES if path == t or path.startswith(t + "/")), None)
 
 
+def model_dir_problem(path: str) -> str | None:
+    """Why a normalised absolute path may not be a model dir (the sync mirrors into it with --delete),
+    or None. Preflight asks again of the path with its symlinks resolved on the host."""
+    inside = _system_tree(path)
+    if path in _PROTECTED or path.count("/") < 2 or inside or (path.startswith("/dev/") and
+                                                              not path.startswith("/dev/shm/")):
+        return "a system directory or too shallow" + (
+            f" (inside {inside}, which the sync's --delete would damage)" if inside else "")
+    return None
+
+
+def venv_dir_problem(path: str) -> str | None:
+    """Why a normalised absolute path may not hold the runtime's venv (`python3 -m venv` writes bin/,
+    lib/, include/ and pyvenv.cfg into it), or None."""
+    inside = _system_tree(path)
+    if path in _PROTECTED or path.count("/") < 2 or inside:
+        return "a system directory or too shallow" + (
+            f" (inside {inside}, where a venv's bin/ and lib/ would mix with the system's)" if inside else "")
+    return None
+
+
 def _model_path(section: Section, key: str) -> str:
     value = section.abspath(key, required=True)
     norm = os.path.normpath(value)
-    inside = _system_tree(norm)
-    if norm in _PROTECTED or norm.count("/") < 2 or inside or (norm.startswith("/dev/") and
-                                                              not norm.startswith("/dev/shm/")):
-        raise section.fail(key, f"model path {value!r} is a system directory or too shallow"
-                           + (f" (inside {inside}, which the sync's --delete would damage)" if inside else ""),
+    problem = model_dir_problem(norm)
+    if problem:
+        raise section.fail(key, f"model path {value!r} is {problem}",
                            "name the model's own directory, e.g. /root/models/NAME")
     return norm
+
+
+def _venv_path(section: Section) -> str:
+    value = os.path.normpath(_executable(section, "venv"))
+    problem = venv_dir_problem(value)
+    if problem:
+        raise section.fail("venv", f"`runtime.venv` {value!r} is {problem}",
+                           "give the venv a directory of its own, e.g. /opt/ddtree/venv")
+    return value
 
 
 def _local_source(section: Section) -> str:
@@ -424,6 +452,7 @@ def _local_source(section: Section) -> str:
     expanded = os.path.expanduser(cache + raw[len(CACHE):] if raw.startswith(CACHE) else raw)
     if CONTROL_CHARS.search(expanded):
         raise section.fail("path", f"local source path {raw!r} contains a newline or control character")
+    section.refuse_parent_steps("path", raw)
     real = os.path.realpath(expanded)
     if _system_tree(real) or real in _PROTECTED or real.count("/") < 2:
         raise section.fail("path", f"local source path {raw!r} is {real}, a system directory or too shallow",
@@ -506,7 +535,7 @@ def _runtime(top: Section, root: Path) -> Runtime:
         wheelhouse = str((root / os.path.expanduser(wheelhouse)).resolve())
     if not index and wheelhouse is None:
         raise section.fail("index", "`index: false` needs a `wheelhouse` (a local dir of wheels to push)")
-    return Runtime(venv=_executable(section, "venv"), packages=packages, ship=ship,
+    return Runtime(venv=_venv_path(section), packages=packages, ship=ship,
                    index=index, wheelhouse=wheelhouse)
 
 

@@ -28,6 +28,7 @@ class Report:
     error: DdopsError | None = None
     failed_step: str | None = None
     interrupted: str | None = None
+    interrupted_during: str | None = None   # the step that was running when the signal came
     rolled_back: bool | None = None        # None: no rollback was tried
     rollback: dict[str, Any] | None = None   # what the rollback did
     rollback_error: str | None = None
@@ -47,7 +48,8 @@ class Report:
         """Set outcome and state from what happened."""
         self.outcome, self.state = outcome(self, no_rollback)
         if self.interrupted and self.error is not None:
-            self.state = f"interrupted by {self.interrupted} during {self.failed_step}; {self.state}"
+            during = self.interrupted_during or self.failed_step
+            self.state = f"interrupted by {self.interrupted} during {during}; {self.state}"
 
     @property
     def exit_code(self) -> int:

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
-from .executor import Executor, Outcome
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, HostUnreachable
+from .executor import CommandTimeout, Executor, Outcome
 from .facts import check_identity, gather, tensor_parallel
 from .history import unfinished_words
 from .hostlock import describe, liveness
@@ -19,8 +19,17 @@ from .inventory import Host
 
 def collect(executor: Executor, hosts: list[Host]) -> list[dict[str, Any]]:
     """One status record per host, in inventory order; an unreachable host is a record too."""
-    outcomes = executor.fan_out(hosts, lambda h: gather(executor, h))
+    outcomes = executor.fan_out(hosts, lambda h: _gather(executor, h))
     return [_record(h, outcomes[h.name]) for h in hosts]
+
+
+def _gather(executor: Executor, host: Host) -> dict[str, Any]:
+    """The facts probe, a few seconds' work: one that never finishes means the host (or its sshd) froze."""
+    try:
+        return gather(executor, host)
+    except CommandTimeout as exc:
+        raise HostUnreachable(f"{host.name} stopped answering during the facts probe: {exc.what}",
+                              fix="check the host (a frozen sshd or a full disk?), then retry") from None
 
 
 def _record(host: Host, outcome: Outcome[dict[str, Any]]) -> dict[str, Any]:

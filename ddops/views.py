@@ -35,8 +35,8 @@ class PlanView:
 
     In a terminal the table updates live. Anywhere else (a CI log, `| tee`) a live table prints
     nothing until the end, so the view writes a line when a step starts or ends, each new progress
-    note and a heartbeat, as ddops.progress does for a single wait; the final table is printed once,
-    complete, at the end.
+    note and a heartbeat, as ddops.progress does for a single wait. The step list itself is printed
+    once there, as the plan: those lines already say how each step ended.
     """
 
     def __init__(self, states: list[StepState], console: Console) -> None:
@@ -124,7 +124,6 @@ class PlanView:
         self.stop_heartbeat.set()
         self.log_transitions()
         self.note = ""
-        self.console.print(self.table())
 
 
 def show_plan(states: list[StepState], console: Console, capacity: str | None = None) -> None:

@@ -58,7 +58,7 @@ def test_no_step_is_left_pending_and_the_summary_starts_its_own_line(story):
     out = text(timed)
     assert not re.search(r"\spending\b", out), [line for line in out.splitlines() if "pending" in line]
     assert re.search(r"^OK: ddtree.service on ct200 is active and healthy", out, re.M)
-    assert re.search(r"^\s*✔\s+Record\s+done\s", out, re.M)
+    assert re.search(r"^\s*✔\s+Record:\s+done\b", out, re.M)
 
 
 def test_the_dry_run_shows_the_whole_plan_without_the_kill_flag(story):

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .gpuhealth import assess, stray_xids
 from .top import Poller, Sample, Target, Thresholds, host_view, window
 
 # Each kind, and what raises it.
@@ -17,6 +18,7 @@ KINDS = {
     "queue": "a queue that grew at each of the last three refreshes",
     "restart": "a unit restarted since the last refresh (its restart count, main PID or start time changed)",
     "gpu-memory": "a GPU's memory over 95% used",
+    "gpu": "a GPU with uncorrectable ECC errors or a fatal Xid since boot, or rows waiting to be remapped",
     "balancer": "a replica the balancer does not send to (DOWN, DRAIN, MAINT or absent)",
     "down": "a serving unit not active, or its /health not ok",
     "unreachable": "a host that did not answer",
@@ -57,7 +59,8 @@ def host_alarms(host: str, history: list[Sample], thresholds: Thresholds, *, sta
 
 
 def _gpu_alarms(host: str, facts: dict[str, Any], fraction: float) -> list[Alarm]:
-    out = []
+    out = [Alarm("gpu", host, f"GPU {h.index}: {'; '.join(h.faults)}") for h in assess(facts) if h.faults]
+    out += [Alarm("gpu", host, stray) for stray in stray_xids(facts)]
     for g in facts.get("gpus", {}).get("list", []):
         used, total = g.get("memory_used_mib"), g.get("memory_total_mib")
         if used is not None and total and used / total > fraction:

@@ -109,7 +109,7 @@ def status(obj: Context, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object a line, one per refresh.")
 @click.option("--fail-on", "fail_on", default=None, metavar="KINDS",
               help="With --once or --count: exit 1 when one of these alarms is up at the end (comma list, or "
-                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, balancer, down, unreachable.")
+                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, gpu, balancer, down, unreachable.")
 @click.pass_obj
 def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: bool, count: int | None,
         as_json: bool, fail_on: str | None) -> None:
@@ -272,13 +272,17 @@ LOST_STEPS = LostSteps()
 @click.option("--accept-lost-steps", "accept_lost_steps", type=LOST_STEPS, default=None, metavar="N|all",
               help="Stop training even if that loses up to N steps since its newest checkpoint (`all`: any "
                    "number); replaces the profile's training.max_lost_steps for this run. --yes never does.")
+@click.option("--accept-gpu-faults", is_flag=True,
+              help="Pivot onto GPUs with uncorrectable ECC errors, pending remaps or a fatal Xid since boot "
+                   "(preflight refuses them otherwise); the history records it.")
 @click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Replicas replaced at once when a pivot changes replicas already serving (a rolling "
                    "restart: drain, restart, gate, readmit, batch by batch; halts at the first failure).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
-          break_lock: bool, accept_lost_steps: float | None, batch: int, as_json: bool) -> None:
+          break_lock: bool, accept_lost_steps: float | None, accept_gpu_faults: bool, batch: int,
+          as_json: bool) -> None:
     """Pivot a host from training to serving, gated on health and a real smoke test.
 
     A profile whose `host` is an inventory group is pivoted host by host, halting at the first failure.
@@ -297,7 +301,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
-                           break_lock=break_lock, accept_lost_steps=accept_lost_steps, batch=batch)
+                           break_lock=break_lock, accept_lost_steps=accept_lost_steps,
+                           accept_gpu_faults=accept_gpu_faults, batch=batch)
     with obj.executor(inventory) as executor:
         report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                          confirm=lambda q: click.confirm(q, default=False, err=True))

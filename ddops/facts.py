@@ -44,10 +44,14 @@ def probe_args(host: Host) -> dict[str, Any]:
 
 
 def gather(executor: Executor, host: Host, *, metrics: list[str] | None = None,
-           api_keys: dict[int, str] | None = None, timeout: float | None = None) -> dict[str, Any]:
+           api_keys: dict[int, str] | None = None, timeout: float | None = None,
+           cuda_version: bool = False) -> dict[str, Any]:
     """Run the facts probe on host and return its parsed JSON. With `metrics` (sample names), every
-    runtime and replica also has its /metrics read, in the same round trip (`api_keys` by port)."""
+    runtime and replica also has its /metrics read, in the same round trip (`api_keys` by port); with
+    `cuda_version`, the CUDA version the driver supports too (one more nvidia-smi call: preflight's)."""
     args = probe_args(host)
+    if cuda_version:
+        args["cuda_version"] = True
     stdin = None
     if metrics:
         args["metrics"] = metrics
@@ -335,6 +339,7 @@ class PivotFacts:
     release: str | None = None          # the runtime release `runtime.ship` would install
     server_flags: ServerFlags | None = None   # what the unit's server takes (None: not asked)
     pool: Any = None                    # ddops.capacity.PoolEstimate: what the KV pool will hold (None: no GPU pool)
+    gpu_check: Any = None               # ddops.gpucheck.GpuCheck: the torch checked, GPU faults accepted, warnings
 
     @property
     def host(self) -> HostFacts:

@@ -49,6 +49,7 @@ class PivotOptions:
     no_rollback: bool = False
     break_lock: bool = False
     accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
+    accept_gpu_faults: bool = False          # --accept-gpu-faults: faulty GPUs are warned about, not refused
     batch: int = 1            # replicas replaced at once by a rolling restart
 
 
@@ -88,7 +89,8 @@ class Pivot:
                 ctx.facts, pre.summary = preflight(ctx.profile, ctx.inventory, ctx.executor,
                                                    kill_training=options.kill_training, dry_run=options.dry_run,
                                                    break_lock=options.break_lock,
-                                                   accept_lost_steps=options.accept_lost_steps)
+                                                   accept_lost_steps=options.accept_lost_steps,
+                                                   accept_gpu_faults=options.accept_gpu_faults)
             pre.status = "done"
         except DdopsError as exc:
             pre.status, pre.summary = "failed", exc.line()
@@ -97,6 +99,7 @@ class Pivot:
             return self.finish("failed", "preflight failed: nothing was changed anywhere", exc, started)
         pre.seconds = round(time.monotonic() - t0, 2)
         self.report.release = ctx.facts.release
+        self.report.accepted_gpu_faults = list(ctx.facts.gpu_check.accepted) if ctx.facts.gpu_check else []
         self.report.pool = ctx.facts.pool.as_json() if ctx.facts.pool is not None else None
         self.plan_all()
         self.banner(f"Plan for {ctx.profile.host} ({ctx.profile.name})")

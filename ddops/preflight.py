@@ -24,6 +24,7 @@ from .bundled import CAPACITY, DRAFTER, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
+from .gpucheck import check_gpus, torch_probe_args
 from .hostlock import lock_problem, unfinished_problem
 from .inventory import Host, Inventory
 from .paths import JOURNAL_PATH, LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
@@ -374,24 +375,27 @@ def check_kill_cost(profile: Profile, training: Training, accepted: float | None
 
 def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kill_training: bool = False,
               dry_run: bool = False, break_lock: bool = False,
-              accept_lost_steps: float | None = None) -> tuple[PivotFacts, str]:
+              accept_lost_steps: float | None = None, accept_gpu_faults: bool = False) -> tuple[PivotFacts, str]:
     """Gather and check; returns the facts and a one-line summary, or raises naming every problem found."""
     hosts = involved_hosts(profile, inventory)
     serving = inventory.host(profile.host)
     training_unit = serving.training.unit if serving.training else None
 
-    def one(host: Host) -> tuple[dict, dict, ServerFlags | None]:
-        facts = gather(executor, host)
+    def one(host: Host) -> tuple[dict, dict, ServerFlags | None, dict | None]:
+        facts = gather(executor, host, cuda_version=host.name == profile.host)
         args = serving_args(profile, training_unit) if host.name == profile.host else {"trees": []}
         if host.name == profile.host or any(m.source and m.source.host == host.name for m in profile.models):
             args["trees"] = list(dict.fromkeys(args["trees"] + source_args(profile, host.name)["trees"]))
         inspected = run_probe(executor, host, "inspect", args, timeout=300)
         # the installed server's own --help, unless the pivot ships the release that will run
         flags = host_flags(executor, host, profile) if host.name == profile.host and not ships_server(profile) else None
-        return facts, inspected, flags
+        torch_args = torch_probe_args(profile, inspected) if host.name == profile.host else None
+        torch = run_probe(executor, host, "torchwheel", torch_args, timeout=900) if torch_args else None
+        return facts, inspected, flags, torch
 
     outcomes = executor.fan_out(hosts, one)
     server_flags: ServerFlags | None = None
+    torch: dict | None = None
     problems: list[str] = []
     unreachable = False
     host_facts: dict[str, HostFacts] = {}
@@ -402,7 +406,8 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
             unreachable |= outcome.unreachable
             problems.append(outcome.error.line())
             continue
-        facts, inspected, flags = outcome.value
+        facts, inspected, flags, found = outcome.value
+        torch = found or torch
         host_facts[host.name], inspections[host.name] = HostFacts.from_json(facts), Inspection.from_json(inspected)
         server_flags = flags or server_flags
         identity = check_identity(host.expect, facts)
@@ -430,6 +435,9 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     problems += check_flags(profile, argv, server_flags)
     problems += check_tensor_parallel(profile, facts.host)
     problems += check_fp8_gpus(profile, facts.host)
+    gpu_problems, gpu_check = check_gpus(profile, facts.host, torch, accept_gpu_faults)
+    problems += gpu_problems
+    facts = replace(facts, gpu_check=gpu_check)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "
@@ -447,7 +455,8 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
         _fail(problems, False)
     flags_note = flags_summary(server_flags, argv)
     return facts, (f"{len(hosts)} host(s) ok; {profile.host} is {facts.host.hostname} with "
-                   f"{facts.host.gpu_count} GPU(s)" + (f"; {flags_note}" if flags_note else ""))
+                   f"{facts.host.gpu_count} GPU(s)" + (f"; {flags_note}" if flags_note else "")
+                   + (f"; {gpu_check.note()}" if gpu_check.note() else ""))
 
 
 def _fail(problems: list[str], unreachable: bool) -> None:

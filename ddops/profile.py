@@ -63,12 +63,31 @@ class Model:
 
 
 @dataclass(frozen=True)
+class TorchPin:
+    """`runtime.torch`: the torch build to install (torch==VERSION+cuXY), and the index that has it."""
+
+    version: str
+    cuda: str                  # major.minor, e.g. "12.8"
+    index: str | None = None   # e.g. https://download.pytorch.org/whl/cu128 (pip's --extra-index-url)
+    where: str = ""            # file:line, for preflight's lines
+
+    @property
+    def build(self) -> str:
+        return f"{self.version}+cu{self.cuda.replace('.', '')}"
+
+    @property
+    def requirement(self) -> str:
+        return f"torch=={self.build}"
+
+
+@dataclass(frozen=True)
 class Runtime:
     venv: str
     packages: dict[str, str]   # import name -> pip requirement
     ship: str | None           # local path of the runtime package to build and install, or None
     index: bool = True         # False: the host has no package index; ddops pushes a wheelhouse
     wheelhouse: str | None = None  # local dir of wheels for hosts without an index
+    torch: TorchPin | None = None  # runtime.torch: sets packages' torch to that build
 
     @property
     def python(self) -> str:
@@ -507,7 +526,7 @@ def _runtime_needs(pyproject: Path, packages: dict[str, str]) -> dict[str, str]:
 
 def _runtime(top: Section, root: Path) -> Runtime:
     section = top.section("runtime", required=True)
-    section.reject_unknown(("venv", "packages", "ship", "index", "wheelhouse"))
+    section.reject_unknown(("venv", "packages", "ship", "index", "wheelhouse", "torch"))
     packages_section = section.section("packages")
     packages: dict[str, str] = {}
     if packages_section is not None:
@@ -516,6 +535,12 @@ def _runtime(top: Section, root: Path) -> Runtime:
                 raise packages_section.fail(key, f"invalid import name {key!r}",
                                             "keys are import names, values pip requirements")
             packages[key] = packages_section.str(key, required=True)
+    torch = _torch_pin(section)
+    if torch is not None:
+        if "torch" in packages:
+            raise section.fail("torch", "both runtime.torch and runtime.packages.torch name the torch to install",
+                               "keep one: runtime.torch pins the build (version and CUDA)")
+        packages["torch"] = torch.requirement
     ship = section.str("ship")
     if ship is not None:
         ship_path = (root / ship).resolve()
@@ -536,7 +561,25 @@ def _runtime(top: Section, root: Path) -> Runtime:
     if not index and wheelhouse is None:
         raise section.fail("index", "`index: false` needs a `wheelhouse` (a local dir of wheels to push)")
     return Runtime(venv=_venv_path(section), packages=packages, ship=ship,
-                   index=index, wheelhouse=wheelhouse)
+                   index=index, wheelhouse=wheelhouse, torch=torch)
+
+
+def _torch_pin(runtime: Section) -> TorchPin | None:
+    """`runtime.torch: {version: "2.7.1", cuda: "12.8", index: URL}`; YAML may read the CUDA as a number."""
+    pin = runtime.section("torch")
+    if pin is None:
+        return None
+    pin.reject_unknown(("version", "cuda", "index"))
+    values = {k: (str(pin.data[k]) if isinstance(pin.data.get(k), (int, float)) and not isinstance(pin.data[k], bool)
+                  else pin.str(k, required=k != "index")) for k in ("version", "cuda", "index")}
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)?", values["version"] or ""):
+        raise pin.fail("version", f"runtime.torch.version must be a release like 2.7.1, got {values['version']!r}")
+    if not re.fullmatch(r"\d+\.\d", values["cuda"] or ""):
+        raise pin.fail("cuda", f"runtime.torch.cuda must be a CUDA version like \"12.8\", got {values['cuda']!r}",
+                       "quote it in YAML")
+    if values["index"] is not None and not re.fullmatch(r"https?://\S+", values["index"]):
+        raise pin.fail("index", f"runtime.torch.index must be an http(s) URL, got {values['index']!r}")
+    return TorchPin(version=values["version"], cuda=values["cuda"], index=values["index"], where=pin.where())
 
 
 def _serve(top: Section) -> Serve:

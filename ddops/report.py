@@ -23,6 +23,7 @@ class Report:
     gate_names: tuple[str, ...] = ()        # which rows are gates: a failed gate changed nothing itself
     release: str | None = None
     pool: dict[str, Any] | None = None      # what the KV pool will hold on the GPU (ddops.capacity)
+    accepted_gpu_faults: list[str] = field(default_factory=list)   # what --accept-gpu-faults let through
     outcome: str | None = None
     state: str | None = None
     error: DdopsError | None = None
@@ -77,7 +78,8 @@ class Report:
                 "checks": Checks.of(self.profile).record(),
                 # what `ddops rollback` to this pivot's backup applies: the release before it, what it stopped
                 "way_back": self.way_back,
-                **({"rolling": self.journal.rolling} if self.journal.rolling else {})}
+                **({"rolling": self.journal.rolling} if self.journal.rolling else {}),
+                **({"accepted_gpu_faults": self.accepted_gpu_faults} if self.accepted_gpu_faults else {})}
 
     def as_json(self) -> dict[str, Any]:
         """What `--json` prints and the summary reads."""
@@ -99,6 +101,8 @@ class Report:
             out["pool"] = self.pool
         if self.journal.rolling:
             out["rolling"] = self.journal.rolling
+        if self.accepted_gpu_faults:
+            out["accepted_gpu_faults"] = self.accepted_gpu_faults
         out.update(interrupted=self.interrupted, error=self.error.line() if self.error else None,
                    release=self.release, backup_id=self.journal.backup_id, changed=sorted(self.journal.changed),
                    stopped_units=self.journal.stopped_units, training=self.journal.training, gates=self.gates(),

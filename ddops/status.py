@@ -12,6 +12,9 @@ from rich.text import Text
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, HostUnreachable
 from .executor import CommandTimeout, Executor, Outcome
 from .facts import check_identity, gather, tensor_parallel
+from .gpuhealth import style as health_style
+from .gpuhealth import summary as gpu_summary
+from .gpuhealth import words as health_words
 from .history import unfinished_words
 from .hostlock import describe, liveness
 from .inventory import Host
@@ -35,7 +38,8 @@ def _gather(executor: Executor, host: Host) -> dict[str, Any]:
 def _record(host: Host, outcome: Outcome[dict[str, Any]]) -> dict[str, Any]:
     record: dict[str, Any] = {"host": host.name, "reached_as": host.label, "reachable": not outcome.unreachable,
                               "error": outcome.error.line() if outcome.error else None,
-                              "identity": None, "gpus": [], "gpu_error": None, "training": None,
+                              "identity": None, "gpus": [], "gpu_error": None, "driver": None, "gpu_health": [],
+                              "kernel_log": None, "training": None,
                               "services": [], "runtime": [], "replicas": [], "pivot": None}
     if outcome.value is None:
         return record
@@ -43,7 +47,8 @@ def _record(host: Host, outcome: Outcome[dict[str, Any]]) -> dict[str, Any]:
     identity = check_identity(host.expect, facts)
     record.update(identity=asdict(identity), gpus=facts["gpus"]["list"], gpu_error=facts["gpus"]["error"],
                   training=facts["training"], services=facts["services"], runtime=facts["runtime"],
-                  replicas=facts.get("replicas") or [], pivot=pivot_state(host.name, facts.get("pivot")))
+                  replicas=facts.get("replicas") or [], pivot=pivot_state(host.name, facts.get("pivot")),
+                  **gpu_summary(facts))
     return record
 
 
@@ -118,7 +123,12 @@ def _gpu_cell(r: dict[str, Any]) -> Text:
     used = sum(g["memory_used_mib"] or 0 for g in gpus)
     total = sum(g["memory_total_mib"] or 0 for g in gpus)
     names = sorted({g["name"] for g in gpus})
-    return Text(f"{len(gpus)}x {', '.join(names)}\n{used / 1024:.0f}/{total / 1024:.0f} GiB used")
+    text = Text(f"{len(gpus)}x {', '.join(names)}\n{used / 1024:.0f}/{total / 1024:.0f} GiB used")
+    driver = r["driver"] or {}
+    text.append(f"\ndriver {driver.get('version') or 'unknown'}")
+    health = r["gpu_health"]
+    text.append(f"\nhealth {health_words(health)}", style=health_style(health))
+    return text
 
 
 def _training_cell(r: dict[str, Any]) -> Text:

@@ -243,7 +243,8 @@ def history_table(records: list[dict[str, Any]]) -> Table:
             outcome = Text(f"UNFINISHED\n{r.get('state')}", style="bold red")
         wall = f"{r['wall_s']}s" if r.get("wall_s") is not None else "-"
         table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
-                      outcome, r.get("release") or "", r.get("backup_id") or "",
+                      outcome + (" (GPU faults accepted)" if r.get("accepted_gpu_faults") else ""),
+                      r.get("release") or "", r.get("backup_id") or "",
                       wall, f"{r.get('user')}@{r.get('control_host')}")
     return table
 

@@ -28,25 +28,31 @@ def number(text):
         return None
 
 
-def gpus():
-    """The GPUs, each with its compute capability (None where the driver cannot report it: nvidia-smi
-    before R510 refuses the whole query for an unknown field, so it is asked again without it)."""
-    fields = GPU_FIELDS + ["compute_cap"]
-    code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
-    if code != 0:
-        fields = GPU_FIELDS
+def gpus(with_cuda=False):
+    """The GPUs, each with its compute capability and health (ddops.probes.gpuhealth), and the driver. A
+    field the driver does not know makes nvidia-smi refuse the whole query (before R510 compute_cap, before
+    R460 remapped_rows): it is asked again with fewer, and what it no longer asks is None."""
+    for fields in (GPU_FIELDS + ["compute_cap"] + HEALTH_FIELDS, GPU_FIELDS + ["compute_cap"], GPU_FIELDS):
         code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
-    if code != 0:
-        return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": []}
+        if code == 0:
+            break
+    if code != 0:   # a GPU off the bus can fail nvidia-smi as a whole: its Xid is wanted most then
+        return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": [],
+                "driver": {"version": None, "cuda": None},
+                "xid": {"source": None, "error": None, "events": []} if code == 127 else xid_events()}
     rows = []
     for line in out.strip().splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(fields):
             continue
-        rows.append({"index": number(cells[0]), "name": cells[1], "memory_used_mib": number(cells[2]),
-                     "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4]),
-                     "compute_cap": number(cells[5]) if len(cells) > 5 else None})
-    return {"error": None, "list": rows}
+        row = {"index": number(cells[0]), "name": cells[1], "memory_used_mib": number(cells[2]),
+               "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4]),
+               "compute_cap": number(cells[5]) if len(cells) > 5 else None}
+        if len(cells) > 6:
+            row.update(health_cells(cells[6:]))
+        rows.append(row)
+    holders(rows)
+    return {"error": None, "list": rows, "driver": driver_facts(rows, with_cuda), "xid": xid_events()}
 
 
 def clock_ticks():
@@ -256,7 +262,7 @@ def main():
     absent = {s["unit"] for s in services if s.get("LoadState") == "not-found"}
     facts = {
         "hostname": socket.gethostname(),
-        "gpus": gpus(),
+        "gpus": gpus(bool(args.get("cuda_version"))),
         "training": training(args.get("training")),
         "services": services,
         "runtime": [with_metrics(dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"]),

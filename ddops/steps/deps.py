@@ -35,12 +35,17 @@ def pip_argv(profile: Profile, modules: list[str]) -> list[str]:
             "--progress-bar", "off"]
     if not profile.runtime.index:
         argv += ["--no-index", "--find-links", WHEELHOUSE]
+    elif profile.runtime.torch is not None and profile.runtime.torch.index and "torch" in modules:
+        argv += ["--extra-index-url", profile.runtime.torch.index]
     return argv + [profile.runtime.packages[m] for m in modules]
 
 
-def plan_deps(profile: Profile, imports: Imports, venv_dir: PathFact | None = None) -> list[Operation]:
-    """`venv_dir`: what is at the venv's path now (preflight refused a non-empty dir that is no venv);
-    a venv made where nothing was is removed again if the step fails."""
+def plan_deps(profile: Profile, imports: Imports, installed_torch: str | None = None,
+              venv_dir: PathFact | None = None) -> list[Operation]:
+    """What to install: the modules that do not import, and torch again when runtime.torch pins another build
+    than `installed_torch` (the venv's torch version, which preflight read). `venv_dir`: what is at the venv's
+    path now (preflight refused a non-empty dir that is no venv); a venv made where nothing was is removed
+    again if the step fails."""
     if profile.engine != "ddtree":
         return []
     operations = []
@@ -49,6 +54,9 @@ def plan_deps(profile: Profile, imports: Imports, venv_dir: PathFact | None = No
         operations.append(Operation(f"create venv {profile.runtime.venv}", commands=(tuple(venv_argv(profile)),),
                                     data={"venv": profile.runtime.venv, "new_dir": new_dir}))
     missing = missing_modules(profile, imports)
+    pin = profile.runtime.torch
+    if pin is not None and installed_torch and installed_torch != pin.build and "torch" not in missing:
+        missing = sorted(missing + ["torch"])
     if missing:
         specs = [profile.runtime.packages[m] for m in missing]
         source = "the index" if profile.runtime.index else "a pushed wheelhouse"
@@ -81,7 +89,8 @@ class DepsStep:
 
     def plan(self, ctx: PlanContext) -> list[Operation]:
         dest = ctx.facts.dest
-        return plan_system_packages(ctx.profile, dest) + plan_deps(ctx.profile, dest.imports,
+        installed = ctx.facts.gpu_check.installed_torch if ctx.facts.gpu_check is not None else None
+        return plan_system_packages(ctx.profile, dest) + plan_deps(ctx.profile, dest.imports, installed,
                                                                    dest.paths.get(ctx.profile.runtime.venv))
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:

@@ -68,7 +68,7 @@ def test_a_subgroup_s_commands_take_them_too(inventory, monkeypatch):
 
 
 def test_rollback_takes_yes_as_pivot_does(inventory, seen, monkeypatch):
-    monkeypatch.setattr("ddops.rollback.list_backups", lambda executor, host, unit: [])
+    monkeypatch.setattr("ddops.backups.list_backups", lambda executor, host, unit: [])
     for flag in ("-y", "--yes"):
         result = CliRunner().invoke(cli, ["-i", str(inventory), "rollback", "--host", "ct200", flag, "--list", "--json"],
                                     catch_exceptions=False)

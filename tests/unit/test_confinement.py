@@ -108,7 +108,7 @@ class VenvFails:
 
 @pytest.mark.parametrize("existed, removed", [(False, True), (True, False)])
 def test_a_failed_venv_step_removes_only_a_venv_it_made(profile, existed, removed):
-    operations = plan_deps(profile, Imports.from_json({"venv": False}), PathFact(real=VENV, exists=existed))
+    operations = plan_deps(profile, Imports.from_json({"venv": False}), venv_dir=PathFact(real=VENV, exists=existed))
     assert operations[0].data["new_dir"] is not existed
     executor = VenvFails()
     with pytest.raises(StepFailed, match="creating the venv failed"):

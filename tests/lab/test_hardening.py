@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.lab.test_pivot import ct200, ddops, pivot, pivot_lab, step, variant  # noqa: F401 (a fixture)
+from test_pivot import ct200, ddops, pivot, pivot_lab, step, variant  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 

@@ -68,9 +68,16 @@ def variant(tmp_path, **changes) -> Path:
     return path
 
 
+PIVOT_RESET = ("systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env "
+               "/var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/backups; "
+               "systemctl daemon-reload; systemctl reset-failed; systemctl start dflash-train.service")
+
+
 @pytest.fixture(scope="module")
 def pivot_lab(lab):
-    """ct200 training, no ddtree.service; the tiny models built and the drafter on eval-a6000."""
+    """ct200 training, no ddtree.service; the tiny models built and the drafter on eval-a6000. ct200 is
+    left that way afterwards too: a module that pivots it must not hand the next one a serving host (the
+    lab's own tests expect training, `monitor` would scrape the leftover unit)."""
     from ddops.demo import ensure_tiny_models, seed_drafter
     from ddops.executor import Executor
     from ddops.inventory import load_inventory
@@ -79,10 +86,9 @@ def pivot_lab(lab):
     inventory = load_inventory(lab.inventory_path)
     with Executor(inventory) as ex:
         seed_drafter(inventory, ex, lambda m: None)
-    ct200(lab, "systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service "
-               "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/backups; "
-               "systemctl daemon-reload; systemctl reset-failed; systemctl start dflash-train.service")
-    return lab
+    ct200(lab, PIVOT_RESET)
+    yield lab
+    ct200(lab, PIVOT_RESET)
 
 
 def test_pivot_end_to_end(pivot_lab, tmp_path):

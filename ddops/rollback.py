@@ -254,17 +254,28 @@ def rollback_command(executor: Executor, inventory: Inventory, host: Host, unit:
     host (its journal of intent: crashed, killed, its control machine gone) is taken back with the undos
     it recorded before it changed anything, to the state from before it. Else one backup is restored
     (every replica of a template). What is restored is gated, and the attempt recorded in the host's
-    history, failed ones too. A rollback right after another has nothing to do and says so."""
+    history, failed ones too. A rollback right after another has nothing to do and says so.
+
+    What to do is read first, without the lock: a rollback with nothing to do (no backups, no such
+    backup, a damaged one, the last rollback already done) says so and leaves the host untouched, its
+    lock file and /var/lib/ddops included. Under the lock it is read again (a pivot may have run since)."""
     t0 = time.monotonic()
     report: dict[str, Any] = {}
     broken = hostlock.break_if_dead(executor, host) if break_lock else None
     if broken is not None:
         report["broke_lock"] = hostlock.describe(broken) + f" ({broken['dead']})"
+
+    def what_to_undo() -> tuple[dict[str, Any] | None, list[Undo] | None]:
+        unfinished = hostlock.journal(executor, host, "journal-read")["journal"]
+        return unfinished, rollback_undos(executor, host, unit, backup_id, unfinished, report)
+
+    if what_to_undo()[1] is None:
+        report["seconds"] = round(time.monotonic() - t0, 2)
+        return report
     token = hostlock.acquire(executor, host, f"ddops rollback --host {host.name}")
     try:
         with hostlock.LeaseKeeper(executor, host, token) as lease:
-            unfinished = hostlock.journal(executor, host, "journal-read")["journal"]
-            undos = rollback_undos(executor, host, unit, backup_id, unfinished, report)
+            unfinished, undos = what_to_undo()
             if undos is None:
                 report["seconds"] = round(time.monotonic() - t0, 2)
                 return report

@@ -15,10 +15,10 @@ from tenacity import Retrying, stop_after_attempt
 
 from ddops import history, hostlock
 from ddops.backups import choose_backup
-from ddops.errors import StepFailed, UsageError
+from ddops.errors import Refused, StepFailed, UsageError
 from ddops.plan import Operation
 from ddops.probes import probe_source
-from ddops.rollback import rollback_undos, undo
+from ddops.rollback import rollback_command, rollback_undos, undo
 from ddops.undo import Reinstall, RestoreBackup, RollBackReplicas, StartAgain, as_record, from_record
 from test_flow import LAB, FakeExecutor, FakeStep, profile, run_pivot  # noqa: F401 - profile: a fixture
 
@@ -192,6 +192,15 @@ def test_a_rollback_to_a_pivot_s_backup_applies_the_way_back_it_recorded():
     assert rollback_undos(ex, CT200, "x.service", None, None, {}) == [
         StartAgain("dflash-train.service"), Reinstall(previous), RestoreBackup("x.service", "B1", True)]
 
+
+
+def test_a_rollback_with_nothing_to_roll_back_touches_nothing_not_even_the_lock():
+    ex = Backups([])
+    for backup_id in (None, "20990101T000000Z-dead"):
+        with pytest.raises(UsageError, match="no backups of x.service on ct200"):
+            rollback_command(ex, LAB, CT200, "x.service", backup_id, lambda m: None)
+    actions = [json.loads(c[1])["action"] for c in ex.commands if c[0] == "lock"]
+    assert actions == ["journal-read", "journal-read"] and ex.history == []
 
 def test_an_unfinished_pivot_is_rolled_back_with_the_undos_it_recorded():
     recorded = [StartAgain("dflash-train.service"), RestoreBackup("ddtree.service", "B7"),

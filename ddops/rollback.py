@@ -36,7 +36,7 @@ from .paths import HISTORY_PATH, unit_path
 from .plan import Checks, Undo
 from .profile import Replica
 from .remote import check
-from .undo import RestoreBackup, from_record
+from .undo import RestoreBackup, RollBackReplicas, from_record
 
 HISTORY_SCAN = 500          # the history lines searched for the pivot that installed a restored unit
 OTHERS_DEADLINE_S = 60.0    # how long a unit started again (not restored) may take to answer /health
@@ -330,8 +330,11 @@ def rollback_undos(executor: Executor, host: Host, unit: str, backup_id: str | N
                  and r.get("way_back")), None)
     if took is None:
         return [restore]
-    return [restore if isinstance(u, RestoreBackup) and u.unit == unit else u
-            for u in map(from_record, took["way_back"])]
+    # the restore cycles every replica the backup ran, once each and in order: the pivot's own undos of
+    # its rolling batches (newest batch first) would only cycle them again, backwards
+    way_back = [u for u in map(from_record, took["way_back"]) if not (isinstance(u, RollBackReplicas)
+                                                                    and u.template == unit)]
+    return [restore if isinstance(u, RestoreBackup) and u.unit == unit else u for u in way_back]
 
 
 def last_change(records: list[dict[str, Any]], unit: str) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from tenacity import Retrying, stop_after_attempt
 
 from ddops import history, hostlock
 from ddops.backups import choose_backup
-from ddops.errors import Refused, StepFailed, UsageError
+from ddops.errors import StepFailed, UsageError
 from ddops.plan import Operation
 from ddops.probes import probe_source
 from ddops.rollback import rollback_command, rollback_undos, undo
@@ -192,6 +192,19 @@ def test_a_rollback_to_a_pivot_s_backup_applies_the_way_back_it_recorded():
     assert rollback_undos(ex, CT200, "x.service", None, None, {}) == [
         StartAgain("dflash-train.service"), Reinstall(previous), RestoreBackup("x.service", "B1", True)]
 
+
+
+def test_a_rollback_to_a_rolling_pivot_s_backup_cycles_each_replica_once_in_order():
+    """The restore of every replica cycles them in the manifest's order; the pivot's undos of its batches
+    (applied newest first) would cycle them again, the last batch first."""
+    template = "ddtree@.service"
+    way_back = [StartAgain("dflash-train.service"), RestoreBackup(template, "B1"),
+                RollBackReplicas(template, ("ddtree@1.service",)), RollBackReplicas(template, ("ddtree@2.service",))]
+    ex = Backups([{"id": "B1", "meta": {"reason": "pivot"}}], history_lines=[
+        {"kind": "pivot", "unit": template, "outcome": "ok", "backup_id": "B1",
+         "way_back": [as_record(u) for u in way_back]}])
+    assert rollback_undos(ex, CT200, template, None, None, {}) == [
+        StartAgain("dflash-train.service"), RestoreBackup(template, "B1", True)]
 
 
 def test_a_rollback_with_nothing_to_roll_back_touches_nothing_not_even_the_lock():

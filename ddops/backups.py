@@ -32,6 +32,13 @@ def list_backups(executor: Executor, host: Host, unit: str) -> list[dict[str, An
     return run_probe(executor, host, "unitfile", stdin={"action": "list", "backup_root": backup_root(unit)})
 
 
+def discard_backup(executor: Executor, host: Host, unit: str, backup_id: str) -> bool:
+    """Remove a backup that no change used (a pivot that ended with nothing changed); whether it is gone."""
+    out = run_probe(executor, host, "unitfile", stdin={"action": "discard", "backup_root": backup_root(unit),
+                                                      "backup_id": backup_id})
+    return bool(out.get("discarded"))
+
+
 def restore_spec(unit: str, backup_id: str, save_as: str | None = None) -> dict[str, Any]:
     """The unitfile action's restore; `save_as`: first back up what it replaces under this id."""
     spec = {"action": "restore", "unit": unit, "unit_path": unit_path(unit), "env_path": env_path(unit),

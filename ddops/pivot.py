@@ -18,6 +18,7 @@ from rich.console import Console
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
 
 from . import history, hostlock
+from .backups import discard_backup
 from .errors import DdopsError, HostUnreachable, StepFailed
 from .executor import CommandTimeout, Executor
 from .gates import Gate, GateFailed
@@ -130,6 +131,9 @@ class Pivot:
                     self.report.error, self.report.interrupted = error, ctx.interrupted
                     self.report.conclude(options.no_rollback)
                     self.report.wall_s = round(time.monotonic() - started, 2)
+                    if not self.report.changed:
+                        self.close_journal(error)
+                        self.discard_unused_backup()
                     self.record(view)
                     self.close_journal(error)
                     self.release_lock()
@@ -234,9 +238,26 @@ class Pivot:
             return
         try:
             hostlock.journal(self.ctx.executor, self.ctx.host, "journal-close", self.lock_token)
+            self.journal_open = False
         except DdopsError as exc:
             self.console.print(f"[yellow]warning:[/] could not close the journal on {self.ctx.host.name}: "
                                f"{exc.line()}")
+
+    def discard_unused_backup(self) -> None:
+        """A pivot that changed nothing leaves no backup behind: the one the unit step took before the first
+        change would be the newest, and `ddops rollback` would restore what is already there instead of
+        the state before the last pivot that did change something. Kept while a journal names it."""
+        ctx, journal = self.ctx, self.ctx.journal
+        if journal.backup_id is None or self.journal_open:
+            return
+        try:
+            gone = discard_backup(ctx.executor, ctx.host, ctx.profile.unit, journal.backup_id)
+        except DdopsError as exc:
+            gone = False
+            self.console.print(f"[yellow]warning:[/] could not remove the unused backup {journal.backup_id} on "
+                               f"{ctx.host.name}: {exc.line()}")
+        if gone:
+            journal.backup_id, self.report.way_back = None, []
 
     def journal_owner(self) -> dict:
         """Who this run is, as the journal names it (`status`, `history` and a refusal show it)."""

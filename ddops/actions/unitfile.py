@@ -2,9 +2,10 @@
 
 Reads its arguments as JSON on stdin (the environment file may hold secrets, which must not show
 in the process list). Actions: backup, install (after its own backup, or one `backup` took), list,
-restore. Every write is temp file + fsync + rename; a backup's meta.json is written last, so a backup
-without one was never completed. A backup is checked against its recorded checksums before it is
-listed as intact or restored, and a restore first backs up what it replaces.
+restore, discard (a `backup` that no install used). Every write is temp file + fsync + rename; a
+backup's meta.json is written last, so a backup without one was never completed. A backup is checked
+against its recorded checksums before it is listed as intact or restored, and a restore first backs up
+what it replaces.
 A replicated profile's other files (per-replica env files, the balancer's config, the replicas
 manifest) come as `files` and are backed up, installed and restored with the unit, as one.
 """
@@ -72,6 +73,17 @@ def backup_only(spec):
         shutil.rmtree(os.path.join(spec["backup_root"], spec["backup_id"]), ignore_errors=True)
         return {"error": "backing up into %s failed: %s" % (spec["backup_root"], exc.strerror or exc)}
     return {"backup_id": spec["backup_id"], "meta": meta}
+
+
+def discard(spec):
+    """Remove the backup a pivot took up front and never used (it ended with nothing changed): left, it
+    would be the newest backup, and `ddops rollback` would restore the state that is already there."""
+    name = spec["backup_id"]
+    if not name or name.startswith(".") or os.sep in name:
+        return {"discarded": False}
+    folder = os.path.join(spec["backup_root"], name)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"discarded": not os.path.exists(folder)}
 
 
 def damage(folder):
@@ -178,7 +190,8 @@ def restore(spec):
 def main():
     spec = json.loads(sys.stdin.read())
     action = spec["action"]
-    out = {"backup": backup_only, "install": install, "list": listing, "restore": restore}[action](spec)
+    out = {"backup": backup_only, "discard": discard, "install": install, "list": listing,
+           "restore": restore}[action](spec)
     json.dump(out, sys.stdout)
 
 

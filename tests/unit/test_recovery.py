@@ -15,7 +15,7 @@ from tenacity import Retrying, stop_after_attempt
 
 from ddops import history, hostlock
 from ddops.backups import choose_backup
-from ddops.errors import StepFailed, UsageError
+from ddops.errors import Refused, StepFailed, UsageError
 from ddops.plan import Operation
 from ddops.probes import probe_source
 from ddops.rollback import rollback_command, rollback_undos, undo
@@ -145,6 +145,15 @@ def test_a_restore_first_backs_up_what_it_replaces(tmp_path):
     meta = json.loads((tmp_path / "backups" / "S1" / "meta.json").read_text())
     assert (meta["reason"], meta["replaced_by"]) == ("rollback", "B1")
 
+
+
+def test_discard_removes_only_the_backup_it_names(tmp_path):
+    spec = unit_files(tmp_path)
+    for backup_id in ("B1", "B2"):
+        script("unitfile", stdin={**spec, "action": "backup", "backup_id": backup_id, "meta": {"reason": "pivot"}})
+    assert script("unitfile", stdin={**spec, "action": "discard", "backup_id": "B2"}) == {"discarded": True}
+    assert script("unitfile", stdin={**spec, "action": "discard", "backup_id": ".."}) == {"discarded": False}
+    assert sorted(p.name for p in (tmp_path / "backups").iterdir()) == ["B1"]
 
 class Backups(FakeExecutor):
     def __init__(self, backups: list[dict], history_lines: list[dict] = ()) -> None:
@@ -310,6 +319,37 @@ def test_a_backup_that_cannot_be_written_stops_the_pivot_before_training_stops(m
     assert (report["outcome"], report["exit_code"], report["failed_step"]) == ("failed", 2, "unit")
     assert report["state"].startswith("nothing was changed on ct200") and "No space left" in report["error"]
 
+
+
+def test_a_pivot_that_changed_nothing_removes_the_backup_it_took_before_the_first_change(monkeypatch, profile):
+    """Left, that backup (of the state already there) would be the one `ddops rollback` restores."""
+    class Discarding(FakeExecutor):
+        def run(self, host, argv, *, timeout=None, stdin=None, on_output=None):
+            if stdin and json.loads(stdin).get("action") == "discard":
+                self.commands.append(["unitfile", stdin])
+                return self.result(host, 0, json.dumps({"discarded": True}))
+            return super().run(host, argv, timeout=timeout, stdin=stdin, on_output=on_output)
+
+    class Refusing(FakeStep):
+        def apply(self, ctx, operations):
+            raise Refused("stopping training on ct200 would lose 5 step(s)")
+
+    class BacksUp(FakeStep):
+        def prepare(self, ctx, operations):
+            ctx.journal.backup_id = "B9"
+            return [RestoreBackup("ddtree.service", "B9")]
+
+    steps = [Refusing("training", [Operation("stop training")]), BacksUp("unit", [Operation("write unit")])]
+    report, ex = run_pivot(monkeypatch, profile, steps, executor=Discarding())
+    assert (report["outcome"], report["changed"], report["backup_id"]) == ("refused", [], None)
+    discarded = [json.loads(c[1]) for c in ex.commands if c[0] == "unitfile"]
+    assert discarded == [{"action": "discard", "backup_root": "/var/lib/ddops/backups/ddtree.service",
+                          "backup_id": "B9"}]
+    assert ex.history[-1]["backup_id"] is None and ex.history[-1]["way_back"] == []
+    # a pivot that changed something keeps it (the way back)
+    steps = [FakeStep("training", [Operation("stop training")]), BacksUp("unit", [Operation("write unit")])]
+    report, ex = run_pivot(monkeypatch, profile, steps, executor=Discarding())
+    assert report["backup_id"] == "B9" and not [c for c in ex.commands if c[0] == "unitfile"]
 
 # -- status: an unfinished pivot, a pivot in progress, a stale lock -----------------------------------
 

@@ -143,11 +143,27 @@ def test_a_pivot_killed_after_it_stopped_training_is_shown_refused_and_rolled_ba
     assert snapshot(lab) == before
 
 
-def test_a_full_backups_disk_stops_the_pivot_before_training_stops(lab, fresh):
+def test_a_full_backups_disk_is_refused_at_preflight_with_training_running(lab, fresh):
     before = fresh["reset"]()
     backups = f"{STATE}/backups"
     sh(lab, "ct200", f"mkdir -p {backups} && mount -t tmpfs -o size=64k tmpfs {backups} && "
                      f"(dd if=/dev/zero of={backups}/fill bs=4k 2>/dev/null; true)")
+    try:
+        done, report = pivot(lab, fresh["profile"])
+    finally:
+        sh(lab, "ct200", f"umount {backups}")
+    assert done.returncode == 2 and report["outcome"] == "failed" and report["failed_step"] == "preflight", report
+    assert (f"not enough disk on ct200:{backups}: need 64 MiB (backups 64 MiB in {backups}), free 0 B"
+            in report["error"]), report["error"]
+    assert report["changed"] == [] and snapshot(lab) == before   # training still running, nothing written
+
+
+def test_a_backup_that_cannot_be_written_stops_the_pivot_before_training_stops(lab, fresh):
+    """Room by bytes, which preflight counts, but no inode left: the backup the unit step takes before the
+    pivot's first change fails, and the pivot stops there, with training running and no backup left."""
+    before = fresh["reset"]()
+    backups = f"{STATE}/backups"
+    sh(lab, "ct200", f"mkdir -p {backups} && mount -t tmpfs -o size=128m,nr_inodes=1 tmpfs {backups}")
     try:
         done, report = pivot(lab, fresh["profile"])
     finally:

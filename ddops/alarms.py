@@ -1,13 +1,15 @@
 """What `ddops top` calls wrong, from a host's last few samples: shown in the view, and with
-`--once --fail-on KINDS` an exit code for cron and CI."""
+`--once --fail-on KINDS` an exit code for cron and CI. `frame` is one refresh: each host's view from
+the poller (`top`), with its alarms."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .top import Sample, Target, Thresholds
+from .gpuhealth import assess, stray_xids
+from .top import Poller, Sample, Target, Thresholds, host_view, window
 
 # Each kind, and what raises it.
 KINDS = {
@@ -16,6 +18,7 @@ KINDS = {
     "queue": "a queue that grew at each of the last three refreshes",
     "restart": "a unit restarted since the last refresh (its restart count, main PID or start time changed)",
     "gpu-memory": "a GPU's memory over 95% used",
+    "gpu": "a GPU with uncorrectable ECC errors or a fatal Xid since boot, or rows waiting to be remapped",
     "balancer": "a replica the balancer does not send to (DOWN, DRAIN, MAINT or absent)",
     "down": "a serving unit not active, or its /health not ok",
     "unreachable": "a host that did not answer",
@@ -33,7 +36,7 @@ class Alarm:
         return {"kind": self.kind, "host": self.host, "unit": self.unit, "text": self.text}
 
 
-def host_alarms(host: str, history: list["Sample"], thresholds: "Thresholds", *, stalled: bool = False) -> list[Alarm]:
+def host_alarms(host: str, history: list[Sample], thresholds: Thresholds, *, stalled: bool = False) -> list[Alarm]:
     """The alarms of one host now. `stalled`: its probe is overdue (shown as not answering)."""
     if not history:
         return []
@@ -56,7 +59,8 @@ def host_alarms(host: str, history: list["Sample"], thresholds: "Thresholds", *,
 
 
 def _gpu_alarms(host: str, facts: dict[str, Any], fraction: float) -> list[Alarm]:
-    out = []
+    out = [Alarm("gpu", host, f"GPU {h.index}: {'; '.join(h.faults)}") for h in assess(facts) if h.faults]
+    out += [Alarm("gpu", host, stray) for stray in stray_xids(facts)]
     for g in facts.get("gpus", {}).get("list", []):
         used, total = g.get("memory_used_mib"), g.get("memory_total_mib")
         if used is not None and total and used / total > fraction:
@@ -65,9 +69,7 @@ def _gpu_alarms(host: str, facts: dict[str, Any], fraction: float) -> list[Alarm
     return out
 
 
-def _target_alarms(host: str, t: "Target", before: "Target | None", thresholds: "Thresholds") -> list[Alarm]:
-    from .top import window
-
+def _target_alarms(host: str, t: Target, before: Target | None, thresholds: Thresholds) -> list[Alarm]:
     out = []
     if t.active is not None and t.active != "active":
         out.append(Alarm("down", host, f"{t.unit} is {t.active}", t.unit))
@@ -91,10 +93,23 @@ def _target_alarms(host: str, t: "Target", before: "Target | None", thresholds: 
     return out
 
 
-def _restarted(before: "Target", after: "Target") -> bool:
+def _restarted(before: Target, after: Target) -> bool:
     if before.restarts is not None and after.restarts is not None and after.restarts > before.restarts:
         return True
     pids = (before.main_pid, after.main_pid)
     if all(pids) and pids[0] != pids[1]:
         return True
     return bool(before.since and after.since and before.since != after.since and after.active == "active")
+
+
+def top_frame(poller: Poller, thresholds: Thresholds, now: float | None = None) -> dict[str, Any]:
+    """One refresh of `ddops top`: every host's view from its last samples, and the alarms up."""
+    now = time.monotonic() if now is None else now
+    hosts, alarms = [], []
+    for watch in poller.watches.values():
+        history, in_flight = watch.snapshot()
+        view = host_view(watch.host, history, in_flight, now, poller.interval)
+        hosts.append(view)
+        alarms += host_alarms(watch.host.name, history, thresholds, stalled=view["state"] != "ok")
+    return {"time": time.time(), "interval_s": poller.interval, "hosts": hosts,
+            "alarms": [a.as_json() for a in alarms]}

@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 
 from . import __version__
-from .errors import EXIT_ALARM, EXIT_FAILED, DdopsError, UsageError
+from .errors import EXIT_ALARM, EXIT_FAILED, EXIT_INTERNAL, DdopsError, UsageError
 from .executor import Executor
 from .inventory import Inventory, default_inventory_path, load_inventory
 from .progress import Activity
@@ -39,22 +39,40 @@ class Context:
         return Executor(inventory, accept_new_host_keys=self.accept_new_host_keys)
 
 
+# The global options: (declarations, the Context field they set, click settings). The group takes them
+# before the command; every command takes them after it too (`ddops status --limit ct200`), as Ansible's
+# and Kamal's do.
+GLOBAL_OPTIONS = (
+    (("-i", "--inventory", "inventory_path"), "inventory_path",
+     {"type": click.Path(path_type=Path), "default": None,
+      "help": "Inventory file [default: $DDOPS_INVENTORY, then inventories/lab.yaml]."}),
+    (("--limit",), "limit", {"metavar": "HOSTS", "help": "Comma list of hosts or groups to act on."}),
+    (("--accept-new-host-keys",), "accept_new_host_keys",
+     {"is_flag": True, "help": "Trust and record a host key seen for the first time (like accept-new). "
+                               "A changed key is always refused."}),
+    (("-v", "--verbose"), "verbose", {"count": True, "help": "More output; -vv shows tracebacks."}),
+)
+
+
+def _global_options(f):
+    for decls, _, settings in reversed(GLOBAL_OPTIONS):
+        f = click.option(*decls, **settings)(f)
+    return f
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-i", "--inventory", "inventory_path", type=click.Path(path_type=Path),
-              default=None, help="Inventory file [default: $DDOPS_INVENTORY, then inventories/lab.yaml].")
-@click.option("--limit", metavar="HOSTS", help="Comma list of hosts or groups to act on.")
-@click.option("--accept-new-host-keys", is_flag=True,
-              help="Trust and record a host key seen for the first time (like accept-new). "
-                   "A changed key is always refused.")
-@click.option("-v", "--verbose", count=True, help="More output; -vv shows tracebacks.")
+@_global_options
 @click.version_option(__version__, prog_name="ddops")
 @click.pass_context
 def cli(ctx: click.Context, inventory_path: Path | None, limit: str | None,
         accept_new_host_keys: bool, verbose: int) -> None:
     """Fleet ops for GPU hosts that train and serve speculative-decoding LLMs.
 
-    Exit codes: 0 ok, 1 an alarm (`top --fail-on`), 2 user/config error or a failed step, 4 a host
-    unreachable, 130 interrupted (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
+    The global options (-i, --limit, --accept-new-host-keys, -v) go before or after the command.
+
+    Exit codes: 0 ok, 1 an alarm (`top --fail-on`), 2 user/config error or a failed step, 3 an internal
+    error (a bug: the crash log it names goes with the report), 4 a host unreachable, 130 interrupted
+    (Ctrl-C or SIGTERM; a pivot first rolls back what it changed).
     """
     ctx.obj = Context(inventory_path=inventory_path or default_inventory_path(), limit=limit,
                       verbose=verbose, accept_new_host_keys=accept_new_host_keys)
@@ -91,13 +109,13 @@ def status(obj: Context, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object a line, one per refresh.")
 @click.option("--fail-on", "fail_on", default=None, metavar="KINDS",
               help="With --once or --count: exit 1 when one of these alarms is up at the end (comma list, or "
-                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, balancer, down, unreachable.")
+                   "`all`): acceptance, 5xx, queue, restart, gpu-memory, gpu, balancer, down, unreachable.")
 @click.pass_obj
 def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: bool, count: int | None,
         as_json: bool, fail_on: str | None) -> None:
     """The fleet live: per host GPUs and training, per serving unit or replica health, load, tokens/s,
     acceptance, TTFT and round time (p50/p95 over the refresh), errors, the balancer; and alarms."""
-    from .alarms import KINDS
+    from .alarms import KINDS, top_frame
     from .profile import check_against_inventory, load_profile, resolve_profile
     from .top import HISTORY, Poller, settings_from_profiles
     from .topview import render_frame, run_live, run_stream
@@ -121,17 +139,17 @@ def top(obj: Context, profile_names: tuple[str, ...], interval: float, once: boo
                 deadline = time.monotonic() + samples * interval + poller.timeout + 5
                 while not poller.samples_at_least(min(samples, HISTORY)) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                frame = poller.frame(thresholds)
+                frame = top_frame(poller, thresholds)
                 if as_json:
                     click.echo(json.dumps(frame, default=str))
                 else:
                     stdout_console().print(render_frame(frame))
             elif sys.stdout.isatty() and sys.stdin.isatty() and not as_json:
                 _wait_first_answers(poller)
-                frame = run_live(lambda: poller.frame(thresholds), interval, stdout_console(), count=count)
+                frame = run_live(lambda: top_frame(poller, thresholds), interval, stdout_console(), count=count)
             else:
                 _wait_first_answers(poller)
-                frame = run_stream(lambda: poller.frame(thresholds), interval, stdout_console(), as_json=as_json,
+                frame = run_stream(lambda: top_frame(poller, thresholds), interval, stdout_console(), as_json=as_json,
                                    count=count)
         finally:
             poller.stop()
@@ -240,21 +258,31 @@ LOST_STEPS = LostSteps()
 @cli.command()
 @click.option("--deploy", "profile_name", required=True, metavar="PROFILE",
               help="Deploy profile: a name in playbooks/ (e.g. zlab-ddtree16) or a path to a .yaml file.")
-@click.option("--kill-training", is_flag=True, help="Stop the training job on the serving host (SIGTERM, grace, SIGKILL).")
+@click.option("--kill-training", is_flag=True,
+              help="Stop the training job on the serving host: first the profile's checkpoint request, if it names "
+                   "one (training.checkpoint_signal or checkpoint_command, then up to checkpoint_wait_s for a newer "
+                   "checkpoint), then SIGTERM (through its unit when it has one), training.grace_s to exit, and "
+                   "SIGKILL for what is left. A stop that would lose more steps than allowed is refused.")
 @click.option("--dry-run", is_flag=True, help="Run preflight, print the plan and the unit diff; change nothing.")
 @click.option("-y", "--yes", is_flag=True, help="Apply the plan without asking.")
 @click.option("--no-rollback", is_flag=True, help="Leave a failed pivot as it is instead of rolling back.")
-@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first (only if its holder is dead).")
+@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first, only if its holder is provably "
+                                               "dead (same control machine: its pid and start time; another: "
+                                               "its lease expired); else refuse, naming it.")
 @click.option("--accept-lost-steps", "accept_lost_steps", type=LOST_STEPS, default=None, metavar="N|all",
               help="Stop training even if that loses up to N steps since its newest checkpoint (`all`: any "
                    "number); replaces the profile's training.max_lost_steps for this run. --yes never does.")
+@click.option("--accept-gpu-faults", is_flag=True,
+              help="Pivot onto GPUs with uncorrectable ECC errors, pending remaps or a fatal Xid since boot "
+                   "(preflight refuses them otherwise); the history records it.")
 @click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Replicas replaced at once when a pivot changes replicas already serving (a rolling "
                    "restart: drain, restart, gate, readmit, batch by batch; halts at the first failure).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
-          break_lock: bool, accept_lost_steps: float | None, batch: int, as_json: bool) -> None:
+          break_lock: bool, accept_lost_steps: float | None, accept_gpu_faults: bool, batch: int,
+          as_json: bool) -> None:
     """Pivot a host from training to serving, gated on health and a real smoke test.
 
     A profile whose `host` is an inventory group is pivoted host by host, halting at the first failure.
@@ -273,7 +301,8 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
     if not yes and not dry_run and not interactive:
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
-                           break_lock=break_lock, accept_lost_steps=accept_lost_steps, batch=batch)
+                           break_lock=break_lock, accept_lost_steps=accept_lost_steps,
+                           accept_gpu_faults=accept_gpu_faults, batch=batch)
     with obj.executor(inventory) as executor:
         report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                          confirm=lambda q: click.confirm(q, default=False, err=True))
@@ -293,19 +322,29 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
 @click.option("--to", "backup_id", default=None, metavar="BACKUP_ID", help="Restore this backup [default: newest].")
 @click.option("--skip-smoke", is_flag=True, help="Check only the restored units' health, not their smoke test "
                                                  "(the health check always runs).")
+@click.option("--break-lock", is_flag=True, help="Clear the host's pivot lock first, only if its holder is provably "
+                                               "dead (as pivot's --break-lock).")
+@click.option("-y", "--yes", is_flag=True, help="Roll back without asking (it asks only on a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
 def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, backup_id: str | None,
-             skip_smoke: bool, as_json: bool) -> None:
+             skip_smoke: bool, break_lock: bool, yes: bool, as_json: bool) -> None:
     """Restore a unit's backup (or remove a unit that did not exist before), restart, then gate it: health,
-    and the smoke test of the profile that installed what is restored."""
-    from .rollback import list_backups, rollback_command
+    and the smoke test of the profile that installed what is restored. An unfinished pivot on the host
+    (crashed, killed) is rolled back to the state from before it. Holds the host's pivot lock."""
+    from .backups import list_backups
+    from .rollback import rollback_command
     from .views import backups_table, rollback_line
 
     inventory = obj.inventory()
     host = inventory.host(host_name)
     unit = unit or _default_unit(host)
     console = err_console if as_json else stdout_console()
+    if not (yes or list_only or as_json) and sys.stdin.isatty():
+        target = f"backup {backup_id}" if backup_id else "its newest backup"
+        if not click.confirm(f"Roll {unit} on {host.name} back to {target}?", default=False, err=True):
+            err_console.print("not confirmed: nothing was changed")
+            return
     with obj.executor(inventory) as executor:
         if list_only:
             backups = list_backups(executor, host, unit)
@@ -316,12 +355,12 @@ def rollback(obj: Context, host_name: str, unit: str | None, list_only: bool, ba
             return
         with Activity(console, f"rolling back {unit} on {host.name}") as activity:
             report = rollback_command(executor, inventory, host, unit, backup_id, progress=activity.update,
-                                      skip_smoke=skip_smoke)
+                                      skip_smoke=skip_smoke, break_lock=break_lock)
         _refresh_monitors(inventory, executor, [])
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
-        console.print(rollback_line(report, unit, host.name))
+        console.print(rollback_line(report, unit, host.name), soft_wrap=True)
 
 
 @cli.command("history")
@@ -488,6 +527,30 @@ def lab_status(as_json: bool) -> None:
         stdout_console().print(lab_table(states))
 
 
+def _late_global_option(field: str):
+    """A global option given after the command: it overrides (or, for -v, adds to) the one before it."""
+    def store(ctx: click.Context, param: click.Parameter, value) -> None:
+        if value in (None, False, 0):
+            return
+        obj = ctx.find_object(Context)
+        if field == "verbose":
+            value += obj.verbose
+        setattr(obj, field, value)
+    return store
+
+
+def _accept_global_options_after(group: click.Group) -> None:
+    """Give every command below `group` the global options too."""
+    for command in group.commands.values():
+        command.params += [click.Option(list(decls), expose_value=False, callback=_late_global_option(field),
+                                        **settings) for decls, field, settings in GLOBAL_OPTIONS]
+        if isinstance(command, click.Group):
+            _accept_global_options_after(command)
+
+
+_accept_global_options_after(cli)
+
+
 def _progress(message: str) -> None:
     err_console.print(f"[bold blue]-->[/] {message}", soft_wrap=True)  # one line in a log, never wrapped at 80
 
@@ -524,4 +587,4 @@ def main() -> None:
             traceback.print_exc(file=fh)
         err_console.print(f"[bold red]internal error:[/] {sys.exc_info()[1]!r} — details in {log}; "
                           "please report it with that file")
-        sys.exit(EXIT_FAILED + 1)
+        sys.exit(EXIT_INTERNAL)

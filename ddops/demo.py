@@ -78,7 +78,7 @@ def run_demo(inventory_path: Path, *, keep: bool, progress: Callable[[str], None
     step("status after the pivot", ["status"])
     step("pivot again (changes only what differs)", [*pivot, "--kill-training", "--yes"])
     step("the runtime's journal", ["logs", "--host", SERVING_HOST, "-n", "8"])
-    step("rollback", ["rollback", "--host", SERVING_HOST])
+    step("rollback", ["rollback", "--host", SERVING_HOST, "--yes"])
     step("status after the rollback", ["status"])
     step("history", ["history", "--host", SERVING_HOST])
     if keep or was_running:

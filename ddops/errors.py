@@ -1,7 +1,8 @@
 """Typed errors that the CLI turns into one clear line and an exit code.
 
 Exit codes follow Ansible: 0 ok, 2 user/config error or a failed step, 4 a host unreachable; and 1 when
-`ddops top --fail-on` finds one of the alarms it was asked about.
+`ddops top --fail-on` finds one of the alarms it was asked about, 3 an internal error (a bug in ddops:
+the CLI writes a crash log and names it), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_ALARM = 1
 EXIT_FAILED = 2
+EXIT_INTERNAL = 3
 EXIT_UNREACHABLE = 4
 
 

@@ -26,6 +26,7 @@ from .inventory import Host, Inventory
 
 T = TypeVar("T")
 EOF_GRACE_S = 2.0   # how long output may trail a command's exit status
+CLOSE_TIMEOUT_S = 5.0   # how long close() waits for all connections together (a frozen host never answers)
 Argv = list[str]
 
 
@@ -111,6 +112,10 @@ class Executor:
         self.max_parallel = max_parallel
         self._connections: dict[str, Connection] = {}
         self._locks: dict[str, threading.Lock] = {name: threading.Lock() for name in inventory.hosts}
+        # Guards _connections and _closed: a fan-out worker past its deadline may still connect or
+        # drop a connection while close() runs.
+        self._registry = threading.Lock()
+        self._closed = False
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -120,10 +125,17 @@ class Executor:
     def connection(self, host: Host) -> Connection:
         """An open connection to `host` itself (for a `pct` host use `_carrier`)."""
         with self._locks[host.name]:
-            conn = self._connections.get(host.name)
+            with self._registry:
+                conn = self._connections.get(host.name)
             if conn is None or not conn.is_connected:
                 conn = self._open(host)
-                self._connections[host.name] = conn
+                with self._registry:
+                    closed = self._closed
+                    if not closed:
+                        self._connections[host.name] = conn
+                if closed:  # a worker that outlived its fan-out: the run is over, leave nothing open
+                    _close_quietly(conn)
+                    raise HostUnreachable(f"{host.name} answered after this run had stopped waiting for it")
             return conn
 
     def _open(self, host: Host) -> Connection:
@@ -159,13 +171,22 @@ class Executor:
             return self.connection(self.inventory.hosts[host.via])
         return self.connection(host)
 
-    def close(self) -> None:
-        for conn in self._connections.values():
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001 - closing a dead connection must not mask the real error
-                pass
-        self._connections.clear()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Close every connection, waiting at most `timeout` in all: a frozen host's transport may never
+        finish closing, and workers still running may connect or drop connections meanwhile."""
+        with self._registry:
+            self._closed = True
+            connections = list(self._connections.values())
+            self._connections.clear()
+        if not connections:
+            return
+        closers = [threading.Thread(target=_close_quietly, args=(conn,), daemon=True, name="ddops-close")
+                   for conn in connections]
+        for closer in closers:
+            closer.start()
+        deadline = time.monotonic() + timeout
+        for closer in closers:
+            closer.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "Executor":
         return self
@@ -210,12 +231,10 @@ class Executor:
 
     def _drop(self, host: Host) -> None:
         carrier = self.inventory.hosts[host.via] if host.pct is not None else host
-        conn = self._connections.pop(carrier.name, None)
+        with self._registry:
+            conn = self._connections.pop(carrier.name, None)
         if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001
-                pass
+            _close_quietly(conn)
 
     # -- fan-out -------------------------------------------------------------------------------
 
@@ -247,6 +266,14 @@ class Executor:
                 f"{host.name} did not answer within {deadline_s:.0f}s", fix="check the host and the network")
         pool.shutdown(wait=False, cancel_futures=True)
         return outcomes
+
+
+def _close_quietly(conn: Connection) -> None:
+    """Close a connection; closing a dead one must not mask the error that killed it."""
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _drain(channel: paramiko.Channel, deadline: float, on_output: Callable[[str], None] | None,

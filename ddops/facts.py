@@ -9,7 +9,7 @@ from typing import Any
 from .errors import DdopsError
 from .executor import Executor
 from .inventory import Expect, Host
-from .paths import REPLICAS_DIR, replicas_manifest
+from .paths import JOURNAL_PATH, LOCK_PATH, REPLICAS_DIR, replicas_manifest
 from .probes import probe_source
 
 
@@ -39,14 +39,19 @@ def tensor_parallel(state: dict[str, Any] | None, health: dict[str, Any] | None)
 
 def probe_args(host: Host) -> dict[str, Any]:
     training = asdict(host.training) if host.training else None
-    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR}
+    return {"training": training, "services": [asdict(s) for s in host.services], "replicas_dir": REPLICAS_DIR,
+            "lock": LOCK_PATH, "journal": JOURNAL_PATH}
 
 
 def gather(executor: Executor, host: Host, *, metrics: list[str] | None = None,
-           api_keys: dict[int, str] | None = None, timeout: float | None = None) -> dict[str, Any]:
+           api_keys: dict[int, str] | None = None, timeout: float | None = None,
+           cuda_version: bool = False) -> dict[str, Any]:
     """Run the facts probe on host and return its parsed JSON. With `metrics` (sample names), every
-    runtime and replica also has its /metrics read, in the same round trip (`api_keys` by port)."""
+    runtime and replica also has its /metrics read, in the same round trip (`api_keys` by port); with
+    `cuda_version`, the CUDA version the driver supports too (one more nvidia-smi call: preflight's)."""
     args = probe_args(host)
+    if cuda_version:
+        args["cuda_version"] = True
     stdin = None
     if metrics:
         args["metrics"] = metrics
@@ -246,6 +251,23 @@ class UnitFact:
 class Free:
     checked: str           # the existing directory the free space was measured on
     free_bytes: int
+    device: int | None = None   # its filesystem (st_dev): paths on one share its free space
+
+
+@dataclass(frozen=True)
+class PathFact:
+    """A path ddops writes, on the host: where it leads with symlinks resolved, and what is there."""
+
+    real: str
+    link: bool = False
+    exists: bool = False
+    dir: bool = False
+    entries: int | None = 0     # how many names a directory holds (None: unreadable)
+    venv: bool = False          # holds a pyvenv.cfg
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "PathFact":
+        return cls(**{k: data.get(k) for k in ("real", "link", "exists", "dir", "entries", "venv")})
 
 
 @dataclass(frozen=True)
@@ -259,18 +281,22 @@ class Inspection:
     imports: Imports = field(default_factory=Imports)
     units: dict[str, UnitFact] = field(default_factory=dict)
     lock_holder: dict[str, Any] | None = None
+    journal: dict[str, Any] | None = None          # an unfinished pivot's journal of intent (paths.JOURNAL_PATH)
     ports: dict[int, dict[str, Any] | None] = field(default_factory=dict)   # replicas: each port's holder
     commands: dict[str, str | None] = field(default_factory=dict)          # command -> its path, None if absent
+    paths: dict[str, PathFact] = field(default_factory=dict)               # paths ddops writes: where they lead
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Inspection":
         return cls(trees={p: Tree.from_json(t) for p, t in (data.get("trees") or {}).items()},
-                   free={p: Free(f["checked"], f["free_bytes"]) for p, f in (data.get("free") or {}).items()},
+                   free={p: Free(f["checked"], f["free_bytes"], f.get("device"))
+                         for p, f in (data.get("free") or {}).items()},
+                   paths={p: PathFact.from_json(f) for p, f in (data.get("paths") or {}).items()},
                    port_holder=data.get("port"),
                    files={p: FileFact.from_json(f) for p, f in (data.get("files") or {}).items()},
                    imports=Imports.from_json(data.get("imports")),
                    units={u: UnitFact.from_json(s) for u, s in (data.get("units") or {}).items()},
-                   lock_holder=data.get("lock"),
+                   lock_holder=data.get("lock"), journal=data.get("journal"),
                    ports={int(p): h for p, h in (data.get("ports") or {}).items()},
                    commands=dict(data.get("commands") or {}))
 
@@ -313,6 +339,7 @@ class PivotFacts:
     release: str | None = None          # the runtime release `runtime.ship` would install
     server_flags: ServerFlags | None = None   # what the unit's server takes (None: not asked)
     pool: Any = None                    # ddops.capacity.PoolEstimate: what the KV pool will hold (None: no GPU pool)
+    gpu_check: Any = None               # ddops.gpucheck.GpuCheck: the torch checked, GPU faults accepted, warnings
 
     @property
     def host(self) -> HostFacts:

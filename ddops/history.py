@@ -10,7 +10,7 @@ from typing import Any
 
 from .executor import Executor
 from .inventory import Host
-from .paths import HISTORY_PATH, STATE_DIR
+from .paths import HISTORY_PATH, JOURNAL_PATH, STATE_DIR
 
 _SECRET_WORDS = ("key", "token", "secret", "password")
 
@@ -44,11 +44,37 @@ def append(executor: Executor, host: Host, record: dict[str, Any]) -> None:
 
 
 def read(executor: Executor, host: Host) -> list[dict[str, Any]]:
-    result = executor.run(host, ["bash", "-c", 'cat -- "$1" 2>/dev/null || true', "_", HISTORY_PATH], timeout=30)
+    """The host's records, oldest first; an open journal of intent (a pivot in progress, or one that
+    never finished) comes last, as a record of outcome `unfinished`."""
+    result = executor.run(host, ["bash", "-c", 'cat -- "$2" 2>/dev/null; j=$(cat -- "$1" 2>/dev/null) && '
+                                               'printf \'{"journal": %s}\\n\' "$j"; true', "_", JOURNAL_PATH,
+                                 HISTORY_PATH], timeout=30)
     records = []
     for line in result.stdout.splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict) and set(record) == {"journal"}:
+            record = unfinished_record(record["journal"])
+        records.append(record)
     return records
+
+
+def unfinished_record(journal: Any) -> dict[str, Any]:
+    journal = journal if isinstance(journal, dict) else {"unreadable": True}
+    return {"time": journal.get("opened_at", 0), "kind": "pivot", "outcome": "unfinished",
+            "profile": journal.get("profile"), "unit": journal.get("unit"), "user": journal.get("user"),
+            "control_host": journal.get("control_host"),
+            "state": f"unfinished: {unfinished_words(journal)}; if no run is in progress, `ddops rollback` "
+                     "restores the state from before it"}
+
+
+def unfinished_words(journal: dict[str, Any]) -> str:
+    """An unfinished pivot in words: which profile, who, when, how far it got."""
+    if journal.get("unreadable"):
+        return f"its journal {JOURNAL_PATH} cannot be read"
+    step = journal.get("step")
+    return (f"{journal.get('profile')} by {journal.get('user')}@{journal.get('control_host')} pid "
+            f"{journal.get('pid')}, started {journal.get('started_at')}"
+            + (f", got as far as {step}" if step else ", before its first change"))

@@ -22,6 +22,7 @@ from .executor import Executor
 from .facts import gather
 from .inventory import Host, Inventory
 from .paths import backup_root
+from .preflight import holder_words
 from .remote import check, run_probe, write_file_argv
 from .steps.deps import APT_ENV
 from .steps.unit import new_backup_id, render_template
@@ -32,7 +33,8 @@ DROPIN = "/etc/systemd/system/prometheus.service.d/ddops.conf"
 ENV_FILE = "/etc/default/prometheus"           # Debian's unit reads ARGS from it
 CONFIG = "/etc/prometheus/prometheus.yml"
 SD_DIR = "/etc/prometheus/ddops"               # the discovery files and the bearer-token files
-LISTEN = "127.0.0.1:9090"
+PORT = 9090
+LISTEN = f"127.0.0.1:{PORT}"
 SCRAPE_INTERVAL_S = 5
 RETENTION = "15d"
 READY_TIMEOUT_S = 60.0
@@ -116,6 +118,16 @@ def _plain(value: Any, template: str) -> Any:
     return value
 
 
+def check_port(executor: Executor, host: Host) -> None:
+    """Prometheus's port must be free or its own: anything else there and it would never become ready
+    (and the rollback's restart would fail the same way). Refused before anything changes."""
+    holder = run_probe(executor, host, "inspect", {"port": PORT}, timeout=60).get("port")
+    if holder is not None and holder.get("unit") != UNIT:
+        raise StepFailed(f"port {PORT} on {host.name} is held by {holder_words(holder)}: Prometheus listens there "
+                         "and would never start", fix="stop what holds it, then run `ddops monitor` again; nothing "
+                                                      "was changed")
+
+
 def install_prometheus(executor: Executor, host: Host, progress: Callable[[str], None]) -> bool:
     """Debian's prometheus package, when the host has no `promtool`; whether it was installed now."""
     if executor.run(host, ["sh", "-c", "command -v promtool"], timeout=30).ok:
@@ -189,6 +201,8 @@ def refresh_targets(executor: Executor, inventory: Inventory, host: Host,
 def monitor(executor: Executor, inventory: Inventory, host: Host, watched: list[Host],
             api_keys: dict[str, dict[int, str]], progress: Callable[[str], None]) -> dict[str, Any]:
     """Install or update Prometheus on `host`; the report (targets, jobs, backup, whether rolled back)."""
+    progress(f"checking port {PORT} on {host.name}")
+    check_port(executor, host)
     progress(f"gathering the serving units of {len(watched)} host(s)")
     found, missing = discover(executor, inventory, watched, api_keys)
     rendered = render(host.name, found)
@@ -213,7 +227,11 @@ def monitor(executor: Executor, inventory: Inventory, host: Host, watched: list[
         run_probe(executor, host, "unitfile", stdin={"action": "restore", "unit": UNIT, "unit_path": DROPIN,
                                                      "env_path": ENV_FILE, "backup_root": backup_root(UNIT),
                                                      "backup_id": backup_id})
-        restart_and_wait(executor, host)
-        raise StepFailed(f"{failure.what}; the previous configuration is back (backup {backup_id})",
+        try:
+            restart_and_wait(executor, host)
+        except StepFailed as again:
+            raise StepFailed(f"{failure.what}; the previous configuration is back in place (backup {backup_id}), "
+                             f"but Prometheus did not come up on it either: {again.what}", fix=again.fix) from None
+        raise StepFailed(f"{failure.what}; the previous configuration is back and running (backup {backup_id})",
                          fix=failure.fix) from None
     return report

@@ -11,6 +11,7 @@ from pathlib import Path
 # -- on the hosts --------------------------------------------------------------------------------
 STATE_DIR = "/var/lib/ddops"
 LOCK_PATH = f"{STATE_DIR}/pivot.lock"
+JOURNAL_PATH = f"{STATE_DIR}/pivot.journal.json"   # an unfinished pivot's intent: what it changes, how to undo it
 HISTORY_PATH = f"{STATE_DIR}/history.jsonl"
 BACKUP_ROOT = f"{STATE_DIR}/backups"
 UNIT_DIR = "/etc/systemd/system"

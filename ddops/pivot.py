@@ -9,6 +9,7 @@ summary says what is where). ddops.report words it and picks the exit code.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -17,14 +18,16 @@ from rich.console import Console
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
 
 from . import history, hostlock
+from .backups import discard_backup
 from .errors import DdopsError, HostUnreachable, StepFailed
 from .executor import CommandTimeout, Executor
 from .gates import Gate, GateFailed
 from .gates.health import HealthGate
 from .gates.smoke import SmokeGate
+from .hostlock import LeaseKeeper, LockLost
 from .inventory import Inventory
 from .paths import HISTORY_PATH
-from .plan import Interrupted, Operation, PlanContext, RunContext, Step, StepState
+from .plan import Interrupted, Operation, PlanContext, RunContext, Step, StepState, way_back
 from .preflight import involved_hosts, preflight
 from .profile import Profile, Replica
 from .progress import Activity
@@ -33,6 +36,7 @@ from .rollback import undo
 from .signals import InterruptGuard
 from .steps import pivot_steps
 from .steps.unit import render
+from .undo import as_record
 from .views import PlanView, show_plan
 
 ROLLBACK_RETRY_S = 90.0   # a host that is briefly unreachable gets this long to come back for the rollback
@@ -46,6 +50,7 @@ class PivotOptions:
     no_rollback: bool = False
     break_lock: bool = False
     accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
+    accept_gpu_faults: bool = False          # --accept-gpu-faults: faulty GPUs are warned about, not refused
     batch: int = 1            # replicas replaced at once by a rolling restart
 
 
@@ -67,6 +72,8 @@ class Pivot:
         self.report = Report(profile=profile, dry_run=options.dry_run, steps=self.states, journal=self.ctx.journal,
                              gate_names=tuple(g.name for g in self.gates))
         self.lock_token: str | None = None
+        self.lease: LeaseKeeper | None = None
+        self.journal_open = False    # this run's journal of intent is on the host (closed when it ends well)
 
     # -- the flow --------------------------------------------------------------------------------
 
@@ -83,7 +90,8 @@ class Pivot:
                 ctx.facts, pre.summary = preflight(ctx.profile, ctx.inventory, ctx.executor,
                                                    kill_training=options.kill_training, dry_run=options.dry_run,
                                                    break_lock=options.break_lock,
-                                                   accept_lost_steps=options.accept_lost_steps)
+                                                   accept_lost_steps=options.accept_lost_steps,
+                                                   accept_gpu_faults=options.accept_gpu_faults)
             pre.status = "done"
         except DdopsError as exc:
             pre.status, pre.summary = "failed", exc.line()
@@ -92,6 +100,7 @@ class Pivot:
             return self.finish("failed", "preflight failed: nothing was changed anywhere", exc, started)
         pre.seconds = round(time.monotonic() - t0, 2)
         self.report.release = ctx.facts.release
+        self.report.accepted_gpu_faults = list(ctx.facts.gpu_check.accepted) if ctx.facts.gpu_check else []
         self.report.pool = ctx.facts.pool.as_json() if ctx.facts.pool is not None else None
         self.plan_all()
         self.banner(f"Plan for {ctx.profile.host} ({ctx.profile.name})")
@@ -102,13 +111,18 @@ class Pivot:
         if changing and not options.yes and self.confirm is not None and not self.confirm("Apply this plan?"):
             return self.finish("aborted", "not confirmed: nothing was changed", None, started)
         with InterruptGuard(ctx) as guard:
-            self.acquire_lock()
+            try:
+                self.acquire_lock()
+            except DdopsError as exc:   # held by another run (a live one, for --break-lock): nothing changed
+                return self.finish("failed", f"nothing was changed on {ctx.host.name}", exc, started)
             with PlanView(self.states, self.console) as view:
                 error: DdopsError | None = None
                 try:
                     ctx.progress = view.progress
                     error = self.apply_all(view)
-                    if error is not None and self.report.changed and not options.no_rollback:
+                    # a run whose lock was broken changes nothing more: its journal stays for `ddops rollback`
+                    if error is not None and self.report.changed and not options.no_rollback \
+                            and not isinstance(error, LockLost):
                         self.roll_back(view)
                 except BaseException as exc:  # a bug: never record a run that blew up as "ok"
                     error = error or StepFailed(f"the pivot stopped on an unexpected {exc.__class__.__name__}: {exc}")
@@ -117,7 +131,11 @@ class Pivot:
                     self.report.error, self.report.interrupted = error, ctx.interrupted
                     self.report.conclude(options.no_rollback)
                     self.report.wall_s = round(time.monotonic() - started, 2)
+                    if not self.report.changed:
+                        self.close_journal(error)
+                        self.discard_unused_backup()
                     self.record(view)
+                    self.close_journal(error)
                     self.release_lock()
             self.report.signals = guard.count
         return self.finish(self.report.outcome, self.report.state, error, started)
@@ -147,7 +165,11 @@ class Pivot:
         return "nothing was changed; run it without --dry-run to apply this plan"
 
     def apply_all(self, view: PlanView) -> DdopsError | None:
-        """The steps' plans, then the gates; the first failure stops the run and is returned."""
+        """The journal of intent, then the steps' plans, then the gates; the first failure stops the run
+        and is returned. Before each step the journal notes it, checking that this run still holds the lock."""
+        error = self.open_journal()
+        if error is not None:
+            return error
         work: list[tuple[StepState, Callable[[], str] | None]] = []
         for step in self.steps:
             state = self.by_name[step.name]
@@ -161,10 +183,86 @@ class Pivot:
                 state.status, state.summary = "skipped", state.summary or "no change"
                 view.refresh()
                 continue
-            error = self.run_one(state, action, view)
+            error = self.note(state) or self.run_one(state, action, view)
             if error is not None:
                 return error
         return None
+
+    def open_journal(self) -> DdopsError | None:
+        """Before the first change: the journal of intent on the host, holding the way back to the state
+        from before this pivot (what each step will change and its undo, the backup of the files the
+        unit step replaces, the training job it stops), so that a rollback after any crash can rebuild
+        it. A failure here (a full disk, an unfinished pivot, a lost lock) changes nothing."""
+        ctx = self.ctx
+        first = next((s for s in self.states if s.changes), None)
+        if first is None:
+            return None
+        failed_at = first   # the row a failure here is shown on: the step whose preparation failed
+
+        def preparing(name: str) -> None:
+            nonlocal failed_at
+            failed_at = self.by_name[name]
+
+        try:
+            out = hostlock.journal(ctx.executor, ctx.host, "journal-open", self.lock_token, record={
+                **self.journal_owner(), "kind": "pivot", "profile": ctx.profile.name, "unit": ctx.profile.unit,
+                "undo": [], "step": None})
+            if "unfinished" in out:
+                raise StepFailed(hostlock.unfinished_problem(ctx.host.name, out["unfinished"]))
+            self.journal_open = True
+            undos = way_back(ctx, self.steps, {s.name: s.changes for s in self.states}, at=preparing)
+            self.report.way_back = [as_record(u) for u in undos]
+            hostlock.journal(ctx.executor, ctx.host, "journal-note", self.lock_token,
+                             note={"what": "the way back", "undo": len(undos)}, update={"undo": self.report.way_back})
+        except DdopsError as exc:
+            return self.fail_at(failed_at, exc)
+        return None
+
+    def note(self, state: StepState) -> DdopsError | None:
+        """The journal notes the step about to run (a lost lock stops the run here, changing nothing more)."""
+        if not self.journal_open:
+            return None
+        try:
+            if self.lease is not None:
+                self.lease.check()
+            hostlock.journal(self.ctx.executor, self.ctx.host, "journal-note", self.lock_token,
+                             note={"step": state.name}, update={"step": state.name})
+        except DdopsError as exc:
+            return self.fail_at(state, exc)
+        return None
+
+    def close_journal(self, error: DdopsError | None) -> None:
+        """The pivot ended in a known state: its journal goes. Kept (the host needs `ddops rollback`)
+        when the rollback failed, or when the lock was lost to another run."""
+        if not self.journal_open or self.report.outcome == "rollback-failed" or isinstance(error, LockLost):
+            return
+        try:
+            hostlock.journal(self.ctx.executor, self.ctx.host, "journal-close", self.lock_token)
+            self.journal_open = False
+        except DdopsError as exc:
+            self.console.print(f"[yellow]warning:[/] could not close the journal on {self.ctx.host.name}: "
+                               f"{exc.line()}")
+
+    def discard_unused_backup(self) -> None:
+        """A pivot that changed nothing leaves no backup behind: the one the unit step took before the first
+        change would be the newest, and `ddops rollback` would restore what is already there instead of
+        the state before the last pivot that did change something. Kept while a journal names it."""
+        ctx, journal = self.ctx, self.ctx.journal
+        if journal.backup_id is None or self.journal_open:
+            return
+        try:
+            gone = discard_backup(ctx.executor, ctx.host, ctx.profile.unit, journal.backup_id)
+        except DdopsError as exc:
+            gone = False
+            self.console.print(f"[yellow]warning:[/] could not remove the unused backup {journal.backup_id} on "
+                               f"{ctx.host.name}: {exc.line()}")
+        if gone:
+            journal.backup_id, self.report.way_back = None, []
+
+    def journal_owner(self) -> dict:
+        """Who this run is, as the journal names it (`status`, `history` and a refusal show it)."""
+        return {**history.who(), "pid": os.getpid(), "token": self.lock_token,
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def check_gate(self, gate: Gate) -> str:
         try:
@@ -191,25 +289,34 @@ class Pivot:
         state.status = "running"
         view.note = ""
         view.refresh()
+        calm = self.ctx.interrupted is None
         try:
             state.summary = action()
             state.status = "done"
             return None
         except DdopsError as exc:
-            state.status, state.summary = "failed", exc.line().split("\n")[0]
-            self.report.failed_step = state.name
-            for later in self.states[self.states.index(state) + 1:]:
-                if later.name != "record":
-                    later.status, later.summary = "skipped", "not run"
-            return exc
+            return self.fail_at(state, exc)
         finally:
+            if calm and self.ctx.interrupted is not None:
+                self.report.interrupted_during = state.name
             state.seconds = round(time.monotonic() - t0, 2)
             view.note = ""
             view.refresh()
 
+    def fail_at(self, state: StepState, exc: DdopsError) -> DdopsError:
+        state.status, state.summary = "failed", exc.line().split("\n")[0]
+        self.report.failed_step = state.name
+        # every row after it is not run, and so is any before it still planned (the journal failed)
+        for other in self.states:
+            after = self.states.index(other) > self.states.index(state)
+            if other is not state and other.name != "record" and (after or other.status == "planned"):
+                other.status, other.summary = "skipped", "not run"
+        return exc
+
     def stop_here(self, state: StepState) -> Interrupted:
-        error = Interrupted(f"interrupted by {self.ctx.interrupted} before {state.title.lower()}: "
-                            "stopped at a safe point")
+        during = self.report.interrupted_during
+        error = Interrupted(f"interrupted by {self.ctx.interrupted}" + (f" during {during}" if during else "")
+                            + f": stopped at a safe point, before {state.title.lower()}")
         self.report.failed_step = state.name
         for later in self.states[self.states.index(state):]:
             if later.name != "record":
@@ -252,16 +359,21 @@ class Pivot:
     # -- lock, record, finish --------------------------------------------------------------------
 
     def acquire_lock(self) -> None:
+        """Take the host's lock (--break-lock first clears one whose holder is provably dead, else refuses
+        naming it) and keep its lease renewed while the run holds it."""
         ctx = self.ctx
         if self.options.break_lock:
-            holder = hostlock.clear(ctx.executor, ctx.host)
+            holder = hostlock.break_if_dead(ctx.executor, ctx.host)
             if holder is not None:
-                self.banner(f"cleared a stale lock held by {holder}")
-        self.lock_token = hostlock.acquire(ctx.executor, ctx.host, ctx.profile.name)
+                self.banner(f"cleared the lock of a dead run: {hostlock.describe(holder)} ({holder['dead']})")
+        self.lock_token = hostlock.acquire(ctx.executor, ctx.host, f"ddops pivot --deploy {ctx.profile.name}")
+        self.lease = LeaseKeeper(ctx.executor, ctx.host, self.lock_token).start()
 
     def release_lock(self) -> None:
         if self.lock_token is None:
             return
+        if self.lease is not None:
+            self.lease.stop()
         try:
             hostlock.release(self.ctx.executor, self.ctx.host, self.lock_token)
         except DdopsError as exc:

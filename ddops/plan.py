@@ -10,7 +10,7 @@ it changed and how to undo it (an `Undo`: ddops.undo has the kinds the steps use
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 from .errors import StepFailed
 from .executor import Executor
@@ -27,16 +27,33 @@ class Interrupted(StepFailed):
     """The operator pressed Ctrl-C (or sent SIGTERM); the pivot stops at the next safe point."""
 
 
+class UndoTarget(Protocol):
+    """What an undo applies with (ddops.rollback.UndoContext is the one the rollback gives): the host,
+    the report it adds to, and the requests to bring back what must run again once every undo has applied."""
+
+    executor: Executor
+    host: Host
+    progress: Callable[[str], None]
+    report: dict[str, Any]
+    restored: dict[str, str | None]    # unit -> sha256 of its restored file
+
+    def restart(self, unit: str) -> None: ...
+
+    def cycle(self, template: str, unit: str) -> None: ...
+
+    def start_again(self, unit: str, checked: bool = False) -> None: ...
+
+
 class Undo:
     """How to take one change back. Each kind is a small dataclass (ddops.undo) with one `apply(ctx)`:
-    it puts back what it can at once (files, a release) and asks `ctx` (ddops.rollback.UndoContext) to
+    it puts back what it can at once (files, a release) and asks `ctx` (an `UndoTarget`) to
     bring back what must run again, which the rollback restarts and gates after every undo has applied.
     Rollback applies a journal's undos newest first without knowing their kinds; an undo that everything
     else stands on (`first`: the runtime release under every unit) is applied before the others."""
 
     first: ClassVar[bool] = False
 
-    def apply(self, ctx: Any) -> None:
+    def apply(self, ctx: UndoTarget) -> None:
         raise NotImplementedError
 
 
@@ -207,3 +224,28 @@ class Step(Protocol):
     def plan(self, ctx: PlanContext) -> list[Operation]: ...
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str: ...
+
+
+@runtime_checkable
+class Prepares(Protocol):
+    """A step whose undo needs something made before the pivot changes anything (the unit step: a backup
+    of the files it replaces). `prepare` makes it and returns the undos that use it."""
+
+    def prepare(self, ctx: RunContext, operations: list[Operation]) -> list[Undo]: ...
+
+
+def way_back(ctx: RunContext, steps: Sequence[Step], plans: dict[str, list[Operation]],
+             at: Callable[[str], None] = lambda name: None) -> list[Undo]:
+    """Every undo the planned operations would need, made ready before the first change, in the order of
+    the steps (a rollback applies them newest first): what the pivot's journal of intent records.
+    `at(name)` is told which step is preparing (a failure there is that step's)."""
+    undos: list[Undo] = []
+    for step in steps:
+        operations = plans.get(step.name) or []
+        if not operations:
+            continue
+        at(step.name)
+        if isinstance(step, Prepares):
+            undos += step.prepare(ctx, operations)
+        undos += [op.undo for op in operations if op.undo is not None]
+    return undos

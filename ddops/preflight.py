@@ -13,6 +13,7 @@ found is reported together.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -23,15 +24,18 @@ from .bundled import CAPACITY, DRAFTER, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
 from .facts import HostFacts, Inspection, PivotFacts, ServerFlags, Training, Tree, check_identity, gather
-from .hostlock import lock_problem
+from .gpucheck import check_gpus, torch_probe_args
+from .hostlock import lock_problem, unfinished_problem
 from .inventory import Host, Inventory
-from .paths import LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
+from .paths import JOURNAL_PATH, LOCK_PATH, env_path, release_path, replicas_manifest, unit_path
 from .probes import probe_source
-from .profile import LIMITS, LOCAL, Profile
+from .profile import LIMITS, LOCAL, Profile, model_dir_problem, venv_dir_problem
 from .release import release_id
 from .remote import run_probe
 from .serverflags import check_flags, host_flags, shipped_flags, ships_server
 from .serverflags import summary as flags_summary
+from .paths import BACKUP_ROOT, RELEASES, WHEELHOUSE   # where ddops itself writes (own_writes)
+from .steps.deps import missing_modules
 from .steps.unit import exec_argv
 # target model_types the bundled runtime implements (runtime/ddtree_runtime/model/config.py TARGET_ARCHS)
 RUNTIME_TARGETS = {"qwen3": "Qwen3", "qwen3_5": "Qwen3.5/3.6 hybrid", "qwen3_5_text": "Qwen3.5/3.6 hybrid"}
@@ -48,9 +52,11 @@ def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
             "files": {unit_path(profile.unit): [], profile.env_file: sorted(profile.secrets),
                       release_path(profile.runtime.venv): []},
             "imports": {"python": profile.runtime.python, "modules": modules},
-            "units": units, "lock": LOCK_PATH}
+            "units": units, "lock": LOCK_PATH, "journal": JOURNAL_PATH}
     if profile.replicated:
         add_replica_args(profile, args)
+    args["paths"] = written_paths(profile)
+    args["free"] = list(dict.fromkeys(args["free"] + [where for where, _ in own_writes(profile)]))
     return args
 
 
@@ -195,31 +201,60 @@ def check_mamba_strategy(profile: Profile, config: dict[str, Any]) -> list[str]:
 
 
 def check_disk(profile: Profile, trees: dict[str, Tree], dest: Inspection) -> list[str]:
-    problems = []
-    need_by_fs: dict[str, int] = {}
-    free_by_fs: dict[str, int] = {}
+    """Free space on each filesystem of the serving host for everything the pivot writes there
+    together: the models it syncs, and ddops's own writes (backups, venv, wheels: `own_needs`)."""
+    needs: list[tuple[str, int, str]] = []   # (path, bytes, what)
     for model in profile.models:
         if model.source is None:
             continue
         have = dest.tree(model.path).bytes
-        need = max(0, trees[model.role].bytes - have) + int(model.min_free_gib * 2**30)
-        fs = dest.free[model.path]
-        need_by_fs[fs.checked] = need_by_fs.get(fs.checked, 0) + need
-        free_by_fs[fs.checked] = fs.free_bytes
-    for fs, need in need_by_fs.items():
-        if need > free_by_fs[fs]:
-            problems.append(f"not enough disk on {profile.host}:{fs}: need {need / 2**30:.2f} GiB, "
-                            f"free {free_by_fs[fs] / 2**30:.2f} GiB")
+        needs.append((model.path, max(0, trees[model.role].bytes - have) + int(model.min_free_gib * 2**30),
+                      f"{model.role} model"))
+    needs += own_needs(profile, dest)
+    by_fs: dict[object, list[tuple[str, int, str]]] = {}
+    for path, need, what in needs:
+        fs = dest.free.get(path)
+        if fs is not None and need > 0:
+            by_fs.setdefault(fs.device if fs.device is not None else fs.checked, []).append((path, need, what))
+    problems = []
+    for entries in by_fs.values():
+        fs = dest.free[entries[0][0]]
+        total = sum(need for _, need, _ in entries)
+        if total > fs.free_bytes:
+            parts = ", ".join(f"{what} {size(need)} in {path}" for path, need, what in entries)
+            problems.append(f"not enough disk on {profile.host}:{fs.checked}: need {size(total)} ({parts}), "
+                            f"free {size(fs.free_bytes)}")
     return problems
+
+
+def size(n: int) -> str:
+    """Bytes for a person: `0 B`, `512 KiB`, `1.5 GiB`: three figures at most, in the unit that fits."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
 
 
 def check_port(profile: Profile, holder: dict[str, Any] | None) -> list[str]:
     """The port must be free, or held by the unit the pivot replaces or one it stops first (a conflict)."""
     if holder is None or holder.get("unit") in (profile.unit, *profile.conflicts):
         return []
-    return [f"port {profile.port} on {profile.host} is held by "
-            f"{holder.get('unit') or 'pid ' + str(holder.get('pid'))} ({(holder.get('cmdline') or '')[:80]})"
+    return [f"port {profile.port} on {profile.host} is held by {holder_words(holder)}"
             + (" — list it under `conflicts` to stop it" if holder.get("unit") else "")]
+
+
+def holder_words(holder: dict[str, Any]) -> str:
+    """Who listens on a port, in what is known: its unit and command, its pid, or (a listener whose
+    process this host cannot see: another container sharing its network) that much."""
+    command = (holder.get("cmdline") or "").strip()[:80]
+    if holder.get("unit"):
+        return f"{holder['unit']} (pid {holder.get('pid')}: {command})" if command else holder["unit"]
+    if holder.get("pid") is not None:
+        return f"pid {holder['pid']} ({command})" if command else f"pid {holder['pid']}"
+    return ("a process this host cannot see (another container or namespace sharing its network, or one "
+            "ddops may not inspect)")
 
 
 def check_tensor_parallel(profile: Profile, host: HostFacts) -> list[str]:
@@ -314,8 +349,7 @@ def check_replicas(profile: Profile, facts: PivotFacts) -> list[str]:
         holder = dest.ports.get(replica.port)
         if holder is not None and holder.get("unit") not in (replica.unit, *profile.conflicts):
             problems.append(f"replica port {replica.port} on {profile.host} (for {replica.unit}) is held by "
-                            f"{holder.get('unit') or 'pid ' + str(holder.get('pid'))} "
-                            f"({(holder.get('cmdline') or '')[:80]})")
+                            f"{holder_words(holder)}")
     return problems
 
 
@@ -341,24 +375,27 @@ def check_kill_cost(profile: Profile, training: Training, accepted: float | None
 
 def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kill_training: bool = False,
               dry_run: bool = False, break_lock: bool = False,
-              accept_lost_steps: float | None = None) -> tuple[PivotFacts, str]:
+              accept_lost_steps: float | None = None, accept_gpu_faults: bool = False) -> tuple[PivotFacts, str]:
     """Gather and check; returns the facts and a one-line summary, or raises naming every problem found."""
     hosts = involved_hosts(profile, inventory)
     serving = inventory.host(profile.host)
     training_unit = serving.training.unit if serving.training else None
 
-    def one(host: Host) -> tuple[dict, dict, ServerFlags | None]:
-        facts = gather(executor, host)
+    def one(host: Host) -> tuple[dict, dict, ServerFlags | None, dict | None]:
+        facts = gather(executor, host, cuda_version=host.name == profile.host)
         args = serving_args(profile, training_unit) if host.name == profile.host else {"trees": []}
         if host.name == profile.host or any(m.source and m.source.host == host.name for m in profile.models):
             args["trees"] = list(dict.fromkeys(args["trees"] + source_args(profile, host.name)["trees"]))
         inspected = run_probe(executor, host, "inspect", args, timeout=300)
         # the installed server's own --help, unless the pivot ships the release that will run
         flags = host_flags(executor, host, profile) if host.name == profile.host and not ships_server(profile) else None
-        return facts, inspected, flags
+        torch_args = torch_probe_args(profile, inspected) if host.name == profile.host else None
+        torch = run_probe(executor, host, "torchwheel", torch_args, timeout=900) if torch_args else None
+        return facts, inspected, flags, torch
 
     outcomes = executor.fan_out(hosts, one)
     server_flags: ServerFlags | None = None
+    torch: dict | None = None
     problems: list[str] = []
     unreachable = False
     host_facts: dict[str, HostFacts] = {}
@@ -369,7 +406,8 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
             unreachable |= outcome.unreachable
             problems.append(outcome.error.line())
             continue
-        facts, inspected, flags = outcome.value
+        facts, inspected, flags, found = outcome.value
+        torch = found or torch
         host_facts[host.name], inspections[host.name] = HostFacts.from_json(facts), Inspection.from_json(inspected)
         server_flags = flags or server_flags
         identity = check_identity(host.expect, facts)
@@ -391,27 +429,130 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     facts = replace(facts, pool=capacity.estimate(profile, facts.host, trees))
     problems += capacity.check_fits(profile, facts.pool)
     problems += check_disk(profile, trees, dest)
+    problems += check_confinement(profile, dest)
     problems += check_replicas(profile, facts) if profile.replicated else check_port(profile, dest.port_holder)
     argv = exec_argv(profile)
     problems += check_flags(profile, argv, server_flags)
     problems += check_tensor_parallel(profile, facts.host)
     problems += check_fp8_gpus(profile, facts.host)
+    gpu_problems, gpu_check = check_gpus(profile, facts.host, torch, accept_gpu_faults)
+    problems += gpu_problems
+    facts = replace(facts, gpu_check=gpu_check)
     training = facts.host.training
     if training.running and not kill_training and not dry_run:  # a dry run shows the stop
         problems.append(f"training is running on {profile.host} (pid {training.pid}, step "
                         f"{training.last_step}); pass --kill-training to stop it")
     elif not dry_run:  # a dry run shows the cost and what a real run needs
         problems += check_kill_cost(profile, training, accept_lost_steps)
-    if dest.lock_holder is not None and not break_lock:
-        problems.append(lock_problem(profile.host, dest.lock_holder))
+    # A journal under a lock may be a pivot in progress: the lock speaks first (with --break-lock, taking
+    # the lock decides whether its run is dead, and then the journal refuses the pivot).
+    if dest.lock_holder is not None:
+        if not break_lock:
+            problems.append(lock_problem(profile.host, dest.lock_holder))
+    elif dest.journal is not None:
+        problems.append(unfinished_problem(profile.host, dest.journal))
     if problems:
         _fail(problems, False)
     flags_note = flags_summary(server_flags, argv)
     return facts, (f"{len(hosts)} host(s) ok; {profile.host} is {facts.host.hostname} with "
-                   f"{facts.host.gpu_count} GPU(s)" + (f"; {flags_note}" if flags_note else ""))
+                   f"{facts.host.gpu_count} GPU(s)" + (f"; {flags_note}" if flags_note else "")
+                   + (f"; {gpu_check.note()}" if gpu_check.note() else ""))
 
 
 def _fail(problems: list[str], unreachable: bool) -> None:
     cls = HostUnreachable if unreachable else StepFailed
     raise cls("preflight found " + (f"{len(problems)} problems: " if len(problems) > 1 else "a problem: ")
               + "; ".join(problems), fix="nothing was changed")
+
+
+# -- where ddops writes (issue 36): paths confined once their symlinks are resolved, and space there --
+
+VENV_FLOOR = 2**30          # a pip install into the venv, when the index decides its size: at least this
+STATE_FLOOR = 64 * 2**20    # backups, history and the lock under /var/lib/ddops
+RELEASES_FLOOR = 256 * 2**20   # a shipped runtime wheel, kept beside the earlier ones
+
+
+def written_paths(profile: Profile) -> list[str]:
+    """Every path on the serving host a pivot writes into: its dirs (models, venv) and files (unit,
+    environment, release record, a replicated profile's env files, manifest and balancer config)."""
+    paths = [*(m.path for m in profile.models), unit_path(profile.unit), profile.env_file]
+    if profile.engine == "ddtree":   # its venv and release record (an SGLang profile's venv is SGLang's own)
+        paths += [profile.runtime.venv, release_path(profile.runtime.venv)]
+    if profile.replicated:
+        paths += [env_path(r.unit) for r in profile.replicas.members]
+        paths += [replicas_manifest(profile.unit), profile.balancer.config]
+    return list(dict.fromkeys(paths))
+
+
+def own_writes(profile: Profile) -> list[tuple[str, str]]:
+    """Where ddops itself writes on the serving host, beside the models: (path, what)."""
+    writes = [(BACKUP_ROOT, "backups")]
+    if profile.engine == "ddtree":
+        writes.append((profile.runtime.venv, "venv"))
+        if profile.runtime.ship is not None:
+            writes.append((RELEASES, "runtime wheels"))
+        if not profile.runtime.index:
+            writes.append((WHEELHOUSE, "wheelhouse"))
+    return writes
+
+
+def own_needs(profile: Profile, dest: Inspection) -> list[tuple[str, int, str]]:
+    """How much ddops's own writes need, where they go: (path, bytes, what). The venv needs room only
+    when packages are missing: the wheelhouse's size twice (pushed, then installed) offline, else a floor."""
+    needs = []
+    missing = missing_modules(profile, dest.imports)
+    for path, what in own_writes(profile):
+        if what == "backups":
+            needs.append((path, STATE_FLOOR, what))
+        elif what == "runtime wheels":
+            needs.append((path, RELEASES_FLOOR, what))
+        elif what == "wheelhouse" and missing:
+            needs.append((path, local_size(profile.runtime.wheelhouse), what))
+        elif what == "venv" and missing:
+            offline = not profile.runtime.index
+            needs.append((path, local_size(profile.runtime.wheelhouse) if offline else VENV_FLOOR,
+                          "venv (pip install)"))
+    return needs
+
+
+def local_size(folder: str | None) -> int:
+    """Bytes of the files under a folder on the control machine (0 when absent)."""
+    total = 0
+    for top, _, names in os.walk(folder or ""):
+        total += sum(os.path.getsize(os.path.join(top, n)) for n in names if os.path.isfile(os.path.join(top, n)))
+    return total
+
+
+def check_confinement(profile: Profile, dest: Inspection) -> list[str]:
+    """Paths the profile names, with symlinks resolved on the host: the venv and model dirs stay out of
+    system directories, a venv is made only in a new or empty dir (or over a venv), and the files ddops
+    writes are not links to somewhere else."""
+    problems = []
+    where = profile.where("runtime")
+    # the venv ddops makes and pip-installs into (an SGLang profile's is SGLang's own, only read)
+    dirs = {profile.runtime.venv: (venv_dir_problem, "runtime.venv")} if profile.engine == "ddtree" else {}
+    dirs.update({m.path: (model_dir_problem, f"models.{m.role}.path") for m in profile.models})
+    for path, (problem_of, key) in dirs.items():
+        fact = dest.paths.get(path)
+        if fact is None:
+            continue
+        problem = problem_of(fact.real) if fact.real != path else None
+        if problem:
+            problems.append(f"{key} {path} on {profile.host} leads to {fact.real} (a symlink), which is {problem} "
+                            f"({profile.where(key.split('.')[0])}); name a directory of its own")
+        elif fact.exists and not fact.dir:
+            problems.append(f"{key} {path} on {profile.host} is a file, not a directory "
+                            f"({profile.where(key.split('.')[0])})")
+    venv = dest.paths.get(profile.runtime.venv)
+    if (profile.engine == "ddtree" and venv is not None and venv.dir and venv.entries and not venv.venv
+            and not dest.imports.venv):
+        problems.append(f"runtime.venv {profile.runtime.venv} on {profile.host} holds {venv.entries} file(s) and is not "
+                        f"a venv ({where}): ddops makes a venv only in a new or empty directory; empty it, or name "
+                        "another")
+    written = set(written_paths(profile)) - set(dirs)
+    for path in sorted(written):
+        fact = dest.paths.get(path)
+        if fact is not None and fact.link:
+            problems.append(f"{path} on {profile.host} is a symlink to {fact.real}: ddops writes that file and "
+                            "follows no link out of its folder; remove the link (`systemctl disable` or `rm`) first")
+    return problems

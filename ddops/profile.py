@@ -63,12 +63,31 @@ class Model:
 
 
 @dataclass(frozen=True)
+class TorchPin:
+    """`runtime.torch`: the torch build to install (torch==VERSION+cuXY), and the index that has it."""
+
+    version: str
+    cuda: str                  # major.minor, e.g. "12.8"
+    index: str | None = None   # e.g. https://download.pytorch.org/whl/cu128 (pip's --extra-index-url)
+    where: str = ""            # file:line, for preflight's lines
+
+    @property
+    def build(self) -> str:
+        return f"{self.version}+cu{self.cuda.replace('.', '')}"
+
+    @property
+    def requirement(self) -> str:
+        return f"torch=={self.build}"
+
+
+@dataclass(frozen=True)
 class Runtime:
     venv: str
     packages: dict[str, str]   # import name -> pip requirement
     ship: str | None           # local path of the runtime package to build and install, or None
     index: bool = True         # False: the host has no package index; ddops pushes a wheelhouse
     wheelhouse: str | None = None  # local dir of wheels for hosts without an index
+    torch: TorchPin | None = None  # runtime.torch: sets packages' torch to that build
 
     @property
     def python(self) -> str:
@@ -400,16 +419,44 @@ def _system_tree(path: str) -> str | None:
     return next((t for t in _SYSTEM_TREES if path == t or path.startswith(t + "/")), None)
 
 
+def model_dir_problem(path: str) -> str | None:
+    """Why a normalised absolute path may not be a model dir (the sync mirrors into it with --delete),
+    or None. Preflight asks again of the path with its symlinks resolved on the host."""
+    inside = _system_tree(path)
+    if path in _PROTECTED or path.count("/") < 2 or inside or (path.startswith("/dev/") and
+                                                              not path.startswith("/dev/shm/")):
+        return "a system directory or too shallow" + (
+            f" (inside {inside}, which the sync's --delete would damage)" if inside else "")
+    return None
+
+
+def venv_dir_problem(path: str) -> str | None:
+    """Why a normalised absolute path may not hold the runtime's venv (`python3 -m venv` writes bin/,
+    lib/, include/ and pyvenv.cfg into it), or None."""
+    inside = _system_tree(path)
+    if path in _PROTECTED or path.count("/") < 2 or inside:
+        return "a system directory or too shallow" + (
+            f" (inside {inside}, where a venv's bin/ and lib/ would mix with the system's)" if inside else "")
+    return None
+
+
 def _model_path(section: Section, key: str) -> str:
     value = section.abspath(key, required=True)
     norm = os.path.normpath(value)
-    inside = _system_tree(norm)
-    if norm in _PROTECTED or norm.count("/") < 2 or inside or (norm.startswith("/dev/") and
-                                                              not norm.startswith("/dev/shm/")):
-        raise section.fail(key, f"model path {value!r} is a system directory or too shallow"
-                           + (f" (inside {inside}, which the sync's --delete would damage)" if inside else ""),
+    problem = model_dir_problem(norm)
+    if problem:
+        raise section.fail(key, f"model path {value!r} is {problem}",
                            "name the model's own directory, e.g. /root/models/NAME")
     return norm
+
+
+def _venv_path(section: Section) -> str:
+    value = os.path.normpath(_executable(section, "venv"))
+    problem = venv_dir_problem(value)
+    if problem:
+        raise section.fail("venv", f"`runtime.venv` {value!r} is {problem}",
+                           "give the venv a directory of its own, e.g. /opt/ddtree/venv")
+    return value
 
 
 def _local_source(section: Section) -> str:
@@ -424,6 +471,7 @@ def _local_source(section: Section) -> str:
     expanded = os.path.expanduser(cache + raw[len(CACHE):] if raw.startswith(CACHE) else raw)
     if CONTROL_CHARS.search(expanded):
         raise section.fail("path", f"local source path {raw!r} contains a newline or control character")
+    section.refuse_parent_steps("path", raw)
     real = os.path.realpath(expanded)
     if _system_tree(real) or real in _PROTECTED or real.count("/") < 2:
         raise section.fail("path", f"local source path {raw!r} is {real}, a system directory or too shallow",
@@ -478,7 +526,7 @@ def _runtime_needs(pyproject: Path, packages: dict[str, str]) -> dict[str, str]:
 
 def _runtime(top: Section, root: Path) -> Runtime:
     section = top.section("runtime", required=True)
-    section.reject_unknown(("venv", "packages", "ship", "index", "wheelhouse"))
+    section.reject_unknown(("venv", "packages", "ship", "index", "wheelhouse", "torch"))
     packages_section = section.section("packages")
     packages: dict[str, str] = {}
     if packages_section is not None:
@@ -487,6 +535,12 @@ def _runtime(top: Section, root: Path) -> Runtime:
                 raise packages_section.fail(key, f"invalid import name {key!r}",
                                             "keys are import names, values pip requirements")
             packages[key] = packages_section.str(key, required=True)
+    torch = _torch_pin(section)
+    if torch is not None:
+        if "torch" in packages:
+            raise section.fail("torch", "both runtime.torch and runtime.packages.torch name the torch to install",
+                               "keep one: runtime.torch pins the build (version and CUDA)")
+        packages["torch"] = torch.requirement
     ship = section.str("ship")
     if ship is not None:
         ship_path = (root / ship).resolve()
@@ -506,8 +560,26 @@ def _runtime(top: Section, root: Path) -> Runtime:
         wheelhouse = str((root / os.path.expanduser(wheelhouse)).resolve())
     if not index and wheelhouse is None:
         raise section.fail("index", "`index: false` needs a `wheelhouse` (a local dir of wheels to push)")
-    return Runtime(venv=_executable(section, "venv"), packages=packages, ship=ship,
-                   index=index, wheelhouse=wheelhouse)
+    return Runtime(venv=_venv_path(section), packages=packages, ship=ship,
+                   index=index, wheelhouse=wheelhouse, torch=torch)
+
+
+def _torch_pin(runtime: Section) -> TorchPin | None:
+    """`runtime.torch: {version: "2.7.1", cuda: "12.8", index: URL}`; YAML may read the CUDA as a number."""
+    pin = runtime.section("torch")
+    if pin is None:
+        return None
+    pin.reject_unknown(("version", "cuda", "index"))
+    values = {k: (str(pin.data[k]) if isinstance(pin.data.get(k), (int, float)) and not isinstance(pin.data[k], bool)
+                  else pin.str(k, required=k != "index")) for k in ("version", "cuda", "index")}
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)?", values["version"] or ""):
+        raise pin.fail("version", f"runtime.torch.version must be a release like 2.7.1, got {values['version']!r}")
+    if not re.fullmatch(r"\d+\.\d", values["cuda"] or ""):
+        raise pin.fail("cuda", f"runtime.torch.cuda must be a CUDA version like \"12.8\", got {values['cuda']!r}",
+                       "quote it in YAML")
+    if values["index"] is not None and not re.fullmatch(r"https?://\S+", values["index"]):
+        raise pin.fail("index", f"runtime.torch.index must be an http(s) URL, got {values['index']!r}")
+    return TorchPin(version=values["version"], cuda=values["cuda"], index=values["index"], where=pin.where())
 
 
 def _serve(top: Section) -> Serve:

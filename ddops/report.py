@@ -23,16 +23,19 @@ class Report:
     gate_names: tuple[str, ...] = ()        # which rows are gates: a failed gate changed nothing itself
     release: str | None = None
     pool: dict[str, Any] | None = None      # what the KV pool will hold on the GPU (ddops.capacity)
+    accepted_gpu_faults: list[str] = field(default_factory=list)   # what --accept-gpu-faults let through
     outcome: str | None = None
     state: str | None = None
     error: DdopsError | None = None
     failed_step: str | None = None
     interrupted: str | None = None
+    interrupted_during: str | None = None   # the step that was running when the signal came
     rolled_back: bool | None = None        # None: no rollback was tried
     rollback: dict[str, Any] | None = None   # what the rollback did
     rollback_error: str | None = None
     signals: int = 0
     wall_s: float = 0.0
+    way_back: list[dict[str, Any]] = field(default_factory=list)   # the undos to the state before it, as data
 
     @property
     def changed(self) -> bool:
@@ -46,7 +49,8 @@ class Report:
         """Set outcome and state from what happened."""
         self.outcome, self.state = outcome(self, no_rollback)
         if self.interrupted and self.error is not None:
-            self.state = f"interrupted by {self.interrupted} during {self.failed_step}; {self.state}"
+            during = self.interrupted_during or self.failed_step
+            self.state = f"interrupted by {self.interrupted} during {during}; {self.state}"
 
     @property
     def exit_code(self) -> int:
@@ -72,7 +76,10 @@ class Report:
                 "error": self.error.line() if self.error else None, "wall_s": self.wall_s,
                 # what the gates held this unit to: a later rollback to these files is held to the same
                 "checks": Checks.of(self.profile).record(),
-                **({"rolling": self.journal.rolling} if self.journal.rolling else {})}
+                # what `ddops rollback` to this pivot's backup applies: the release before it, what it stopped
+                "way_back": self.way_back,
+                **({"rolling": self.journal.rolling} if self.journal.rolling else {}),
+                **({"accepted_gpu_faults": self.accepted_gpu_faults} if self.accepted_gpu_faults else {})}
 
     def as_json(self) -> dict[str, Any]:
         """What `--json` prints and the summary reads."""
@@ -94,6 +101,8 @@ class Report:
             out["pool"] = self.pool
         if self.journal.rolling:
             out["rolling"] = self.journal.rolling
+        if self.accepted_gpu_faults:
+            out["accepted_gpu_faults"] = self.accepted_gpu_faults
         out.update(interrupted=self.interrupted, error=self.error.line() if self.error else None,
                    release=self.release, backup_id=self.journal.backup_id, changed=sorted(self.journal.changed),
                    stopped_units=self.journal.stopped_units, training=self.journal.training, gates=self.gates(),

@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 from tenacity import Retrying, stop_after_attempt
 
-from . import history
+from . import history, hostlock
+from .backups import choose_backup, is_active, read_manifest
 from .cycle import Balanced, cycle
 from .errors import DdopsError, StepFailed, UsageError
 from .executor import Executor
@@ -31,52 +32,14 @@ from .gates import GateFailed, GateResult
 from .gates.health import HealthGate
 from .gates.smoke import SmokeGate
 from .inventory import Host, Inventory
-from .paths import HISTORY_PATH, backup_root, env_path, replicas_manifest, unit_path
+from .paths import HISTORY_PATH, unit_path
 from .plan import Checks, Undo
 from .profile import Replica
-from .remote import check, run_probe
+from .remote import check
+from .undo import RestoreBackup, RollBackReplicas, from_record
 
 HISTORY_SCAN = 500          # the history lines searched for the pivot that installed a restored unit
 OTHERS_DEADLINE_S = 60.0    # how long a unit started again (not restored) may take to answer /health
-
-
-def list_backups(executor: Executor, host: Host, unit: str) -> list[dict[str, Any]]:
-    return run_probe(executor, host, "unitfile", stdin={"action": "list", "backup_root": backup_root(unit)})
-
-
-def restore_spec(unit: str, backup_id: str) -> dict[str, Any]:
-    return {"action": "restore", "unit": unit, "unit_path": unit_path(unit), "env_path": env_path(unit),
-            "backup_root": backup_root(unit), "backup_id": backup_id}
-
-
-def choose_backup(executor: Executor, host: Host, unit: str, backup_id: str | None) -> dict[str, Any]:
-    backups = list_backups(executor, host, unit)
-    if not backups:
-        raise UsageError(f"no backups of {unit} on {host.name}", fix="nothing to roll back to")
-    if backup_id is None:
-        chosen = backups[-1]
-    else:
-        chosen = next((b for b in backups if b["id"] == backup_id), None)
-        if chosen is None:
-            raise UsageError(f"no backup {backup_id!r} of {unit} on {host.name}",
-                             fix=f"known: {', '.join(b['id'] for b in backups)}")
-    return chosen
-
-
-def read_manifest(executor: Executor, host: Host, template: str) -> dict[str, Any] | None:
-    """The replicas manifest the last install left on the host, or None."""
-    result = executor.run(host, ["cat", replicas_manifest(template)], timeout=30)
-    if not result.ok:
-        return None
-    try:
-        return json.loads(result.stdout)
-    except ValueError:
-        return None
-
-
-def is_active(executor: Executor, host: Host, unit: str) -> bool:
-    return executor.run(host, ["systemctl", "is-active", unit], timeout=30).stdout.strip() in ("active", "activating",
-                                                                                              "reloading")
 
 
 def unit_sha256(executor: Executor, host: Host, unit: str) -> str | None:
@@ -159,6 +122,9 @@ class UndoContext:
             else:
                 self.retrying(self.cycle_replica, template, unit)
         for unit in self.starts:
+            if self.retrying(is_active, self.executor, self.host, unit):
+                self.report.setdefault("running", []).append(unit)   # never stopped, or already started again
+                continue
             self.progress(f"starting {unit} again")
             self.retrying(lambda u=unit: check(self.executor.run(self.host, ["systemctl", "start", u], timeout=120),
                                                f"starting {u} again"))
@@ -264,7 +230,8 @@ class UndoContext:
 
 def undo(executor: Executor, inventory: Inventory, host: Host, undos: list[Undo], *, retrying: Retrying,
          progress: Callable[[str], None] = lambda m: None, secrets: dict[str, str] | None = None,
-         skip_smoke: bool = False, report: dict[str, Any] | None = None) -> dict[str, Any]:
+         skip_smoke: bool = False, report: dict[str, Any] | None = None,
+         lease: hostlock.LeaseKeeper | None = None) -> dict[str, Any]:
     """Apply a pivot's undos newest first (those marked `first` before the rest), then bring back and
     gate what they asked for. Each is retried while the host is briefly unreachable. Returns the report
     (`report`, when given, is filled as it goes: a rollback that fails still says what it did)."""
@@ -273,36 +240,107 @@ def undo(executor: Executor, inventory: Inventory, host: Host, undos: list[Undo]
     ctx = UndoContext(executor, inventory, host, retrying, progress, secrets or {}, skip_smoke, report)
     newest_first = list(reversed(undos))
     for step in [u for u in newest_first if u.first] + [u for u in newest_first if not u.first]:
+        if lease is not None:
+            lease.check()   # a run whose lock was broken changes nothing more
         retrying(step.apply, ctx)
     ctx.bring_back()
     return report
 
 
 def rollback_command(executor: Executor, inventory: Inventory, host: Host, unit: str, backup_id: str | None,
-                     progress: Callable[[str], None], *, skip_smoke: bool = False) -> dict[str, Any]:
-    """`ddops rollback`: restore one backup (every replica of a template), gate what it brings back, and
-    record the attempt in the host's history, failed ones too."""
-    from .undo import RestoreBackup
+                     progress: Callable[[str], None], *, skip_smoke: bool = False,
+                     break_lock: bool = False) -> dict[str, Any]:
+    """`ddops rollback`, under the host's pivot lock (as a pivot holds it). An unfinished pivot on the
+    host (its journal of intent: crashed, killed, its control machine gone) is taken back with the undos
+    it recorded before it changed anything, to the state from before it. Else one backup is restored
+    (every replica of a template). What is restored is gated, and the attempt recorded in the host's
+    history, failed ones too. A rollback right after another has nothing to do and says so.
 
+    What to do is read first, without the lock: a rollback with nothing to do (no backups, no such
+    backup, a damaged one, the last rollback already done) says so and leaves the host untouched, its
+    lock file and /var/lib/ddops included. Under the lock it is read again (a pivot may have run since)."""
     t0 = time.monotonic()
     report: dict[str, Any] = {}
+    broken = hostlock.break_if_dead(executor, host) if break_lock else None
+    if broken is not None:
+        report["broke_lock"] = hostlock.describe(broken) + f" ({broken['dead']})"
+
+    def what_to_undo() -> tuple[dict[str, Any] | None, list[Undo] | None]:
+        unfinished = hostlock.journal(executor, host, "journal-read")["journal"]
+        return unfinished, rollback_undos(executor, host, unit, backup_id, unfinished, report)
+
+    if what_to_undo()[1] is None:
+        report["seconds"] = round(time.monotonic() - t0, 2)
+        return report
+    token = hostlock.acquire(executor, host, f"ddops rollback --host {host.name}")
     try:
-        undo(executor, inventory, host, [RestoreBackup(unit, backup_id, every_replica=True)],
-             retrying=Retrying(stop=stop_after_attempt(1), reraise=True), progress=progress,
-             skip_smoke=skip_smoke, report=report)
-    except UsageError:
-        raise  # nothing was attempted (no such backup): nothing to record
-    except DdopsError as exc:
-        history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
-                                        "backup_id": report.get("backup_id", backup_id), "error": exc.line(),
-                                        "checked": report.get("checked"), "wall_s": round(time.monotonic() - t0, 2)})
-        raise
+        with hostlock.LeaseKeeper(executor, host, token) as lease:
+            unfinished, undos = what_to_undo()
+            if undos is None:
+                report["seconds"] = round(time.monotonic() - t0, 2)
+                return report
+            try:
+                undo(executor, inventory, host, undos, retrying=Retrying(stop=stop_after_attempt(1), reraise=True),
+                     progress=progress, skip_smoke=skip_smoke, report=report, lease=lease)
+                if unfinished is not None:
+                    hostlock.journal(executor, host, "journal-close", token)
+            except UsageError:
+                raise  # nothing was attempted (no such backup, or a damaged one): nothing to record
+            except DdopsError as exc:
+                history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "failed",
+                                                "backup_id": report.get("backup_id", backup_id), "error": exc.line(),
+                                                "unfinished": report.get("unfinished"),
+                                                "checked": report.get("checked"),
+                                                "wall_s": round(time.monotonic() - t0, 2)})
+                raise
+    finally:
+        hostlock.release(executor, host, token)
     report["seconds"] = round(time.monotonic() - t0, 2)
     history.append(executor, host, {"kind": "rollback", "unit": unit, "outcome": "ok",
-                                    "backup_id": report["backup_id"], "restarted": report["restarted"],
+                                    "backup_id": report.get("backup_id"), "restarted": report["restarted"],
+                                    "unfinished": report.get("unfinished"), "saved_as": report.get("saved_as"),
                                     "removed": report.get("removed", False), "checked": report.get("checked"),
                                     "wall_s": report["seconds"]})
     return report
+
+
+def rollback_undos(executor: Executor, host: Host, unit: str, backup_id: str | None,
+                   unfinished: dict[str, Any] | None, report: dict[str, Any]) -> list[Undo] | None:
+    """What `ddops rollback` applies: an unfinished pivot's recorded undos, else the restore of one
+    backup; None when the newest backup was restored by the last rollback (nothing to do)."""
+    if unfinished is not None:
+        if backup_id is not None:
+            raise UsageError(f"{host.name} has an unfinished pivot ({history.unfinished_words(unfinished)}): "
+                             "it is rolled back first, to the state from before it",
+                             fix=f"run ddops rollback --host {host.name} without --to")
+        report["unfinished"] = {k: unfinished.get(k) for k in ("profile", "unit", "started_at", "step", "user",
+                                                                "control_host", "pid")}
+        return [from_record(r) for r in unfinished.get("undo") or []]
+    records = history.read(executor, host)
+    if backup_id is None:
+        last = last_change(records, unit)
+        if last is not None and last.get("kind") == "rollback" and last.get("outcome") == "ok":
+            report.update(unchanged=True, backup_id=last.get("backup_id"), restarted=[],
+                          rolled_back_at=last.get("time"))
+            return None
+    chosen = choose_backup(executor, host, unit, backup_id)["id"]   # a damaged one is refused here
+    restore = RestoreBackup(unit, chosen, every_replica=True)
+    # the pivot that took this backup recorded its way back: the release before it, what it stopped
+    took = next((r for r in reversed(records) if r.get("kind") == "pivot" and r.get("backup_id") == chosen
+                 and r.get("way_back")), None)
+    if took is None:
+        return [restore]
+    # the restore cycles every replica the backup ran, once each and in order: the pivot's own undos of
+    # its rolling batches (newest batch first) would only cycle them again, backwards
+    way_back = [u for u in map(from_record, took["way_back"]) if not (isinstance(u, RollBackReplicas)
+                                                                    and u.template == unit)]
+    return [restore if isinstance(u, RestoreBackup) and u.unit == unit else u for u in way_back]
+
+
+def last_change(records: list[dict[str, Any]], unit: str) -> dict[str, Any] | None:
+    """The newest pivot or rollback of `unit` in a host's history."""
+    return next((r for r in reversed(records) if r.get("unit") == unit and r.get("kind") in ("pivot", "rollback")),
+                None)
 
 
 def _settle(executor: Executor, host: Host, unit: str, wait_s: float = 3.0) -> str:

@@ -9,37 +9,74 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
-from .executor import Executor, Outcome
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, HostUnreachable
+from .executor import CommandTimeout, Executor, Outcome
 from .facts import check_identity, gather, tensor_parallel
+from .gpuhealth import style as health_style
+from .gpuhealth import summary as gpu_summary
+from .gpuhealth import words as health_words
+from .history import unfinished_words
+from .hostlock import describe, liveness
 from .inventory import Host
 
 
 def collect(executor: Executor, hosts: list[Host]) -> list[dict[str, Any]]:
     """One status record per host, in inventory order; an unreachable host is a record too."""
-    outcomes = executor.fan_out(hosts, lambda h: gather(executor, h))
+    outcomes = executor.fan_out(hosts, lambda h: _gather(executor, h))
     return [_record(h, outcomes[h.name]) for h in hosts]
+
+
+def _gather(executor: Executor, host: Host) -> dict[str, Any]:
+    """The facts probe, a few seconds' work: one that never finishes means the host (or its sshd) froze."""
+    try:
+        return gather(executor, host)
+    except CommandTimeout as exc:
+        raise HostUnreachable(f"{host.name} stopped answering during the facts probe: {exc.what}",
+                              fix="check the host (a frozen sshd or a full disk?), then retry") from None
 
 
 def _record(host: Host, outcome: Outcome[dict[str, Any]]) -> dict[str, Any]:
     record: dict[str, Any] = {"host": host.name, "reached_as": host.label, "reachable": not outcome.unreachable,
                               "error": outcome.error.line() if outcome.error else None,
-                              "identity": None, "gpus": [], "gpu_error": None, "training": None,
-                              "services": [], "runtime": [], "replicas": []}
+                              "identity": None, "gpus": [], "gpu_error": None, "driver": None, "gpu_health": [],
+                              "kernel_log": None, "training": None,
+                              "services": [], "runtime": [], "replicas": [], "pivot": None}
     if outcome.value is None:
         return record
     facts = outcome.value
     identity = check_identity(host.expect, facts)
     record.update(identity=asdict(identity), gpus=facts["gpus"]["list"], gpu_error=facts["gpus"]["error"],
                   training=facts["training"], services=facts["services"], runtime=facts["runtime"],
-                  replicas=facts.get("replicas") or [])
+                  replicas=facts.get("replicas") or [], pivot=pivot_state(host.name, facts.get("pivot")),
+                  **gpu_summary(facts))
     return record
+
+
+def pivot_state(host: str, found: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The host's pivot lock and journal in one word and one line: running (a live run holds both),
+    unfinished (a journal whose run is gone: the host may be half-changed), locked, stale-lock."""
+    if not found or (found.get("journal") is None and found.get("lock") is None):
+        return None
+    journal, holder = found.get("journal"), found.get("lock")
+    dead = liveness(holder, found.get("lease_left_s")) if holder is not None else "no run holds the lock"
+    if journal is not None and not (found.get("same_run") and dead is None):
+        return {"state": "unfinished", "line": f"UNFINISHED PIVOT on {host} ({unfinished_words(journal)}): the host "
+                                               f"may be half-changed; `ddops rollback --host {host}` restores the "
+                                               "state from before it"}
+    if journal is not None:
+        return {"state": "running", "line": f"pivot in progress on {host}: {unfinished_words(journal)}"}
+    if dead is None:
+        return {"state": "locked", "line": f"{host} is locked by a running ddops: {describe(holder)}"}
+    return {"state": "stale-lock", "line": f"STALE LOCK on {host}: {describe(holder)} ({dead}); the next pivot "
+                                           "clears it with --break-lock"}
 
 
 def exit_code(records: list[dict[str, Any]]) -> int:
     if any(not r["reachable"] for r in records):
         return EXIT_UNREACHABLE
     if any(r["error"] or (r["identity"] and not r["identity"]["ok"]) for r in records):
+        return EXIT_FAILED
+    if any((r.get("pivot") or {}).get("state") == "unfinished" for r in records):
         return EXIT_FAILED
     return EXIT_OK
 
@@ -55,6 +92,10 @@ def render(records: list[dict[str, Any]], console: Console) -> None:
     for r in records:
         for deployment in r.get("replicas") or []:
             console.print(replicas_table(r["host"], deployment))
+    for r in records:
+        if r.get("pivot"):
+            style = "bold red" if r["pivot"]["state"] in ("unfinished", "stale-lock") else "yellow"
+            console.print(Text(r["pivot"]["line"], style=style), soft_wrap=True)
     for r in records:
         if r["identity"] and not r["identity"]["ok"]:
             console.print(f"[bold red]IDENTITY MISMATCH on {r['host']}: "
@@ -82,7 +123,12 @@ def _gpu_cell(r: dict[str, Any]) -> Text:
     used = sum(g["memory_used_mib"] or 0 for g in gpus)
     total = sum(g["memory_total_mib"] or 0 for g in gpus)
     names = sorted({g["name"] for g in gpus})
-    return Text(f"{len(gpus)}x {', '.join(names)}\n{used / 1024:.0f}/{total / 1024:.0f} GiB used")
+    text = Text(f"{len(gpus)}x {', '.join(names)}\n{used / 1024:.0f}/{total / 1024:.0f} GiB used")
+    driver = r["driver"] or {}
+    text.append(f"\ndriver {driver.get('version') or 'unknown'}")
+    health = r["gpu_health"]
+    text.append(f"\nhealth {health_words(health)}", style=health_style(health))
+    return text
 
 
 def _training_cell(r: dict[str, Any]) -> Text:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from .errors import DdopsError, HostUnreachable
 from .executor import Executor
 from .facts import check_identity, gather, tensor_parallel
+from .gpuhealth import summary as gpu_summary
 from .inventory import Host
 
 HISTORY = 4   # samples kept per host: a queue "growing for three refreshes" needs four
@@ -321,19 +322,6 @@ class Poller:
         """Whether every host has answered (or failed) n times."""
         return all(len(w.snapshot()[0]) >= min(n, HISTORY) for w in self.watches.values())
 
-    def frame(self, thresholds: "Thresholds", now: float | None = None) -> dict[str, Any]:
-        from .alarms import host_alarms
-
-        now = time.monotonic() if now is None else now
-        hosts, alarms = [], []
-        for watch in self.watches.values():
-            history, in_flight = watch.snapshot()
-            view = host_view(watch.host, history, in_flight, now, self.interval)
-            hosts.append(view)
-            alarms += host_alarms(watch.host.name, history, thresholds, stalled=view["state"] != "ok")
-        return {"time": time.time(), "interval_s": self.interval, "hosts": hosts,
-                "alarms": [a.as_json() for a in alarms]}
-
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -349,7 +337,8 @@ def host_view(host: Host, history: list[Sample], in_flight_since: float | None, 
     """One host as the view and --json show it: the newest sample's facts, each target's window over
     the last two readings, and whether the host still answers."""
     view: dict[str, Any] = {"host": host.name, "state": "waiting", "error": None, "age_s": None, "probe_s": None,
-                            "identity": None, "gpus": [], "training": None, "targets": []}
+                            "identity": None, "gpus": [], "driver": None, "gpu_health": [], "kernel_log": None,
+                            "training": None, "targets": []}
     last_ok = next((s for s in reversed(history) if s.facts is not None), None)
     newest = history[-1] if history else None
     if newest is not None and newest.facts is None:
@@ -363,7 +352,7 @@ def host_view(host: Host, history: list[Sample], in_flight_since: float | None, 
     facts = last_ok.facts
     view.update(age_s=round(now - last_ok.taken_at, 1), probe_s=last_ok.probe_s,
                 identity=check_identity(host.expect, facts).ok, gpus=facts["gpus"]["list"],
-                training=_training(facts.get("training")))
+                training=_training(facts.get("training")), **gpu_summary(facts))
     before = next((s for s in reversed(history[:-1]) if s.facts is not None and s is not last_ok), None)
     earlier = {(t.unit, t.port): t for t in before.targets} if before else {}
     for t in last_ok.targets:

@@ -15,6 +15,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from .gpuhealth import style as health_style
+from .gpuhealth import words as health_words
+
 STATE_STYLE = {"ok": "green", "waiting": "dim", "not answering": "bold yellow", "unreachable": "bold red",
                "error": "bold red"}
 
@@ -49,14 +52,16 @@ def _training(t: dict[str, Any] | None) -> str:
 
 def hosts_table(frame: dict[str, Any]) -> Table:
     table = Table(title=None, box=None, header_style="bold", pad_edge=False)
-    for column in ("HOST", "STATE", "GPUS util%/mem% each", "TRAINING", "PROBE ms"):
+    for column in ("HOST", "STATE", "GPUS util%/mem% each", "GPU HEALTH", "DRIVER", "TRAINING", "PROBE ms"):
         table.add_column(column, overflow="fold")
     for h in frame["hosts"]:
         state = h["state"] + (f": {h['error']}" if h["error"] else "")
         if h["identity"] is False:
             state += " (IDENTITY MISMATCH)"
+        health = h.get("gpu_health") or []
         table.add_row(Text(h["host"], style="bold"), Text(state, style=STATE_STYLE.get(h["state"], "")),
-                      _gpus(h["gpus"]), _training(h["training"]), _ms(h["probe_s"]))
+                      _gpus(h["gpus"]), Text(health_words(health), style=health_style(health) if health else ""),
+                      (h.get("driver") or {}).get("version") or "-", _training(h["training"]), _ms(h["probe_s"]))
     return table
 
 

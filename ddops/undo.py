@@ -5,17 +5,20 @@ context to bring back what must run again: a restored unit to restart, replicas 
 pivot stopped to start. The rollback (ddops.rollback) applies a journal's undos newest first, then
 brings those back and gates them; it never looks at an undo's kind. A step with a new kind of change
 adds its undo here (or beside the step) and leaves the rollback alone.
+
+Each kind is plain data, so a pivot writes its undos into the host's journal of intent before it
+changes anything (`as_record`), and a rollback after a crash reads them back (`from_record`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from .backups import choose_backup, is_active, new_backup_id, read_manifest, restore_spec
 from .errors import StepFailed
-from .plan import Undo
+from .plan import Undo, UndoTarget
 from .remote import run_probe, write_file_argv
-from .rollback import UndoContext, choose_backup, is_active, read_manifest, restore_spec
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class StartAgain(Undo):
 
     unit: str
 
-    def apply(self, ctx: UndoContext) -> None:
+    def apply(self, ctx: UndoTarget) -> None:
         ctx.start_again(self.unit)
 
 
@@ -37,7 +40,7 @@ class Reinstall(Undo):
 
     first = True
 
-    def apply(self, ctx: UndoContext) -> None:
+    def apply(self, ctx: UndoTarget) -> None:
         p = self.previous
         ctx.progress(f"reinstalling ddtree-runtime {p['release']} (the release before the pivot)")
         ctx.executor.run(ctx.host, [p["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
@@ -59,7 +62,7 @@ class RestoreBackup(Undo):
     backup_id: str | None = None
     every_replica: bool = False
 
-    def apply(self, ctx: UndoContext) -> None:
+    def apply(self, ctx: UndoTarget) -> None:
         chosen = choose_backup(ctx.executor, ctx.host, self.unit, self.backup_id)
         meta = chosen["meta"]
         ctx.report.update(host=ctx.host.name, unit=self.unit, backup_id=chosen["id"], meta=meta)
@@ -70,7 +73,7 @@ class RestoreBackup(Undo):
         for other in meta.get("restart_after_rollback") or []:
             ctx.start_again(other, checked=True)
 
-    def restore_unit(self, ctx: UndoContext, backup_id: str, meta: dict[str, Any]) -> None:
+    def restore_unit(self, ctx: UndoTarget, backup_id: str, meta: dict[str, Any]) -> None:
         ctx.progress(f"restoring {self.unit} from backup {backup_id}")
         # Stop the current unit first: the restored one may be absent, or use the same port.
         ctx.executor.run(ctx.host, ["systemctl", "stop", self.unit], timeout=120)
@@ -80,10 +83,11 @@ class RestoreBackup(Undo):
         else:
             ctx.executor.run(ctx.host, ["systemctl", "disable", self.unit], timeout=60)
             ctx.executor.run(ctx.host, ["systemctl", "reset-failed", self.unit], timeout=60)
-            ctx.report["removed"] = True
+            # removed only if there was one (a pivot may have died before it installed anything)
+            ctx.report["removed"] = out["before"].get("unit") is not None
         ctx.restored[self.unit] = out["after"].get("unit")
 
-    def restore_template(self, ctx: UndoContext, backup_id: str, meta: dict[str, Any]) -> None:
+    def restore_template(self, ctx: UndoTarget, backup_id: str, meta: dict[str, Any]) -> None:
         """The template's files (its replicas' env files, the balancer's config, the manifest) back;
         HAProxy reloaded if its config changed; replicas the backup did not run stopped."""
         ex, host = ctx.executor, ctx.host
@@ -113,8 +117,13 @@ class RestoreBackup(Undo):
             for unit in keep:
                 ctx.cycle(self.unit, unit)
 
-    def put_back(self, ctx: UndoContext, backup_id: str) -> dict[str, Any]:
-        out = run_probe(ctx.executor, ctx.host, "unitfile", stdin=restore_spec(self.unit, backup_id))
+    def put_back(self, ctx: UndoTarget, backup_id: str) -> dict[str, Any]:
+        """The backup's files back, after the action has checked them against their checksums and
+        backed up what they replace (`saved_as`: a backup like any other, listed by --list)."""
+        out = run_probe(ctx.executor, ctx.host, "unitfile", stdin=restore_spec(self.unit, backup_id, new_backup_id()))
+        if out.get("refused"):
+            raise StepFailed(f"backup {backup_id} of {self.unit} on {ctx.host.name} was not restored: {out['refused']}")
+        ctx.report["saved_as"] = out.get("saved_as")
         ctx.report["files"] = {"before": out["before"], "after": out["after"], "changed": out.get("changed", [])}
         if out["daemon_reload"]["rc"] != 0:
             raise StepFailed(f"daemon-reload failed on {ctx.host.name}: {out['daemon_reload']['stderr']}")
@@ -129,6 +138,20 @@ class RollBackReplicas(Undo):
     template: str
     units: tuple[str, ...]
 
-    def apply(self, ctx: UndoContext) -> None:
+    def apply(self, ctx: UndoTarget) -> None:
         for unit in self.units:
             ctx.cycle(self.template, unit)
+
+
+KINDS: dict[str, type[Undo]] = {kind.__name__: kind for kind in (StartAgain, Reinstall, RestoreBackup, RollBackReplicas)}
+
+
+def as_record(undo: Undo) -> dict[str, Any]:
+    """An undo as JSON data: its kind and its fields."""
+    return {"kind": type(undo).__name__, **asdict(undo)}
+
+
+def from_record(record: dict[str, Any]) -> Undo:
+    """The undo a journal recorded (a list read back from JSON is a tuple again where the kind holds one)."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "kind"}
+    return KINDS[record["kind"]](**fields)

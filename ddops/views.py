@@ -35,8 +35,8 @@ class PlanView:
 
     In a terminal the table updates live. Anywhere else (a CI log, `| tee`) a live table prints
     nothing until the end, so the view writes a line when a step starts or ends, each new progress
-    note and a heartbeat, as ddops.progress does for a single wait; the final table is printed once,
-    complete, at the end.
+    note and a heartbeat, as ddops.progress does for a single wait. The step list itself is printed
+    once there, as the plan: those lines already say how each step ended.
     """
 
     def __init__(self, states: list[StepState], console: Console) -> None:
@@ -124,7 +124,6 @@ class PlanView:
         self.stop_heartbeat.set()
         self.log_transitions()
         self.note = ""
-        self.console.print(self.table())
 
 
 def show_plan(states: list[StepState], console: Console, capacity: str | None = None) -> None:
@@ -218,12 +217,17 @@ def as_dict(state: object) -> dict:
 
 def backups_table(backups: list, unit: str, host: str) -> Table:
     table = Table(title=f"backups of {unit} on {host} (newest last)")
-    for column in ("id", "created (UTC)", "profile", "unit existed", "restarts after rollback"):
-        table.add_column(column)
+    for column in ("id", "created (UTC)", "taken by", "unit existed", "restarts after rollback"):
+        table.add_column(column, overflow="fold")
     for b in backups:
         m = b["meta"]
-        table.add_row(b["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.get("created", 0))),
-                      str(m.get("profile", "")), "yes" if m.get("unit_existed") else "no (rollback removes it)",
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created"])) if m.get("created") else "?"
+        by = f"rollback (replaced by {m.get('replaced_by')})" if m.get("reason") == "rollback" else str(m.get("profile", ""))
+        if b.get("damaged"):
+            table.add_row(Text(b["id"], style="red"), created, by, Text(f"DAMAGED: {b['damaged']}", style="bold red"),
+                          "never restored")
+            continue
+        table.add_row(b["id"], created, by, "yes" if m.get("unit_existed") else "no (rollback removes it)",
                       ", ".join(m.get("restart_after_rollback") or []) or "-")
     return table
 
@@ -234,14 +238,32 @@ def history_table(records: list[dict[str, Any]]) -> Table:
         table.add_column(column, overflow="fold")
     for r in records:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("time", 0)))
+        outcome: str | Text = r.get("outcome", "")
+        if outcome == "unfinished":
+            outcome = Text(f"UNFINISHED\n{r.get('state')}", style="bold red")
+        wall = f"{r['wall_s']}s" if r.get("wall_s") is not None else "-"
         table.add_row(when, r["host"], r.get("kind", "?"), r.get("profile") or r.get("unit") or "",
-                      r.get("outcome", ""), r.get("release") or "", r.get("backup_id") or "",
-                      f"{r.get('wall_s', '')}s", f"{r.get('user')}@{r.get('control_host')}")
+                      outcome + (" (GPU faults accepted)" if r.get("accepted_gpu_faults") else ""),
+                      r.get("release") or "", r.get("backup_id") or "",
+                      wall, f"{r.get('user')}@{r.get('control_host')}")
     return table
 
 
 def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
-    what = "removed (it did not exist before)" if report.get("removed") else "restored"
-    return (f"[bold green]ROLLED BACK:[/] {unit} on {host} {what} from backup {report['backup_id']}"
+    if report.get("unchanged"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(report.get("rolled_back_at") or 0))
+        return (f"[bold]UNCHANGED:[/] nothing to roll back on {host}: backup {report['backup_id']} of {unit} was "
+                f"restored by the last rollback ({when}); restore another with --to (see --list)")
+    files = report.get("files") or {}
+    what = ("removed (it did not exist before)" if report.get("removed")
+            else "already as before (the pivot had not changed it)" if files and files["before"] == files["after"]
+            else "restored" if report.get("backup_id") else "untouched (the pivot had not reached it)")
+    source = f"from backup {report['backup_id']}" if report.get("backup_id") and what == "restored" else ""
+    pivot = report.get("unfinished")
+    return ((f"[bold green]ROLLED BACK:[/] the unfinished pivot of {pivot['profile']} on {host} (started "
+             f"{pivot['started_at']}, got as far as {pivot['step'] or 'its start'}): {unit} {what} {source}".rstrip()
+             if pivot else f"[bold green]ROLLED BACK:[/] {unit} on {host} {what} {source}".rstrip())
             + (f"; running again: {', '.join(report['restarted'])}" if report["restarted"] else "")
+            + (f"; already running: {', '.join(report['running'])}" if report.get("running") else "")
+            + (f"; what it replaced is kept as backup {report['saved_as']}" if report.get("saved_as") else "")
             + (f"; {checked_words(report)}" if report.get("checked") else "") + f" ({report['seconds']}s)")

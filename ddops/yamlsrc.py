@@ -72,6 +72,8 @@ _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 # What cannot be one line of a unit file, an environment file or a log: C0 controls (tab included),
 # DEL, and the Unicode line separators.
 CONTROL_CHARS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+# What YAML's reader refuses in a stream (a ReaderError that names an offset, not a line).
+_UNPRINTABLE = yaml.reader.Reader.NON_PRINTABLE
 
 
 def load_yaml(path: Path, what: str) -> "Section":
@@ -83,6 +85,11 @@ def load_yaml(path: Path, what: str) -> "Section":
                           fix="check the path, or pass another with -i/--inventory") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {what}: {exc.__class__.__name__}", where=str(path)) from None
+    bad = _UNPRINTABLE.search(text)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        raise ConfigError(f"control character {bad.group()!r} (U+{ord(bad.group()):04X}) in the {what}",
+                          where=f"{path}:{line}", fix="remove it: YAML takes printable text, tabs and line breaks")
     loader = _Loader(text)
     loader.name = str(path)
     try:
@@ -104,6 +111,8 @@ def load_yaml(path: Path, what: str) -> "Section":
 
 
 _MISSING = object()
+# A number with an exponent but no dot (`1e308`, `5E-3`): YAML 1.1 leaves it a string.
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _type_name(value: Any) -> str:
@@ -180,6 +189,9 @@ class Section:
         value = self._get(key, required)
         if value is _MISSING:
             return default
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            raise self.fail(key, f"`{self._name(key)}` must be an integer, got {value} (a number with an exponent)",
+                            "write it out in digits")
         self._expect(key, value, (int,), "an integer")
         self._check_range(key, value, min, max)
         return value
@@ -189,6 +201,8 @@ class Section:
         value = self._get(key, required)
         if value is _MISSING:
             return default
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)   # YAML 1.1 reads `1e308` (no dot) as text; it is the number it looks like
         self._expect(key, value, (int, float), "a number")
         if not math.isfinite(value):
             raise self.fail(key, f"`{self._name(key)}` must be a finite number, got {value}")
@@ -220,7 +234,14 @@ class Section:
         if CONTROL_CHARS.search(value):
             raise self.fail(key, f"`{self._name(key)}` contains a newline or control character: {value!r}",
                             "a path is one line of printable text")
+        self.refuse_parent_steps(key, value)
         return value
+
+    def refuse_parent_steps(self, key: str, path: str) -> None:
+        """A path with a `..` step: what it names depends on links along the way, and it is how a path
+        climbs out of where it may live (`/opt/ddtree/../../usr`)."""
+        if ".." in path.split("/"):
+            raise self.fail(key, f"`{self._name(key)}` {path!r} has a `..` step", "write the path it means without `..`")
 
     def list(self, key: str, *, required: bool = False) -> list[Any]:
         value = self._get(key, required)

@@ -179,6 +179,13 @@ def populate(hd: HostDir, host: LabHost, keys: LabKeys, guest_keys: dict[str, st
     w.asset("pip.conf", "etc/pip.conf")
     (hd.root / "opt/wheels").mkdir(parents=True, exist_ok=True)
     w.text("etc/tmpfiles.d/ddops-gpu.conf", "d /run/ddops-gpu 0755 root root -\n")
+    # The imitated kernel log (ddops_lab_gpu.xid writes the driver's Xid lines there): nspawn gives a container
+    # no /dev/kmsg, and tmpfiles.d leaves /dev alone in one, so a unit makes it an empty file at each boot.
+    w.text("etc/systemd/system/ddops-lab-kmsg.service",
+           "[Unit]\nDescription=ddops lab: the imitated kernel log /dev/kmsg\nDefaultDependencies=no\n"
+           "Before=sysinit.target\n\n[Service]\nType=oneshot\nExecStart=/usr/bin/install -m 0600 /dev/null /dev/kmsg\n"
+           "\n[Install]\nWantedBy=multi-user.target\n")
+    w.enable("ddops-lab-kmsg.service")
     # The journal lives in memory: no 8 MiB journal file per host, and nothing to flush at boot.
     w.text("etc/systemd/journald.conf.d/ddops-lab.conf", "[Journal]\nStorage=volatile\nRuntimeMaxUse=32M\n")
 

@@ -21,11 +21,16 @@ EXTRA_GPUS = {"model": "NVIDIA RTX A6000", "count": 2, "memory_mib": 49140}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
+DRIVER, CUDA = "570.133.20", "12.8"   # the lab's GPUs' driver unless a host's `lab.gpus` says otherwise
+
+
 @dataclass(frozen=True)
 class Gpus:
     model: str = "none"
     count: int = 0
     memory_mib: int = 0
+    driver_version: str = DRIVER
+    cuda_version: str = CUDA
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class LabHost:
                       for i in range(g.count)],
             "bus_ids": [f"00000000:{0x18 + 0x10 * i:02X}:00.0" for i in range(g.count)],
             "power_limit_w": 600 if g.memory_mib > 60000 else 300,
-            "driver_version": "570.133.20", "cuda_version": "12.8", "idle_used_mib": 1,
+            "driver_version": g.driver_version, "cuda_version": g.cuda_version, "idle_used_mib": 1,
         }
 
 
@@ -84,7 +89,8 @@ def _lab_host(path: Path, name: str, port: int | None, hostname: str | None, lab
                        fix=f"choose from {', '.join(FIXTURES)}")
     return LabHost(name=name, port=port,
                    gpus=Gpus(str(gpus.get("model", "none")), int(gpus.get("count", 0)),
-                             int(gpus.get("memory_mib", 0))),
+                             int(gpus.get("memory_mib", 0)), str(gpus.get("driver_version", DRIVER)),
+                             str(gpus.get("cuda_version", CUDA))),
                    fixtures=fixtures, pct=pct, via=via)
 
 

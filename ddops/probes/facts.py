@@ -28,25 +28,31 @@ def number(text):
         return None
 
 
-def gpus():
-    """The GPUs, each with its compute capability (None where the driver cannot report it: nvidia-smi
-    before R510 refuses the whole query for an unknown field, so it is asked again without it)."""
-    fields = GPU_FIELDS + ["compute_cap"]
-    code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
-    if code != 0:
-        fields = GPU_FIELDS
+def gpus(with_cuda=False):
+    """The GPUs, each with its compute capability and health (ddops.probes.gpuhealth), and the driver. A
+    field the driver does not know makes nvidia-smi refuse the whole query (before R510 compute_cap, before
+    R460 remapped_rows): it is asked again with fewer, and what it no longer asks is None."""
+    for fields in (GPU_FIELDS + ["compute_cap"] + HEALTH_FIELDS, GPU_FIELDS + ["compute_cap"], GPU_FIELDS):
         code, out, err = run(["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
-    if code != 0:
-        return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": []}
+        if code == 0:
+            break
+    if code != 0:   # a GPU off the bus can fail nvidia-smi as a whole: its Xid is wanted most then
+        return {"error": (err or out).strip() or "nvidia-smi exit %d" % code, "list": [],
+                "driver": {"version": None, "cuda": None},
+                "xid": {"source": None, "error": None, "events": []} if code == 127 else xid_events()}
     rows = []
     for line in out.strip().splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(fields):
             continue
-        rows.append({"index": number(cells[0]), "name": cells[1], "memory_used_mib": number(cells[2]),
-                     "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4]),
-                     "compute_cap": number(cells[5]) if len(cells) > 5 else None})
-    return {"error": None, "list": rows}
+        row = {"index": number(cells[0]), "name": cells[1], "memory_used_mib": number(cells[2]),
+               "memory_total_mib": number(cells[3]), "utilization_pct": number(cells[4]),
+               "compute_cap": number(cells[5]) if len(cells) > 5 else None}
+        if len(cells) > 6:
+            row.update(health_cells(cells[6:]))
+        rows.append(row)
+    holders(rows)
+    return {"error": None, "list": rows, "driver": driver_facts(rows, with_cuda), "xid": xid_events()}
 
 
 def clock_ticks():
@@ -232,6 +238,19 @@ def replicated(folder, metrics=None):
     return out
 
 
+def pivot_state(lock_path, journal_path):
+    """The pivot lock's holder (its lease's seconds left on this host's clock) and an open journal of
+    intent, and whether both belong to the same run; the tokens themselves stay here."""
+    holder, journal = read_json(lock_path), read_json(journal_path)
+    same = bool(isinstance(holder, dict) and isinstance(journal, dict) and holder.get("token")
+                and holder.get("token") == journal.get("token"))
+    lease_left = None
+    if isinstance(holder, dict) and holder.get("lease_s") and holder.get("renewed_at"):
+        lease_left = round(holder["renewed_at"] + holder["lease_s"] - time.time(), 1)
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("token", "undo", "notes")} if isinstance(d, dict) else d
+    return {"lock": strip(holder), "lease_left_s": lease_left, "journal": strip(journal), "same_run": same}
+
+
 def main():
     args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     metrics = None
@@ -243,7 +262,7 @@ def main():
     absent = {s["unit"] for s in services if s.get("LoadState") == "not-found"}
     facts = {
         "hostname": socket.gethostname(),
-        "gpus": gpus(),
+        "gpus": gpus(bool(args.get("cuda_version"))),
         "training": training(args.get("training")),
         "services": services,
         "runtime": [with_metrics(dict(health(s["port"], s.get("health") or "/health"), unit=s["unit"]),
@@ -252,6 +271,8 @@ def main():
     }
     if args.get("replicas_dir"):
         facts["replicas"] = replicated(args["replicas_dir"], metrics)
+    if args.get("lock"):
+        facts["pivot"] = pivot_state(args["lock"], args["journal"])
     facts["probe_s"] = round(time.time() - started, 3)
     json.dump(facts, sys.stdout)
 

@@ -1,6 +1,6 @@
-"""Shared by the facts and inspect probes and the stop_training, lock and balancer actions (probe_source
+"""Shared by the facts and inspect probes and the stop_training, lock, unitfile and balancer actions (probe_source
 prepends it to their text): running a command, reading a process, a log's last step, the newest
-checkpoint and its step, a JSON file, HAProxy's runtime API.
+checkpoint and its step, a JSON file read and written whole (temp + fsync + rename), HAProxy's runtime API.
 
 Every script that scans processes carries MARKER in its own text, so a scan skips ddops's scripts
 (this one's, or a concurrent run's, whose arguments may name the training pattern).
@@ -120,6 +120,26 @@ def read_json(path):
         return None
     except (OSError, ValueError):
         return {"unreadable": True}
+
+
+def write_atomic(path, data, mode=0o600):
+    """Write a file whole or not at all: a temp file beside it, fsync, rename, fsync of the folder."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, ".%s.ddops-tmp" % os.path.basename(path))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def haproxy_command(path, line):

@@ -1,8 +1,8 @@
 """ddops-probe inspect: what a pivot needs to know about one host, in one round trip.
 
 Runs remotely as `python3 -c SOURCE ARGS_JSON` (stdlib only); prints one JSON object with the
-sections asked for: model trees, free disk, port holder(s), files, venv imports, units, lock, and
-where commands are (`haproxy` for a replicated profile).
+sections asked for: model trees, free disk, where paths lead, port holder(s), files, venv imports,
+units, lock, and where commands are (`haproxy` for a replicated profile).
 """
 import hashlib
 import json
@@ -51,7 +51,18 @@ def free(path):
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe.rstrip("/")) or "/"
     st = os.statvfs(probe)
-    return {"checked": probe, "free_bytes": st.f_bavail * st.f_frsize}
+    return {"checked": probe, "free_bytes": st.f_bavail * st.f_frsize, "device": os.stat(probe).st_dev}
+
+
+def path_facts(path):
+    """Where a path ddops will write really leads (symlinks resolved), and what is there now."""
+    is_dir = os.path.isdir(path)
+    try:
+        entries = len(os.listdir(path)) if is_dir else 0
+    except OSError:
+        entries = None
+    return {"real": os.path.realpath(path), "link": os.path.islink(path), "exists": os.path.lexists(path),
+            "dir": is_dir, "entries": entries, "venv": os.path.isfile(os.path.join(path, "pyvenv.cfg"))}
 
 
 def port_holder(port):
@@ -156,6 +167,8 @@ def main():
         out["trees"] = {p: tree(p) for p in args["trees"]}
     if "free" in args:
         out["free"] = {p: free(p) for p in args["free"]}
+    if "paths" in args:
+        out["paths"] = {p: path_facts(p) for p in args["paths"]}
     if "port" in args:
         out["port"] = port_holder(int(args["port"]))
     if "ports" in args:
@@ -170,6 +183,8 @@ def main():
         out["units"] = units(args["units"])
     if "lock" in args:
         out["lock"] = read_json(args["lock"])
+    if "journal" in args:
+        out["journal"] = read_json(args["journal"])
     json.dump(out, sys.stdout)
 
 

@@ -31,7 +31,8 @@ def plan_roll(profile: Profile, units: Inspection, planned: set[str], batch: int
     why = ", ".join(sorted(triggers))
     return [Operation(f"batch {n}/{len(batches)}: {', '.join(r.unit for r in group)} — drain, restart "
                       f"(changed: {why}), health + smoke, readmit",
-                      data={"replicas": [r.index for r in group]})
+                      data={"replicas": [r.index for r in group]},
+                      undo=RollBackReplicas(profile.unit, tuple(r.unit for r in group)))
             for n, group in enumerate(batches, 1)]
 
 

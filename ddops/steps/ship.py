@@ -36,7 +36,7 @@ def plan_ship(profile: Profile, installed: FileFact, release: str | None) -> lis
                             "wheel": f"{RELEASES}/{current}/{record['wheel']}",
                             "record": release_path(profile.runtime.venv), "record_text": installed.text}
     return [Operation(f"install ddtree-runtime {release} into {profile.runtime.venv} (now: {current or 'none'})",
-                      data=data)]
+                      data=data, undo=Reinstall(data["previous"]) if "previous" in data else None)]
 
 
 class ShipStep:

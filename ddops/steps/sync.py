@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import StepFailed
+from ..errors import DdopsError, StepFailed
 from ..facts import Tree
 from ..paths import cache_root
 from ..plan import Operation, PlanContext, RunContext
@@ -32,6 +32,16 @@ def plan_model(model: Model, source: Tree, dest: Tree) -> list[Operation]:
                       data={"role": model.role})]
 
 
+# Where rsync --delay-updates holds each new file until the whole transfer has arrived (its default
+# partial dir, one in every folder it updates); a transfer that stops leaves it behind.
+HOLDING = ".~tmp~"
+
+
+def clear_holding_argv(path: str) -> list[str]:
+    """Remove rsync's holding dirs under a model dir (what a stopped or killed transfer left)."""
+    return ["find", path, "-type", "d", "-name", HOLDING, "-prune", "-exec", "rm", "-rf", "--", "{}", "+"]
+
+
 class SyncStep:
     name = "sync"
     title = "Sync model dirs"
@@ -54,9 +64,26 @@ class SyncStep:
         return f"synced and verified: {', '.join(done)}"
 
     def sync_model(self, ctx: RunContext, model: Model) -> None:
+        """One model dir; rsync's holding dirs (--delay-updates) are cleared before, and after a sync that
+        failed or was stopped, so no half-copied file is left in the model folder."""
+        new_dir = ctx.facts is not None and not ctx.facts.dest.tree(model.path).exists
+        check(ctx.executor.run(ctx.host, ["mkdir", "-p", "--", model.path]), f"mkdir {model.path}")
+        check(ctx.executor.run(ctx.host, clear_holding_argv(model.path)), f"clearing {HOLDING} in {model.path}")
+        try:
+            self.transfer(ctx, model)
+        except BaseException:
+            # a dir this sync made is removed again if nothing arrived in it (rmdir leaves a non-empty one)
+            undo = [clear_holding_argv(model.path)] + ([["rmdir", "--", model.path]] if new_dir else [])
+            try:
+                for argv in undo:
+                    ctx.executor.run(ctx.host, argv, timeout=120)
+            except DdopsError as exc:
+                ctx.progress(f"could not clear {HOLDING} in {model.path}: {exc.line()}")
+            raise
+
+    def transfer(self, ctx: RunContext, model: Model) -> None:
         inv, dst_host, profile = ctx.inventory, ctx.host, ctx.profile
         src = model.source
-        check(ctx.executor.run(dst_host, ["mkdir", "-p", "--", model.path]), f"mkdir {model.path}")
         if src.host == profile.host:  # within the host
             result = ctx.executor.run(dst_host, ["rsync", "-a", "--delete-after", "--delay-updates", "--",
                                                  src.path.rstrip("/") + "/",

@@ -13,18 +13,17 @@ import hashlib
 import json
 import os
 import re
-import secrets as _secrets
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
+from ..backups import new_backup_id
 from ..bundled import SETTINGS
 from ..errors import ConfigError, StepFailed
 from ..facts import Inspection
 from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, unit_path
-from ..plan import Operation, PlanContext, RunContext
+from ..plan import Operation, PlanContext, RunContext, Undo
 from ..profile import Profile, Replica
 from ..remote import check, run_probe
 from ..undo import RestoreBackup
@@ -282,10 +281,6 @@ def plan_unit(profile: Profile, rendered: Rendered, installed: Inspection) -> li
     return operations
 
 
-def new_backup_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + _secrets.token_hex(2)
-
-
 def install_spec(profile: Profile, rendered: Rendered, backup_id: str, meta: dict) -> dict:
     """The unitfile probe's stdin for an install (pinned by the unit tests)."""
     spec = {"action": "install", "unit": profile.unit, "unit_path": unit_path(profile.unit),
@@ -311,23 +306,38 @@ class UnitStep:
     def plan(self, ctx: PlanContext) -> list[Operation]:
         return plan_unit(ctx.profile, ctx.rendered, ctx.facts.dest)
 
-    def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
-        journal, profile, units = ctx.journal, ctx.profile, ctx.facts.dest
+    def prepare(self, ctx: RunContext, operations: list[Operation]) -> list[Undo]:
+        """Before the pivot changes anything: back up the files this step will replace, with what runs
+        now (the training job and conflicts the pivot will stop, the replicas serving). A backup that
+        cannot be written (a full disk) stops the pivot here, with nothing changed."""
+        profile, units, training = ctx.profile, ctx.facts.dest, ctx.facts.host.training
+        stopping = [training.unit] if training.running and training.unit else []
         running = [c for c in profile.conflicts if units.unit(c).active_state in ("active", "activating")]
-        meta = {"profile": profile.name, "reason": "pivot",
-                "restart_after_rollback": list(journal.stopped_units) + running}
+        meta = {"profile": profile.name, "reason": "pivot", "restart_after_rollback": stopping + running}
         if profile.replicated:
-            check_haproxy_config(ctx)
             # what runs now: rollback restarts these (and stops any other replica); a replica this pivot
             # drops is still running when the backup is taken
             members = [r.unit for r in profile.replicas.members]
             meta["replicas_before"] = [u for u in members if units.unit(u).active] + [
                 u for u in units.installed_replicas(profile.unit) if u not in members]
         backup_id = new_backup_id()
+        spec = {**install_spec(profile, ctx.rendered, backup_id, meta), "action": "backup"}
+        out = run_probe(ctx.executor, ctx.host, "unitfile", stdin=spec)
+        if "error" in out:
+            raise StepFailed(f"{out['error']} on {ctx.host.name}: nothing was stopped or changed",
+                             fix=f"free space under {BACKUP_ROOT} on {ctx.host.name}")
+        ctx.journal.backup_id = backup_id
+        return [RestoreBackup(profile.unit, backup_id)]
+
+    def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
+        journal, profile = ctx.journal, ctx.profile
+        if profile.replicated:
+            check_haproxy_config(ctx)
+        backup_id = journal.backup_id
         # Recorded before the action runs: an install that fails half-way is rolled back from its backup too.
-        journal.backup_id = backup_id
         journal.undo.append(RestoreBackup(profile.unit, backup_id))
-        out = run_probe(ctx.executor, ctx.host, "unitfile", stdin=install_spec(profile, ctx.rendered, backup_id, meta))
+        out = run_probe(ctx.executor, ctx.host, "unitfile",
+                        stdin={**install_spec(profile, ctx.rendered, backup_id, {}), "backup_taken": True})
         if out["daemon_reload"]["rc"] != 0:
             raise StepFailed(f"systemctl daemon-reload failed on {ctx.host.name}: {out['daemon_reload']['stderr']}")
         journal.change(self.name)

@@ -18,7 +18,7 @@ from test_pivot import REPO, ct200
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 RESET = ("systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service "
-         "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/backups; "
+         "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/backups; "
          "systemctl daemon-reload; systemctl reset-failed; systemctl start dflash-train.service")
 SILENT_S = 10.0     # the longest a log may go without a line
 PROGRESS = re.compile(r"^(-->|\s{5}\S)")   # banners and the plan view's notes and heartbeats
@@ -58,7 +58,7 @@ def test_no_step_is_left_pending_and_the_summary_starts_its_own_line(story):
     out = text(timed)
     assert not re.search(r"\spending\b", out), [line for line in out.splitlines() if "pending" in line]
     assert re.search(r"^OK: ddtree.service on ct200 is active and healthy", out, re.M)
-    assert re.search(r"^\s*✔\s+Record\s+done\s", out, re.M)
+    assert re.search(r"^\s*✔\s+Record:\s+done\b", out, re.M)
 
 
 def test_the_dry_run_shows_the_whole_plan_without_the_kill_flag(story):

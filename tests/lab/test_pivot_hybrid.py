@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 PROFILE = REPO / "playbooks" / "lab-hybrid-ddtree16.yaml"
 RESET = ("systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service "
-         "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/backups; "
+         "/etc/ddops/ddtree.env /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/backups; "
          "systemctl daemon-reload; systemctl reset-failed; systemctl start dflash-train.service")
 
 

@@ -29,6 +29,10 @@ def tiny_llm_two(tmp_path, size: int) -> str:
                             "from": {"host": "local", "path": f"${{DDOPS_CACHE}}/tiny-hybrid-seed0/{role}"}}
                      for role in ("target", "draft")}
     doc["gpus"], doc["serve"]["tensor_parallel"] = list(range(size)), size
+    # a CUDA build, as on the fleet: the lab's own torch (/opt/wheels) is a CPU build, which preflight refuses
+    # for a profile on the GPU (issue 37)
+    del doc["runtime"]["packages"]["torch"]
+    doc["runtime"]["torch"] = {"version": "2.7.1", "cuda": "12.8"}
     doc["serve"]["served_model_name"] = "tiny-hybrid"
     del doc["serve"]["max_context"]   # the tiny target's own positions
     path = tmp_path / f"tp{size}.yaml"
@@ -44,6 +48,7 @@ def test_two_ranks_on_llm_twos_two_gpus_plan_in_sglang_qwens_place(lab, tiny_hyb
     assert "ExecStart=/opt/ddtree/venv/bin/ddtree-serve " in out and " --tensor-parallel 2 " in out
     assert "+CUDA_VISIBLE_DEVICES=0,1 " in out and "stop conflicting sglang-qwen.service" in out
     assert "one of the 2 tensor-parallel GPUs of a server" in out
+    assert "torch 2.7.1+cu128 (runtime.torch (" in out and "fits the driver and GPUs" in out
     assert lab.ssh("llm-two", SNAPSHOT).stdout == before
 
 

@@ -245,7 +245,7 @@ def base(lab, tmp_path_factory):
     saved = sh(lab, "ct200", "cat /etc/default/dflash-train 2>/dev/null")
     training_was = sh(lab, "ct200", "systemctl is-active dflash-train.service").strip()
     try:
-        lab.ssh("ct200", ["bash", "-c", "cat > /etc/default/dflash-train && rm -f /var/lib/ddops/pivot.lock "
+        lab.ssh("ct200", ["bash", "-c", "cat > /etc/default/dflash-train && rm -f /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json "
                                         "&& systemctl reset-failed && systemctl restart dflash-train.service"],
                 input=IGNORE_SIGTERM)
         wait_for(lambda: "step" in sh(lab, "ct200", "tail -n1 /root/train/train.log"), 20)

@@ -78,6 +78,11 @@ PROFILE_CASES = [
     ("package-import-name", {"runtime.packages.bad-name": "x"}, "invalid import name"),
     ("package-not-string", {"runtime.packages.torch": ["torch"]}, "must be a string"),
     ("runtime-typo", {"runtime.pacakges": {}}, "did you mean `packages`"),
+    ("torch-cuda-word", {"runtime.torch": {"version": "2.7.1", "cuda": "cu128"}}, "must be a CUDA version"),
+    ("torch-version-range", {"runtime.torch": {"version": ">=2.4", "cuda": "12.8"}}, "must be a release like"),
+    ("torch-index-not-url", {"runtime.torch": {"version": "2.7.1", "cuda": "12.8", "index": "pytorch"}},
+     "must be an http(s) URL"),
+    ("torch-twice", {"runtime.torch": {"version": "2.7.1", "cuda": "12.8"}}, "both runtime.torch and"),
     ("tree-budget-zero", {"serve.tree_budget": 0}, "between 1 and 1024"),
     ("extra-args-string", {"serve.extra_args": "--x"}, "must be a list"),
     ("mode-without-draft", {"models.draft": DELETE}, "needs a `models.draft`"),
@@ -116,6 +121,14 @@ PROFILE_CASES = [
     ("int-5000-digits", PROFILE.read_text().replace("port: 8200", "port: " + "9" * 5000), "is too large"),
     ("int-huge-hex", PROFILE.read_text().replace("tree_budget: 16", "tree_budget: 0x" + "f" * 5000), "is too large"),
     ("number-nan", {"health.deadline_s": float("nan")}, "must be a finite number"),
+    # issue 36: a path out of where it may live, a control character YAML's reader refuses, 1e308
+    ("venv-parent-step", {"runtime.venv": "/opt/ddtree/../../usr"}, "has a `..` step"),
+    ("venv-system-dir", {"runtime.venv": "/usr"}, "is a system directory or too shallow"),
+    ("model-parent-step", {"models.target.path": "/root/models/../../etc/x"}, "has a `..` step"),
+    ("control-char-bel", PROFILE.read_text().replace("name: lab-ddtree16", "name: lab\x07ddtree16"),
+     "control character '\\x07'"),
+    ("number-exponent", PROFILE.read_text().replace("deadline_s: 240", "deadline_s: 1e308"),
+     "must be between 1 and 7200, got 1e+308"),
     # issue 12: values that would add a line to the unit or env file, or expand inside it
     ("name-newline", {"name": "x\nExecStartPre=/bin/touch /tmp/pwned"}, "profile name"),
     ("name-carriage-return", {"name": "x\r[Service]"}, "profile name"),
@@ -135,7 +148,8 @@ PROFILE_CASES = [
     # issue 12: a local source is absolute, outside the system trees, and a model dir
     ("local-source-relative", {"models.target.from.path": "../../../../etc"}, "must be absolute"),
     ("local-source-variable", {"models.target.from.path": "$HOME/models/t"}, "must be absolute"),
-    ("local-source-etc", {"models.target.from.path": "/root/../etc"}, "is /etc, a system directory"),
+    ("local-source-etc", {"models.target.from.path": "/root/../etc"}, "has a `..` step"),
+    ("local-source-usr", {"models.target.from.path": "/usr/share"}, "is /usr/share, a system directory"),
     ("local-source-not-a-model", {"models.target.from.path": str(REPO / "docs")}, "not a model directory"),
 ]
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 REPLICAS = REPO / "playbooks" / "lab-replicas.yaml"
 RESET = ("systemctl disable --now ddtree.service ddtree@1.service ddtree@2.service 2>/dev/null; "
          "systemctl stop haproxy.service 2>/dev/null; rm -f /etc/systemd/system/ddtree@.service "
-         "/etc/ddops/ddtree@*.env /var/lib/ddops/pivot.lock; rm -rf /var/lib/ddops/replicas "
+         "/etc/ddops/ddtree@*.env /var/lib/ddops/pivot.lock /var/lib/ddops/pivot.journal.json; rm -rf /var/lib/ddops/replicas "
          "/var/lib/ddops/backups/ddtree@.service; systemctl daemon-reload; systemctl reset-failed; "
          "systemctl start dflash-train.service")
 

@@ -158,10 +158,12 @@ class FakeExecutor:
         if any(word in line for word in self.fail):
             return self.result(host, 1, "", f"{line}: failed")
         if name == "lock":
-            return self.result(host, 0, json.dumps({"acquired": True, "released": True, "cleared": False}))
+            return self.result(host, 0, json.dumps({"acquired": True, "released": True, "cleared": False,
+                                                    "journal": None}))
         if name == "unitfile":
             spec = json.loads(stdin)
-            out = self.backups if spec["action"] == "list" else {"before": {}, "after": {},
+            # a restore finds the unit the pivot installed, and puts back what the backup holds
+            out = self.backups if spec["action"] == "list" else {"before": {"unit": "installed"}, "after": {},
                                                                    "daemon_reload": {"rc": 0, "stderr": ""}}
             return self.result(host, 0, json.dumps(out))
         if argv[:2] == ["bash", "-c"] and "history" in argv[-1]:
@@ -173,7 +175,8 @@ class FakeExecutor:
         return CommandResult(host=host.name, command="", exit_code=code, stdout=stdout, stderr=stderr, duration_s=0)
 
     def systemctl(self) -> list[str]:
-        return [" ".join(c[1:]) for c in self.commands if c[0] == "systemctl"]
+        """The systemctl commands that act (not the is-active reads)."""
+        return [" ".join(c[1:]) for c in self.commands if c[0] == "systemctl" and c[1] != "is-active"]
 
 
 class FakeStep:
@@ -241,7 +244,8 @@ def test_a_step_gets_exactly_the_operations_it_planned(monkeypatch, profile):
     report, ex = run_pivot(monkeypatch, profile, [FakeStep("sync", []), step])
     assert step.applied == [planned]
     assert (report["outcome"], report["exit_code"], report["changed"]) == ("ok", 0, ["unit"])
-    assert [json.loads(c[1])["action"] for c in ex.commands if c[0] == "lock"] == ["acquire", "release"]
+    assert [json.loads(c[1])["action"] for c in ex.commands if c[0] == "lock"] == [
+        "acquire", "journal-open", "journal-note", "journal-note", "journal-note", "journal-close", "release"]
 
 
 def test_a_failed_gate_after_a_change_replays_the_undos_newest_first(monkeypatch, profile):
@@ -367,8 +371,17 @@ def test_ctrl_c_stops_at_the_next_safe_point_rolls_back_and_exits_130(monkeypatc
     steps = [FakeStep("training", [op("stop")], undo=StartAgain("dflash-train.service"), interrupt=True), later]
     report, ex = run_pivot(monkeypatch, profile, steps)
     assert later.applied == [] and (report["outcome"], report["exit_code"]) == ("rolled-back", 130)
-    assert report["state"].startswith("interrupted by SIGINT during unit; rolled back on ct200")
+    assert report["state"].startswith("interrupted by SIGINT during training; rolled back on ct200")
+    assert report["error"] == "interrupted by SIGINT during training: stopped at a safe point, before unit"
     assert ex.systemctl() == ["start dflash-train.service"]
+
+
+def test_an_interrupt_s_summary_names_the_step_that_was_running(monkeypatch, profile):
+    """SIGINT while pip ran in deps: the summary says deps (it said ship, the step it stopped before)."""
+    steps = [FakeStep("deps", [op("pip install")], interrupt=True), FakeStep("ship", [op("install wheel")])]
+    report, _ = run_pivot(monkeypatch, profile, steps)
+    assert report["state"].startswith("interrupted by SIGINT during deps;")
+    assert report["failed_step"] == "ship" and "during deps" in report["error"]
 
 
 def test_a_dry_run_changes_nothing_and_says_what_a_real_run_needs(monkeypatch, profile):
@@ -401,3 +414,17 @@ def test_a_step_with_its_own_kind_of_undo_is_rolled_back_by_it(monkeypatch, prof
     assert removed < shown.index("systemctl start marker-reader.service") < shown.index(
         "systemctl start dflash-train.service")   # newest first: the marker's undo before the training's
     assert report["rollback"] == {"restarted": ["marker-reader.service", "dflash-train.service"]}
+
+
+def test_a_pivot_in_a_log_prints_its_step_list_once(monkeypatch, profile):
+    monkeypatch.setattr(pivot_module, "preflight", lambda *a, **k: (fixture_facts(profile), "1 host(s) ok"))
+    out = io.StringIO()
+    flow = pivot_module.Pivot(profile, LAB, FakeExecutor(), Console(file=out, width=160, force_terminal=False),
+                              options=pivot_module.PivotOptions(yes=True),
+                              steps=[FakeStep("sync", [op("copy a")]), FakeStep("unit", [op("write unit")])])
+    flow.execute()
+    lines = out.getvalue().splitlines()
+    assert sum("Preflight" in line for line in lines) == 2          # the banner, and its row in the one table
+    assert [line.split() for line in lines if "Unit" in line] == [["•", "Unit", "planned", "write", "unit"],
+                                                                  ["▶", "Unit", "..."],
+                                                                  ["✔", "Unit:", "done", "0.0s:", "applied", "1"]]

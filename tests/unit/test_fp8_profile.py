@@ -66,20 +66,25 @@ def test_the_facts_probe_reads_compute_cap_and_asks_again_without_it_on_old_driv
     source = probe_source("facts")
     namespace: dict = {}
     exec(source[:source.rindex("main()")], namespace)   # the probe's functions, without running it
+    namespace["KMSG"] = "/nonexistent/kmsg"
     asked = []
 
     def nvidia_smi(argv):
+        if argv[0] != "nvidia-smi":
+            return 127, "", "not here"
         asked.append(argv[1])
-        if "compute_cap" in argv[1]:
+        if "compute_cap" in argv[1]:   # a driver before R510 knows neither it nor the health fields
             return 2, 'Field "compute_cap" is not a valid field to query.', ""
         return 0, "0, NVIDIA RTX A6000, 10, 49140, 0\n", ""
 
     namespace["run"] = nvidia_smi
     gpus = namespace["gpus"]()
-    assert len(asked) == 2 and "compute_cap" not in asked[1]
+    assert len(asked) == 3 and "remapped_rows.pending" in asked[0] and "compute_cap" not in asked[2]
     first = gpus["list"][0]
     assert gpus["error"] is None and first["compute_cap"] is None and first["name"] == "NVIDIA RTX A6000"
-    namespace["run"] = lambda argv: (0, "0, NVIDIA H200, 10, 143771, 0, 9.0\n", "")
+    assert gpus["driver"] == {"version": None, "cuda": None} and "ecc_volatile" not in first
+    namespace["run"] = lambda argv: (0, "0, NVIDIA H200, 10, 143771, 0, 9.0\n", "") if "compute_cap" in argv[1] \
+        and "driver_version" not in argv[1] else (2, 'Field "remapped_rows.pending" is not a valid field to query.', "")
     assert namespace["gpus"]()["list"][0]["compute_cap"] == 9.0
 
 

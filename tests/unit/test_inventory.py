@@ -112,6 +112,8 @@ BAD = [
     ("hosts:\n  a: {address: x}\ngroups:\n  a: [a]\n", "same name as a host", 4),
     ("defaults:\n  usr: root\nhosts:\n  a: {address: x}\n", "did you mean `user`", 2),
     ("hosts:\n  a: x\n", "must be a mapping", 2),
+    ("hosts:\n  a:\n    address: x\x07y\n", "control character '\\x07'", 3),   # BEL: YAML's reader refuses it
+    ("hosts:\n  a:\n    address: x\n    user: r\x00\n", "control character '\\x00'", 4),
 ]
 
 
@@ -127,7 +129,7 @@ def test_bad_inventory_is_one_located_error(tmp_path: Path, text: str, message: 
     assert "\n" not in rendered
 
 
-@pytest.mark.parametrize("text,message,line", BAD[:6] + BAD[15:17], ids=lambda v: str(v)[:20])
+@pytest.mark.parametrize("text,message,line", BAD[:6] + BAD[15:17] + BAD[-2:], ids=lambda v: str(v)[:20])
 def test_cli_reports_bad_inventory_in_one_line_exit_2(tmp_path: Path, text: str, message: str, line: int) -> None:
     path = tmp_path / "inv.yaml"
     path.write_text(text)

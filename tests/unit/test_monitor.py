@@ -4,10 +4,21 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+from pathlib import Path
 
+import pytest
 import yaml
 
+import ddops.monitor as monitor_module
+from ddops.errors import StepFailed
+from ddops.executor import CommandResult
+from ddops.inventory import load_inventory
 from ddops.monitor import CONFIG, SD_DIR, ScrapeTarget, render
+
+LAB = load_inventory(Path(__file__).resolve().parents[2] / "inventories" / "lab.yaml")
 
 
 def test_targets_are_grouped_by_api_key_and_tokens_stay_out_of_the_config():
@@ -37,3 +48,40 @@ def test_a_scratch_render_moves_every_path():
                       root="/tmp/x", config_path="/tmp/x/prometheus.yml")
     assert all(f["path"].startswith("/tmp/x/") for f in rendered.files)
     assert "/etc/prometheus" not in rendered.files[0]["text"]
+
+
+# -- the port, checked before anything changes (issue 36, defect 10) --------------------------------
+
+class LocalExecutor:
+    """Runs each command on this machine (the probes are plain python3), keeping every argv."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[str]] = []
+
+    def run(self, host, argv, *, timeout=None, stdin=None, on_output=None) -> CommandResult:
+        self.commands.append(list(argv))
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
+        return CommandResult(host.name, "", done.returncode, done.stdout, done.stderr, 0)
+
+
+def test_a_taken_port_is_refused_at_once_naming_its_holder(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(monitor_module, "PORT", port)
+        executor = LocalExecutor()
+        with pytest.raises(StepFailed) as err:
+            monitor_module.monitor(executor, LAB, LAB.hosts["ct200"], [], {}, lambda message: None)
+    line = err.value.line()
+    assert f"port {port} on ct200 is held by " in line and f"pid {os.getpid()}" in line
+    assert "nothing was changed" in line
+    assert len(executor.commands) == 1       # the probe only: no apt-get, no install, no 60 s wait
+
+
+def test_a_free_port_passes(monkeypatch):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(monitor_module, "PORT", port)
+    monitor_module.check_port(LocalExecutor(), LAB.hosts["ct200"])

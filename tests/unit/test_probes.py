@@ -46,13 +46,15 @@ def test_the_lock_action_and_the_inspect_probe_read_the_lock_alike(tmp_path):
     path = str(tmp_path / "pivot.lock")
     assert run("inspect", {"lock": path})["lock"] is None
     assert run("lock", {"action": "acquire", "path": path, "holder": {"token": "t1", "pid": 7}})["acquired"]
-    assert run("inspect", {"lock": path})["lock"] == {"token": "t1", "pid": 7}
+    lock = run("inspect", {"lock": path})["lock"]
+    assert (lock["token"], lock["pid"]) == ("t1", 7) and lock["renewed_at"] > 0
     assert run("lock", {"action": "acquire", "path": path, "holder": {"token": "t2"}})["holder"]["token"] == "t1"
     assert not run("lock", {"action": "release", "path": path, "token": "t2"})["released"]
     assert run("lock", {"action": "release", "path": path, "token": "t1"})["released"]
     (tmp_path / "pivot.lock").write_text("{not json")
     assert run("inspect", {"lock": path})["lock"] == {"unreadable": True}
-    assert run("lock", {"action": "clear", "path": path}) == {"cleared": True, "holder": {"unreadable": True}}
+    assert run("lock", {"action": "clear", "path": path, "token": None}) == {"cleared": True,
+                                                                            "holder": {"unreadable": True}}
 
 
 def test_facts_reads_a_runtimes_load_and_its_pages_where_it_shows_them():

@@ -54,6 +54,11 @@ def test_shipped_profiles_load(name):
     assert ("max_running" in profile.serve.given) == (name == "zlab-ddtree16")
 
 
+def test_a_number_with_an_exponent_is_the_number_it_looks_like(tmp_path):
+    profile = load_profile(write(tmp_path, GOOD + "health: {deadline_s: 6e2}\n"), repo_root=REPO)
+    assert profile.health.deadline_s == 600.0
+
+
 def test_good_profile(tmp_path):
     p = load_profile(write(tmp_path, GOOD), repo_root=REPO)
     assert p.model("draft").source.host == "eval-a6000"
@@ -88,10 +93,15 @@ BAD = [
     ("health: {deadline_s: .nan}", "must be a finite number", None),
     ("training: {grace_s: .inf}", "must be a finite number", None),
     ("health: {deadline_s: -1}", "between 1", None),
+    ("health: {deadline_s: 1e308}", "`health.deadline_s` must be between 1 and 7200, got 1e+308", None),
+    ("health: {deadline_s: 1e400}", "must be a finite number, got inf", None),
+    ("port: 8e3", "`port` must be an integer, got 8e3 (a number with an exponent)", "in digits"),
     ("env: {BAD-NAME: 1}", "invalid environment variable name", None),
     ("secrets: {DDTREE_API_KEY: {env: 1x}}", "invalid environment variable name", None),
     ("training: {grace: 3}", "unknown key `training.grace`", "did you mean `grace_s`"),
     ("engine: vllm", "must be one of ddtree, sglang", None),
+    ("description: ring\x07bell", "control character '\\x07' (U+0007)", "remove it"),  # YAML's reader refuses it
+    ("description: nul\x00", "control character '\\x00' (U+0000)", None),
 ]
 
 
@@ -114,6 +124,8 @@ def test_bad_profile_lines(tmp_path, line, message, fix):
     ("models:\n  draft: {path: /root/models/d}\n", "needs a `models.target`"),
     ("models:\n  target: {path: /root/models/t, from: {host: h}}\n  draft: {path: /root/models/d}\n",
      "missing required key `models.target.from.path`"),
+    ("models:\n  target: {path: /root/models/../../usr/lib}\n", "has a `..` step"),
+    ("models:\n  target: {path: /root/t, from: {host: h, path: /root/models/../../etc}}\n", "has a `..` step"),
 ])
 def test_bad_models(tmp_path, models, message):
     head = GOOD.split("models:")[0]
@@ -121,6 +133,25 @@ def test_bad_models(tmp_path, models, message):
     with pytest.raises(ConfigError) as err:
         load_profile(write(tmp_path, head + models + tail), repo_root=REPO)
     assert message in err.value.line()
+
+
+@pytest.mark.parametrize("venv, message", [
+    ("/opt/ddtree/../../usr", "`runtime.venv` '/opt/ddtree/../../usr' has a `..` step"),   # issue 36's escape
+    ("/usr", "'/usr' is a system directory or too shallow"),
+    ("/usr/local/ddtree", "inside /usr"),
+    ("/var/lib/venv", "inside /var/lib"),
+    ("/opt", "too shallow"),
+])
+def test_the_venv_stays_out_of_system_directories(tmp_path, venv, message):
+    with pytest.raises(ConfigError) as err:
+        load_profile(write(tmp_path, GOOD.replace("venv: /opt/ddtree/venv", f"venv: {venv}")), repo_root=REPO)
+    assert message in err.value.line() and err.value.line().startswith(f"{tmp_path / 'p.yaml'}:10:")
+
+
+def test_the_venv_path_is_normalised(tmp_path):
+    profile = load_profile(write(tmp_path, GOOD.replace("venv: /opt/ddtree/venv", "venv: /opt//ddtree/./venv/")),
+                           repo_root=REPO)
+    assert profile.runtime.venv == "/opt/ddtree/venv"
 
 
 def local_source(tmp_path: Path, path: str) -> Path:
@@ -132,7 +163,7 @@ def local_source(tmp_path: Path, path: str) -> Path:
     ("../../../../etc", "must be absolute"),
     ("models/t", "must be absolute"),
     ("$HOME/models/t", "must be absolute"),  # only ${DDOPS_CACHE} and ~ are expanded
-    ("/root/../etc", "is /etc, a system directory"),
+    ("/root/../etc", "has a `..` step"),
     ("/usr/share", "is /usr/share, a system directory"),
     ("/", "too shallow"),
 ])

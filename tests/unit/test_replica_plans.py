@@ -267,13 +267,14 @@ class FakeCt200:
         shown = [name, *argv[3:]] if name else list(argv)
         self.commands.append(shown)
         if name == "lock":
-            return self.ok(json.dumps({"acquired": True, "released": True, "cleared": False}))
+            return self.ok(json.dumps({"acquired": True, "released": True, "cleared": False, "journal": None}))
         if name == "unitfile":
             spec = json.loads(stdin)
             if spec["action"] == "list":
                 return self.ok(json.dumps(self.backups))
-            if spec["action"] == "install":  # the backup it takes, as the real action records it
+            if spec["action"] == "backup":  # the backup the pivot takes before any change, as the action records it
                 self.backups.append({"id": spec["backup_id"], "meta": {**spec["meta"], "unit_existed": True}})
+                return self.ok(json.dumps({"backup_id": spec["backup_id"], "meta": spec["meta"]}))
             return self.ok(json.dumps({"before": {}, "after": {}, "changed": [], "daemon_reload": {"rc": 0, "stderr": ""}}))
         if name == "balancer":
             spec = json.loads(stdin)
@@ -295,6 +296,8 @@ class FakeCt200:
         if argv[:2] == ["systemctl", "restart"]:
             self.timeline.append(f"restart {argv[2]}")
         if argv[:2] == ["bash", "-c"] and "history" in argv[-1]:
+            if stdin is None:  # history.read
+                return self.ok("".join(json.dumps(r) + "\n" for r in self.history))
             self.history.append(json.loads(stdin))
         return self.ok("")
 

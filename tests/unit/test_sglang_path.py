@@ -144,7 +144,7 @@ def stub_probes(monkeypatch, profile, gpus: int) -> None:
              for m in profile.models}
     flags = ServerFlags(source="SGLang's launch_server installed on llm-two",
                         flags=frozenset(unit_flags(exec_argv(profile))))
-    monkeypatch.setattr(preflight_module, "gather", lambda executor, host: llm_two_facts(gpus))
+    monkeypatch.setattr(preflight_module, "gather", lambda executor, host, **kw: llm_two_facts(gpus))
     monkeypatch.setattr(preflight_module, "run_probe", lambda executor, host, name, args, **kw: inspected)
     monkeypatch.setattr(preflight_module, "inspect_local", lambda args: {"trees": local})
     monkeypatch.setattr(preflight_module, "host_flags", lambda executor, host, profile: flags)

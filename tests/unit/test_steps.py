@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from ddops.facts import FileFact, Imports, Inspection, Training, Tree
+from ddops.facts import FileFact, Imports, Inspection, PivotFacts, Training, Tree
 from ddops.gates.health import judge
 from ddops.history import scrub
 from ddops.hostlock import lock_problem
 from ddops.inventory import load_inventory
 from ddops.preflight import RUNTIME_TARGETS, check_models, check_port
 from ddops.profile import load_profile
-from ddops.rollback import restore_spec
+from ddops.backups import restore_spec
 from ddops.steps.deps import pip_argv, plan_deps
 from ddops.steps.ship import plan_ship
 from ddops.steps.start import plan_start, start_argvs
@@ -261,7 +262,7 @@ def test_check_port(profile, holder, ok):
 
 def test_lock_problem_names_the_holder():
     text = lock_problem("ct200", {"user": "ana", "control_host": "laptop", "pid": 12})
-    assert "user=ana" in text and "control_host=laptop" in text and "--break-lock" in text
+    assert "ana@laptop pid 12" in text and "--break-lock" in text
     assert lock_problem("ct200", None) is None
 
 
@@ -283,6 +284,46 @@ def test_pip_argv_offline(profile):
     p = replace(profile, runtime=replace(profile.runtime, index=False, wheelhouse="/w"))
     argv = pip_argv(p, ["torch"])
     assert "--no-index" in argv and argv[argv.index("--find-links") + 1] == "/var/cache/ddops/wheelhouse"
+
+PIP_OUTPUT = """\
+Collecting torch>=2.4
+  Downloading torch-2.5.1-cp311-cp311-manylinux1_x86_64.whl (906.4 MB)
+Collecting safetensors>=0.4
+  Downloading https://files.example/safetensors-0.4.5-cp311-none-any.whl (435 kB)
+Installing collected packages: safetensors, torch
+Successfully installed safetensors-0.4.5 torch-2.5.1
+"""
+
+
+def test_the_pip_note_moves_while_pip_is_silent():
+    from ddops.steps.deps import PipProgress
+
+    now = [100.0]
+    notes: list[str] = []
+    pip = PipProgress(2, notes.append, clock=lambda: now[0])
+    lines = PIP_OUTPUT.splitlines(keepends=True)
+    pip.feed("".join(lines[:2]))
+    assert notes[-1] == ("pip: downloading torch-2.5.1-cp311-cp311-manylinux1_x86_64.whl (906.4 MB), 0s; "
+                         "1 requirement(s) collected (2 asked for, with their dependencies)")
+    now[0] += 45                       # pip prints nothing while the wheel comes down: the note still moves
+    assert pip.line().startswith("pip: downloading torch-2.5.1-cp311-cp311-manylinux1_x86_64.whl (906.4 MB), 45s")
+    pip.feed("".join(lines[2:4])[:30])   # a line arrives in two pieces
+    pip.feed("".join(lines[2:4])[30:])
+    assert notes[-1].startswith("pip: downloading safetensors-0.4.5-cp311-none-any.whl (435 kB), 0s; 2 requirement(s)")
+    pip.feed("".join(lines[4:5]))
+    assert notes[-1].startswith("pip: installing 2 package(s), 0s")
+    pip.feed("".join(lines[5:]))
+    assert notes[-1].startswith("pip: installed")
+
+
+def test_the_pip_note_is_refreshed_without_output(monkeypatch):
+    from ddops.steps.deps import PipProgress
+
+    monkeypatch.setattr(PipProgress, "REFRESH_S", 0.05)
+    notes: list[str] = []
+    with PipProgress(1, notes.append):
+        time.sleep(0.3)
+    assert len(notes) >= 2 and all(n.startswith("pip: starting") for n in notes)
 
 
 def test_plan_ship(profile):
@@ -349,7 +390,7 @@ def _log_console():
     return Console(file=io.StringIO(), width=160, force_terminal=False, highlight=False)
 
 
-def test_plan_view_in_a_log_writes_each_change_once_and_a_complete_final_table():
+def test_plan_view_in_a_log_writes_each_change_once_and_no_second_step_list():
     from ddops.plan import Operation as Change
     from ddops.views import PlanView, StepState
 
@@ -373,7 +414,8 @@ def test_plan_view_in_a_log_writes_each_change_once_and_a_complete_final_table()
     assert "pending" not in out and "planned" not in out
     assert all(a != b for a, b in zip(lines, lines[1:])), out
     assert out.count("push draft: 0%") <= 1
-    assert lines[-1].split() == ["✔", "Record", "done", "appended", "to", "/var/lib/ddops/history.jsonl", "on", "ct200"]
+    assert lines[-1] == " ✔ Record: done: appended to /var/lib/ddops/history.jsonl on ct200"
+    assert sum("Sync model dirs" in line for line in lines) == 2    # started, done: the plan was its one table
 
 
 def test_a_plan_row_shows_every_change_whole():
@@ -435,3 +477,48 @@ def test_a_single_wait_in_a_log_says_each_note_once_and_beats(monkeypatch):
     lines = console.file.getvalue().splitlines()
     assert lines[:2] == ["     probing ct200", "     probing eval-a6000"]
     assert any(line.startswith("     ... preflight, ") and line.endswith(": probing eval-a6000") for line in lines[2:])
+
+
+# -- a stopped sync leaves no holding dirs in the model folder --------------------------------------
+
+def test_clearing_removes_rsync_s_holding_dirs_only(tmp_path):
+    import subprocess
+
+    from ddops.steps.sync import HOLDING, clear_holding_argv
+
+    (tmp_path / HOLDING).mkdir()
+    (tmp_path / HOLDING / "model.safetensors").write_bytes(b"half")
+    (tmp_path / "sub" / HOLDING).mkdir(parents=True)
+    (tmp_path / "sub" / HOLDING / "tokenizer.json").write_text("{")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "sub" / "kept.txt").write_text("x")
+    subprocess.run(clear_holding_argv(str(tmp_path)), check=True, timeout=30)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["config.json", "sub", "sub/kept.txt"]
+
+
+def test_a_failed_sync_clears_the_holding_dirs_before_and_after(profile):
+    from ddops.executor import CommandResult
+    from ddops.plan import RunContext
+    from ddops.steps.sync import SyncStep, clear_holding_argv
+
+    class Recorder:
+        def __init__(self):
+            self.commands = []
+
+        def run(self, host, argv, **kwargs):
+            self.commands.append(list(argv))
+            return CommandResult(host.name, "", 0, "", "", 0)
+
+    class Stopped(SyncStep):
+        def transfer(self, ctx, model):
+            raise KeyboardInterrupt   # Ctrl-C reaching rsync: it stops with its holding dirs in place
+
+    model = profile.model("target")
+    for facts, removed in ((None, False), (PivotFacts(serving="ct200", hosts={}, inspections={"ct200": Inspection()}),
+                                           True)):
+        executor = Recorder()
+        with pytest.raises(KeyboardInterrupt):
+            Stopped().sync_model(RunContext(profile=profile, inventory=LAB, executor=executor, facts=facts), model)
+        assert executor.commands.count(clear_holding_argv(model.path)) == 2
+        # a model dir the sync made (none there before) goes again; one that was there stays
+        assert (["rmdir", "--", model.path] in executor.commands) is removed

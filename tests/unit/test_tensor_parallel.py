@@ -166,7 +166,7 @@ class FleetProbes:
                           {"index": i, "name": "NVIDIA RTX A6000", "memory_total_mib": 49140} for i in range(2)]}}}
         flags = ServerFlags(source="ddtree-serve of the runtime shipped from runtime",
                             flags=parse_help(build_parser().format_help()))
-        monkeypatch.setattr(preflight_module, "gather", lambda executor, host: self.facts[host.name])
+        monkeypatch.setattr(preflight_module, "gather", lambda executor, host, **kw: self.facts[host.name])
         monkeypatch.setattr(preflight_module, "run_probe", lambda executor, host, name, args, **kw: self.inspect[host.name])
         monkeypatch.setattr(preflight_module, "shipped_flags", lambda ship, release: flags)
 

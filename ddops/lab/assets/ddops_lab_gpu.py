@@ -5,6 +5,17 @@ A process "holds GPU memory" by writing /run/ddops-gpu/<pid>.json:
 `used_mib` is per GPU. An entry counts only while its pid is alive and, when `starttime`
 is recorded, while that pid still has the same start time (so a recycled pid frees nothing
 it never held). Installed on lab hosts as /usr/lib/python3/dist-packages/ddops_lab_gpu.py.
+
+A GPU's faults live in gpus.json under `faults` (by index: ecc_volatile, ecc_aggregate, remap_pending,
+retired_pending, throttle), the driver under `driver_version` and `cuda_version`. The kernel log is
+imitated too: systemd-nspawn gives a container no /dev/kmsg, so the lab makes it a plain file there
+(tmpfiles.d) holding records in the kernel's own format, which `xid` appends to. A test (or you) sets
+them on a running host:
+
+    python3 -m ddops_lab_gpu set driver_version='"535.104.05"' cuda_version='"12.2"'
+    python3 -m ddops_lab_gpu fault 0 ecc_volatile=2 remap_pending=true throttle='["HwSlowdown"]'
+    python3 -m ddops_lab_gpu xid 0 79
+    python3 -m ddops_lab_gpu clear
 """
 
 from __future__ import annotations
@@ -16,6 +27,12 @@ from pathlib import Path
 
 HOLD_DIR = Path(os.environ.get("DDOPS_GPU_HOLD_DIR", "/run/ddops-gpu"))
 CONFIG = Path(os.environ.get("DDOPS_GPU_CONFIG", "/etc/ddops-lab/gpus.json"))
+KMSG = Path(os.environ.get("DDOPS_KMSG", "/dev/kmsg"))
+DRIVER, CUDA = "570.133.20", "12.8"    # the driver the lab's GPUs report unless their spec says otherwise
+# What the driver writes for an Xid, by code (NVIDIA's Xid catalogue); others get a generic line.
+XID_TEXT = {79: "GPU has fallen off the bus.", 48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.",
+            94: "Contained: SM (0x1). RST: No, D-RST: No", 95: "Uncontained: FBHUB. RST: Yes, D-RST: No",
+            13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address"}
 
 
 def proc_starttime(pid: int) -> int | None:
@@ -66,3 +83,69 @@ def live_holds() -> list[dict]:
 
 def load_config() -> dict:
     return json.loads(CONFIG.read_text())
+
+
+def save_config(cfg: dict) -> None:
+    tmp = CONFIG.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, CONFIG)
+
+
+def gpu_faults(cfg: dict, index: int) -> dict:
+    return (cfg.get("faults") or {}).get(str(index)) or {}
+
+
+def set_fault(index: int, **faults) -> None:
+    cfg = load_config()
+    cfg.setdefault("faults", {}).setdefault(str(index), {}).update(faults)
+    save_config(cfg)
+
+
+def xid(index: int, code: int, text: str | None = None) -> str:
+    """Append the driver's kernel message for Xid `code` on GPU `index` to the imitated kernel log."""
+    domain, bus, device = load_config()["bus_ids"][index].split(".")[0].split(":")
+    line = f"NVRM: Xid (PCI:{int(domain, 16):04x}:{bus.lower()}:{device.lower()}): {code}, pid=1234, name=python3, " \
+           f"{text or XID_TEXT.get(code, 'Xid event.')}"
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    seq = len(KMSG.read_text().splitlines()) if KMSG.exists() else 0
+    with KMSG.open("a") as fh:   # the kernel's record format: priority,sequence,microseconds,flags;message
+        fh.write(f"3,{seq},{int(uptime * 1e6)},-;{line}\n")
+    return line
+
+
+def clear() -> None:
+    """No faults, the default driver, an empty kernel log."""
+    cfg = load_config()
+    for key in ("faults", "driver_version", "cuda_version"):
+        cfg.pop(key, None)
+    cfg.update(driver_version=DRIVER, cuda_version=CUDA)
+    save_config(cfg)
+    if KMSG.exists():
+        KMSG.write_text("")
+
+
+def _values(pairs: list[str]) -> dict:
+    return {k: json.loads(v) for k, v in (p.split("=", 1) for p in pairs)}
+
+
+def main(argv: list[str]) -> int:
+    """set KEY=JSON... | fault GPU KEY=JSON... | xid GPU CODE [TEXT] | clear"""
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "set":
+        cfg = load_config()
+        cfg.update(_values(rest))
+        save_config(cfg)
+    elif command == "fault":
+        set_fault(int(rest[0]), **_values(rest[1:]))
+    elif command == "xid":
+        print(xid(int(rest[0]), int(rest[1]), " ".join(rest[2:]) or None))
+    elif command == "clear":
+        clear()
+    else:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

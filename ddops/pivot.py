@@ -4,7 +4,8 @@
 The outcome is one of: ok, unchanged (already in place, gates passed), dry-run, refused (a step
 declined before any change: the training stop over its lost-steps limit), failed (nothing changed),
 rolled-back (the previous state is back and healthy), rollback-failed (the host needs a human: the
-summary says what is where). ddops.report words it and picks the exit code.
+summary says what is where), lock-lost (another run took the lock after a change: this one stopped there,
+its journal kept for `ddops rollback`). ddops.report words it and picks the exit code.
 """
 
 from __future__ import annotations

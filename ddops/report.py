@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DdopsError, HostUnreachable, Refused
+from .hostlock import LockLost
 from .plan import Checks, Interrupted, Journal, StepState
 from .profile import Profile
 
@@ -116,7 +117,7 @@ class Report:
 
 
 def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
-    """The host's state in one word and one sentence (README: OK, UNCHANGED, REFUSED, FAILED, ROLLED-BACK, ...)."""
+    """The host's state in one word and one sentence (README: OK, UNCHANGED, REFUSED, FAILED, ROLLED-BACK, LOCK-LOST, ...)."""
     p, journal = report.profile, report.journal
     if report.error is None:
         if not report.changed:
@@ -129,6 +130,8 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
     if not report.changed:
         return "failed", f"nothing was changed on {p.host}; " + (
             f"{p.unit} is as it was" if report.failed_step in report.gate_names else "")
+    if isinstance(report.error, LockLost):
+        return "lock-lost", lock_lost_state(report)
     if report.rolled_back and any(not b["ok"] for b in journal.rolling):
         return "rolled-back", rolling_state(report)
     if report.rolled_back:
@@ -147,6 +150,17 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
                                f"units stopped by the pivot: {', '.join(journal.stopped_units) or 'none'}"
                                + (f"; {checked_words(report.rollback)}" if (report.rollback or {}).get("checked")
                                   else "") + ")")
+
+
+def lock_lost_state(report: Report) -> str:
+    """A run that lost its lock after it changed something: it stopped there and rolled nothing back (the
+    host is the other run's now). What it changed, what it stopped, and the way back once that run is done."""
+    p, journal = report.profile, report.journal
+    stopped = f"; stopped {', '.join(journal.stopped_units)}" if journal.stopped_units else ""
+    return (f"LOCK LOST on {p.host}: another run took the lock after this one changed {', '.join(journal.changed)}"
+            f"{stopped}; this run stopped there and rolled nothing back, leaving the host to that run; its journal "
+            f"of intent stays on {p.host}: once that run is done, if `ddops status --limit {p.host}` still shows "
+            f"this pivot unfinished, `ddops rollback --host {p.host}` restores the state from before it")
 
 
 def rolling_state(report: Report) -> str:

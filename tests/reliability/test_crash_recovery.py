@@ -210,6 +210,7 @@ def test_a_run_whose_lock_is_broken_stops_before_its_next_change(lab, fresh, tmp
     finally:
         run.kill()
     assert code == 2 and "was broken (now held by ana@far-away-laptop" in report["error"], report
+    assert report["outcome"] == "lock-lost" and report["state"].startswith("LOCK LOST on ct200"), report
     assert report.get("rolled_back") is None and journal(lab) is not None   # it touched nothing more
     sh(lab, "ct200", f"rm -f {STATE}/pivot.lock")
     settle(lab)

@@ -307,6 +307,32 @@ def test_a_run_whose_lock_was_broken_stops_before_its_next_change_and_keeps_its_
     assert "journal-close" not in [s["action"] for s in ex.journal]
 
 
+def test_a_run_that_loses_its_lock_after_a_change_says_so_and_what_to_do_never_rollback_failed(monkeypatch,
+                                                                                                   profile):
+    """The lock is taken by another run once training has stopped: the run stops before the unit step,
+    rolls nothing back (the host is the other run's now) and says what it changed and the way back."""
+    class LosesAfterTraining(JournalHost):
+        def run(self, host, argv, *, timeout=None, stdin=None, on_output=None):
+            if argv[:2] == ["python3", "-c"] and argv[2] == probe_source("lock"):
+                self.answers = {"journal-note": {"lost": True, "holder": {"user": "bo", "control_host": "far",
+                                                                         "pid": 3}}} \
+                    if (json.loads(argv[3]).get("update") or {}).get("step") == "unit" else {}
+            return super().run(host, argv, timeout=timeout, stdin=stdin, on_output=on_output)
+
+    training = FakeStep("training", [Operation("stop training", undo=StartAgain("dflash-train.service"))],
+                        undo=StartAgain("dflash-train.service"))
+    unit = FakeStep("unit", [Operation("write unit")])
+    report, ex = run_pivot(monkeypatch, profile, [training, unit], executor=LosesAfterTraining({}))
+    assert len(training.applied) == 1 and unit.applied == [] and ex.systemctl() == []   # nothing rolled back
+    assert (report["outcome"], report["exit_code"], report["failed_step"]) == ("lock-lost", 2, "unit")
+    assert report.get("rolled_back") is None and "ROLLBACK FAILED" not in report["state"]
+    assert report["state"].startswith("LOCK LOST on ct200: another run took the lock after this one changed "
+                                      "training"), report["state"]
+    assert "`ddops rollback --host ct200` restores the state from before it" in report["state"]
+    assert "journal-close" not in [s["action"] for s in ex.journal]
+    assert ex.history[-1]["outcome"] == "lock-lost"
+
+
 def test_a_backup_that_cannot_be_written_stops_the_pivot_before_training_stops(monkeypatch, profile):
     class Prepared(FakeStep):
         def prepare(self, ctx, operations):

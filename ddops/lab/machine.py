@@ -116,6 +116,9 @@ def start(host: LabHost, hd: HostDir) -> Proc:
                         *nspawn_argv(host, hd)],
                        stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT, check=True,
                        timeout=10)
+    # The pid is written by the shell before it execs nspawn: until the exec, the process is still `sh`,
+    # and a Proc taken then is not alive() (its command is not nspawn), which read as "stopped while
+    # booting" on a loaded machine. So wait for the exec too.
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:
@@ -124,9 +127,11 @@ def start(host: LabHost, hd: HostDir) -> Proc:
             time.sleep(0.02)
             continue
         started = proc_starttime(pid)
-        if started is not None:
+        if started is None:
+            break
+        if _is_nspawn(pid):
             return Proc(pid, started)
-        break
+        time.sleep(0.02)
     raise LabError(f"systemd-nspawn for {host.name} exited at once", fix=f"see {hd.console}")
 
 

@@ -172,6 +172,7 @@ def rolling_state(report: Report) -> str:
     back = ", ".join(u for b in rolling for u in b["replicas"])
     return (f"rolled back on {p.host}: batch {failed['batch']} ({', '.join(failed['replicas'])}) failed at "
             f"{failed.get('failed_at')}; {back} returned to the previous release and healthy"
+            + models_words(report.rollback)
             + (f"; {', '.join(untouched)} never stopped serving" if untouched else "") + smoke_passed(report.rollback))
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 from starlette.testclient import TestClient
 
-from ddtree_runtime.engine import engine as engine_module
+from ddtree_runtime.engine import model_runner as runner_module
 from ddtree_runtime.server.app import create_app
 from ddtree_runtime.server.config import ServerConfig
 
@@ -59,7 +59,7 @@ def test_an_attention_only_pool_serves_any_tree_without_a_re_size(attention_only
     """Its paged pool holds a tree of any budget as it is: nothing to allocate, nothing to refuse."""
     before = _complete(attention_only).json()["choices"][0]["text"]
     monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: 0)  # no headroom left on the device
-    monkeypatch.setattr(engine_module, "target_cache", lambda *a, **k: pytest.fail("the pool was re-sized"))
+    monkeypatch.setattr(runner_module, "target_cache", lambda *a, **k: pytest.fail("the pool was re-sized"))
     big = _complete(attention_only, BIG_TREE)
     assert big.status_code == 200, big.text
     assert big.json()["choices"][0]["text"] == before
@@ -81,7 +81,7 @@ def test_refused_tree_budget_leaves_the_engine_serving(api, monkeypatch):
 
 
 def test_failed_reallocation_puts_the_old_cache_back(api, monkeypatch):
-    build = engine_module.target_cache
+    build = runner_module.target_cache
     failures = []
 
     def fail_once(*args, **kwargs):
@@ -89,7 +89,7 @@ def test_failed_reallocation_puts_the_old_cache_back(api, monkeypatch):
             failures.append(True)
             raise RuntimeError("simulated out of memory")
         return build(*args, **kwargs)
-    monkeypatch.setattr(engine_module, "target_cache", fail_once)
+    monkeypatch.setattr(runner_module, "target_cache", fail_once)
     assert _complete(api, BIG_TREE).status_code == 500  # the device failed, not the client
     assert api.get("/health").json()["status"] == "ok"
     assert _complete(api).status_code == 200
@@ -98,7 +98,7 @@ def test_failed_reallocation_puts_the_old_cache_back(api, monkeypatch):
 def test_health_is_error_when_the_engine_cannot_serve(api, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("simulated out of memory")
-    monkeypatch.setattr(engine_module, "target_cache", fail)  # and putting the old cache back fails too
+    monkeypatch.setattr(runner_module, "target_cache", fail)  # and putting the old cache back fails too
     assert _complete(api, BIG_TREE).status_code == 500
     health = api.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "error"

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.server_process import HOST, ServerProcess
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.engine import engine as engine_module
+from ddtree_runtime.engine import model_runner as runner_module
 from ddtree_runtime.server import cli, routes
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.server.context import ServerContext
@@ -66,12 +66,12 @@ def hybrid_api(tiny_hybrid_models):
 
 def test_health_stays_ok_while_the_pool_is_resized(hybrid_api, monkeypatch):
     api = hybrid_api
-    build, seen = engine_module.target_cache, []
+    build, seen = runner_module.target_cache, []
 
     def watched(*args, **kwargs):  # runs on the worker thread, between dropping the old pool and the new
         seen.append(_ctx(api).worker.health())
         return build(*args, **kwargs)
-    monkeypatch.setattr(engine_module, "target_cache", watched)
+    monkeypatch.setattr(runner_module, "target_cache", watched)
     r = api.post("/v1/completions", json={"model": "tiny", "prompt": "1\n2\n", "max_tokens": 4, "temperature": 0,
                                           "speculative": {"tree_budget": 600}})  # past the pool's cache
     assert r.status_code == 200, r.text

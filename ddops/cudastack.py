@@ -44,6 +44,11 @@ WHEEL_ARCHS: dict[Cuda, str] = {
 FIRST_TORCH: dict[Cuda, str] = {(11, 8): "2.0.0", (12, 1): "2.1.0", (12, 4): "2.4.0", (12, 6): "2.6.0",
                                 (12, 8): "2.7.0", (12, 9): "2.8.0", (13, 0): "2.9.0"}
 BF16_MIN_CAPABILITY = 8.0   # bfloat16 tensor cores: Ampere and later
+# The torch a kernel library installed beside it needs, where pip does not enforce it: fla-core 0.6.0's
+# wheel asks torch>=2.7 and triton>=3.3 only under its `cuda` extra, and profiles install plain
+# `fla-core` (each torch Linux wheel pins its own triton: torch 2.7 ships triton 3.3, so torch's floor
+# carries triton's). Library -> (its first version with the floor, the torch floor).
+TORCH_FLOORS: dict[str, tuple[str, str]] = {"fla-core": ("0.6.0", "2.7.0")}
 _CUDA_RUNTIME = re.compile(r"^nvidia-cuda-runtime(?:-cu\d+)?$")
 
 
@@ -213,6 +218,32 @@ def check_build(build: TorchBuild, host: str, driver: str | None, gpus: list[tup
         if missing:
             problems.append(f"{where} has kernels for sm {archs.replace('.', '')} only, not {host}'s "
                             f"{', '.join(missing)}: {suggestion(caps, driver)}")
+    return problems
+
+
+def check_companions(build: TorchBuild, packages: dict[str, str]) -> list[str]:
+    """Problems of installing `packages` (import name -> pip requirement) beside `build`: a library of
+    TORCH_FLOORS whose requirement allows a version that needs a newer torch than the build."""
+    problems: list[str] = []
+    try:
+        torch_version = Version(build.version.partition("+")[0])
+    except InvalidVersion:
+        return []
+    for line in packages.values():
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        floor = TORCH_FLOORS.get(req.name.lower())
+        if floor is None or torch_version >= Version(floor[1]):
+            continue
+        since, torch_floor = floor
+        pinned = [Version(s.version) for s in req.specifier if s.operator in ("==", "===")
+                  and not s.version.endswith("*")]
+        if (pinned and pinned[0] >= Version(since)) or (not pinned and req.specifier.contains(since)):
+            problems.append(f"{req} needs torch {torch_floor} or newer (its own cuda extra, which pip skips "
+                            f"here), and {build.label} ({build.source}) would run: pin torch>={torch_floor}, or "
+                            f"an older {req.name}")
     return problems
 
 

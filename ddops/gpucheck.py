@@ -96,6 +96,7 @@ def check_gpus(profile: Profile, host: HostFacts, found: dict[str, Any] | None,
         driver = gpuhealth.driver(host.raw)
         if build is not None:
             stack = cudastack.check_build(build, profile.host, driver["version"], on, driver["cuda"])
+            stack += cudastack.check_companions(build, profile.runtime.packages)
             problems += stack
             label = None if stack or not build.cuda_known else f"{build.label} ({build.source})"
             if not build.cuda_known:

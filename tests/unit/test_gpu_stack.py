@@ -163,6 +163,20 @@ def test_arch_coverage(archs, capability, covered):
     assert cudastack.covers(archs, capability) is covered
 
 
+@pytest.mark.parametrize("torch_version, fla, refused", [
+    ("2.6.0+cu126", "fla-core==0.6.0", True), ("2.6.0+cu126", "fla-core", True),
+    ("2.6.0+cu126", "fla-core>=0.5", True), ("2.6.0+cu126", "fla-core<0.6", False),
+    ("2.6.0+cu126", "fla-core==0.5.1", False), ("2.7.1+cu128", "fla-core==0.6.0", False),
+    ("2.13.0+cpu", "fla-core==0.6.0", False)])
+def test_fla_core_asks_its_torch_where_pip_does_not(torch_version, fla, refused):
+    """fla-core 0.6's torch>=2.7 sits under its cuda extra, which a plain `fla-core` skips: preflight asks it."""
+    build = cudastack.TorchBuild(torch_version, (12, 6), "runtime.torch")
+    problems = cudastack.check_companions(build, {"torch": "torch", "fla": fla, "fastapi": "fastapi>=0.100"})
+    assert bool(problems) is refused
+    if refused:
+        assert f"{fla} needs torch 2.7.0 or newer" in problems[0] and "pin torch>=2.7.0" in problems[0]
+
+
 def test_the_stack_checks_name_the_fix():
     blackwell = [(0, "NVIDIA RTX PRO 6000", 12.0)]
     cu128 = cudastack.TorchBuild("2.7.1+cu128", (12, 8), "runtime.torch")

@@ -1,6 +1,7 @@
 """The chunkwise-parallel Gated DeltaNet prefill (model/gdn_chunk.py) against the token-by-token
-recurrence at lengths that cross chunk boundaries, from zeros and from a carried state (the hybrid
-target's prefill built on it is checked against transformers in test_hybrid_model.py)."""
+recurrence at lengths that cross chunk boundaries, from zeros and from a carried state, and its padded
+fixed-width form against the eager calls, bit for bit (the hybrid target's prefill built on it is checked
+against transformers in test_hybrid_model.py)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def test_padded_piece_is_the_eager_one_exactly(length, width, keep):
     beta, state = torch.rand(b, width, hv, generator=gen), torch.randn(b, hv, dk, dv, generator=gen)
     x, conv_state = torch.randn(b, width, c, generator=gen), torch.randn(b, kernel - 1, c, generator=gen)
     n, cut = torch.tensor([length]), length if keep is None else keep
-    out, final, kept = padded_chunk_gated_delta(q, k, v, g, beta, state, n, None if keep is None else torch.tensor([keep]))
+    at = None if keep is None else torch.tensor([keep])
+    out, final, kept = padded_chunk_gated_delta(q, k, v, g, beta, state, n, at)
     first, mid = chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], state)
     want, want_final = first, mid
     if cut < length:

@@ -125,11 +125,19 @@ def test_a_hybrid_padded_piece_leaves_what_the_eager_pass_leaves(hybrid, prefix,
 
 
 def test_a_hybrid_runs_its_short_pieces_through_the_runner(hybrid, monkeypatch):
-    """The engine sends a hybrid's short piece to the fixed-shape pass, with its snapshot point."""
+    """The engine sends a hybrid's short prompt to the fixed-shape pass, with its snapshot point (the
+    last turn start); the same prompt again resumes from the state that pass kept, through the eager
+    pass, and gives the same tokens."""
+    turn = hybrid.scheduler.turn_token
+    assert turn is not None
+    prompt = [turn] + list(range(3, 30)) + [turn] + list(range(40, 45))
+    params = SamplingParams(max_new_tokens=6, mode="ddtree")
     calls = []
     run = hybrid.runner.prefill_runner.run
-    monkeypatch.setattr(hybrid.runner.prefill_runner, "run", lambda *a: calls.append(a) or run(*a))
-    prompt = [hybrid.scheduler.turn_token or 1] + list(range(3, 40))
-    list(hybrid.generate(prompt, SamplingParams(max_new_tokens=2, mode="ar")))
-    assert [(row, len(tokens), start) for row, tokens, start, _ in calls] == [(calls[0][0], len(prompt), 0)]
-    assert calls[0][3] is not None  # reuse on: the state is kept where the prompt says
+    monkeypatch.setattr(hybrid.runner.prefill_runner, "run", lambda *a: calls.append(a[1:]) or run(*a))
+    padded = [t for r in hybrid.generate(prompt, params) for t in r.token_ids]
+    assert calls == [(prompt, 0, 28)]  # the snapshot after the tokens before the second turn start
+    monkeypatch.setattr(hybrid.runner, "prefill_runner", None)
+    saved = hybrid.stats.prefix_tokens_saved
+    assert [t for r in hybrid.generate(prompt, params) for t in r.token_ids] == padded
+    assert hybrid.stats.prefix_tokens_saved - saved == 28

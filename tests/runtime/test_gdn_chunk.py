@@ -1,13 +1,15 @@
 """The chunkwise-parallel Gated DeltaNet prefill (model/gdn_chunk.py) against the token-by-token
-recurrence at lengths that cross chunk boundaries, from zeros and from a carried state (the hybrid
-target's prefill built on it is checked against transformers in test_hybrid_model.py)."""
+recurrence at lengths that cross chunk boundaries, from zeros and from a carried state, and its padded
+fixed-width form against the eager calls, bit for bit (the hybrid target's prefill built on it is checked
+against transformers in test_hybrid_model.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddtree_runtime.model.gdn_chunk import CHUNK, chunk_gated_delta, l2_normalised, prompt_conv
+from ddtree_runtime.model.gdn_chunk import (CHUNK, chunk_gated_delta, conv_inputs, l2_normalised,
+                                             padded_chunk_gated_delta, prompt_conv, tail_before)
 from ddtree_runtime.model.gated_delta import causal_conv, tree_paths
 
 
@@ -66,3 +68,33 @@ def test_split_prompt_carries_the_state_and_conv_tail():
     out1, mid_state = chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut])
     out2, final2 = chunk_gated_delta(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], mid_state)
     assert torch.allclose(torch.cat([out1, out2], 1), out, atol=1e-5) and torch.allclose(final2, final, atol=1e-5)
+
+
+@pytest.mark.parametrize("length,width,keep", [(5, 32, None), (64, 64, None), (129, 256, None), (70, 128, 70),
+                                               (33, 64, 1), (129, 256, 64), (200, 256, 130)])
+def test_padded_piece_is_the_eager_one_exactly(length, width, keep):
+    """At a fixed width, with the real length and the snapshot point as device tensors: the padding's
+    zeroed gates and betas leave the state as it was, the tokens from `keep` on start their chunks
+    where the eager second call's do, and the conv tails come from the real end: the outputs, the
+    final state, the snapshot and the tails are the eager calls' to the bit."""
+    gen = torch.Generator().manual_seed(length + width)
+    b, hk, hv, dk, dv, c, kernel = 1, 2, 4, 8, 8, 12, 4
+    q, k = (torch.randn(b, width, hk, dk, generator=gen) for _ in range(2))
+    v, g = torch.randn(b, width, hv, dv, generator=gen), -torch.rand(b, width, hv, generator=gen)
+    beta, state = torch.rand(b, width, hv, generator=gen), torch.randn(b, hv, dk, dv, generator=gen)
+    x, conv_state = torch.randn(b, width, c, generator=gen), torch.randn(b, kernel - 1, c, generator=gen)
+    n, cut = torch.tensor([length]), length if keep is None else keep
+    at = None if keep is None else torch.tensor([keep])
+    out, final, kept = padded_chunk_gated_delta(q, k, v, g, beta, state, n, at)
+    first, mid = chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], state)
+    want, want_final = first, mid
+    if cut < length:
+        rest, want_final = chunk_gated_delta(*(t[:, cut:length] for t in (q, k, v, g, beta)), mid)
+        want = torch.cat([first, rest], dim=1)
+    assert torch.equal(out[:, :length], want) and torch.equal(final, want_final)
+    assert kept is None if keep is None else torch.equal(kept, mid)
+    ext = conv_inputs(x, conv_state)
+    _, tail = prompt_conv(x[:, :length], conv_state, torch.ones(c, kernel))
+    _, kept_tail = prompt_conv(x[:, :cut], conv_state, torch.ones(c, kernel))
+    assert torch.equal(tail_before(ext, n, kernel), tail)
+    assert torch.equal(tail_before(ext, torch.tensor([cut]), kernel), kept_tail)

@@ -13,6 +13,8 @@ from ddtree_runtime.engine.tree import Tree, ancestor_mask
 from ddtree_runtime.model import Qwen35Config, load_target
 from ddtree_runtime.model.gated_delta import gated_delta, state_at, tree_paths
 from ddtree_runtime.model.gdn_chunk import CHUNK as PROMPT_CHUNK
+from ddtree_runtime.model.gdn_chunk import PaddedPrompt
+from ddtree_runtime.model.layers import TreeInputs
 
 VOCAB = 320
 LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -191,3 +193,38 @@ def test_advance_along_moves_each_sequence_along_its_own_path():
     advance_along(step, state, nodes, torch.tensor([len(p) for p in paths]))
     for i in range(b):
         assert torch.allclose(state[:, i], expected[i], atol=1e-5)
+
+
+# (start, real tokens, width, keep): from zeros and from a carried state; the padding past one chunk
+# and past several; the state kept at the first token, at the end, across a chunk boundary
+PADDED = [(0, 5, 32, None), (0, 70, 128, 70), (9, 1, 32, 1), (9, 129, 256, 64), (40, 33, 64, 2)]
+
+
+@pytest.mark.parametrize("start,length,width,keep", PADDED)
+@torch.inference_mode()
+def test_a_padded_prompt_piece_is_the_eager_one(hf_pair, start, length, width, keep):
+    """A linear layer over a prompt piece padded to a fixed width (gdn_chunk.PaddedPrompt: the real
+    length, the row and the snapshot point on the device) gives what the eager prompt pass gives: its
+    outputs, the row's conv tail and state after the piece and, with `keep`, the snapshot; from zeros
+    at the prompt's start whatever the row held; no other row changes. Exactly from the in-projection
+    on (test_gdn_chunk.py); the projection's GEMM over 32 rows and over 5 may round differently."""
+    _, ours = hf_pair
+    layer = ours.model.layers[0].linear_attn
+    gen = torch.Generator().manual_seed(start + length)
+    cache = HybridCache(ours.config, 8, "cpu", torch.float32, batch=3, snapshots=True)
+    for t in cache._states():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    cache.conv[:, 0], cache.state[:, 0] = cache.conv[:, 2], cache.state[:, 2]  # the same sequence so far
+    x = torch.randn(1, width, ours.config.hidden_size, generator=gen)
+    eager = cache.rows(0, 1)
+    eager.keep_at = keep
+    want = layer(x[:, :length], eager, start, None)
+    untouched = [t[:, 1].clone() for t in cache._states()]
+    prompt = PaddedPrompt(torch.tensor([2]), torch.tensor([start > 0]), torch.tensor([length]),
+                          None if keep is None else torch.tensor([keep]))
+    got = layer(x, cache, start, TreeInputs(None, None, 0, None, prompt=prompt))
+    assert got.shape[1] == width
+    torch.testing.assert_close(got[:, :length], want, atol=1e-6, rtol=1e-5)
+    for t in cache._states() if keep is not None else cache._states()[:2]:
+        torch.testing.assert_close(t[layer.slot, 2], t[layer.slot, 0], atol=1e-6, rtol=1e-5)
+    assert all(torch.equal(t[:, 1], before) for t, before in zip(cache._states(), untouched))

@@ -23,7 +23,7 @@ from . import memory
 from .block_manager import PageTable
 from .draft_cache import DraftCache
 from .graphs import HostRead
-from .kv_cache import HybridCache, KVCache, target_cache
+from .kv_cache import KVCache, target_cache
 from .memory import PoolSizing
 from .pool import KVPool
 from .runner import KV_BUCKET, DraftRunner, PrefillRunner, TargetRunner, TreePass, kv_len_for, prefill_width, tree_bucket
@@ -61,7 +61,7 @@ class ModelRunner:
                                             stats)
         self.target_cache: KVCache | None = None
         self.target_runner: TargetRunner | None = None
-        self.prefill_runner: PrefillRunner | None = None  # short pieces at a fixed shape (attention-only)
+        self.prefill_runner: PrefillRunner | None = None  # short pieces at a fixed shape
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self.resize(tree_slots)
         self.trees = TreeBuilder(device)
@@ -135,9 +135,8 @@ class ModelRunner:
                                          snapshots=self.pool.prefix is not None, table=self.page_table)
         self.target_runner = TargetRunner(self.target, self.target_cache, self.device, self.block_size - 1,
                                           self.stats)
-        if not isinstance(self.target_cache, HybridCache):  # a hybrid's recurrent state would run on over padding
-            self.prefill_runner = PrefillRunner(self.target, self.target_cache, self.device, self.stats,
-                                                pool=self.target_runner.pool)
+        self.prefill_runner = PrefillRunner(self.target, self.target_cache, self.device, self.stats,
+                                            pool=self.target_runner.pool)
         self.pool.target_cache, self.pool.target_slots = self.target_cache, tree_slots
 
     def check_resize(self, tree_slots: int) -> None:
@@ -164,7 +163,8 @@ class ModelRunner:
             h, feats, pos = self._rows_pass(pieces)
         elif self.prefill_runner is not None and prefill_width(pieces[0].length) is not None:
             p = pieces[0]
-            h, feats, pos = self.prefill_runner.run(p.req.slot, p.req.context[p.start:p.start + p.length], p.start)
+            h, feats, pos = self.prefill_runner.run(p.req.slot, p.req.context[p.start:p.start + p.length], p.start,
+                                                    p.keep_at)
         else:
             h, feats, pos = self._causal_pass(pieces[0])
         self._draft_context(reqs, feats, pos)

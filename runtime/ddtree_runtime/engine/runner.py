@@ -24,10 +24,11 @@ import torch
 from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes (declared there: the pool is sized by them)
 from ..model import Qwen3ForCausalLM
 from ..model.dflash import DraftInputs, DraftMask
+from ..model.gdn_chunk import PaddedPrompt
 from ..model.kernels import DECODE_EAGER
 from ..model.layers import TreeInputs
 from .graphs import replayed
-from .kv_cache import KVCache
+from .kv_cache import HybridCache, KVCache
 from .tree import Tree, ancestor_mask
 from .types import BatchStats
 
@@ -190,12 +191,16 @@ def prefill_kv_len(end: int, capacity: int, graphed: bool) -> int:
 
 
 class _PrefillBucket:
-    """Static inputs of one (width, kv_len) short prompt pass over one row, its CUDA graph once captured."""
+    """Static inputs of one (width, kv_len, keeps) short prompt pass over one row, its CUDA graph once
+    captured. `keeps`: the pass keeps a hybrid's state at an offset within it (the snapshot)."""
 
-    def __init__(self, width: int, kv_len: int, cache: KVCache, device: torch.device) -> None:
-        self.width, self.kv_len = width, kv_len
+    def __init__(self, width: int, kv_len: int, keeps: bool, cache: KVCache, device: torch.device) -> None:
+        self.width, self.kv_len, self.keeps = width, kv_len, keeps
         self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
+        # a hybrid's: the row (its linear layers' state is read and written by this index), the real
+        # tokens, the snapshot's offset
+        self.row, self.length, self.keep = (torch.zeros(1, dtype=torch.long, device=device) for _ in range(3))
         self.host = torch.zeros(width, dtype=torch.long, pin_memory=device.type == "cuda")
         # marks the last copy out of `host`: written again only once that is done (it always is by the
         # next pass of this shape, a step or more later, so the wait costs nothing)
@@ -203,10 +208,9 @@ class _PrefillBucket:
         self.offsets = torch.arange(width, device=device)
         self.cols = torch.arange(kv_len, device=device)
         # the row's block table, copied in before each pass: the graph reads this buffer, whichever row
-        # the request holds
-        self.view = cache.rows(0, 1)
-        if cache.block is not None:
-            self.view.block = cache.block[:1].clone()
+        # the request holds (a hybrid's state of every row stays in the view, indexed by `row`)
+        self.view = cache.rows(0, cache.slots)
+        self.view.block = cache.block[:1].clone()
         self.zero = torch.zeros((), dtype=cache.k.dtype, device=device)
         self.neg_inf = torch.full((), float("-inf"), dtype=cache.k.dtype, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -214,12 +218,15 @@ class _PrefillBucket:
 
 
 class PrefillRunner:
-    """A lone piece of a prompt of up to PREFILL_WIDTHS[-1] tokens on an attention-only target, at a
-    fixed shape: padded to a width bucket, its keys to a kv bucket, its row's block table copied into a
-    static one, so on CUDA each (width, kv_len) is captured once as a CUDA graph and replayed (a 64-layer
+    """A lone piece of a prompt of up to PREFILL_WIDTHS[-1] tokens at a fixed shape: padded to a width
+    bucket, its keys to a kv bucket, its row's block table copied into a static one (the cache is
+    paged), so on CUDA each (width, kv_len) is captured once as a CUDA graph and replayed (a 64-layer
     eager pass costs ~130 ms of host launches at any width; its GEMMs, a few ms). The padding's k/v land
     past the piece, where the next piece or the first round writes over them before anything reads
-    them (past a row's pages: the scratch page). Causal within the piece, over the row's cached prefix."""
+    them (past a row's pages: the scratch page). Causal within the piece, over the row's cached prefix.
+    A hybrid's linear layers run the chunked form with the padding's gates and betas zeroed, so their
+    state passes through it unchanged (gdn_chunk.padded_chunk_gated_delta), and a piece that holds the
+    prompt's snapshot point keeps the state there within the pass (a graph of its own per shape)."""
 
     def __init__(self, target: Qwen3ForCausalLM, cache: KVCache, device: torch.device,
                  stats: BatchStats | None = None, pool=None) -> None:
@@ -229,25 +236,33 @@ class PrefillRunner:
         self.stats = BatchStats() if stats is None else stats
         self.use_graphs = device.type == "cuda"
         self.pool = pool if pool is not None or not self.use_graphs else torch.cuda.graph_pool_handle()
-        self.buckets: dict[tuple[int, int], _PrefillBucket] = {}
+        self.hybrid = isinstance(cache, HybridCache)
+        self.buckets: dict[tuple[int, int, bool], _PrefillBucket] = {}
 
-    def run(self, row: int, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def run(self, row: int, tokens: list[int], start: int,
+            keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Prompt tokens at positions start.. of cache row `row` -> hidden [1, W, H], features
         [1, W, F] (None without feature layers) and positions [1, W], W the width bucket (the first
-        len(tokens) real). Nothing here waits for the device."""
+        len(tokens) real). `keep_at` (a hybrid's, 1..len(tokens)): the row's snapshot takes the state
+        after that many of the tokens (Piece.keep_at). Nothing here waits for the device."""
         width = prefill_width(len(tokens))
         kv_len = prefill_kv_len(start + width, self.cache.capacity, self.use_graphs)
-        b = self.buckets.get((width, kv_len))
+        key = (width, kv_len, keep_at is not None)
+        b = self.buckets.get(key)
         if b is None:
-            b = self.buckets[(width, kv_len)] = _PrefillBucket(width, kv_len, self.cache, self.device)
+            b = self.buckets[key] = _PrefillBucket(*key, self.cache, self.device)
         if b.copied is not None:
             b.copied.synchronize()
         stage(b.ids[0], b.host, tokens + [0] * (width - len(tokens)))
         if b.copied is not None:
             b.copied.record()
         b.start.fill_(start)
-        if self.cache.block is not None:
-            b.view.block.copy_(self.cache.block[row:row + 1])
+        b.view.block.copy_(self.cache.block[row:row + 1])
+        if self.hybrid:
+            b.row.fill_(row)
+            b.length.fill_(len(tokens))
+            if keep_at is not None:
+                b.keep.fill_(keep_at)
         return replayed(b, self._forward, self.device, self.pool, self.stats)
 
     def _forward(self, b: _PrefillBucket) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -255,7 +270,11 @@ class PrefillRunner:
         bias = torch.where(b.cols[None, None, None, :] > pos[:, None, :, None], b.neg_inf, b.zero)  # [1, 1, W, L]
         slots = pos.clamp(max=self.cache.capacity - 1)
         launch = None if self.use_graphs else DECODE_EAGER
-        h, feats = self.target(b.ids, pos, b.view, static=TreeInputs(slots, bias, b.kv_len, None, launch=launch))
+        prompt = None
+        if self.hybrid:
+            prompt = PaddedPrompt(b.row, b.start > 0, b.length, b.keep if b.keeps else None)
+        h, feats = self.target(b.ids, pos, b.view, static=TreeInputs(slots, bias, b.kv_len, None, launch=launch,
+                                                                      prompt=prompt))
         return h, feats, pos
 
 

@@ -19,6 +19,7 @@ dependency). Everywhere else, and in float32, it runs in torch (float32 inside),
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +28,38 @@ CHUNK = 64  # tokens per chunk: [C, C] scores and triangular solves per chunk an
 L2_EPS = 1e-6
 
 
+class PaddedPrompt(NamedTuple):
+    """A prompt piece padded to a fixed width W (engine/runner.py's PrefillRunner), as a linear layer
+    needs it with every offset on the device, so one CUDA graph serves any piece of that width in any
+    cache row."""
+    row: torch.Tensor           # [1] long: the cache row whose conv tail and state the piece continues
+    resume: torch.Tensor        # [1] bool: from that row's state (False: from zeros, a prompt's start)
+    length: torch.Tensor        # [1] long: the piece's real tokens, 1..W; the rest is padding
+    keep: torch.Tensor | None   # [1] long, 1..length: where the state is kept (the snapshot); None: nowhere
+
+
 def prompt_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over tokens in a row: x [B, T, C] after the committed tail
     conv_state [B, K-1, C]; weight [C, K]. Returns the output [B, T, C] and the new tail [B, K-1, C]."""
-    ext = torch.cat([conv_state.to(x.dtype), x], dim=1)                        # [B, K-1+T, C]
-    y = F.conv1d(ext.transpose(1, 2), weight[:, None].to(x.dtype), groups=x.shape[-1])   # [B, C, T]
-    return F.silu(y).transpose(1, 2).contiguous(), ext[:, -(weight.shape[1] - 1):]
+    ext = conv_inputs(x, conv_state)
+    return conv_silu(ext, weight), ext[:, -(weight.shape[1] - 1):]
+
+
+def conv_inputs(x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """The conv's inputs over x [B, T, C]: the committed tail, then x, [B, K-1+T, C]."""
+    return torch.cat([conv_state.to(x.dtype), x], dim=1)
+
+
+def conv_silu(ext: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU of the inputs ext [B, K-1+T, C] (conv_inputs) -> [B, T, C]."""
+    y = F.conv1d(ext.transpose(1, 2), weight[:, None].to(ext.dtype), groups=ext.shape[-1])   # [B, C, T]
+    return F.silu(y).transpose(1, 2).contiguous()
+
+
+def tail_before(ext: torch.Tensor, end: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The K-1 conv inputs before token `end` ([1] long, on the device) of ext [B, K-1+T, C]
+    (conv_inputs): the tail a state after `end` tokens continues from, [B, K-1, C]."""
+    return ext.index_select(1, end + torch.arange(kernel - 1, device=ext.device))
 
 
 def l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -119,3 +146,33 @@ def chunk_gated_delta_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         s = end_decay[:, :, i] * s + k_to_end[:, :, i].transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).reshape(b, hv, n * chunk, dv)[:, :, :t]     # [B, Hv, T, dv]
     return out.transpose(1, 2), s
+
+
+def padded_chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, length: torch.Tensor,
+                             keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """chunk_gated_delta over the first `length` of W tokens, at the fixed width W (length, keep: [1]
+    long, on the device; inputs as chunk_gated_delta's, `state` given). The padding's gates and betas
+    are zeroed: a token with beta = 0 writes nothing and one with g = 0 does not decay, so the state
+    passes through the padding unchanged. With `keep` the recurrence runs in two calls as the eager
+    prompt pass's does (qwen3_5.GatedDeltaNet._chain): the tokens before `keep`, whose final state is
+    the snapshot, then from there the tokens from `keep` on, moved to the front so that their chunks
+    start where the eager pass's second call's do. Returns outputs [B, W, Hv, dv] (the padding's are
+    anything), the state after `length` tokens, and the snapshot (None without `keep`)."""
+    width = q.shape[1]
+    offsets = torch.arange(width, device=q.device)
+
+    def gates(live: torch.Tensor, moved: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        g_, beta_ = (g, beta) if moved is None else (g.index_select(1, moved), beta.index_select(1, moved))
+        return g_.where(live[None, :, None], 0.0), beta_.where(live[None, :, None], 0.0)
+
+    if keep is None:
+        out, final = chunk_gated_delta(q, k, v, *gates(offsets < length), state)
+        return out, final, None
+    first = offsets < keep
+    out, kept = chunk_gated_delta(q, k, v, *gates(first), state)
+    moved = (offsets + keep).clamp(max=width - 1)                             # token keep + i at i
+    rest, final = chunk_gated_delta(*(x.index_select(1, moved) for x in (q, k, v)),
+                                    *gates(offsets + keep < length, moved), kept)
+    back = rest.index_select(1, (offsets - keep).clamp(min=0))                # token i from keep on, at i
+    return torch.where(first[None, :, None, None], out, back), final, kept

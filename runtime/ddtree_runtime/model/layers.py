@@ -84,6 +84,7 @@ class TreeInputs(NamedTuple):
     paths: object = None    # gated_delta.Paths, filled by a hybrid model
     lengths: torch.Tensor | None = None  # [B] keys each row may attend (a batched pass): see attend_decode
     launch: DecodeLaunch | None = None   # the decode kernel's launch (kernels.DECODE_EAGER for passes not graphed)
+    prompt: object = None   # a hybrid's padded prompt piece (gdn_chunk.PaddedPrompt; `tree` is then None)
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx: int, start: int,

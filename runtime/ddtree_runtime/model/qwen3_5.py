@@ -18,7 +18,8 @@ from torch import nn
 
 from .config import Qwen35Config
 from .gated_delta import Paths, Step, causal_conv, gated_delta, tree_paths
-from .gdn_chunk import chunk_gated_delta, prompt_conv
+from .gdn_chunk import (PaddedPrompt, chunk_gated_delta, conv_inputs, conv_silu, padded_chunk_gated_delta,
+                        prompt_conv, tail_before)
 from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear, split_parts
 from .parallel import TensorParallel, add_reduced, reduced
@@ -127,7 +128,8 @@ class GatedDeltaNet(nn.Module):
                                             [self.conv_dim, self.n_v * self.dv, self.n_v, self.n_v])
         else:
             mixed, z, b_in, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
-        if tree is not None and fused_fits(mixed, self.dk, self.dv, self.kernel):
+        prompt = None if tree is None else tree.prompt
+        if tree is not None and prompt is None and fused_fits(mixed, self.dk, self.dv, self.kernel):
             # the graphed tree pass on CUDA: conv..normalisation, the recurrence (with the gates) and the
             # gated norm as one kernel each, the inputs and keys written straight into the scratch that
             # `compact` reads
@@ -145,7 +147,9 @@ class GatedDeltaNet(nn.Module):
             return projected(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype), self.out_proj, self.tp,
                              residual)
         beta, g = self._gates(b_in, a)
-        if tree is not None:
+        if prompt is not None:
+            core = self._padded_chain(mixed, beta, g, cache, prompt)
+        elif tree is not None:
             conv = causal_conv(mixed, cache.conv[self.slot], self.conv1d.weight[:, 0], tree.paths.window)
             core = self._tree(mixed, *self._heads(conv, beta, g), cache, tree.paths)
         else:
@@ -182,6 +186,14 @@ class GatedDeltaNet(nn.Module):
         cache.save_step(self.slot, mixed, step, mixed.shape[1])
         return out
 
+    def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prompt's conv output [B, T, C] -> q, k [B, T, Hk, dk], v [B, T, Hv, dv] (views, as the
+        chunked form takes them)."""
+        b, t, _ = conv.shape
+        nk = self.n_k * self.dk
+        return tuple(y.view(b, t, -1, d) for y, d in zip(conv.split([nk, nk, self.n_v * self.dv], dim=-1),
+                                                         (self.dk, self.dk, self.dv)))
+
     def _chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache, resume: bool) -> torch.Tensor:
         """Tokens in a row (a prompt), chunkwise-parallel (gdn_chunk.py): from the cache's state when
         resuming (start > 0), else from zeros; the final state goes back to the cache (if any).
@@ -194,9 +206,7 @@ class GatedDeltaNet(nn.Module):
         # the prompt's kept state may fall in this pass, `keep` tokens in (a later turn resumes there)
         keep = None if cache is None else cache.keep_at
         conv, tail = prompt_conv(mixed, conv_state, self.conv1d.weight[:, 0])
-        nk = self.n_k * self.dk
-        q, k, v = (y.view(b, t, -1, d) for y, d in zip(conv.split([nk, nk, self.n_v * self.dv], dim=-1),
-                                                        (self.dk, self.dk, self.dv)))
+        q, k, v = self._split(conv)
         cut = t if keep is None else keep  # the recurrence runs in two calls where the state is kept
         out, state = chunk_gated_delta(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], state)
         if keep is not None:  # the snapshot: the K-1 conv inputs before that point, the state there
@@ -209,6 +219,24 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.conv[self.slot] = tail
             cache.state[self.slot] = state
+        return out.transpose(1, 2)
+
+    def _padded_chain(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache,
+                      prompt: PaddedPrompt) -> torch.Tensor:
+        """A prompt piece padded to a fixed width, as _chain runs it (the same conv, the same chunks)
+        but with every offset on the device: the row's conv tail and state are read and written by
+        index, the padding writes nothing into the state (gdn_chunk.padded_chunk_gated_delta) and the
+        tails are taken at the piece's real end and at `keep`. Returns [1, Hv, W, dv]."""
+        conv_state, state = (x[self.slot].index_select(0, prompt.row).where(prompt.resume, 0)
+                             for x in (cache.conv, cache.state))
+        ext = conv_inputs(mixed, conv_state)
+        q, k, v = self._split(conv_silu(ext, self.conv1d.weight[:, 0]))
+        out, state, kept = padded_chunk_gated_delta(q, k, v, g, beta, state, prompt.length, prompt.keep)
+        cache.conv[self.slot].index_copy_(0, prompt.row, tail_before(ext, prompt.length, self.kernel))
+        cache.state[self.slot].index_copy_(0, prompt.row, state)
+        if prompt.keep is not None:
+            cache.snap_conv[self.slot].index_copy_(0, prompt.row, tail_before(ext, prompt.keep, self.kernel))
+            cache.snap_state[self.slot].index_copy_(0, prompt.row, kept)
         return out.transpose(1, 2)
 
 
@@ -251,9 +279,10 @@ class Qwen35ForCausalLM(Qwen3ForCausalLM):
     body = Qwen35Body
 
     def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
-        # one set of node paths for all linear layers; the root sits at the first slot's position
-        if static is None:
-            return None
+        # one set of node paths for all linear layers; the root sits at the first slot's position (a
+        # padded prompt piece is no tree: its linear layers run the chunked form)
+        if static is None or static.prompt is not None:
+            return static
         if static.slots.dim() == 1:
             depth = pos[0] - static.slots[0]
         else:  # a batch of trees, each sequence its own slots: [B, T]

@@ -60,6 +60,23 @@ def test_health_fields_parse_from_an_h100_query_with_holders_and_the_kernel_log(
                                                                                (13, "0000:18:00", 1400.0)]
 
 
+def test_a_real_h200s_answer_parses_healthy():
+    """Captured from an H200 (driver 580.159.04): "No" remapping pending, "[N/A]" retired pages (Hopper
+    remaps rows instead), throttle 0x1 (idle, a setting) -> a healthy card, nothing unknown but the pages."""
+    ns = probe({"nvidia-smi --query-gpu": (0, sample("h200_query_captured.csv")),
+                "nvidia-smi --query-compute-apps": (0, ""),
+                "nvidia-smi --version": (0, sample("h200_version_captured.txt"))})
+    gpus = ns["gpus"](True)
+    gpu, = gpus["list"]
+    assert gpus["error"] is None and gpus["driver"] == {"version": "580.159.04", "cuda": "13.0"}
+    assert (gpu["name"], gpu["memory_total_mib"], gpu["compute_cap"], gpu["bus_id"]) == (
+        "NVIDIA H200", 143771, 9.0, "00000000:00:06.0")
+    assert (gpu["ecc_volatile"], gpu["ecc_aggregate"], gpu["remap_pending"], gpu["retired_pending"],
+            gpu["throttle"]) == (0, 0, False, None, [])
+    health, = gpuhealth.assess({"gpus": gpus}, [])
+    assert not health.faults and not health.warnings
+
+
 def test_cards_without_ecc_or_remapping_are_unknown_not_errors():
     ns = probe({"nvidia-smi --query-gpu": (0, sample("rtx4090_query.csv") + sample("t4_query.csv")),
                 "nvidia-smi --query-compute-apps": (0, "")})

@@ -41,13 +41,6 @@ def release_path(venv: str) -> str:
 REPLICAS_DIR = f"{STATE_DIR}/replicas"      # one manifest per template unit: its replicas and balancer
 
 
-def replaced_dir(model_path: str) -> str:
-    """Beside a model dir (same filesystem, so a move is a rename): what the last pivot's sync replaced or
-    deleted there, kept for its rollback until the next pivot of that dir."""
-    parent, name = os.path.split(model_path.rstrip("/"))
-    return f"{parent}/.{name}.ddops-replaced"
-
-
 def replicas_manifest(template: str) -> str:
     """What a replicated deployment is (ports, GPUs, balancer): status and rollback read it on the host."""
     return f"{REPLICAS_DIR}/{template.removesuffix('.service')}.json"

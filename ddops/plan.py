@@ -159,7 +159,6 @@ class Journal:
     changed: list[str] = field(default_factory=list)
     undo: list[Undo] = field(default_factory=list)
     backup_id: str | None = None
-    kept: dict[str, str] = field(default_factory=dict)   # model dir -> the id its sync keeps what it replaces under
     stopped_units: list[str] = field(default_factory=list)
     training: dict[str, Any] | None = None       # the stop_training action's report
     unit_files: dict[str, Any] = field(default_factory=dict)   # checksums before and after the install

@@ -139,8 +139,8 @@ def outcome(report: Report, no_rollback: bool) -> tuple[str, str]:
         what = (f"{p.unit} removed (it did not exist before)" if rep.get("removed")
                 else f"previous {p.unit} restored and healthy" if journal.backup_id else f"{p.unit} untouched")
         again = ", ".join(rep.get("restarted", []))
-        return "rolled-back", (f"rolled back on {p.host}: {what}" + models_words(rep)
-                               + (f"; running again: {again}" if again else "") + smoke_passed(rep))
+        return "rolled-back", (f"rolled back on {p.host}: {what}" + (f"; running again: {again}" if again else "")
+                               + smoke_passed(rep))
     if no_rollback:
         return "failed", (f"--no-rollback: {p.host} is left as the failed pivot made it "
                           f"(backup {journal.backup_id or 'none'}; `ddops rollback --host {p.host}` restores it)")
@@ -172,7 +172,6 @@ def rolling_state(report: Report) -> str:
     back = ", ".join(u for b in rolling for u in b["replicas"])
     return (f"rolled back on {p.host}: batch {failed['batch']} ({', '.join(failed['replicas'])}) failed at "
             f"{failed.get('failed_at')}; {back} returned to the previous release and healthy"
-            + models_words(report.rollback)
             + (f"; {', '.join(untouched)} never stopped serving" if untouched else "") + smoke_passed(report.rollback))
 
 
@@ -185,11 +184,6 @@ def checked_words(rollback: dict[str, Any]) -> str:
                 by_gate.setdefault(gate, {}).setdefault(verdict, []).append(unit)
     return "; ".join(f"{gate} {verdict} on {', '.join(units)}" for gate, verdicts in by_gate.items()
                      for verdict, units in verdicts.items())
-
-
-def models_words(rollback: dict[str, Any] | None) -> str:
-    """What a rollback did to the model dirs a sync had replaced: put back, or why not."""
-    return "".join(f"; model files of {path} {verdict}" for path, verdict in (rollback or {}).get("models", {}).items())
 
 
 def smoke_passed(rollback: dict[str, Any] | None) -> str:

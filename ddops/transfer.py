@@ -44,10 +44,8 @@ def _login(host: Host) -> str:
 
 
 def rsync_argv(inventory: Inventory, src: str, dst: str, *, src_host: Host | None = None,
-               dst_host: Host | None = None, checksum_dry_run: bool = False,
-               backup_dir: str | None = None) -> list[str]:
-    """rsync from src to dst (each on the control machine when its host is None); one side remote.
-    `backup_dir`: where the receiver moves each file it replaces or deletes (same relative path)."""
+               dst_host: Host | None = None, checksum_dry_run: bool = False) -> list[str]:
+    """rsync from src to dst (each on the control machine when its host is None); one side remote."""
     if src_host is not None and dst_host is not None:
         raise ValueError("rsync copies between the control machine and one host")
     side = src_host or dst_host
@@ -55,8 +53,6 @@ def rsync_argv(inventory: Inventory, src: str, dst: str, *, src_host: Host | Non
     # --delay-updates and --delete-after keep the previous files in place until every new one has
     # arrived, so a sync that fails part-way (disk full, host gone) leaves the old model dir as it was.
     argv = ["rsync", "-a", "--delete-after", "--delay-updates"]
-    if backup_dir is not None:
-        argv += ["--backup", f"--backup-dir={backup_dir}"]
     if side is not None:  # an I/O timeout: a remote side that stops answering fails the sync
         argv.append(f"--timeout={max(5, int(side.command_timeout))}")
     argv += ["--checksum", "--dry-run", "--itemize-changes"] if checksum_dry_run else ["--info=progress2",

@@ -17,7 +17,6 @@ from typing import Any
 
 from .backups import choose_backup, is_active, new_backup_id, read_manifest, restore_spec
 from .errors import StepFailed
-from .paths import replaced_dir
 from .plan import Undo, UndoTarget
 from .remote import run_probe, write_file_argv
 
@@ -132,33 +131,6 @@ class RestoreBackup(Undo):
 
 
 @dataclass(frozen=True)
-class RestoreModel(Undo):
-    """The undo of syncing a model dir: the files the sync replaced or deleted (kept beside it, see
-    ddops.actions.models) moved back, those it added removed. Only the pivot that kept them (`keep_id`)
-    can put them back; a later pivot of the same dir has replaced them, and the report says so. A plain
-    `unit` this rollback does not restore itself (the pivot did not change its files) is restarted, to
-    load the models it ran before."""
-
-    path: str
-    keep_id: str
-    unit: str
-
-    def apply(self, ctx: UndoTarget) -> None:
-        ctx.progress(f"restoring the model files of {self.path}")
-        out = run_probe(ctx.executor, ctx.host, "models", stdin={"action": "restore", "path": self.path,
-                                                                 "keep": replaced_dir(self.path), "id": self.keep_id})
-        models = ctx.report.setdefault("models", {})
-        if not out["restored"]:
-            models[self.path] = f"not restored: {out['why']}"
-            ctx.progress(f"the model files of {self.path} were not restored: {out['why']}")
-            return
-        models[self.path] = ("restored" if out.get("already") else
-                             f"restored: {out['moved_back']} file(s) put back, {out['removed']} removed")
-        if "@." not in self.unit and self.unit not in ctx.restored and is_active(ctx.executor, ctx.host, self.unit):
-            ctx.restart(self.unit)
-
-
-@dataclass(frozen=True)
 class RollBackReplicas(Undo):
     """The undo of restarting replicas on a new release: each goes through the replica cycle again, on
     the files the rest of the rollback put back (or those in place, when no file had changed)."""
@@ -171,8 +143,7 @@ class RollBackReplicas(Undo):
             ctx.cycle(self.template, unit)
 
 
-KINDS: dict[str, type[Undo]] = {kind.__name__: kind for kind in (StartAgain, Reinstall, RestoreBackup, RestoreModel,
-                                                                  RollBackReplicas)}
+KINDS: dict[str, type[Undo]] = {kind.__name__: kind for kind in (StartAgain, Reinstall, RestoreBackup, RollBackReplicas)}
 
 
 def as_record(undo: Undo) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .plan import StepState
-from .report import checked_words, models_words
+from .report import checked_words
 from .progress import HEARTBEAT_S, NOTE_S
 
 
@@ -263,7 +263,6 @@ def rollback_line(report: dict[str, Any], unit: str, host: str) -> str:
     return ((f"[bold green]ROLLED BACK:[/] the unfinished pivot of {pivot['profile']} on {host} (started "
              f"{pivot['started_at']}, got as far as {pivot['step'] or 'its start'}): {unit} {what} {source}".rstrip()
              if pivot else f"[bold green]ROLLED BACK:[/] {unit} on {host} {what} {source}".rstrip())
-            + models_words(report)
             + (f"; running again: {', '.join(report['restarted'])}" if report["restarted"] else "")
             + (f"; already running: {', '.join(report['running'])}" if report.get("running") else "")
             + (f"; what it replaced is kept as backup {report['saved_as']}" if report.get("saved_as") else "")

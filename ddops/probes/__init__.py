@@ -9,8 +9,8 @@ from importlib import resources
 # Scripts travel as one text each, so code they share is prepended to their text here.
 _SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat",), "facts": ("hostlib", "gpuhealth"),
                  "inspect": ("hostlib",), "stop_training": ("hostlib",), "lock": ("hostlib",), "unitfile": ("hostlib",),
-                 "balancer": ("hostlib",), "models": ("hostlib",)}
-_ACTIONS = ("unitfile", "stop_training", "lock", "balancer", "models")
+                 "balancer": ("hostlib",)}
+_ACTIONS = ("unitfile", "stop_training", "lock", "balancer")
 
 
 def probe_source(name: str) -> str:

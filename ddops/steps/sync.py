@@ -1,23 +1,17 @@
 """Sync model dirs with rsync over SSH: local -> host, host -> host (through a local cache) or within
-one host; identical files are skipped; verified after by an rsync --checksum dry run.
-
-What a sync replaces or deletes is kept beside the model dir (`paths.replaced_dir`, rsync's
---backup-dir: a rename, no copy) until the next pivot of that dir, so a rollback puts the model files
-back as they were (`undo.RestoreModel`), and a sync that fails puts them back itself."""
+one host; identical files are skipped; verified after by an rsync --checksum dry run."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..backups import new_backup_id
 from ..errors import DdopsError, StepFailed
 from ..facts import Tree
-from ..paths import cache_root, replaced_dir
-from ..plan import Operation, PlanContext, RunContext, Undo
+from ..paths import cache_root
+from ..plan import Operation, PlanContext, RunContext
 from ..profile import LOCAL, Model
-from ..remote import check, run_probe
+from ..remote import check
 from ..transfer import rsync, rsync_argv, verify
-from ..undo import RestoreModel
 
 
 def plan_model(model: Model, source: Tree, dest: Tree) -> list[Operation]:
@@ -32,14 +26,10 @@ def plan_model(model: Model, source: Tree, dest: Tree) -> list[Operation]:
     if not differ and not extra:
         return []
     size = sum(src_files[r][0] for r in differ)
-    added = [rel for rel in differ if rel not in dst_files]
-    replaced = len(differ) - len(added) + len(extra)   # what the sync moves aside, kept for a rollback
     return [Operation(f"sync {model.role} {model.source.host}:{model.source.path} -> {model.path}: "
-                      f"{len(differ)} file(s), {size / 2**20:.1f} MiB" + (f", {len(extra)} to delete" if extra else "")
-                      + (f"; {replaced} replaced kept for a rollback in {replaced_dir(model.path)}"
-                         if replaced else ""),
+                      f"{len(differ)} file(s), {size / 2**20:.1f} MiB" + (f", {len(extra)} to delete" if extra else ""),
                       detail="\n".join(differ[:20] + [f"(delete) {r}" for r in extra[:10]]),
-                      data={"role": model.role, "added": sorted(added), "new_dir": not dest.exists})]
+                      data={"role": model.role})]
 
 
 # Where rsync --delay-updates holds each new file until the whole transfer has arrived (its default
@@ -63,66 +53,39 @@ class SyncStep:
                 operations += plan_model(model, ctx.facts.source_tree(model), ctx.facts.dest.tree(model.path))
         return operations
 
-    def prepare(self, ctx: RunContext, operations: list[Operation]) -> list[Undo]:
-        """Before the pivot changes anything: each model dir's kept folder emptied of the last pivot's files
-        and marked for this one (the files its sync will add, whether it makes the dir). A kept folder
-        that cannot be made stops the pivot here, with nothing changed."""
-        by_role = {op.data["role"]: op for op in operations}
-        undos: list[Undo] = []
-        for model in ctx.profile.models:
-            if model.role not in by_role:
-                continue
-            keep_id, data = new_backup_id(), by_role[model.role].data
-            out = run_probe(ctx.executor, ctx.host, "models", stdin={
-                "action": "keep", "path": model.path, "keep": replaced_dir(model.path), "id": keep_id,
-                "added": data["added"], "new_dir": data["new_dir"]})
-            if "error" in out:
-                raise StepFailed(f"{out['error']} on {ctx.host.name}: nothing was stopped or changed",
-                                 fix=f"make room beside {model.path}, or check that its parent folder is writable")
-            ctx.journal.kept[model.path] = keep_id
-            undos.append(RestoreModel(model.path, keep_id, ctx.profile.unit))
-        return undos
-
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         roles = {op.data["role"] for op in operations}
         done = []
         for model in ctx.profile.models:
             if model.role in roles:
                 self.sync_model(ctx, model)
-                keep_id = ctx.journal.kept.get(model.path)
-                ctx.journal.change("models", undo=RestoreModel(model.path, keep_id, ctx.profile.unit)
-                                   if keep_id else None)
                 done.append(model.role)
+        ctx.journal.change("models")  # the old files are gone: nothing to undo, the unit is what rolls back
         return f"synced and verified: {', '.join(done)}"
 
     def sync_model(self, ctx: RunContext, model: Model) -> None:
-        """One model dir; rsync's holding dirs (--delay-updates) are cleared before. A sync that failed or
-        was stopped puts back what it replaced (or at least clears the holding dirs), so no half-copied
-        file is left in the model folder."""
+        """One model dir; rsync's holding dirs (--delay-updates) are cleared before, and after a sync that
+        failed or was stopped, so no half-copied file is left in the model folder."""
         new_dir = ctx.facts is not None and not ctx.facts.dest.tree(model.path).exists
-        keep_id = ctx.journal.kept.get(model.path)
         check(ctx.executor.run(ctx.host, ["mkdir", "-p", "--", model.path]), f"mkdir {model.path}")
         check(ctx.executor.run(ctx.host, clear_holding_argv(model.path)), f"clearing {HOLDING} in {model.path}")
         try:
-            self.transfer(ctx, model, replaced_dir(model.path) + "/files" if keep_id else None)
+            self.transfer(ctx, model)
         except BaseException:
+            # a dir this sync made is removed again if nothing arrived in it (rmdir leaves a non-empty one)
+            undo = [clear_holding_argv(model.path)] + ([["rmdir", "--", model.path]] if new_dir else [])
             try:
-                if keep_id:
-                    run_probe(ctx.executor, ctx.host, "models", stdin={"action": "restore", "path": model.path,
-                                                                       "keep": replaced_dir(model.path), "id": keep_id})
-                else:   # a dir this sync made is removed again if nothing arrived in it (rmdir: only if empty)
-                    for argv in [clear_holding_argv(model.path)] + ([["rmdir", "--", model.path]] if new_dir else []):
-                        ctx.executor.run(ctx.host, argv, timeout=120)
+                for argv in undo:
+                    ctx.executor.run(ctx.host, argv, timeout=120)
             except DdopsError as exc:
-                ctx.progress(f"could not put {model.path} back as it was: {exc.line()}")
+                ctx.progress(f"could not clear {HOLDING} in {model.path}: {exc.line()}")
             raise
 
-    def transfer(self, ctx: RunContext, model: Model, backup_dir: str | None) -> None:
+    def transfer(self, ctx: RunContext, model: Model) -> None:
         inv, dst_host, profile = ctx.inventory, ctx.host, ctx.profile
         src = model.source
         if src.host == profile.host:  # within the host
-            keeping = ["--backup", f"--backup-dir={backup_dir}"] if backup_dir else []
-            result = ctx.executor.run(dst_host, ["rsync", "-a", "--delete-after", "--delay-updates", *keeping, "--",
+            result = ctx.executor.run(dst_host, ["rsync", "-a", "--delete-after", "--delay-updates", "--",
                                                  src.path.rstrip("/") + "/",
                                                  model.path.rstrip("/") + "/"], timeout=6 * 3600)
             check(result, f"rsync {src.path} -> {model.path}")
@@ -143,5 +106,5 @@ class SyncStep:
             rsync(rsync_argv(inv, src.path, local, src_host=src_host), ctx.progress, what)
             verify(rsync_argv(inv, src.path, local, src_host=src_host, checksum_dry_run=True), what)
         what = f"push {model.role} -> {dst_host.name}:{model.path}"
-        rsync(rsync_argv(inv, local, model.path, dst_host=dst_host, backup_dir=backup_dir), ctx.progress, what)
+        rsync(rsync_argv(inv, local, model.path, dst_host=dst_host), ctx.progress, what)
         verify(rsync_argv(inv, local, model.path, dst_host=dst_host, checksum_dry_run=True), what)

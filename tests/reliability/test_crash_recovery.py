@@ -24,7 +24,6 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 STATE = "/var/lib/ddops"
 RELEASE = "/opt/ddtree/venv/ddtree-release.json"
-DRAFT = "/root/models/tiny-draft"
 OLD = "0.0.0+old"
 RESET = (f"systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env "
          f"{STATE}/pivot.lock {STATE}/pivot.journal.json /usr/local/bin/rsync; systemctl daemon-reload; "
@@ -33,13 +32,10 @@ RESET = (f"systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddt
          f"w=$(ls /var/cache/ddops/releases/*/*.whl | grep -v {OLD} | head -n1); mkdir -p /var/cache/ddops/releases/{OLD}; "
          f"cp -f \"$w\" /var/cache/ddops/releases/{OLD}/; "
          f"printf '{{\"release\": \"{OLD}\", \"wheel\": \"%s\", \"installed_at\": 0}}\\n' \"$(basename \"$w\")\" > {RELEASE}")
-# What "the state from before the pivot" is: the unit and env files, the release record, what runs, the drafter.
+# What "the state from before the pivot" is: the unit and env files, the release record, what runs.
 SNAPSHOT = (f"for f in /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env {RELEASE}; do "
             "if [ -e $f ]; then echo $f=$(sha256sum < $f | cut -c1-16); else echo $f=absent; fi; done; "
             "echo ddtree=$(systemctl is-active ddtree.service); echo training=$(systemctl is-active dflash-train.service); "
-            # the drafter's files, which a pivot syncs (and a rollback puts back)
-            f"echo draft=$(cd {DRAFT} 2>/dev/null && find . -type f | sort | xargs -r sha256sum | sha256sum | cut -c1-16 "
-            "|| echo absent); "
             f"echo lock=$(ls {STATE}/pivot.lock 2>/dev/null); echo journal=$(ls {STATE}/pivot.journal.json 2>/dev/null)")
 SLOW_RSYNC = "#!/bin/sh\nsleep 3\nexec /usr/bin/rsync \"$@\"\n"
 MATRIX: dict[str, dict] = {}
@@ -284,8 +280,7 @@ SUITE = os.environ.get("DDOPS_KILL_MATRIX", "inside sync,inside pip,unit,health"
 def test_kill_matrix(lab, fresh, tmp_path, boundary):
     before = fresh["reset"]()
     if boundary in ("sync", "inside sync"):   # a sync to do, slow enough to be caught inside
-        sh(lab, "ct200", f"rm -rf {DRAFT}")
-        before = snapshot(lab)    # without the drafter: the rollback removes the one the sync made
+        sh(lab, "ct200", "rm -rf /root/models/tiny-draft")
         lab.ssh("ct200", ["bash", "-c", "cat > /usr/local/bin/rsync && chmod +x /usr/local/bin/rsync"],
                 input=SLOW_RSYNC, check=True)
     run = Background(lab, fresh["profile"], folder=tmp_path)

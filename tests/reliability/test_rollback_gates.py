@@ -3,10 +3,8 @@ check and the smoke test of the profile that installed what is restored, on each
 that fails its smoke is reported, left drained, and never called healthy.
 
 The fault: a drafter whose weights are noise. Health cannot see it (the runtime loads it and serves);
-the smoke test's acceptance floor does. When the pivot syncs it, the rollback puts the drafter it replaced
-back (kept beside the model dir), and the restored replica passes its smoke. When it was put on the host
-by hand (the pivot has no source for it, so nothing to take back), the restored replica meets the same
-drafter, fails its smoke, and is reported so.
+the smoke test's acceptance floor does. The pivot syncs it, and a rollback cannot take model files back
+(it restores units, releases and replicas), so the replica it restarts meets the same drafter.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from faultlab import ddops, note, pivot, sh, variant
 
@@ -94,43 +91,9 @@ def test_a_rolled_back_replica_passes_the_restored_profile_s_smoke(replicated, t
     assert report["state"].endswith("never stopped serving; smoke passed on ddtree@1.service"), report["state"]
 
 
-DRAFT = "/root/models/tiny-draft"
-
-
-def draft_sum(lab) -> str:
-    return sh(lab, "ct200", f"cd {DRAFT} && find . -type f | sort | xargs sha256sum | sha256sum").split()[0]
-
-
-def test_a_drafter_the_failed_pivot_synced_is_put_back_and_the_restored_replica_passes_its_smoke(replicated,
-                                                                                                  tmp_path):
+def test_a_restored_replica_that_fails_its_smoke_is_reported_not_called_healthy(replicated, tmp_path):
     broken = variant(tmp_path, "noisy", {"models.draft.from": {"host": "local", "path": str(noisy_drafter(tmp_path))}},
                      base=REPLICAS)
-    before = draft_sum(replicated)
-    done, report = pivot(replicated, broken, timeout=900)
-    note("replicas: noisy drafter synced; rolled back with the drafter it replaced", report)
-    assert done.returncode == 2 and report["outcome"] == "rolled-back", report
-    batch, = report["rolling"]
-    assert batch["failed_at"] == "smoke" and "below the floor" in batch["error"], batch
-    assert report["rollback"]["models"][DRAFT].startswith("restored: "), report["rollback"]
-    assert report["rollback"]["checked"] == {"ddtree@1.service": {"profile": "lab-replicas", "health": "passed",
-                                                                  "smoke": "passed"}}
-    assert f"model files of {DRAFT} restored" in report["state"], report["state"]
-    assert draft_sum(replicated) == before
-
-
-def test_a_restored_replica_that_fails_its_smoke_is_reported_not_called_healthy(replicated, tmp_path):
-    """The noisy drafter put on ct200 by hand; the pivot (budget 8) has no source for it, so nothing of it
-    to take back. Runs after the test above (which leaves the real drafter in place)."""
-    from ddops.inventory import load_inventory
-    from ddops.transfer import rsync, rsync_argv
-
-    inventory = load_inventory(replicated.inventory_path)
-    rsync(rsync_argv(inventory, str(noisy_drafter(tmp_path)), DRAFT, dst_host=inventory.host("ct200")),
-          lambda m: None, "noisy drafter onto ct200")
-    broken = variant(tmp_path, "budget8", {"serve.tree_budget": 8}, base=REPLICAS)
-    doc = yaml.safe_load(broken.read_text())
-    del doc["models"]["draft"]["from"]          # already on the host
-    broken.write_text(yaml.safe_dump(doc, sort_keys=False))
     serving_pid = main_pid(replicated, "ddtree@2.service")
     done, report = pivot(replicated, broken, timeout=900)
     note("replicas: noisy drafter; the restored replica fails smoke", report)

@@ -79,8 +79,7 @@ def test_every_step_plans_the_first_pivot_from_the_facts(profile):
                      "(/root/train/checkpoints/step_1180.ckpt): a kill now loses 20 step(s); this run allows 20\n"
                      "  first SIGUSR1, then up to 30s for a newer checkpoint"],
         "sync": [f"sync target local:{target} -> /root/models/tiny-target: 2 file(s), 2.8 MiB",
-                 "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB; "
-                 "1 replaced kept for a rollback in /root/models/.tiny-draft.ddops-replaced"],
+                 "sync draft eval-a6000:/root/models/tiny-draft -> /root/models/tiny-draft: 2 file(s), 1.3 MiB"],
         "deps": ["create venv /opt/ddtree/venv",
                  "pip install fastapi>=0.110 prometheus_client>=0.17 safetensors>=0.4 tokenizers>=0.19 torch==2.13.0 "
                  "transformers>=4.51 uvicorn>=0.29 (from the index)"],

@@ -16,13 +16,10 @@ from tenacity import Retrying, stop_after_attempt
 from ddops import history, hostlock
 from ddops.backups import choose_backup
 from ddops.errors import Refused, StepFailed, UsageError
-from ddops.facts import Tree
 from ddops.plan import Operation
 from ddops.probes import probe_source
-from ddops.profile import Model, ModelSource
 from ddops.rollback import rollback_command, rollback_undos, undo
-from ddops.rollback import UndoContext
-from ddops.undo import Reinstall, RestoreBackup, RestoreModel, RollBackReplicas, StartAgain, as_record, from_record
+from ddops.undo import Reinstall, RestoreBackup, RollBackReplicas, StartAgain, as_record, from_record
 from test_flow import LAB, FakeExecutor, FakeStep, profile, run_pivot  # noqa: F401 - profile: a fixture
 
 CT200 = LAB.host("ct200")
@@ -228,8 +225,7 @@ def test_a_rollback_with_nothing_to_roll_back_touches_nothing_not_even_the_lock(
     assert actions == ["journal-read", "journal-read"] and ex.history == []
 
 def test_an_unfinished_pivot_is_rolled_back_with_the_undos_it_recorded():
-    recorded = [StartAgain("dflash-train.service"), RestoreModel("/root/models/d", "K7", "ddtree.service"),
-                RestoreBackup("ddtree.service", "B7"),
+    recorded = [StartAgain("dflash-train.service"), RestoreBackup("ddtree.service", "B7"),
                 Reinstall({"release": "0.1", "python": "p", "wheel": "w", "record": "r", "record_text": "{}"}),
                 RollBackReplicas("ddtree@.service", ("ddtree@1.service",))]
     records = json.loads(json.dumps([as_record(u) for u in recorded]))   # through the journal's JSON
@@ -398,88 +394,3 @@ def test_status_tells_an_unfinished_pivot_from_one_in_progress_and_a_stale_lock(
     assert pivot_state("ct200", {"lock": None, "journal": journal, "same_run": False})["state"] == "unfinished"
     assert pivot_state("ct200", {"lock": dead, "journal": None, "same_run": False})["state"] == "stale-lock"
     assert pivot_state("ct200", {"lock": None, "journal": None, "same_run": False}) is None
-
-
-# -- model files: what a sync replaces is kept, and a rollback puts it back ---------------------------------
-
-def tree_of(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def models(action: str, path: Path, keep_id: str, **spec) -> dict:
-    from ddops.paths import replaced_dir
-    return script("models", stdin={"action": action, "path": str(path), "keep": replaced_dir(str(path)),
-                                   "id": keep_id, **spec})
-
-
-@pytest.mark.parametrize("existed", [True, False])
-def test_a_sync_keeps_what_it_replaces_and_the_restore_puts_the_model_dir_back_byte_for_byte(tmp_path, existed):
-    """rsync as the sync step runs it (--delay-updates, --delete-after, --backup-dir), then the restore."""
-    from ddops.paths import replaced_dir
-    from ddops.steps.sync import plan_model
-    source, model = tmp_path / "new", tmp_path / "models" / "draft"
-    (source / "sub").mkdir(parents=True)
-    (source / "model.safetensors").write_bytes(b"new weights")
-    (source / "config.json").write_text('{"v": 2}')
-    (source / "sub" / "added.bin").write_bytes(b"added")
-    if existed:
-        (model / "old-only").mkdir(parents=True)
-        (model / "model.safetensors").write_bytes(b"the old weights")
-        (model / "config.json").write_text('{"v": 2}')          # the same: not replaced
-        (model / "old-only" / "gone.bin").write_bytes(b"deleted by the sync")
-    (tmp_path / "models").mkdir(exist_ok=True)
-    before = tree_of(model) if existed else None
-    listing = {str(p.relative_to(source)): [p.stat().st_size, 0, p.read_bytes().hex()]
-               for p in source.rglob("*") if p.is_file()}
-    dest = {str(p.relative_to(model)): [p.stat().st_size, 0, p.read_bytes().hex()]
-            for p in model.rglob("*") if p.is_file()} if existed else {}
-    op, = plan_model(Model("draft", str(model), ModelSource("local", str(source))),
-                     Tree.from_json({"exists": True, "files": listing}), Tree.from_json({"exists": existed, "files": dest}))
-    assert op.data["added"] == (["sub/added.bin"] if existed else ["config.json", "model.safetensors", "sub/added.bin"])
-    assert models("keep", model, "K1", added=op.data["added"], new_dir=op.data["new_dir"]) == {
-        "kept": replaced_dir(str(model))}
-    model.mkdir(exist_ok=True)
-    subprocess.run(["rsync", "-a", "--delete-after", "--delay-updates", "--backup",
-                    f"--backup-dir={replaced_dir(str(model))}/files", f"{source}/", f"{model}/"], check=True)
-    assert tree_of(model) == tree_of(source)
-    assert models("restore", model, "other")["restored"] is False       # only the pivot that kept them
-    out = models("restore", model, "K1")
-    assert out == {"restored": True, "moved_back": 2 if existed else 0, "removed": 3 if not existed else 1}
-    if existed:
-        assert tree_of(model) == before and not (model / "sub").exists()
-    else:
-        assert not model.exists()      # the sync made it: gone again
-    assert models("restore", model, "K1") == {"restored": True, "already": True, "moved_back": 0, "removed": 0}
-    # the next pivot of that dir empties the kept folder: the older pivot's restore says so, changing nothing
-    models("keep", model, "K2", added=[], new_dir=False)
-    assert "keeps the files of another pivot (K2)" in models("restore", model, "K1")["why"]
-
-
-def test_restored_models_restart_a_unit_the_rollback_does_not_restore_and_one_not_kept_is_reported():
-    class Models(FakeExecutor):
-        answer: dict = {}
-
-        def run(self, host, argv, *, timeout=None, stdin=None, on_output=None):
-            if argv[:2] == ["python3", "-c"] and argv[2] == probe_source("models"):
-                self.commands.append(["models", stdin])
-                return self.result(host, 0, json.dumps(self.answer))
-            if argv[:2] == ["systemctl", "is-active"]:
-                return self.result(host, 0, "active\n")
-            return super().run(host, argv, timeout=timeout, stdin=stdin, on_output=on_output)
-
-    retrying = Retrying(stop=stop_after_attempt(1), reraise=True)
-    ex = Models()
-    ex.answer = {"restored": True, "moved_back": 2, "removed": 1}
-    ctx = UndoContext(ex, LAB, CT200, retrying)
-    RestoreModel("/root/models/d", "K1", "ddtree.service").apply(ctx)
-    assert json.loads(ex.commands[0][1]) == {"action": "restore", "path": "/root/models/d", "id": "K1",
-                                             "keep": "/root/models/.d.ddops-replaced"}
-    assert ctx.report["models"] == {"/root/models/d": "restored: 2 file(s) put back, 1 removed"}
-    assert ctx.restarts == [("ddtree.service", "ddtree.service")]   # it serves the old models once restarted
-    ctx = UndoContext(ex, LAB, CT200, retrying, restored={"ddtree.service": None})   # its own undo restores it
-    RestoreModel("/root/models/d", "K1", "ddtree.service").apply(ctx)
-    assert ctx.restarts == []
-    ex.answer = {"restored": False, "why": "/root/models/.d.ddops-replaced keeps the files of another pivot (K2)"}
-    ctx = UndoContext(ex, LAB, CT200, retrying)
-    RestoreModel("/root/models/d", "K1", "ddtree.service").apply(ctx)
-    assert ctx.report["models"]["/root/models/d"].startswith("not restored: ") and ctx.restarts == []

@@ -235,7 +235,7 @@ def main() -> None:
         vocab = target.config.vocab_size
         prompts = [torch.randint(0, vocab - 1, (args.context,), generator=g).tolist() for _ in range(max(batches))]
     warm = engine.warm_up()
-    costs = engine.policy.costs.table() if engine.policy.costs is not None else []
+    costs = engine.policy.costs.snapshot().table()
     print(f"warm-up {warm.seconds:.1f} s; round costs (ms) by batch x tree nodes: "
           + ", ".join(f"{r['batch']}x{r['tree_nodes']} {r['ms']:.2f}" for r in costs), flush=True)
     print(f"device {torch.cuda.get_device_name(0) if device.type == 'cuda' else platform.processor() or 'cpu'}; "

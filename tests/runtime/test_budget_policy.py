@@ -14,7 +14,8 @@ import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
-from ddtree_runtime.engine.policy import (AR, Acceptance, BudgetPolicy, RoundCosts, best_budget, candidate_budgets)
+from ddtree_runtime.engine.costs import CostModel, RoundCosts
+from ddtree_runtime.engine.policy import AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
 from ddtree_runtime.engine.tree import build_trees
 from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.tiny_corpus import mixed_prompts
@@ -84,9 +85,10 @@ def test_caps_and_fixed_rows_bound_the_choice():
 
 
 def test_a_bigger_round_never_costs_less():
-    measured = RoundCosts({(1, 1): 0.010, (1, 2): 0.030, (1, 5): 0.020, (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040})
-    assert measured.envelope().seconds == {(1, 1): 0.009, (1, 2): 0.020, (1, 5): 0.020,
-                                           (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040}
+    measured = CostModel.of_table({(1, 1): 0.010, (1, 2): 0.030, (1, 5): 0.020, (2, 1): 0.009, (2, 2): 0.025,
+                                   (2, 5): 0.040})
+    assert measured.at(1, 0, 0).seconds == {(1, 1): 0.009, (1, 2): 0.020, (1, 5): 0.020}
+    assert measured.at(2, 0, 0).seconds == {(2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040}
 
 
 def test_calibration_scales_the_forecast_to_what_was_accepted():
@@ -123,21 +125,21 @@ class _Req:
         from ddtree_runtime.engine.modes import mode_named
         self.mode, self.budget = mode_named(mode), budget
         self.params = SamplingParams(max_new_tokens=100, tree_budget=own)
-        self.generated, self.drafted, self.acceptance = 0, object(), Acceptance()
+        self.generated, self.drafted, self.acceptance, self.n_ctx = 0, object(), Acceptance(), 10
 
 
 def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_theirs():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=4, block_size=16, round_nodes=None)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 4, own=4), _Req("ar", 16), _Req("ddtree", 8)]
     assert policy.budgets(reqs) == [16, 4, 16, 8]         # no costs measured yet: each its own
-    policy.costs = costs(4, STEEP)
+    policy.costs = CostModel.of_table(costs(4, STEEP).seconds)
     for r in reqs:
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
     # nothing is accepted, but the row that asked for 4 keeps its tree: no AR, the bucket it pads to
     assert policy.budgets(reqs) == [4, 4, 16, 4]
     alone = [reqs[0], reqs[2], reqs[3]]
     assert policy.budgets(alone) == [AR, 16, AR]          # an AR request's budget is unused
-    policy.costs = RoundCosts({**costs(4, FLAT).seconds, (4, 1): 0.1})
+    policy.costs = CostModel.of_table({**costs(4, FLAT).seconds, (4, 1): 0.1})
     for r in alone:
         r.acceptance = Acceptance()
         r.acceptance.observe((0.9, 3.0, 5.0, 7.0), 7.0, 7)
@@ -146,7 +148,7 @@ def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_the
 
 def test_after_ar_rounds_a_tree_round_looks_again():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
-    policy.costs = costs(2, STEEP)
+    policy.costs = CostModel.of_table(costs(2, STEEP).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
@@ -167,7 +169,8 @@ def _alternating(engine: Engine) -> None:
     table = {}
     for batch in (1, 2, 4):
         table.update(costs(batch, {1: 10, 2: 40, 5: 40, 9: 41, 17: 42}).seconds)
-    engine.policy.costs = RoundCosts(table)
+    engine.policy.costs = CostModel.of_table(table)
+    engine.policy.learning = False  # the table stays what it is
 
 
 def test_budgets_chosen_by_cost_change_no_output(models):

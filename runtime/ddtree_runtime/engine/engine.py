@@ -183,9 +183,10 @@ class Engine:
         width = -(-self.sizing.row_capacity(self.max_context) // self.page_size)
         self.page_table = PageTable(self.pages, self.rows, width, self.device)
         self.pool = KVPool(self.pages, self.page_table, self.prefix, self.sizing, self.max_context)
-        self.policy = BudgetPolicy(by_cost=config.tree_policy == "cost" and self.drafter is not None,
-                                   cap=config.tree_budget, slots=self.slots, block_size=self.block_size,
-                                   round_nodes=config.round_nodes)
+        by_cost = config.tree_policy == "cost" and self.drafter is not None
+        self.policy = BudgetPolicy(by_cost=by_cost, cap=config.tree_budget, slots=self.slots,
+                                   block_size=self.block_size, round_nodes=config.round_nodes,
+                                   learning=by_cost and tp is None)  # ranks must choose alike (costs.py)
         self.runner = ModelRunner(self.target, self.drafter, self.pool, slots=self.slots, block_size=self.block_size,
                                   mask_token_id=self.mask_token_id, device=self.device,
                                   stats=self.stats, tree_slots=tree_slots,
@@ -282,10 +283,16 @@ class Engine:
         """One step: the scheduler decides it (the running requests' rounds first in the token budget,
         prompt pieces in the rest, admitting queued requests while rows are free), the runner computes
         it, and the scheduler takes its tokens back (finished requests leave). Returns (request id,
-        output) for each request that produced tokens."""
+        output) for each request that produced tokens. A step that is one round and nothing else tells
+        the budget policy its wall time (costs.py: the round's one read is inside it, so no sync is added)."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         result = self.runner.run(batch)
-        return self.scheduler.postprocess(batch, result)
+        outputs = self.scheduler.postprocess(batch, result)
+        if batch.decoding:
+            alone = not batch.prefills and batch.resize is None and result.error is None
+            self.policy.timed(time.perf_counter() - started if alone else None)
+        return outputs
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
         """One request on an idle engine: validate now (ValueError), then return a generator of its
@@ -338,7 +345,7 @@ class Engine:
                 while self.has_work:
                     self.step()
             if sweep:
-                self.policy.costs, swept = measure_round_costs(self)
+                swept = measure_round_costs(self)
         finally:
             for request_id in ids:
                 self.cancel(request_id)  # a no-op for those that finished

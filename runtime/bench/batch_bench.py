@@ -294,6 +294,9 @@ def main() -> None:
                                "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
                                "dtype": dtype, "torch": torch.__version__, "slots": engine.slots,
                                "context": None if args.models else args.context, "round_costs": costs,
+                               # what the rounds taught the cost model by the end (each row at 64 tokens)
+                               "round_costs_after": engine.policy.costs.snapshot().table(),
+                               "context_term": {"a": engine.policy.costs.a, "c": engine.policy.costs.c},
                                "results": results}, indent=2))
     print(f"wrote {out}")
 

@@ -15,7 +15,8 @@ import torch
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
 from ddtree_runtime.engine.costs import CostModel, RoundCosts
-from ddtree_runtime.engine.policy import AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
+from ddtree_runtime.engine.policy import PROBE_GAP, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
+from ddtree_runtime.engine.types import BatchStats
 from ddtree_runtime.engine.tree import build_trees
 from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.tiny_corpus import mixed_prompts
@@ -214,3 +215,91 @@ def test_the_drafter_context_stays_whole_through_ar_rounds(tiny_models):
     trees = accepted_after([16] * 8)
     mixed = accepted_after([16] + [AR] * 24 + [16] * 4)
     assert sum(mixed[1:]) >= 0.6 * sum(trees[1:5]) > 0
+
+
+# ---- the cost model (costs.py), on injected timings -------------------------------------------------
+
+def test_the_cost_model_follows_the_rounds_and_ignores_outliers():
+    model = CostModel.of_table({(4, 1): 0.010, (4, 17): 0.040})    # the sweep's figures
+    for i in range(20):                                           # serving: the tree round costs 20 ms
+        model.observe(4, 17, 0.200 if i % 5 == 0 else 0.020, 0, 0)  # a stalled round in five
+    assert model.at(4, 0, 0).of(4, 17) == pytest.approx(0.020)
+    assert model.at(4, 0, 0).of(4, 1) == pytest.approx(0.010)     # untimed since: as measured
+    assert model.at(8, 0, 0).seconds == {}                         # never timed at 8 rows
+
+
+def test_the_cost_model_fits_the_context_term_within_each_shape():
+    model = CostModel()
+    # AR: 5 ms + 1 us per row x node x key; a tree of 17: 20 ms + the same; contexts 100..900
+    for step in range(16):
+        for nodes, base in ((1, 0.005), (17, 0.020)):
+            longest = 100 + 50 * step
+            model.observe(2, nodes, base + 1e-6 * 2 * nodes * longest, longest, 2 * longest)
+    model.fit()
+    assert model.a == pytest.approx(1e-6, rel=0.01) and model.c == pytest.approx(0, abs=1e-9)
+    # at a context no round had, each shape by its own base and the fitted term
+    assert model.at(2, 2000, 4000).of(2, 17) == pytest.approx(0.020 + 1e-6 * 2 * 17 * 2000, rel=0.01)
+    assert model.at(2, 2000, 4000).of(2, 1) == pytest.approx(0.005 + 1e-6 * 2 * 2000, rel=0.01)
+
+
+def test_noise_fits_no_context_term_beyond_the_costs():
+    model = CostModel()
+    rng = random.Random(1)
+    for _ in range(16):  # cost does not follow the context at all: a slope, if any, is small and bounded
+        model.observe(1, 1, rng.uniform(0.004, 0.006), rng.randint(10, 20), 15)
+    model.fit()
+    assert 0.0035 <= model.at(1, 15, 15).of(1, 1) <= 0.0065
+    assert model.at(1, 1, 1).of(1, 1) > 0
+
+
+def test_rounds_are_timed_only_when_they_are_the_whole_step():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    policy.budgets(reqs)
+    policy.timed(0.030)                 # a tree round of 2 rows, 17 nodes
+    policy.budgets(reqs)
+    policy.timed(None)                  # a step with a prompt piece: not a round's time
+    policy.forced = AR
+    policy.budgets(reqs)
+    policy.timed(0.500)                 # the first AR round after trees (on CUDA it waits for their draft)
+    policy.budgets(reqs)
+    policy.timed(0.010)
+    assert {k: [s.seconds for s in w] for k, w in policy.costs.samples.items()} == {(2, 17): [0.030],
+                                                                                     (2, 1): [0.010]}
+    for r in reqs:
+        r.drafted = None                # after AR rounds a tree round drafts first: not counted either
+    policy.forced = 16
+    policy.budgets(reqs)
+    policy.timed(0.070)
+    assert [s.seconds for s in policy.costs.samples[(2, 17)]] == [0.030]
+
+
+def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    policy.costs = CostModel.of_table(costs(2, {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # a tree of 16: 2 tokens a row in 20 ms; AR: 1 in 10
+    policy.last_round = 16
+    assert policy.budgets(reqs) == [16, 16]                 # AR predicts the same: no switch
+    policy.costs.observe(2, 1, 0.009, 10, 20)
+    policy.costs.observe(2, 1, 0.009, 10, 20)               # AR now 9 ms: 11% better, past the hysteresis
+    assert policy.budgets(reqs) == [AR, AR]
+
+
+def test_near_candidates_are_timed_again_now_and_then():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    ms = {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}
+    policy.costs = CostModel.of_table(costs(2, ms).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:  # 16 predicts 230 tok/s; AR, 4 and 8 200 (within PROBE_WITHIN), 1 150
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.3), 1.3, 1.3)
+    chosen = []
+    for _ in range(200):
+        budgets = policy.budgets(reqs)
+        chosen.append(budgets[0])
+        policy.record(reqs, budgets, BatchStats())
+        policy.timed(ms[1 if budgets[0] == AR else {1: 2, 4: 5, 8: 9, 16: 17}[budgets[0]]] / 1e3)
+    probes = [b for b in chosen if b != 16]
+    assert {AR, 4, 8} <= set(probes) and 1 not in probes         # each near one, never the far one
+    assert len(probes) <= 200 // PROBE_GAP                          # at most one in PROBE_GAP rounds

@@ -18,13 +18,14 @@ rows' contexts (the longest L, all of them together S):
   longest context (the CPU's, and any eager pass); c: reading each row's keys once (a GPU's
   memory-bound decode). Both are fitted from the samples by least squares within each (B, T), so what
   differs between shapes never reads as context, and both are at least 0.
-- base[B, T]: the median of the last WINDOW samples of that shape, each less its context term (a few
-  slow rounds, another job on a shared host, a graph captured, move nothing).
+- base[B, T]: the lower quartile of the last WINDOW samples of that shape, each less its context term.
+  On a shared host noise only adds time, and in bursts: a few slow rounds (another job, a graph
+  captured) move nothing, and every shape is read at the same quiet end, so they compare fairly.
 - A bigger round never costs less: each prediction is the least of its own and those of every bigger
   batch and tree bucket at the same contexts (the envelope).
 
 The sweep (`measure_round_costs`) admits 1, 2, 4, ... `slots` short requests and runs SWEEP_REPEATS
-rounds at every budget the policy may choose (after one uncounted), as ordinary samples. With tensor
+rounds at every budget the policy may choose (after one uncounted), taking turns, as ordinary samples. With tensor
 parallelism every rank must choose alike: the sweep's samples are the slowest rank's, and serving rounds
 are not learned from (each rank's clock differs)."""
 
@@ -50,10 +51,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AR = 0             # the budget of a plain AR round: no tree, no drafter pass
+MIN_SECONDS = 1e-6
 WINDOW = 16        # samples kept per (batch bucket, tree bucket)
+QUANTILE = 0.25    # a shape's base: this quantile of its window (noise only adds time)
 REFIT = 32         # samples between fits of the context term
 SWEEP_PROMPT = 64  # tokens of each sweep request's prompt
-SWEEP_REPEATS = 5  # counted rounds per (batch, budget), after one that is not
+SWEEP_REPEATS = 4  # counted rounds per (batch, budget), after one that is not
+CONTEXT_SHARE = 0.9  # the most of a shape's median cost the context term may explain
 
 
 @dataclass
@@ -122,21 +126,29 @@ class CostModel:
             for x1, x2, y in rows:
                 d1, d2, dy = x1 - m1, x2 - m2, y - my
                 s11, s12, s22, s1y, s2y = s11 + d1 * d1, s12 + d1 * d2, s22 + d2 * d2, s1y + d1 * dy, s2y + d2 * dy
-        self.a, self.c = _nonnegative_fit(s11, s12, s22, s1y, s2y)
+        a, c = _nonnegative_fit(s11, s12, s22, s1y, s2y)
+        # noise can fit a slope that leaves a shape a base below 0: no shape's context term may be more
+        # than CONTEXT_SHARE of its median cost
+        for (batch, nodes), window in self.samples.items():
+            term = statistics.median(a * batch * nodes * s.longest + c * s.total for s in window)
+            cap = CONTEXT_SHARE * statistics.median(s.seconds for s in window)
+            if term > cap:
+                a, c = a * cap / term, c * cap / term
+        self.a, self.c = a, c
         self._base.clear()
 
     def base(self, key: tuple[int, int]) -> float:
         if key not in self._base:
             batch, nodes = key
-            self._base[key] = statistics.median(s.seconds - self.a * batch * nodes * s.longest - self.c * s.total
-                                                for s in self.samples[key])
+            rest = sorted(s.seconds - self.a * batch * nodes * s.longest - self.c * s.total for s in self.samples[key])
+            self._base[key] = rest[int(QUANTILE * (len(rest) - 1))]
         return self._base[key]
 
     def predict(self, batch: int, nodes: int, longest: int, total: int) -> float | None:
         """Seconds of a round of this shape at these contexts (None: this shape was never timed)."""
         if (batch, nodes) not in self.samples:
             return None
-        return max(0.0, self.base((batch, nodes)) + self.a * batch * nodes * longest + self.c * total)
+        return max(MIN_SECONDS, self.base((batch, nodes)) + self.a * batch * nodes * longest + self.c * total)
 
     def at(self, batch: int, longest: int, total: int) -> RoundCosts:
         """Every measured tree bucket's cost at this batch bucket and these contexts, each the least of
@@ -193,8 +205,10 @@ def measure_round_costs(engine: Engine, repeats: int = SWEEP_REPEATS) -> int:
     the pool cannot hold at once, or whose requests would outrun the context, is left out (until serving
     times it, the policy keeps the configured budget there)."""
     policy, vocab = engine.policy, engine.target.config.vocab_size
-    budgets = (AR, *policy.candidates)
-    new_tokens = min(len(budgets) * (repeats + 1) * engine.block_size + 1, engine.max_context - SWEEP_PROMPT)
+    # the budgets take turns, so a shared host's drifting load weighs on each alike; the first AR round
+    # after trees and the first tree round after AR rounds do not count (costs.py), hence the doubles
+    schedule = (AR, AR, policy.candidates[-1], *policy.candidates)
+    new_tokens = min(len(schedule) * (repeats + 1) * engine.block_size + 1, engine.max_context - SWEEP_PROMPT)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, mode="ddtree")
     submitted = 0
     learning, policy.learning = policy.learning, True
@@ -208,12 +222,11 @@ def measure_round_costs(engine: Engine, repeats: int = SWEEP_REPEATS) -> int:
                     if len(engine.scheduler.running) < n and not engine.scheduler.waiting \
                             and engine.scheduler.prefilling is None:
                         break  # one finished already (a context too short for the sweep)
-                for budget in budgets:
-                    policy.forced = budget
-                    for counted in [False] + [True] * repeats:  # the first drafts again, or captures a graph
+                for cycle in range(repeats + 1):  # the first cycle captures graphs and compiles: not counted
+                    for budget in schedule:
                         if len(engine.scheduler.running) != n:
                             break
-                        policy.learning = counted
+                        policy.forced, policy.learning = budget, cycle > 0
                         engine.step()
             finally:
                 policy.forced, policy.learning = None, True

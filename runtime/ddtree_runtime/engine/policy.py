@@ -163,6 +163,7 @@ class BudgetPolicy:
         self._shape: RoundShape | None = None  # this round's, until Engine.step times it
         self._drafted_last: bool | None = None  # whether the last round drafted (None: none ran yet)
         self._rounds, self._since_probe = 0, 0
+        self._probing: tuple[int, int] | None = None  # a probe's budget and its rounds still to run
         self._timed: dict[tuple[int, int], int] = {}  # each shape's last timed round
 
     def chooses(self, req: RequestState) -> bool:
@@ -212,10 +213,7 @@ class BudgetPolicy:
                              refresh=costs.refresh(batch) if stale else 0.0, node_cap=self.round_nodes)
         if choice is None:
             return None
-        choice = self._steady(choice)
-        probe = self._probe(choice, batch, floor)
-        if probe is not None:
-            return probe
+        choice = self._probe(self._steady(choice), batch, floor)
         if choice.budget != AR:
             self._ar_streak, self._probe_after = 0, PROBE_FIRST
             return choice
@@ -237,22 +235,30 @@ class BudgetPolicy:
             return Choice(last, choice.rates[last], choice.rates)
         return choice
 
-    def _probe(self, choice: Choice, batch: int, floor: int) -> Choice | None:
+    def _probe(self, choice: Choice, batch: int, floor: int) -> Choice:
         """Now and then (every PROBE_GAP rounds at most), a candidate within PROBE_WITHIN of the best
-        whose round has not been timed for PROBE_AGE rounds runs once, so that its cost is measured at
-        today's load and contexts rather than remembered."""
+        whose round has not been timed for PROBE_AGE rounds runs, so that its cost is measured at
+        today's load and contexts rather than remembered: twice where it is of the other kind (AR
+        against trees), whose first round is not timed (costs.py)."""
         self._since_probe += 1
+        if self._probing and self._probing[0] in choice.rates:
+            budget, rounds = self._probing
+            self._probing = (budget, rounds - 1) if rounds > 1 else None
+            return Choice(budget, choice.rates[budget], choice.rates)
         if not self.learning or self._since_probe < PROBE_GAP:
-            return None
+            return choice
+
         def age(budget: int) -> int:
             nodes = 1 if budget == AR else max(tree_bucket(budget + 1), floor)
             return self._rounds - self._timed.get((batch, nodes), -PROBE_AGE)
         near = [b for b, rate in choice.rates.items() if b != choice.budget and rate >= PROBE_WITHIN * choice.rate
                 and age(b) >= PROBE_AGE]
         if not near:
-            return None
+            return choice
         self._since_probe = 0
         budget = max(near, key=age)
+        if (budget == AR) != (choice.budget == AR):
+            self._probing = (budget, 1)
         return Choice(budget, choice.rates[budget], choice.rates)
 
     def _shape_of(self, reqs: list[RequestState], budgets: list[int]) -> RoundShape | None:

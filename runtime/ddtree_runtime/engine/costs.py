@@ -1,8 +1,11 @@
 """The round's cost as the budget policy sees it: measured from the rounds themselves (CostModel), first
 by a warm-up sweep, then by every serving round.
 
-A round's seconds are the host's wall time of its whole step (scheduling, the passes, the postprocess),
-taken by Engine.step around the step's one sync (the walk's readback): nothing is added to the round.
+A round's seconds are the host's time of its whole step (scheduling, the passes, the postprocess), taken
+by Engine.step around the step's one sync (the walk's readback): nothing is added to the round. On CUDA
+that is wall time; on the CPU, this process's CPU time (`round_clock`): there the process's own work is
+the round, and other jobs on a shared host, which stretch its wall time by 2x and more at random, do not
+enter the comparison of one shape with another.
 On CUDA a step's wall time covers what the device still had queued from the round before (its drafter
 pass and commit) and this round's passes up to the read, which in steady serving is one round's period.
 Only steps that are one round and nothing else count: no prompt piece, no re-size; not the first tree
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +62,11 @@ REFIT = 32         # samples between fits of the context term
 SWEEP_PROMPT = 64  # tokens of each sweep request's prompt
 SWEEP_REPEATS = 4  # counted rounds per (batch, budget), after one that is not
 CONTEXT_SHARE = 0.9  # the most of a shape's median cost the context term may explain
+
+
+def round_clock(device: torch.device):
+    """The clock rounds are timed with (the module's docstring): wall time on a GPU, CPU time on the CPU."""
+    return time.perf_counter if device.type == "cuda" else time.process_time
 
 
 @dataclass

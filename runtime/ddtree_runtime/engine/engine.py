@@ -44,7 +44,7 @@ from . import memory
 from .api import EngineInfo, RequestLimits
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
-from .costs import measure_round_costs
+from .costs import measure_round_costs, round_clock
 from .memory import PoolSizing, shape_of
 from .model_runner import ModelRunner
 from .modes import mode_named
@@ -196,6 +196,7 @@ class Engine:
                                    groups=self.arch == "qwen3", has_drafter=self.drafter is not None,
                                    turn_token=_turn_token(self.tokenizer))
         self._next_id = 0
+        self._clock = round_clock(self.device)  # what a round's time is taken with (costs.py)
         limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
                                config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)
         self.info = EngineInfo(self.model_name, self.arch, self.draft_name, self.quantization, limits,
@@ -284,14 +285,14 @@ class Engine:
         prompt pieces in the rest, admitting queued requests while rows are free), the runner computes
         it, and the scheduler takes its tokens back (finished requests leave). Returns (request id,
         output) for each request that produced tokens. A step that is one round and nothing else tells
-        the budget policy its wall time (costs.py: the round's one read is inside it, so no sync is added)."""
-        started = time.perf_counter()
+        the budget policy its time (costs.py: the round's one read is inside it, so no sync is added)."""
+        started = self._clock()
         batch = self.scheduler.schedule()
         result = self.runner.run(batch)
         outputs = self.scheduler.postprocess(batch, result)
         if batch.decoding:
             alone = not batch.prefills and batch.resize is None and result.error is None
-            self.policy.timed(time.perf_counter() - started if alone else None)
+            self.policy.timed(self._clock() - started if alone else None)
         return outputs
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:

@@ -149,8 +149,11 @@ class CostModel:
     def base(self, key: tuple[int, int]) -> float:
         if key not in self._base:
             batch, nodes = key
-            rest = sorted(s.seconds - self.a * batch * nodes * s.longest - self.c * s.total for s in self.samples[key])
-            self._base[key] = rest[int(QUANTILE * (len(rest) - 1))]
+            window = self.samples[key]
+            rest = sorted(s.seconds - self.a * batch * nodes * s.longest - self.c * s.total for s in window)
+            raw = sorted(s.seconds for s in window)
+            at = int(QUANTILE * (len(rest) - 1))
+            self._base[key] = max(rest[at], (1 - CONTEXT_SHARE) * raw[at])  # the term never explains it all
         return self._base[key]
 
     def predict(self, batch: int, nodes: int, longest: int, total: int) -> float | None:
@@ -162,7 +165,8 @@ class CostModel:
     def at(self, batch: int, longest: int, total: int) -> RoundCosts:
         """Every measured tree bucket's cost at this batch bucket and these contexts, each the least of
         its own and those of bigger rounds."""
-        predicted = {key: self.predict(*key, longest, total) for key in self.samples if key[0] >= batch}
+        predicted = {(b, t): self.predict(b, t, longest, total * b // batch)  # as many keys a row
+                     for (b, t) in self.samples if b >= batch}
         out = {}
         for (b, t) in predicted:
             if b == batch:

@@ -322,7 +322,8 @@ class Engine:
         of different lengths arrive together (one grouped prefill), then one round of the configured
         mode runs at that batch size, at the smallest KV bucket. By default, with the cost policy, it then
         times a round at every batch bucket and budget the policy may choose (costs.py). Its requests neither reuse nor leave
-        cached sequences and the stats are put back, so the pool and every counter are as before.
+        cached sequences and the stats and the policy's acceptance outlook are put back, so the pool and
+        every counter are as before.
         Needs an idle engine with nothing cached (RuntimeError)."""
         if self.has_work or (self.prefix is not None and len(self.prefix)):
             raise RuntimeError("warm_up() runs before serving: on an idle engine with nothing cached")
@@ -331,6 +332,7 @@ class Engine:
             buckets = {batch_bucket(n, self.slots) for n in range(1, self.slots + 1)}
             batches = sorted(buckets, reverse=True) if self.runner.use_graphs else [1]
         started, kept = time.perf_counter(), dataclasses.replace(self.stats)
+        outlook = dataclasses.replace(self.policy.prior)  # made-up prompts teach nothing of real acceptance
         prefix, hook = self.scheduler.prefix, self.phase_hook
         self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
         vocab, ids = self.target.config.vocab_size, []
@@ -350,7 +352,7 @@ class Engine:
         finally:
             for request_id in ids:
                 self.cancel(request_id)  # a no-op for those that finished
-            self.scheduler.prefix, self.phase_hook = prefix, hook
+            self.scheduler.prefix, self.phase_hook, self.policy.prior = prefix, hook, outlook
             captures = self.stats.graph_captures - kept.graph_captures
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))

@@ -303,3 +303,13 @@ def test_near_candidates_are_timed_again_now_and_then():
     probes = [b for b in chosen if b != 16]
     assert {AR, 4, 8} <= set(probes) and 1 not in probes         # each near one, never the far one
     assert len(probes) <= 200 // PROBE_GAP                          # at most one in PROBE_GAP rounds
+
+
+def test_the_warm_up_times_every_shape_and_leaves_the_outlook_as_it_was(tiny_models):
+    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=2,
+                                 tree_policy="cost"))
+    engine.warm_up()
+    shapes = {(b, t) for b in (1, 2) for t in (1, 2, 5, 9, 17)}
+    assert set(engine.policy.costs.samples) == shapes
+    assert all(len(w) >= 4 for w in engine.policy.costs.samples.values())
+    assert engine.policy.prior.curve is None  # its made-up prompts' acceptance is not real traffic's

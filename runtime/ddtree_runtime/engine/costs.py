@@ -103,6 +103,7 @@ class CostModel:
         self.samples: dict[tuple[int, int], deque[Sample]] = {}
         self.a = self.c = 0.0             # seconds per (row x node x key), per key read
         self._base: dict[tuple[int, int], float] = {}
+        self._shape_sums: dict[tuple[int, int], tuple[tuple[float, ...], float, float, float]] = {}
         self._since_fit = 0
 
     @classmethod
@@ -117,6 +118,7 @@ class CostModel:
         key = (batch, nodes)
         self.samples.setdefault(key, deque(maxlen=WINDOW)).append(Sample(seconds, longest, total))
         self._base.pop(key, None)
+        self._shape_sums.pop(key, None)
         self._since_fit += 1
         if self._since_fit >= REFIT:
             self.fit()
@@ -124,27 +126,35 @@ class CostModel:
     def fit(self) -> None:
         """The context term (a, c) by least squares within each shape, then every base again."""
         self._since_fit = 0
-        s11 = s12 = s22 = s1y = s2y = 0.0
-        for (batch, nodes), window in self.samples.items():
-            if len(window) < 3:
-                continue
+        sums = [self._sums(key) for key in self.samples]
+        a, c = _nonnegative_fit(*(sum(s[0][i] for s in sums) for i in range(5)))
+        # noise can fit a slope that leaves a shape a base below 0: no shape's context term may be more
+        # than CONTEXT_SHARE of its median cost
+        for _, x1, x2, median in sums:
+            term = a * x1 + c * x2
+            if term > CONTEXT_SHARE * median:
+                a, c = a * CONTEXT_SHARE * median / term, c * CONTEXT_SHARE * median / term
+        self.a, self.c = a, c
+        self._base.clear()
+
+    def _sums(self, key: tuple[int, int]) -> tuple[tuple[float, ...], float, float, float]:
+        """A shape's share of the fit (kept until it has a new sample): the centred sums of its
+        features' and seconds' products, its features' means and its median seconds."""
+        if key not in self._shape_sums:
+            batch, nodes = key
+            window = self.samples[key]
             median = statistics.median(s.seconds for s in window)
             kept = [s for s in window if s.seconds <= 2 * median]  # a stalled round says nothing of context
             rows = [(batch * nodes * s.longest, s.total, s.seconds) for s in kept]
-            m1, m2, my = (statistics.fmean(r[i] for r in rows) for i in range(3))
-            for x1, x2, y in rows:
-                d1, d2, dy = x1 - m1, x2 - m2, y - my
-                s11, s12, s22, s1y, s2y = s11 + d1 * d1, s12 + d1 * d2, s22 + d2 * d2, s1y + d1 * dy, s2y + d2 * dy
-        a, c = _nonnegative_fit(s11, s12, s22, s1y, s2y)
-        # noise can fit a slope that leaves a shape a base below 0: no shape's context term may be more
-        # than CONTEXT_SHARE of its median cost
-        for (batch, nodes), window in self.samples.items():
-            term = statistics.median(a * batch * nodes * s.longest + c * s.total for s in window)
-            cap = CONTEXT_SHARE * statistics.median(s.seconds for s in window)
-            if term > cap:
-                a, c = a * cap / term, c * cap / term
-        self.a, self.c = a, c
-        self._base.clear()
+            m1, m2, my = (sum(r[i] for r in rows) / len(rows) for i in range(3))
+            acc = [0.0] * 5
+            if len(window) >= 3:
+                for x1, x2, y in rows:
+                    d1, d2, dy = x1 - m1, x2 - m2, y - my
+                    for i, v in enumerate((d1 * d1, d1 * d2, d2 * d2, d1 * dy, d2 * dy)):
+                        acc[i] += v
+            self._shape_sums[key] = (tuple(acc), m1, m2, median)
+        return self._shape_sums[key]
 
     def base(self, key: tuple[int, int]) -> float:
         if key not in self._base:
@@ -192,6 +202,7 @@ class CostModel:
         it: Iterator[float] = iter(t.tolist())
         for k in keys:
             self.samples[k] = deque((Sample(next(it), s.longest, s.total) for s in self.samples[k]), maxlen=WINDOW)
+        self._shape_sums.clear()
         self.fit()
 
 

@@ -82,6 +82,10 @@ def test_caps_and_fixed_rows_bound_the_choice():
     small = [[0.05, 0.1, 0.1, 0.1]] * 4
     assert best_budget(costs(4, FLAT), 4, small, left, CANDIDATES).budget != AR
     assert best_budget(costs(4, FLAT), 4, small, left, CANDIDATES, refresh=0.005).budget == AR
+    # ... a real one does, spread over the tree rounds it serves (8 at most), not where 2 tokens are left
+    mid = [[0.3, 0.5, 0.5, 0.5]] * 4
+    assert best_budget(costs(4, FLAT), 4, mid, left, CANDIDATES, refresh=0.010).budget == 16
+    assert best_budget(costs(4, FLAT), 4, mid, [2] * 4, CANDIDATES, refresh=0.010).budget == AR
     assert best_budget(costs(8, FLAT), 4, high, left, CANDIDATES) is None  # this batch is not measured
 
 

@@ -28,6 +28,7 @@ is timed again now and then (a probe), so no estimate is only remembered.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ DECAY = 0.8             # the calibration's memory: a round's weight against wha
 PRIOR_WEIGHT = 2.0      # forecast tokens of the engine-wide calibration a new request starts with
 SCALE_RANGE = (0.05, 4.0)
 PROBE_FIRST, PROBE_LAST = 4, 64  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
+REFRESH_ROUNDS = 8      # the most rounds a drafter pass after AR rounds is spread over
 STAY = 0.05             # hysteresis: how much better than the last round's budget another must predict
 # a candidate within PROBE_WITHIN of the best, untimed for PROBE_AGE rounds, runs once (PROBE_GAP apart)
 PROBE_WITHIN, PROBE_AGE, PROBE_GAP = 0.85, 64, 16
@@ -107,8 +109,9 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
     """The budget that maximises predicted tokens/s for a round of len(expected) chosen rows (plus any
     fixed ones, counted in `batch`, the batch bucket, and `floor_nodes`, the tree bucket they pad to).
     expected[i][k]: row i's expected accepted draft tokens at candidates[k]; left[i]: the tokens it may
-    still emit. `ar`: whether budget 0 (plain AR) may be chosen; `refresh`: seconds a tree round costs
-    more because the rows must draft first (after AR rounds); `node_cap`: the most nodes a round may
+    still emit. `ar`: whether budget 0 (plain AR) may be chosen; `refresh`: seconds the first tree round
+    costs more because the rows must draft first (after AR rounds), spread over the tree rounds the rows
+    still need; `node_cap`: the most nodes a round may
     verify (--round-nodes, rows x tree bucket). None when the costs of this batch are not measured."""
     rates: dict[int, float] = {}
     rows = max(batch, 1)
@@ -125,7 +128,10 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
         if cost is None:
             return None
         tokens = sum(min(1 + e[k], n) for e, n in zip(expected, left))
-        rates[budget] = tokens / (cost + refresh)
+        # drafting again serves every tree round after it: its cost is spread over the rounds the rows
+        # still need at this budget (REFRESH_ROUNDS at most: forecasts change)
+        rounds = max((math.ceil(n / (1 + e[k])) for e, n in zip(expected, left)), default=1)
+        rates[budget] = tokens / (cost + refresh / min(max(rounds, 1), REFRESH_ROUNDS))
     if not rates:
         return None
     best = max(rates, key=lambda b: (rates[b], b))  # a tie goes to the bigger tree (it forecasts more)

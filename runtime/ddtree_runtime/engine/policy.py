@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 DECAY = 0.8             # the calibration's memory: a round's weight against what came before
 PRIOR_WEIGHT = 2.0      # forecast tokens of the engine-wide calibration a new request starts with
 SCALE_RANGE = (0.05, 4.0)
-PROBE_FIRST, PROBE_LAST = 4, 64  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
+PROBE_FIRST, PROBE_LAST = 2, 16  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
 REFRESH_ROUNDS = 8      # the most rounds a drafter pass after AR rounds is spread over
 STAY = 0.05             # hysteresis: how much better than the last round's budget another must predict
 # a candidate within PROBE_WITHIN of the best, untimed for PROBE_AGE rounds, runs once (PROBE_GAP apart)
@@ -219,7 +219,12 @@ class BudgetPolicy:
                              refresh=costs.refresh(batch) if stale else 0.0, node_cap=self.round_nodes)
         if choice is None:
             return None
-        choice = self._probe(self._steady(choice), batch, floor)
+        choice = self._steady(choice)
+        probe = self._probe(choice, batch, floor)
+        if probe is not None:  # (an AR probe leaves the AR rounds' count as it is)
+            if probe.budget != AR:
+                self._ar_streak, self._probe_after = 0, PROBE_FIRST
+            return probe
         if choice.budget != AR:
             self._ar_streak, self._probe_after = 0, PROBE_FIRST
             return choice
@@ -241,18 +246,19 @@ class BudgetPolicy:
             return Choice(last, choice.rates[last], choice.rates)
         return choice
 
-    def _probe(self, choice: Choice, batch: int, floor: int) -> Choice:
+    def _probe(self, choice: Choice, batch: int, floor: int) -> Choice | None:
         """Now and then (every PROBE_GAP rounds at most), a candidate within PROBE_WITHIN of the best
         whose round has not been timed for PROBE_AGE rounds runs, so that its cost is measured at
         today's load and contexts rather than remembered: twice where it is of the other kind (AR
         against trees), whose first round is not timed (costs.py)."""
         self._since_probe += 1
-        if self._probing and self._probing[0] in choice.rates:
+        if self._probing:
             budget, rounds = self._probing
             self._probing = (budget, rounds - 1) if rounds > 1 else None
-            return Choice(budget, choice.rates[budget], choice.rates)
+            if budget in choice.rates:
+                return Choice(budget, choice.rates[budget], choice.rates)
         if not self.learning or self._since_probe < PROBE_GAP:
-            return choice
+            return None
 
         def age(budget: int) -> int:
             nodes = 1 if budget == AR else max(tree_bucket(budget + 1), floor)
@@ -260,7 +266,7 @@ class BudgetPolicy:
         near = [b for b, rate in choice.rates.items() if b != choice.budget and rate >= PROBE_WITHIN * choice.rate
                 and age(b) >= PROBE_AGE]
         if not near:
-            return choice
+            return None
         self._since_probe = 0
         budget = max(near, key=age)
         if (budget == AR) != (choice.budget == AR):

@@ -47,7 +47,7 @@ PROBE_FIRST, PROBE_LAST = 2, 16  # AR rounds before a tree round re-forecasts (d
 REFRESH_ROUNDS = 8      # the most rounds a drafter pass after AR rounds is spread over
 STAY = 0.05             # hysteresis: how much better than the last round's budget another must predict
 # a candidate within PROBE_WITHIN of the best, untimed for PROBE_AGE rounds, runs once (PROBE_GAP apart)
-PROBE_WITHIN, PROBE_AGE, PROBE_GAP = 0.85, 64, 16
+PROBE_WITHIN, PROBE_AGE, PROBE_GAP = 0.85, 256, 32
 
 
 def round_budgets(budgets: list[int], rows: int, round_nodes: int | None) -> list[int]:

@@ -281,8 +281,8 @@ def main() -> None:
         print(f"{'case':<14}{'B':>4}{'wall s':>9}{'tok/s':>9}{'tok/cpu s':>10}{'x alone':>9}{'x serial':>9}{'tau':>6}"
               f"{'nodes':>7}{'ttft s':>8}")
         for r in results:
-            print(f"{r['case']:<14}{r['batch']:>4}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}{r['tokens_per_cpu_s']:>10.0f}"
-                  f"{r['vs_one_alone']:>9.2f}{r['vs_one_after_another']:>9.2f}{r['mean_acceptance_length']:>6.2f}"
+            print(f"{r['case']:<14}{r['batch']:>4}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}"
+                  f"{r['tokens_per_cpu_s']:>10.0f}{r['vs_one_alone']:>9.2f}{r['vs_one_after_another']:>9.2f}{r['mean_acceptance_length']:>6.2f}"
                   f"{r['mean_round_tree_nodes']:>7.0f}{r['mean_ttft_s']:>8.2f}")
     else:
         phases = ("step", "tree", "verify", "commit", "draft")

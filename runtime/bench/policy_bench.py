@@ -51,7 +51,7 @@ def main() -> None:
                                  max_context=4096, max_running=args.running, tree_policy="cost"),
                     target=target, drafter=drafter)
     warm = engine.warm_up()
-    costs = engine.policy.costs
+    costs = engine.policy.costs.snapshot()  # each row at the sweep's context
     print(f"{args.shape} on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}; warm-up "
           f"{warm.seconds:.1f} s")
     print("round ms by batch (rows) and tree nodes (1: plain AR, no drafter pass):")

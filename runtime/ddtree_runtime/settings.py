@@ -102,8 +102,9 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             "round's, by the fixed one", minimum=MIN_TREE_BUDGET, maximum=MAX_TREE_BUDGET, engine=True, profile=True,
             metavar="B"),
     Setting("tree_policy", str, "fixed", "how each round's tree budget is chosen: cost = the one that maximises "
-            "the batch's expected tokens/s, from round costs timed at warm-up and each request's acceptance "
-            "(plain AR rounds when they are faster), up to the tree budget; fixed = the tree budget every round. "
+            "the batch's expected tokens/s, from round costs measured at warm-up and learnt from every round, "
+            "and each request's acceptance (plain AR rounds when they are faster), up to the tree budget; "
+            "fixed = the tree budget every round. "
             "A request's speculative.tree_budget is always its own", choices=TREE_POLICIES, engine=True,
             profile=True),
     Setting("max_tree_budget", int, DEFAULT_MAX_TREE_BUDGET, "largest speculative.tree_budget a request may ask "

@@ -14,7 +14,9 @@ import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
-from ddtree_runtime.engine.policy import (AR, Acceptance, BudgetPolicy, RoundCosts, best_budget, candidate_budgets)
+from ddtree_runtime.engine.costs import CostModel, RoundCosts
+from ddtree_runtime.engine.policy import PROBE_GAP, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
+from ddtree_runtime.engine.types import BatchStats
 from ddtree_runtime.engine.tree import build_trees
 from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.tiny_corpus import mixed_prompts
@@ -80,13 +82,18 @@ def test_caps_and_fixed_rows_bound_the_choice():
     small = [[0.05, 0.1, 0.1, 0.1]] * 4
     assert best_budget(costs(4, FLAT), 4, small, left, CANDIDATES).budget != AR
     assert best_budget(costs(4, FLAT), 4, small, left, CANDIDATES, refresh=0.005).budget == AR
+    # ... a real one does, spread over the tree rounds it serves (8 at most), not where 2 tokens are left
+    mid = [[0.3, 0.5, 0.5, 0.5]] * 4
+    assert best_budget(costs(4, FLAT), 4, mid, left, CANDIDATES, refresh=0.010).budget == 16
+    assert best_budget(costs(4, FLAT), 4, mid, [2] * 4, CANDIDATES, refresh=0.010).budget == AR
     assert best_budget(costs(8, FLAT), 4, high, left, CANDIDATES) is None  # this batch is not measured
 
 
 def test_a_bigger_round_never_costs_less():
-    measured = RoundCosts({(1, 1): 0.010, (1, 2): 0.030, (1, 5): 0.020, (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040})
-    assert measured.envelope().seconds == {(1, 1): 0.009, (1, 2): 0.020, (1, 5): 0.020,
-                                           (2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040}
+    measured = CostModel.of_table({(1, 1): 0.010, (1, 2): 0.030, (1, 5): 0.020, (2, 1): 0.009, (2, 2): 0.025,
+                                   (2, 5): 0.040})
+    assert measured.at(1, 0, 0).seconds == {(1, 1): 0.009, (1, 2): 0.020, (1, 5): 0.020}
+    assert measured.at(2, 0, 0).seconds == {(2, 1): 0.009, (2, 2): 0.025, (2, 5): 0.040}
 
 
 def test_calibration_scales_the_forecast_to_what_was_accepted():
@@ -123,21 +130,21 @@ class _Req:
         from ddtree_runtime.engine.modes import mode_named
         self.mode, self.budget = mode_named(mode), budget
         self.params = SamplingParams(max_new_tokens=100, tree_budget=own)
-        self.generated, self.drafted, self.acceptance = 0, object(), Acceptance()
+        self.generated, self.drafted, self.acceptance, self.n_ctx = 0, object(), Acceptance(), 10
 
 
 def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_theirs():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=4, block_size=16, round_nodes=None)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 4, own=4), _Req("ar", 16), _Req("ddtree", 8)]
     assert policy.budgets(reqs) == [16, 4, 16, 8]         # no costs measured yet: each its own
-    policy.costs = costs(4, STEEP)
+    policy.costs = CostModel.of_table(costs(4, STEEP).seconds)
     for r in reqs:
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
     # nothing is accepted, but the row that asked for 4 keeps its tree: no AR, the bucket it pads to
     assert policy.budgets(reqs) == [4, 4, 16, 4]
     alone = [reqs[0], reqs[2], reqs[3]]
     assert policy.budgets(alone) == [AR, 16, AR]          # an AR request's budget is unused
-    policy.costs = RoundCosts({**costs(4, FLAT).seconds, (4, 1): 0.1})
+    policy.costs = CostModel.of_table({**costs(4, FLAT).seconds, (4, 1): 0.1})
     for r in alone:
         r.acceptance = Acceptance()
         r.acceptance.observe((0.9, 3.0, 5.0, 7.0), 7.0, 7)
@@ -146,13 +153,13 @@ def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_the
 
 def test_after_ar_rounds_a_tree_round_looks_again():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
-    policy.costs = costs(2, STEEP)
+    policy.costs = CostModel.of_table(costs(2, STEEP).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
-    chosen = [policy.budgets(reqs)[0] for _ in range(40)]
+    chosen = [policy.budgets(reqs)[0] for _ in range(50)]
     probes = [i for i, b in enumerate(chosen) if b != AR]
-    assert probes[:3] == [3, 11, 27]                       # after 4, then 8, then 16 AR rounds
+    assert probes[:5] == [1, 5, 13, 29, 45]                # after 2, 4, 8, then every 16 AR rounds
 
 
 # ---- on the tiny pairs ---------------------------------------------------------------------------
@@ -167,7 +174,8 @@ def _alternating(engine: Engine) -> None:
     table = {}
     for batch in (1, 2, 4):
         table.update(costs(batch, {1: 10, 2: 40, 5: 40, 9: 41, 17: 42}).seconds)
-    engine.policy.costs = RoundCosts(table)
+    engine.policy.costs = CostModel.of_table(table)
+    engine.policy.learning = False  # the table stays what it is
 
 
 def test_budgets_chosen_by_cost_change_no_output(models):
@@ -211,3 +219,101 @@ def test_the_drafter_context_stays_whole_through_ar_rounds(tiny_models):
     trees = accepted_after([16] * 8)
     mixed = accepted_after([16] + [AR] * 24 + [16] * 4)
     assert sum(mixed[1:]) >= 0.6 * sum(trees[1:5]) > 0
+
+
+# ---- the cost model (costs.py), on injected timings -------------------------------------------------
+
+def test_the_cost_model_follows_the_rounds_and_ignores_outliers():
+    model = CostModel.of_table({(4, 1): 0.010, (4, 17): 0.040})    # the sweep's figures
+    for i in range(20):                                           # serving: the tree round costs 20 ms
+        model.observe(4, 17, 0.200 if i % 5 == 0 else 0.020, 0, 0)  # a stalled round in five
+    assert model.at(4, 0, 0).of(4, 17) == pytest.approx(0.020)
+    assert model.at(4, 0, 0).of(4, 1) == pytest.approx(0.010)     # untimed since: as measured
+    assert model.at(8, 0, 0).seconds == {}                         # never timed at 8 rows
+
+
+def test_the_cost_model_fits_the_context_term_within_each_shape():
+    model = CostModel()
+    # AR: 5 ms + 1 us per row x node x key; a tree of 17: 20 ms + the same; contexts 100..900
+    for step in range(16):
+        for nodes, base in ((1, 0.005), (17, 0.020)):
+            longest = 100 + 50 * step
+            model.observe(2, nodes, base + 1e-6 * 2 * nodes * longest, longest, 2 * longest)
+    model.fit()
+    assert model.a == pytest.approx(1e-6, rel=0.01) and model.c == pytest.approx(0, abs=1e-9)
+    # at a context no round had, each shape by its own base and the fitted term
+    assert model.at(2, 2000, 4000).of(2, 17) == pytest.approx(0.020 + 1e-6 * 2 * 17 * 2000, rel=0.01)
+    assert model.at(2, 2000, 4000).of(2, 1) == pytest.approx(0.005 + 1e-6 * 2 * 2000, rel=0.01)
+
+
+def test_noise_fits_no_context_term_beyond_the_costs():
+    model = CostModel()
+    rng = random.Random(1)
+    for _ in range(16):  # cost does not follow the context at all: a slope, if any, is small and bounded
+        model.observe(1, 1, rng.uniform(0.004, 0.006), rng.randint(10, 20), 15)
+    model.fit()
+    assert 0.0035 <= model.at(1, 15, 15).of(1, 1) <= 0.0065
+    assert model.at(1, 1, 1).of(1, 1) > 0
+
+
+def test_rounds_are_timed_only_when_they_are_the_whole_step():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    policy.budgets(reqs)
+    policy.timed(0.030)                 # a tree round of 2 rows, 17 nodes
+    policy.budgets(reqs)
+    policy.timed(None)                  # a step with a prompt piece: not a round's time
+    policy.forced = AR
+    policy.budgets(reqs)
+    policy.timed(0.500)                 # the first AR round after trees (on CUDA it waits for their draft)
+    policy.budgets(reqs)
+    policy.timed(0.010)
+    assert {k: [s.seconds for s in w] for k, w in policy.costs.samples.items()} == {(2, 17): [0.030],
+                                                                                     (2, 1): [0.010]}
+    for r in reqs:
+        r.drafted = None                # after AR rounds a tree round drafts first: not counted either
+    policy.forced = 16
+    policy.budgets(reqs)
+    policy.timed(0.070)
+    assert [s.seconds for s in policy.costs.samples[(2, 17)]] == [0.030]
+
+
+def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    policy.costs = CostModel.of_table(costs(2, {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # a tree of 16: 2 tokens a row in 20 ms; AR: 1 in 10
+    policy.last_round = 16
+    assert policy.budgets(reqs) == [16, 16]                 # AR predicts the same: no switch
+    policy.costs.observe(2, 1, 0.009, 10, 20)
+    policy.costs.observe(2, 1, 0.009, 10, 20)               # AR now 9 ms: 11% better, past the hysteresis
+    assert policy.budgets(reqs) == [AR, AR]
+
+
+def test_near_candidates_are_timed_again_now_and_then():
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    ms = {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}
+    policy.costs = CostModel.of_table(costs(2, ms).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:  # 16 predicts 230 tok/s; AR, 4 and 8 200 (within PROBE_WITHIN), 1 150
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.3), 1.3, 1.3)
+    chosen = []
+    for _ in range(200):
+        budgets = policy.budgets(reqs)
+        chosen.append(budgets[0])
+        policy.record(reqs, budgets, BatchStats())
+        policy.timed(ms[1 if budgets[0] == AR else {1: 2, 4: 5, 8: 9, 16: 17}[budgets[0]]] / 1e3)
+    probes = [b for b in chosen if b != 16]
+    assert {AR, 4, 8} <= set(probes) and 1 not in probes         # each near one, never the far one
+    assert len(probes) <= 200 // PROBE_GAP                          # at most one in PROBE_GAP rounds
+
+
+def test_the_warm_up_times_every_shape_and_leaves_the_outlook_as_it_was(tiny_models):
+    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=2,
+                                 tree_policy="cost"))
+    engine.warm_up()
+    shapes = {(b, t) for b in (1, 2) for t in (1, 2, 5, 9, 17)}
+    assert set(engine.policy.costs.samples) == shapes
+    assert all(len(w) >= 4 for w in engine.policy.costs.samples.values())
+    assert engine.policy.prior.curve is None  # its made-up prompts' acceptance is not real traffic's

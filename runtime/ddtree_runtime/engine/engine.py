@@ -44,7 +44,7 @@ from . import memory
 from .api import EngineInfo, RequestLimits
 from .block_manager import BlockManager, PageTable
 from .context import serving_context
-from .costs import measure_round_costs
+from .costs import measure_round_costs, round_clock
 from .memory import PoolSizing, shape_of
 from .model_runner import ModelRunner
 from .modes import mode_named
@@ -183,9 +183,10 @@ class Engine:
         width = -(-self.sizing.row_capacity(self.max_context) // self.page_size)
         self.page_table = PageTable(self.pages, self.rows, width, self.device)
         self.pool = KVPool(self.pages, self.page_table, self.prefix, self.sizing, self.max_context)
-        self.policy = BudgetPolicy(by_cost=config.tree_policy == "cost" and self.drafter is not None,
-                                   cap=config.tree_budget, slots=self.slots, block_size=self.block_size,
-                                   round_nodes=config.round_nodes)
+        by_cost = config.tree_policy == "cost" and self.drafter is not None
+        self.policy = BudgetPolicy(by_cost=by_cost, cap=config.tree_budget, slots=self.slots,
+                                   block_size=self.block_size, round_nodes=config.round_nodes,
+                                   learning=by_cost and tp is None)  # ranks must choose alike (costs.py)
         self.runner = ModelRunner(self.target, self.drafter, self.pool, slots=self.slots, block_size=self.block_size,
                                   mask_token_id=self.mask_token_id, device=self.device,
                                   stats=self.stats, tree_slots=tree_slots,
@@ -195,6 +196,7 @@ class Engine:
                                    groups=self.arch == "qwen3", has_drafter=self.drafter is not None,
                                    turn_token=_turn_token(self.tokenizer))
         self._next_id = 0
+        self._clock = round_clock(self.device)  # what a round's time is taken with (costs.py)
         limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
                                config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)
         self.info = EngineInfo(self.model_name, self.arch, self.draft_name, self.quantization, limits,
@@ -282,10 +284,16 @@ class Engine:
         """One step: the scheduler decides it (the running requests' rounds first in the token budget,
         prompt pieces in the rest, admitting queued requests while rows are free), the runner computes
         it, and the scheduler takes its tokens back (finished requests leave). Returns (request id,
-        output) for each request that produced tokens."""
+        output) for each request that produced tokens. A step that is one round and nothing else tells
+        the budget policy its time (costs.py: the round's one read is inside it, so no sync is added)."""
+        started = self._clock()
         batch = self.scheduler.schedule()
         result = self.runner.run(batch)
-        return self.scheduler.postprocess(batch, result)
+        outputs = self.scheduler.postprocess(batch, result)
+        if batch.decoding:
+            alone = not batch.prefills and batch.resize is None and result.error is None
+            self.policy.timed(self._clock() - started if alone else None)
+        return outputs
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RoundOutput]:
         """One request on an idle engine: validate now (ValueError), then return a generator of its
@@ -314,7 +322,8 @@ class Engine:
         of different lengths arrive together (one grouped prefill), then one round of the configured
         mode runs at that batch size, at the smallest KV bucket. By default, with the cost policy, it then
         times a round at every batch bucket and budget the policy may choose (costs.py). Its requests neither reuse nor leave
-        cached sequences and the stats are put back, so the pool and every counter are as before.
+        cached sequences and the stats and the policy's acceptance outlook are put back, so the pool and
+        every counter are as before.
         Needs an idle engine with nothing cached (RuntimeError)."""
         if self.has_work or (self.prefix is not None and len(self.prefix)):
             raise RuntimeError("warm_up() runs before serving: on an idle engine with nothing cached")
@@ -323,6 +332,7 @@ class Engine:
             buckets = {batch_bucket(n, self.slots) for n in range(1, self.slots + 1)}
             batches = sorted(buckets, reverse=True) if self.runner.use_graphs else [1]
         started, kept = time.perf_counter(), dataclasses.replace(self.stats)
+        outlook = dataclasses.replace(self.policy.prior)  # made-up prompts teach nothing of real acceptance
         prefix, hook = self.scheduler.prefix, self.phase_hook
         self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
         vocab, ids = self.target.config.vocab_size, []
@@ -338,11 +348,11 @@ class Engine:
                 while self.has_work:
                     self.step()
             if sweep:
-                self.policy.costs, swept = measure_round_costs(self)
+                swept = measure_round_costs(self)
         finally:
             for request_id in ids:
                 self.cancel(request_id)  # a no-op for those that finished
-            self.scheduler.prefix, self.phase_hook = prefix, hook
+            self.scheduler.prefix, self.phase_hook, self.policy.prior = prefix, hook, outlook
             captures = self.stats.graph_captures - kept.graph_captures
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))

@@ -4,8 +4,9 @@ By cost, each round picks the budget that maximises the batch's expected tokens 
 
     rate(b) = sum over requests of min(1 + E_i(b), tokens left_i) / cost(rows, b)
 
-- cost(rows, b) is the measured time of a round at the batch bucket of `rows` and the tree bucket of
-  b + 1 nodes (`RoundCosts`, timed by Engine.warm_up). Budget 0 is a plain AR round: one target pass of
+- cost(rows, b) is the predicted time of a round at the batch bucket of `rows`, the tree bucket of
+  b + 1 nodes and the rows' contexts (costs.CostModel: timed by Engine.warm_up's sweep, then learnt
+  from every round Engine.step times). Budget 0 is a plain AR round: one target pass of
   the roots, no tree and no drafter pass (the drafter's context is still written from the pass's
   features, so a later tree round drafts from a complete context).
 - E_i(b), the accepted draft tokens request i expects at budget b, is its drafter's own forecast (the
@@ -18,26 +19,35 @@ is chosen by cost, so the choice is never below AR's predicted rate. A request t
 `tree_budget`, a dflash chain and the `fixed` policy run their own budget; the chosen ones then take at
 least the bucket those rows pad the round to. Before costs are measured (no warm-up) budgets are fixed.
 
+Two guards keep the choice steady on noisy estimates: the last round's budget stays unless another
+predicts more than STAY better (hysteresis), and a candidate that stays near the best but is not run
+is timed again now and then (a probe), so no estimate is only remembered.
+
 `round_nodes` (--round-nodes) caps the nodes a round verifies: fixed, each request gets an equal share
 (rounded down to a tree bucket); by cost, no budget whose round would verify more is a candidate."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..capacity import TREE_BUCKETS
+from .costs import AR, CostModel, RoundCosts
 from .runner import batch_bucket, tree_bucket
 
 if TYPE_CHECKING:
     from .types import BatchStats, RequestState
 
-AR = 0                  # the budget of a plain AR round: no tree, no drafter pass
 DECAY = 0.8             # the calibration's memory: a round's weight against what came before
 PRIOR_WEIGHT = 2.0      # forecast tokens of the engine-wide calibration a new request starts with
 SCALE_RANGE = (0.05, 4.0)
-PROBE_FIRST, PROBE_LAST = 4, 64  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
+PROBE_FIRST, PROBE_LAST = 2, 16  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
+REFRESH_ROUNDS = 8      # the most rounds a drafter pass after AR rounds is spread over
+STAY = 0.05             # hysteresis: how much better than the last round's budget another must predict
+# a candidate within PROBE_WITHIN of the best, untimed for PROBE_AGE rounds, runs once (PROBE_GAP apart)
+PROBE_WITHIN, PROBE_AGE, PROBE_GAP = 0.85, 256, 32
 
 
 def round_budgets(budgets: list[int], rows: int, round_nodes: int | None) -> list[int]:
@@ -53,33 +63,6 @@ def round_budgets(budgets: list[int], rows: int, round_nodes: int | None) -> lis
 def candidate_budgets(cap: int) -> tuple[int, ...]:
     """The tree budgets a chosen round may take (besides AR): each bucket's full tree below `cap`, and `cap`."""
     return tuple(sorted({b - 1 for b in TREE_BUCKETS if 1 < b <= cap} | {cap}))
-
-
-@dataclass
-class RoundCosts:
-    """Seconds of one round by (batch bucket, tree bucket); tree bucket 1 is the AR round (no drafter pass)."""
-    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-
-    def of(self, batch: int, nodes: int) -> float | None:
-        return self.seconds.get((batch, nodes))
-
-    def refresh(self, batch: int) -> float:
-        """What drafting again after AR rounds adds to the first tree round (a drafter pass): about a
-        smallest tree round less an AR round."""
-        ar, tree = self.of(batch, 1), self.of(batch, TREE_BUCKETS[1])
-        return 0.0 if ar is None or tree is None else max(0.0, tree - ar)
-
-    def envelope(self) -> RoundCosts:
-        """Each cost as the least measured at its size or any larger one (more rows or nodes): a bigger
-        round never costs less, and on a shared host noise only adds time."""
-        out = {}
-        for (batch, nodes) in self.seconds:
-            out[(batch, nodes)] = min(s for (b, t), s in self.seconds.items() if b >= batch and t >= nodes)
-        return RoundCosts(out)
-
-    def table(self) -> list[dict]:
-        """The measurements as rows, for logs and benchmarks."""
-        return [{"batch": b, "tree_nodes": t, "ms": round(1e3 * s, 3)} for (b, t), s in sorted(self.seconds.items())]
 
 
 @dataclass
@@ -126,8 +109,9 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
     """The budget that maximises predicted tokens/s for a round of len(expected) chosen rows (plus any
     fixed ones, counted in `batch`, the batch bucket, and `floor_nodes`, the tree bucket they pad to).
     expected[i][k]: row i's expected accepted draft tokens at candidates[k]; left[i]: the tokens it may
-    still emit. `ar`: whether budget 0 (plain AR) may be chosen; `refresh`: seconds a tree round costs
-    more because the rows must draft first (after AR rounds); `node_cap`: the most nodes a round may
+    still emit. `ar`: whether budget 0 (plain AR) may be chosen; `refresh`: seconds the first tree round
+    costs more because the rows must draft first (after AR rounds), spread over the tree rounds the rows
+    still need; `node_cap`: the most nodes a round may
     verify (--round-nodes, rows x tree bucket). None when the costs of this batch are not measured."""
     rates: dict[int, float] = {}
     rows = max(batch, 1)
@@ -144,24 +128,49 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
         if cost is None:
             return None
         tokens = sum(min(1 + e[k], n) for e, n in zip(expected, left))
-        rates[budget] = tokens / (cost + refresh)
+        # drafting again serves every tree round after it: its cost is spread over the rounds the rows
+        # still need at this budget (REFRESH_ROUNDS at most: forecasts change)
+        rounds = max((math.ceil(n / (1 + e[k])) for e, n in zip(expected, left)), default=1)
+        rates[budget] = tokens / (cost + refresh / min(max(rounds, 1), REFRESH_ROUNDS))
     if not rates:
         return None
     best = max(rates, key=lambda b: (rates[b], b))  # a tie goes to the bigger tree (it forecasts more)
     return Choice(best, rates[best], rates)
 
 
-class BudgetPolicy:
-    """Each round's tree budgets (scheduler.py asks), and what the rounds taught (postprocess tells)."""
+@dataclass(frozen=True)
+class RoundShape:
+    """What a round's time is learnt as (costs.CostModel): its batch and tree buckets, its rows' contexts,
+    and whether it counts (see costs.py: a round that drafts first, or follows one of the other kind, not)."""
+    batch: int
+    nodes: int
+    longest: int
+    total: int
+    counts: bool
 
-    def __init__(self, *, by_cost: bool, cap: int, slots: int, block_size: int, round_nodes: int | None) -> None:
+
+class BudgetPolicy:
+    """Each round's tree budgets (scheduler.py asks), and what the rounds taught (postprocess tells, and
+    Engine.step, each round's time)."""
+
+    def __init__(self, *, by_cost: bool, cap: int, slots: int, block_size: int, round_nodes: int | None,
+                 learning: bool = False) -> None:
+        """`learning`: whether rounds' times are learnt (costs.py: the cost policy, without tensor
+        parallelism, whose ranks must choose alike)."""
         self.by_cost, self.slots, self.block_size, self.round_nodes = by_cost, slots, block_size, round_nodes
         self.candidates = candidate_budgets(cap)
-        self.costs: RoundCosts | None = None  # measured by Engine.warm_up
+        self.costs = CostModel()              # timed by Engine.warm_up's sweep, then by every round
+        self.learning = learning
         self.prior = Acceptance()             # every chosen request's rounds: a newcomer's outlook
         self.forced: int | None = None        # the cost sweep's budget for every chosen row
         self.last: Choice | None = None
+        self.last_round: int | None = None    # the last round's budget (record)
         self._ar_streak, self._probe_after = 0, PROBE_FIRST
+        self._shape: RoundShape | None = None  # this round's, until Engine.step times it
+        self._drafted_last: bool | None = None  # whether the last round drafted (None: none ran yet)
+        self._rounds, self._since_probe = 0, 0
+        self._probing: tuple[int, int] | None = None  # a probe's budget and its rounds still to run
+        self._timed: dict[tuple[int, int], int] = {}  # each shape's last timed round
 
     def chooses(self, req: RequestState) -> bool:
         """Whether this request's budget is chosen each round (a ddtree request that set none)."""
@@ -169,6 +178,11 @@ class BudgetPolicy:
 
     def budgets(self, reqs: list[RequestState]) -> list[int]:
         """Each decoding request's tree budget this round (0: its root alone)."""
+        budgets = self._budgets(reqs)
+        self._shape = self._shape_of(reqs, budgets)
+        return budgets
+
+    def _budgets(self, reqs: list[RequestState]) -> list[int]:
         self.last = None
         fixed = round_budgets([r.budget for r in reqs], len(reqs), self.round_nodes if not self.by_cost else None)
         chosen = [i for i, r in enumerate(reqs) if self.chooses(r)]
@@ -182,9 +196,10 @@ class BudgetPolicy:
             return [reqs[i].budget if i in chosen else b for i, b in enumerate(fixed)]
         return [min(choice.budget, reqs[i].budget) if i in chosen else b for i, b in enumerate(fixed)]
 
+    def _contexts(self, reqs: list[RequestState]) -> tuple[int, int]:
+        return max(r.n_ctx for r in reqs), sum(r.n_ctx for r in reqs)
+
     def _choose(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Choice | None:
-        if self.costs is None:
-            return None
         others = [i for i in range(len(reqs)) if i not in chosen]
         floor = max((tree_bucket(reqs[i].mode.tree_slots(fixed[i], self.block_size)) for i in others), default=1)
         expected = [reqs[i].acceptance.expected(self.prior) for i in chosen]
@@ -199,9 +214,18 @@ class BudgetPolicy:
         ar = not any(reqs[i].mode.drafts for i in others)
         stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first
         batch = batch_bucket(len(reqs), self.slots)
-        choice = best_budget(self.costs, batch, expected, left, self.candidates, floor_nodes=floor, ar=ar,
-                             refresh=self.costs.refresh(batch) if stale else 0.0, node_cap=self.round_nodes)
-        if choice is None or choice.budget != AR:
+        costs = self.costs.at(batch, *self._contexts(reqs))
+        choice = best_budget(costs, batch, expected, left, self.candidates, floor_nodes=floor, ar=ar,
+                             refresh=costs.refresh(batch) if stale else 0.0, node_cap=self.round_nodes)
+        if choice is None:
+            return None
+        choice = self._steady(choice)
+        probe = self._probe(choice, batch, floor)
+        if probe is not None:  # (an AR probe leaves the AR rounds' count as it is)
+            if probe.budget != AR:
+                self._ar_streak, self._probe_after = 0, PROBE_FIRST
+            return probe
+        if choice.budget != AR:
             self._ar_streak, self._probe_after = 0, PROBE_FIRST
             return choice
         self._ar_streak += 1
@@ -212,9 +236,69 @@ class BudgetPolicy:
         tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
         return Choice(tree, choice.rates[tree], choice.rates)
 
+    def _steady(self, choice: Choice) -> Choice:
+        """Hysteresis: the last round's budget stays while the best beats it by no more than STAY (on
+        estimates this close, switching back and forth only follows their noise)."""
+        last = self.last_round
+        if last is None or last == choice.budget or last not in choice.rates:
+            return choice
+        if choice.rate <= (1 + STAY) * choice.rates[last]:
+            return Choice(last, choice.rates[last], choice.rates)
+        return choice
+
+    def _probe(self, choice: Choice, batch: int, floor: int) -> Choice | None:
+        """Now and then (every PROBE_GAP rounds at most), a candidate within PROBE_WITHIN of the best
+        whose round has not been timed for PROBE_AGE rounds runs, so that its cost is measured at
+        today's load and contexts rather than remembered: twice where it is of the other kind (AR
+        against trees), whose first round is not timed (costs.py)."""
+        self._since_probe += 1
+        if self._probing:
+            budget, rounds = self._probing
+            self._probing = (budget, rounds - 1) if rounds > 1 else None
+            if budget in choice.rates:
+                return Choice(budget, choice.rates[budget], choice.rates)
+        if not self.learning or self._since_probe < PROBE_GAP:
+            return None
+
+        def age(budget: int) -> int:
+            nodes = 1 if budget == AR else max(tree_bucket(budget + 1), floor)
+            return self._rounds - self._timed.get((batch, nodes), -PROBE_AGE)
+        near = [b for b, rate in choice.rates.items() if b != choice.budget and rate >= PROBE_WITHIN * choice.rate
+                and age(b) >= PROBE_AGE]
+        if not near:
+            return None
+        self._since_probe = 0
+        budget = max(near, key=age)
+        if (budget == AR) != (choice.budget == AR):
+            self._probing = (budget, 1)
+        return Choice(budget, choice.rates[budget], choice.rates)
+
+    def _shape_of(self, reqs: list[RequestState], budgets: list[int]) -> RoundShape | None:
+        if not reqs or not self.learning:
+            return None
+        drafting = any(r.mode.drafts and b > 0 for r, b in zip(reqs, budgets))
+        nodes = max(tree_bucket(r.mode.tree_slots(b, self.block_size)) for r, b in zip(reqs, budgets)) \
+            if drafting else 1
+        redrafts = drafting and any(r.mode.drafts and b > 0 and r.drafted is None for r, b in zip(reqs, budgets))
+        counts = (all(r.mode.name == "ddtree" for r in reqs) and not redrafts
+                  and self._drafted_last in (None, drafting))
+        self._drafted_last = drafting
+        return RoundShape(batch_bucket(len(reqs), self.slots), nodes, *self._contexts(reqs), counts)
+
+    def timed(self, seconds: float | None) -> None:
+        """This round's wall time (Engine.step; None: the step ran more than the round, a prompt piece)."""
+        shape, self._shape = self._shape, None
+        if shape is None:
+            return
+        self._rounds += 1
+        if seconds is not None and shape.counts:
+            self.costs.observe(shape.batch, shape.nodes, seconds, shape.longest, shape.total)
+            self._timed[(shape.batch, shape.nodes)] = self._rounds
+
     def record(self, reqs: list[RequestState], budgets: list[int], stats: BatchStats) -> None:
         """The round's budget for /metrics: its largest ddtree tree (0: none, plain AR)."""
         top = max((b for r, b in zip(reqs, budgets) if r.mode.name == "ddtree"), default=AR)
+        self.last_round = top
         stats.round_budget = top
         stats.predicted_tokens_per_s = 0.0 if self.last is None else self.last.rate
         stats.budget_rounds = {**stats.budget_rounds, top: stats.budget_rounds.get(top, 0) + 1}  # a new dict:

@@ -25,6 +25,7 @@ import torch
 
 from capacity_bench import hold_back, random_prompt
 from gpu_bench import build_models, sync
+from warmup_profile import WarmUpProfile
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=131072)
     ap.add_argument("--card-mib", type=int, default=97887, help="the card to imitate (RTX PRO 6000: 97887)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on small shapes")
+    ap.add_argument("--warm-up-only", action="store_true",
+                    help="stop after the warm-up (run it first with an empty TRITON_CACHE_DIR, then again: cold vs restart)")
     ap.add_argument("--out", default="bench/results/runtime-burst-bench.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -119,10 +122,17 @@ def main() -> None:
                                  dtype=str(dtype).removeprefix("torch."), max_context=args.max_context,
                                  max_running=16), target=target, drafter=drafter)
     default_budget = engine.scheduler.step_tokens
-    warm = engine.warm_up()
+    profile = WarmUpProfile()
+    with profile.active():
+        warm = engine.warm_up()
     report["warm_up"] = {"seconds": round(warm.seconds, 1), "graph_captures": warm.graph_captures,
-                         "batches": list(warm.batches)}
-    print(f"warm-up: {warm.seconds:.1f} s, {warm.graph_captures} graphs", flush=True)
+                         "batches": list(warm.batches), "per_batch_s": list(warm.per_batch_s),
+                         "profile": profile.report()}
+    print(f"warm-up: {warm.seconds:.1f} s, {warm.graph_captures} graphs; by batch size "
+          f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {profile.report()}", flush=True)
+    save()
+    if args.warm_up_only:
+        return
     g = torch.Generator().manual_seed(5)
     vocab = target.config.vocab_size
     fresh = lambda: [random_prompt(vocab, args.tokens, g) for _ in range(args.prompts)]  # noqa: E731

@@ -335,9 +335,10 @@ class Engine:
         outlook = dataclasses.replace(self.policy.prior)  # made-up prompts teach nothing of real acceptance
         prefix, hook = self.scheduler.prefix, self.phase_hook
         self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
-        vocab, ids = self.target.config.vocab_size, []
+        vocab, ids, per_batch = self.target.config.vocab_size, [], []
         try:
             for n in batches:
+                batch_started = time.perf_counter()
                 # first tokens differ, so no two prompts share a page (admission counts shared pages);
                 # 4 to 79 tokens (WARM_UP_PROMPT_MAX: the least pool holds one): a group's rows differ in
                 # length, all within the smallest KV bucket
@@ -347,6 +348,7 @@ class Engine:
                         for i, length in enumerate(lengths)]
                 while self.has_work:
                     self.step()
+                per_batch.append(round(time.perf_counter() - batch_started, 2))
             if sweep:
                 swept = measure_round_costs(self)
         finally:
@@ -356,7 +358,7 @@ class Engine:
             captures = self.stats.graph_captures - kept.graph_captures
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
-        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures)
+        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures, tuple(per_batch))
         log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s", done.requests,
                  ", ".join(map(str, done.batches)), done.graph_captures, done.seconds)
         return done

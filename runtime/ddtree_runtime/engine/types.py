@@ -165,6 +165,7 @@ class WarmUp:
     batches: tuple[int, ...]  # the batch sizes its rounds ran at, one prefill group each
     requests: int
     graph_captures: int
+    per_batch_s: tuple[float, ...] = ()  # seconds each of `batches` took, in order (the first pays the compiles)
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""Where a warm-up's seconds go: Triton compiles, autotuning, CUDA graph captures, the rest.
+
+Used by burst_bench.py around `Engine.warm_up()`. It wraps, for the duration of a `with` block, the
+functions that do each kind of work and charges wall time to the innermost one running (a compile
+inside an autotuner's timing run counts as compile, an autotune inside a capture's eager run counts
+as autotune), so the parts add up to the block's time. A wrapped function that this Triton version
+lacks is left out and named in `missing`. Benchmark tooling, not runtime code."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Callable, Iterator
+
+# (category, module, attribute path): where each kind of warm-up work enters
+HOOKS = (
+    ("triton_compile", "triton.runtime.jit", "JITFunction._do_compile"),
+    ("autotune", "triton.runtime.autotuner", "Autotuner._bench"),
+    ("graph_capture", "ddtree_runtime.engine.graphs", "capture"),
+    ("graph_capture", "ddtree_runtime.engine.tree", "capture"),
+)
+
+
+class WarmUpProfile:
+    """Exclusive seconds per category over one `with profile.active():` block."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.missing: list[str] = []
+        self.total = 0.0
+        self._stack: list[list] = []  # [category, started, child seconds]
+
+    def _timed(self, category: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            frame = [category, time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                spent = time.perf_counter() - frame[1]
+                self.seconds[category] = self.seconds.get(category, 0.0) + spent - frame[2]
+                self.calls[category] = self.calls.get(category, 0) + 1
+                if self._stack:
+                    self._stack[-1][2] += spent
+        return wrapper
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["WarmUpProfile"]:
+        undo = []
+        for category, module_name, path in HOOKS:
+            try:
+                owner = importlib.import_module(module_name)
+                *parents, name = path.split(".")
+                for parent in parents:
+                    owner = getattr(owner, parent)
+                original = getattr(owner, name)
+            except (ImportError, AttributeError):
+                self.missing.append(f"{module_name}.{path}")
+                continue
+            setattr(owner, name, self._timed(category, original))
+            undo.append((owner, name, original))
+        started = time.perf_counter()
+        try:
+            yield self
+        finally:
+            self.total += time.perf_counter() - started
+            for owner, name, original in reversed(undo):
+                setattr(owner, name, original)
+
+    def report(self) -> dict:
+        parts = {k: round(v, 2) for k, v in sorted(self.seconds.items())}
+        parts["rest"] = round(self.total - sum(self.seconds.values()), 2)
+        return {"seconds": round(self.total, 2), "exclusive_s": parts, "calls": dict(sorted(self.calls.items())),
+                "missing": self.missing}

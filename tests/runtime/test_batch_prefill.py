@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine import scheduler
 from ddtree_devtools.tiny_corpus import mixed_prompts
 
 MODES = [("ddtree", 16), ("ar", None), ("dflash", None), ("ddtree", 4)]
@@ -72,3 +73,14 @@ def test_a_row_from_a_reused_prefix_and_a_long_prompt_inside_the_burst(engine, p
     assert engine.stats.prefix_hits > hits, "the follow-up should have reused the first request's row"
     for (prompt, p), out in zip(jobs, outs):
         assert out == alone(engine, prompt, p), f"{p.mode}@{p.tree_budget}, {len(prompt)} tokens"
+
+
+def test_a_lone_prompt_wider_than_a_groups_bias_is_prefilled_alone(engine, prompts, monkeypatch):
+    """A last piece within the step's budget whose own attention bias exceeds a group's (a 32K prompt
+    under a 32K budget; here a limit no piece fits) starts no group: it is one pass, with the tokens
+    served under the real limit (regression: an empty group was passed to the runner)."""
+    prompt, p = max(prompts, key=len), SamplingParams(max_new_tokens=8, mode="ar")
+    expected = alone(engine, prompt, p)
+    monkeypatch.setattr(scheduler, "GROUP_BIAS", 0)
+    outs, passes = burst(engine, [(prompt, p)])
+    assert outs == [expected] and passes == 1

@@ -124,7 +124,7 @@ class Scheduler:
             if piece.ends_prompt:
                 computing.append(req)
             if self._groupable(piece):
-                if not _group_holds(group, piece):
+                if group and not _group_holds(group, piece):  # a piece too wide for a group goes alone
                     batch.prefills.append(group)
                     group = []
                 self.start_running(req)

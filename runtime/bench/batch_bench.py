@@ -289,8 +289,9 @@ def main() -> None:
         print(f"{'case':<14}{'B':>4}{'round ms':>10}{'xB=1':>7}{'nodes':>7}{'admit ms':>10}"
               + "".join(f"{'tok/s@' + str(t):>11}" for t in TAUS) + "".join(f"{p:>8}" for p in phases))
         for r in results:
-            one = next(x for x in results if x["case"] == r["case"] and x["batch"] == 1)
-            print(f"{r['case']:<14}{r['batch']:>4}{r['round_ms']:>10.2f}{r['round_ms'] / one['round_ms']:>7.2f}"
+            one = next((x for x in results if x["case"] == r["case"] and x["batch"] == 1), None)  # None: B=1 not run
+            ratio = f"{r['round_ms'] / one['round_ms']:>7.2f}" if one else f"{'-':>7}"
+            print(f"{r['case']:<14}{r['batch']:>4}{r['round_ms']:>10.2f}{ratio}"
                   f"{r['round_tree_nodes']:>7}{r['admit_ms']:>10.1f}" + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS)
                   + "".join(f"{r['phases_ms'].get(p, 0):>8.2f}" for p in phases))
     out = Path(args.out)

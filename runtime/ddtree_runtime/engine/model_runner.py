@@ -37,11 +37,10 @@ from .types import Batch, BatchStats, Piece, RequestState, Round, StepResult, To
 
 
 # A hybrid target's short pieces at a fixed, graphed shape (fla-core's chunk kernel inside the graph, the
-# padding held out of the recurrent state) have passed the CPU tests against the eager pass but not yet a
-# GPU: its first H200 run (drafter_layout_bench) spent its time autotuning fla's kernels for the padded
-# widths on a cold cache and timed out. On CUDA they run eagerly until prefix_bench.py has measured the
-# graphed form there; DDTREE_HYBRID_SHORT_PREFILL=1 takes it now (to measure it).
-HYBRID_SHORT_PREFILL_ON_GPU = os.environ.get("DDTREE_HYBRID_SHORT_PREFILL") == "1"
+# padding held out of the recurrent state): on the H200 a 27B second turn's ~200 new tokens after a
+# reused 16K prefix took 62 ms this way against 137-155 ms eagerly, with the same first token
+# (docs/performance.md, "Short prompt pieces"). DDTREE_HYBRID_SHORT_PREFILL=0 runs them eagerly on CUDA.
+HYBRID_SHORT_PREFILL_ON_GPU = os.environ.get("DDTREE_HYBRID_SHORT_PREFILL") != "0"
 
 
 class ModelRunner:

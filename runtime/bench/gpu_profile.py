@@ -4,16 +4,21 @@ drafter's pass and the tree build, each replayed many times from its CUDA graph 
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py [--shape qwen3-8b] [--context 512] [--nodes 17]
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py --batch 16 [--mode ar]   # a batched round, all rows decoding
     PYTHONPATH=runtime python runtime/bench/gpu_profile.py --shape qwen3.6-27b --batch 1,8,16   # one build, three steps
+    PYTHONPATH=runtime python runtime/bench/gpu_profile.py --shape qwen3.6-27b --context 16384 --second-turn 200
 
 Prints, per pass, the mean GPU time per replay and the kernels that take it (summed over a replay), and
 writes JSON. With --batch B: B requests decode together and the whole engine step (verify, walks, the
-batched drafter pass, tree builds, commits) is profiled: GPU time per engine phase, then per kernel. Random weights (gpu_bench.build_models): the cost of a pass does not depend on them."""
+batched drafter pass, tree builds, commits) is profiled: GPU time per engine phase, then per kernel.
+With --second-turn N: an agent's second turn, N new tokens after a reused --context prefix, up to its
+first token (issue 38's 40 ms), profiled the same way. Random weights (gpu_bench.build_models): the
+cost of a pass does not depend on them."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -102,6 +107,22 @@ def profile_batched_step(args, batch: int, target, drafter) -> dict:
     for _ in range(6):  # then rounds, every graph of this batch captured
         engine.step()
     torch.cuda.synchronize()
+    phases, total, rows = phase_profile(engine, lambda _: engine.step(), args.reps)
+    print("GPU time per step by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
+                                                      sorted(phases.items(), key=lambda kv: -kv[1])))
+    case = "ar" if args.mode == "ar" else f"{args.mode}@{args.nodes - 1}"
+    print(f"batched step, {batch} requests, {case}, context {args.context}: "
+          f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
+    kinds = print_kinds(rows, args.top)
+    del engine
+    torch.cuda.empty_cache()
+    return {"shape": args.shape, "context": args.context, "batch": batch, "case": case, "gpu_us": total,
+            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows}
+
+
+def phase_profile(engine: Engine, run_once, reps: int) -> tuple[dict[str, float], float, list]:
+    """`reps` calls of run_once under the profiler, each engine phase in a record_function range:
+    GPU microseconds per call by phase, in all, and per kernel (kernel_rows)."""
     ranges: list = []
 
     def enter_phase(name: str) -> None:
@@ -112,8 +133,8 @@ def profile_batched_step(args, batch: int, target, drafter) -> dict:
 
     engine.phase_hook = enter_phase
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.reps):
-            engine.step()
+        for i in range(reps):
+            run_once(i)
             enter_phase("host")
         torch.cuda.synchronize()
         ranges.pop().__exit__(None, None, None)
@@ -121,21 +142,54 @@ def profile_batched_step(args, batch: int, target, drafter) -> dict:
     phases: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
         if ev.key.startswith(PHASE):
-            phases[ev.key[len(PHASE):]] += ev.device_time_total / args.reps
-    print("GPU time per step by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
-                                                      sorted(phases.items(), key=lambda kv: -kv[1])))
-    total, rows = kernel_rows(prof, args.reps)
-    case = "ar" if args.mode == "ar" else f"{args.mode}@{args.nodes - 1}"
-    print(f"batched step, {batch} requests, {case}, context {args.context}: "
-          f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
+            phases[ev.key[len(PHASE):]] += ev.device_time_total / reps
+    total, rows = kernel_rows(prof, reps)
+    return dict(phases), total, rows
+
+
+def print_kinds(rows: list, top: int) -> dict:
     kinds = by_kind(rows)
     print("  by kind: " + ", ".join(f"{k} {us / 1e3:.2f} ms (x{n})" for k, (us, n) in kinds.items()))
-    for kname, us, count in rows[:args.top]:
+    for kname, us, count in rows[:top]:
         print(f"  {us:8.1f} us  x{count:<4} {kname}")
+    return kinds
+
+
+def profile_second_turn(args, target, drafter) -> dict:
+    """A first turn of --context random tokens, cached; then --reps second turns, each that prefix plus
+    --second-turn fresh tokens up to its first token (so each reuses the same prefix and prefills its
+    own new tokens), timed on the host and profiled on the GPU."""
+    new = args.second_turn
+    engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
+                                 dtype="bfloat16", max_context=args.context + 2 * new + 64, max_running=1),
+                    target=target, drafter=drafter)
+    g = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    first = torch.randint(0, vocab - 1, (args.context,), generator=g).tolist()
+    turns = [first + torch.randint(0, vocab - 1, (new,), generator=g).tolist() for _ in range(args.reps + 3)]
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    list(engine.generate(first, params))
+    for turn in turns[:3]:  # this width's graphs captured, its kernels compiled
+        list(engine.generate(turn, params))
+    torch.cuda.synchronize()
+    wall = []
+
+    def once(i: int) -> None:
+        t0 = time.perf_counter()
+        list(engine.generate(turns[3 + i], params))
+        torch.cuda.synchronize()
+        wall.append(1e3 * (time.perf_counter() - t0))
+
+    phases, total, rows = phase_profile(engine, once, args.reps)
+    print("second turn: GPU time by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
+                                                          sorted(phases.items(), key=lambda kv: -kv[1])))
+    print(f"second turn, {new} new tokens after {args.context} reused: host {min(wall):.2f} ms (fastest of "
+          f"{len(wall)}, under the profiler), {total / 1e3:.2f} ms of GPU time, {sum(r[2] for r in rows)} kernels")
+    kinds = print_kinds(rows, args.top)
     del engine
     torch.cuda.empty_cache()
-    return {"shape": args.shape, "context": args.context, "batch": batch, "case": case, "gpu_us": total,
-            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows}
+    return {"shape": args.shape, "context": args.context, "second_turn": new, "host_ms_min": min(wall),
+            "gpu_us": total, "phases_us": phases, "kinds_us": kinds, "kernels": rows}
 
 
 @torch.inference_mode()
@@ -150,10 +204,16 @@ def main() -> None:
                                                 "(a comma list: one step per size, one model build)")
     ap.add_argument("--mode", choices=MODES, default="ddtree",
                     help="--batch: every request's speculative mode")
+    ap.add_argument("--second-turn", type=int, default=0, metavar="N",
+                    help="profile a second turn: N new tokens after a reused --context prefix")
     ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     target, drafter = build_models(args.shape, device, torch.bfloat16)
+    if args.second_turn:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(profile_second_turn(args, target, drafter), indent=2))
+        return
     if args.batch:
         steps = [profile_batched_step(args, int(b), target, drafter) for b in args.batch.split(",")]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

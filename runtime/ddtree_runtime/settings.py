@@ -144,9 +144,9 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             engine=True, metavar="N"),
     Setting("kv_pool_tokens", int, None, "the KV pool's size in tokens, fixed", minimum=1, engine=True, metavar="N",
             default_words="as many as --mem-fraction of the free memory holds"),
-    # vLLM's max_num_batched_tokens, SGLang's chunked_prefill_size. 8192: on the H200 (burst_bench.py) a burst of 16 x 8K prompts (27B) is 1.08x their prefill one by one and a running
-    # request waits at most 1.19x a step's prefill; 4096 misses both, 16384 doubles the wait
-    # (docs/performance.md, "One token budget a step")
+    # vLLM's max_num_batched_tokens, SGLang's chunked_prefill_size. 8192: on the H200 (burst_bench.py)
+    # a burst of 16 x 8K prompts (27B) is 1.08x their prefill one by one and a running request waits at
+    # most 1.19x a step's prefill; 4096 misses both, 16384 doubles the wait (docs/performance.md)
     Setting("max_batched_tokens", int, 8192, "tokens one step computes: the running requests' rounds first, "
             "prompt pieces of waiting requests in the rest, so a long prompt stalls the running ones for at "
             "most one step of this many tokens", minimum=1, engine=True, metavar="N",

@@ -292,7 +292,8 @@ def main() -> None:
             one = next((x for x in results if x["case"] == r["case"] and x["batch"] == 1), None)  # None: B=1 not run
             ratio = f"{r['round_ms'] / one['round_ms']:>7.2f}" if one else f"{'-':>7}"
             print(f"{r['case']:<14}{r['batch']:>4}{r['round_ms']:>10.2f}{ratio}"
-                  f"{r['round_tree_nodes']:>7}{r['admit_ms']:>10.1f}" + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS)
+                  f"{r['round_tree_nodes']:>7}{r['admit_ms']:>10.1f}"
+                  + "".join(f"{r['tokens_per_s_at_tau'][t]:>11.0f}" for t in TAUS)
                   + "".join(f"{r['phases_ms'].get(p, 0):>8.2f}" for p in phases))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--card-mib", type=int, default=97887, help="the card to imitate (RTX PRO 6000: 97887)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on small shapes")
     ap.add_argument("--warm-up-only", action="store_true",
-                    help="stop after the warm-up (run it first with an empty TRITON_CACHE_DIR, then again: cold vs restart)")
+                    help="stop after the warm-up (once with an empty TRITON_CACHE_DIR, then again: a first start "
+                         "against a restart)")
     ap.add_argument("--out", default="bench/results/runtime-burst-bench.json")
     args = ap.parse_args()
     device = torch.device(args.device)

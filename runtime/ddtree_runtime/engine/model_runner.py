@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from ..model.config import Qwen35Config
 from ..model.dflash import DraftInputs, DraftMask
 from ..model.kernels import DECODE_EAGER
 from ..model.layers import TreeInputs
@@ -26,7 +25,7 @@ from . import memory
 from .block_manager import PageTable
 from .draft_cache import DraftCache
 from .graphs import HostRead
-from .kv_cache import KVCache, target_cache
+from .kv_cache import HybridCache, KVCache, target_cache
 from .memory import PoolSizing
 from .pool import KVPool
 from .runner import KV_BUCKET, DraftRunner, PrefillRunner, TargetRunner, TreePass, kv_len_for, prefill_width, tree_bucket
@@ -145,8 +144,8 @@ class ModelRunner:
                                          snapshots=self.pool.prefix is not None, table=self.page_table)
         self.target_runner = TargetRunner(self.target, self.target_cache, self.device, self.block_size - 1,
                                           self.stats)
-        hybrid = isinstance(cfg, Qwen35Config)
         self.prefill_runner = None
+        hybrid = isinstance(self.target_cache, HybridCache)  # as PrefillRunner tells it
         if not hybrid or self.device.type != "cuda" or HYBRID_SHORT_PREFILL_ON_GPU:
             self.prefill_runner = PrefillRunner(self.target, self.target_cache, self.device, self.stats,
                                                 pool=self.target_runner.pool)

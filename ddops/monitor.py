@@ -23,7 +23,7 @@ from .facts import gather
 from .inventory import Host, Inventory
 from .paths import backup_root
 from .preflight import holder_words
-from .remote import check, run_probe, write_file_argv
+from .remote import check, run_probe, write_file
 from .steps.deps import APT_ENV
 from .steps.unit import new_backup_id, render_template
 from .top import targets
@@ -148,7 +148,7 @@ def check_config(executor: Executor, host: Host, found: list[ScrapeTarget]) -> N
     try:
         trial = render(host.name, found, root=folder, config_path=f"{folder}/prometheus.yml")
         for f in trial.files:
-            check(executor.run(host, write_file_argv(f["path"]), stdin=f["text"], timeout=30), f"writing {f['path']}")
+            check(write_file(executor, host, f["path"], f["text"], timeout=30), f"writing {f['path']}")
         result = executor.run(host, ["promtool", "check", "config", f"{folder}/prometheus.yml"], timeout=60)
         check(result, "promtool check config (the rendered Prometheus configuration)")
     finally:
@@ -191,7 +191,7 @@ def refresh_targets(executor: Executor, inventory: Inventory, host: Host,
     written = []
     for job in rendered.jobs:
         text = next(f["text"] for f in rendered.files if f["path"] == job["targets_file"])
-        check(executor.run(host, write_file_argv(job["targets_file"]), stdin=text, timeout=30),
+        check(write_file(executor, host, job["targets_file"], text, timeout=30),
               f"writing {job['targets_file']}")
         written.append(job["targets_file"])
     return {"host": host.name, "files": written, "targets": [f"{t.address}:{t.port}" for t in found],

@@ -55,10 +55,21 @@ def check(result: CommandResult, what: str) -> None:
         raise StepFailed(f"{what} failed on {result.host} (exit {result.exit_code}): {' | '.join(detail)}")
 
 
-def write_file_argv(path: str) -> list[str]:
+def write_file_argv(path: str, size: int) -> list[str]:
     """A command that writes its stdin to `path` on the host atomically (a temp file, then a rename),
-    creating the folder if needed."""
-    return ["bash", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"', "_", path]
+    creating the folder if needed. The rename waits for all `size` bytes: a sender killed mid-push ends
+    the stream early, which `cat` takes for the end of the file, and a short copy must never land."""
+    script = ('mkdir -p "$(dirname "$1")" && cat > "$1.tmp" || exit 1; got=$(stat -c %s "$1.tmp"); '
+              'if [ "$got" != "$2" ]; then rm -f "$1.tmp"; echo "got $got of $2 bytes for $1" >&2; exit 1; fi; '
+              'mv "$1.tmp" "$1"')
+    return ["bash", "-c", script, "_", path, str(size)]
+
+
+def write_file(executor: Executor, host: Host, path: str, data: bytes | str, *,
+               timeout: float | None = None) -> CommandResult:
+    """Push `data` to `path` on host, atomically and only whole (write_file_argv)."""
+    payload = data.encode() if isinstance(data, str) else data
+    return executor.run(host, write_file_argv(path, len(payload)), stdin=payload, timeout=timeout)
 
 
 def journal_argv(unit: str, lines: int = 30) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 from .backups import choose_backup, is_active, new_backup_id, read_manifest, restore_spec
 from .errors import StepFailed
 from .plan import Undo, UndoTarget
-from .remote import run_probe, write_file_argv
+from .remote import run_probe, write_file
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Reinstall(Undo):
         ctx.executor.run(ctx.host, [p["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
                                     "--force-reinstall", "-q", p["wheel"]], timeout=600).check(
             f"reinstalling ddtree-runtime {p['release']} from {p['wheel']}")
-        ctx.executor.run(ctx.host, write_file_argv(p["record"]), stdin=p["record_text"]).check(
+        write_file(ctx.executor, ctx.host, p["record"], p["record_text"]).check(
             "restoring the runtime release record")
         ctx.report["reinstalled"] = p["release"]
 

@@ -13,7 +13,7 @@ from ..paths import RELEASES, release_path
 from ..plan import Operation, PlanContext, RunContext
 from ..profile import Profile
 from ..release import build_wheel
-from ..remote import check, write_file_argv
+from ..remote import check, write_file
 from ..undo import Reinstall
 
 
@@ -54,11 +54,11 @@ class ShipStep:
         ctx.journal.change(self.name, undo=None if previous is None else Reinstall(previous))
         wheel = build_wheel(profile.runtime.ship, release)
         remote = f"{RELEASES}/{release}/{wheel.name}"
-        check(ex.run(host, write_file_argv(remote), stdin=wheel.read_bytes()), "pushing the wheel")
+        check(write_file(ex, host, remote, wheel.read_bytes()), "pushing the wheel")
         check(ex.run(host, [profile.runtime.python, "-m", "pip", "install", "--disable-pip-version-check",
                             "--no-deps", "--force-reinstall", "-q", remote], timeout=600),
               "pip install the runtime wheel")
         record = json.dumps({"release": release, "wheel": wheel.name, "installed_at": time.time()}) + "\n"
-        check(ex.run(host, write_file_argv(release_path(profile.runtime.venv)), stdin=record),
+        check(write_file(ex, host, release_path(profile.runtime.venv), record),
               "recording the release")
         return f"release {release} installed"

@@ -27,11 +27,19 @@ RELEASE = "/opt/ddtree/venv/ddtree-release.json"
 OLD = "0.0.0+old"
 RESET = (f"systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env "
          f"{STATE}/pivot.lock {STATE}/pivot.journal.json /usr/local/bin/rsync; systemctl daemon-reload; "
-         "systemctl reset-failed; systemctl start dflash-train.service; "
-         # the release in place is an older one, whose wheel is kept as ddops keeps what it shipped
-         f"w=$(ls /var/cache/ddops/releases/*/*.whl | grep -v {OLD} | head -n1); mkdir -p /var/cache/ddops/releases/{OLD}; "
-         f"cp -f \"$w\" /var/cache/ddops/releases/{OLD}/; "
-         f"printf '{{\"release\": \"{OLD}\", \"wheel\": \"%s\", \"installed_at\": 0}}\\n' \"$(basename \"$w\")\" > {RELEASE}")
+         "systemctl reset-failed; systemctl start dflash-train.service")
+
+
+def older_release(wheel: str) -> str:
+    """The release in place made an older one, whose wheel is kept as ddops keeps what it shipped: a copy
+    of `wheel` (the one this module's first pivot shipped), checked whole, as a rollback reinstalls it."""
+    copy = f"/var/cache/ddops/releases/{OLD}/{wheel.rsplit('/', 1)[1]}"
+    return (f"mkdir -p $(dirname {copy}) && cp -f {wheel} {copy} && cmp {wheel} {copy} && "
+            f"python3 -m zipfile -t {copy} >/dev/null && "
+            f"printf '{{\"release\": \"{OLD}\", \"wheel\": \"%s\", \"installed_at\": 0}}\\n' "
+            f"$(basename {copy}) > {RELEASE}")
+
+
 # What "the state from before the pivot" is: the unit and env files, the release record, what runs.
 SNAPSHOT = (f"for f in /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env {RELEASE}; do "
             "if [ -e $f ]; then echo $f=$(sha256sum < $f | cut -c1-16); else echo $f=absent; fi; done; "
@@ -74,19 +82,24 @@ def fresh(lab, tmp_path_factory):
     folder = tmp_path_factory.mktemp("recovery")
     profile = variant(folder, "recovery", {"training.grace_s": 5, "training.checkpoint_wait_s": 5,
                                            "health.deadline_s": 120}, base=PROFILE)
-    sh(lab, "ct200", RESET.split("; w=")[0])
+    sh(lab, "ct200", RESET)
     done, report = pivot(lab, profile)   # the wheel, the models and the packages in place once
     assert done.returncode == 0, report
+    shipped = json.loads(sh(lab, "ct200", f"cat {RELEASE}"))
+    wheel = f"/var/cache/ddops/releases/{shipped['release']}/{shipped['wheel']}"
 
     def reset() -> dict[str, str]:
         sh(lab, "ct200", RESET)
+        made = lab.ssh("ct200", older_release(wheel))
+        assert made.returncode == 0, f"the older release could not be put in place: {made.stderr}" + sh(
+            lab, "ct200", "df -h /var/cache/ddops")
         assert wait_for(lambda: "active" == sh(lab, "ct200", "systemctl is-active dflash-train.service").strip(), 30)
         state = snapshot(lab)
         assert state["ddtree"] != "active" and state["training"] == "active" and not state["lock"], state
         return state
 
     yield {"profile": profile, "folder": folder, "reset": reset}
-    sh(lab, "ct200", RESET.split("; w=")[0])
+    sh(lab, "ct200", RESET)
     target = os.environ.get("DDOPS_RECOVERY_FIGURES")
     if target and MATRIX:
         with open(target, "w") as fh:

@@ -290,7 +290,8 @@ def test_a_rollback_reinstalls_the_previous_release_before_it_restarts_anything(
     assert report["outcome"] == "rolled-back" and report["rollback"]["reinstalled"] == "0.1.0+old"
     shown = [" ".join(c) for c in ex.commands]
     pip = next(i for i, c in enumerate(shown) if "pip install" in c and "/var/cache/w.whl" in c)
-    record = next(i for i, c in enumerate(shown) if c.endswith("/opt/ddtree/venv/ddtree-release.json"))
+    record = next(i for i, c in enumerate(shown)   # the record written whole: its path, then its size
+                  if c.endswith(f"/opt/ddtree/venv/ddtree-release.json {len(previous['record_text'])}"))
     restore = next(i for i, c in enumerate(shown) if c.startswith("unitfile"))  # the backup's list, then restore
     assert pip < record < restore, shown
 

@@ -16,6 +16,7 @@ from ddops.hostlock import lock_problem
 from ddops.inventory import load_inventory
 from ddops.preflight import RUNTIME_TARGETS, check_models, check_port
 from ddops.profile import load_profile
+from ddops.remote import write_file_argv
 from ddops.backups import restore_spec
 from ddops.steps.deps import pip_argv, plan_deps
 from ddops.steps.ship import plan_ship
@@ -334,6 +335,21 @@ def test_plan_ship(profile):
 
 
 # -- start -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sent, lands", [(b"whole wheel bytes", True), (b"whole wh", False)])
+def test_a_pushed_file_lands_only_whole(tmp_path, sent, lands):
+    """A sender killed mid-push closes the stream early; what arrived must not replace the file."""
+    import subprocess
+
+    target = tmp_path / "releases" / "r1" / "x.whl"
+    done = subprocess.run(write_file_argv(str(target), len(b"whole wheel bytes")), input=sent, capture_output=True)
+    assert (done.returncode == 0) == lands and target.exists() == lands, done.stderr
+    assert not (tmp_path / "releases" / "r1" / "x.whl.tmp").exists()
+    if lands:
+        assert target.read_bytes() == sent
+    else:
+        assert b"got 8 of 17 bytes" in done.stderr
+
 
 def test_start_nothing_changed_nothing_restarts(profile):
     units = {"ddtree.service": {"ActiveState": "active", "UnitFileState": "enabled"}}

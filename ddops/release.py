@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from .errors import StepFailed
@@ -34,8 +35,10 @@ def release_id(package_dir: str) -> str:
 def build_wheel(package_dir: str, release: str) -> Path:
     out = cache_root() / "releases" / release
     wheels = list(out.glob("*.whl")) if out.is_dir() else []
-    if wheels:
+    if wheels and whole(wheels[0]):
         return wheels[0]
+    for stale in wheels:    # a build killed while it wrote: built again
+        stale.unlink()
     out.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(out), package_dir], capture_output=True, text=True, timeout=600)
@@ -43,3 +46,12 @@ def build_wheel(package_dir: str, release: str) -> Path:
     if done.returncode != 0 or not wheels:
         raise StepFailed(f"building the runtime wheel failed: {done.stderr.strip()[-300:]}")
     return wheels[0]
+
+
+def whole(wheel: Path) -> bool:
+    """Whether a cached wheel reads back whole (every member's CRC)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return zf.testzip() is None
+    except (zipfile.BadZipFile, OSError):
+        return False

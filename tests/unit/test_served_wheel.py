@@ -41,3 +41,20 @@ def test_the_release_id_ignores_devtools(tmp_path):
     assert source_digest(str(src)) == before
     (src / "ddtree_runtime" / "server" / "worker.py").write_text("# changed\n")
     assert source_digest(str(src)) != before
+
+
+def test_a_cached_wheel_cut_short_is_built_again(tmp_path, monkeypatch):
+    """A `pip wheel` killed while it wrote leaves part of a wheel in the cache: shipping it would fail on
+    every host, so the cache keeps only wheels that read back whole."""
+    from ddops.release import build_wheel, release_id, whole
+
+    monkeypatch.setenv("DDOPS_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "runtime"
+    shutil.copytree(RUNTIME, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "devtools"))
+    release = release_id(str(src))
+    wheel = build_wheel(str(src), release)
+    good = wheel.read_bytes()
+    wheel.write_bytes(good[: len(good) // 2])
+    assert not whole(wheel)
+    again = build_wheel(str(src), release)
+    assert whole(again) and again.read_bytes()[:4] == b"PK\x03\x04" and len(again.read_bytes()) == len(good)

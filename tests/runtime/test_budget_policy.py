@@ -106,6 +106,19 @@ def test_calibration_scales_the_forecast_to_what_was_accepted():
     assert Acceptance().expected(prior) == pytest.approx((1.0, 2.0, 2.0, 2.0))  # a newcomer: everyone's
 
 
+def test_a_newcomer_starts_from_a_typical_request_not_the_last_row():
+    """The engine-wide outlook is the round's rows' mean curve (blended over rounds): one row stuck on
+    hard text at the end of a batch must not open the next batch with AR rounds."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
+    reqs = [_Req("ddtree", 16) for _ in range(4)]
+    easy, hard = [1.0, 4.0, 7.0, 12.0], [0.5, 1.0, 1.0, 1.0]
+    for _ in range(10):   # rounds of three easy rows and, last, a hard one
+        policy.observe(reqs, [16] * 4, [((), 12, None)] * 3 + [((), 1, None)], [easy + [12.0]] * 3 + [hard + [1.0]])
+    newcomer = Acceptance().expected(policy.prior)
+    assert newcomer[-1] == pytest.approx(0.75 * 12.0 + 0.25 * 1.0, rel=0.05)   # each accepts what it forecast
+    assert reqs[3].acceptance.expected(policy.prior)[-1] < 2 < 8 < newcomer[-1]   # the hard row keeps its own
+
+
 def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes():
     torch.manual_seed(0)
     drafts = torch.randn(2, 3, 7) * 3                     # 2 drafts, depths 1..3, 7 tokens

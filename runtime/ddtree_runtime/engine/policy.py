@@ -79,9 +79,19 @@ class Acceptance:
             return 1.0
         return min(max(self.accepted / self.forecast, SCALE_RANGE[0]), SCALE_RANGE[1])
 
-    def observe(self, curve: Sequence[float], forecast: float, accepted: int) -> None:
+    def observe(self, curve: Sequence[float], forecast: float, accepted: float) -> None:
         """A round's tree: the new forecast curve, and what was forecast for and accepted of the tree run."""
         self.curve = tuple(curve)
+        self.accepted = DECAY * self.accepted + accepted
+        self.forecast = DECAY * self.forecast + forecast
+
+    def observe_round(self, curves: Sequence[Sequence[float]], forecast: float, accepted: float) -> None:
+        """Every chosen row's tree of a round (the engine-wide outlook a newcomer starts from): the rows'
+        mean curve, blended into the ones before (DECAY a round), so that it is a typical request's, not
+        the last row's (a row stuck on hard text at the end of a batch would hand every newcomer its
+        1-token forecast, and the next batch would open with AR rounds); the totals as `observe`."""
+        mean = tuple(sum(c[k] for c in curves) / len(curves) for k in range(len(curves[0])))
+        self.curve = mean if self.curve is None else tuple(DECAY * o + (1 - DECAY) * m for o, m in zip(self.curve, mean))
         self.accepted = DECAY * self.accepted + accepted
         self.forecast = DECAY * self.forecast + forecast
 
@@ -308,9 +318,13 @@ class BudgetPolicy:
         """A round's outcome: each chosen row that ran a tree gets its new forecast and calibration.
         rounds[i]: (tokens, accepted, logprobs); forecasts[i]: the drafter's forecast at each candidate,
         then at the budget run (None: no tree)."""
+        curves, ran_total, accepted_total = [], 0.0, 0
         for req, budget, (_, accepted, _), fc in zip(reqs, budgets, rounds, forecasts):
             if fc is None or budget == AR or not self.chooses(req):
                 continue
             curve, ran = fc[:-1], fc[-1]
             req.acceptance.observe(curve, ran, accepted)
-            self.prior.observe(curve, ran, accepted)
+            curves.append(curve)
+            ran_total, accepted_total = ran_total + ran, accepted_total + accepted
+        if curves:
+            self.prior.observe_round(curves, ran_total, accepted_total)

@@ -119,6 +119,24 @@ def test_a_newcomer_starts_from_a_typical_request_not_the_last_row():
     assert reqs[3].acceptance.expected(policy.prior)[-1] < 2 < 8 < newcomer[-1]   # the hard row keeps its own
 
 
+def test_a_low_forecast_ages_toward_the_outlook_over_ar_rounds():
+    """AR rounds forecast nothing: a row's last forecast (of a tree that failed on a hard token) ages
+    toward the engine-wide outlook each AR round, so a tree round looks again after a few of them."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
+    reqs = [_Req("ddtree", 16) for _ in range(2)]
+    policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], [[1.0, 4.0, 7.0, 12.0, 12.0], [0.5, 1.0, 1.0, 1.0, 1.0]])
+    stuck = reqs[1].acceptance
+    before = stuck.expected(policy.prior)[-1]
+    seen = []
+    for _ in range(3):
+        policy.observe(reqs, [AR, AR], [((), 0, None)] * 2, [None, None])
+        seen.append(stuck.expected(policy.prior)[-1])
+    assert before < seen[0] < seen[1] < seen[2] < policy.prior.curve[-1] * 1.2
+    assert seen[2] > 3 * before   # three AR rounds: half-way to the outlook
+    policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], [[1.0, 4.0, 7.0, 12.0, 12.0], [0.5, 1.0, 1.0, 1.0, 1.0]])
+    assert stuck.expected(policy.prior)[-1] < 2     # a tree round's own forecast replaces it
+
+
 def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes():
     torch.manual_seed(0)
     drafts = torch.randn(2, 3, 7) * 3                     # 2 drafts, depths 1..3, 7 tokens

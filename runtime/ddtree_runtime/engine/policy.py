@@ -11,7 +11,8 @@ By cost, each round picks the budget that maximises the batch's expected tokens 
   features, so a later tree round drafts from a complete context).
 - E_i(b), the accepted draft tokens request i expects at budget b, is its drafter's own forecast (the
   sum of the path probabilities of the b best nodes of its last tree, forecast.py) times its calibration
-  (what it accepted over what was forecast for the trees it ran, `Acceptance`).
+  (what it accepted over what was forecast for the trees it ran, `Acceptance`). Over AR rounds, which
+  forecast nothing, it ages toward the engine-wide outlook (the rows' mean, a newcomer's start).
 
 A round verifies every row at one padded tree bucket, so every row gets the round's budget (its own
 cap permitting): a smaller tree for one row saves nothing. AR is a candidate whenever every drafting row
@@ -84,6 +85,14 @@ class Acceptance:
         self.curve = tuple(curve)
         self.accepted = DECAY * self.accepted + accepted
         self.forecast = DECAY * self.forecast + forecast
+
+    def relax(self, prior: Acceptance) -> None:
+        """An AR round: no tree, so no new forecast; the last one ages toward the engine-wide outlook
+        (DECAY a round). A row's low forecast is of the tree that failed on a hard token, and the text
+        after it is often easy again; the rows left at a batch's end stayed on AR for 8-10 rounds on the
+        tiny pair while a tree round would have accepted 8-11 tokens each."""
+        if self.curve is not None and prior.curve is not None:
+            self.curve = tuple(DECAY * o + (1 - DECAY) * p for o, p in zip(self.curve, prior.curve))
 
     def observe_round(self, curves: Sequence[Sequence[float]], forecast: float, accepted: float) -> None:
         """Every chosen row's tree of a round (the engine-wide outlook a newcomer starts from): the rows'
@@ -320,6 +329,8 @@ class BudgetPolicy:
         then at the budget run (None: no tree)."""
         curves, ran_total, accepted_total = [], 0.0, 0
         for req, budget, (_, accepted, _), fc in zip(reqs, budgets, rounds, forecasts):
+            if budget == AR and self.chooses(req):
+                req.acceptance.relax(self.prior)
             if fc is None or budget == AR or not self.chooses(req):
                 continue
             curve, ran = fc[:-1], fc[-1]

@@ -59,7 +59,8 @@ def write_file_argv(path: str, size: int) -> list[str]:
     """A command that writes its stdin to `path` on the host atomically (a temp file, then a rename),
     creating the folder if needed. The rename waits for all `size` bytes: a sender killed mid-push ends
     the stream early, which `cat` takes for the end of the file, and a short copy must never land."""
-    script = ('mkdir -p "$(dirname "$1")" && cat > "$1.tmp" || exit 1; got=$(stat -c %s "$1.tmp"); '
+    script = ('mkdir -p "$(dirname "$1")" || exit 1; cat > "$1.tmp" || { rm -f "$1.tmp"; exit 1; }; '
+              'got=$(stat -c %s "$1.tmp"); '
               'if [ "$got" != "$2" ]; then rm -f "$1.tmp"; echo "got $got of $2 bytes for $1" >&2; exit 1; fi; '
               'mv "$1.tmp" "$1"')
     return ["bash", "-c", script, "_", path, str(size)]

@@ -318,17 +318,34 @@ def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
     policy.last_round = 16
     assert policy.budgets(reqs) == [16, 16]                 # AR predicts the same: no switch
     policy.costs.observe(2, 1, 0.009, 10, 20)
-    policy.costs.observe(2, 1, 0.009, 10, 20)               # AR now 9 ms: 11% better, past the hysteresis
+    policy.costs.observe(2, 1, 0.009, 10, 20)               # AR now 9 ms: 11% better, past the hysteresis,
+    assert policy.budgets(reqs) == [16, 16]                 # but back to trees costs a drafter pass (11 ms / 8)
+    policy.costs.observe(2, 1, 0.007, 10, 20)
+    policy.costs.observe(2, 1, 0.007, 10, 20)               # AR 7 ms: better by more than that
     assert policy.budgets(reqs) == [AR, AR]
+
+
+def test_rows_that_must_draft_again_pay_no_switch_back():
+    """After AR rounds the rows have no draft: a tree round pays the drafter pass, AR does not."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
+    policy.costs = CostModel.of_table(costs(2, {1: 9, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)
+    policy.last_round = 16
+    assert policy.budgets(reqs) == [16, 16] and policy.last.rates[AR] == pytest.approx(2 / (0.009 + 0.011 / 8))
+    for r in reqs:
+        r.drafted = None
+    assert policy.budgets(reqs) == [AR, AR] and policy.last.rates[AR] == pytest.approx(2 / 0.009)
 
 
 def test_near_candidates_are_timed_again_now_and_then():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
-    ms = {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}
+    ms = {1: 9, 2: 20, 5: 20, 9: 20, 17: 20}
     policy.costs = CostModel.of_table(costs(2, ms).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
-    for r in reqs:  # 16 predicts 230 tok/s; AR, 4 and 8 200 (within PROBE_WITHIN), 1 150
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.3), 1.3, 1.3)
+    for r in reqs:  # 16 predicts 220 tok/s; 4 and 8 200, AR 193 (9 ms and the drafter pass back to trees
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.2), 1.2, 1.2)   # over 8 rounds): within PROBE_WITHIN; 1 150
     chosen = []
     for _ in range(200):
         budgets = policy.budgets(reqs)

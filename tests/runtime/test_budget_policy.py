@@ -124,7 +124,8 @@ def test_a_low_forecast_ages_toward_the_outlook_over_ar_rounds():
     toward the engine-wide outlook each AR round, so a tree round looks again after a few of them."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
     reqs = [_Req("ddtree", 16) for _ in range(2)]
-    policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], [[1.0, 4.0, 7.0, 12.0, 12.0], [0.5, 1.0, 1.0, 1.0, 1.0]])
+    trees = [[1.0, 4.0, 7.0, 12.0, 12.0], [0.5, 1.0, 1.0, 1.0, 1.0]]   # an easy row's forecast, a stuck one's
+    policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], trees)
     stuck = reqs[1].acceptance
     before = stuck.expected(policy.prior)[-1]
     seen = []
@@ -133,7 +134,7 @@ def test_a_low_forecast_ages_toward_the_outlook_over_ar_rounds():
         seen.append(stuck.expected(policy.prior)[-1])
     assert before < seen[0] < seen[1] < seen[2] < policy.prior.curve[-1] * 1.2
     assert seen[2] > 3 * before   # three AR rounds: half-way to the outlook
-    policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], [[1.0, 4.0, 7.0, 12.0, 12.0], [0.5, 1.0, 1.0, 1.0, 1.0]])
+    policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], trees)
     assert stuck.expected(policy.prior)[-1] < 2     # a tree round's own forecast replaces it
 
 

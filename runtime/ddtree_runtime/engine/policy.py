@@ -80,7 +80,7 @@ class Acceptance:
             return 1.0
         return min(max(self.accepted / self.forecast, SCALE_RANGE[0]), SCALE_RANGE[1])
 
-    def observe(self, curve: Sequence[float], forecast: float, accepted: float) -> None:
+    def observe(self, curve: Sequence[float], forecast: float, accepted: int) -> None:
         """A round's tree: the new forecast curve, and what was forecast for and accepted of the tree run."""
         self.curve = tuple(curve)
         self.accepted = DECAY * self.accepted + accepted
@@ -100,7 +100,8 @@ class Acceptance:
         the last row's (a row stuck on hard text at the end of a batch would hand every newcomer its
         1-token forecast, and the next batch would open with AR rounds); the totals as `observe`."""
         mean = tuple(sum(c[k] for c in curves) / len(curves) for k in range(len(curves[0])))
-        self.curve = mean if self.curve is None else tuple(DECAY * o + (1 - DECAY) * m for o, m in zip(self.curve, mean))
+        old = self.curve or mean
+        self.curve = tuple(DECAY * o + (1 - DECAY) * m for o, m in zip(old, mean))
         self.accepted = DECAY * self.accepted + accepted
         self.forecast = DECAY * self.forecast + forecast
 

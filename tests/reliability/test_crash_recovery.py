@@ -33,11 +33,11 @@ RESET = (f"systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddt
 def older_release(wheel: str) -> str:
     """The release in place made an older one, whose wheel is kept as ddops keeps what it shipped: a copy
     of `wheel` (the one this module's first pivot shipped), checked whole, as a rollback reinstalls it."""
-    copy = f"/var/cache/ddops/releases/{OLD}/{wheel.rsplit('/', 1)[1]}"
-    return (f"mkdir -p $(dirname {copy}) && cp -f {wheel} {copy} && cmp {wheel} {copy} && "
-            f"python3 -m zipfile -t {copy} >/dev/null && "
-            f"printf '{{\"release\": \"{OLD}\", \"wheel\": \"%s\", \"installed_at\": 0}}\\n' "
-            f"$(basename {copy}) > {RELEASE}")
+    name = wheel.rsplit("/", 1)[1]
+    folder = f"/var/cache/ddops/releases/{OLD}"
+    record = json.dumps({"release": OLD, "wheel": name, "installed_at": 0})
+    return (f"mkdir -p {folder} && cp -f {wheel} {folder}/ && cmp {wheel} {folder}/{name} && "
+            f"python3 -m zipfile -t {folder}/{name} >/dev/null && echo '{record}' > {RELEASE}")
 
 
 # What "the state from before the pivot" is: the unit and env files, the release record, what runs.

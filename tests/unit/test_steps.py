@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -339,8 +340,6 @@ def test_plan_ship(profile):
 @pytest.mark.parametrize("sent, lands", [(b"whole wheel bytes", True), (b"whole wh", False)])
 def test_a_pushed_file_lands_only_whole(tmp_path, sent, lands):
     """A sender killed mid-push closes the stream early; what arrived must not replace the file."""
-    import subprocess
-
     target = tmp_path / "releases" / "r1" / "x.whl"
     done = subprocess.run(write_file_argv(str(target), len(b"whole wheel bytes")), input=sent, capture_output=True)
     assert (done.returncode == 0) == lands and target.exists() == lands, done.stderr

@@ -66,6 +66,11 @@ def candidate_budgets(cap: int) -> tuple[int, ...]:
     return tuple(sorted({b - 1 for b in TREE_BUCKETS if 1 < b <= cap} | {cap}))
 
 
+def _toward(curve: Sequence[float], target: Sequence[float]) -> tuple[float, ...]:
+    """`curve` moved one round's step (1 - DECAY) toward `target`."""
+    return tuple(DECAY * c + (1 - DECAY) * t for c, t in zip(curve, target))
+
+
 @dataclass
 class Acceptance:
     """A request's acceptance outlook: its drafter's forecast of accepted draft tokens at each candidate
@@ -92,7 +97,7 @@ class Acceptance:
         after it is often easy again; the rows left at a batch's end stayed on AR for 8-10 rounds on the
         tiny pair while a tree round would have accepted 8-11 tokens each."""
         if self.curve is not None and prior.curve is not None:
-            self.curve = tuple(DECAY * o + (1 - DECAY) * p for o, p in zip(self.curve, prior.curve))
+            self.curve = _toward(self.curve, prior.curve)
 
     def observe_round(self, curves: Sequence[Sequence[float]], forecast: float, accepted: float) -> None:
         """Every chosen row's tree of a round (the engine-wide outlook a newcomer starts from): the rows'
@@ -100,10 +105,7 @@ class Acceptance:
         the last row's (a row stuck on hard text at the end of a batch would hand every newcomer its
         1-token forecast, and the next batch would open with AR rounds); the totals as `observe`."""
         mean = tuple(sum(c[k] for c in curves) / len(curves) for k in range(len(curves[0])))
-        old = self.curve or mean
-        self.curve = tuple(DECAY * o + (1 - DECAY) * m for o, m in zip(old, mean))
-        self.accepted = DECAY * self.accepted + accepted
-        self.forecast = DECAY * self.forecast + forecast
+        self.observe(_toward(self.curve or mean, mean), forecast, accepted)
 
     def expected(self, prior: Acceptance) -> tuple[float, ...] | None:
         """Expected accepted draft tokens at each candidate (the engine-wide outlook until it has its own)."""
@@ -238,9 +240,10 @@ class BudgetPolicy:
         stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first
         batch = batch_bucket(len(reqs), self.slots)
         costs = self.costs.at(batch, *self._contexts(reqs))
+        redraft = costs.refresh(batch)   # paid by the next tree round if stale, else by leaving trees now
         choice = best_budget(costs, batch, expected, left, self.candidates, floor_nodes=floor, ar=ar,
-                             refresh=costs.refresh(batch) if stale else 0.0,
-                             leave=0.0 if stale else costs.refresh(batch), node_cap=self.round_nodes)
+                             refresh=redraft if stale else 0.0, leave=0.0 if stale else redraft,
+                             node_cap=self.round_nodes)
         if choice is None:
             return None
         choice = self._steady(choice)

@@ -161,8 +161,10 @@ def profile_second_turn(args, target, drafter) -> dict:
     own new tokens), timed on the host and profiled on the GPU."""
     new = args.second_turn
     engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=args.nodes - 1, device="cuda",
-                                 dtype="bfloat16", max_context=args.context + 2 * new + 64, max_running=1),
+                                 dtype="bfloat16", max_context=args.context + 2 * new + 64, max_running=2),
                     target=target, drafter=drafter)
+    # Two rows: with one, each second turn's cached state (kept at its own prompt's end) took the first
+    # turn's place, and the next second turn reused nothing (session 14's H200 run profiled a full prefill).
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     first = torch.randint(0, vocab - 1, (args.context,), generator=g).tolist()
@@ -174,13 +176,19 @@ def profile_second_turn(args, target, drafter) -> dict:
     torch.cuda.synchronize()
     wall = []
 
+    reused = []
+
     def once(i: int) -> None:
+        before = engine.stats.prefix_tokens_saved
         t0 = time.perf_counter()
         list(engine.generate(turns[3 + i], params))
         torch.cuda.synchronize()
         wall.append(1e3 * (time.perf_counter() - t0))
+        reused.append(engine.stats.prefix_tokens_saved - before)
 
     phases, total, rows = phase_profile(engine, once, args.reps)
+    if min(reused) < args.context - 64:
+        sys.exit(f"a second turn reused only {min(reused)} of {args.context} tokens: not the case to profile")
     print("second turn: GPU time by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
                                                           sorted(phases.items(), key=lambda kv: -kv[1])))
     print(f"second turn, {new} new tokens after {args.context} reused: host {min(wall):.2f} ms (fastest of "
@@ -188,7 +196,8 @@ def profile_second_turn(args, target, drafter) -> dict:
     kinds = print_kinds(rows, args.top)
     del engine
     torch.cuda.empty_cache()
-    return {"shape": args.shape, "context": args.context, "second_turn": new, "host_ms_min": min(wall),
+    return {"shape": args.shape, "context": args.context, "second_turn": new, "reused": reused,
+            "host_ms_min": min(wall),
             "gpu_us": total, "phases_us": phases, "kinds_us": kinds, "kernels": rows}
 
 

@@ -551,6 +551,8 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
         # the squaring solve: the same within its wider error where keys align
         case(3, 4, 17, 16, 16, False, True, small._replace(squaring=True))
         case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch())          # the default: squaring, blocks wider than dk
+        # the output's products at another precision than u's (the interpreter computes both in float32)
+        case(2, 2, 17, 16, 32, False, True, small._replace(squaring=True, output_precision="tf32"))
 
         # the gates made in the kernel from the in-projection's 16-bit columns, as the layer makes them in
         # torch (float16 here: the interpreter truncates casts to bfloat16 where the GPU rounds, like

@@ -125,9 +125,11 @@ if triton is not None:
                            s_mb, s_mi, s_mj, s_ub, s_uh, s_ut, s_ud, s_Gb, s_Gh, s_Gt, T, H,
                            DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, RAW_GATES: tl.constexpr,
-                           PRECISION: tl.constexpr, SQUARING: tl.constexpr):
+                           PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr, SQUARING: tl.constexpr):
         # one (sequence, value head)'s whole tree for BV columns of dv: the state's [dk, BV] columns read
-        # once, everything else [BT, BT] or [BT, BV] in registers
+        # once, everything else [BT, BT] or [BT, BV] in registers. PRECISION for the products that make u
+        # (the commit folds u into the state, so its error stays); OUT_PRECISION for those that only make
+        # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits
         pid = tl.program_id(0)
         b = (pid // H).to(tl.int64)
         h = (pid % H).to(tl.int64)
@@ -159,11 +161,11 @@ if triton is not None:
             qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
                          mask=live[:, None], other=0.0)
             kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
-            qk += tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+            qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
             if HAS_STATE:
                 s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
                 ks += tl.dot(kc, s0, input_precision=PRECISION)
-                qs += tl.dot(qc, s0, input_precision=PRECISION)
+                qs += tl.dot(qc, s0, input_precision=OUT_PRECISION)
         strict = on_path & (node[:, None] != node[None, :])
         a = tl.where(strict, kk * decay * beta[:, None], 0.0)
         v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
@@ -189,7 +191,7 @@ if triton is not None:
                 a_i = tl.sum(tl.where(row, a, 0.0), axis=0)                   # A[i, :], over j
                 u_i = tl.sum(tl.where(row, rhs, 0.0), axis=0) - tl.sum(a_i[:, None] * u, axis=0)
                 u = tl.where(row, u_i[None, :], u)
-        out = tl.dot(qk * decay, u, input_precision=PRECISION)
+        out = tl.dot(qk * decay, u, input_precision=OUT_PRECISION)
         if HAS_STATE:
             out += grow * qs
         tl.store(out_ptr + ((b * H + h) * T + node[:, None]) * DV + cols[None, :], out, mask=live[:, None])
@@ -272,7 +274,9 @@ class TreeDeltaLaunch(NamedTuple):
     """A program per (sequence, value head, BLOCK_V columns of dv), the dk reduction in BLOCK_K chunks,
     `warps` for trees of up to 32 nodes (twice as many for 64);
     `precision`: Triton's float32 dot ("tf32x3": three TF32 products, about float32's error on the tensor
-    cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative); `squaring`: solve the
+    cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative) for the products that make u,
+    which the commit folds into the state; `output_precision` (None: the same) for those that make only
+    the pass's output, which the layer rounds to 16 bits after its norm; `squaring`: solve the
     triangular system by repeated squaring (log2 T products) rather than by substitution (T steps).
     The default is the fastest of gdn_tree_bench.py's 20 launches on the H200 at 1, 8 and 16 rows of
     17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7, error 3e-7)."""
@@ -281,6 +285,7 @@ class TreeDeltaLaunch(NamedTuple):
     warps: int = 4
     precision: str = "tf32x3"
     squaring: bool = True
+    output_precision: str | None = None
 
 
 # Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves
@@ -333,5 +338,6 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         *u.stride(), *pathsum.stride(), t, h,
         DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
         HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
-        SQUARING=launch.squaring, num_warps=launch.warps * max(1, block_t // 32))
+        OUT_PRECISION=launch.output_precision or launch.precision, SQUARING=launch.squaring,
+        num_warps=launch.warps * max(1, block_t // 32))
     return out, u, pathsum

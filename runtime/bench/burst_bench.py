@@ -129,8 +129,13 @@ def main() -> None:
     report["warm_up"] = {"seconds": round(warm.seconds, 1), "graph_captures": warm.graph_captures,
                          "batches": list(warm.batches), "per_batch_s": list(warm.per_batch_s),
                          "profile": profile.report()}
+    where = profile.report()
+    kernels = where.pop("by_kernel")
     print(f"warm-up: {warm.seconds:.1f} s, {warm.graph_captures} graphs; by batch size "
-          f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {profile.report()}", flush=True)
+          f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {where}", flush=True)
+    for category in ("triton_compile", "autotune"):
+        print(f"  {category}, by kernel (s, calls): " + ", ".join(
+            f"{name} {sec} x{n}" for name, (sec, n) in list(kernels.get(category, {}).items())[:16]), flush=True)
     save()
     if args.warm_up_only:
         return

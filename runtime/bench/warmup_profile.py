@@ -28,6 +28,7 @@ class WarmUpProfile:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.by_kernel: dict[str, dict[str, list]] = {}  # category -> kernel -> [exclusive seconds, calls]
         self.missing: list[str] = []
         self.total = 0.0
         self._stack: list[list] = []  # [category, started, child seconds]
@@ -43,6 +44,9 @@ class WarmUpProfile:
                 spent = time.perf_counter() - frame[1]
                 self.seconds[category] = self.seconds.get(category, 0.0) + spent - frame[2]
                 self.calls[category] = self.calls.get(category, 0) + 1
+                kernel = self.by_kernel.setdefault(category, {}).setdefault(kernel_name(args), [0.0, 0])
+                kernel[0] += spent - frame[2]
+                kernel[1] += 1
                 if self._stack:
                     self._stack[-1][2] += spent
         return wrapper
@@ -73,5 +77,16 @@ class WarmUpProfile:
     def report(self) -> dict:
         parts = {k: round(v, 2) for k, v in sorted(self.seconds.items())}
         parts["rest"] = round(self.total - sum(self.seconds.values()), 2)
+        kernels = {category: {name: [round(sec, 2), n] for name, (sec, n) in
+                              sorted(rows.items(), key=lambda kv: -kv[1][0])}
+                   for category, rows in self.by_kernel.items()}
         return {"seconds": round(self.total, 2), "exclusive_s": parts, "calls": dict(sorted(self.calls.items())),
-                "missing": self.missing}
+                "by_kernel": kernels, "missing": self.missing}
+
+
+def kernel_name(args: tuple) -> str:
+    """The Triton kernel a hooked method ran for (its `self`: a JITFunction or an Autotuner), or the
+    function's own name for the captures."""
+    owner = args[0] if args else None
+    fn = getattr(owner, "base_fn", None) or getattr(owner, "fn", None)
+    return getattr(fn, "__name__", None) or type(owner).__name__

@@ -138,7 +138,7 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
     torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
     case = {"torch_f32_error": relative_error(torch32, want), "torch_us": measure(
         lambda: gated_delta_torch(q, k, v, g, beta, state, paths), device), "launches": {}}
-    for launch in [TreeDeltaLaunch()] + LAUNCHES:
+    for launch in [gdn_kernels.TREE_DELTA_LAUNCH] + LAUNCHES:
         name = launch_name(launch)
         if name in case["launches"]:
             continue
@@ -152,8 +152,8 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
             case["launches"][name] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
         if device.type != "cuda":
             break  # the interpreter: the default launch only
-    default = case["launches"][launch_name(TreeDeltaLaunch())]
-    case["default"] = launch_name(TreeDeltaLaunch())
+    default = case["launches"][launch_name(gdn_kernels.TREE_DELTA_LAUNCH)]
+    case["default"] = launch_name(gdn_kernels.TREE_DELTA_LAUNCH)
     case["ok"] = qualifies(default)
     timed = {n: r for n, r in case["launches"].items() if qualifies(r)}
     case["best"] = min(timed, key=lambda n: timed[n]["us"]) if timed else None

@@ -288,6 +288,9 @@ class TreeDeltaLaunch(NamedTuple):
     output_precision: str | None = None
 
 
+# The launch the layers run (a benchmark may swap it to compare launches end to end)
+TREE_DELTA_LAUNCH = TreeDeltaLaunch()
+
 # Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves
 # the tree pass in torch instead (to compare, or should a GPU's compiler refuse the kernel)
 TREE_DELTA_ON_GPU = os.environ.get("DDTREE_TREE_DELTA") != "0"
@@ -311,7 +314,7 @@ class Gates(NamedTuple):
 
 
 def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
-               state: torch.Tensor | None, mask: torch.Tensor, launch: TreeDeltaLaunch = TreeDeltaLaunch(),
+               state: torch.Tensor | None, mask: torch.Tensor, launch: TreeDeltaLaunch | None = None,
                gates: Gates | None = None, u: torch.Tensor | None = None,
                pathsum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gated_delta.gated_delta in one launch: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T] (or
@@ -319,6 +322,7 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     mask [T, T] or [B, 1, T, T] bool (ancestor-or-self, ancestors first). Returns out [B, H, T, dv]
     (contiguous), u [B, H, T, dv] and the path sums G [B, H, T]: written into `u` and `pathsum` where
     given (any strides: the cache's scratch), else new."""
+    launch = launch or TREE_DELTA_LAUNCH
     b, h, t, dk = q.shape
     dv = v.shape[-1]
     block_t = max(16, triton.next_power_of_2(t))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="", help="free text stored with the results (the version)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-bench.json")
     args = ap.parse_args(argv)
+    # the engine's INFO lines name each FP8 projection's GEMM (scaled_mm, its row floor, or triton)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("ddtree_runtime.engine.engine").setLevel(logging.INFO)
     if args.tiny:  # every part of the script once, in seconds: the code, not figures
         args.shapes, args.context, args.prefill, args.rounds, args.warmup = "hybrid-small", 32, "64,128", 2, 1
         args.running = "4"

@@ -6,8 +6,12 @@ seeded sampling is the same batched as alone."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -251,6 +255,82 @@ def test_the_drafter_context_stays_whole_through_ar_rounds(tiny_models):
     trees = accepted_after([16] * 8)
     mixed = accepted_after([16] + [AR] * 24 + [16] * 4)
     assert sum(mixed[1:]) >= 0.6 * sum(trees[1:5]) > 0
+
+
+def test_rounds_run_under_a_phase_hook_are_not_learnt(tiny_models):
+    """A benchmark's phase hook syncs at every phase boundary, stretching the round (2-3 ms of 20 at 8
+    running on the H200): those rounds would teach the cost model a slower round than serving runs."""
+    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=2,
+                                 tree_policy="cost"))
+    prompt = mixed_prompts(engine.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=7, cut=4)[0]
+    for _ in range(2):
+        engine.submit(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True))
+    while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
+        engine.step()
+    learnt = lambda: sum(len(w) for w in engine.policy.costs.samples.values())  # noqa: E731
+    engine.phase_hook = lambda phase: None
+    for _ in range(3):
+        engine.step()
+    assert learnt() == 0
+    engine.phase_hook = None
+    for _ in range(3):
+        engine.step()
+    assert learnt() == 3        # the same rounds without the hook
+
+
+# ---- batch_bench's steady window ----------------------------------------------------------------------
+
+class _SteadyEngine:
+    """What batch_bench.steady_rounds drives: rounds of `round_s`, one of which (the `first`-th step)
+    runs a shape for the first time and captures its graph, `capture_s` more."""
+
+    def __init__(self, rows: int, round_s: float, first: int, capture_s: float) -> None:
+        self.device, self.phase_hook, self.steps = torch.device("cpu"), None, 0
+        self.round_s, self.first, self.capture_s = round_s, first, capture_s
+        self.scheduler = SimpleNamespace(waiting=[], prefilling=None, running=[])
+        self.stats = BatchStats(graph_captures=0, batch_size=rows, tree_nodes=rows)
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> int:
+        self.scheduler.running.append(prompt)
+        return len(self.scheduler.running) - 1
+
+    def step(self) -> list:
+        self.steps += 1
+        hook = self.phase_hook or (lambda phase: None)
+        hook("verify")
+        time.sleep(self.round_s)
+        if self.steps == self.first:
+            self.stats.graph_captures += 1
+            hook("draft")
+            time.sleep(self.capture_s)
+        hook("end")
+        return [(i, SimpleNamespace(token_ids=[1])) for i in range(len(self.scheduler.running))]
+
+    def cancel(self, request_id: int) -> None:
+        pass
+
+
+def _bench(name: str):
+    """A module of runtime/bench (not a package: its scripts import each other by name)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[2] / "runtime" / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_steady_window_leaves_out_a_shape_run_first_and_phases_add_up():
+    """On the H200 the cost case's probe met its first 8 x 2-node round (a graph captured, kernels
+    compiled: 460 ms) inside the 10 timed rounds: 80 ms a round against AR's 20. The fixed cases ran
+    theirs in the warm-up rounds, so that window is timed again; and a phase only one round in five runs
+    (a probe's draft) is not the typical round's."""
+    batch_bench, timer = _bench("batch_bench"), _bench("gpu_bench").PhaseTimer
+    params, cpu = SamplingParams(max_new_tokens=100), torch.device("cpu")
+    engine = _SteadyEngine(rows=2, round_s=0.002, first=6, capture_s=0.2)   # step 6: in the first window
+    got = batch_bench.steady_rounds(engine, [[1], [2]], params, rounds=5, warmup=2, timer=timer(cpu))
+    assert got["round_ms"] < 20 and got["windows"] == 2 and got["window_captures"] == 0
+    engine = _SteadyEngine(rows=2, round_s=0.002, first=10, capture_s=0.01)  # step 10: in the phase rounds
+    got = batch_bench.steady_rounds(engine, [[1], [2]], params, rounds=5, warmup=2, timer=timer(cpu))
+    assert got["windows"] == 1 and got["phases_ms"]["draft"] == 0 and 2 <= got["phases_ms"]["verify"] < 10
 
 
 # ---- the cost model (costs.py), on injected timings -------------------------------------------------

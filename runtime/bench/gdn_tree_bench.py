@@ -120,7 +120,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.device, gen: torch.Generator) -> dict:
+def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.device, gen: torch.Generator,
+                    launches: list[TreeDeltaLaunch] = LAUNCHES) -> dict:
     """The recurrence alone on random data: errors against float64, then torch and every launch timed."""
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mask, _ = random_trees(batch, nodes, gen)
@@ -138,7 +139,7 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
     torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
     case = {"torch_f32_error": relative_error(torch32, want), "torch_us": measure(
         lambda: gated_delta_torch(q, k, v, g, beta, state, paths), device), "launches": {}}
-    for launch in [gdn_kernels.TREE_DELTA_LAUNCH] + LAUNCHES:
+    for launch in [gdn_kernels.TREE_DELTA_LAUNCH] + launches:
         name = launch_name(launch)
         if name in case["launches"]:
             continue
@@ -242,6 +243,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="rows (default 1 8 16; --tiny: 3)")
     ap.add_argument("--nodes", type=int, default=17, help="tree nodes a row (root + budget)")
     ap.add_argument("--tiny", action="store_true", help="small dims on the CPU through Triton's interpreter")
+    ap.add_argument("--launches", nargs="+", default=None, metavar="NAME",
+                    help="time only these of the grid's launches (names as printed, e.g. k32-v64-w4-tf32-squaring)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/gdn_tree_bench[-tiny].json)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -252,6 +255,13 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("gdn_tree_bench: no CUDA device; run with --tiny on the CPU", file=sys.stderr)
         return 2
+    names = {launch_name(launch): launch for launch in LAUNCHES}
+    unknown = sorted(set(args.launches or ()) - set(names))
+    if unknown:
+        print(f"gdn_tree_bench: no launch {', '.join(unknown)} in the grid; it has {', '.join(names)}",
+              file=sys.stderr)
+        return 2
+    chosen = [names[n] for n in args.launches] if args.launches else LAUNCHES
     cfg = shape_config("hybrid-small" if args.tiny else "qwen3.6-27b")
     layers = len(cfg.linear_layers)
     batches = args.batch or ([3] if args.tiny else [1, 8, 16])
@@ -264,7 +274,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     ok = True
     for batch in batches:
-        rec = recurrence_case(cfg, batch, args.nodes, device, gen)
+        rec = recurrence_case(cfg, batch, args.nodes, device, gen, chosen)
         try:
             lay = layer_case(cfg, batch, args.nodes, device, torch.float32 if args.tiny else torch.bfloat16, gen)
         except Exception:  # reported, and the other cases still run

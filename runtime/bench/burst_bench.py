@@ -131,6 +131,7 @@ def main() -> None:
                          "profile": profile.report()}
     where = profile.report()
     kernels = where.pop("by_kernel")
+    where.pop("autotuned")  # in the JSON
     print(f"warm-up: {warm.seconds:.1f} s, {warm.graph_captures} graphs; by batch size "
           f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {where}", flush=True)
     for category in ("triton_compile", "autotune"):

@@ -29,12 +29,15 @@ class WarmUpProfile:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.by_kernel: dict[str, dict[str, list]] = {}  # category -> kernel -> [exclusive seconds, calls]
+        self.autotuners: dict[int, object] = {}  # the Autotuners that benchmarked configs, for their choices
         self.missing: list[str] = []
         self.total = 0.0
         self._stack: list[list] = []  # [category, started, child seconds]
 
     def _timed(self, category: str, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
+            if category == "autotune" and args:
+                self.autotuners[id(args[0])] = args[0]
             frame = [category, time.perf_counter(), 0.0]
             self._stack.append(frame)
             try:
@@ -80,8 +83,12 @@ class WarmUpProfile:
         kernels = {category: {name: [round(sec, 2), n] for name, (sec, n) in
                               sorted(rows.items(), key=lambda kv: -kv[1][0])}
                    for category, rows in self.by_kernel.items()}
+        chosen: dict[str, dict[str, str]] = {}  # what a start could pin instead of autotuning: kernel -> key -> config
+        for tuner in self.autotuners.values():
+            for key, config in getattr(tuner, "cache", {}).items():
+                chosen.setdefault(kernel_name((tuner,)), {})[str(key)] = str(config)
         return {"seconds": round(self.total, 2), "exclusive_s": parts, "calls": dict(sorted(self.calls.items())),
-                "by_kernel": kernels, "missing": self.missing}
+                "by_kernel": kernels, "autotuned": chosen, "missing": self.missing}
 
 
 def kernel_name(args: tuple) -> str:

@@ -28,6 +28,7 @@ import triton
 from ddtree_runtime.model import kernels
 from ddtree_runtime.model.kernels import DecodeLaunch, decode_attention, decode_launch
 from ddtree_runtime.model.layers import attend_grouped
+from ddtree_runtime.engine.runner import KV_BUCKET, prefill_kv_len
 
 HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"
@@ -167,6 +168,77 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
     print(f"wrote {out}")
 
 
+def quarter_octave(keys: int) -> int:
+    """The smallest multiple of an eighth of the next doubling of KV_BUCKET that holds `keys`: four
+    buckets an octave, padding at most 25% (against 100% for the doublings)."""
+    doubling = prefill_kv_len(keys, 1 << 40, True)
+    step = max(KV_BUCKET, doubling // 8)
+    return -(-keys // step) * step
+
+
+def prefill_case(width: int, context: int, gen: torch.Generator) -> dict:
+    """One second turn's attention: `width` queries at positions context.. over the prefix and
+    themselves (causal), in the buckets each candidate reads."""
+    dev, dt = DEVICE, torch.bfloat16
+    end = context + width
+    buckets = {"doubling": prefill_kv_len(end, 1 << 40, True), "quarter": quarter_octave(end), "exact": end}
+    most, page = buckets["doubling"], 16
+    pool_k = torch.randn(1, HKV, most + 4 * page, D, device=dev, dtype=dt)
+    pool_v = torch.randn_like(pool_k)
+    pages = torch.randperm(most // page, generator=gen).to(dev)            # the row's pages, scattered
+    index = (pages[:, None] * page + torch.arange(page, device=dev)).flatten()
+    k_all, v_all = pool_k[:, :, index], pool_v[:, :, index]
+    q = torch.randn(1, HQ, width, D, device=dev, dtype=dt)
+    cols = torch.arange(most, device=dev)
+    allowed = cols[None, :] <= context + torch.arange(width, device=dev)[:, None]   # [W, L]: causal
+    bias = torch.zeros(width, most, device=dev, dtype=dt).masked_fill(~allowed, float("-inf"))[None, None]
+
+    def sdpa(keys: int) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k_all[:, :, :keys], v_all[:, :, :keys],
+                                              attn_mask=bias[..., :keys], enable_gqa=True)
+
+    case: dict = {"width": width, "context": context, "buckets": buckets}
+    for name, keys in buckets.items():
+        case[f"sdpa-{name}"] = timed(lambda keys=keys: sdpa(keys))
+        if name != "exact":
+            case[f"gather-{name}"] = timed(lambda keys=keys: (pool_k[:, :, index[:keys]], pool_v[:, :, index[:keys]]))
+    want = sdpa(end).float()
+    lengths = torch.tensor([end], device=dev)
+    grid, errors = {}, {}
+    for block_rows, split, warps in itertools.product((64, 128), (1024, 2048, 4096), (4, 8)):
+        launch = DecodeLaunch(block_rows, split, warps)
+        name = f"r{block_rows}s{split}w{warps}"
+        try:
+            errors[name] = (decode_attention(q, k_all, v_all, bias, lengths, launch=launch).float()
+                            - want).abs().max().item()
+            grid[name] = timed(lambda launch=launch: decode_attention(q, k_all, v_all, bias, lengths, launch=launch))
+        except triton.runtime.errors.OutOfResources:  # too much shared memory for this device
+            continue
+    case["kernel"], case["kernel_max_abs_error"] = grid, errors
+    return case
+
+
+def prefill(widths: list[int], contexts: list[int], out: str) -> None:
+    """The second turn's attention per (width, context): a table line each, every timing in the JSON."""
+    gen = torch.Generator().manual_seed(0)
+    report = {"device": torch.cuda.get_device_name(), "heads": [HQ, HKV, D], "unit": "us per call (CUDA graph)",
+              "cases": []}
+    print(f"{'W':>4} {'C':>6} | sdpa: doubling  quarter    exact | gather: doubling quarter | kernel's best (error)")
+    for context in contexts:
+        for width in widths:
+            case = prefill_case(width, context, gen)
+            report["cases"].append(case)
+            best = min(case["kernel"], key=case["kernel"].get, default=None)
+            print(f"{width:4} {context:6} | {case['sdpa-doubling']:14.1f} {case['sdpa-quarter']:8.1f} "
+                  f"{case['sdpa-exact']:8.1f} | {case['gather-doubling']:16.1f} {case['gather-quarter']:7.1f} | "
+                  + (f"{best} {case['kernel'][best]:.1f} ({case['kernel_max_abs_error'][best]:.1e})" if best else "-"),
+                  flush=True)
+            torch.cuda.empty_cache()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batched", action="store_true", help="the batched sweep (default: one sequence)")
@@ -176,6 +248,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/runtime-attn-probe-batched.json")
     ap.add_argument("--grid", nargs="+", default=[], metavar="DIM=V,V",
                     help="narrow or widen the batched grid: block_rows=, splits=, warps=, stages=, keys=")
+    ap.add_argument("--prefill", type=int, nargs="+", default=[], metavar="W",
+                    help="the second turn's pass instead: W queries after each of --contexts cached keys")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16384])
     ap.add_argument("--heads", default="32,8,128", metavar="HQ,HKV,D",
                     help="query heads, KV heads, head dim (Qwen3.6-27B's full attention: 24,4,256)")
     args = ap.parse_args()
@@ -183,7 +258,9 @@ def main() -> None:
     for spec in args.grid:
         dim, values = spec.split("=")
         globals()[f"GRID_{dim.upper()}"] = tuple(int(v) for v in values.split(","))
-    if args.batched:
+    if args.prefill:
+        prefill(args.prefill, args.contexts, args.out)
+    elif args.batched:
         batched(args.batches, args.queries, args.buckets, args.out)
     else:
         single_sequence()

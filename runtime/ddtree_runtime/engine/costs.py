@@ -20,12 +20,18 @@ rows' contexts (the longest L, all of them together S):
 - a: attention as a dense computation over every node of every padded row and every key up to the
   longest context (the CPU's, and any eager pass); c: reading each row's keys once (a GPU's
   memory-bound decode). Both are fitted from the samples by least squares within each (B, T), so what
-  differs between shapes never reads as context, and both are at least 0.
+  differs between shapes never reads as context, and both are at least 0. Only a shape whose samples'
+  longest contexts span a factor CONTEXT_SPREAD takes part: over a few tokens a drift of 1% in the
+  rounds' time (a GPU warming up) reads as a steep term (the 27B on the H200: its 16 x 17 round, 40 ms
+  at the warm-up's context, was predicted 5 ms there, and the envelope copied that to every shape).
+  So that the spread outlives the window, each shape keeps the last FAR samples its window let go of
+  from contexts that far from its newest (the sweep's, once serving reaches long contexts).
 - base[B, T]: the lower quartile of the last WINDOW samples of that shape, each less its context term.
   On a shared host noise only adds time, and in bursts: a few slow rounds (another job, a graph
   captured) move nothing, and every shape is read at the same quiet end, so they compare fairly.
 - A bigger round never costs less: each prediction is the least of its own and those of every bigger
-  batch and tree bucket at the same contexts (the envelope).
+  batch and tree bucket at the same contexts (the envelope), save a shape whose base is held at its
+  floor: the term misfits it, so its prediction lowers no other shape.
 
 The sweep (`measure_round_costs`) admits 1, 2, 4, ... `slots` short requests and runs SWEEP_REPEATS
 rounds at every budget the policy may choose (after one uncounted), taking turns, as ordinary samples. With tensor
@@ -38,7 +44,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,6 +68,8 @@ REFIT = 32         # samples between fits of the context term
 SWEEP_PROMPT = 64  # tokens of each sweep request's prompt
 SWEEP_REPEATS = 4  # counted rounds per (batch, budget), after one that is not
 CONTEXT_SHARE = 0.9  # the most of a shape's median cost the context term may explain
+CONTEXT_SPREAD = 2   # the factor a shape's samples' longest contexts must span for them to fit the term
+FAR = 4              # samples kept per shape from contexts CONTEXT_SPREAD away from the window's newest
 
 
 def round_clock(device: torch.device):
@@ -96,13 +104,29 @@ class Sample:
     total: int     # all rows' contexts together
 
 
+def _apart(context: int, other: int) -> bool:
+    """Whether two contexts differ enough for a round's time to tell their cost apart from its drift."""
+    return max(context, other) >= CONTEXT_SPREAD * max(min(context, other), 1)
+
+
+def _unstalled(samples: Iterable[Sample]) -> list[Sample]:
+    """The samples but stalled rounds (over twice their median), which say nothing of context."""
+    held = list(samples)
+    if not held:
+        return []
+    median = statistics.median(s.seconds for s in held)
+    return [s for s in held if s.seconds <= 2 * median]
+
+
 class CostModel:
     """Round costs learnt from timed rounds (the module's docstring): `observe` each, `at` to predict."""
 
     def __init__(self) -> None:
         self.samples: dict[tuple[int, int], deque[Sample]] = {}
+        self.far: dict[tuple[int, int], deque[Sample]] = {}  # let go of by the window, far in context
         self.a = self.c = 0.0             # seconds per (row x node x key), per key read
         self._base: dict[tuple[int, int], float] = {}
+        self._floored: set[tuple[int, int]] = set()  # shapes whose base is held at its floor
         self._shape_sums: dict[tuple[int, int], tuple[tuple[float, ...], float, float, float]] = {}
         self._since_fit = 0
 
@@ -116,7 +140,10 @@ class CostModel:
 
     def observe(self, batch: int, nodes: int, seconds: float, longest: int, total: int) -> None:
         key = (batch, nodes)
-        self.samples.setdefault(key, deque(maxlen=WINDOW)).append(Sample(seconds, longest, total))
+        window = self.samples.setdefault(key, deque(maxlen=WINDOW))
+        if len(window) == WINDOW and _apart(window[0].longest, longest):
+            self.far.setdefault(key, deque(maxlen=FAR)).append(window[0])
+        window.append(Sample(seconds, longest, total))
         self._base.pop(key, None)
         self._shape_sums.pop(key, None)
         self._since_fit += 1
@@ -139,21 +166,24 @@ class CostModel:
 
     def _sums(self, key: tuple[int, int]) -> tuple[tuple[float, ...], float, float, float]:
         """A shape's share of the fit (kept until it has a new sample): the centred sums of its
-        features' and seconds' products, its features' means and its median seconds."""
+        features' and seconds' products over its window and far samples (none unless their contexts
+        lie CONTEXT_SPREAD apart; each group's stalls left out against its own median, as far ones may
+        be of a context that costs several times the window's), and its window's features' means and
+        median seconds (the share's bound)."""
         if key not in self._shape_sums:
             batch, nodes = key
-            window = self.samples[key]
-            median = statistics.median(s.seconds for s in window)
-            kept = [s for s in window if s.seconds <= 2 * median]  # a stalled round says nothing of context
-            rows = [(batch * nodes * s.longest, s.total, s.seconds) for s in kept]
+            near, far = _unstalled(self.samples[key]), _unstalled(self.far.get(key, ()))
+            rows = [(batch * nodes * s.longest, s.total, s.seconds) for s in near + far]
             m1, m2, my = (sum(r[i] for r in rows) / len(rows) for i in range(3))
             acc = [0.0] * 5
-            if len(window) >= 3:
+            contexts = [s.longest for s in near + far]
+            if len(rows) >= 3 and _apart(min(contexts), max(contexts)):
                 for x1, x2, y in rows:
                     d1, d2, dy = x1 - m1, x2 - m2, y - my
                     for i, v in enumerate((d1 * d1, d1 * d2, d2 * d2, d1 * dy, d2 * dy)):
                         acc[i] += v
-            self._shape_sums[key] = (tuple(acc), m1, m2, median)
+            near_m1, near_m2 = (sum(r[i] for r in rows[:len(near)]) / len(near) for i in range(2))
+            self._shape_sums[key] = (tuple(acc), near_m1, near_m2, statistics.median(s.seconds for s in near))
         return self._shape_sums[key]
 
     def base(self, key: tuple[int, int]) -> float:
@@ -163,7 +193,12 @@ class CostModel:
             rest = sorted(s.seconds - self.a * batch * nodes * s.longest - self.c * s.total for s in window)
             raw = sorted(s.seconds for s in window)
             at = int(QUANTILE * (len(rest) - 1))
-            self._base[key] = max(rest[at], (1 - CONTEXT_SHARE) * raw[at])  # the term never explains it all
+            floor = (1 - CONTEXT_SHARE) * raw[at]  # the term never explains it all
+            self._base[key] = max(rest[at], floor)
+            if rest[at] < floor:
+                self._floored.add(key)
+            else:
+                self._floored.discard(key)
         return self._base[key]
 
     def predict(self, batch: int, nodes: int, longest: int, total: int) -> float | None:
@@ -174,13 +209,14 @@ class CostModel:
 
     def at(self, batch: int, longest: int, total: int) -> RoundCosts:
         """Every measured tree bucket's cost at this batch bucket and these contexts, each the least of
-        its own and those of bigger rounds."""
+        its own and those of bigger rounds (but those whose base is at its floor: the module's docstring)."""
         predicted = {(b, t): self.predict(b, t, longest, total * b // batch)  # as many keys a row
                      for (b, t) in self.samples if b >= batch}
         out = {}
-        for (b, t) in predicted:
+        for (b, t), own in predicted.items():
             if b == batch:
-                out[(b, t)] = min(s for (b2, t2), s in predicted.items() if t2 >= t)
+                out[(b, t)] = min([own] + [s for (b2, t2), s in predicted.items()
+                                           if t2 >= t and (b2, t2) not in self._floored])
         return RoundCosts(out)
 
     def snapshot(self, longest: int = SWEEP_PROMPT) -> RoundCosts:
@@ -195,13 +231,13 @@ class CostModel:
         tp = parallel.current()
         if tp is None or not self.samples:
             return
-        keys = sorted(self.samples)
-        flat = [s for k in keys for s in self.samples[k]]
+        groups = [(held, k) for held in (self.samples, self.far) for k in sorted(held)]
+        flat = [s for held, k in groups for s in held[k]]
         t = torch.tensor([s.seconds for s in flat], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp.control)
         it: Iterator[float] = iter(t.tolist())
-        for k in keys:
-            self.samples[k] = deque((Sample(next(it), s.longest, s.total) for s in self.samples[k]), maxlen=WINDOW)
+        for held, k in groups:
+            held[k] = deque((Sample(next(it), s.longest, s.total) for s in held[k]), maxlen=held[k].maxlen)
         self._shape_sums.clear()
         self.fit()
 

@@ -288,7 +288,7 @@ class TreeDeltaLaunch(NamedTuple):
     output_precision: str | None = None
 
 
-# The launch the layers run (a benchmark may swap it to compare launches end to end)
+# The launch the layers run (gdn_tree_bench.py times it as its default, beside its grid)
 TREE_DELTA_LAUNCH = TreeDeltaLaunch()
 
 # Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves

@@ -83,10 +83,15 @@ class WarmUpProfile:
         kernels = {category: {name: [round(sec, 2), n] for name, (sec, n) in
                               sorted(rows.items(), key=lambda kv: -kv[1][0])}
                    for category, rows in self.by_kernel.items()}
-        chosen: dict[str, dict[str, str]] = {}  # what a start could pin instead of autotuning: kernel -> key -> config
+        # what a start could pin instead of autotuning: per kernel, each autotune key (Triton's: the key
+        # arguments' values, then the tensors' dtypes, as fla-core's FLA_CONFIG_DIR files key them too)
+        # and the config chosen for it (its kwargs, warps, stages, ...)
+        chosen: dict[str, list[dict]] = {}
         for tuner in self.autotuners.values():
             for key, config in getattr(tuner, "cache", {}).items():
-                chosen.setdefault(kernel_name((tuner,)), {})[str(key)] = str(config)
+                settings = config.all_kwargs() if hasattr(config, "all_kwargs") else {"config": str(config)}
+                chosen.setdefault(kernel_name((tuner,)), []).append(
+                    {"key": [v if isinstance(v, (int, float, bool)) else str(v) for v in key], "config": settings})
         return {"seconds": round(self.total, 2), "exclusive_s": parts, "calls": dict(sorted(self.calls.items())),
                 "by_kernel": kernels, "autotuned": chosen, "missing": self.missing}
 

@@ -90,12 +90,6 @@ def steady_tokens(rounds: int, warmup: int) -> int:
     return ((WINDOWS + 1) * rounds + warmup + 4) * 17
 
 
-def phase_medians_ms(timer, rounds: int) -> dict[str, float]:
-    """Each phase's median over all `rounds` rounds, 0 in a round without it: a typical round's, so the
-    phases add up to it (the cost case drafts only in its probes' tree rounds, one in up to 16)."""
-    return {name: 1e3 * statistics.median(times + [0.0] * (rounds - len(times))) for name, times in timer.acc.items()}
-
-
 def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingParams, rounds: int,
                   warmup: int, timer=None) -> dict:
     """Admit every prompt, then time `rounds` steps back to back with all of them running (again, up to
@@ -131,7 +125,7 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
                 engine.step()
         finally:
             engine.phase_hook = None
-        phases = phase_medians_ms(timer, rounds)
+        phases = timer.medians_ms()
     for i in ids:
         engine.cancel(i)
     return {"round_ms": 1e3 * round_s, "admit_ms": 1e3 * admit_s, "batch_size": batch, "round_tree_nodes": nodes,

@@ -262,6 +262,7 @@ class PhaseTimer:
         self.device, self.cur, self.t0 = device, None, 0.0
         self.round: dict[str, float] = {}
         self.acc: dict[str, list[float]] = {}
+        self.rounds = 0
 
     def __call__(self, name: str) -> None:
         sync(self.device)
@@ -272,10 +273,13 @@ class PhaseTimer:
             for phase, t in self.round.items():
                 self.acc.setdefault(phase, []).append(t)
             self.round = {}
+            self.rounds += 1
         self.cur, self.t0 = (None if name == "end" else name), now
 
     def medians_ms(self) -> dict[str, float]:
-        return {k: 1e3 * statistics.median(v) for k, v in self.acc.items()}
+        """Each phase's median over every round, 0 in a round without it: a typical round's, so the phases
+        add up to it (the cost policy drafts only in its probes' tree rounds, one in up to 16)."""
+        return {k: 1e3 * statistics.median(v + [0.0] * (self.rounds - len(v))) for k, v in self.acc.items()}
 
 
 def run_case(engine: Engine, prompt: list[int], mode: str, budget: int | None, rounds: int,

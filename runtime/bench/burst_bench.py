@@ -126,12 +126,12 @@ def main() -> None:
     profile = WarmUpProfile()
     with profile.active():
         warm = engine.warm_up()
-    report["warm_up"] = {"seconds": round(warm.seconds, 1), "graph_captures": warm.graph_captures,
-                         "batches": list(warm.batches), "per_batch_s": list(warm.per_batch_s),
-                         "profile": profile.report()}
     where = profile.report()
-    kernels = where.pop("by_kernel")
-    where.pop("autotuned")  # in the JSON
+    report["warm_up"] = {"seconds": round(warm.seconds, 1), "graph_captures": warm.graph_captures,
+                         "batches": list(warm.batches), "per_batch_s": list(warm.per_batch_s), "profile": where}
+    # the printed line leaves the per-kernel rows (printed below) and the autotuned choices to the JSON
+    kernels = where["by_kernel"]
+    where = {k: v for k, v in where.items() if k not in ("by_kernel", "autotuned")}
     print(f"warm-up: {warm.seconds:.1f} s, {warm.graph_captures} graphs; by batch size "
           f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {where}", flush=True)
     for category in ("triton_compile", "autotune"):

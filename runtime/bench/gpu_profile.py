@@ -174,9 +174,7 @@ def profile_second_turn(args, target, drafter) -> dict:
     for turn in turns[:3]:  # this width's graphs captured, its kernels compiled
         list(engine.generate(turn, params))
     torch.cuda.synchronize()
-    wall = []
-
-    reused = []
+    wall, reused = [], []
 
     def once(i: int) -> None:
         before = engine.stats.prefix_tokens_saved

@@ -38,6 +38,16 @@ def release_path(venv: str) -> str:
     return f"{venv}/{RELEASE_FILE}"
 
 
+def unit_cache(engine: str) -> str:
+    """The unit's CacheDirectory= (/var/cache/ENGINE): kept across restarts and pivots."""
+    return f"/var/cache/{engine}"
+
+
+def triton_cache(engine: str) -> str:
+    """Where the unit's env points Triton (TRITON_CACHE_DIR), unless the profile's `env` says otherwise."""
+    return f"{unit_cache(engine)}/triton"
+
+
 REPLICAS_DIR = f"{STATE_DIR}/replicas"      # one manifest per template unit: its replicas and balancer
 
 
@@ -49,5 +59,10 @@ def replicas_manifest(template: str) -> str:
 # -- on the control machine ----------------------------------------------------------------------
 
 def cache_root() -> Path:
-    """$DDOPS_CACHE, else ~/.cache/ddops: tiny models, host-to-host sync staging, built wheels."""
+    """$DDOPS_CACHE, else ~/.cache/ddops: tiny models, host-to-host sync staging, built wheels, kernel store."""
     return Path(os.environ.get("DDOPS_CACHE") or os.path.expanduser("~/.cache/ddops"))
+
+
+def kernel_store_root() -> Path:
+    """Triton caches harvested from deployed hosts, one folder per GPU model (ddops.kernels)."""
+    return cache_root() / "kernels"

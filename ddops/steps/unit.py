@@ -22,7 +22,7 @@ from ..backups import new_backup_id
 from ..bundled import SETTINGS
 from ..errors import ConfigError, StepFailed
 from ..facts import Inspection
-from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, unit_path
+from ..paths import BACKUP_ROOT, backup_root, env_path, replicas_manifest, triton_cache, unit_cache, unit_path
 from ..plan import Operation, PlanContext, RunContext, Undo
 from ..profile import Profile, Replica
 from ..remote import check, run_probe
@@ -140,10 +140,13 @@ class Rendered:
 
 
 def env_lines(profile: Profile, secret_values: dict[str, str], *, masked: bool) -> str:
-    cache = f"/var/cache/{profile.engine}"  # the unit's CacheDirectory=: kept across restarts and pivots
+    cache = unit_cache(profile.engine)  # the unit's CacheDirectory=: kept across restarts and pivots
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": f"{cache}/hf"}
-    if profile.engine == "ddtree":  # compiled kernels survive a restart: the warm-up then loads, not compiles
-        env |= {"TRITON_CACHE_DIR": f"{cache}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
+    if profile.engine == "ddtree":
+        # compiled kernels and (TRITON_CACHE_AUTOTUNING) autotune choices survive a restart, and travel to a
+        # host of the same GPU model (ddops.kernels): the warm-up then loads them, not compiles and times them
+        env |= {"TRITON_CACHE_DIR": triton_cache(profile.engine), "TRITON_CACHE_AUTOTUNING": "1",
+                "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
     if profile.gpus is not None and not profile.replicated:  # a replica's GPUs are in its instance env
         env["CUDA_VISIBLE_DEVICES"] = profile.gpus
     env.update(profile.env)

@@ -228,7 +228,7 @@ def test_env_values_round_trip(tmp_path, payload):
     values = env_file(env_lines(profile, {}, masked=False))
     assert values["A"] == payload and values["B"] == "3" and values["C"] == "plain"
     assert list(values) == ["PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "HF_HOME", "TRITON_CACHE_DIR",
-                            "TORCHINDUCTOR_CACHE_DIR", "A", "B", "C"]
+                            "TRITON_CACHE_AUTOTUNING", "TORCHINDUCTOR_CACHE_DIR", "A", "B", "C"]
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -237,7 +237,7 @@ def test_secret_values_from_the_environment_cannot_add_a_line(tmp_path, payload)
     profile = profile_from(tmp_path, BASE, {"bind": "0.0.0.0", "secrets": {"DDTREE_API_KEY": {"env": "K"}}})
     text = env_lines(profile, {"DDTREE_API_KEY": payload}, masked=False)
     assert env_file(text) == {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": "/var/cache/ddtree/hf",
-                              "TRITON_CACHE_DIR": "/var/cache/ddtree/triton",
+                              "TRITON_CACHE_DIR": "/var/cache/ddtree/triton", "TRITON_CACHE_AUTOTUNING": "1",
                               "TORCHINDUCTOR_CACHE_DIR": "/var/cache/ddtree/inductor", "DDTREE_API_KEY": payload}
     assert env_lines(profile, {"DDTREE_API_KEY": payload}, masked=True).endswith("DDTREE_API_KEY=***\n")
 

@@ -278,11 +278,16 @@ LOST_STEPS = LostSteps()
 @click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Replicas replaced at once when a pivot changes replicas already serving (a rolling "
                    "restart: drain, restart, gate, readmit, batch by batch; halts at the first failure).")
+@click.option("--no-kernel-seed", "no_kernel_seed", is_flag=True,
+              help="Leave an empty Triton cache on the host empty for this run: its first start compiles (and "
+                   "autotunes) its own kernels instead of loading those of the kernel store for its GPU model "
+                   "(harvested from another host after a deploy that passed its gates, in $DDOPS_CACHE/kernels). "
+                   "A deploy that passes still replaces that store with this host's cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,
           break_lock: bool, accept_lost_steps: float | None, accept_gpu_faults: bool, batch: int,
-          as_json: bool) -> None:
+          no_kernel_seed: bool, as_json: bool) -> None:
     """Pivot a host from training to serving, gated on health and a real smoke test.
 
     A profile whose `host` is an inventory group is pivoted host by host, halting at the first failure.
@@ -302,7 +307,7 @@ def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, y
         raise UsageError("pivot needs --yes when not run from a terminal", fix="add --yes (or -y), or --dry-run")
     options = PivotOptions(kill_training=kill_training, dry_run=dry_run, yes=yes, no_rollback=no_rollback,
                            break_lock=break_lock, accept_lost_steps=accept_lost_steps,
-                           accept_gpu_faults=accept_gpu_faults, batch=batch)
+                           accept_gpu_faults=accept_gpu_faults, batch=batch, kernel_seed=not no_kernel_seed)
     with obj.executor(inventory) as executor:
         report = rollout(profile, inventory, executor, console, secrets=read_secrets(profile), options=options,
                          confirm=lambda q: click.confirm(q, default=False, err=True))

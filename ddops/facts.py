@@ -331,7 +331,8 @@ class ServerFlags:
 @dataclass(frozen=True)
 class PivotFacts:
     """Everything a pivot plans from, read once by preflight: the serving host's facts, every
-    involved host's inspection (the control machine's under "local"), and the runtime release here."""
+    involved host's inspection (the control machine's under "local"), and the runtime release and kernel
+    store here."""
 
     serving: str
     hosts: dict[str, HostFacts]
@@ -340,6 +341,7 @@ class PivotFacts:
     server_flags: ServerFlags | None = None   # what the unit's server takes (None: not asked)
     pool: Any = None                    # ddops.capacity.PoolEstimate: what the KV pool will hold (None: no GPU pool)
     gpu_check: Any = None               # ddops.gpucheck.GpuCheck: the torch checked, GPU faults accepted, warnings
+    kernel_store: Any = None            # ddops.kernels.Stored: the kernel store here for the host's GPU model
 
     @property
     def host(self) -> HostFacts:

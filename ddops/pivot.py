@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from rich.console import Console
@@ -27,6 +27,7 @@ from .gates.health import HealthGate
 from .gates.smoke import SmokeGate
 from .hostlock import LeaseKeeper, LockLost
 from .inventory import Inventory
+from .kernels import harvest
 from .paths import HISTORY_PATH
 from .plan import Interrupted, Operation, PlanContext, RunContext, Step, StepState, way_back
 from .preflight import involved_hosts, preflight
@@ -36,6 +37,7 @@ from .report import Report, checked_words
 from .rollback import undo
 from .signals import InterruptGuard
 from .steps import pivot_steps
+from .steps.kernels import seed_decision
 from .steps.unit import render
 from .undo import as_record
 from .views import PlanView, show_plan
@@ -53,6 +55,7 @@ class PivotOptions:
     accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
     accept_gpu_faults: bool = False          # --accept-gpu-faults: faulty GPUs are warned about, not refused
     batch: int = 1            # replicas replaced at once by a rolling restart
+    kernel_seed: bool = True  # --no-kernel-seed: an empty Triton cache is not seeded from the kernel store
 
 
 class Pivot:
@@ -121,6 +124,8 @@ class Pivot:
                 try:
                     ctx.progress = view.progress
                     error = self.apply_all(view)
+                    if error is None and ctx.profile.engine == "ddtree":
+                        self.harvest_kernels(view)
                     # a run whose lock was broken changes nothing more: its journal stays for `ddops rollback`
                     if error is not None and self.report.changed and not options.no_rollback \
                             and not isinstance(error, LockLost):
@@ -145,14 +150,16 @@ class Pivot:
         """Every step's operations from the facts (each sees what the steps before it plan); a step with
         none says so, and the gates say what they will check."""
         before: dict[str, list[Operation]] = {}
+        plan_ctx = PlanContext(profile=self.ctx.profile, inventory=self.ctx.inventory, facts=self.ctx.facts,
+                               rendered=self.ctx.rendered, kill_training=self.options.kill_training,
+                               accept_lost_steps=self.options.accept_lost_steps, batch=self.options.batch,
+                               kernel_seed=self.options.kernel_seed)
         for step in self.steps:
             state = self.by_name[step.name]
-            plan_ctx = PlanContext(profile=self.ctx.profile, inventory=self.ctx.inventory, facts=self.ctx.facts,
-                                   rendered=self.ctx.rendered, kill_training=self.options.kill_training,
-                                   accept_lost_steps=self.options.accept_lost_steps, before=dict(before),
-                                   batch=self.options.batch)
-            state.changes = before[step.name] = step.plan(plan_ctx)
+            state.changes = before[step.name] = step.plan(replace(plan_ctx, before=dict(before)))
             state.status, state.summary = ("planned", "") if state.changes else ("skipped", "no change")
+        if self.ctx.profile.engine == "ddtree":   # what the plan does with the kernel cache, seeding or not
+            self.report.kernel_seed = seed_decision(replace(plan_ctx, before=before))
         for gate in self.gates:
             state = self.by_name[gate.name]
             state.status, state.summary = "planned", gate.describe(self.ctx)
@@ -264,6 +271,14 @@ class Pivot:
         """Who this run is, as the journal names it (`status`, `history` and a refusal show it)."""
         return {**history.who(), "pid": os.getpid(), "token": self.lock_token,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def harvest_kernels(self, view: PlanView) -> None:
+        """The gates passed: the host's Triton cache goes into the kernel store for its GPU model (under the
+        host's lock, so no other pivot changes it meanwhile). A failure is a warning: the deploy stands."""
+        ctx = self.ctx
+        view.progress(f"harvesting the kernel cache of {ctx.host.name}")
+        self.report.kernel_harvest = harvest(ctx.executor, ctx.inventory, ctx.host, ctx.profile, ctx.facts.host,
+                                             view.progress)
 
     def check_gate(self, gate: Gate) -> str:
         try:

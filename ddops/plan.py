@@ -145,6 +145,7 @@ class PlanContext:
     accept_lost_steps: float | None = None   # --accept-lost-steps N (inf: all); None: the profile's limit
     before: dict[str, list[Operation]] = field(default_factory=dict)   # earlier steps' plans, by step name
     batch: int = 1                  # replicas replaced at once by a rolling redeploy (--batch)
+    kernel_seed: bool = True        # an empty Triton cache may be seeded from the kernel store (--no-kernel-seed)
 
     @property
     def host(self) -> Host:
@@ -164,6 +165,7 @@ class Journal:
     unit_files: dict[str, Any] = field(default_factory=dict)   # checksums before and after the install
     gates: dict[str, Any] = field(default_factory=dict)        # gate name -> its result
     rolling: list[dict[str, Any]] = field(default_factory=list)   # a rolling redeploy's batches, as they ran
+    kernels: dict[str, Any] = field(default_factory=dict)         # the kernel cache's seed, as it ran
 
     def change(self, what: str, undo: Undo | None = None) -> None:
         """Note that `what` changed on the host, and how to take it back if that can be done."""

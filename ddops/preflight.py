@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from . import capacity
+from . import capacity, kernels
 from .bundled import CAPACITY, DRAFTER, SETTINGS
 from .errors import HostUnreachable, StepFailed
 from .executor import Executor
@@ -56,6 +56,8 @@ def serving_args(profile: Profile, training_unit: str | None) -> dict[str, Any]:
     if profile.replicated:
         add_replica_args(profile, args)
     args["paths"] = written_paths(profile)
+    if profile.engine == "ddtree":   # whether its Triton cache is empty (a seed's condition)
+        args["paths"].append(kernels.cache_dir(profile))
     args["free"] = list(dict.fromkeys(args["free"] + [where for where, _ in own_writes(profile)]))
     return args
 
@@ -421,8 +423,9 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     release = release_id(profile.runtime.ship) if profile.runtime.ship is not None else None
     if ships_server(profile):
         server_flags = shipped_flags(profile.runtime.ship, release)
+    store = kernels.read_store(kernels.gpu_model(host_facts[profile.host])) if profile.engine == "ddtree" else None
     facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release,
-                       server_flags=server_flags)
+                       server_flags=server_flags, kernel_store=store)
     dest = facts.dest
     trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
     problems += check_models(profile, trees)

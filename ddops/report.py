@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, DdopsError, HostUnreachable, Refused
+from . import kernels
 from .hostlock import LockLost
 from .plan import Checks, Interrupted, Journal, StepState
 from .profile import Profile
@@ -37,6 +38,14 @@ class Report:
     signals: int = 0
     wall_s: float = 0.0
     way_back: list[dict[str, Any]] = field(default_factory=list)   # the undos to the state before it, as data
+    kernel_seed: kernels.SeedDecision | None = None    # what the plan does with the Triton cache (ddtree only)
+    kernel_harvest: dict[str, Any] | None = None        # the harvest after the gates passed
+
+    def kernel_cache(self) -> dict[str, Any] | None:
+        if self.kernel_seed is None:
+            return None
+        return kernels.report(self.kernel_seed, self.journal.kernels.get("seed"), self.kernel_harvest,
+                              dry_run=self.dry_run)
 
     @property
     def changed(self) -> bool:
@@ -80,6 +89,7 @@ class Report:
                 # what `ddops rollback` to this pivot's backup applies: the release before it, what it stopped
                 "way_back": self.way_back,
                 **({"rolling": self.journal.rolling} if self.journal.rolling else {}),
+                **({"kernel_cache": self.kernel_cache()} if self.kernel_seed else {}),
                 **({"accepted_gpu_faults": self.accepted_gpu_faults} if self.accepted_gpu_faults else {})}
 
     def as_json(self) -> dict[str, Any]:
@@ -104,6 +114,8 @@ class Report:
             out["rolling"] = self.journal.rolling
         if self.accepted_gpu_faults:
             out["accepted_gpu_faults"] = self.accepted_gpu_faults
+        if self.kernel_seed is not None:
+            out["kernel_cache"] = self.kernel_cache()
         out.update(interrupted=self.interrupted, error=self.error.line() if self.error else None,
                    release=self.release, backup_id=self.journal.backup_id, changed=sorted(self.journal.changed),
                    stopped_units=self.journal.stopped_units, training=self.journal.training, gates=self.gates(),

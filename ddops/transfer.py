@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import tempfile
+from typing import Sequence
 
 from .errors import StepFailed
 from .inventory import Host, Inventory
@@ -44,15 +45,17 @@ def _login(host: Host) -> str:
 
 
 def rsync_argv(inventory: Inventory, src: str, dst: str, *, src_host: Host | None = None,
-               dst_host: Host | None = None, checksum_dry_run: bool = False) -> list[str]:
-    """rsync from src to dst (each on the control machine when its host is None); one side remote."""
+               dst_host: Host | None = None, checksum_dry_run: bool = False, mirror: bool = True,
+               options: Sequence[str] = ()) -> list[str]:
+    """rsync from src to dst (each on the control machine when its host is None); one side remote.
+    `mirror`: files dst has and src lacks are deleted; `options`: more of rsync's (ownership, --link-dest)."""
     if src_host is not None and dst_host is not None:
         raise ValueError("rsync copies between the control machine and one host")
     side = src_host or dst_host
     # No --partial: an interrupted transfer must never put a truncated file where a good one was.
     # --delay-updates and --delete-after keep the previous files in place until every new one has
     # arrived, so a sync that fails part-way (disk full, host gone) leaves the old model dir as it was.
-    argv = ["rsync", "-a", "--delete-after", "--delay-updates"]
+    argv = ["rsync", "-a"] + (["--delete-after"] if mirror else []) + ["--delay-updates", *options]
     if side is not None:  # an I/O timeout: a remote side that stops answering fails the sync
         argv.append(f"--timeout={max(5, int(side.command_timeout))}")
     argv += ["--checksum", "--dry-run", "--itemize-changes"] if checksum_dry_run else ["--info=progress2",

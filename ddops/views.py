@@ -163,6 +163,11 @@ def render_summary(report: dict[str, Any], console: Console) -> None:
                            "tokens/s per mode)", style="dim"), soft_wrap=True)
     for batch in report.get("rolling") or []:
         console.print(Text(f"  rolling {rolling_line(batch)}", style="" if batch["ok"] else "red"), soft_wrap=True)
+    cache = report.get("kernel_cache")
+    if cache:
+        console.print(Text(f"  kernel cache: {cache['line']}"), soft_wrap=True)
+        for warning in cache["warnings"]:
+            console.print(Text(f"  warning: {warning}", style="yellow"), soft_wrap=True)
     if (report.get("rollback") or {}).get("checked"):
         console.print(Text(f"  on the way back: {checked_words(report['rollback'])}",
                            style="" if report.get("rolled_back") else "red"), soft_wrap=True)

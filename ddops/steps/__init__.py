@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..plan import Step
 from ..profile import Profile
 from .deps import DepsStep
+from .kernels import KernelsStep
 from .roll import RollStep
 from .ship import ShipStep
 from .start import StartStep
@@ -19,8 +20,12 @@ from .unit import UnitStep
 
 
 def pivot_steps(profile: Profile | None = None) -> list[Step]:
-    """The steps in order; a replicated profile adds the rolling restart of replicas already serving."""
-    steps: list[Step] = [TrainingStep(), SyncStep(), DepsStep(), ShipStep(), UnitStep(), StartStep()]
+    """The steps in order; the DDTree runtime's seeds its kernel cache before it starts; a replicated
+    profile adds the rolling restart of replicas already serving."""
+    steps: list[Step] = [TrainingStep(), SyncStep(), DepsStep(), ShipStep(), UnitStep()]
+    if profile is None or profile.engine == "ddtree":
+        steps.append(KernelsStep())
+    steps.append(StartStep())
     if profile is not None and profile.replicated:
         steps.append(RollStep())
     return steps

@@ -85,13 +85,14 @@ def test_every_step_plans_the_first_pivot_from_the_facts(profile):
                  "transformers>=4.51 uvicorn>=0.29 (from the index)"],
         "ship": ["install ddtree-runtime 0.1.0+new into /opt/ddtree/venv (now: none)"],
         "unit": ["write /etc/systemd/system/ddtree.service (new)", "write /etc/ddops/ddtree.env (mode 0600) (new)"],
+        "kernels": [],   # no kernel store for the host's GPU model in these facts
         "start": ["enable ddtree.service", "restart ddtree.service (changed: deps, ship, sync, unit)"],
     }
 
 
 def test_a_deployed_host_plans_nothing_and_nothing_restarts(profile):
     assert plans(profile, deployed_facts(profile, fixture_facts(profile))) == {
-        "training": [], "sync": [], "deps": [], "ship": [], "unit": [], "start": []}
+        "training": [], "sync": [], "deps": [], "ship": [], "unit": [], "kernels": [], "start": []}
 
 
 def test_a_new_release_alone_restarts_the_unit(profile):

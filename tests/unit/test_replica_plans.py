@@ -186,7 +186,7 @@ def test_the_first_pivot_installs_haproxy_and_starts_every_replica(profile):
 
 def test_a_deployed_host_plans_nothing(profile):
     assert plans(profile, deployed(profile, fixture_facts(profile))) == {
-        "training": [], "sync": [], "deps": [], "ship": [], "unit": [], "start": [], "roll": []}
+        "training": [], "sync": [], "deps": [], "ship": [], "unit": [], "kernels": [], "start": [], "roll": []}
 
 
 def test_a_change_to_serving_replicas_is_a_rolling_restart_in_batches(profile, tmp_path):

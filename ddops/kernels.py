@@ -34,9 +34,10 @@ STORE_MAX_BYTES = 4 * 2**30     # a host's cache larger than this is not harvest
 TRANSFER_TIMEOUT_S = 900        # one harvest or seed
 MANIFEST = "manifest.json"      # beside the cache in a model's store: where and when it was harvested
 CACHE = "triton"                # the harvested cache, as it was on the host
-# Seeded files as Triton itself writes them for the unit, which runs as root (no User= in the templates;
-# CacheDirectory=ddtree makes /var/cache/ddtree root's, 0755): root's, folders 0755, files 0644.
-SEED_OWNERSHIP = ("--no-owner", "--no-group", "--chmod=D755,F644")
+# A seed writes no file the host has (even one its running unit wrote since the plan), and writes its own
+# as Triton does for the unit, which runs as root (no User= in the templates; CacheDirectory=ddtree makes
+# /var/cache/ddtree root's, 0755): root's, folders 0755, files 0644.
+SEED_OPTIONS = ("--ignore-existing", "--no-owner", "--no-group", "--chmod=D755,F644")
 
 
 def cache_dir(profile: Profile) -> str:
@@ -124,8 +125,9 @@ class SeedDecision:
     store: Stored | None = None
 
     def words(self) -> str:
-        return {"seed": f"seeded from store ({self.store.words()})" if self.store else "",
-                "kept": "kept (host has its own)",
+        if self.outcome == "seed":
+            return f"seeded from store ({self.store.words()})"
+        return {"kept": "kept (host has its own)",
                 "none": f"none for {self.gpu_model} yet",
                 "off": "not seeded (--no-kernel-seed)",
                 "idle": "not seeded: nothing (re)starts",
@@ -164,7 +166,7 @@ def decide_seed(profile: Profile, host: str, facts: HostFacts, dest: Inspection,
 
 def seed_argv(inventory: Inventory, host: Host, store: Stored, directory: str) -> list[str]:
     """Push a store into the host's cache: nothing deleted there, the files the unit's (root's)."""
-    return rsync_argv(inventory, store.path, directory, dst_host=host, mirror=False, options=SEED_OWNERSHIP)
+    return rsync_argv(inventory, store.path, directory, dst_host=host, mirror=False, options=SEED_OPTIONS)
 
 
 def seed(executor: Executor, inventory: Inventory, host: Host, decision: SeedDecision,

@@ -130,7 +130,8 @@ def test_a_store_of_another_gpu_model_is_never_read(profile):
 def test_the_seed_pushes_into_the_cache_through_pct_deleting_nothing_and_root_s(profile):
     store = stored()
     argv = kernels.seed_argv(LAB, LAB.host("ct200"), store, "/var/cache/ddtree/triton")
-    assert argv[:6] == ["rsync", "-a", "--delay-updates", "--no-owner", "--no-group", "--chmod=D755,F644"]
+    assert argv[:7] == ["rsync", "-a", "--delay-updates", "--ignore-existing", "--no-owner", "--no-group",
+                        "--chmod=D755,F644"]
     assert not any(a.startswith("--delete") for a in argv)   # nothing the host has is removed
     assert argv[argv.index("--rsync-path") + 1] == "pct exec 200 -- rsync"
     assert argv[-3:] == ["--", f"{store.path}/", "root@127.0.0.1:/var/cache/ddtree/triton/"]

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention.bias import causal_lower_right
 
 from ddtree_runtime.model import kernels
 from ddtree_runtime.model.kernels import DecodeLaunch, decode_attention, decode_launch
 from ddtree_runtime.model.layers import attend_grouped
+from ddtree_runtime.model.prompt_attention import attend_prompt, gather_pages
 from ddtree_runtime.engine.runner import KV_BUCKET, prefill_kv_len
 
 HQ, HKV, D = 32, 8, 128
@@ -204,6 +206,30 @@ def prefill_case(width: int, context: int, gen: torch.Generator) -> dict:
             case[f"gather-{name}"] = timed(lambda keys=keys: (pool_k[:, :, index[:keys]], pool_v[:, :, index[:keys]]))
     want = sdpa(end).float()
     lengths = torch.tensor([end], device=dev)
+    # the runtime's path (layers.attend_static): the row's pages copied up to its length, then
+    # FlashAttention-2's varlen kernel stopping there; and its parts, and FlashAttention over an index copy
+    table = pages[None]
+
+    def paged_flash() -> torch.Tensor:
+        k = gather_pages(pool_k[0], table, page, lengths, most)
+        return attend_prompt(q, k, gather_pages(pool_v[0], table, page, lengths, most), lengths)
+
+    try:  # a torch build without FlashAttention-2 is reported, not a crash of the whole probe
+        case["flash-paged"] = timed(paged_flash)
+        case["flash-paged_max_abs_error"] = (paged_flash().float() - want).abs().max().item()
+        case["gather-pages"] = timed(lambda: (gather_pages(pool_k[0], table, page, lengths, most),
+                                              gather_pages(pool_v[0], table, page, lengths, most)))
+        case["flash-over-doubling"] = timed(lambda: attend_prompt(q, k_all, v_all, lengths))
+        case["flash-exact"] = timed(lambda: attend_prompt(q, k_all[:, :, :end], v_all[:, :, :end], lengths))
+    except RuntimeError as e:
+        case["flash_error"] = str(e)[:300]
+        print(f"flash path failed: {case['flash_error']}", flush=True)
+    try:
+        lower_right = causal_lower_right(width, end)
+        case["sdpa-lower-right-exact"] = timed(lambda: F.scaled_dot_product_attention(
+            q, k_all[:, :, :end], v_all[:, :, :end], attn_mask=lower_right, enable_gqa=True))
+    except RuntimeError as e:
+        case["sdpa-lower-right_error"] = str(e)[:300]
     grid, errors = {}, {}
     for block_rows, split, warps in itertools.product((64, 128), (1024, 2048, 4096), (4, 8)):
         launch = DecodeLaunch(block_rows, split, warps)
@@ -223,7 +249,8 @@ def prefill(widths: list[int], contexts: list[int], out: str) -> None:
     gen = torch.Generator().manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "heads": [HQ, HKV, D], "unit": "us per call (CUDA graph)",
               "cases": []}
-    print(f"{'W':>4} {'C':>6} | sdpa: doubling  quarter    exact | gather: doubling quarter | kernel's best (error)")
+    print(f"{'W':>4} {'C':>6} | sdpa: doubling  quarter    exact | gather: doubling quarter | flash: paged "
+          f"(error) gather-pages over-doubling exact | kernel's best (error)")
     for context in contexts:
         for width in widths:
             case = prefill_case(width, context, gen)
@@ -231,6 +258,8 @@ def prefill(widths: list[int], contexts: list[int], out: str) -> None:
             best = min(case["kernel"], key=case["kernel"].get, default=None)
             print(f"{width:4} {context:6} | {case['sdpa-doubling']:14.1f} {case['sdpa-quarter']:8.1f} "
                   f"{case['sdpa-exact']:8.1f} | {case['gather-doubling']:16.1f} {case['gather-quarter']:7.1f} | "
+                  + (f"{case['flash-paged']:12.1f} ({case['flash-paged_max_abs_error']:.1e}) {case['gather-pages']:8.1f} "
+                     f"{case['flash-over-doubling']:8.1f} {case['flash-exact']:6.1f} | " if "flash-paged" in case else "- | ")
                   + (f"{best} {case['kernel'][best]:.1f} ({case['kernel_max_abs_error'][best]:.1e})" if best else "-"),
                   flush=True)
             torch.cuda.empty_cache()

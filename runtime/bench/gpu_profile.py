@@ -38,11 +38,13 @@ PHASE = "phase:"  # the record_function ranges of profile_batched_step
 # (kind, substrings of a kernel's name, any of which puts it there); the first match wins. Kinds say
 # which work a step's GPU time goes to (issue 39: how much of the verify is not the bf16 GEMMs)
 KINDS = [
+    # named before the GEMMs and the solve: FlashAttention's kernels carry cutlass in their names, and
+    # fla-core's chunked prefill has a kkt_solve kernel
+    ("attention", ("attn", "flash", "fmha", "sdpa")),
+    ("gdn kernels", ("_conv_heads", "_gated_norm", "_advance", "chunk", "delta", "fused_recurrent")),
     ("gemm f32", ("f32", "sgemm", "tf32")),
     ("triangular solve", ("trsm", "trsv", "solve")),
     ("gemm 16-bit", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "wgmma", "_fp8_gemm")),
-    ("attention", ("attn", "flash", "fmha", "sdpa")),
-    ("gdn kernels", ("_conv_heads", "_gated_norm", "_advance", "chunk", "delta", "fused_recurrent")),
     ("conv", ("conv",)),
     ("norm, rope, act", ("rms_norm", "silu", "rope")),
     ("tree build, sampling", ("tree", "_row_top", "_tile_heads", "sort", "topk", "argmax", "softmax")),

@@ -15,7 +15,7 @@ PAGE = 8
 
 
 def test_widths_and_key_buckets():
-    assert [prefill_width(n) for n in (1, 32, 33, 200, 512, 513)] == [32, 32, 64, 256, 512, None]
+    assert [prefill_width(n) for n in (1, 32, 33, 200, 260, 512, 513)] == [32, 32, 64, 256, 384, 512, None]
     assert PREFILL_WIDTHS == tuple(sorted(PREFILL_WIDTHS))
     # graphed: a doubling of 512 keys (few graphs); eager: the CPU's small bucket; never past the cache
     assert [prefill_kv_len(n, 1 << 20, True) for n in (1, 512, 513, 16_600, 40_000)] == [512, 512, 1024, 32_768, 65_536]

@@ -801,3 +801,26 @@ def test_batched_tree_pass_over_a_paged_pool_through_the_kernels_matches_torch()
                 assert torch.equal(x[..., :n, :], z[..., :n, :])
                 assert (x[..., :n, :].float() - y[..., :n, :].float()).abs().max() < 1e-2
     """)
+
+
+def test_prompt_key_gather_copies_each_rows_pages_up_to_its_length():
+    """A prompt piece's keys out of a paged pool (prompt_attention.gather_pages): each row's pages,
+    shuffled over the pool, land in order up to its length rounded up to a page; nothing past it is
+    written (the kernel skips those pages, so a graph keeps one shape and pays for the real keys)."""
+    out = interpret("""
+        import ddtree_runtime.model.prompt_attention as P
+        hkv, d, page, bucket, b = 2, 32, 16, 80, 3
+        width = bucket // page
+        table = (torch.randperm(b * width) + 1).view(b, width)
+        pool = torch.randn(hkv, (b * width + 1) * page, d, dtype=torch.float16)
+        lengths = torch.tensor([33, 80, 1])
+        got = P.gather_pages(pool, table, page, lengths, bucket)
+        assert got.shape == (b, hkv, bucket, d)
+        for row in range(b):
+            pages = -(-lengths[row].item() // page)
+            for p in range(pages):
+                slot = table[row, p].item() * page
+                assert torch.equal(got[row, :, p * page:(p + 1) * page], pool[:, slot:slot + page]), (row, p)
+            print(row, pages)
+    """)
+    assert len(out.splitlines()) == 3

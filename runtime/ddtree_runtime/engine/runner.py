@@ -169,8 +169,9 @@ class TargetRunner:
 
 
 # The widths a short prompt pass is padded to (PrefillRunner): a second turn's few hundred new tokens
-# after a reused prefix. A longer piece is a plain causal pass (its GEMMs, not the host, set its time).
-PREFILL_WIDTHS = (32, 64, 128, 256, 512)
+# after a reused prefix (a chat turn's ~260 pads to 384, not 512: its attention and recurrence scale with
+# the width). A longer piece is a plain causal pass (its GEMMs, not the host, set its time).
+PREFILL_WIDTHS = (32, 64, 128, 256, 384, 512)
 
 
 def prefill_width(tokens: int) -> int | None:
@@ -194,8 +195,9 @@ class _PrefillBucket:
     """Static inputs of one (width, kv_len, keeps) short prompt pass over one row, its CUDA graph once
     captured. `keeps`: the pass keeps a hybrid's state at an offset within it (the snapshot)."""
 
-    def __init__(self, width: int, kv_len: int, keeps: bool, cache: KVCache, device: torch.device) -> None:
-        self.width, self.kv_len, self.keeps = width, kv_len, keeps
+    def __init__(self, width: int, kv_len: int, keeps: bool, bounded: bool, cache: KVCache,
+                 device: torch.device) -> None:
+        self.width, self.kv_len, self.keeps, self.bounded = width, kv_len, keeps, bounded
         self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         # a hybrid's: the row (its linear layers' state is read and written by this index), the real
@@ -237,7 +239,7 @@ class PrefillRunner:
         self.use_graphs = device.type == "cuda"
         self.pool = pool if pool is not None or not self.use_graphs else torch.cuda.graph_pool_handle()
         self.hybrid = isinstance(cache, HybridCache)
-        self.buckets: dict[tuple[int, int, bool], _PrefillBucket] = {}
+        self.buckets: dict[tuple[int, int, bool, bool], _PrefillBucket] = {}
 
     def run(self, row: int, tokens: list[int], start: int,
             keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -247,7 +249,8 @@ class PrefillRunner:
         after that many of the tokens (Piece.keep_at). Nothing here waits for the device."""
         width = prefill_width(len(tokens))
         kv_len = prefill_kv_len(start + width, self.cache.capacity, self.use_graphs)
-        key = (width, kv_len, keep_at is not None)
+        # the padding's keys fit the bucket (not at a row's end of capacity): attention may stop at them
+        key = (width, kv_len, keep_at is not None, start + width <= kv_len)
         b = self.buckets.get(key)
         if b is None:
             b = self.buckets[key] = _PrefillBucket(*key, self.cache, self.device)
@@ -273,8 +276,10 @@ class PrefillRunner:
         prompt = None
         if self.hybrid:
             prompt = PaddedPrompt(b.row, b.start > 0, b.length, b.keep if b.keeps else None)
-        h, feats = self.target(b.ids, pos, b.view, static=TreeInputs(slots, bias, b.kv_len, None, launch=launch,
-                                                                      prompt=prompt))
+        # the keys the pass's last query may attend: attention reads no further (layers.attend_static)
+        lengths = b.start + b.width if b.bounded else None
+        h, feats = self.target(b.ids, pos, b.view, static=TreeInputs(slots, bias, b.kv_len, None, lengths=lengths,
+                                                                      launch=launch, prompt=prompt))
         return h, feats, pos
 
 

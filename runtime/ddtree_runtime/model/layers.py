@@ -14,6 +14,7 @@ from .fp8 import BLOCK, BlockFP8, FP8Linear, cdiv, fp8_linear, fuse_fp8_rows, sl
 from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
 from .parallel import TensorParallel, add_reduced
+from .prompt_attention import attend_prompt, gather_pages, prompt_flash_fits
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +83,9 @@ class TreeInputs(NamedTuple):
     kv_len: int
     tree: torch.Tensor      # [T, T] bool, node j is node i or one of its ancestors
     paths: object = None    # gated_delta.Paths, filled by a hybrid model
-    lengths: torch.Tensor | None = None  # [B] keys each row may attend (a batched pass): see attend_decode
+    # [B] keys each row may attend (a batched pass: see attend_decode); a prompt piece's (tree None):
+    # its start + width, its queries the last width of them (prompt_attention.attend_prompt)
+    lengths: torch.Tensor | None = None
     launch: DecodeLaunch | None = None   # the decode kernel's launch (kernels.DECODE_EAGER for passes not graphed)
     prompt: object = None   # a hybrid's padded prompt piece (gdn_chunk.PaddedPrompt; `tree` is then None)
 
@@ -94,7 +97,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx:
     prompt, start > 0, causal with its queries aligned to the end of the keys)."""
     if tree is not None:
         cache.put_at(idx, tree.slots, k, v)
-        return attend_cache(q, cache, idx, tree.kv_len, tree.bias, tree.lengths, tree.launch)
+        return attend_static(q, cache, idx, tree)
     if cache is not None:
         k, v = cache.write(idx, start, k, v)
     if mask is None and q.shape[2] > 1 and q.shape[2] < k.shape[2]:
@@ -248,6 +251,24 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)
+
+
+def attend_static(q: torch.Tensor, cache, idx: int, static: TreeInputs) -> torch.Tensor:
+    """A fixed-shape pass's attention over layer idx of the cache, its k/v already stored: a prompt
+    piece with its lengths through attend_prompt where that fits (no bias read, no key past the row's
+    length), anything else through attend_cache with the pass's bias."""
+    if static.tree is None and static.lengths is not None and prompt_flash_fits(q):
+        return attend_prompt(q, *prompt_keys(cache, idx, static.kv_len, static.lengths), static.lengths)
+    return attend_cache(q, cache, idx, static.kv_len, static.bias, static.lengths, static.launch)
+
+
+def prompt_keys(cache, idx: int, kv_len: int, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer idx's first kv_len keys and values of each row [B, Hkv, kv_len, D] for attend_prompt: a
+    paged cache's copied only up to each row's length."""
+    pages = cache.pages(idx)
+    if pages is None:
+        return cache.view(idx, kv_len)
+    return tuple(gather_pages(x[0], pages.block, pages.page_size, lengths, kv_len) for x in (pages.k, pages.v))
 
 
 def attend_cache(q: torch.Tensor, cache, idx: int, kv_len: int, bias: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
-from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cache, attend_cached
+from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cached, attend_static
 
 
 class DecoderLayer(LayerWeights):
@@ -18,7 +18,7 @@ class DecoderLayer(LayerWeights):
         h = self.input_layernorm(x)
         if static is not None:  # a tree pass: k/v stored at the nodes' slots, attention over the cache
             q = attn.qkv_to_cache(h, cos, sin, cache, idx, static.slots)
-            o = attend_cache(q, cache, idx, static.kv_len, static.bias, static.lengths)
+            o = attend_static(q, cache, idx, static)
         else:
             o = attend_cached(*attn.qkv(h, cos, sin), cache, idx, start, mask, None)
         x = attn.add_out(x, o)

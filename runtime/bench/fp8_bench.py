@@ -79,19 +79,21 @@ def check_gemm(device: torch.device, dtype: torch.dtype, shapes) -> dict:
     return out
 
 
-def prefill_ms(engine: Engine, prompts: list[list[int]]) -> list[float]:
-    """The first token of a lone request for each prompt: its prefill, timed the second time its length
-    runs (the first pays the compiles and fla-core's autotuning of its piece widths: the 27B's 32K
-    prefill took 14.4 s in bf16, which ran first, against 2.8 s in FP8 after it, in session 14's run)."""
+def prefill_ms(engine: Engine, warm: list[list[int]], timed: list[list[int]]) -> list[float]:
+    """The first token of a lone request for each of `timed`: its prefill, after a prompt of the same
+    length from `warm` (which pays the compiles and fla-core's autotuning of its piece widths: the 27B's
+    32K prefill took 14.4 s in bf16, which ran first, against 2.8 s in FP8 after it, in session 14's
+    run). The two differ from their first token, so the timed one reuses nothing of the warm one's
+    cached prefix (session 15's run timed the same prompt twice: the 8B's second 32K took 145 ms)."""
     params = SamplingParams(max_new_tokens=1, mode="ar")
     times = []
-    for prompt in prompts + prompts:
+    for prompt in warm + timed:
         sync(engine.device)
         t0 = time.perf_counter()
         list(engine.generate(prompt, params))
         sync(engine.device)
         times.append(1e3 * (time.perf_counter() - t0))
-    return times[len(prompts):]
+    return times[len(warm):]
 
 
 def measure(shape: str, precision: str, args, device: torch.device) -> dict:
@@ -125,8 +127,10 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
         prompts = [torch.randint(0, vocab - 1, (args.context,), generator=g).tolist() for _ in range(n)]
         params = SamplingParams(max_new_tokens=(args.rounds + args.warmup + 4) * 17, mode="ddtree", tree_budget=16)
         out[f"ddtree16_{n}_running_ms"] = steady_rounds(engine, prompts, params, args.rounds, args.warmup)["round_ms"]
-    prompts = [torch.randint(0, vocab - 1, (ctx,), generator=g).tolist() for ctx in contexts]
-    for ctx, ms in zip(contexts, prefill_ms(engine, prompts) if prompts else []):
+    warm, timed = ([torch.randint(0, vocab - 1, (ctx,), generator=g).tolist() for ctx in contexts] for _ in range(2))
+    for prompt, other in zip(timed, warm):
+        prompt[0] = (other[0] + 1) % (vocab - 1)   # nothing of the warm prompt's cached prefix is reused
+    for ctx, ms in zip(contexts, prefill_ms(engine, warm, timed) if timed else []):
         out[f"prefill_{ctx}_ms"] = ms
     print(f"  {shape} {precision}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in out.items() if not k.endswith(("phases_ms", "checks"))),

@@ -34,6 +34,7 @@ from ddtree_runtime.engine.runner import KV_BUCKET, prefill_kv_len
 
 HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"
+SPLITS = (1, 2, 3, 4, 6, 8)   # the prefix's parts tried for a prompt piece (prompt_attention.attend_prompt)
 # the batched sweep's grid; partial-softmax workspaces above this are skipped (they cost more than
 # the keys and never win)
 GRID_BLOCK_ROWS = (16, 32, 64, 128)
@@ -221,6 +222,10 @@ def prefill_case(width: int, context: int, gen: torch.Generator) -> dict:
                                               gather_pages(pool_v[0], table, page, lengths, most)))
         case["flash-over-doubling"] = timed(lambda: attend_prompt(q, k_all, v_all, lengths))
         case["flash-exact"] = timed(lambda: attend_prompt(q, k_all[:, :, :end], v_all[:, :, :end], lengths))
+        for splits in SPLITS:  # the prefix in parts, merged (what attend_static picks: prompt_splits)
+            case[f"flash-split{splits}"] = timed(lambda s=splits: attend_prompt(q, k_all, v_all, lengths, s))
+            case[f"flash-split{splits}_max_abs_error"] = (attend_prompt(q, k_all, v_all, lengths, splits).float()
+                                                          - want).abs().max().item()
     except RuntimeError as e:
         case["flash_error"] = str(e)[:300]
         print(f"flash path failed: {case['flash_error']}", flush=True)
@@ -262,6 +267,8 @@ def prefill(widths: list[int], contexts: list[int], out: str) -> None:
                      f"{case['flash-over-doubling']:8.1f} {case['flash-exact']:6.1f} | " if "flash-paged" in case else "- | ")
                   + (f"{best} {case['kernel'][best]:.1f} ({case['kernel_max_abs_error'][best]:.1e})" if best else "-"),
                   flush=True)
+            print("      flash with the prefix in parts: " + "  ".join(
+                f"{s}: {case[f'flash-split{s}']:.1f}" for s in SPLITS if f"flash-split{s}" in case), flush=True)
             torch.cuda.empty_cache()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=2))

@@ -824,3 +824,47 @@ def test_prompt_key_gather_copies_each_rows_pages_up_to_its_length():
             print(row, pages)
     """)
     assert len(out.splitlines()) == 3
+
+
+def test_prompt_attention_parts_merge_into_the_softmax_over_all_keys():
+    """A long prefix's attention in parts (prompt_attention.merge_parts): each part's normalised output
+    and log-sum-exp, merged, equal attention over all the keys at once; a part with no keys (a row
+    whose prefix is shorter than the split) counts for nothing, whatever its output holds."""
+    out = interpret("""
+        import ddtree_runtime.model.prompt_attention as P
+        heads, d, width, splits = 2, 32, 4, 3
+        prefixes = [10, 2]                                   # row 1: its third part is empty
+        used = torch.tensor([[min(max(p - j * -(-p // splits), 0), -(-p // splits)) for p in prefixes]
+                             for j in range(splits)], dtype=torch.int32)
+        rows = len(prefixes)
+        q = torch.randn(rows * width, heads, d, dtype=torch.float64)
+        parts = torch.full((splits, rows * width, heads, d), float("nan"), dtype=torch.float16)
+        part_lse = torch.full((heads, splits, rows * width), float("inf"), dtype=torch.float32)
+        own = torch.empty(rows * width, heads, d, dtype=torch.float16)
+        own_lse = torch.empty(heads, rows * width, dtype=torch.float32)
+        want = torch.empty(rows * width, heads, d, dtype=torch.float64)
+
+        def attend(qs, keys, values, allowed):               # [Tq, H, D] over [Tk, H, D] -> out, lse
+            s = torch.einsum("qhd,khd->hqk", qs, keys) * d ** -0.5
+            s = s.masked_fill(~allowed, float("-inf"))
+            return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), values), torch.logsumexp(s, -1)
+
+        for row, prefix in enumerate(prefixes):
+            k, v = torch.randn(2, prefix + width, heads, d, dtype=torch.float64)
+            t = slice(row * width, (row + 1) * width)
+            causal = torch.arange(prefix + width)[None] <= prefix + torch.arange(width)[:, None]
+            want[t] = attend(q[t], k, v, causal)[0]
+            o, lse = attend(q[t], k[prefix:], v[prefix:], torch.ones(width, width, dtype=torch.bool).tril())
+            own[t], own_lse[:, t] = o.half(), lse.float()
+            for j in range(splits):
+                n = used[j, row].item()
+                if n:
+                    lo = j * -(-prefix // splits)
+                    o, lse = attend(q[t], k[lo:lo + n], v[lo:lo + n], torch.ones(width, n, dtype=torch.bool))
+                    parts[j, t], part_lse[:, j, t] = o.half(), lse.float()
+        got = P.merge_parts(parts, part_lse, used, own, own_lse, width)
+        err = (got.double() - want).abs().max().item()
+        print(err)
+        assert got.dtype == torch.float16 and err < 3e-3, err
+    """)
+    assert float(out) < 3e-3

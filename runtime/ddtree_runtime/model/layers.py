@@ -14,7 +14,7 @@ from .fp8 import BLOCK, BlockFP8, FP8Linear, cdiv, fp8_linear, fuse_fp8_rows, sl
 from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
 from .parallel import TensorParallel, add_reduced
-from .prompt_attention import attend_prompt, gather_pages, prompt_flash_fits
+from .prompt_attention import attend_prompt, gather_pages, prompt_flash_fits, prompt_splits
 
 
 class RMSNorm(nn.Module):
@@ -258,7 +258,8 @@ def attend_static(q: torch.Tensor, cache, idx: int, static: TreeInputs) -> torch
     piece with its lengths through attend_prompt where that fits (no bias read, no key past the row's
     length), anything else through attend_cache with the pass's bias."""
     if static.tree is None and static.lengths is not None and prompt_flash_fits(q):
-        return attend_prompt(q, *prompt_keys(cache, idx, static.kv_len, static.lengths), static.lengths)
+        return attend_prompt(q, *prompt_keys(cache, idx, static.kv_len, static.lengths), static.lengths,
+                             prompt_splits(static.kv_len))
     return attend_cache(q, cache, idx, static.kv_len, static.bias, static.lengths, static.launch)
 
 

@@ -21,6 +21,7 @@ from .gated_delta import Paths, Step, causal_conv, gated_delta, tree_paths
 from .gdn_chunk import (PaddedPrompt, chunk_gated_delta, conv_inputs, conv_silu, padded_chunk_gated_delta,
                         prompt_conv, tail_before)
 from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
+from .gdn_prompt import prompt_conv_heads, prompt_delta, prompt_fits, prompt_gated_norm, prompt_gates
 from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear, split_parts
 from .parallel import TensorParallel, add_reduced, reduced
 from .qwen3 import Qwen3ForCausalLM
@@ -146,6 +147,10 @@ class GatedDeltaNet(nn.Module):
                 core = self._tree(inputs, q, k, v, beta.transpose(1, 2), g.transpose(1, 2), cache, tree.paths)
             return projected(gated_norm(core, z, self.norm.weight, self.norm.eps, x.dtype), self.out_proj, self.tp,
                              residual)
+        if prompt is not None and prompt_fits(mixed, self.dk, self.dv, self.kernel):
+            # the graphed prompt piece on CUDA: fla's chunked calls between three kernels of gdn_prompt.py
+            return projected(self._fused_padded_chain(mixed, z, b_in, a, cache, prompt), self.out_proj, self.tp,
+                             residual)
         beta, g = self._gates(b_in, a)
         if prompt is not None:
             core = self._padded_chain(mixed, beta, g, cache, prompt)
@@ -238,6 +243,24 @@ class GatedDeltaNet(nn.Module):
             cache.snap_conv[self.slot].index_copy_(0, prompt.row, tail_before(ext, prompt.keep, self.kernel))
             cache.snap_state[self.slot].index_copy_(0, prompt.row, kept)
         return out.transpose(1, 2)
+
+    def _fused_padded_chain(self, mixed: torch.Tensor, z: torch.Tensor, b_in: torch.Tensor, a: torch.Tensor, cache,
+                            prompt: PaddedPrompt) -> torch.Tensor:
+        """_padded_chain and the gated norm after it through gdn_prompt.py's kernels: the conv (writing the
+        row's tails), the gates with the initial state, fla's one or two calls, the norm over both calls'
+        outputs. Returns [1, W, Hv*dv] in the model dtype."""
+        keep = prompt.keep is not None
+        first, moved = prompt_conv_heads(mixed, cache.conv[self.slot], cache.snap_conv[self.slot] if keep else None,
+                                         self.conv1d.weight[:, 0], prompt, self.n_k, self.n_v, self.dk, self.dv)
+        first, moved, state = prompt_gates(b_in, a, self.A_log, self.dt_bias, cache.state[self.slot], prompt,
+                                           first, moved)
+        out, state = prompt_delta(first, state)
+        rest = None
+        if moved is not None:  # the snapshot, then on from there
+            cache.snap_state[self.slot].index_copy_(0, prompt.row, state)
+            rest, state = prompt_delta(moved, state)
+        cache.state[self.slot].index_copy_(0, prompt.row, state)
+        return prompt_gated_norm(out, rest, prompt.keep, z, self.norm.weight, self.norm.eps)
 
 
 class HybridLayer(nn.Module):

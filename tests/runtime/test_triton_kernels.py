@@ -3,8 +3,9 @@ and must agree with the torch path: the split-KV decode attention against a floa
 build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
 the fused KV write, the fused SiLU-and-multiply, the block-scaled FP8 GEMM against its scales applied
 in float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree
-pass with its fused conv/heads and gated-norm kernels against the same layer, and the commit's state
-advance against torch."""
+pass with its fused conv/heads and gated-norm kernels against the same layer, the commit's state
+advance against torch, and the prompt piece's conv, gates and gated-norm kernels (gdn_prompt.py) against
+the torch padded path."""
 
 from __future__ import annotations
 
@@ -868,3 +869,168 @@ def test_prompt_attention_parts_merge_into_the_softmax_over_all_keys():
         assert got.dtype == torch.float16 and err < 3e-3, err
     """)
     assert float(out) < 3e-3
+
+
+# (width, real tokens, keep, resume) for the prompt-piece kernels (gdn_prompt.py): a full piece; the state
+# kept at the first token, at the piece's end, at the width; tails reaching back into the row's old tail
+# (a piece or a keep shorter than the conv); a prompt's start (resume False) with and without keep
+PROMPT_PIECES = [(40, 40, None, True), (40, 17, 1, True), (40, 17, 17, False), (8, 2, 1, True),
+                 (40, 40, 40, True), (64, 33, 30, False), (40, 5, None, False)]
+
+
+def test_prompt_conv_kernel_is_the_torch_conv_split_moved_and_tails():
+    """gdn_prompt.prompt_conv_heads against the torch padded path: q, k (then L2-normalised, as fla's
+    l2norm does), v as the conv + SiLU + split give them, the moved copies of padded_chunk_gated_delta's
+    second call (its tokens past the width: zeros), the tails at length and keep written into the row,
+    no other row touched."""
+    interpret(f"""
+        import ddtree_runtime.model.gdn_prompt as P
+        from ddtree_runtime.model.gdn_chunk import PaddedPrompt, conv_inputs, conv_silu, l2_normalised, tail_before
+        hk, hv, dk, dv, K = 2, 4, 16, 16, 4
+        nk, c = hk * dk, 2 * hk * dk + hv * dv
+        for width, length, keep, resume in {PROMPT_PIECES}:
+            mixed = torch.randn(1, width, c + 8, dtype=torch.float16)[..., :c]   # strided, as the projection's
+            conv, snap = torch.randn(2, 3, K - 1, c, dtype=torch.float16)
+            weight = torch.randn(c, K, dtype=torch.float16) * 0.5
+            prompt = PaddedPrompt(torch.tensor([1]), torch.tensor([resume]), torch.tensor([length]),
+                                  None if keep is None else torch.tensor([keep]))
+            ext = conv_inputs(mixed, conv[1:2].where(prompt.resume, 0))
+            q, k, v = conv_silu(ext, weight).split([nk, nk, hv * dv], -1)
+            want = (l2_normalised(q.float().view(1, width, hk, dk)), l2_normalised(k.float().view(1, width, hk, dk)),
+                    v.float().view(1, width, hv, dv))
+            new_conv, new_snap = conv.clone(), snap.clone()
+            first, moved = P.prompt_conv_heads(mixed, new_conv, new_snap if keep else None, weight, prompt,
+                                               hk, hv, dk, dv)
+            for got, ref in zip(first[:3], want):
+                assert got.is_contiguous() and (got.float() - ref).abs().max() < 1e-3
+            assert torch.equal(new_conv[1], tail_before(ext, prompt.length, K)[0])
+            assert torch.equal(new_conv[::2], conv[::2])
+            if keep is None:
+                assert moved is None and torch.equal(new_snap, snap)
+                continue
+            assert torch.equal(new_snap[1], tail_before(ext, prompt.keep, K)[0]) and torch.equal(new_snap[::2], snap[::2])
+            for got, ref in zip(moved[:3], want):
+                assert got.is_contiguous() and torch.allclose(got[:, :width - keep].float(), ref[:, keep:], atol=1e-3)
+                assert (got[:, width - keep:] == 0).all()
+            print(width, length, keep, resume)
+    """)
+
+
+def test_prompt_gates_kernel_is_the_torch_gates_masks_and_initial_state():
+    """gdn_prompt.prompt_gates against GatedDeltaNet._gates and padded_chunk_gated_delta's masks: beta and
+    g zero past the first call's end (keep, or the piece's length) and, for the second call, at the tokens
+    moved to the front from keep on, live while before the length; the row's state or zeros."""
+    interpret(f"""
+        import torch.nn.functional as F
+        import ddtree_runtime.model.gdn_prompt as P
+        from ddtree_runtime.model.gdn_chunk import PaddedPrompt
+        hv, dk, dv = 4, 32, 16
+        for width, length, keep, resume in {PROMPT_PIECES}:
+            proj = torch.randn(1, width, 2 * hv + 8, dtype=torch.float16) * 4
+            b, a = proj[..., :hv], proj[..., hv:2 * hv]
+            a[0, 0, 0], a[0, 1, 0] = 30.0, -20.0                  # softplus past its threshold, and tiny
+            a_log, dt_bias = torch.rand(hv, dtype=torch.float16) * 2 - 1, torch.randn(hv, dtype=torch.float16)
+            state = torch.randn(3, hv, dk, dv)
+            prompt = PaddedPrompt(torch.tensor([2]), torch.tensor([resume]), torch.tensor([length]),
+                                  None if keep is None else torch.tensor([keep]))
+            beta = torch.sigmoid(b).float()                        # GatedDeltaNet._gates
+            g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+            offsets = torch.arange(width)
+            live = (offsets < (length if keep is None else keep))[None, :, None]
+            none = P.Heads(None, None, None)
+            first, moved, init = P.prompt_gates(b, a, a_log, dt_bias, state, prompt, none, none if keep else None)
+            torch.testing.assert_close(first.g, g.where(live, 0.0), atol=1e-6, rtol=1e-5)
+            assert first.beta.dtype == torch.float16 and torch.equal(first.beta.float(), beta.where(live, 0.0))
+            assert torch.equal(init[0], state[2] if resume else torch.zeros_like(state[2]))
+            if keep is None:
+                assert moved is None
+                continue
+            src = (offsets + keep).clamp(max=width - 1)
+            live = (offsets + keep < length)[None, :, None]
+            torch.testing.assert_close(moved.g, g[:, src].where(live, 0.0), atol=1e-6, rtol=1e-5)
+            assert torch.equal(moved.beta.float(), beta[:, src].where(live, 0.0))
+            print(width, length, keep, resume)
+    """)
+
+
+def test_prompt_gated_norm_reads_each_token_from_its_call():
+    """gdn_prompt.prompt_gated_norm against the torch path: token t from the first call's output before
+    keep, else the second's at t - keep (padded_chunk_gated_delta's gather and where), then RMSNorm rounded
+    as kernels.rms_norm rounds it, times SiLU(z)."""
+    interpret('''
+        import torch.nn.functional as F
+        import ddtree_runtime.model.gdn_prompt as P
+        width, hv, dv = 12, 3, 16
+        for keep in (None, 1, 5, 12):
+            out, rest = torch.randn(2, 1, width, hv, dv, dtype=torch.float16)
+            z = torch.randn(1, width, hv * dv + 5, dtype=torch.float16)[..., :hv * dv]
+            w = torch.rand(dv, dtype=torch.float16) + 0.5
+            core = out
+            if keep is not None:
+                offsets = torch.arange(width)
+                back = rest.index_select(1, (offsets - keep).clamp(min=0))
+                core = torch.where((offsets < keep)[None, :, None, None], out, back)
+            x = core.float()
+            n = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).half()
+            want = (n.float() * F.silu(z.float().view(1, width, hv, dv))).half().reshape(1, width, -1)
+            got = P.prompt_gated_norm(out, None if keep is None else rest,
+                                      None if keep is None else torch.tensor([keep]), z, w, 1e-6)
+            assert (got.float() - want.float()).abs().max() < 2e-3, keep
+    ''')
+
+
+def test_fused_prompt_piece_is_the_torch_padded_piece():
+    """A linear layer's padded prompt piece through gdn_prompt's kernels (fla's calls stood in for by the
+    torch chunked form, as fla cannot run here) gives the torch padded path's output, conv tails (the
+    same bits), state and snapshot, in float16."""
+    interpret('''
+        import ddtree_runtime.model.gdn_prompt as P
+        from ddtree_runtime.engine.kv_cache import HybridCache
+        from ddtree_runtime.model import Qwen35Config
+        from ddtree_runtime.model.gdn_chunk import PaddedPrompt, chunk_gated_delta_torch
+        from ddtree_runtime.model.layers import TreeInputs, fuse_projections
+        from ddtree_runtime.model.qwen3_5 import Qwen35ForCausalLM
+
+        def fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            assert not use_qk_l2norm_in_kernel and all(t.is_contiguous() for t in (q, k, v, g, beta))
+            out, final = chunk_gated_delta_torch(q, k, v, g, beta, initial_state, scale)
+            return out.to(v.dtype).contiguous(), final
+
+        P._fla_chunk = lambda: fla
+        cfg = Qwen35Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4)
+        model = Qwen35ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.uniform_(-1, 1)
+                if "norm" in name:
+                    p.normal_(1, 0.3)
+        model.half()
+        fuse_projections(model)  # the in-projection's parts are strided views, as in service
+        layer = model.model.layers[0].linear_attn
+        # (start, real tokens, width, keep): past one chunk; keep = length = 1; keep inside the conv's reach
+        for start, length, width, keep in [(0, 5, 32, None), (0, 70, 128, 70), (9, 1, 32, 1), (40, 33, 64, 2),
+                                           (9, 64, 64, None)]:
+            x = torch.randn(1, width, 32).half()
+            runs = []
+            for fused in (False, True):
+                P._use_triton = lambda t: fused
+                cache = HybridCache(cfg, 8, "cpu", torch.float16, batch=3, snapshots=True)
+                gen = torch.Generator().manual_seed(1)
+                for t in cache._states():
+                    t.copy_(torch.randn(t.shape, generator=gen))
+                prompt = PaddedPrompt(torch.tensor([2]), torch.tensor([start > 0]), torch.tensor([length]),
+                                      None if keep is None else torch.tensor([keep]))
+                with torch.inference_mode():
+                    runs.append((layer(x, cache, start, TreeInputs(None, None, 0, None, prompt=prompt)), cache))
+            (want, torch_cache), (got, fused_cache) = runs
+            assert (got[:, :length].float() - want[:, :length].float()).abs().max() < 3e-3
+            conv, state, snap_conv, snap_state = (torch.equal(a, b) or (a.float() - b.float()).abs().max().item()
+                                                  for a, b in zip(fused_cache._states(), torch_cache._states()))
+            assert conv is True and snap_conv is True and state < 2e-4 and (snap_state is True or snap_state < 2e-4)
+            print(start, length, width, keep)
+    ''')

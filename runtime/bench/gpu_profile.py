@@ -41,7 +41,8 @@ KINDS = [
     # named before the GEMMs and the solve: FlashAttention's kernels carry cutlass in their names, and
     # fla-core's chunked prefill has a kkt_solve kernel
     ("attention", ("attn", "flash", "fmha", "sdpa")),
-    ("gdn kernels", ("_conv_heads", "_gated_norm", "_advance", "chunk", "delta", "fused_recurrent")),
+    ("gdn kernels", ("_conv_heads", "_gated_norm", "_advance", "chunk", "delta", "fused_recurrent",
+                     "_prompt_conv", "_prompt_gates", "_prompt_norm")),
     ("gemm f32", ("f32", "sgemm", "tf32")),
     ("triangular solve", ("trsm", "trsv", "solve")),
     ("gemm 16-bit", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "wgmma", "_fp8_gemm")),

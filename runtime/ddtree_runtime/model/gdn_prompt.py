@@ -162,7 +162,7 @@ if triton is not None:
         h = tl.arange(0, HP)[:, None]
         d = tl.arange(0, DV)[None, :]
         live = h < HV
-        place = (h * DV + d)
+        place = h * DV + d
         if KEEP:  # tokens before `keep` from the first call, the others from the second (moved to 0)
             keep = tl.load(keep_ptr)
             x = (tl.load(out_ptr + t * HV * DV + place, mask=live & (t < keep), other=0.0)
@@ -265,5 +265,6 @@ def prompt_gated_norm(out: torch.Tensor, rest: torch.Tensor | None, keep: torch.
     if z.stride(2) != 1 or not all(t is None or t.is_contiguous() for t in (out, rest)):
         raise ValueError("the outputs must be contiguous and z dense within a token")
     _prompt_norm_kernel[(width,)](out, out if rest is None else rest, out if keep is None else keep, z, weight, y, z.stride(1), eps,
-                                  HV=hv, DV=dv, HP=triton.next_power_of_2(hv), KEEP=rest is not None)
+                                  HV=hv, DV=dv, HP=triton.next_power_of_2(hv), KEEP=rest is not None,
+                                  num_warps=8)   # a token's [Hv, dv] (48 x 128 at Qwen3.6-27B) per program
     return y

@@ -264,7 +264,7 @@ def prompt_gated_norm(out: torch.Tensor, rest: torch.Tensor | None, keep: torch.
     y = torch.empty(1, width, hv * dv, device=out.device, dtype=z.dtype)
     if z.stride(2) != 1 or not all(t is None or t.is_contiguous() for t in (out, rest)):
         raise ValueError("the outputs must be contiguous and z dense within a token")
-    _prompt_norm_kernel[(width,)](out, out if rest is None else rest, out if keep is None else keep, z, weight, y, z.stride(1), eps,
-                                  HV=hv, DV=dv, HP=triton.next_power_of_2(hv), KEEP=rest is not None,
+    _prompt_norm_kernel[(width,)](out, out if rest is None else rest, out if keep is None else keep, z, weight, y,
+                                  z.stride(1), eps, HV=hv, DV=dv, HP=triton.next_power_of_2(hv), KEEP=rest is not None,
                                   num_warps=8)   # a token's [Hv, dv] (48 x 128 at Qwen3.6-27B) per program
     return y

@@ -231,7 +231,8 @@ class GatedDeltaNet(nn.Module):
         """A prompt piece padded to a fixed width, as _chain runs it (the same conv, the same chunks)
         but with every offset on the device: the row's conv tail and state are read and written by
         index, the padding writes nothing into the state (gdn_chunk.padded_chunk_gated_delta) and the
-        tails are taken at the piece's real end and at `keep`. Returns [1, Hv, W, dv]."""
+        tails are taken at the piece's real end and at `keep`. Returns [1, Hv, W, dv]. (On CUDA in 16
+        bits _fused_padded_chain does the same in fused kernels.)"""
         conv_state, state = (x[self.slot].index_select(0, prompt.row).where(prompt.resume, 0)
                              for x in (cache.conv, cache.state))
         ext = conv_inputs(mixed, conv_state)

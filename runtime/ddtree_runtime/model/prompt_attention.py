@@ -24,14 +24,16 @@ except ImportError:  # CPU-only installs: prompt_flash_fits is False there
     triton = None
 
 FLASH_HEAD_DIMS = (64, 128, 256)  # head dims FlashAttention-2 takes that the runtime's models use
-KEYS_PER_SPLIT = 4096  # a bucket of keys this long or longer has its prefix split (prompt_splits)
-MAX_SPLITS = 4
+# the prefix's parts from a key bucket of SPLIT_FROM on; on the H200 (27B's 24 x 256 heads, 16K prefix,
+# attn_probe.py --prefill) 8 parts took 418 / 657 us against one call's 505 / 869 at W = 256 / 384, and
+# 1-6 parts fell between (wave quantisation: 96 programs a part at W = 256 for 132 SMs)
+PREFIX_SPLITS, SPLIT_FROM = 8, 16384
 
 
 def prompt_splits(kv_len: int) -> int:
     """How many parts a piece's prefix is cut into for a key bucket of kv_len (a host value, fixed per
-    graph): none below KEYS_PER_SPLIT, where one causal call over all keys is as fast."""
-    return min(MAX_SPLITS, kv_len // KEYS_PER_SPLIT)
+    graph): none below SPLIT_FROM, where the parts' extra call and merge were not measured to pay."""
+    return PREFIX_SPLITS if kv_len >= SPLIT_FROM else 0
 
 
 def prompt_flash_fits(q: torch.Tensor) -> bool:

@@ -20,9 +20,21 @@ snapshot ring holds the window before its prompt's snapshot point (written by th
 below the point go to both). A prompt reusing L tokens of a sequence needs the sliding layers' keys of
 positions [P - window + 1, L) for its first draft at P = its length: none when its own prefill covers
 them (L <= P - window + 1); else those of the sequence's ring at its end or at its snapshot point, taken
-whole into both of the new row's rings (prefix_cache.PrefixCache.lookup decides which, `reach`)."""
+whole into both of the new row's rings (prefix_cache.PrefixCache.lookup decides which, `reach`).
+
+Staged context: an AR round of drafting rows drafts nothing, but the drafter's context must still grow by
+the round's root. Writing it every round is one eager write_context (the fc GEMM, the hidden norm, RoPE
+and each layer's k/v projection and store: some 30-40 small launches, ~2 ms a round of host time on the
+H200 27B). Instead the root's features are staged on the device (`stage`: two index copies, no host
+value) and a row's staged positions written in one pass (`flush`) when they fill `stage_len` slots, and
+before anything reads or moves the row: the next tree round (model_runner.py), a row move (a request
+leaving or preempted: `permute`), a prefix shared from a running row (`copy_page`, `copy_prefix`) and
+`held`. What is written is the same features at the same positions as the eager writes (the values
+the same but for rounding: the GEMMs of a block of positions run at another shape than one's)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +51,10 @@ class DraftCache:
     pass over rows lo..hi-1 works on `rows(lo, hi)`, a view."""
 
     def __init__(self, cfg: DFlashConfig, block_size: int, table: PageTable, pad_from: int,
-                 device: torch.device | str, dtype: torch.dtype, snapshots: bool) -> None:
+                 device: torch.device | str, dtype: torch.dtype, snapshots: bool,
+                 write: Callable[[torch.Tensor, torch.Tensor, DraftCache], None] | None = None) -> None:
+        """`write`: the drafter's write_context, which `flush` writes the staged context with (None: a
+        cache nothing is staged in, as the capacity arithmetic's)."""
         windows = [cfg.layer_attention(i).window for i in range(cfg.num_hidden_layers)]
         full = [i for i, w in enumerate(windows) if w is None]
         sliding = [i for i, w in enumerate(windows) if w is not None]
@@ -56,6 +71,16 @@ class DraftCache:
         self.snap_v = torch.zeros(shape, device=device, dtype=dtype) if keep else None
         self.snapshot_at: torch.Tensor | None = None  # set on a view for one prefill pass (`until`)
         self._memo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+        # each row's staged context: position p's features in slot p mod stage_len (a row's positions are
+        # consecutive, one an AR round), its position beside them (the last cache slot, scratch, where
+        # none is staged: a flush writes every slot, so the rows need no host-built index); `pending`:
+        # how many each row holds (the host's count: a full row is written)
+        rows, self.write, self.stage_len = table.block.shape[0], write, block_size
+        self.staged = torch.zeros(rows, block_size, len(cfg.target_layer_ids) * cfg.hidden_size, device=device,
+                                  dtype=dtype)
+        self.staged_at = torch.full((rows, block_size), self.capacity - 1, dtype=torch.long, device=device)
+        self.pending = [0] * rows
+        self._stage_base = torch.arange(rows, device=device) * block_size
 
     # ---- what the rest of the engine reads --------------------------------------------------------
 
@@ -89,6 +114,34 @@ class DraftCache:
             setattr(view, name, None if t is None else t[:, lo:hi])
         view.snapshot_at, view._memo = None, []
         return view
+
+    # ---- the staged context of AR rounds -----------------------------------------------------------
+
+    def stage(self, feats: torch.Tensor, pos: torch.Tensor, drafting: list[bool]) -> None:
+        """Rows 0..n-1's AR round: the root features feats [n, F] at positions pos [n] (on the device),
+        kept for the rows that draft (an AR request's drafter context stays what it inherited). Nothing
+        waits for the device (with every row drafting, no host tensor at all); a row that fills its
+        stage_len slots has the batch written (`flush`)."""
+        if not all(drafting):
+            pos = torch.where(torch.tensor(drafting, device=pos.device), pos, self.capacity - 1)
+        at = self._stage_base[:len(drafting)] + pos % self.stage_len
+        self.staged.view(-1, self.staged.shape[-1]).index_copy_(0, at, feats)
+        self.staged_at.view(-1).index_copy_(0, at, pos)
+        for row, drafts in enumerate(drafting):
+            self.pending[row] += drafts
+        if max(self.pending[:len(drafting)]) >= self.stage_len:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every row's staged context into the cache: one write_context over the rows that hold
+        any (their slots with nothing staged write to the scratch slot)."""
+        rows = [row for row, count in enumerate(self.pending) if count]
+        if not rows:
+            return
+        lo, hi = rows[0], rows[-1] + 1
+        self.write(self.staged[lo:hi], self.staged_at[lo:hi], self.rows(lo, hi))
+        self.staged_at[lo:hi] = self.capacity - 1
+        self.pending[lo:hi] = [0] * (hi - lo)
 
     def until(self, points: list[int]) -> DraftCache:
         """This view, for one prefill pass whose positions below points[b] also go to row b's snapshot
@@ -163,23 +216,38 @@ class DraftCache:
         return [t for t in (self.ring_k, self.ring_v, self.snap_k, self.snap_v) if t is not None]
 
     def copy_page(self, src: int, dst: int, count: int) -> None:
+        """A page copied for a shared prefix: a running row's staged context is written first."""
+        self.flush()
         self.paged.copy_page(src, dst, count)
 
     def permute(self, dst: list[int], src: list[int]) -> None:
-        """Row dst[i] takes row src[i]'s rings (the pages move with the block tables); a source row
-        that is no destination is cleared, as its block table is (PageTable.move)."""
-        if not dst or not self.ring_size:
-            return
-        d, s = (torch.tensor(rows, device=self.ring_k.device) for rows in (dst, src))
-        vacated = sorted(set(src) - set(dst))
-        for t in self._rings():
-            t.index_copy_(1, d, t.index_select(1, s))
-            if vacated:
-                t[:, vacated] = 0
+        """Row dst[i] takes row src[i]'s rings and staged context (the pages move with the block
+        tables); a source row that is no destination is cleared, as its block table is (PageTable.move).
+        Rows move when a request leaves (its row kept as a cached sequence, whose drafter context must
+        be whole) or is preempted: the staged context is written then, each row's at its new place."""
+        if dst:
+            d, s = (torch.tensor(rows, device=self.staged.device) for rows in (dst, src))
+            vacated = sorted(set(src) - set(dst))
+            for t in self._rings() if self.ring_size else ():
+                t.index_copy_(1, d, t.index_select(1, s))
+                if vacated:
+                    t[:, vacated] = 0
+            for t in (self.staged, self.staged_at):
+                t.index_copy_(0, d, t.index_select(0, s))
+            self.staged_at[vacated] = self.capacity - 1
+            pending = list(self.pending)
+            for a, b in zip(dst, src):
+                pending[a] = self.pending[b]
+            for row in vacated:
+                pending[row] = 0
+            self.pending = pending
+        self.flush()
 
     def copy_prefix(self, src: int, dst: int, from_snapshot: bool) -> None:
         """Row dst starts from row src's ring at its end, or at its snapshot point (`from_snapshot`), in
-        both its rings (its own snapshot point lies past the prefix: the prefill writes the rest)."""
+        both its rings (its own snapshot point lies past the prefix: the prefill writes the rest). A
+        running row's staged context is written first."""
+        self.flush()
         if not self.ring_size or (src == dst and not from_snapshot):
             return
         kept = from_snapshot and self.snap_k is not None
@@ -191,7 +259,9 @@ class DraftCache:
 
     def held(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s k and v [n_layers, Hkv, length, D] in logical order (tests and diagnostics): a
-        ring layer's positions before the window of `length` are not kept (zeros)."""
+        ring layer's positions before the window of `length` are not kept (zeros). The staged context
+        is written first."""
+        self.flush()
         k_paged, v_paged = self.paged.held(row, length) if self.paged.k.shape[0] else (None, None)
         pos = torch.arange(length, device=self.ring_k.device)
         ks, vs = [], []

@@ -64,7 +64,7 @@ class ModelRunner:
             # full layers in the pages, sliding ones in rings past which pad writes go (draft_cache.py)
             self.draft_cache = DraftCache(drafter.config, block_size, self.page_table,
                                           self.page_table.capacity - KV_BUCKET, device, dtype,
-                                          snapshots=pool.prefix is not None)
+                                          snapshots=pool.prefix is not None, write=drafter.write_context)
             pool.attach_drafter(self.draft_cache)
             self.draft_runner = DraftRunner(target, drafter, self.draft_cache, block_size, mask_token_id, device,
                                             stats)
@@ -311,9 +311,9 @@ class ModelRunner:
         """draft (queued by the last round) -> each request's tree -> one verify pass over all of them
         -> the walks -> the next round's first pass, queued before the host reads the walks -> each
         row's commit. Rows are the pool's rows 0..B-1. A round whose budgets are all 0 is plain AR even
-        for drafting rows: their drafter context is written from the verify's features, no draft is
-        made, and the next tree round drafts first (`_redraft`). Returns the rounds and each row's
-        drafter forecast (None: no tree forecast)."""
+        for drafting rows: their drafter context is staged from the verify's features (`_round_context`),
+        no draft is made, and the next tree round writes what is staged and drafts first (`_redraft`).
+        Returns the rounds and each row's drafter forecast (None: no tree forecast)."""
         depth, n = self.block_size - 1, len(reqs)
         drafting = any(req.mode.drafts and budget > 0 for req, budget in zip(reqs, budgets))
         # a lone AR request: its next step runs before this one's read
@@ -322,6 +322,7 @@ class ModelRunner:
         settled = [[] if ahead else self._settle(req) for req in reqs]
         self._phase("tree")
         if drafting:
+            self.draft_cache.flush()
             self._redraft(reqs)
         trees, forecast = self._trees(reqs, budgets)
         self.stats.batch_size, self.stats.tree_nodes = n, sum(1 if tree is None else tree.size for tree in trees)
@@ -461,15 +462,13 @@ class ModelRunner:
 
     def _round_context(self, reqs: list[RequestState], out: TreePass | None) -> None:
         """An AR round of drafting rows: their drafter context at the root's position, from the verify's
-        features, so that a later tree round drafts from a complete context."""
+        features, staged (draft_cache.py: written a block of rounds at a time, or before the row is read),
+        so that a later tree round drafts from a complete context. The features are copied out: they
+        are a static buffer the next pass overwrites."""
         if out is None or not any(req.mode.drafts for req in reqs):
             return
         n = len(reqs)
-        feats, pos = out.feats[:n, :1], out.start[:n, None]                      # [n, 1, F], [n, 1]
-        if all(req.mode.drafts for req in reqs):  # no host tensor: nothing waits for the device
-            self.drafter.write_context(feats, pos, self.draft_cache.rows(0, n))
-        else:
-            self._draft_context(reqs, feats, pos)
+        self.draft_cache.stage(out.feats[:n, 0], out.start[:n], [req.mode.drafts for req in reqs])
 
 
 def _rows_of(pending: PendingLogprobs | None) -> list[TokenLogprob]:

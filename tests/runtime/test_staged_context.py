@@ -1,0 +1,199 @@
+"""The drafter context of AR rounds, staged and written later (engine/draft_cache.py, "Staged context"):
+on the tiny pair, with full and sliding drafter layers, an engine that stages leaves in the drafter cache
+what writing every AR round eagerly leaves (after rounds that fill the staging and rounds that do not),
+commits the same tokens and accepts the same drafts when tree rounds follow AR rounds, and leaves a whole
+drafter context to a prefix reused after its request finished or while it runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.policy import AR
+from ddtree_devtools.tiny_corpus import mixed_prompts
+
+
+@pytest.fixture(params=[None, 8], ids=["full", "sliding"])
+def draft(request, tiny_models, tmp_path) -> Path:
+    """The tiny drafter as trained, or relaid with a first layer that slides over 8 positions (its
+    keys in a ring per row)."""
+    if request.param is None:
+        return tiny_models / "draft"
+    from ddtree_devtools.tiny import relaid_drafter
+    return relaid_drafter(tiny_models / "draft", tmp_path / "draft", request.param)
+
+
+def engines(tiny_models: Path, draft: Path, **kw) -> tuple[Engine, Engine]:
+    """Two like engines choosing budgets by cost: the first stages its AR rounds' drafter context, the
+    second writes it every round (the reference)."""
+    made = [Engine(EngineConfig(str(tiny_models / "target"), str(draft), tree_policy="cost", **kw)) for _ in range(2)]
+    runner = made[1].runner
+
+    def eager(reqs, out) -> None:  # what every AR round wrote before staging
+        if out is None or not any(r.mode.drafts for r in reqs):
+            return
+        n, cache = len(reqs), runner.draft_cache
+        drafts = torch.tensor([r.mode.drafts for r in reqs])[:, None]
+        pos = torch.where(drafts, out.start[:n, None], cache.capacity - 1)
+        runner.drafter.write_context(out.feats[:n, :1], pos, cache.rows(0, n))
+
+    runner._round_context = eager
+    return made[0], made[1]
+
+
+def writes(engine: Engine) -> list[int]:
+    """Counts the drafter-context writes of the staged context (each flush) into the returned list."""
+    cache, calls = engine.runner.draft_cache, []
+    write = cache.write
+
+    def counted(feats, slots, rows) -> None:
+        calls.append(slots.shape[1])
+        write(feats, slots, rows)
+    cache.write = counted
+    return calls
+
+
+def drafter_rows(engine: Engine, ids: list[int]) -> list[torch.Tensor]:
+    """Each running request's drafter k and v over its context (written first: `held` flushes)."""
+    held = []
+    for request_id in ids:
+        req = engine.scheduler.find(request_id)
+        held += [t.clone() for t in engine.runner.draft_cache.held(req.slot, req.n_ctx)]
+    return held
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Equal up to float32 rounding: a write of a block of positions runs its GEMMs at another shape
+    than one position's (a few values differ in the last bits)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]], schedule: list[int]) -> tuple[list, list, int]:
+    """Serve the jobs (beside whatever else runs) with the chosen rows' budget forced round by round
+    (`schedule`, cycled) until they finish; returns each job's tokens and its rounds' accepted drafts,
+    and the most context any step left staged."""
+    ids = [engine.submit(prompt, p) for prompt, p in jobs]
+    tokens, accepted = {i: [] for i in ids}, {i: [] for i in ids}
+    staged, step, running = 0, 0, set(ids)
+    while running:
+        engine.policy.forced = schedule[step % len(schedule)]
+        for request_id, out in engine.step():
+            if request_id in running:
+                tokens[request_id] += out.token_ids
+                accepted[request_id].append(out.accepted)
+                if out.finished:
+                    running.discard(request_id)
+        staged, step = max(staged, sum(engine.runner.draft_cache.pending)), step + 1
+    engine.policy.forced = None
+    return [tokens[i] for i in ids], [accepted[i] for i in ids], staged
+
+
+def test_ar_rounds_leave_what_eager_writes_leave(tiny_models, draft):
+    """Two drafting requests and an AR one, in AR rounds only: 5 rounds stage without a write; reading
+    the cache writes them; 35 more fill the staging twice (one write of the batch each time) and leave
+    3 staged; each time the drafter cache holds what the eager engine's does, the AR request's row
+    untouched."""
+    staged, eager = engines(tiny_models, draft, max_running=3)
+    prompts = mixed_prompts(staged.tokenizer, chats=1, chat_seed=3, plain=2, plain_seed=5, cut=4)
+    modes = ("ddtree", "ar", "ddtree")
+    for engine in (staged, eager):
+        engine.policy.forced = AR
+        ids = [engine.submit(p, SamplingParams(max_new_tokens=80, ignore_eos=True, mode=m))
+               for p, m in zip(prompts, modes)]
+        while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
+            engine.step()
+    staged.runner.draft_cache.flush()  # the rounds that ran beside the prompts
+    calls = writes(staged)
+    assert staged.runner.draft_cache.stage_len == 16
+    for rounds, left, flushes in ((5, 5, 0), (35, 3, 3)):
+        for _ in range(rounds):
+            staged.step()
+            eager.step()
+        assert staged.runner.draft_cache.pending[:3] == [left, 0, left] and len(calls) == flushes
+        assert_same(drafter_rows(staged, ids), drafter_rows(eager, ids))
+        assert not any(staged.runner.draft_cache.pending)  # read: written first
+
+
+def test_tree_rounds_after_ar_rounds_draft_as_after_eager_writes(tiny_models, draft):
+    """Budgets forced to AR, AR, AR, a tree, ... and to 20 AR rounds (more than the staging holds)
+    then trees: each tree round writes what was staged before it drafts, so the same drafts are
+    accepted round by round as with eager writes, and the tokens are the target's own, greedy and
+    seeded."""
+    staged, eager = engines(tiny_models, draft, max_running=2)
+    prompts = mixed_prompts(staged.tokenizer, chats=1, chat_seed=3, plain=1, plain_seed=5, cut=4)
+    greedy = [(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in prompts]
+    seeded = [(p, SamplingParams(max_new_tokens=40, temperature=0.9, seed=7 + i)) for i, p in enumerate(prompts)]
+    reference = [run(staged, [(p, SamplingParams(max_new_tokens=60, ignore_eos=True, mode="ar"))], [AR])[0][0]
+                 for p in prompts]
+    for schedule in ([AR, AR, AR, 16], [AR] * 20 + [16] * 3):
+        for jobs in (greedy, seeded):
+            tokens, accepted, most = run(staged, jobs, schedule)
+            assert (tokens, accepted) == run(eager, jobs, schedule)[:2]
+            assert most > 0 and sum(map(sum, accepted)) > 0  # staged, and trees were accepted from
+            if jobs is greedy:
+                assert tokens == reference
+
+
+def test_a_prefix_reused_after_ar_rounds_has_its_drafter_context(tiny_models, draft):
+    """A request finishes in AR rounds with context staged: its row, kept as a cached sequence, holds
+    the drafter context the eager engine's does, and a continuation reusing it drafts (and accepts)
+    the same. A prompt sharing a running request's context while that request has context staged
+    takes it whole too."""
+    staged, eager = engines(tiny_models, draft, max_running=2, prefix_cache=True)
+    prompt = mixed_prompts(staged.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=7, cut=4)[0]
+    results = []
+    for engine in (staged, eager):
+        (first,), _, most = run(engine, [(prompt, SamplingParams(max_new_tokens=21, ignore_eos=True))], [AR])
+        assert (most > 0) == (engine is staged)  # it finished with context staged...
+        assert not any(engine.runner.draft_cache.pending)  # ... written as it left
+        seq = next(iter(engine.prefix.by_row.values()))
+        cached = [t.clone() for t in engine.runner.draft_cache.held(seq.row, seq.end)]
+        follow = (prompt + first + prompt[:6], SamplingParams(max_new_tokens=30, ignore_eos=True))
+        again = run(engine, [follow], [16])[:2]
+        # a running request 9 AR rounds in (the staging half full), then a prompt continuing it: its row
+        # after its prefill (sharing the running row's pages, a partial one copied, and its rings)
+        long = engine.submit(prompt + [7], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        engine.policy.forced = AR
+        produced = []
+        for _ in range(10):
+            for _, out in engine.step():
+                produced += out.token_ids
+        assert max(engine.runner.draft_cache.pending) in (0, 9)
+        live = engine.submit(prompt + [7] + produced + prompt[:4], SamplingParams(max_new_tokens=30))
+        engine.step()
+        req = engine.scheduler.find(live)
+        assert req in engine.scheduler.running
+        shared = [t.clone() for t in engine.runner.draft_cache.held(req.slot, req.n_ctx)]
+        for request_id in (long, live):
+            engine.cancel(request_id)
+        engine.policy.forced = None
+        results.append((cached, again, shared, engine.prefix.stats.hits))
+    (cached, again, shared, hits), (want, again_eager, shared_eager, hits_eager) = results
+    assert_same(cached, want)
+    assert again == again_eager
+    assert_same(shared, shared_eager)
+    assert hits == hits_eager == 3
+
+
+def test_rows_that_move_take_their_staged_context_along(tiny_models, draft):
+    """Three drafting requests in AR rounds; the first finishes with context staged and the last moves
+    into its row: what it staged moves with it and is written where its pages now are."""
+    staged, eager = engines(tiny_models, draft, max_running=3)
+    prompts = mixed_prompts(staged.tokenizer, chats=1, chat_seed=4, plain=2, plain_seed=6, cut=4)
+    held = []
+    for engine in (staged, eager):
+        engine.policy.forced = AR
+        ids = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+               for p, n in zip(prompts, (12, 40, 40))]
+        while engine.scheduler.find(ids[0]) is not None:
+            engine.step()
+        assert [engine.scheduler.find(i).slot for i in ids[1:]] == [1, 0]
+        for _ in range(3):
+            engine.step()
+        held.append(drafter_rows(engine, ids[1:]))
+    assert_same(*held)

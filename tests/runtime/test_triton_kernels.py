@@ -12,19 +12,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+
+from ddtree_devtools import compile_check  # noqa: E402  (after the skip: it needs triton)
 
 PRELUDE = """
 import torch
 import ddtree_runtime.model.kernels as K
 import ddtree_runtime.model.gdn_kernels as G
 from ddtree_devtools.interpreter import allow_loop_bounds
+from ddtree_devtools.compile_check import record_launches
 torch.manual_seed(0)
 allow_loop_bounds()
+record_launches()
 
 def ref(q, k, v, bias):  # grouped-head attention in float64: the decode attention kernel's reference
     g = q.shape[1] // k.shape[1]
@@ -34,10 +40,18 @@ def ref(q, k, v, bias):  # grouped-head attention in float64: the decode attenti
 
 
 def interpret(body: str) -> str:
-    """Run `body` in a fresh interpreter with TRITON_INTERPRET=1 (it must be set before triton loads)."""
-    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    """Run `body` in a fresh interpreter with TRITON_INTERPRET=1 (it must be set before triton loads),
+    then compile every kernel it launched for an H200 here (compile_check.py): what the interpreter
+    accepts the compiler may still refuse."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "launches.jsonl"
+        done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True,
+                              text=True, timeout=600,
+                              env={**os.environ, "TRITON_INTERPRET": "1", compile_check.LOG_ENV: str(log)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert log.exists(), "the interpreter ran no kernel"
+        failures = compile_check.compile_logged(log)
+    assert not failures, "\n".join(failures)
     return done.stdout
 
 
@@ -543,17 +557,18 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
             assert not out.isnan().any()
             print(b, t, err, err32)
 
-        small = G.TreeDeltaLaunch(8, 8, 1, squaring=False)  # dk and dv in two blocks each, by substitution
+        # dk and dv in two blocks each, by substitution (16: a dot's smallest side the compiler takes)
+        small = G.TreeDeltaLaunch(16, 16, 1, squaring=False)
         for b, t, shared in [(1, 1, True), (2, 5, False), (3, 17, False), (1, 17, True), (3, 33, False)]:
-            case(b, 4, t, 16, 16, shared, True, small)
+            case(b, 4, t, 32, 32, shared, True, small)
         case(3, 2, 17, 16, 32, False, False, G.TreeDeltaLaunch(64, 64, 4, squaring=False))  # no start state, one dv block
         case(2, 2, 5, 32, 16, False, True, G.TreeDeltaLaunch(16, 16, 4))
-        case(3, 2, 17, 16, 16, False, True, small, aligned=True)
+        case(3, 2, 17, 32, 32, False, True, small, aligned=True)
         # the squaring solve: the same within its wider error where keys align
-        case(3, 4, 17, 16, 16, False, True, small._replace(squaring=True))
+        case(3, 4, 17, 32, 32, False, True, small._replace(squaring=True))
         case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch())          # the default: squaring, blocks wider than dk
         # the output's products at another precision than u's (the interpreter computes both in float32)
-        case(2, 2, 17, 16, 32, False, True, small._replace(squaring=True, output_precision="tf32"))
+        case(2, 2, 17, 32, 32, False, True, small._replace(squaring=True, output_precision="tf32"))
 
         # the gates made in the kernel from the in-projection's 16-bit columns, as the layer makes them in
         # torch (float16 here: the interpreter truncates casts to bfloat16 where the GPU rounds, like
@@ -1035,3 +1050,36 @@ def test_fused_prompt_piece_is_the_torch_padded_piece():
             assert conv is True and snap_conv is True and state < 2e-4 and (snap_state is True or snap_state < 2e-4)
             print(start, length, width, keep)
     ''')
+
+
+def test_compile_check_reports_a_kernel_the_interpreter_runs_but_the_compiler_refuses(tmp_path, monkeypatch):
+    """compile_check's own check: a kernel whose `if` changes a variable's type runs in the interpreter
+    (it is Python) but fails to compile for the GPU, and interpret() reports it; the same kernel written
+    right compiles."""
+    (tmp_path / "kernels_under_check.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def retyped(x_ptr, n, BLOCK: tl.constexpr):
+            i = 3
+            if n > 0:
+                i = tl.arange(0, BLOCK)
+            tl.store(x_ptr + i, 1.0)
+
+        @triton.jit
+        def steady(x_ptr, n, BLOCK: tl.constexpr):
+            i = tl.arange(0, BLOCK)
+            if n > 0:
+                i = i + 0
+            tl.store(x_ptr + i, 1.0)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    body = """
+        import kernels_under_check as C
+        C.{}[(1,)](torch.zeros(16), 1, BLOCK=16)
+    """
+    interpret(body.format("steady"))
+    with pytest.raises(AssertionError, match="retyped.*BLOCK"):
+        interpret(body.format("retyped"))

@@ -67,23 +67,24 @@ if triton is not None:
             # the K-1 conv inputs before token `length` (and `keep`): the tails a later pass continues
             # from. Only this program reads the row's tail (its tokens are the first BT >= K-1), so once
             # its reads are done (the barrier) it may overwrite it
-            j = tl.arange(0, K)
-            part = (j < K - 1)[:, None]
-            e = length + j
-            old = e < K - 1
-            tail = (tl.load(conv_ptr + e[:, None] * C + ch[None, :], mask=part & (old & resume)[:, None], other=0.0)
-                    + tl.load(mixed_ptr + (e - (K - 1))[:, None] * s_mix + ch[None, :], mask=part & ~old[:, None],
-                              other=0.0))
+            r = tl.arange(0, K)
+            part = (r < K - 1)[:, None]
+            pos = length + r
+            in_tail = pos < K - 1
+            tail = (tl.load(conv_ptr + pos[:, None] * C + ch[None, :], mask=part & (in_tail & resume)[:, None],
+                            other=0.0)
+                    + tl.load(mixed_ptr + (pos - (K - 1))[:, None] * s_mix + ch[None, :],
+                              mask=part & ~in_tail[:, None], other=0.0))
             if KEEP:
-                e = keep + j
-                old = e < K - 1
-                snap = (tl.load(conv_ptr + e[:, None] * C + ch[None, :], mask=part & (old & resume)[:, None],
-                                other=0.0)
-                        + tl.load(mixed_ptr + (e - (K - 1))[:, None] * s_mix + ch[None, :],
-                                  mask=part & ~old[:, None], other=0.0))
-                tl.store(snap_ptr + j[:, None] * C + ch[None, :], snap, mask=part)
+                pos = keep + r
+                in_tail = pos < K - 1
+                snap = (tl.load(conv_ptr + pos[:, None] * C + ch[None, :],
+                                mask=part & (in_tail & resume)[:, None], other=0.0)
+                        + tl.load(mixed_ptr + (pos - (K - 1))[:, None] * s_mix + ch[None, :],
+                                  mask=part & ~in_tail[:, None], other=0.0))
+                tl.store(snap_ptr + r[:, None] * C + ch[None, :], snap, mask=part)
             tl.debug_barrier()
-            tl.store(conv_ptr + j[:, None] * C + ch[None, :], tail, mask=part)
+            tl.store(conv_ptr + r[:, None] * C + ch[None, :], tail, mask=part)
 
     @triton.jit
     def _prompt_conv_kernel(mixed_ptr, conv_ptr, snap_ptr, w_ptr, row_ptr, resume_ptr, length_ptr, keep_ptr,

@@ -36,7 +36,11 @@ def test_configured_context_that_cannot_fit_names_the_longest_that_can():
         serving_context(None, 262144, linear(10), 10 * (MIN_CONTEXT - 1), "cuda")
 
 
-def test_engine_serves_the_context_its_memory_holds(tiny_models, monkeypatch):
+@pytest.mark.parametrize("pair", ["tiny_models", "tiny_hybrid_models"])
+def test_engine_serves_the_context_its_memory_holds(pair, request, monkeypatch):
+    """The context chosen from free memory is one the pool then holds: both count every row the pool
+    allocates (a hybrid's are large: each keeps its recurrent state), not one."""
+    tiny_models = request.getfixturevalue(pair)
     full = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft")))
     positions = full.target.config.max_position_embeddings
     assert full.max_context == positions

@@ -166,11 +166,11 @@ class Engine:
                                  snapshots=self.arch == "qwen3_5" and self.prefix is not None,
                                  ring_snapshots=self.prefix is not None)
         self.tree_slots = tree_slots  # the configured tree's nodes, root included: what the pool is sized for
-        self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self.needed_bytes,
-                                           memory.free_bytes(self.device), str(self.device))
         extra = config.prefix_cache_rows if config.prefix_cache else 0
         self.rows = config.max_running + extra   # the pool's rows (block tables, a hybrid's state slots)
         self.slots = config.max_running          # of them, running requests'
+        self.max_context = serving_context(config.max_context, tcfg.max_position_embeddings, self.needed_bytes,
+                                           memory.free_bytes(self.device), str(self.device))
         least = least_pool_tokens(config.mode, config.tree_budget, self.block_size, self.page_size, self.max_context)
         if config.kv_pool_tokens is not None and config.kv_pool_tokens < least:
             raise ValueError(pool_too_small("kv_pool_tokens", config.kv_pool_tokens, least, config.mode, self.page_size))
@@ -209,8 +209,9 @@ class Engine:
     # ---- memory -----------------------------------------------------------------------------------
 
     def needed_bytes(self, context: int) -> int:
-        """What serving one request of `context` tokens takes at the configured tree (memory.py)."""
-        return self.sizing.needed_bytes(context, self.tree_slots)
+        """What serving one request of `context` tokens takes at the configured tree, beside every row
+        the pool keeps (memory.py)."""
+        return self.sizing.needed_bytes(context, self.tree_slots, self.rows)
 
     def capacity(self) -> dict[str, int]:
         """The KV pool in tokens and pages, how many requests of SHORT_REQUEST tokens and of the full

@@ -95,10 +95,11 @@ class PoolSizing:
         """A prefill's activations at `context` prompt tokens (one prefill runs at a time)."""
         return prefill_workspace_bytes(self.target, context, self.feature_layers, self.elem)
 
-    def needed_bytes(self, context: int, tree_slots: int) -> int:
+    def needed_bytes(self, context: int, tree_slots: int, rows: int = 1) -> int:
         """What serving one request of `context` tokens takes: its pages at a tree of `tree_slots`
-        nodes, a row, and a prefill's activations."""
-        return (self.request_pages(context, tree_slots) * self.page_bytes() + self.row_bytes(tree_slots)
+        nodes, the pool's `rows` (each allocated at start, as pages_that_fit counts them), and a
+        prefill's activations."""
+        return (self.request_pages(context, tree_slots) * self.page_bytes() + rows * self.row_bytes(tree_slots)
                 + self.prefill_bytes(context))
 
     def pages_that_fit(self, *, free: int, rows: int, max_context: int, tree_slots: int, mem_fraction: float,

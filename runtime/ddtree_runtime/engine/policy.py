@@ -7,8 +7,9 @@ By cost, each round picks the budget that maximises the batch's expected tokens 
 - cost(rows, b) is the predicted time of a round at the batch bucket of `rows`, the tree bucket of
   b + 1 nodes and the rows' contexts (costs.CostModel: timed by Engine.warm_up's sweep, then learnt
   from every round Engine.step times). Budget 0 is a plain AR round: one target pass of
-  the roots, no tree and no drafter pass (the drafter's context is still written from the pass's
-  features, so a later tree round drafts from a complete context).
+  the roots, no tree and no drafter pass (the pass's features are staged for the drafter's context
+  and written a block of rounds at a time, draft_cache.py, so a later tree round drafts from a
+  complete context).
 - E_i(b), the accepted draft tokens request i expects at budget b, is its drafter's own forecast (the
   sum of the path probabilities of the b best nodes of its last tree, forecast.py) times its calibration
   (what it accepted over what was forecast for the trees it ran, `Acceptance`). Over AR rounds, which

@@ -40,7 +40,13 @@ def engines(tiny_models: Path, draft: Path, **kw) -> tuple[Engine, Engine]:
         pos = torch.where(drafts, out.start[:n, None], cache.capacity - 1)
         runner.drafter.write_context(out.feats[:n, :1], pos, cache.rows(0, n))
 
-    runner._round_context = eager
+    def eager_ahead(req) -> None:  # a lone row's pass run ahead, written once committed
+        if req.ahead_context is not None:
+            feats, pos = req.ahead_context
+            runner.drafter.write_context(feats[:, None], pos[:, None], runner.draft_cache.rows(req.slot, req.slot + 1))
+            req.ahead_context = None
+
+    runner._round_context, runner._stage_ahead = eager, eager_ahead
     return made[0], made[1]
 
 
@@ -197,3 +203,32 @@ def test_rows_that_move_take_their_staged_context_along(tiny_models, draft):
             engine.step()
         held.append(drafter_rows(engine, ids[1:]))
     assert_same(*held)
+
+
+def test_a_lone_drafting_row_runs_its_ar_rounds_ahead(tiny_models, draft):
+    """Alone at budget 0, a drafting row's next step runs before this one's read, as an AR request's
+    does: its drafter context there is held until that pass is committed, then staged; a tree round
+    after it settles the pass and drafts from the same context, with the same tokens, as the eager
+    engine (whose AR rounds write every pass as it is committed)."""
+    staged, eager = engines(tiny_models, draft)
+    prompt = mixed_prompts(staged.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=11, cut=4)[0]
+    held, tokens = [], []
+    for engine in (staged, eager):
+        request_id = engine.submit(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        produced, ahead = [], 0
+        for budget in [AR] * 6 + [16] * 2 + [AR] * 3:
+            engine.policy.forced = budget
+            produced += [t for _, out in engine.step() for t in out.token_ids]
+            req = engine.scheduler.find(request_id)
+            ahead += req.ahead is not None and req.ahead_context is not None
+        assert ahead >= 7   # every AR round but the first after the prompt and after the trees
+        engine.policy.forced = 16
+        produced += [t for _, out in engine.step() for t in out.token_ids]   # settles it, then drafts
+        assert req.ahead is None and req.ahead_context is None
+        held.append(drafter_rows(engine, [request_id]))
+        tokens.append(produced)
+        engine.cancel(request_id)
+    assert tokens[0] == tokens[1]
+    assert_same(*held)
+    greedy = run(eager, [(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True, mode="ar"))], [AR])[0][0]
+    assert tokens[0] == greedy[:len(tokens[0])]   # the target's own tokens

@@ -117,19 +117,20 @@ class DraftCache:
 
     # ---- the staged context of AR rounds -----------------------------------------------------------
 
-    def stage(self, feats: torch.Tensor, pos: torch.Tensor, drafting: list[bool]) -> None:
-        """Rows 0..n-1's AR round: the root features feats [n, F] at positions pos [n] (on the device),
-        kept for the rows that draft (an AR request's drafter context stays what it inherited). Nothing
+    def stage(self, feats: torch.Tensor, pos: torch.Tensor, drafting: list[bool], first_row: int = 0) -> None:
+        """An AR round of n rows from first_row on: the root features feats [n, F] at positions pos [n] (on
+        the device), kept for the rows that draft (an AR request's drafter context stays what it inherited). Nothing
         waits for the device (with every row drafting, no host tensor at all); a row that fills its
         stage_len slots has the batch written (`flush`)."""
         if not all(drafting):
             pos = torch.where(torch.tensor(drafting, device=pos.device), pos, self.capacity - 1)
-        at = self._stage_base[:len(drafting)] + pos % self.stage_len
+        rows = slice(first_row, first_row + len(drafting))
+        at = self._stage_base[rows] + pos % self.stage_len
         self.staged.view(-1, self.staged.shape[-1]).index_copy_(0, at, feats)
         self.staged_at.view(-1).index_copy_(0, at, pos)
-        for row, drafts in enumerate(drafting):
+        for row, drafts in enumerate(drafting, start=first_row):
             self.pending[row] += drafts
-        if max(self.pending[:len(drafting)]) >= self.stage_len:
+        if max(self.pending[rows]) >= self.stage_len:
             self.flush()
 
     def flush(self) -> None:

@@ -316,8 +316,9 @@ class ModelRunner:
         Returns the rounds and each row's drafter forecast (None: no tree forecast)."""
         depth, n = self.block_size - 1, len(reqs)
         drafting = any(req.mode.drafts and budget > 0 for req, budget in zip(reqs, budgets))
-        # a lone AR request: its next step runs before this one's read
-        ahead = n == 1 and not any(req.mode.drafts for req in reqs)
+        # a lone row in an AR round (an AR request, or a drafting one at budget 0): its next step runs
+        # before this one's read
+        ahead = n == 1 and not drafting
         settled_logprobs = [[] if ahead else _rows_of(req.ahead_logprobs) for req in reqs]  # _settle drops them
         settled = [[] if ahead else self._settle(req) for req in reqs]
         self._phase("tree")
@@ -339,7 +340,7 @@ class ModelRunner:
         self.readback.start(result[:n].flatten() if forecast is None else torch.cat([result[:n].flatten(),
                                                                                     forecast.flatten()]))
         drafted = None
-        if not drafting and not ahead:
+        if not drafting and out is not None:
             self._round_context(reqs, out)
         if drafting:
             self._phase("draft")
@@ -404,13 +405,23 @@ class ModelRunner:
         return out, target, pending
 
     def _run_ahead(self, req: RequestState, tokens: torch.Tensor) -> None:
-        """A lone AR request's next step, queued from this step's token on the device ([1] `tokens`)
+        """A lone row's next AR step, queued from this step's token on the device ([1] `tokens`)
         before the host reads it: this step's pass is committed (only a hybrid's state moves), the next
         one runs at the next position and its token is chosen; both wait in req.ahead for the next
-        round (or _settle)."""
+        round (or _settle). A drafting row's drafter context at the pass ahead is held until that pass is
+        committed (it is dropped with the pass if the request ends first)."""
         self._commit_roots(req.slot, req.slot + 1)
-        _, req.ahead, (req.ahead_logprobs,) = self._verify([req], tokens, [req.n_ctx + 1], [None],
-                                                           [req.generated + 1])
+        self._stage_ahead(req)
+        out, req.ahead, (req.ahead_logprobs,) = self._verify([req], tokens, [req.n_ctx + 1], [None],
+                                                             [req.generated + 1])
+        if req.mode.drafts:
+            req.ahead_context = (out.feats[:1, 0].clone(), out.start[:1].clone())
+
+    def _stage_ahead(self, req: RequestState) -> None:
+        """The committed pass ahead's drafter context, staged as an AR round's is (`_round_context`)."""
+        if req.ahead_context is not None:
+            self.draft_cache.stage(*req.ahead_context, [True], first_row=req.slot)
+            req.ahead_context = None
 
     def _settle(self, req: RequestState) -> list[int]:
         """An AR request that ran alone has its next step's pass already run and its token chosen
@@ -418,6 +429,7 @@ class ModelRunner:
         if req.ahead is None:
             return []
         self._commit_roots(req.slot, req.slot + 1)
+        self._stage_ahead(req)
         req.n_ctx += 1
         req.bonus = int(req.ahead[0, 0])
         req.ahead = req.ahead_logprobs = None

@@ -418,7 +418,7 @@ class Scheduler:
                             self.draft_length(req))
         self.pool.move_rows(dst, src, max((valid[s] for s in src), default=0))
         req.finished = True
-        req.drafted = req.ahead = req.ahead_logprobs = req.stop_tensor = None
+        req.drafted = req.ahead = req.ahead_logprobs = req.ahead_context = req.stop_tensor = None
         self._prefix_stats()
 
     def leave(self, req: RequestState) -> list[tuple[int, int]]:

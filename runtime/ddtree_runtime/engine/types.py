@@ -88,6 +88,9 @@ class RequestState:
     drafted: torch.Tensor | None = None  # [block-1, V] draft logits for the next round, queued on the device
     ahead: torch.Tensor | None = None    # [1, 1] a lone AR step run ahead: its token, chosen, not yet read
     ahead_logprobs: "PendingLogprobs | None" = None  # its log-probabilities, on their way to the host
+    # a drafting row's pass run ahead: its drafter features [1, F] and position [1], copied out, staged
+    # for the drafter's context once the pass is committed (never, if the request ends before)
+    ahead_context: tuple[torch.Tensor, torch.Tensor] | None = None
     stop_tensor: torch.Tensor | None = None  # stop_ids on the device, while min_tokens masks them
     rounds: int = 0
     accepted_total: int = 0

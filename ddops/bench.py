@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -173,12 +174,14 @@ def resolve_target(host: Host, profile_name: str | None, port: int | None,
     return port, model, api_key
 
 
-def run_bench(executor: Executor, host: Host, spec: dict[str, Any]) -> dict[str, Any]:
+def run_bench(executor: Executor, host: Host, spec: dict[str, Any],
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the bench probe on the host; a load run's progress lines go to `progress` as they come."""
     load = spec["concurrency"] > 1
     # requests one after another (a load run: waves of `concurrency`), each within the timeout
     waves = math.ceil(spec["requests"] / spec["concurrency"]) if load else len(spec["prompts"])
     n = waves * len(spec["modes"]) + len(spec["modes"])
-    out = run_probe(executor, host, "bench", stdin=spec, timeout=spec["timeout"] * n + 60)
+    out = run_probe(executor, host, "bench", stdin=spec, timeout=spec["timeout"] * n + 60, progress=progress)
     rows = out["results"]
     overall = summarize_load(rows, out["load"], spec["modes"]) if load else summarize(rows, spec["modes"])
     report = {"host": host.name, "port": spec["port"], "max_tokens": spec["max_tokens"],

@@ -468,7 +468,7 @@ def bench(obj: Context, host_name: str, profile_name: str | None, port: int | No
                   f"{len(mode_list)} mode(s) on {host.name}:{port}" if concurrency > 1 else
                   f"{len(prompts)} prompt(s) x {len(mode_list)} mode(s) on {host.name}:{port}")
     with obj.executor(inventory) as executor:
-        report = run_bench(executor, host, spec)
+        report = run_bench(executor, host, spec, _progress)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -7,12 +7,17 @@ prompts [{id, prompt}], modes [{name, mode, tree_budget}], and for a load run co
 Prints {results: [...]}, one row per prompt and mode, in the order run (modes interleaved per prompt,
 so drift hits every mode alike). With concurrency > 1, per mode: `requests` streamed requests (the
 prompts in turn) from `concurrency` clients at once; each row also has the request's time to first
-text, and {load: [{mode, wall_s}]} says how long each mode's run took in all.
+text, and {load: [{mode, wall_s}]} says how long each mode's run took in all. A load run says its
+progress every few seconds; when that line cannot be written (the control machine went away), the
+clients take no further request, so a stopped `ddops bench` does not leave its load running here.
 """
 import json
 import sys
 import threading
 import time
+
+PROGRESS = "ddops-progress: "   # remote.PROGRESS_PREFIX: a line the control machine shows as it comes
+REPORT_EVERY_S = 2.0
 # chat() and chat_stream() come from loopback_chat.py, which probe_source() prepends to this script.
 
 
@@ -23,13 +28,25 @@ def speculative(mode):
     return out
 
 
+def say(message):
+    """One progress line; False when nobody reads this any more (the pipe to the control machine is gone)."""
+    try:
+        sys.stdout.write(PROGRESS + message + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
 def load_run(spec, mode):
-    """`requests` streamed requests from `concurrency` threads; returns (rows, wall seconds)."""
+    """`requests` streamed requests from `concurrency` threads; returns (rows, wall seconds), or None
+    when the control machine went away before the end."""
     prompts, total = spec["prompts"], spec["requests"]
     rows, taken, lock = [None] * total, [0], threading.Lock()
+    finished, orphaned = threading.Event(), threading.Event()
 
     def client():
-        while True:
+        while not orphaned.is_set():
             with lock:
                 n = taken[0]
                 taken[0] += 1
@@ -48,13 +65,22 @@ def load_run(spec, mode):
                            ttft=None if out["ttft"] is None else round(out["ttft"], 4))
             rows[n] = row
 
+    def reporter():
+        while not finished.wait(REPORT_EVERY_S):
+            done = sum(1 for r in rows if r is not None)
+            if not say("%s: %d/%d requests done, %.0f s" % (mode["name"], done, total, time.time() - started)):
+                orphaned.set()
+                return
+
     threads = [threading.Thread(target=client) for _ in range(min(spec["concurrency"], total))]
     started = time.time()
-    for t in threads:
+    watch = threading.Thread(target=reporter, daemon=True)
+    for t in threads + [watch]:
         t.start()
     for t in threads:
         t.join()
-    return rows, time.time() - started
+    finished.set()
+    return None if orphaned.is_set() else (rows, time.time() - started)
 
 
 def main():
@@ -65,7 +91,10 @@ def main():
     if spec.get("concurrency", 1) > 1:
         results, load = [], []
         for mode in spec["modes"]:
-            rows, wall = load_run(spec, mode)
+            run = load_run(spec, mode)
+            if run is None:
+                sys.exit(1)
+            rows, wall = run
             results += rows
             load.append({"mode": mode["name"], "wall_s": round(wall, 4)})
         json.dump({"results": results, "load": load}, sys.stdout)

@@ -17,6 +17,9 @@ from collections.abc import Callable, Iterator
 HOOKS = (
     ("triton_compile", "triton.runtime.jit", "JITFunction._do_compile"),
     ("autotune", "triton.runtime.autotuner", "Autotuner._bench"),
+    # the warm-up waiting on worker processes compiling an autotuner's candidates (model/compile_pool.py);
+    # the candidates' intercepted compiles in this process count as triton_compile calls of ~0 s
+    ("compile_pool", "ddtree_runtime.model.compile_pool", "CompilePool.compile"),
     ("graph_capture", "ddtree_runtime.engine.graphs", "capture"),
     ("graph_capture", "ddtree_runtime.engine.tree", "capture"),
 )

@@ -37,6 +37,7 @@ from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, l
 from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS,
                       TREE_POLICIES)
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
+from ..model.compile_pool import parallel_autotuning
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
@@ -338,20 +339,23 @@ class Engine:
         outlook = dataclasses.replace(self.policy.prior)  # made-up prompts teach nothing of real acceptance
         prefix, hook = self.scheduler.prefix, self.phase_hook
         self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
-        vocab, ids, per_batch = self.target.config.vocab_size, [], []
+        vocab, ids, per_batch, candidates = self.target.config.vocab_size, [], [], {}
         try:
-            for n in batches:
-                batch_started = time.perf_counter()
-                # first tokens differ, so no two prompts share a page (admission counts shared pages);
-                # 4 to 79 tokens (WARM_UP_PROMPT_MAX: the least pool holds one): a group's rows differ in
-                # length, all within the smallest KV bucket
-                lengths = [min(WARM_UP_PROMPT_MAX - 5 * (15 - i % 16), self.max_context - WARM_UP_NEW_TOKENS)
-                           for i in range(n)]
-                ids += [self.submit([(i + 1 + 3 * j) % vocab for j in range(length)], WARM_UP_PARAMS)
-                        for i, length in enumerate(lengths)]
-                while self.has_work:
-                    self.step()
-                per_batch.append(round(time.perf_counter() - batch_started, 2))
+            # on a first start, autotuners' candidates are compiled by worker processes at once (compile_pool)
+            with parallel_autotuning(None if self.device.type == "cuda" else 0) as pool:
+                for n in batches:
+                    batch_started = time.perf_counter()
+                    # first tokens differ, so no two prompts share a page (admission counts shared pages);
+                    # 4 to 79 tokens (WARM_UP_PROMPT_MAX: the least pool holds one): a group's rows differ
+                    # in length, all within the smallest KV bucket
+                    lengths = [min(WARM_UP_PROMPT_MAX - 5 * (15 - i % 16), self.max_context - WARM_UP_NEW_TOKENS)
+                               for i in range(n)]
+                    ids += [self.submit([(i + 1 + 3 * j) % vocab for j in range(length)], WARM_UP_PARAMS)
+                            for i, length in enumerate(lengths)]
+                    while self.has_work:
+                        self.step()
+                    per_batch.append(round(time.perf_counter() - batch_started, 2))
+                candidates = dict(pool.outcomes) if pool is not None else {}
             if sweep:
                 swept = measure_round_costs(self)
         finally:
@@ -361,9 +365,12 @@ class Engine:
             captures = self.stats.graph_captures - kept.graph_captures
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
-        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures, tuple(per_batch))
-        log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s", done.requests,
-                 ", ".join(map(str, done.batches)), done.graph_captures, done.seconds)
+        done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures, tuple(per_batch),
+                      candidates)
+        log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s%s", done.requests,
+                 ", ".join(map(str, done.batches)), done.graph_captures, done.seconds,
+                 f"; autotuning candidates compiled by worker processes: {done.candidate_compiles}"
+                 if done.candidate_compiles else "")
         return done
 
     # ---- request setup ----------------------------------------------------------------------------

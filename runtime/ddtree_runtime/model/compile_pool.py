@@ -1,0 +1,195 @@
+"""An autotuner's candidate kernels compiled at once, in worker processes, not one after another.
+
+On a host's first start (an empty Triton cache) most of the warm-up is Triton compiling, and most of
+that is fla-core's autotuners compiling each candidate config before timing it: 42 of the 70 s of
+compiles on the 27B shape (docs/performance.md). Triton's compiler holds the GIL through its MLIR
+passes, so threads would not overlap them; processes do. Inside `parallel_autotuning()`, when an
+autotuner is about to time its candidates, each candidate's compile inputs are taken through Triton's
+own launch path (the kernel run with warmup=True, its compile intercepted before anything is built),
+compiled by a pool of processes into the shared cache directory (compile_worker.py), and the autotuner
+then finds every one of them there. What a worker refuses or fails the server compiles itself, as
+before."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from multiprocessing import get_context
+from types import ModuleType
+
+from .. import compile_worker
+
+log = logging.getLogger(__name__)
+
+WORKERS_ENV = "DDTREE_COMPILE_WORKERS"   # how many processes compile (0: none, the server compiles alone)
+MAX_WORKERS = 8
+_PENDING = "_ddtree_candidates"          # an autotuner's pruned configs, kept until its first timing run
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def default_workers() -> int:
+    """DDTREE_COMPILE_WORKERS, else a worker per spare core up to MAX_WORKERS (two cores kept for the
+    server and the system)."""
+    chosen = os.environ.get(WORKERS_ENV)
+    if chosen is not None:
+        return max(0, int(chosen))
+    return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) - 2))
+
+
+class _Intercepted(Exception):
+    """Raised in place of Triton's compile: it carries the compile's inputs out of the launch path."""
+
+
+class CompilePool:
+    """Spawned worker processes compiling Triton kernels into the cache the server reads."""
+
+    def __init__(self, workers: int) -> None:
+        self.executor = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                                            initializer=compile_worker.start)
+        self.outcomes: Counter[str] = Counter()
+
+    def compile(self, jobs: list[dict | None]) -> None:
+        """Compile `jobs` at once; returns when every one has been compiled or refused. None (nothing left
+        to compile) and jobs with a `refused` reason (left to the server) are only counted."""
+        sent = [job for job in jobs if job is not None and "refused" not in job]
+        self.outcomes.update(job["refused"] for job in jobs if job is not None and "refused" in job)
+        for outcome in self.executor.map(compile_worker.compile_job, sent):
+            self.outcomes[outcome] += 1
+            if outcome != compile_worker.COMPILED:
+                log.debug("compile worker: %s", outcome)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def candidate_job(kernel, args: tuple, kwargs: dict) -> dict | None:
+    """What a worker needs to compile `kernel` (a Triton kernel, possibly under heuristics) as launching
+    it with `args` and `kwargs` would here (describe()); None where it is already built in this process."""
+    from triton.runtime.driver import driver
+
+    jit = _jit_function(kernel)
+    jit.device_caches[driver.active.get_current_device()]   # made first: making it resets jit.compile
+    built = jit.compile
+
+    def intercept(src, target=None, options=None, _env_vars=None):
+        raise _Intercepted(src, target, options)
+
+    jit.compile = intercept
+    launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # an autotuner passes its own
+    try:
+        kernel.run(*args, grid=None, warmup=True, **launch)
+        return None
+    except _Intercepted as caught:
+        src, target, options = caught.args
+    finally:
+        jit.compile = built
+    return describe(src, target, options)
+
+
+def describe(src, target, options: dict) -> dict:
+    """A compile's inputs as compile_worker.compile_job takes them; {"refused": why} where a worker
+    could not rebuild this kernel exactly.
+
+    A kernel's constexpr globals (and those of the Triton functions it calls) are in its cache key, and
+    modules set some at import from the GPU they find (fla-core: TF32 dot precision where the GPU has
+    TF32), which a worker without one would set otherwise. So the job carries this process's plain
+    values of every module the kernel can reach, and the worker takes them before it builds anything."""
+    fn = src.fn
+    reached = getattr(sys.modules.get(fn.module), fn.__name__, None)
+    if reached is None or _jit_function(reached) is not fn:
+        return {"refused": "not reachable by its module and name"}
+    state = {name: {k: v for k, v in vars(sys.modules[name]).items() if _plain(k, v)} for name in _reachable(fn)}
+    job = {"module": fn.module, "name": fn.__name__, "cache_key": fn.cache_key, "modules": state,
+           "signature": dict(src.signature), "constants": dict(src.constants), "attrs": dict(src.attrs),
+           "target": target, "options": dict(options)}
+    try:
+        pickle.dumps(job)
+    except Exception:
+        return {"refused": "a compile input that cannot be sent to a process"}
+    return job
+
+
+def _plain(name: str, value) -> bool:
+    """A module global a worker can be given: a scalar or string, or a constexpr of one."""
+    from triton.language import constexpr
+
+    if name.startswith("__"):
+        return False
+    value = value.value if isinstance(value, constexpr) else value
+    return type(value) in _SIMPLE
+
+
+def _reachable(fn, depth: int = 3) -> list[str]:
+    """The kernel's module and those of the Triton functions its module's globals lead to (directly or
+    as attributes of a module it imported), `depth` steps out; Triton's own modules left out."""
+    from triton.runtime.jit import JITFunction
+
+    found, frontier = {fn.module}, [fn.module]
+    for _ in range(depth):
+        nxt = []
+        for name in frontier:
+            for value in list(vars(sys.modules[name]).values()):
+                targets = vars(value).values() if isinstance(value, ModuleType) else (value,)
+                for target in targets:
+                    module = getattr(target, "module", None) if isinstance(target, JITFunction) else None
+                    if module and module not in found and not module.startswith("triton") and module in sys.modules:
+                        found.add(module)
+                        nxt.append(module)
+        frontier = nxt
+    return sorted(found)
+
+
+def _jit_function(kernel):
+    """The Triton function under an autotuner's or heuristics' wrapping."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+@contextmanager
+def parallel_autotuning(workers: int | None = None) -> Iterator[CompilePool | None]:
+    """Inside the block, an autotuner about to time its candidates first has them all compiled by a pool
+    of `workers` processes (default_workers() by default; 0, or no Triton: nothing changes). Yields the
+    pool (its `outcomes` count what the workers did) or None."""
+    workers = default_workers() if workers is None else workers
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        Autotuner = None
+    if not workers or Autotuner is None:
+        yield None
+        return
+    pool = CompilePool(workers)
+    prune, bench = Autotuner.prune_configs, Autotuner._bench
+
+    def prune_configs(self, kwargs):
+        configs = prune(self, kwargs)
+        self.__dict__[_PENDING] = list(configs)
+        return configs
+
+    def capture(kernel, args: tuple, kwargs: dict) -> dict | None:
+        try:
+            return candidate_job(kernel, args, kwargs)
+        except Exception as error:  # its timing run meets the same error, where the autotuner handles it
+            return {"refused": f"its compile inputs not taken ({type(error).__name__})"}
+
+    def _bench(self, *args, config, **meta):
+        candidates = self.__dict__.pop(_PENDING, None)
+        if candidates and len(candidates) > 1:
+            pool.compile([capture(self.fn, args, dict(meta, **c.all_kwargs())) for c in candidates])
+        return bench(self, *args, config=config, **meta)
+
+    Autotuner.prune_configs, Autotuner._bench = prune_configs, _bench
+    try:
+        yield pool
+    finally:
+        Autotuner.prune_configs, Autotuner._bench = prune, bench
+        pool.close()

@@ -1,0 +1,158 @@
+"""model/compile_pool.py: Triton kernels compiled by spawned worker processes into the cache the server
+reads. On the CPU the kernels are compiled for an H200 (sm_90: Triton's front end, LLVM and ptxas all
+run here), and what a worker built must be what this process then finds in the cache: same key, no
+compile of its own, and the code this process's globals make (a worker takes them from the job). A
+worker refuses a kernel that is not the server's. The autotuner end to end (its candidates compiled
+by the pool before it times them) needs a GPU to launch on."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+
+from ddtree_runtime import compile_worker  # noqa: E402
+from ddtree_runtime.model.compile_pool import CompilePool, describe, parallel_autotuning  # noqa: E402
+from tests.runtime import compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+H200 = GPUTarget("cuda", 90, 32)
+SIGNATURE = {"src": "*fp32", "dst": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+
+
+def source(kernel, block: int = 128) -> ASTSource:
+    """A launch's compile input as Triton's JIT makes it: pointers 16-byte aligned, n a multiple of 16."""
+    return ASTSource(kernel, SIGNATURE, {(3,): block}, {(0,): [["tt.divisibility", 16]],
+                                                        (1,): [["tt.divisibility", 16]]})
+
+
+def options(num_warps: int = 4) -> dict:
+    return make_backend(H200).parse_options({"num_warps": num_warps}).__dict__
+
+
+def cache_entries(root: Path) -> set[str]:
+    return {p.name for p in root.iterdir()} if root.exists() else set()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty Triton cache for this test; the workers, spawned after, read the same variable."""
+    root = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
+    return root
+
+
+def test_what_a_worker_compiles_is_what_the_server_then_loads(cache):
+    src = source(kernels.scaled_copy)
+    job = describe(src, H200, options())
+    assert job["module"] == "tests.runtime.compile_pool_kernels" and job["name"] == "scaled_copy"
+    assert job["modules"]["tests.runtime.compile_pool_kernels"]["SCALE"] == kernels.SCALE
+    helper_module = job["modules"]["tests.runtime.compile_pool_helpers"]               # reached via `helpers`
+    assert list(helper_module) == ["ADD_ONE"] and helper_module["ADD_ONE"].value is False
+    pool = CompilePool(2)
+    try:
+        pool.compile([job, None])                                # None: built already, nothing to send
+    finally:
+        pool.close()
+    assert pool.outcomes == {compile_worker.COMPILED: 1}
+    built = cache_entries(cache)
+    assert built                                                 # the worker wrote the kernel there
+    started = time.perf_counter()
+    compiled = triton.compile(src, target=H200, options=options())
+    assert cache_entries(cache) == built                         # a hit: this process built nothing
+    assert time.perf_counter() - started < 1.0
+    assert compiled.metadata.num_warps == 4 and "scaled_copy" in compiled.asm["ptx"]
+
+
+def test_a_worker_takes_the_servers_value_of_a_constexpr_global(cache, monkeypatch):
+    monkeypatch.setattr(kernels, "SCALE", triton.language.constexpr(3.0))
+    kernels.scaled_copy.hash = None                              # as a process that started with 3.0
+    try:
+        src = source(kernels.scaled_copy, block=64)
+        job = describe(src, H200, options())
+        assert job["modules"]["tests.runtime.compile_pool_kernels"]["SCALE"] == kernels.SCALE
+        pool = CompilePool(1)
+        try:
+            pool.compile([job])
+        finally:
+            pool.close()
+        assert pool.outcomes == {compile_worker.COMPILED: 1}
+        built = cache_entries(cache)
+        ptx = triton.compile(src, target=H200, options=options()).asm["ptx"]
+        assert cache_entries(cache) == built and "0f40400000" in ptx   # 3.0 as PTX writes a float
+    finally:
+        kernels.scaled_copy.hash = None
+
+
+def test_a_callees_constexpr_global_is_the_servers_in_the_worker(cache, monkeypatch):
+    """The helper's ADD_ONE is a constexpr global of another module, as fla-core's are set at import
+    from the GPU found (which a worker has not): the worker takes this process's value (True) and builds
+    this process's kernel, under its key."""
+    monkeypatch.setattr(compile_pool_helpers, "ADD_ONE", triton.language.constexpr(True))
+    for fn in (kernels.shifted_copy, compile_pool_helpers.shift):
+        fn.hash = None
+    try:
+        src = source(kernels.shifted_copy)
+        job = describe(src, H200, options())
+        assert job["modules"]["tests.runtime.compile_pool_helpers"]["ADD_ONE"].value is True
+        pool = CompilePool(1)
+        try:
+            pool.compile([job])
+        finally:
+            pool.close()
+        assert pool.outcomes == {compile_worker.COMPILED: 1}
+        built = cache_entries(cache)
+        ptx = triton.compile(src, target=H200, options=options()).asm["ptx"]
+        assert cache_entries(cache) == built and "0f3F800000" in ptx    # the + 1.0
+    finally:
+        for fn in (kernels.shifted_copy, compile_pool_helpers.shift):
+            fn.hash = None
+
+
+def test_a_kernel_that_is_not_the_servers_is_refused(cache):
+    job = describe(source(kernels.scaled_copy), H200, options()) | {"cache_key": "0" * 64}
+    pool = CompilePool(1)
+    try:
+        pool.compile([job])
+    finally:
+        pool.close()
+    assert pool.outcomes == {"not the server's kernel (its source or constexpr globals differ here)": 1}
+    assert not cache_entries(cache)
+
+
+def test_a_kernel_not_reachable_by_its_name_is_left_to_the_server():
+    @triton.jit
+    def local_copy(src, dst, n, BLOCK: triton.language.constexpr):
+        offsets = tl_arange(BLOCK)  # noqa: F821 (never compiled: refused before)
+
+    assert describe(source(local_copy), H200, options()) == {"refused": "not reachable by its module and name"}
+
+
+def test_parallel_autotuning_patches_the_autotuner_only_inside(monkeypatch):
+    prune, bench = Autotuner.prune_configs, Autotuner._bench
+    with parallel_autotuning(0) as pool:
+        assert pool is None and Autotuner._bench is bench        # 0 workers: nothing changes
+    with parallel_autotuning(1) as pool:
+        assert isinstance(pool, CompilePool) and Autotuner._bench is not bench
+    assert (Autotuner.prune_configs, Autotuner._bench) == (prune, bench)
+    monkeypatch.setenv("DDTREE_COMPILE_WORKERS", "0")
+    with parallel_autotuning() as pool:
+        assert pool is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an autotuner launches its candidates on a GPU")
+def test_an_autotuners_candidates_are_compiled_by_the_pool(cache):
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    with parallel_autotuning(4) as pool:
+        kernels.tuned_copy[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
+    torch.testing.assert_close(y, x * 2.0)
+    assert pool.outcomes == {compile_worker.COMPILED: 4}         # every candidate, before its timing run

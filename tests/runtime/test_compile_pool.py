@@ -20,7 +20,7 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from ddtree_runtime import compile_worker  # noqa: E402
 from ddtree_runtime.model.compile_pool import CompilePool, describe, parallel_autotuning  # noqa: E402
-from tests.runtime import compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
+from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +134,24 @@ def test_a_kernel_not_reachable_by_its_name_is_left_to_the_server():
         offsets = tl_arange(BLOCK)  # noqa: F821 (never compiled: refused before)
 
     assert describe(source(local_copy), H200, options()) == {"refused": "not reachable by its module and name"}
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_a_worker_that_dies_or_stalls_never_stops_the_start(cache, monkeypatch, fault):
+    """The pool is given up (its jobs counted so), later batches are not sent, and nothing raises: the
+    server compiles those kernels itself, as it would without workers."""
+    monkeypatch.setenv("DDTREE_TEST_COMPILE_FAULT", fault)
+    job = describe(source(compile_pool_faults.plain_copy), H200, options())
+    pool = CompilePool(1, timeout_s=3.0)
+    started = time.perf_counter()
+    try:
+        pool.compile([job])
+        pool.compile([job, job])
+    finally:
+        pool.close()
+    given_up = {"exit": "pool given up (BrokenProcessPool)", "hang": "pool given up (TimeoutError)"}[fault]
+    assert pool.outcomes == {given_up: 3} and time.perf_counter() - started < 20
+    assert not cache_entries(cache)
 
 
 def test_parallel_autotuning_patches_the_autotuner_only_inside(monkeypatch):

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 WORKERS_ENV = "DDTREE_COMPILE_WORKERS"   # how many processes compile (0: none, the server compiles alone)
 MAX_WORKERS = 8
+BATCH_TIMEOUT_S = 300.0                  # one autotuner's candidates: seconds of compiles, never minutes
 _PENDING = "_ddtree_candidates"          # an autotuner's pruned configs, kept until its first timing run
 _SIMPLE = (bool, int, float, str, type(None))
 
@@ -47,24 +48,43 @@ class _Intercepted(Exception):
 
 
 class CompilePool:
-    """Spawned worker processes compiling Triton kernels into the cache the server reads."""
+    """Spawned worker processes compiling Triton kernels into the cache the server reads. Nothing here
+    may stop a start: a pool that breaks or stalls is given up (the server compiles what is left)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, timeout_s: float = BATCH_TIMEOUT_S) -> None:
         self.executor = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
                                             initializer=compile_worker.start)
+        self.timeout_s = timeout_s
         self.outcomes: Counter[str] = Counter()
+        self.broken: str | None = None   # why the pool was given up, once it was
 
     def compile(self, jobs: list[dict | None]) -> None:
-        """Compile `jobs` at once; returns when every one has been compiled or refused. None (nothing left
-        to compile) and jobs with a `refused` reason (left to the server) are only counted."""
+        """Compile `jobs` at once; returns when every one has been compiled or refused, or after
+        `timeout_s`. None (nothing left to compile) and jobs with a `refused` reason (left to the server)
+        are only counted."""
         sent = [job for job in jobs if job is not None and "refused" not in job]
         self.outcomes.update(job["refused"] for job in jobs if job is not None and "refused" in job)
-        for outcome in self.executor.map(compile_worker.compile_job, sent):
-            self.outcomes[outcome] += 1
-            if outcome != compile_worker.COMPILED:
-                log.debug("compile worker: %s", outcome)
+        if self.broken:
+            self.outcomes[self.broken] += len(sent)
+            return
+        done = 0
+        try:
+            for outcome in self.executor.map(compile_worker.compile_job, sent, timeout=self.timeout_s):
+                done += 1
+                self.outcomes[outcome] += 1
+                if outcome != compile_worker.COMPILED:
+                    log.debug("compile worker: %s", outcome)
+        except Exception as error:  # BrokenProcessPool (a worker died), TimeoutError (one stalled)
+            self.broken = f"pool given up ({type(error).__name__})"
+            self.outcomes[self.broken] += len(sent) - done
+            log.warning("compile workers given up (%s): the server compiles the rest itself",
+                        type(error).__name__)
 
     def close(self) -> None:
+        """Stop the workers; one still compiling after a time-out is ended, not waited for."""
+        if self.broken:
+            for process in list(getattr(self.executor, "_processes", {}).values()):
+                process.terminate()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 

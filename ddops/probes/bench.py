@@ -7,9 +7,10 @@ prompts [{id, prompt}], modes [{name, mode, tree_budget}], and for a load run co
 Prints {results: [...]}, one row per prompt and mode, in the order run (modes interleaved per prompt,
 so drift hits every mode alike). With concurrency > 1, per mode: `requests` streamed requests (the
 prompts in turn) from `concurrency` clients at once; each row also has the request's time to first
-text, and {load: [{mode, wall_s}]} says how long each mode's run took in all. A load run says its
-progress every few seconds; when that line cannot be written (the control machine went away), the
-clients take no further request, so a stopped `ddops bench` does not leave its load running here.
+text, and {load: [{mode, wall_s}]} says how long each mode's run took in all. A run says its progress
+(a load run every few seconds, one after another before each request); when that line cannot be
+written (the control machine went away), no further request is sent, so a stopped `ddops bench` does
+not leave its load running here.
 """
 import json
 import sys
@@ -99,9 +100,11 @@ def main():
             load.append({"mode": mode["name"], "wall_s": round(wall, 4)})
         json.dump({"results": results, "load": load}, sys.stdout)
         return
-    results = []
+    results, total = [], len(spec["prompts"]) * len(spec["modes"])
     for item in spec["prompts"]:
         for mode in spec["modes"]:
+            if not say("%d/%d: %s, %s" % (len(results) + 1, total, item["id"], mode["name"])):
+                sys.exit(1)
             data, elapsed, error = chat(spec, item["prompt"], spec["max_tokens"], speculative(mode), 300)
             row = {"prompt": item["id"], "mode": mode["name"], "seconds": round(elapsed, 4)}
             if error:

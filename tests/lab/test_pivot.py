@@ -131,6 +131,7 @@ def test_bench_against_the_deployed_runtime(pivot_lab, tmp_path):
     dd = report["overall"]["ddtree:16"]
     assert dd["same_text_as_ar"] == dd["compared_with_ar"] == 2
     assert dd["mean_acceptance_length"] > 1.5 and dd["tokens_per_s"] > 0
+    assert "1/6: count, ar" in done.stderr and "6/6: add, ddtree:16" in done.stderr   # progress, as it ran
 
 
 def test_bench_load_run_against_the_deployed_runtime(pivot_lab):

@@ -32,7 +32,9 @@ def test_bench_probe_modes_and_losslessness(tiny_models):
                           prompts=prompts, modes=modes)
         out = subprocess.run([sys.executable, "-c", probe_source("bench")], input=json.dumps(spec),
                              capture_output=True, text=True, timeout=300, check=True)
-    rows = json.loads(out.stdout)["results"]
+    said = [line for line in out.stdout.splitlines() if line.startswith(PROGRESS_PREFIX)]
+    assert said[0] == PROGRESS_PREFIX + "1/8: count, ar" and said[-1] == PROGRESS_PREFIX + "8/8: add, ddtree:16"
+    rows = report(out.stdout)["results"]
     assert len(rows) == len(prompts) * len(modes) and not any("error" in r for r in rows)
     overall = summarize(rows, modes)
     for name in ("dflash", "ddtree:4", "ddtree:16"):
@@ -52,8 +54,7 @@ def test_bench_probe_load_run(tiny_models):
                           prompts=prompts, modes=modes, concurrency=4, requests=6)
         out = subprocess.run([sys.executable, "-c", probe_source("bench")], input=json.dumps(spec),
                              capture_output=True, text=True, timeout=300, check=True)
-    data = json.loads("".join(line for line in out.stdout.splitlines(keepends=True)
-                              if not line.startswith(PROGRESS_PREFIX)))
+    data = report(out.stdout)
     rows = data["results"]
     assert len(rows) == 6 * len(modes) and not any("error" in r for r in rows), rows
     assert [r["prompt"] for r in rows[:6]] == ["count", "add"] * 3   # the prompts in turn
@@ -66,6 +67,11 @@ def test_bench_probe_load_run(tiny_models):
         assert o["requests"] == 6 and o["errors"] == 0 and o["tokens_per_s"] > 0
         assert o["latency_p50_s"] <= o["latency_p99_s"] and o["ttft_p50_s"] <= o["latency_p99_s"]
     assert overall["ddtree:16"]["mean_acceptance_length"] > 1.5
+
+
+def report(stdout: str) -> dict:
+    """The probe's JSON, its progress lines (shown by the control machine as they come) left out."""
+    return json.loads("".join(line for line in stdout.splitlines(keepends=True) if not line.startswith(PROGRESS_PREFIX)))
 
 
 def test_a_load_run_whose_reader_went_away_stops(tiny_models):

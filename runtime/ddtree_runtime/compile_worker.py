@@ -1,27 +1,47 @@
-"""A process that compiles Triton kernels for the serving process (model/compile_pool.py).
+"""A process that compiles Triton kernels for the serving process (model/compile_pool.py starts it as
+`python -m ddtree_runtime.compile_worker`, so none of the server's own script runs again here).
 
-It sees no GPU: compiling for a known target needs none, and a CUDA context here would take device
-memory the server sized its KV pool against. It compiles a kernel only when it can show the result is
-the one the server would have built itself: it takes the server's values of the plain globals of the
-modules the kernel can reach, and then must find the same cache key (the source of the kernel and of
-the functions it calls, and every constexpr global they read). Imports here are the
-standard library's only, so the GPU is hidden before torch or Triton can load CUDA."""
+It sees no GPU (the pool starts it with CUDA_VISIBLE_DEVICES=""): compiling for a known target needs
+none, and a CUDA context here would take device memory the server sized its KV pool against. It
+compiles a kernel only when it can show the result is the one the server would have built itself: it
+takes the server's values of the plain globals of the modules the kernel can reach, and then must find
+the same cache key (the source of the kernel and of the functions it calls, and every constexpr global
+they read).
+
+Protocol on stdin / a copy of stdout: the server's sys.path first, then a job at a time, each answered
+by its outcome; every message a pickle after its 8-byte length. Anything the compiler prints goes to
+stderr."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import pickle
+import struct
+import sys
 import warnings
+from typing import Any, BinaryIO
 
 COMPILED = "compiled"
+_LENGTH = struct.Struct("<Q")
 
 
-def start() -> None:
-    """The pool's initializer: no GPU for this process, then the compiler loaded once. Libraries that
-    warn at import about finding no GPU (fla-core) are silenced: this process never runs a kernel."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    warnings.simplefilter("ignore")
-    import triton  # noqa: F401
+def send(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message)
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def receive(stream: BinaryIO) -> Any:
+    """The next message; EOFError when the other side has gone."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        raise EOFError
+    size = _LENGTH.unpack(head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
 
 
 def compile_job(job: dict) -> str:
@@ -47,3 +67,20 @@ def compile_job(job: dict) -> str:
     except Exception as error:  # the server compiles it itself, as it would have without the pool
         return f"{type(error).__name__}: {str(error)[-300:]}"
     return COMPILED
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())   # prints from the compiler stay off the protocol
+    warnings.simplefilter("ignore")                     # fla-core warns at import that it found no GPU
+    jobs = sys.stdin.buffer
+    try:
+        sys.path[:] = receive(jobs)
+        while True:
+            send(replies, compile_job(receive(jobs)))
+    except EOFError:
+        return
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""model/compile_pool.py: Triton kernels compiled by spawned worker processes into the cache the server
+"""model/compile_pool.py: Triton kernels compiled by worker processes into the cache the server
 reads. On the CPU the kernels are compiled for an H200 (sm_90: Triton's front end, LLVM and ptxas all
 run here), and what a worker built must be what this process then finds in the cache: same key, no
 compile of its own, and the code this process's globals make (a worker takes them from the job). A
@@ -7,6 +7,8 @@ by the pool before it times them) needs a GPU to launch on."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_poo
 pytestmark = pytest.mark.slow
 
 H200 = GPUTarget("cuda", 90, 32)
+REPO = Path(__file__).resolve().parents[2]
 SIGNATURE = {"src": "*fp32", "dst": "*fp32", "n": "i32", "BLOCK": "constexpr"}
 
 
@@ -44,7 +47,7 @@ def cache_entries(root: Path) -> set[str]:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    """An empty Triton cache for this test; the workers, spawned after, read the same variable."""
+    """An empty Triton cache for this test; the workers, started after, read the same variable."""
     root = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
     return root
@@ -149,9 +152,31 @@ def test_a_worker_that_dies_or_stalls_never_stops_the_start(cache, monkeypatch, 
         pool.compile([job, job])
     finally:
         pool.close()
-    given_up = {"exit": "pool given up (BrokenProcessPool)", "hang": "pool given up (TimeoutError)"}[fault]
+    given_up = {"exit": "pool given up: a worker ended (exit 3)", "hang": "pool given up: a worker stalled"}[fault]
     assert pool.outcomes == {given_up: 3} and time.perf_counter() - started < 20
     assert not cache_entries(cache)
+
+
+def test_a_script_without_a_main_guard_runs_once(cache, tmp_path):
+    """Workers are `python -m ddtree_runtime.compile_worker`, not multiprocessing's: those run the parent's
+    main script again, and a script that built an engine at its top level would load it in each."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"""
+import sys
+sys.path[:0] = {[str(REPO), str(REPO / "runtime")]!r}
+open({str(runs)!r}, "a").write("ran\\n")
+from tests.runtime.test_compile_pool import H200, options, source
+from tests.runtime import compile_pool_kernels as kernels
+from ddtree_runtime.model.compile_pool import CompilePool, describe
+pool = CompilePool(2)
+pool.compile([describe(source(kernels.scaled_copy, block=b), H200, options()) for b in (16, 32, 64)])
+pool.close()
+print(dict(pool.outcomes))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "{'compiled': 3}" and runs.read_text() == "ran\n"
 
 
 def test_parallel_autotuning_patches_the_autotuner_only_inside(monkeypatch):

@@ -8,19 +8,22 @@ autotuner is about to time its candidates, each candidate's compile inputs are t
 own launch path (the kernel run with warmup=True, its compile intercepted before anything is built),
 compiled by a pool of processes into the shared cache directory (compile_worker.py), and the autotuner
 then finds every one of them there. What a worker refuses or fails the server compiles itself, as
-before."""
+before. The workers are plain subprocesses, not multiprocessing's: those import the parent's main
+script again, and a script that builds an engine at its top level would load the model in each."""
 
 from __future__ import annotations
 
 import logging
 import os
 import pickle
+import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from multiprocessing import get_context
+from queue import Empty, SimpleQueue
 from types import ModuleType
 
 from .. import compile_worker
@@ -48,13 +51,13 @@ class _Intercepted(Exception):
 
 
 class CompilePool:
-    """Spawned worker processes compiling Triton kernels into the cache the server reads. Nothing here
-    may stop a start: a pool that breaks or stalls is given up (the server compiles what is left)."""
+    """Worker processes (`python -m ddtree_runtime.compile_worker`, started at the first batch) compiling
+    Triton kernels into the cache the server reads. Nothing here may stop a start: a pool whose worker
+    dies or stalls is given up, and the server compiles what is left itself."""
 
     def __init__(self, workers: int, timeout_s: float = BATCH_TIMEOUT_S) -> None:
-        self.executor = ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
-                                            initializer=compile_worker.start)
-        self.timeout_s = timeout_s
+        self.size, self.timeout_s = workers, timeout_s
+        self.workers: list[subprocess.Popen] = []
         self.outcomes: Counter[str] = Counter()
         self.broken: str | None = None   # why the pool was given up, once it was
 
@@ -64,28 +67,83 @@ class CompilePool:
         are only counted."""
         sent = [job for job in jobs if job is not None and "refused" not in job]
         self.outcomes.update(job["refused"] for job in jobs if job is not None and "refused" in job)
-        if self.broken:
+        if not sent:
+            return
+        if self.broken is None and not self.workers:
+            self._start()
+        if self.broken is not None:
             self.outcomes[self.broken] += len(sent)
             return
-        done = 0
+        queue = SimpleQueue()
+        for job in sent:
+            queue.put(job)
+        answered: list[str] = []
+        failed: list[str] = []
+        threads = [threading.Thread(target=self._serve, args=(worker, queue, answered, failed), daemon=True)
+                   for worker in self.workers[:len(sent)]]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stalled = any(thread.is_alive() for thread in threads)
+        self.outcomes.update(answered)
+        if stalled or failed:
+            self._give_up("a worker stalled" if stalled else failed[0], len(sent) - len(answered))
+            for thread in threads:
+                thread.join(5.0)   # the workers are ended: their reads return
+            self.close()
+
+    def _start(self) -> None:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         try:
-            for outcome in self.executor.map(compile_worker.compile_job, sent, timeout=self.timeout_s):
-                done += 1
-                self.outcomes[outcome] += 1
-                if outcome != compile_worker.COMPILED:
-                    log.debug("compile worker: %s", outcome)
-        except Exception as error:  # BrokenProcessPool (a worker died), TimeoutError (one stalled)
-            self.broken = f"pool given up ({type(error).__name__})"
-            self.outcomes[self.broken] += len(sent) - done
-            log.warning("compile workers given up (%s): the server compiles the rest itself",
-                        type(error).__name__)
+            for _ in range(self.size):
+                worker = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.compile_worker"], env=env,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                self.workers.append(worker)
+                compile_worker.send(worker.stdin, sys.path)
+        except OSError as error:
+            self._give_up(f"workers not started ({type(error).__name__})", 0)
+
+    @staticmethod
+    def _serve(worker: subprocess.Popen, queue: SimpleQueue, answered: list[str], failed: list[str]) -> None:
+        """One worker's share: jobs from the queue until it is empty (or the worker is gone)."""
+        while not queue.empty():
+            try:
+                job = queue.get_nowait()
+            except Empty:
+                return
+            try:
+                compile_worker.send(worker.stdin, job)
+                outcome = compile_worker.receive(worker.stdout)
+            except (EOFError, OSError, ValueError):   # gone, or ended by _give_up
+                try:
+                    code = worker.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    code = None
+                failed.append(f"a worker ended (exit {code})")
+                return
+            answered.append(outcome)
+            if outcome != compile_worker.COMPILED:
+                log.debug("compile worker: %s", outcome)
+
+    def _give_up(self, why: str, unanswered: int) -> None:
+        self.broken = f"pool given up: {why}"
+        self.outcomes[self.broken] += unanswered
+        log.warning("compile workers given up (%s): the server compiles the rest itself", why)
+        for worker in self.workers:
+            if worker.poll() is None:
+                worker.kill()
 
     def close(self) -> None:
-        """Stop the workers; one still compiling after a time-out is ended, not waited for."""
-        if self.broken:
-            for process in list(getattr(self.executor, "_processes", {}).values()):
-                process.terminate()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """End the workers (one still compiling is not waited for)."""
+        for worker in self.workers:
+            if worker.poll() is None:
+                worker.kill()
+            worker.wait()
+            for stream in (worker.stdin, worker.stdout):
+                stream.close()
+        self.workers = []
 
 
 def candidate_job(kernel, args: tuple, kwargs: dict) -> dict | None:

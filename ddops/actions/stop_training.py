@@ -11,15 +11,9 @@ import os
 import signal
 import sys
 import time
-# run, matching_pids, last_step and newest_checkpoint come from hostlib.py, which probe_source() prepends.
+# run, say, matching_pids, last_step and newest_checkpoint come from hostlib.py, which probe_source() prepends.
 
-PROGRESS = "ddops-progress: "   # remote.PROGRESS_PREFIX: a line the control machine shows as it comes
 POLL_S = 0.1
-
-
-def say(message):
-    sys.stdout.write(PROGRESS + message + "\n")
-    sys.stdout.flush()
 
 
 def find(pattern):

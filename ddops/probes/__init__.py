@@ -7,7 +7,7 @@ that change a host live next door, in `ddops.actions`; `probe_source` serves bot
 from importlib import resources
 
 # Scripts travel as one text each, so code they share is prepended to their text here.
-_SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat",), "facts": ("hostlib", "gpuhealth"),
+_SHARED_PARTS = {"smoke": ("loopback_chat",), "bench": ("loopback_chat", "hostlib"), "facts": ("hostlib", "gpuhealth"),
                  "inspect": ("hostlib",), "stop_training": ("hostlib",), "lock": ("hostlib",), "unitfile": ("hostlib",),
                  "balancer": ("hostlib",)}
 _ACTIONS = ("unitfile", "stop_training", "lock", "balancer")

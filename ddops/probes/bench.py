@@ -17,9 +17,8 @@ import sys
 import threading
 import time
 
-PROGRESS = "ddops-progress: "   # remote.PROGRESS_PREFIX: a line the control machine shows as it comes
 REPORT_EVERY_S = 2.0
-# chat() and chat_stream() come from loopback_chat.py, which probe_source() prepends to this script.
+# chat() and chat_stream() come from loopback_chat.py, say() from hostlib.py: probe_source() prepends both.
 
 
 def speculative(mode):
@@ -29,12 +28,11 @@ def speculative(mode):
     return out
 
 
-def say(message):
-    """One progress line; False when nobody reads this any more (the pipe to the control machine is gone)."""
+def still_read(message):
+    """Say a progress line; False when nobody reads this any more (the pipe to the control machine is gone)."""
     try:
-        sys.stdout.write(PROGRESS + message + "\n")
-        sys.stdout.flush()
-    except (BrokenPipeError, OSError):
+        say(message)
+    except OSError:
         return False
     return True
 
@@ -69,7 +67,7 @@ def load_run(spec, mode):
     def reporter():
         while not finished.wait(REPORT_EVERY_S):
             done = sum(1 for r in rows if r is not None)
-            if not say("%s: %d/%d requests done, %.0f s" % (mode["name"], done, total, time.time() - started)):
+            if not still_read("%s: %d/%d requests done, %.0f s" % (mode["name"], done, total, time.time() - started)):
                 orphaned.set()
                 return
 
@@ -103,7 +101,7 @@ def main():
     results, total = [], len(spec["prompts"]) * len(spec["modes"])
     for item in spec["prompts"]:
         for mode in spec["modes"]:
-            if not say("%d/%d: %s, %s" % (len(results) + 1, total, item["id"], mode["name"])):
+            if not still_read("%d/%d: %s, %s" % (len(results) + 1, total, item["id"], mode["name"])):
                 sys.exit(1)
             data, elapsed, error = chat(spec, item["prompt"], spec["max_tokens"], speculative(mode), 300)
             row = {"prompt": item["id"], "mode": mode["name"], "seconds": round(elapsed, 4)}

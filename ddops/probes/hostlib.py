@@ -1,6 +1,7 @@
-"""Shared by the facts and inspect probes and the stop_training, lock, unitfile and balancer actions (probe_source
-prepends it to their text): running a command, reading a process, a log's last step, the newest
-checkpoint and its step, a JSON file read and written whole (temp + fsync + rename), HAProxy's runtime API.
+"""Shared by the facts, inspect and bench probes and the stop_training, lock, unitfile and balancer actions
+(probe_source prepends it to their text): running a command, reading a process, a log's last step, the
+newest checkpoint and its step, a JSON file read and written whole (temp + fsync + rename), HAProxy's
+runtime API, a progress line for the control machine.
 
 Every script that scans processes carries MARKER in its own text, so a scan skips ddops's scripts
 (this one's, or a concurrent run's, whose arguments may name the training pattern).
@@ -10,8 +11,16 @@ import os
 import re
 import socket
 import subprocess
+import sys
 
 MARKER = "ddops-probe"
+PROGRESS = "ddops-progress: "   # remote.PROGRESS_PREFIX: a line the control machine shows as it comes
+
+
+def say(message):
+    """One progress line, shown by the control machine as it comes (BrokenPipeError once it has gone)."""
+    sys.stdout.write(PROGRESS + message + "\n")
+    sys.stdout.flush()
 
 
 def run(argv, timeout=10):

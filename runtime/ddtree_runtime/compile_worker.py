@@ -44,6 +44,15 @@ def receive(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+def jit_function(kernel):
+    """The Triton function under an autotuner's or heuristics' wrapping."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
 def compile_job(job: dict) -> str:
     """Compile one kernel specialisation into the shared Triton cache: COMPILED, or why not.
 
@@ -53,13 +62,10 @@ def compile_job(job: dict) -> str:
     try:
         import triton
         from triton.compiler import ASTSource
-        from triton.runtime.jit import JITFunction
 
         for name, values in job["modules"].items():  # before any cache key is first computed here
             vars(importlib.import_module(name)).update(values)
-        kernel = getattr(importlib.import_module(job["module"]), job["name"])
-        while not isinstance(kernel, JITFunction):
-            kernel = kernel.fn                       # an autotuner's or heuristics' wrapped function
+        kernel = jit_function(getattr(importlib.import_module(job["module"]), job["name"]))
         if kernel.cache_key != job["cache_key"]:
             return "not the server's kernel (its source or constexpr globals differ here)"
         triton.compile(ASTSource(kernel, job["signature"], job["constants"], job["attrs"]), target=job["target"],

@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,38 @@ def cache_entries(root: Path) -> set[str]:
     return {p.name for p in root.iterdir()} if root.exists() else set()
 
 
+def pool_outcomes(jobs: list, workers: int = 1) -> Counter:
+    """What a pool of `workers` did with `jobs`, the pool closed after."""
+    pool = CompilePool(workers)
+    try:
+        pool.compile(jobs)
+    finally:
+        pool.close()
+    return pool.outcomes
+
+
+def loaded_here(src: ASTSource, cache: Path):
+    """`src` compiled in this process after a worker built it: a cache hit (no entry added), as the server
+    would load it."""
+    built = cache_entries(cache)
+    assert built                                                 # the worker wrote the kernel there
+    compiled = triton.compile(src, target=H200, options=options())
+    assert cache_entries(cache) == built
+    return compiled
+
+
+@contextmanager
+def fresh_cache_keys(*kernels_changed):
+    """The kernels' cache keys computed again from the globals as the test set them, and again after."""
+    for fn in kernels_changed:
+        fn.hash = None
+    try:
+        yield
+    finally:
+        for fn in kernels_changed:
+            fn.hash = None
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     """An empty Triton cache for this test; the workers, started after, read the same variable."""
@@ -60,39 +94,21 @@ def test_what_a_worker_compiles_is_what_the_server_then_loads(cache):
     assert job["modules"]["tests.runtime.compile_pool_kernels"]["SCALE"] == kernels.SCALE
     helper_module = job["modules"]["tests.runtime.compile_pool_helpers"]               # reached via `helpers`
     assert list(helper_module) == ["ADD_ONE"] and helper_module["ADD_ONE"].value is False
-    pool = CompilePool(2)
-    try:
-        pool.compile([job, None])                                # None: built already, nothing to send
-    finally:
-        pool.close()
-    assert pool.outcomes == {compile_worker.COMPILED: 1}
-    built = cache_entries(cache)
-    assert built                                                 # the worker wrote the kernel there
+    assert pool_outcomes([job, None], workers=2) == {compile_worker.COMPILED: 1}   # None: nothing to send
     started = time.perf_counter()
-    compiled = triton.compile(src, target=H200, options=options())
-    assert cache_entries(cache) == built                         # a hit: this process built nothing
+    compiled = loaded_here(src, cache)
     assert time.perf_counter() - started < 1.0
     assert compiled.metadata.num_warps == 4 and "scaled_copy" in compiled.asm["ptx"]
 
 
 def test_a_worker_takes_the_servers_value_of_a_constexpr_global(cache, monkeypatch):
     monkeypatch.setattr(kernels, "SCALE", triton.language.constexpr(3.0))
-    kernels.scaled_copy.hash = None                              # as a process that started with 3.0
-    try:
+    with fresh_cache_keys(kernels.scaled_copy):                  # as a process that started with 3.0
         src = source(kernels.scaled_copy, block=64)
         job = describe(src, H200, options())
         assert job["modules"]["tests.runtime.compile_pool_kernels"]["SCALE"] == kernels.SCALE
-        pool = CompilePool(1)
-        try:
-            pool.compile([job])
-        finally:
-            pool.close()
-        assert pool.outcomes == {compile_worker.COMPILED: 1}
-        built = cache_entries(cache)
-        ptx = triton.compile(src, target=H200, options=options()).asm["ptx"]
-        assert cache_entries(cache) == built and "0f40400000" in ptx   # 3.0 as PTX writes a float
-    finally:
-        kernels.scaled_copy.hash = None
+        assert pool_outcomes([job]) == {compile_worker.COMPILED: 1}
+        assert "0f40400000" in loaded_here(src, cache).asm["ptx"]     # 3.0 as PTX writes a float
 
 
 def test_a_callees_constexpr_global_is_the_servers_in_the_worker(cache, monkeypatch):
@@ -100,34 +116,17 @@ def test_a_callees_constexpr_global_is_the_servers_in_the_worker(cache, monkeypa
     from the GPU found (which a worker has not): the worker takes this process's value (True) and builds
     this process's kernel, under its key."""
     monkeypatch.setattr(compile_pool_helpers, "ADD_ONE", triton.language.constexpr(True))
-    for fn in (kernels.shifted_copy, compile_pool_helpers.shift):
-        fn.hash = None
-    try:
+    with fresh_cache_keys(kernels.shifted_copy, compile_pool_helpers.shift):
         src = source(kernels.shifted_copy)
         job = describe(src, H200, options())
         assert job["modules"]["tests.runtime.compile_pool_helpers"]["ADD_ONE"].value is True
-        pool = CompilePool(1)
-        try:
-            pool.compile([job])
-        finally:
-            pool.close()
-        assert pool.outcomes == {compile_worker.COMPILED: 1}
-        built = cache_entries(cache)
-        ptx = triton.compile(src, target=H200, options=options()).asm["ptx"]
-        assert cache_entries(cache) == built and "0f3F800000" in ptx    # the + 1.0
-    finally:
-        for fn in (kernels.shifted_copy, compile_pool_helpers.shift):
-            fn.hash = None
+        assert pool_outcomes([job]) == {compile_worker.COMPILED: 1}
+        assert "0f3F800000" in loaded_here(src, cache).asm["ptx"]     # the + 1.0
 
 
 def test_a_kernel_that_is_not_the_servers_is_refused(cache):
     job = describe(source(kernels.scaled_copy), H200, options()) | {"cache_key": "0" * 64}
-    pool = CompilePool(1)
-    try:
-        pool.compile([job])
-    finally:
-        pool.close()
-    assert pool.outcomes == {"not the server's kernel (its source or constexpr globals differ here)": 1}
+    assert pool_outcomes([job]) == {"not the server's kernel (its source or constexpr globals differ here)": 1}
     assert not cache_entries(cache)
 
 

@@ -151,7 +151,7 @@ def candidate_job(kernel, args: tuple, kwargs: dict) -> dict | None:
     it with `args` and `kwargs` would here (describe()); None where it is already built in this process."""
     from triton.runtime.driver import driver
 
-    jit = _jit_function(kernel)
+    jit = compile_worker.jit_function(kernel)
     jit.device_caches[driver.active.get_current_device()]   # made first: making it resets jit.compile
     built = jit.compile
 
@@ -180,7 +180,7 @@ def describe(src, target, options: dict) -> dict:
     values of every module the kernel can reach, and the worker takes them before it builds anything."""
     fn = src.fn
     reached = getattr(sys.modules.get(fn.module), fn.__name__, None)
-    if reached is None or _jit_function(reached) is not fn:
+    if reached is None or compile_worker.jit_function(reached) is not fn:
         return {"refused": "not reachable by its module and name"}
     state = {name: {k: v for k, v in vars(sys.modules[name]).items() if _plain(k, v)} for name in _reachable(fn)}
     job = {"module": fn.module, "name": fn.__name__, "cache_key": fn.cache_key, "modules": state,
@@ -221,15 +221,6 @@ def _reachable(fn, depth: int = 3) -> list[str]:
                         nxt.append(module)
         frontier = nxt
     return sorted(found)
-
-
-def _jit_function(kernel):
-    """The Triton function under an autotuner's or heuristics' wrapping."""
-    from triton.runtime.jit import JITFunction
-
-    while not isinstance(kernel, JITFunction):
-        kernel = kernel.fn
-    return kernel
 
 
 @contextmanager

@@ -8,9 +8,10 @@ takes the server's values of the plain globals of the modules the kernel can rea
 the same cache key (the source of the kernel and of the functions it calls, and every constexpr global
 they read).
 
-Protocol on stdin / a copy of stdout: the server's sys.path first, then a job at a time, each answered
-by its outcome; every message a pickle after its 8-byte length. Anything the compiler prints goes to
-stderr."""
+Protocol on stdin / a copy of stdout: the server's sys.path and the modules to import before the first
+job (answered by READY and this process's seconds so far), then a job at a time, each answered by its
+outcome and the seconds it took; every message a pickle after its 8-byte length. Anything the compiler
+prints goes to stderr."""
 
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ import os
 import pickle
 import struct
 import sys
+import time
 import warnings
 from typing import Any, BinaryIO
 
 COMPILED = "compiled"
+READY = "ready"
+_STARTED = time.perf_counter()
 _LENGTH = struct.Struct("<Q")
 
 
@@ -81,9 +85,18 @@ def main() -> None:
     warnings.simplefilter("ignore")                     # fla-core warns at import that it found no GPU
     jobs = sys.stdin.buffer
     try:
-        sys.path[:] = receive(jobs)
+        sys.path[:], preload = receive(jobs)
+        for name in ("triton.compiler", *preload):   # imported while the server still works towards its first batch
+            try:
+                importlib.import_module(name)
+            except Exception:  # a job that needs it reports why
+                pass
+        send(replies, (READY, time.perf_counter() - _STARTED))
         while True:
-            send(replies, compile_job(receive(jobs)))
+            job = receive(jobs)
+            started = time.perf_counter()
+            outcome = compile_job(job)
+            send(replies, (outcome, time.perf_counter() - started))
     except EOFError:
         return
 

@@ -38,6 +38,7 @@ from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUD
                       TREE_POLICIES)
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
 from ..model.compile_pool import parallel_autotuning
+from ..model.gdn_chunk import FLA_MODULE
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
@@ -342,7 +343,7 @@ class Engine:
         vocab, ids, per_batch, candidates = self.target.config.vocab_size, [], [], {}
         try:
             # on a first start, autotuners' candidates are compiled by worker processes at once (compile_pool)
-            with parallel_autotuning(None if self.device.type == "cuda" else 0) as pool:
+            with parallel_autotuning(None if self.device.type == "cuda" else 0, preload=(FLA_MODULE,)) as pool:
                 for n in batches:
                     batch_started = time.perf_counter()
                     # first tokens differ, so no two prompts share a page (admission counts shared pages);

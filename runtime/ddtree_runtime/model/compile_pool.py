@@ -51,15 +51,20 @@ class _Intercepted(Exception):
 
 
 class CompilePool:
-    """Worker processes (`python -m ddtree_runtime.compile_worker`, started at the first batch) compiling
-    Triton kernels into the cache the server reads. Nothing here may stop a start: a pool whose worker
-    dies or stalls is given up, and the server compiles what is left itself."""
+    """Worker processes (`python -m ddtree_runtime.compile_worker`) compiling Triton kernels into the
+    cache the server reads. start() lets them import what they need while the server works on; the
+    first batch starts them otherwise. Nothing here may stop a start: a pool whose worker dies or stalls
+    is given up, and the server compiles what is left itself."""
 
-    def __init__(self, workers: int, timeout_s: float = BATCH_TIMEOUT_S) -> None:
-        self.size, self.timeout_s = workers, timeout_s
+    def __init__(self, workers: int, timeout_s: float = BATCH_TIMEOUT_S, preload: tuple[str, ...] = ()) -> None:
+        self.size, self.timeout_s, self.preload = workers, timeout_s, preload
         self.workers: list[subprocess.Popen] = []
+        self.started_s = 0.0   # the slowest worker's start: its interpreter and imports, until READY
+        self._ready: set[int] = set()   # the workers (pids) whose READY has been read
         self.outcomes: Counter[str] = Counter()
         self.broken: str | None = None   # why the pool was given up, once it was
+        self.batches: list[tuple[int, float]] = []   # (jobs sent, seconds waited) per compile()
+        self.busy_s = 0.0                            # the workers' seconds inside their compiles, summed
 
     def compile(self, jobs: list[dict | None]) -> None:
         """Compile `jobs` at once; returns when every one has been compiled or refused, or after
@@ -70,14 +75,15 @@ class CompilePool:
         if not sent:
             return
         if self.broken is None and not self.workers:
-            self._start()
+            self.start()
         if self.broken is not None:
             self.outcomes[self.broken] += len(sent)
             return
+        started = time.monotonic()
         queue = SimpleQueue()
         for job in sent:
             queue.put(job)
-        answered: list[str] = []
+        answered: list[tuple[str, float]] = []
         failed: list[str] = []
         threads = [threading.Thread(target=self._serve, args=(worker, queue, answered, failed), daemon=True)
                    for worker in self.workers[:len(sent)]]
@@ -87,33 +93,41 @@ class CompilePool:
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         stalled = any(thread.is_alive() for thread in threads)
-        self.outcomes.update(answered)
+        self.outcomes.update(outcome for outcome, _ in answered)
+        self.busy_s += sum(seconds for _, seconds in answered)
+        self.batches.append((len(sent), time.monotonic() - started))
         if stalled or failed:
             self._give_up("a worker stalled" if stalled else failed[0], len(sent) - len(answered))
             for thread in threads:
                 thread.join(5.0)   # the workers are ended: their reads return
             self.close()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the workers; they import `preload` meanwhile, and each says READY before its first job."""
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         try:
             for _ in range(self.size):
                 worker = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.compile_worker"], env=env,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 self.workers.append(worker)
-                compile_worker.send(worker.stdin, sys.path)
+                compile_worker.send(worker.stdin, (sys.path, self.preload))
         except OSError as error:
             self._give_up(f"workers not started ({type(error).__name__})", 0)
 
-    @staticmethod
-    def _serve(worker: subprocess.Popen, queue: SimpleQueue, answered: list[str], failed: list[str]) -> None:
-        """One worker's share: jobs from the queue until it is empty (or the worker is gone)."""
+    def _serve(self, worker: subprocess.Popen, queue: SimpleQueue, answered: list[tuple[str, float]],
+               failed: list[str]) -> None:
+        """One worker's share: jobs from the queue until it is empty (or the worker is gone). A worker
+        not yet heard from is waited for first (its READY), while the ready ones take the jobs."""
         while not queue.empty():
             try:
-                job = queue.get_nowait()
-            except Empty:
-                return
-            try:
+                if worker.pid not in self._ready:
+                    _, seconds = compile_worker.receive(worker.stdout)
+                    self._ready.add(worker.pid)
+                    self.started_s = max(self.started_s, seconds)
+                try:
+                    job = queue.get_nowait()
+                except Empty:
+                    return
                 compile_worker.send(worker.stdin, job)
                 outcome = compile_worker.receive(worker.stdout)
             except (EOFError, OSError, ValueError):   # gone, or ended by _give_up
@@ -124,8 +138,8 @@ class CompilePool:
                 failed.append(f"a worker ended (exit {code})")
                 return
             answered.append(outcome)
-            if outcome != compile_worker.COMPILED:
-                log.debug("compile worker: %s", outcome)
+            if outcome[0] != compile_worker.COMPILED:
+                log.debug("compile worker: %s", outcome[0])
 
     def _give_up(self, why: str, unanswered: int) -> None:
         self.broken = f"pool given up: {why}"
@@ -223,11 +237,21 @@ def _reachable(fn, depth: int = 3) -> list[str]:
     return sorted(found)
 
 
+def _cache_is_empty() -> bool:
+    """Triton's cache directory holds nothing yet: a host's first start, which will compile."""
+    from triton import knobs
+
+    root = knobs.cache.dir
+    return not os.path.isdir(root) or not any(os.scandir(root))
+
+
 @contextmanager
-def parallel_autotuning(workers: int | None = None) -> Iterator[CompilePool | None]:
+def parallel_autotuning(workers: int | None = None, preload: tuple[str, ...] = ()) -> Iterator[CompilePool | None]:
     """Inside the block, an autotuner about to time its candidates first has them all compiled by a pool
-    of `workers` processes (default_workers() by default; 0, or no Triton: nothing changes). Yields the
-    pool (its `outcomes` count what the workers did) or None."""
+    of `workers` processes (default_workers() by default; 0, or no Triton: nothing changes), which import
+    `preload` (the autotuned kernels' modules) as they start. Over an empty cache they start at once, their
+    imports overlapping the server's work before the first autotuner; otherwise at the first batch, if
+    one comes. Yields the pool (its `outcomes` count what the workers did) or None."""
     workers = default_workers() if workers is None else workers
     try:
         from triton.runtime.autotuner import Autotuner
@@ -236,7 +260,9 @@ def parallel_autotuning(workers: int | None = None) -> Iterator[CompilePool | No
     if not workers or Autotuner is None:
         yield None
         return
-    pool = CompilePool(workers)
+    pool = CompilePool(workers, preload=preload)
+    if _cache_is_empty():
+        pool.start()
     prune, bench = Autotuner.prune_configs, Autotuner._bench
 
     def prune_configs(self, kwargs):

@@ -19,6 +19,7 @@ dependency). Everywhere else, and in float32, it runs in torch (float32 inside),
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import torch
@@ -82,14 +83,16 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return chunk_gated_delta_torch(q, k, v, g, beta, state, scale)
 
 
+FLA_MODULE = "fla.ops.gated_delta_rule"   # its kernels are autotuned: compile_pool's workers import it
+
+
 @functools.cache
 def _fla_chunk():
     """fla-core's chunked kernel, or None where it is not installed (CPU hosts, the lab)."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return importlib.import_module(FLA_MODULE).chunk_gated_delta_rule
     except ImportError:
         return None
-    return chunk_gated_delta_rule
 
 
 def _fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

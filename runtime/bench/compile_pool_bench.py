@@ -29,7 +29,7 @@ def one_case(workers: int, tokens: int, heads: tuple[int, int], head_dim: int) -
     import torch
 
     from ddtree_runtime.model.compile_pool import parallel_autotuning
-    from ddtree_runtime.model.gdn_chunk import chunk_gated_delta
+    from ddtree_runtime.model.gdn_chunk import FLA_MODULE, chunk_gated_delta
     from warmup_profile import WarmUpProfile
 
     key_heads, value_heads = heads
@@ -42,7 +42,7 @@ def one_case(workers: int, tokens: int, heads: tuple[int, int], head_dim: int) -
     beta = torch.rand(1, tokens, value_heads, device="cuda")
     profile = WarmUpProfile()
     started = time.perf_counter()
-    with profile.active(), parallel_autotuning(workers) as pool:
+    with profile.active(), parallel_autotuning(workers, preload=(FLA_MODULE,)) as pool:
         chunk_gated_delta(q, k, v, g, beta)
         torch.cuda.synchronize()
         pooled = ({"outcomes": dict(pool.outcomes), "batches": pool.batches, "busy_s": round(pool.busy_s, 2),

@@ -23,7 +23,8 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from ddtree_runtime import compile_worker  # noqa: E402
-from ddtree_runtime.model.compile_pool import CompilePool, describe, parallel_autotuning  # noqa: E402
+from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, describe, parallel_autotuning,  # noqa: E402
+                                               recorded, save_record, still_to_compile)
 from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -57,12 +58,12 @@ def pool_outcomes(jobs: list, workers: int = 1) -> Counter:
     return pool.outcomes
 
 
-def loaded_here(src: ASTSource, cache: Path):
+def loaded_here(src: ASTSource, cache: Path, num_warps: int = 4):
     """`src` compiled in this process after a worker built it: a cache hit (no entry added), as the server
     would load it."""
     built = cache_entries(cache)
     assert built                                                 # the worker wrote the kernel there
-    compiled = triton.compile(src, target=H200, options=options())
+    compiled = triton.compile(src, target=H200, options=options(num_warps))
     assert cache_entries(cache) == built
     return compiled
 
@@ -190,6 +191,45 @@ def test_parallel_autotuning_patches_the_autotuner_only_inside(monkeypatch):
         assert pool is None
 
 
+def test_a_record_is_read_back_once_per_compile_and_a_damaged_one_is_no_record(tmp_path):
+    path = str(tmp_path / RECORD)
+    assert recorded(path) == []                                    # none yet
+    first, second = (describe(source(kernels.scaled_copy, block=b), H200, options()) for b in (64, 128))
+    save_record([first, second, dict(first), {"refused": "not reachable by its module and name"}], path)
+    assert recorded(path) == [first, second]                       # a candidate met twice is kept once
+    (tmp_path / RECORD).write_bytes(b"\x80\x04 half a pickle")
+    assert recorded(path) == []
+    assert [p.name for p in tmp_path.iterdir()] == [RECORD]       # no part file left behind
+
+
+def test_what_a_record_holds_is_compiled_once_then_found_in_the_cache(cache):
+    """A recorded compile the cache lacks is a job for the workers; once they built it, it is in the
+    cache (the restart after sends them nothing)."""
+    job = describe(source(kernels.scaled_copy, block=32), H200, options(num_warps=2))
+    wanted = still_to_compile(job, H200)
+    assert wanted is not None and wanted["options"] == job["options"]
+    assert pool_outcomes([wanted]) == {compile_worker.COMPILED: 1}
+    assert still_to_compile(job, H200) is None
+
+
+def test_a_record_from_another_gpu_is_compiled_for_this_one(cache):
+    """A record seeded from a host of another GPU model (an A6000's sm_86): the launch's options (its
+    warps) are kept and the rest are Triton's for this GPU, and what the workers build for it is what
+    this process then loads."""
+    a6000 = GPUTarget("cuda", 86, 32)
+    job = describe(source(kernels.scaled_copy, block=256), a6000,
+                   make_backend(a6000).parse_options({"num_warps": 2}).__dict__)
+    wanted = still_to_compile(job, H200)
+    assert wanted["target"] == H200 and wanted["options"] == options(num_warps=2)
+    assert pool_outcomes([wanted]) == {compile_worker.COMPILED: 1}
+    assert loaded_here(source(kernels.scaled_copy, block=256), cache, num_warps=2).metadata.num_warps == 2
+
+
+def test_a_recorded_kernel_that_is_gone_is_skipped(cache):
+    job = describe(source(kernels.scaled_copy), H200, options()) | {"name": "renamed_since"}
+    assert still_to_compile(job, H200) is None and not cache_entries(cache)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="an autotuner launches its candidates on a GPU")
 def test_an_autotuners_candidates_are_compiled_by_the_pool(cache):
     x = torch.arange(1000, device="cuda", dtype=torch.float32)
@@ -198,3 +238,26 @@ def test_an_autotuners_candidates_are_compiled_by_the_pool(cache):
         kernels.tuned_copy[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
     torch.testing.assert_close(y, x * 2.0)
     assert pool.outcomes == {compile_worker.COMPILED: 4}         # every candidate, before its timing run
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's JIT launches on a GPU")
+def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_once(cache, tmp_path, monkeypatch):
+    """What the block compiled (the four candidates and a plain launch) is in the record it leaves; a
+    cache holding only that record (a host seeded from another GPU model, or after Triton's upgrade)
+    has them all compiled by the workers as the next block opens."""
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    with parallel_autotuning(2):
+        kernels.tuned_copy[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
+        kernels.scaled_copy[(8,)](x, y, 1000, BLOCK=128)
+    jobs = recorded(str(cache / RECORD))
+    assert sorted((job["name"], job["constants"][(3,)]) for job in jobs) == [
+        ("scaled_copy", 128), ("tuned_copy", 64), ("tuned_copy", 64), ("tuned_copy", 128), ("tuned_copy", 128)]
+    seeded = tmp_path / "seeded"
+    seeded.mkdir()
+    (seeded / RECORD).write_bytes((cache / RECORD).read_bytes())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(seeded))
+    with parallel_autotuning(2) as pool:
+        assert pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}
+    with parallel_autotuning(2) as pool:
+        assert pool.replayed == 0 and not pool.workers           # all in the cache now: no worker started

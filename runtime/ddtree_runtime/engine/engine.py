@@ -340,9 +340,10 @@ class Engine:
         outlook = dataclasses.replace(self.policy.prior)  # made-up prompts teach nothing of real acceptance
         prefix, hook = self.scheduler.prefix, self.phase_hook
         self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
-        vocab, ids, per_batch, candidates = self.target.config.vocab_size, [], [], {}
+        vocab, ids, per_batch, compiled, replayed = self.target.config.vocab_size, [], [], {}, 0
         try:
-            # on a first start, autotuners' candidates are compiled by worker processes at once (compile_pool)
+            # compiles go wide over worker processes: what the last warm-up recorded and the cache lacks at
+            # once, and each autotuner's candidates before it times them (compile_pool)
             with parallel_autotuning(None if self.device.type == "cuda" else 0, preload=(FLA_MODULE,)) as pool:
                 for n in batches:
                     batch_started = time.perf_counter()
@@ -356,7 +357,8 @@ class Engine:
                     while self.has_work:
                         self.step()
                     per_batch.append(round(time.perf_counter() - batch_started, 2))
-                candidates = dict(pool.outcomes) if pool is not None else {}
+                if pool is not None:
+                    compiled, replayed = dict(pool.outcomes), pool.replayed
             if sweep:
                 swept = measure_round_costs(self)
         finally:
@@ -367,11 +369,11 @@ class Engine:
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
         done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures, tuple(per_batch),
-                      candidates)
+                      compiled, replayed)
         log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s%s", done.requests,
                  ", ".join(map(str, done.batches)), done.graph_captures, done.seconds,
-                 f"; autotuning candidates compiled by worker processes: {done.candidate_compiles}"
-                 if done.candidate_compiles else "")
+                 f"; Triton kernels compiled by worker processes: {done.worker_compiles} ({replayed} from the last"
+                 " warm-up's record)" if done.worker_compiles else "")
         return done
 
     # ---- request setup ----------------------------------------------------------------------------

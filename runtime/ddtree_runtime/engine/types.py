@@ -169,7 +169,8 @@ class WarmUp:
     requests: int
     graph_captures: int
     per_batch_s: tuple[float, ...] = ()  # seconds each of `batches` took, in order (the first pays the compiles)
-    candidate_compiles: dict[str, int] = field(default_factory=dict)  # what compile_pool's workers did, by outcome
+    worker_compiles: dict[str, int] = field(default_factory=dict)  # what compile_pool's workers did, by outcome
+    recorded_compiles: int = 0  # of those, compiles the last warm-up recorded that the cache lacked (sent at once)
 
 
 @dataclass

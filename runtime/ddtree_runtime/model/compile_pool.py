@@ -13,6 +13,8 @@ script again, and a script that builds an engine at its top level would load the
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import os
 import pickle
@@ -31,6 +33,11 @@ from .. import compile_worker
 log = logging.getLogger(__name__)
 
 WORKERS_ENV = "DDTREE_COMPILE_WORKERS"   # how many processes compile (0: none, the server compiles alone)
+RECORD = "ddtree-compiles.pkl"           # in Triton's cache directory: what the last warm-up compiled
+# the launch options a kernel's caller sets; the rest of a compile's options Triton derives from the GPU
+LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+                  "launch_pdl", "debug", "sanitize_overflow")
+TIMING = {"warmup": 5, "rep": 25}        # ms an autotuner's candidate is timed for in a warm-up (Triton: 25, 100)
 MAX_WORKERS = 8
 BATCH_TIMEOUT_S = 300.0                  # one autotuner's candidates: seconds of compiles, never minutes
 _PENDING = "_ddtree_candidates"          # an autotuner's pruned configs, kept until its first timing run
@@ -59,6 +66,7 @@ class CompilePool:
     def __init__(self, workers: int, timeout_s: float = BATCH_TIMEOUT_S, preload: tuple[str, ...] = ()) -> None:
         self.size, self.timeout_s, self.preload = workers, timeout_s, preload
         self.workers: list[subprocess.Popen] = []
+        self.replayed = 0      # recorded compiles the cache lacked, sent at once
         self.started_s = 0.0   # the slowest worker's start: its interpreter and imports, until READY
         self._ready: set[int] = set()   # the workers (pids) whose READY has been read
         self.outcomes: Counter[str] = Counter()
@@ -237,6 +245,97 @@ def _reachable(fn, depth: int = 3) -> list[str]:
     return sorted(found)
 
 
+def recorded(path: str) -> list[dict]:
+    """The compiles a warm-up recorded at `path` (record_compiles()); none where it is missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            jobs = pickle.load(f)
+    except FileNotFoundError:
+        return []
+    except Exception as error:  # a damaged record only costs the parallel compiles
+        log.warning("compile record %s not read (%s): the warm-up compiles as it goes", path, type(error).__name__)
+        return []
+    return [job for job in jobs if isinstance(job, dict) and "refused" not in job] if isinstance(jobs, list) else []
+
+
+def save_record(jobs: list[dict], path: str) -> None:
+    """Write the record whole or not at all (a reader never sees half of one)."""
+    kept = list({_identity(job): job for job in jobs if "refused" not in job}.values())
+    if not kept:
+        return
+    part = f"{path}.{os.getpid()}.part"
+    try:
+        with open(part, "wb") as f:
+            pickle.dump(kept, f)
+        os.replace(part, path)
+    except OSError as error:
+        log.warning("compile record %s not written (%s)", path, error)
+
+
+def _identity(job: dict) -> bytes:
+    """One compile whoever recorded it (an autotuner's candidate is met twice: taken, then timed)."""
+    return pickle.dumps([job[k] for k in ("module", "name", "signature", "constants", "attrs", "options")])
+
+
+def still_to_compile(job: dict, target) -> dict | None:
+    """A recorded compile as this process would make it for `target` (this GPU), or None where Triton's
+    cache already holds it (or the kernel is gone). It is this process's kernel under that name (its
+    source and globals may have changed since the record), and where the record came from another GPU,
+    the launch's options are parsed again for this one."""
+    from triton.compiler import ASTSource, make_backend
+
+    try:
+        kernel = compile_worker.jit_function(getattr(importlib.import_module(job["module"]), job["name"]))
+        options = job["options"]
+        if job["target"] != target:
+            options = make_backend(target).parse_options(
+                {k: v for k, v in options.items() if k in LAUNCH_OPTIONS}).__dict__
+        src = ASTSource(kernel, job["signature"], job["constants"], job["attrs"])
+        return None if in_cache(src, target, options) else describe(src, target, options)
+    except Exception as error:  # noqa: BLE001 -- a record from another version of the code: only a miss
+        log.debug("recorded compile of %s.%s not rebuilt: %s", job.get("module"), job.get("name"), error)
+        return None
+
+
+def in_cache(src, target, options: dict) -> bool:
+    """Triton's cache holds this compile: its key and lookup as triton.compile makes them (so a warm
+    restart sends its workers nothing)."""
+    import hashlib
+
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, make_backend
+    from triton.runtime.cache import get_cache_manager
+
+    backend = make_backend(target)
+    parsed = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, parsed, env_vars=get_cache_invalidating_env_vars())
+    name = f"{src.name[:150]}.json"
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name) or {}
+    return name in group
+
+
+@contextmanager
+def compiles_recorded(into: list[dict]) -> Iterator[None]:
+    """Every kernel this process compiles inside the block (Triton's JIT missing its in-process cache,
+    whether the disk cache then hits or not) is appended to `into` as describe() makes it."""
+    from triton.runtime.jit import JITFunction
+
+    do_compile = JITFunction._do_compile
+
+    def recording(self, key, signature, device, constexprs, options, attrs, warmup):
+        target = self.device_caches[device][2]
+        try:
+            into.append(describe(self.ASTSource(self, signature, constexprs, attrs), target, dict(options.__dict__)))
+        except Exception as error:  # noqa: BLE001 -- the record is an aid; the compile must go on
+            log.debug("compile of %s not recorded: %s", self, error)
+        return do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
+
+    JITFunction._do_compile = recording
+    try:
+        yield
+    finally:
+        JITFunction._do_compile = do_compile
+
+
 def _cache_is_empty() -> bool:
     """Triton's cache directory holds nothing yet: a host's first start, which will compile."""
     from triton import knobs
@@ -247,22 +346,37 @@ def _cache_is_empty() -> bool:
 
 @contextmanager
 def parallel_autotuning(workers: int | None = None, preload: tuple[str, ...] = ()) -> Iterator[CompilePool | None]:
-    """Inside the block, an autotuner about to time its candidates first has them all compiled by a pool
-    of `workers` processes (default_workers() by default; 0, or no Triton: nothing changes), which import
-    `preload` (the autotuned kernels' modules) as they start. Over an empty cache they start at once, their
-    imports overlapping the server's work before the first autotuner; otherwise at the first batch, if
-    one comes. Yields the pool (its `outcomes` count what the workers did) or None."""
+    """Inside the block Triton's compiles go wide over a pool of `workers` processes (default_workers()
+    by default; 0, or no Triton: nothing changes), which import `preload` (the autotuned kernels'
+    modules) as they start:
+    - on entry, what the last warm-up recorded in the cache directory (RECORD) and the cache lacks is
+      compiled at once (after an upgrade, or a record seeded from a host of another GPU model);
+    - an autotuner about to time its candidates first has them all compiled, then times each for
+      TIMING's milliseconds;
+    - on leaving, every kernel the block compiled is recorded for the next start.
+    Over an empty cache the workers start at once, their imports overlapping the server's work before
+    the first autotuner; otherwise at the first batch, if one comes. Yields the pool (its `outcomes`
+    count what the workers did) or None."""
     workers = default_workers() if workers is None else workers
     try:
+        from triton import knobs, testing
         from triton.runtime.autotuner import Autotuner
+        from triton.runtime.driver import driver
     except ImportError:
         Autotuner = None
     if not workers or Autotuner is None:
         yield None
         return
     pool = CompilePool(workers, preload=preload)
+    record = os.path.join(knobs.cache.dir, RECORD)
     if _cache_is_empty():
         pool.start()
+    replay = recorded(record)
+    if replay:
+        target = driver.active.get_current_target()
+        missing = [still_to_compile(job, target) for job in replay]
+        pool.compile(missing)
+        pool.replayed = sum(job is not None for job in missing)
     prune, bench = Autotuner.prune_configs, Autotuner._bench
 
     def prune_configs(self, kwargs):
@@ -280,11 +394,24 @@ def parallel_autotuning(workers: int | None = None, preload: tuple[str, ...] = (
         candidates = self.__dict__.pop(_PENDING, None)
         if candidates and len(candidates) > 1:
             pool.compile([capture(self.fn, args, dict(meta, **c.all_kwargs())) for c in candidates])
-        return bench(self, *args, config=config, **meta)
+        if getattr(self, "_do_bench", None) is not None:   # the kernel's own way of timing
+            return bench(self, *args, config=config, **meta)
+        kept = self.__dict__.get("do_bench")
+        self.__dict__["do_bench"] = functools.partial(testing.do_bench, **TIMING)
+        try:
+            return bench(self, *args, config=config, **meta)
+        finally:
+            if kept is None:
+                del self.__dict__["do_bench"]
+            else:
+                self.__dict__["do_bench"] = kept
 
+    compiled: list[dict] = []
     Autotuner.prune_configs, Autotuner._bench = prune_configs, _bench
     try:
-        yield pool
+        with compiles_recorded(compiled):
+            yield pool
+        save_record(compiled, record)
     finally:
         Autotuner.prune_configs, Autotuner._bench = prune, bench
         pool.close()

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 COMPILED = "compiled"
 READY = "ready"
+CPUS_ENV = "DDTREE_COMPILE_CPUS"   # the cores this worker keeps to (the pool gives each worker its share)
 _STARTED = time.perf_counter()
 _LENGTH = struct.Struct("<Q")
 
@@ -80,6 +81,9 @@ def compile_job(job: dict) -> str:
 
 
 def main() -> None:
+    cpus = os.environ.get(CPUS_ENV)
+    if cpus and hasattr(os, "sched_setaffinity"):   # before the compiler sizes its thread pools
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())   # prints from the compiler stay off the protocol
     warnings.simplefilter("ignore")                     # fla-core warns at import that it found no GPU

@@ -53,6 +53,15 @@ def default_workers() -> int:
     return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) - 2))
 
 
+def cpu_shares(workers: int) -> list[list[int]]:
+    """Each worker's own cores, the server's split evenly (a share is reused once there are more workers
+    than cores). Triton's compiler sizes its thread pools by the cores a process may use, so workers
+    sharing every core would each run as many threads as there are cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    each = max(1, len(cores) // max(1, workers))
+    return [cores[(i * each) % len(cores):(i * each) % len(cores) + each] for i in range(workers)]
+
+
 class _Intercepted(Exception):
     """Raised in place of Triton's compile: it carries the compile's inputs out of the launch path."""
 
@@ -114,8 +123,9 @@ class CompilePool:
         """Start the workers; they import `preload` meanwhile, and each says READY before its first job."""
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         try:
-            for _ in range(self.size):
-                worker = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.compile_worker"], env=env,
+            for cpus in cpu_shares(self.size):
+                worker = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.compile_worker"],
+                                          env={**env, compile_worker.CPUS_ENV: ",".join(map(str, cpus))},
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 self.workers.append(worker)
                 compile_worker.send(worker.stdin, (sys.path, self.preload))

@@ -245,11 +245,11 @@ def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_on
     """What the block compiled (the four candidates and a plain launch) is in the record it leaves; a
     cache holding only that record (a host seeded from another GPU model, or after Triton's upgrade)
     has them all compiled by the workers as the next block opens."""
-    x = torch.arange(999, device="cuda", dtype=torch.float32)     # n = 999: not the test above's launch
+    x = torch.arange(1024, device="cuda", dtype=torch.float32)    # n = 1024: a specialisation no test above launched
     y = torch.empty_like(x)
     with parallel_autotuning(2):
-        kernels.tuned_copy[lambda meta: (triton.cdiv(999, meta["BLOCK"]),)](x, y, 999)
-        kernels.scaled_copy[(8,)](x, y, 999, BLOCK=128)
+        kernels.tuned_copy[lambda meta: (triton.cdiv(1024, meta["BLOCK"]),)](x, y, 1024)
+        kernels.scaled_copy[(8,)](x, y, 1024, BLOCK=128)
     jobs = recorded(str(cache / RECORD))
     assert sorted((job["name"], job["constants"][(3,)]) for job in jobs) == [
         ("scaled_copy", 128), ("tuned_copy", 64), ("tuned_copy", 64), ("tuned_copy", 128), ("tuned_copy", 128)]

@@ -193,9 +193,9 @@ def test_after_ar_rounds_a_tree_round_looks_again():
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
-    chosen = [policy.budgets(reqs)[0] for _ in range(50)]
+    chosen = [policy.budgets(reqs)[0] for _ in range(400)]
     probes = [i for i, b in enumerate(chosen) if b != AR]
-    assert probes[:5] == [1, 5, 13, 29, 45]                # after 2, 4, 8, then every 16 AR rounds
+    assert probes == [1, 5, 13, 29, 61, 125, 253, 381]     # 4, 8, 16, ... rounds apart, then every 128
 
 
 # ---- on the tiny pairs ---------------------------------------------------------------------------

@@ -45,7 +45,10 @@ if TYPE_CHECKING:
 DECAY = 0.8             # the calibration's memory: a round's weight against what came before
 PRIOR_WEIGHT = 2.0      # forecast tokens of the engine-wide calibration a new request starts with
 SCALE_RANGE = (0.05, 4.0)
-PROBE_FIRST, PROBE_LAST = 2, 16  # AR rounds before a tree round re-forecasts (doubling while AR keeps winning)
+# AR rounds before a tree round re-forecasts, doubling while AR keeps winning: a probe costs a tree round,
+# a drafter catching up and the next AR round's run-ahead (~2.5 AR rounds alone on the CPU's tiny pair),
+# so a request whose drafter keeps losing pays it once in 128 rounds, not once in 16 (+1.6%, not +15%)
+PROBE_FIRST, PROBE_LAST = 2, 128
 REFRESH_ROUNDS = 8      # the most rounds a drafter pass after AR rounds is spread over
 STAY = 0.05             # hysteresis: how much better than the last round's budget another must predict
 # a candidate within PROBE_WITHIN of the best, untimed for PROBE_AGE rounds, runs once (PROBE_GAP apart)

@@ -3,7 +3,7 @@ compile_pool's workers (issue 38: the first start on a GPU model's first host).
 
 The warm-up's autotuned candidates are almost all fla-core's (59 of the cold start's 89 compiles on the
 27B shape). Here one prompt pass of one linear layer at the 27B's heads runs under
-`parallel_autotuning(workers)` in its own process over its own empty cache, once per worker count,
+`parallel_compiles(workers)` in its own process over its own empty cache, once per worker count,
 so the figures isolate the pool: its wall time per batch, the workers' compiling seconds summed, and how
 long the pass took in all. GPU only (the autotuners time their candidates on it).
 
@@ -28,7 +28,7 @@ def one_case(workers: int, tokens: int, heads: tuple[int, int], head_dim: int) -
     """The pass over an empty cache (the parent sets TRITON_CACHE_DIR), in this process."""
     import torch
 
-    from ddtree_runtime.model.compile_pool import parallel_autotuning
+    from ddtree_runtime.model.compile_pool import parallel_compiles
     from ddtree_runtime.model.gdn_chunk import FLA_MODULE, chunk_gated_delta
     from warmup_profile import WarmUpProfile
 
@@ -42,7 +42,7 @@ def one_case(workers: int, tokens: int, heads: tuple[int, int], head_dim: int) -
     beta = torch.rand(1, tokens, value_heads, device="cuda")
     profile = WarmUpProfile()
     started = time.perf_counter()
-    with profile.active(), parallel_autotuning(workers, preload=(FLA_MODULE,)) as pool:
+    with profile.active(), parallel_compiles(workers, preload=(FLA_MODULE,)) as pool:
         chunk_gated_delta(q, k, v, g, beta)
         torch.cuda.synchronize()
         pooled = ({"outcomes": dict(pool.outcomes), "batches": pool.batches, "busy_s": round(pool.busy_s, 2),

@@ -1,6 +1,7 @@
 """The kernel store on the real lab: ct200's deploy keeps the Triton cache it has and harvests it into the
-store for its GPU model; eval-a6000, made to imitate ct200's GPU model, starts its first deploy with that
-cache seeded (root's, as the unit needs it); a host of another GPU model gets none.
+store for its GPU model; eval-a6000, as itself (another GPU model, no store of its own), starts its first
+deploy with the runtime's compile record from that store and nothing else; made to imitate ct200's GPU
+model, it starts with the whole cache seeded (root's, as the unit needs it).
 
 The lab's runtime runs on the CPU and compiles no Triton kernel, so ct200's cache is written the way a GPU
 warm-up leaves it (a folder per kernel hash: its binary, metadata, group file, an autotune result).
@@ -16,7 +17,7 @@ import subprocess
 
 import pytest
 import yaml
-from test_pivot import PROFILE, ddops, pivot, pivot_lab, step  # noqa: F401 (pivot_lab: ct200 training, no unit)
+from test_pivot import PROFILE, pivot, pivot_lab, step  # noqa: F401 (pivot_lab: ct200 training, no unit)
 
 from ddops import kernels
 from ddops.lab.paths import host_dir
@@ -31,6 +32,7 @@ ENTRIES = {   # what a GPU warm-up leaves in the cache: (path, bytes)
     "Q2ZDVLYXK4JBWFPN/fused_recurrent_gated_delta_rule_fwd_kernel.json": 1_204,
     "Q2ZDVLYXK4JBWFPN/__grp__fused_recurrent_gated_delta_rule_fwd_kernel.json": 388,
     "7TNRKD3MFQ5XH2AZ/chunk_fwd_kernel_o.autotune.json": 2_210,
+    kernels.RECORD: 48_867,   # the runtime's record of what its warm-up compiled
 }
 EVAL_RESET = ("systemctl disable --now ddtree.service; rm -rf /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env "
               f"/var/lib/ddops/backups/ddtree.service /var/lib/ddops/pivot.lock /opt/ddtree /var/cache/ddtree "
@@ -99,27 +101,39 @@ def test_a_host_of_the_same_gpu_model_starts_with_the_harvested_cache(kernel_lab
     size = kernels.mib(sum(ENTRIES.values()))
     done, report = pivot(lab)   # ct200: its own cache kept, then harvested
     assert done.returncode == 0 and report["outcome"] == "ok", report
-    assert report["kernel_cache"]["line"] == f"kept (host has its own); harvested (4 files, {size})"
+    assert report["kernel_cache"]["line"] == f"kept (host has its own); harvested (5 files, {size})"
     assert step(report, "kernels")["status"] == "skipped" and listing(lab, "ct200") == mine
     store = kernels.read_store(SERVER)
-    assert (store.host, store.files, store.bytes) == ("ct200", 4, sum(ENTRIES.values()))
+    assert (store.host, store.files, store.bytes) == ("ct200", 5, sum(ENTRIES.values()))
 
-    profile = eval_profile(tmp_path)   # eval-a6000 as itself: another GPU model, nothing to seed
-    other = ddops(lab, "pivot", "--deploy", profile, "--dry-run", "--json")
-    assert other.returncode == 0, other.stdout[-3000:] + other.stderr[-2000:]
-    assert json.loads(other.stdout)["kernel_cache"]["line"] == f"none for {A6000} yet"
-    assert lab.ssh("eval-a6000", f"test -e {CACHE}").returncode == 1
-
-    imitate(lab, SERVER)   # now of ct200's model, with ct200's runtime venv (as pip would fill it)
+    # eval-a6000 as itself: another GPU model with no store, so ct200's compile record alone (the
+    # runtime compiles those kernels at once for its own GPU); with ct200's runtime venv, as pip would fill it
+    profile = eval_profile(tmp_path)
     roots = {h: host_dir(h).root for h in ("ct200", "eval-a6000")}
-    (roots["eval-a6000"] / "opt/ddtree").mkdir(parents=True)
-    subprocess.run(["cp", "-a", str(roots["ct200"] / "opt/ddtree/venv"), str(roots["eval-a6000"] / "opt/ddtree/")],
-                   check=True, timeout=300)
+
+    def copy_venv() -> None:
+        (roots["eval-a6000"] / "opt/ddtree").mkdir(parents=True)
+        subprocess.run(["cp", "-a", str(roots["ct200"] / "opt/ddtree/venv"), str(roots["eval-a6000"] / "opt/ddtree/")],
+                       check=True, timeout=300)
+
+    copy_venv()
+    done, report = pivot(lab, profile=profile)
+    assert done.returncode == 0 and report["outcome"] == "ok", report
+    record = ENTRIES[kernels.RECORD]
+    assert report["kernel_cache"]["line"] == (
+        f"seeded with the compile record of {SERVER} (harvested from ct200 at {store.harvested_at}): the first "
+        f"warm-up compiles those kernels at once; harvested (1 files, {kernels.mib(record)})")
+    assert listing(lab, "eval-a6000") == f"{kernels.RECORD} {record} root:root 644\n"
+    assert lab.ssh("eval-a6000", "systemctl is-active ddtree.service").stdout.strip() == "active"
+
+    lab.ssh("eval-a6000", EVAL_RESET, timeout=120)   # a fresh host again, now of ct200's model
+    imitate(lab, SERVER)
+    copy_venv()
     done, report = pivot(lab, profile=profile, inventory=as_server(lab, tmp_path))
     assert done.returncode == 0 and report["outcome"] == "ok", report
     cache = report["kernel_cache"]
-    assert cache["line"] == (f"seeded from store (4 files, {size}, harvested from ct200 at {store.harvested_at}); "
-                             f"harvested (4 files, {size})")
+    assert cache["line"] == (f"seeded from store (5 files, {size}, harvested from ct200 at {store.harvested_at}); "
+                             f"harvested (5 files, {size})")
     assert step(report, "kernels")["status"] == "done" and step(report, "deps")["status"] == "skipped"
     seeded = listing(lab, "eval-a6000")
     assert seeded == "".join(f"{p} {n} root:root 644\n" for p, n in sorted(ENTRIES.items()))

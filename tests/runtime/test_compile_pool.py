@@ -23,7 +23,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from ddtree_runtime import compile_worker  # noqa: E402
-from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, describe, parallel_autotuning,  # noqa: E402
+from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, describe, parallel_compiles,  # noqa: E402
                                                recorded, save_record, still_to_compile)
 from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
@@ -179,15 +179,15 @@ print(dict(pool.outcomes))
     assert done.stdout.strip() == "{'compiled': 3}" and runs.read_text() == "ran\n"
 
 
-def test_parallel_autotuning_patches_the_autotuner_only_inside(monkeypatch):
+def test_parallel_compiles_patch_the_autotuner_only_inside(monkeypatch):
     prune, bench = Autotuner.prune_configs, Autotuner._bench
-    with parallel_autotuning(0) as pool:
+    with parallel_compiles(0) as pool:
         assert pool is None and Autotuner._bench is bench        # 0 workers: nothing changes
-    with parallel_autotuning(1) as pool:
+    with parallel_compiles(1) as pool:
         assert isinstance(pool, CompilePool) and Autotuner._bench is not bench
     assert (Autotuner.prune_configs, Autotuner._bench) == (prune, bench)
     monkeypatch.setenv("DDTREE_COMPILE_WORKERS", "0")
-    with parallel_autotuning() as pool:
+    with parallel_compiles() as pool:
         assert pool is None
 
 
@@ -234,7 +234,7 @@ def test_a_recorded_kernel_that_is_gone_is_skipped(cache):
 def test_an_autotuners_candidates_are_compiled_by_the_pool(cache):
     x = torch.arange(1000, device="cuda", dtype=torch.float32)
     y = torch.empty_like(x)
-    with parallel_autotuning(4) as pool:
+    with parallel_compiles(4) as pool:
         kernels.tuned_copy[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, y, 1000)
     torch.testing.assert_close(y, x * 2.0)
     assert pool.outcomes == {compile_worker.COMPILED: 4}         # every candidate, before its timing run
@@ -247,7 +247,7 @@ def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_on
     has them all compiled by the workers as the next block opens."""
     x = torch.arange(1024, device="cuda", dtype=torch.float32)    # n = 1024: a specialisation no test above launched
     y = torch.empty_like(x)
-    with parallel_autotuning(2):
+    with parallel_compiles(2):
         kernels.tuned_copy[lambda meta: (triton.cdiv(1024, meta["BLOCK"]),)](x, y, 1024)
         kernels.scaled_copy[(8,)](x, y, 1024, BLOCK=128)
     jobs = recorded(str(cache / RECORD))
@@ -257,7 +257,7 @@ def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_on
     seeded.mkdir()
     (seeded / RECORD).write_bytes((cache / RECORD).read_bytes())
     monkeypatch.setenv("TRITON_CACHE_DIR", str(seeded))
-    with parallel_autotuning(2) as pool:
+    with parallel_compiles(2) as pool:
         assert pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}
-    with parallel_autotuning(2) as pool:
+    with parallel_compiles(2) as pool:
         assert pool.replayed == 0 and not pool.workers           # all in the cache now: no worker started

@@ -67,14 +67,23 @@ def stored(model: str = H100, files: dict[str, str] | None = None, host: str = "
     return kernels.read_store(model)
 
 
-def with_cache(facts, entries: int | None, *, store=None, gpus=None):
+def with_cache(facts, entries: int | None, *, store=None, gpus=None, record=None):
     """The fixture facts with ct200's Triton cache holding `entries` names (None: no such dir)."""
     directory = "/var/cache/ddtree/triton"
     fact = PathFact(real=directory, exists=entries is not None, dir=entries is not None, entries=entries or 0)
     dest = replace(facts.dest, paths={**facts.dest.paths, directory: fact})
     host = facts.host if gpus is None else replace(facts.host, gpus=gpus)
-    return replace(facts, kernel_store=store, inspections={**facts.inspections, "ct200": dest},
+    return replace(facts, kernel_store=store, kernel_record=record, inspections={**facts.inspections, "ct200": dest},
                    hosts={**facts.hosts, "ct200": host})
+
+
+def with_record(model: str, host: str, harvested_at: str) -> kernels.Stored:
+    """A store for `model` whose cache holds the runtime's compile record."""
+    store = stored(model, {kernels.RECORD: "record", "5f2a/fused_rms.cubin": "x" * 64}, host=host)
+    manifest = kernels.store_dir(model) / kernels.MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "gpu_model": model,
+                                    "harvested_at": harvested_at}))
+    return replace(store, harvested_at=harvested_at)
 
 
 # -- the decision -----------------------------------------------------------------------------------
@@ -125,6 +134,39 @@ def test_a_store_of_another_gpu_model_is_never_read(profile):
         "seed /var/cache/ddtree/triton from the kernel store for NVIDIA RTX A6000 (2 files")
     unknown = with_cache(facts, 0, gpus=())
     assert kernel_plan(profile, unknown) == []
+
+
+def test_a_model_without_a_store_gets_the_newest_compile_record_of_another(profile):
+    """With no store for the host's model, the newest store of another model that holds the runtime's
+    compile record is the source, for that file alone; never the host's own model's, nor one without a
+    record."""
+    assert kernels.read_record_store(H100) is None                       # no store at all
+    stored("NVIDIA RTX A6000")                                           # a store, but no record in it
+    assert kernels.read_record_store(H100) is None
+    with_record("NVIDIA H200", "h200-a", "2026-12-02T09:00:00Z")
+    newest = with_record("NVIDIA RTX PRO 6000 Blackwell Server Edition", "ct200", "2026-12-03T11:00:00Z")
+    with_record(H100, "h100-b", "2026-12-04T08:00:00Z")                  # the host's own model: never this way
+    assert kernels.read_record_store(H100) == newest
+    assert kernels.read_record_store(None) is None
+    facts = with_cache(fixture_facts(profile), 0, record=newest)
+    plans, ctx = plan_contexts(profile, facts)
+    assert [o.what for o in plans["kernels"]] == [
+        "seed /var/cache/ddtree/triton with the compile record from the kernel store for NVIDIA RTX PRO 6000 "
+        f"Blackwell Server Edition (no store for {H100} yet)"]
+    decision = seed_decision(ctx)
+    assert decision.outcome == "record" and decision.store == newest
+    assert decision.words() == ("seeded with the compile record of NVIDIA RTX PRO 6000 Blackwell Server Edition "
+                                "(harvested from ct200 at 2026-12-03T11:00:00Z): the first warm-up compiles those "
+                                "kernels at once")
+    own = with_cache(fixture_facts(profile), 0, store=stored(), record=newest)   # its own model's store wins
+    assert seed_decision(plan_contexts(profile, own)[1]).outcome == "seed"
+    for facts, outcome in ((with_cache(fixture_facts(profile), 4, record=newest), "kept"),
+                           (with_cache(deployed_facts(profile, fixture_facts(profile)), 0, record=newest), "idle")):
+        assert seed_decision(plan_contexts(profile, facts)[1]).outcome == outcome
+    assert seed_decision(plan_contexts(profile, facts, kernel_seed=False)[1]).outcome == "off"
+    argv = kernels.seed_argv(LAB, LAB.host("ct200"), newest, "/var/cache/ddtree/triton", record_only=True)
+    assert argv[7:9] == [f"--include=/{kernels.RECORD}", "--exclude=*"]    # that one file, nothing else
+    assert argv[-2] == f"{newest.path}/"
 
 
 def test_the_seed_pushes_into_the_cache_through_pct_deleting_nothing_and_root_s(profile):

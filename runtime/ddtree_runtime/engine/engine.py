@@ -37,7 +37,7 @@ from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, l
 from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS,
                       TREE_POLICIES)
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
-from ..model.compile_pool import parallel_autotuning
+from ..model.compile_pool import parallel_compiles
 from ..model.gdn_chunk import FLA_MODULE
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.layers import fuse_projections
@@ -344,7 +344,7 @@ class Engine:
         try:
             # compiles go wide over worker processes: what the last warm-up recorded and the cache lacks at
             # once, and each autotuner's candidates before it times them (compile_pool)
-            with parallel_autotuning(None if self.device.type == "cuda" else 0, preload=(FLA_MODULE,)) as pool:
+            with parallel_compiles(None if self.device.type == "cuda" else 0, preload=(FLA_MODULE,)) as pool:
                 for n in batches:
                     batch_started = time.perf_counter()
                     # first tokens differ, so no two prompts share a page (admission counts shared pages);

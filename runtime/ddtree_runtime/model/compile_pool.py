@@ -1,15 +1,19 @@
-"""An autotuner's candidate kernels compiled at once, in worker processes, not one after another.
+"""A warm-up's Triton compiles made at once, in worker processes, not one after another.
 
-On a host's first start (an empty Triton cache) most of the warm-up is Triton compiling, and most of
-that is fla-core's autotuners compiling each candidate config before timing it: 42 of the 70 s of
-compiles on the 27B shape (docs/performance.md). Triton's compiler holds the GIL through its MLIR
-passes, so threads would not overlap them; processes do. Inside `parallel_autotuning()`, when an
-autotuner is about to time its candidates, each candidate's compile inputs are taken through Triton's
-own launch path (the kernel run with warmup=True, its compile intercepted before anything is built),
-compiled by a pool of processes into the shared cache directory (compile_worker.py), and the autotuner
-then finds every one of them there. What a worker refuses or fails the server compiles itself, as
-before. The workers are plain subprocesses, not multiprocessing's: those import the parent's main
-script again, and a script that builds an engine at its top level would load the model in each."""
+On a host's first start (an empty Triton cache) most of the warm-up is Triton compiling: 64-72 s of the
+27B's 85-94 s on an H200, 59 of its 89 compiles fla-core's autotuning candidates (docs/performance.md).
+Triton's compiler holds the GIL through its MLIR passes, so threads would not overlap them; processes do.
+Inside `parallel_compiles()`:
+- when an autotuner is about to time its candidates, each candidate's compile inputs are taken through
+  Triton's own launch path (the kernel run with warmup=True, its compile intercepted before anything is
+  built), compiled by the pool into the shared cache directory (compile_worker.py), and the autotuner
+  then finds every one of them there;
+- every compile the warm-up makes is recorded (RECORD, in the cache directory), and a later start over a
+  cache that lacks some of them (a Triton upgrade, a changed kernel, a record from a host of another GPU
+  model) has the pool compile those at once before its warm-up runs.
+What a worker refuses or fails the server compiles itself, as before. The workers are plain
+subprocesses, not multiprocessing's: those import the parent's main script again, and a script that
+builds an engine at its top level would load the model in each."""
 
 from __future__ import annotations
 
@@ -355,7 +359,7 @@ def _cache_is_empty() -> bool:
 
 
 @contextmanager
-def parallel_autotuning(workers: int | None = None, preload: tuple[str, ...] = ()) -> Iterator[CompilePool | None]:
+def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ()) -> Iterator[CompilePool | None]:
     """Inside the block Triton's compiles go wide over a pool of `workers` processes (default_workers()
     by default; 0, or no Triton: nothing changes), which import `preload` (the autotuned kernels'
     modules) as they start:

@@ -129,14 +129,13 @@ def main() -> None:
     where = profile.report()
     report["warm_up"] = {"seconds": round(warm.seconds, 1), "graph_captures": warm.graph_captures,
                          "batches": list(warm.batches), "per_batch_s": list(warm.per_batch_s),
-                         "worker_compiles": warm.worker_compiles,
-                         "recorded_compiles": warm.recorded_compiles, "profile": where}
+                         "compile_workers": warm.compile_workers, "profile": where}
     # the printed line leaves the per-kernel rows (printed below) and the autotuned choices to the JSON
     kernels = where["by_kernel"]
     where = {k: v for k, v in where.items() if k not in ("by_kernel", "autotuned")}
     print(f"warm-up: {warm.seconds:.1f} s, {warm.graph_captures} graphs; by batch size "
-          f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {where}; compiled by worker processes: "
-          f"{warm.worker_compiles or 'none'} ({warm.recorded_compiles} from the record)", flush=True)
+          f"{dict(zip(warm.batches, warm.per_batch_s))}; where: {where}; compile workers: "
+          f"{warm.compile_workers or 'none'}", flush=True)
     for category in ("triton_compile", "autotune"):
         print(f"  {category}, by kernel (s, calls): " + ", ".join(
             f"{name} {sec} x{n}" for name, (sec, n) in list(kernels.get(category, {}).items())[:16]), flush=True)

@@ -45,9 +45,7 @@ def one_case(workers: int, tokens: int, heads: tuple[int, int], head_dim: int) -
     with profile.active(), parallel_compiles(workers, preload=(FLA_MODULE,)) as pool:
         chunk_gated_delta(q, k, v, g, beta)
         torch.cuda.synchronize()
-        pooled = ({"outcomes": dict(pool.outcomes), "batches": pool.batches, "busy_s": round(pool.busy_s, 2),
-                   "started_s": pool.started_s}
-                  if pool is not None else None)
+        pooled = dict(pool.summary(), batches=pool.batches) if pool is not None else None
     seconds = time.perf_counter() - started
     return {"workers": workers, "seconds": round(seconds, 2), "pool": pooled, "profile": profile.report()}
 

@@ -340,7 +340,7 @@ class Engine:
         outlook = dataclasses.replace(self.policy.prior)  # made-up prompts teach nothing of real acceptance
         prefix, hook = self.scheduler.prefix, self.phase_hook
         self.scheduler.prefix = self.phase_hook = None  # no reuse, no cached sequence left behind; no bench phases
-        vocab, ids, per_batch, compiled, replayed = self.target.config.vocab_size, [], [], {}, 0
+        vocab, ids, per_batch, workers = self.target.config.vocab_size, [], [], {}
         try:
             # compiles go wide over worker processes: what the last warm-up recorded and the cache lacks at
             # once, and each autotuner's candidates before it times them (compile_pool)
@@ -357,8 +357,8 @@ class Engine:
                     while self.has_work:
                         self.step()
                     per_batch.append(round(time.perf_counter() - batch_started, 2))
-                if pool is not None:
-                    compiled, replayed = dict(pool.outcomes), pool.replayed
+                if pool is not None and pool.outcomes:
+                    workers = pool.summary()
             if sweep:
                 swept = measure_round_costs(self)
         finally:
@@ -369,11 +369,12 @@ class Engine:
             for f in dataclasses.fields(kept):
                 setattr(self.stats, f.name, getattr(kept, f.name))
         done = WarmUp(time.perf_counter() - started, tuple(batches), len(ids) + swept, captures, tuple(per_batch),
-                      compiled, replayed)
+                      workers)
         log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s%s", done.requests,
                  ", ".join(map(str, done.batches)), done.graph_captures, done.seconds,
-                 f"; Triton kernels compiled by worker processes: {done.worker_compiles} ({replayed} from the last"
-                 " warm-up's record)" if done.worker_compiles else "")
+                 f"; Triton kernels compiled by {workers['workers']} worker processes: {workers['outcomes']} "
+                 f"({workers['from_record']} from the last warm-up's record), waited {workers['waited_s']} s"
+                 if workers else "")
         return done
 
     # ---- request setup ----------------------------------------------------------------------------

@@ -169,8 +169,7 @@ class WarmUp:
     requests: int
     graph_captures: int
     per_batch_s: tuple[float, ...] = ()  # seconds each of `batches` took, in order (the first pays the compiles)
-    worker_compiles: dict[str, int] = field(default_factory=dict)  # what compile_pool's workers did, by outcome
-    recorded_compiles: int = 0  # of those, compiles the last warm-up recorded that the cache lacked (sent at once)
+    compile_workers: dict = field(default_factory=dict)  # what compile_pool's workers did (CompilePool.summary)
 
 
 @dataclass

@@ -123,6 +123,12 @@ class CompilePool:
                 thread.join(5.0)   # the workers are ended: their reads return
             self.close()
 
+    def summary(self) -> dict:
+        """What the workers did, for the warm-up's log line and the benchmarks' JSON."""
+        return {"workers": self.size, "outcomes": dict(self.outcomes), "from_record": self.replayed,
+                "batches": len(self.batches), "waited_s": round(sum(s for _, s in self.batches), 2),
+                "busy_s": round(self.busy_s, 2), "started_s": round(self.started_s, 2)}
+
     def start(self) -> None:
         """Start the workers; they import `preload` meanwhile, and each says READY before its first job."""
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

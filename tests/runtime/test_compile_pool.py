@@ -23,8 +23,8 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from ddtree_runtime import compile_worker  # noqa: E402
-from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, describe, parallel_compiles,  # noqa: E402
-                                               recorded, save_record, still_to_compile)
+from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, _identity, describe,  # noqa: E402
+                                               parallel_compiles, recorded, save_record, still_to_compile)
 from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -195,8 +195,13 @@ def test_a_record_is_read_back_once_per_compile_and_a_damaged_one_is_no_record(t
     path = str(tmp_path / RECORD)
     assert recorded(path) == []                                    # none yet
     first, second = (describe(source(kernels.scaled_copy, block=b), H200, options()) for b in (64, 128))
-    save_record([first, second, dict(first), {"refused": "not reachable by its module and name"}], path)
-    assert recorded(path) == [first, second]                       # a candidate met twice is kept once
+    taken_then_timed = dict(first, seconds=0.01)                   # a candidate met twice: kept once
+    save_record([first, second, taken_then_timed, {"refused": "not reachable by its module and name"}], path,
+                worker_seconds={_identity(first): 1.5})
+    read = recorded(path)
+    untimed = [{k: v for k, v in job.items() if k != "seconds"} for job in (*read, first, second)]
+    assert untimed[:2] == untimed[2:]
+    assert [job["seconds"] for job in read] == [1.5, 0.0]          # the longest it took, here or in a worker
     (tmp_path / RECORD).write_bytes(b"\x80\x04 half a pickle")
     assert recorded(path) == []
     assert [p.name for p in tmp_path.iterdir()] == [RECORD]       # no part file left behind

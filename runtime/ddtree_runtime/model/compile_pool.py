@@ -86,6 +86,7 @@ class CompilePool:
         self.broken: str | None = None   # why the pool was given up, once it was
         self.batches: list[tuple[int, float]] = []   # (jobs sent, seconds waited) per compile()
         self.busy_s = 0.0                            # the workers' seconds inside their compiles, summed
+        self.job_seconds: dict[bytes, float] = {}    # each compile's seconds in its worker, by _identity
 
     def compile(self, jobs: list[dict | None]) -> None:
         """Compile `jobs` at once; returns when every one has been compiled or refused, or after
@@ -166,6 +167,7 @@ class CompilePool:
                 failed.append(f"a worker ended (exit {code})")
                 return
             answered.append(outcome)
+            self.job_seconds[_identity(job)] = outcome[1]
             if outcome[0] != compile_worker.COMPILED:
                 log.debug("compile worker: %s", outcome[0])
 
@@ -278,9 +280,13 @@ def recorded(path: str) -> list[dict]:
     return [job for job in jobs if isinstance(job, dict) and "refused" not in job] if isinstance(jobs, list) else []
 
 
-def save_record(jobs: list[dict], path: str) -> None:
-    """Write the record whole or not at all (a reader never sees half of one)."""
+def save_record(jobs: list[dict], path: str, worker_seconds: dict[bytes, float] | None = None) -> None:
+    """Write the record whole or not at all (a reader never sees half of one). Each compile keeps the
+    longest it took, here or in a worker (`worker_seconds` by _identity), so that the next start sends
+    the longest first."""
     kept = list({_identity(job): job for job in jobs if "refused" not in job}.values())
+    for job in kept:
+        job["seconds"] = max(job.get("seconds", 0.0), (worker_seconds or {}).get(_identity(job), 0.0))
     if not kept:
         return
     part = f"{path}.{os.getpid()}.part"
@@ -336,18 +342,26 @@ def in_cache(src, target, options: dict) -> bool:
 @contextmanager
 def compiles_recorded(into: list[dict]) -> Iterator[None]:
     """Every kernel this process compiles inside the block (Triton's JIT missing its in-process cache,
-    whether the disk cache then hits or not) is appended to `into` as describe() makes it."""
+    whether the disk cache then hits or not) is appended to `into` as describe() makes it, with the
+    seconds its compile took here ("seconds")."""
     from triton.runtime.jit import JITFunction
 
     do_compile = JITFunction._do_compile
 
     def recording(self, key, signature, device, constexprs, options, attrs, warmup):
         target = self.device_caches[device][2]
+        job = None
         try:
-            into.append(describe(self.ASTSource(self, signature, constexprs, attrs), target, dict(options.__dict__)))
+            job = describe(self.ASTSource(self, signature, constexprs, attrs), target, dict(options.__dict__))
+            into.append(job)
         except Exception as error:  # noqa: BLE001 -- the record is an aid; the compile must go on
             log.debug("compile of %s not recorded: %s", self, error)
-        return do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
+        started = time.perf_counter()
+        try:
+            return do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
+        finally:
+            if job is not None:
+                job["seconds"] = time.perf_counter() - started
 
     JITFunction._do_compile = recording
     try:
@@ -391,7 +405,7 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
     record = os.path.join(knobs.cache.dir, RECORD)
     if _cache_is_empty():
         pool.start()
-    replay = recorded(record)
+    replay = sorted(recorded(record), key=lambda job: -job.get("seconds", 0.0))   # the longest first
     if replay:
         target = driver.active.get_current_target()
         missing = [still_to_compile(job, target) for job in replay]
@@ -431,7 +445,7 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
     try:
         with compiles_recorded(compiled):
             yield pool
-        save_record(compiled, record)
+        save_record(compiled, record, pool.job_seconds)
     finally:
         Autotuner.prune_configs, Autotuner._bench = prune, bench
         pool.close()

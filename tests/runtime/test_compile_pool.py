@@ -237,6 +237,16 @@ def test_a_record_from_another_gpu_is_compiled_for_this_one(cache):
     assert loaded_here(source(kernels.scaled_copy, block=256), cache, num_warps=2).metadata.num_warps == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's driver replays the record (the CUDA test below)")
+def test_a_record_that_cannot_be_replayed_never_stops_the_warm_up(cache, caplog):
+    """Here no GPU driver names the target: the replay is given up with one warning and the block runs."""
+    cache.mkdir()
+    save_record([describe(source(kernels.scaled_copy), H200, options())], str(cache / RECORD))
+    with parallel_compiles(1) as pool:
+        assert pool.replayed == 0 and not pool.workers
+    assert "not replayed" in caplog.text
+
+
 def test_a_recorded_kernel_that_is_gone_is_skipped(cache):
     job = describe(source(kernels.scaled_copy), H200, options()) | {"name": "renamed_since"}
     assert still_to_compile(job, H200) is None and not cache_entries(cache)

@@ -403,15 +403,17 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
         return
     pool = CompilePool(workers, preload=preload)
     record = os.path.join(knobs.cache.dir, RECORD)
-    if _cache_is_empty():
-        pool.start()
-    replay = sorted(recorded(record), key=lambda job: -job.get("seconds", 0.0))   # the longest first
-    if replay:
+    prune, bench = Autotuner.prune_configs, Autotuner._bench
+
+    def replay() -> None:
+        """The record's compiles the cache lacks, the longest first, before anything else runs."""
+        jobs = sorted(recorded(record), key=lambda job: -job.get("seconds", 0.0))
+        if not jobs:
+            return
         target = driver.active.get_current_target()
-        missing = [still_to_compile(job, target) for job in replay]
+        missing = [still_to_compile(job, target) for job in jobs]
         pool.compile(missing)
         pool.replayed = sum(job is not None for job in missing)
-    prune, bench = Autotuner.prune_configs, Autotuner._bench
 
     def prune_configs(self, kwargs):
         configs = prune(self, kwargs)
@@ -443,6 +445,12 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
     compiled: list[dict] = []
     Autotuner.prune_configs, Autotuner._bench = prune_configs, _bench
     try:
+        if _cache_is_empty():
+            pool.start()
+        try:
+            replay()
+        except Exception as error:  # noqa: BLE001 -- the warm-up then compiles as it goes, as without a record
+            log.warning("compile record %s not replayed (%s: %s)", record, type(error).__name__, error)
         with compiles_recorded(compiled):
             yield pool
         save_record(compiled, record, pool.job_seconds)

@@ -281,8 +281,9 @@ LOST_STEPS = LostSteps()
 @click.option("--no-kernel-seed", "no_kernel_seed", is_flag=True,
               help="Leave an empty Triton cache on the host empty for this run: its first start compiles (and "
                    "autotunes) its own kernels instead of loading those of the kernel store for its GPU model "
-                   "(harvested from another host after a deploy that passed its gates, in $DDOPS_CACHE/kernels). "
-                   "A deploy that passes still replaces that store with this host's cache.")
+                   "(harvested from another host after a deploy that passed its gates, in $DDOPS_CACHE/kernels), "
+                   "or the compile record of another GPU model's store when its own has none. A deploy that "
+                   "passes still replaces that store with this host's cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON on stdout.")
 @click.pass_obj
 def pivot(obj: Context, profile_name: str, kill_training: bool, dry_run: bool, yes: bool, no_rollback: bool,

@@ -34,6 +34,10 @@ STORE_MAX_BYTES = 4 * 2**30     # a host's cache larger than this is not harvest
 TRANSFER_TIMEOUT_S = 900        # one harvest or seed
 MANIFEST = "manifest.json"      # beside the cache in a model's store: where and when it was harvested
 CACHE = "triton"                # the harvested cache, as it was on the host
+# the runtime's record of every kernel its last warm-up compiled (ddtree_runtime/model/compile_pool.py),
+# in its Triton cache: a host of a GPU model the store has no cache for gets another model's record, and
+# its first warm-up then compiles all those kernels at once for its own GPU instead of one by one
+RECORD = "ddtree-compiles.pkl"
 # A seed writes no file the host has (even one its running unit wrote since the plan), and writes its own
 # as Triton does for the unit, which runs as root (no User= in the templates; CacheDirectory=ddtree makes
 # /var/cache/ddtree root's, 0755): root's, folders 0755, files 0644.
@@ -96,6 +100,26 @@ def read_store(model: str | None) -> Stored | None:
         return None
 
 
+def read_record_store(model: str | None) -> Stored | None:
+    """The newest harvested store of another GPU model whose cache holds the runtime's compile record
+    (RECORD), for a host of `model` the store has no cache for; None when there is none."""
+    root = kernel_store_root()
+    if model is None or not root.is_dir():
+        return None
+    others = []
+    for top in root.iterdir():
+        if top.name.startswith(".") or top.name == slug(model):
+            continue
+        try:
+            named = str(json.loads((top / MANIFEST).read_text()).get("gpu_model") or top.name)
+        except (OSError, ValueError, AttributeError):
+            continue
+        store = read_store(named) if slug(named) == top.name else None
+        if store is not None and (Path(store.path) / RECORD).is_file():
+            others.append(store)
+    return max(others, key=lambda s: s.harvested_at, default=None)
+
+
 @contextmanager
 def store_lock(model: str, exclusive: bool) -> Iterator[None]:
     """A seed reads a store while no harvest swaps it (two ddops runs may share the control machine)."""
@@ -115,8 +139,10 @@ def store_lock(model: str, exclusive: bool) -> Iterator[None]:
 class SeedDecision:
     """What a pivot does with the host's Triton cache before its unit (re)starts, and why.
 
-    outcome: seed (empty cache, a store for its model), kept (the host has its own), none (no store for its
-    model), off (--no-kernel-seed), idle (nothing (re)starts), no-gpu (no GPU model known)."""
+    outcome: seed (empty cache, a store for its model), record (empty cache, no store for its model but
+    another model's store holds the runtime's compile record: that file alone), kept (the host has its
+    own), none (nothing for its model), off (--no-kernel-seed), idle (nothing (re)starts), no-gpu (no GPU
+    model known)."""
 
     outcome: str
     dir: str
@@ -127,6 +153,9 @@ class SeedDecision:
     def words(self) -> str:
         if self.outcome == "seed":
             return f"seeded from store ({self.store.words()})"
+        if self.outcome == "record":
+            return (f"seeded with the compile record of {self.store.gpu_model} (harvested from {self.store.host} "
+                    f"at {self.store.harvested_at}): the first warm-up compiles those kernels at once")
         return {"kept": "kept (host has its own)",
                 "none": f"none for {self.gpu_model} yet",
                 "off": "not seeded (--no-kernel-seed)",
@@ -142,31 +171,35 @@ class SeedDecision:
 
 
 def decide_seed(profile: Profile, host: str, facts: HostFacts, dest: Inspection, store: Stored | None, *,
-                enabled: bool, restarting: bool) -> SeedDecision:
-    """Seed only an empty (or missing) cache, from the store for the host's own GPU model, right before
-    the unit (re)starts; a cache the host already has is never touched."""
+                enabled: bool, restarting: bool, record: Stored | None = None) -> SeedDecision:
+    """Seed only an empty (or missing) cache, right before the unit (re)starts: from the store for the
+    host's own GPU model, else with the compile record of another model's store (`record`); a cache the
+    host already has is never touched."""
     directory = cache_dir(profile)
     model = gpu_model(facts)
     here = dest.paths.get(directory)
     empty = here is None or not here.exists or (here.dir and here.entries == 0)
+    source, push = (store, "seed") if store is not None else (record, "record")
 
     def decided(outcome: str) -> SeedDecision:
-        return SeedDecision(outcome, directory, host, model, store if outcome == "seed" else None)
+        return SeedDecision(outcome, directory, host, model, source if outcome == push else None)
 
     if model is None:
         return decided("no-gpu")
     if not empty:
         return decided("kept")
-    if store is None:
+    if source is None:
         return decided("none")
     if not enabled:
         return decided("off")
-    return decided("seed" if restarting else "idle")
+    return decided(push if restarting else "idle")
 
 
-def seed_argv(inventory: Inventory, host: Host, store: Stored, directory: str) -> list[str]:
-    """Push a store into the host's cache: nothing deleted there, the files the unit's (root's)."""
-    return rsync_argv(inventory, store.path, directory, dst_host=host, mirror=False, options=SEED_OPTIONS)
+def seed_argv(inventory: Inventory, host: Host, store: Stored, directory: str, record_only: bool = False) -> list[str]:
+    """Push a store into the host's cache (`record_only`: its compile record alone): nothing deleted
+    there, the files the unit's (root's)."""
+    only = (f"--include=/{RECORD}", "--exclude=*") if record_only else ()
+    return rsync_argv(inventory, store.path, directory, dst_host=host, mirror=False, options=(*SEED_OPTIONS, *only))
 
 
 def seed(executor: Executor, inventory: Inventory, host: Host, decision: SeedDecision,
@@ -177,8 +210,8 @@ def seed(executor: Executor, inventory: Inventory, host: Host, decision: SeedDec
     if not result.ok:
         raise DdopsError(f"mkdir {directory} failed on {host.name}: {result.stderr.strip()[-200:]}")
     with store_lock(store.gpu_model, exclusive=False):
-        rsync(seed_argv(inventory, host, store, directory), progress, f"seed {host.name}:{directory}",
-              timeout=TRANSFER_TIMEOUT_S)
+        rsync(seed_argv(inventory, host, store, directory, record_only=decision.outcome == "record"), progress,
+              f"seed {host.name}:{directory}", timeout=TRANSFER_TIMEOUT_S)
 
 
 def empty_argv(directory: str) -> list[str]:
@@ -249,9 +282,8 @@ def report(decision: SeedDecision, seeded: dict[str, Any] | None, harvested: dic
     """What a pivot did with the kernel cache, for its report: the plan's decision, the seed as it ran
     (None: it did not run), the harvest (None: the gates did not pass), in one line and warnings."""
     words, warnings = [decision.words()], []
-    if decision.outcome == "seed" and seeded is None:
-        words = [f"would be seeded from store ({decision.store.words()})" if dry_run
-                 else "not seeded: the pivot stopped before"]
+    if decision.outcome in ("seed", "record") and seeded is None:
+        words = [f"would be {decision.words()}" if dry_run else "not seeded: the pivot stopped before"]
     elif seeded is not None and seeded["outcome"] == "failed":
         words = ["not seeded"]
         warnings.append(f"kernel cache not seeded on {decision.host}: {seeded['error']} (it compiles its own)")

@@ -423,9 +423,11 @@ def preflight(profile: Profile, inventory: Inventory, executor: Executor, *, kil
     release = release_id(profile.runtime.ship) if profile.runtime.ship is not None else None
     if ships_server(profile):
         server_flags = shipped_flags(profile.runtime.ship, release)
-    store = kernels.read_store(kernels.gpu_model(host_facts[profile.host])) if profile.engine == "ddtree" else None
+    model = kernels.gpu_model(host_facts[profile.host]) if profile.engine == "ddtree" else None
+    store = kernels.read_store(model)
+    record = kernels.read_record_store(model) if store is None else None
     facts = PivotFacts(serving=profile.host, hosts=host_facts, inspections=inspections, release=release,
-                       server_flags=server_flags, kernel_store=store)
+                       server_flags=server_flags, kernel_store=store, kernel_record=record)
     dest = facts.dest
     trees = {m.role: (facts.source_tree(m) if m.source else dest.tree(m.path)) for m in profile.models}
     problems += check_models(profile, trees)

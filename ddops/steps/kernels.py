@@ -1,6 +1,7 @@
 """Seed the kernel cache: before the unit (re)starts on a host whose Triton cache is missing or empty, push
 the store for the host's GPU model into it (ddops.kernels), so the warm-up loads what another host of the
-same model compiled and timed. A cache the host has is never touched. A failed push empties the cache
+same model compiled and timed; with no store for its model, another model's compile record alone, so the
+warm-up compiles what it will need at once. A cache the host has is never touched. A failed push empties the cache
 again and is a warning, not a failure: the runtime then compiles its own kernels, as it would have."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def restarting(ctx: PlanContext) -> bool:
 
 def seed_decision(ctx: PlanContext) -> SeedDecision:
     return decide_seed(ctx.profile, ctx.profile.host, ctx.facts.host, ctx.facts.dest, ctx.facts.kernel_store,
-                       enabled=ctx.kernel_seed, restarting=restarting(ctx))
+                       enabled=ctx.kernel_seed, restarting=restarting(ctx), record=ctx.facts.kernel_record)
 
 
 class KernelsStep:
@@ -29,11 +30,14 @@ class KernelsStep:
 
     def plan(self, ctx: PlanContext) -> list[Operation]:
         decision = seed_decision(ctx)
-        if decision.outcome != "seed":
+        if decision.outcome == "seed":
+            what = f"seed {decision.dir} from the kernel store for {decision.gpu_model} ({decision.store.words()})"
+        elif decision.outcome == "record":
+            what = (f"seed {decision.dir} with the compile record from the kernel store for "
+                    f"{decision.store.gpu_model} (no store for {decision.gpu_model} yet)")
+        else:
             return []
-        return [Operation(f"seed {decision.dir} from the kernel store for {decision.gpu_model} "
-                          f"({decision.store.words()})", data={"decision": decision},
-                          figures=decision.as_json())]
+        return [Operation(what, data={"decision": decision}, figures=decision.as_json())]
 
     def apply(self, ctx: RunContext, operations: list[Operation]) -> str:
         decision: SeedDecision = operations[0].data["decision"]

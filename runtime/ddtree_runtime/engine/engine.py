@@ -38,8 +38,8 @@ from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUD
                       TREE_POLICIES)
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
 from ..model.compile_pool import parallel_compiles
-from ..model.gdn_chunk import FLA_MODULE
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
+from ..model.gdn_chunk import FLA_MODULE
 from ..model.layers import fuse_projections
 from ..settings import resolve_device
 from . import memory

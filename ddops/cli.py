@@ -402,6 +402,27 @@ def history_cmd(obj: Context, host_name: str | None, as_json: bool) -> None:
     stdout_console().print(history_table(records))
 
 
+@cli.command("kernels")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def kernels_cmd(as_json: bool) -> None:
+    """The kernel store on this control machine: a Triton cache per GPU model, harvested after deploys
+    that passed their gates, seeded into the empty cache of the next host of that model (a host of a
+    model with none gets the newest compile record)."""
+    from .kernels import list_stores
+    from .paths import kernel_store_root
+    from .views import kernels_table
+
+    stores = list_stores()
+    if as_json:
+        click.echo(json.dumps([s.as_json() for s in stores], indent=2))
+        return
+    if not stores:
+        err_console.print(f"no kernel store in {kernel_store_root()} yet: a DDTree deploy that passes its gates "
+                          "harvests its host's Triton cache there", soft_wrap=True)
+        return
+    stdout_console().print(kernels_table(stores))
+
+
 @cli.command()
 @click.option("--host", "host_name", required=True, help="The host.")
 @click.option("--unit", default=None, help="The unit [default: the host's first service].")

@@ -81,6 +81,15 @@ class Stored:
     def words(self) -> str:
         return f"{self.files} files, {mib(self.bytes)}, harvested from {self.host} at {self.harvested_at}"
 
+    @property
+    def has_record(self) -> bool:
+        """Whether the harvested cache holds the runtime's compile record (what other models' hosts get)."""
+        return (Path(self.path) / RECORD).is_file()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"gpu_model": self.gpu_model, "host": self.host, "harvested_at": self.harvested_at,
+                "files": self.files, "bytes": self.bytes, "compile_record": self.has_record, "path": self.path}
+
 
 def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
@@ -102,24 +111,30 @@ def read_store(model: str | None) -> Stored | None:
         return None
 
 
-def read_record_store(model: str | None) -> Stored | None:
-    """The newest harvested store of another GPU model whose cache holds the runtime's compile record
-    (RECORD), for a host of `model` the store has no cache for; None when there is none."""
+def list_stores() -> list[Stored]:
+    """Every GPU model's store on this control machine, the newest harvest first (a store whose manifest
+    cannot be read is left out, as a seed would leave it)."""
     root = kernel_store_root()
-    if model is None or not root.is_dir():
-        return None
-    others = []
-    for top in root.iterdir():
-        if top.name.startswith(".") or top.name == slug(model):
+    found = []
+    for top in sorted(root.iterdir()) if root.is_dir() else ():
+        if top.name.startswith(".") or not top.is_dir():
             continue
         try:
             named = str(json.loads((top / MANIFEST).read_text()).get("gpu_model") or top.name)
         except (OSError, ValueError, AttributeError):
             continue
         store = read_store(named) if slug(named) == top.name else None
-        if store is not None and (Path(store.path) / RECORD).is_file():
-            others.append(store)
-    return max(others, key=lambda s: s.harvested_at, default=None)
+        if store is not None:
+            found.append(store)
+    return sorted(found, key=lambda s: s.harvested_at, reverse=True)
+
+
+def read_record_store(model: str | None) -> Stored | None:
+    """The newest harvested store of another GPU model whose cache holds the runtime's compile record
+    (RECORD), for a host of `model` the store has no cache for; None when there is none."""
+    if model is None:
+        return None
+    return next((s for s in list_stores() if slug(s.gpu_model) != slug(model) and s.has_record), None)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .kernels import mib
 from .plan import StepState
 from .report import checked_words
 from .progress import HEARTBEAT_S, NOTE_S
@@ -251,6 +252,17 @@ def history_table(records: list[dict[str, Any]]) -> Table:
                       outcome + (" (GPU faults accepted)" if r.get("accepted_gpu_faults") else ""),
                       r.get("release") or "", r.get("backup_id") or "",
                       wall, f"{r.get('user')}@{r.get('control_host')}")
+    return table
+
+
+def kernels_table(stores: list) -> Table:
+    """The kernel store, a row per GPU model (ddops.kernels.Stored)."""
+    table = Table(title="kernel store")
+    for column in ("GPU model", "harvested from", "at (UTC)", "files", "size", "compile record"):
+        table.add_column(column, overflow="fold")
+    for s in stores:
+        table.add_row(s.gpu_model, s.host, s.harvested_at, str(s.files), mib(s.bytes),
+                      "yes" if s.has_record else "-")
     return table
 
 

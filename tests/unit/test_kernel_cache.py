@@ -62,8 +62,8 @@ def stored(model: str = H100, files: dict[str, str] | None = None, host: str = "
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             (staging / rel).write_text(text)
 
-    kernels.replace_store(model, fill, {"host": host, "harvested_at": "2026-12-03T10:00:00Z", "files": len(files),
-                                        "bytes": sum(len(t) for t in files.values())})
+    kernels.replace_store(model, fill, {"gpu_model": model, "host": host, "harvested_at": "2026-12-03T10:00:00Z",
+                                        "files": len(files), "bytes": sum(len(t) for t in files.values())})
     return kernels.read_store(model)
 
 
@@ -81,8 +81,7 @@ def with_record(model: str, host: str, harvested_at: str) -> kernels.Stored:
     """A store for `model` whose cache holds the runtime's compile record."""
     store = stored(model, {kernels.RECORD: "record", "5f2a/fused_rms.cubin": "x" * 64}, host=host)
     manifest = kernels.store_dir(model) / kernels.MANIFEST
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "gpu_model": model,
-                                    "harvested_at": harvested_at}))
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "harvested_at": harvested_at}))
     return replace(store, harvested_at=harvested_at)
 
 
@@ -308,3 +307,23 @@ def test_a_dry_run_says_what_it_would_seed(monkeypatch, profile):
     assert report["kernel_cache"]["line"] == ("would be seeded from store (2 files, 0.0 MiB, harvested from h1 at "
                                               "2026-12-03T10:00:00Z)")
     assert report["kernel_cache"]["harvest"] is None
+
+
+def test_ddops_kernels_lists_the_store_by_gpu_model_newest_first(monkeypatch):
+    """`ddops kernels`: a row per GPU model, whether its cache holds the compile record, and --json."""
+    from click.testing import CliRunner
+
+    from ddops.cli import cli
+
+    empty = CliRunner().invoke(cli, ["kernels"], catch_exceptions=False)
+    assert empty.exit_code == 0 and "no kernel store in" in empty.output
+    with_record("NVIDIA H200", "h200-a", "2026-12-02T09:00:00Z")
+    stored("NVIDIA RTX A6000", host="a6000-1")
+    listed = CliRunner().invoke(cli, ["kernels", "--json"], catch_exceptions=False)
+    assert listed.exit_code == 0
+    rows = json.loads(listed.output)
+    assert [(r["gpu_model"], r["host"], r["compile_record"], r["files"]) for r in rows] == [
+        ("NVIDIA RTX A6000", "a6000-1", False, 2), ("NVIDIA H200", "h200-a", True, 2)]
+    table = CliRunner().invoke(cli, ["kernels"], catch_exceptions=False, env={"COLUMNS": "200"})
+    assert "h200-a" in table.output and "2026-12-02T09:00:00Z" in table.output and "yes" in table.output
+

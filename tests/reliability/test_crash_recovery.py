@@ -26,7 +26,7 @@ STATE = "/var/lib/ddops"
 RELEASE = "/opt/ddtree/venv/ddtree-release.json"
 OLD = "0.0.0+old"
 RESET = (f"systemctl disable --now ddtree.service; rm -f /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env "
-         f"{STATE}/pivot.lock {STATE}/pivot.journal.json /usr/local/bin/rsync; systemctl daemon-reload; "
+         f"{STATE}/pivot.lock {STATE}/pivot.journal.json /usr/local/bin/rsync /usr/local/bin/systemctl; systemctl daemon-reload; "
          "systemctl reset-failed; systemctl start dflash-train.service")
 
 
@@ -46,6 +46,8 @@ SNAPSHOT = (f"for f in /etc/systemd/system/ddtree.service /etc/ddops/ddtree.env 
             "echo ddtree=$(systemctl is-active ddtree.service); echo training=$(systemctl is-active dflash-train.service); "
             f"echo lock=$(ls {STATE}/pivot.lock 2>/dev/null); echo journal=$(ls {STATE}/pivot.journal.json 2>/dev/null)")
 SLOW_RSYNC = "#!/bin/sh\nsleep 3\nexec /usr/bin/rsync \"$@\"\n"
+# the unit step's daemon-reload made 2 s long: its window (0.1 s) is shorter than one look at the journal
+SLOW_RELOAD = "#!/bin/sh\n[ \"$1\" = daemon-reload ] && sleep 2\nexec /usr/bin/systemctl \"$@\"\n"
 MATRIX: dict[str, dict] = {}
 
 
@@ -296,13 +298,16 @@ def test_kill_matrix(lab, fresh, tmp_path, boundary):
         sh(lab, "ct200", "rm -rf /root/models/tiny-draft")
         lab.ssh("ct200", ["bash", "-c", "cat > /usr/local/bin/rsync && chmod +x /usr/local/bin/rsync"],
                 input=SLOW_RSYNC, check=True)
+    if boundary == "unit":   # a window the journal's reader cannot miss
+        lab.ssh("ct200", ["bash", "-c", "cat > /usr/local/bin/systemctl && chmod +x /usr/local/bin/systemctl"],
+                input=SLOW_RELOAD, check=True)
     run = Background(lab, fresh["profile"], folder=tmp_path)
     t0 = time.monotonic()
     try:
         at = kill_when(lab, run, lambda j: BOUNDARIES[boundary](lab, j))
     finally:
         run.kill()
-        sh(lab, "ct200", "rm -f /usr/local/bin/rsync")
+        sh(lab, "ct200", "rm -f /usr/local/bin/rsync /usr/local/bin/systemctl")
     killed = snapshot(lab)
     settle(lab)
     code, out = rollback(lab, "--break-lock")

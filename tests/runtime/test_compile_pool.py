@@ -7,6 +7,7 @@ by the pool before it times them) needs a GPU to launch on."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import time
@@ -197,13 +198,15 @@ def test_a_record_is_read_back_once_per_compile_and_a_damaged_one_is_no_record(t
     first, second = (describe(source(kernels.scaled_copy, block=b), H200, options()) for b in (64, 128))
     taken_then_timed = dict(first, seconds=0.01)                   # a candidate met twice: kept once
     save_record([first, second, taken_then_timed, {"refused": "not reachable by its module and name"}], path,
-                worker_seconds={_identity(first): 1.5})
+                known_seconds={_identity(first): 1.5})
     read = recorded(path)
     untimed = [{k: v for k, v in job.items() if k != "seconds"} for job in (*read, first, second)]
     assert untimed[:2] == untimed[2:]
     assert [job["seconds"] for job in read] == [1.5, 0.0]          # the longest it took, here or in a worker
     (tmp_path / RECORD).write_bytes(b"\x80\x04 half a pickle")
     assert recorded(path) == []
+    (tmp_path / RECORD).write_bytes(pickle.dumps([{"module": first["module"], "name": "scaled_copy"}]))
+    assert recorded(path) == []                                    # an entry that is not a whole compile
     assert [p.name for p in tmp_path.iterdir()] == [RECORD]       # no part file left behind
 
 

@@ -268,7 +268,7 @@ def _reachable(fn, depth: int = 3) -> list[str]:
 
 
 def recorded(path: str) -> list[dict]:
-    """The compiles a warm-up recorded at `path` (record_compiles()); none where it is missing or unreadable."""
+    """The compiles a warm-up recorded at `path` (save_record()); none where it is missing or unreadable."""
     try:
         with open(path, "rb") as f:
             jobs = pickle.load(f)
@@ -277,30 +277,37 @@ def recorded(path: str) -> list[dict]:
     except Exception as error:  # a damaged record only costs the parallel compiles
         log.warning("compile record %s not read (%s): the warm-up compiles as it goes", path, type(error).__name__)
         return []
-    return [job for job in jobs if isinstance(job, dict) and "refused" not in job] if isinstance(jobs, list) else []
+    if not isinstance(jobs, list):
+        return []
+    return [job for job in jobs if isinstance(job, dict) and "refused" not in job and _IDENTITY <= job.keys()]
 
 
-def save_record(jobs: list[dict], path: str, worker_seconds: dict[bytes, float] | None = None) -> None:
+def save_record(jobs: list[dict], path: str, known_seconds: dict[bytes, float] | None = None) -> None:
     """Write the record whole or not at all (a reader never sees half of one). Each compile keeps the
-    longest it took, here or in a worker (`worker_seconds` by _identity), so that the next start sends
-    the longest first."""
-    kept = list({_identity(job): job for job in jobs if "refused" not in job}.values())
-    for job in kept:
-        job["seconds"] = max(job.get("seconds", 0.0), (worker_seconds or {}).get(_identity(job), 0.0))
+    longest it is known to take: here, or as `known_seconds` has it by _identity (in a worker, or in the
+    record this one replaces, where a restart only loaded it from the cache), so that the next start
+    sends the longest first."""
+    known = known_seconds or {}
+    kept = {_identity(job): job for job in jobs if "refused" not in job}
+    for identity, job in kept.items():
+        job["seconds"] = max(job.get("seconds", 0.0), known.get(identity, 0.0))
     if not kept:
         return
     part = f"{path}.{os.getpid()}.part"
     try:
         with open(part, "wb") as f:
-            pickle.dump(kept, f)
+            pickle.dump(list(kept.values()), f)
         os.replace(part, path)
     except OSError as error:
         log.warning("compile record %s not written (%s)", path, error)
 
 
+_IDENTITY = {"module", "name", "signature", "constants", "attrs", "options"}
+
+
 def _identity(job: dict) -> bytes:
     """One compile whoever recorded it (an autotuner's candidate is met twice: taken, then timed)."""
-    return pickle.dumps([job[k] for k in ("module", "name", "signature", "constants", "attrs", "options")])
+    return pickle.dumps([job[k] for k in sorted(_IDENTITY)])
 
 
 def still_to_compile(job: dict, target) -> dict | None:
@@ -405,9 +412,11 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
     record = os.path.join(knobs.cache.dir, RECORD)
     prune, bench = Autotuner.prune_configs, Autotuner._bench
 
+    previous = recorded(record)
+
     def replay() -> None:
         """The record's compiles the cache lacks, the longest first, before anything else runs."""
-        jobs = sorted(recorded(record), key=lambda job: -job.get("seconds", 0.0))
+        jobs = sorted(previous, key=lambda job: -job.get("seconds", 0.0))
         if not jobs:
             return
         target = driver.active.get_current_target()
@@ -453,7 +462,10 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
             log.warning("compile record %s not replayed (%s: %s)", record, type(error).__name__, error)
         with compiles_recorded(compiled):
             yield pool
-        save_record(compiled, record, pool.job_seconds)
+        known = {_identity(job): job.get("seconds", 0.0) for job in previous}
+        for identity, seconds in pool.job_seconds.items():
+            known[identity] = max(known.get(identity, 0.0), seconds)
+        save_record(compiled, record, known)
     finally:
         Autotuner.prune_configs, Autotuner._bench = prune, bench
         pool.close()

@@ -342,7 +342,7 @@ class PivotFacts:
     pool: Any = None                    # ddops.capacity.PoolEstimate: what the KV pool will hold (None: no GPU pool)
     gpu_check: Any = None               # ddops.gpucheck.GpuCheck: the torch checked, GPU faults accepted, warnings
     kernel_store: Any = None            # ddops.kernels.Stored: the kernel store here for the host's GPU model
-    kernel_record: Any = None           # ddops.kernels.Stored: with none, another model's store holding a compile record
+    kernel_record: Any = None           # ddops.kernels.Stored: with none, another model's store with a compile record
 
     @property
     def host(self) -> HostFacts:

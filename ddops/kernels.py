@@ -6,8 +6,9 @@ so that its first warm-up loads kernels and autotune choices instead of compilin
 Safe to share by GPU model: Triton keys every entry by kernel source, GPU architecture, Triton and ptxas
 version, so an entry that does not match is only a miss. A host of a model the store has nothing for gets
 one file of another model's store instead: the runtime's record of the kernels its warm-up compiled, which
-its first warm-up compiles at once for its own GPU (38.3 s for the 27B on an H200, 53 s without). The store for a model is replaced by each newer
-harvest (a folder renamed into place, never half-written); a host's own cache is never overwritten.
+its first warm-up compiles at once for its own GPU (38.3 s for the 27B on an H200, 53 s without). The
+store for a model is replaced by each newer harvest (a folder renamed into place, never half-written); a
+host's own cache is never overwritten.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Seed the kernel cache: before the unit (re)starts on a host whose Triton cache is missing or empty, push
 the store for the host's GPU model into it (ddops.kernels), so the warm-up loads what another host of the
 same model compiled and timed; with no store for its model, another model's compile record alone, so the
-warm-up compiles what it will need at once. A cache the host has is never touched. A failed push empties the cache
-again and is a warning, not a failure: the runtime then compiles its own kernels, as it would have."""
+warm-up compiles what it will need at once. A cache the host has is never touched. A failed push empties
+the cache again and is a warning, not a failure: the runtime then compiles its own kernels, as it would
+have."""
 
 from __future__ import annotations
 

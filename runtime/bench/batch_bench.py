@@ -108,9 +108,11 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
         captured = engine.stats.graph_captures
         sync(engine.device)
         t0 = time.perf_counter()
-        tokens = 0
+        tokens, trace = 0, []
         for _ in range(rounds):
+            began = time.perf_counter()
             tokens += sum(len(out.token_ids) for _, out in engine.step())
+            trace.append((1e3 * (time.perf_counter() - began), engine.stats.round_budget))
         sync(engine.device)
         round_s = (time.perf_counter() - t0) / rounds
         captured = engine.stats.graph_captures - captured
@@ -129,9 +131,22 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
     for i in ids:
         engine.cancel(i)
     return {"round_ms": 1e3 * round_s, "admit_ms": 1e3 * admit_s, "batch_size": batch, "round_tree_nodes": nodes,
-            "phases_ms": phases, "windows": window, "window_captures": captured,
+            "phases_ms": phases, "windows": window, "window_captures": captured, "by_budget": by_budget(trace),
             "tokens_per_s": tokens / (rounds * round_s),
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
+
+
+def by_budget(trace: list[tuple[float, int]]) -> dict[str, dict]:
+    """The timed steps (wall ms between step() calls, no sync added) grouped by the budget each round ran,
+    and the steps right after a tree round ("after_tree"): what a cost policy's probe costs, the tree
+    round itself and the plain round after it that could not run ahead."""
+    groups: dict[str, list[float]] = {}
+    for i, (ms, budget) in enumerate(trace):
+        groups.setdefault(f"budget_{budget}", []).append(ms)
+        if i and trace[i - 1][1] and not budget:
+            groups.setdefault("after_tree", []).append(ms)
+    return {name: {"steps": len(v), "mean_ms": round(statistics.fmean(v), 3), "median_ms": round(statistics.median(v), 3)}
+            for name, v in sorted(groups.items())}
 
 
 def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:

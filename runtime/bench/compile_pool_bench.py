@@ -7,7 +7,14 @@ The warm-up's autotuned candidates are almost all fla-core's (59 of the cold sta
 so the figures isolate the pool: its wall time per batch, the workers' compiling seconds summed, and how
 long the pass took in all. GPU only (the autotuners time their candidates on it).
 
+`--scaling 1,2,4,8` asks the machine instead: N processes at once each compile the runtime's own tree
+verify kernel (`_tree_delta_kernel` at the 27B's heads, 16- and 32-node blocks, for sm_90) into its own
+empty cache, and the same N each run a fixed pure-Python loop. Where the seconds a compile takes grow
+with N as the loop's do, the machine's cores, not the pool, bound how wide compiles can go. No GPU
+needed (the compiles target sm_90 from the CPU).
+
     python runtime/bench/compile_pool_bench.py --workers 0,8 --out compile-pool.json
+    python runtime/bench/compile_pool_bench.py --workers '' --scaling 1,2,4,8 --out scaling.json
 """
 
 from __future__ import annotations
@@ -50,6 +57,72 @@ def one_case(workers: int, tokens: int, heads: tuple[int, int], head_dim: int) -
     return {"workers": workers, "seconds": round(seconds, 2), "pool": pooled, "profile": profile.report()}
 
 
+def compile_tree_kernel() -> dict:
+    """Compile the tree verify kernel as the 27B's layers launch it (dk = dv = 128), for sm_90, in this
+    process (its cache is the parent's fresh directory): seconds per block size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ddtree_runtime.model import gdn_kernels
+
+    kernel = gdn_kernels._tree_delta_kernel
+    pointers = {"g_ptr": "*bf16", "beta_ptr": "*bf16", "dt_bias_ptr": "*bf16", "mask_ptr": "*u8"}
+    seconds = {}
+    for block in (16, 32):
+        constants = dict(DK=128, DV=128, BT=block, LOG_BT=block.bit_length() - 1, BK=32, BV=64, HAS_STATE=True,
+                         RAW_GATES=True, PRECISION="tf32x3", OUT_PRECISION="tf32x3", SQUARING=True)
+        signature = {name: "constexpr" if name in constants else pointers.get(name, "*fp32" if name.endswith("_ptr")
+                                                                              else "i32")
+                     for name in kernel.arg_names}
+        started = time.perf_counter()
+        triton.compile(ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        seconds[f"block_{block}"] = round(time.perf_counter() - started, 3)
+    return seconds
+
+
+def spin() -> dict:
+    """A fixed pure-Python loop: the seconds one core takes for it."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(20_000_000):
+        total += i & 7
+    return {"spin": round(time.perf_counter() - started, 3)}
+
+
+def scaling(counts: list[int]) -> list[dict]:
+    """For each N: N processes compiling at once, then N spinning at once; the seconds each took."""
+    rows = []
+    for n in counts:
+        row = {"processes": n}
+        for what in ("compile", "spin"):
+            with tempfile.TemporaryDirectory() as root:
+                children = []
+                for i in range(n):
+                    env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(root, str(i)), "CUDA_VISIBLE_DEVICES": "",
+                           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+                    children.append(subprocess.Popen([sys.executable, __file__, "--scale-child", what], env=env,
+                                                     stdout=subprocess.PIPE, text=True))
+                results = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+            for key in results[0]:
+                each = [r[key] for r in results]
+                row[key] = {"mean_s": round(sum(each) / n, 3), "max_s": max(each)}
+        rows.append(row)
+        print(f"{n} at once: " + ", ".join(f"{k} {v['mean_s']} s (max {v['max_s']})" for k, v in row.items()
+                                            if k != "processes"), flush=True)
+    return rows
+
+
+def machine() -> dict:
+    """What bounds the processes: the cores this process may use and the cgroup's CPU quota."""
+    facts = {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}
+    for name in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        if os.path.exists(name):
+            facts[name] = Path(name).read_text().strip()
+    return facts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="0,8", help="worker counts, one empty cache each (0: the server alone)")
@@ -57,14 +130,24 @@ def main() -> None:
     ap.add_argument("--heads", default="16,48", help="key heads, value heads (the 27B's)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--scaling", default="", help="process counts: the machine's compile and CPU scaling")
     ap.add_argument("--case", type=int, help=argparse.SUPPRESS)   # a child: one worker count, JSON out
+    ap.add_argument("--scale-child", choices=("compile", "spin"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.scale_child:
+        print(json.dumps(compile_tree_kernel() if args.scale_child == "compile" else spin()))
+        return
     heads = tuple(int(h) for h in args.heads.split(","))
     if args.case is not None:
         print(json.dumps(one_case(args.case, args.tokens, heads, args.head_dim)))
         return
     results = []
-    for workers in (int(w) for w in args.workers.split(",")):
+    report = {"tokens": args.tokens, "heads": heads, "cases": results}
+    if args.scaling:
+        report["machine"] = machine()
+        print(f"machine: {report['machine']}", flush=True)
+        report["scaling"] = scaling([int(n) for n in args.scaling.split(",")])
+    for workers in (int(w) for w in args.workers.split(",") if w):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache,
                    "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -78,7 +161,7 @@ def main() -> None:
         where = case["profile"]["exclusive_s"]
         print(f"workers {workers}: {case['seconds']} s in all; {where}; pool {case['pool']}", flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"tokens": args.tokens, "heads": heads, "cases": results}, indent=1))
+        args.out.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
 
 

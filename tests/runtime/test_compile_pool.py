@@ -25,7 +25,8 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from ddtree_runtime import compile_worker  # noqa: E402
 from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, _identity, describe,  # noqa: E402
-                                               parallel_compiles, recorded, save_record, still_to_compile)
+                                               parallel_compiles, recorded, save_record, start_early,
+                                               still_to_compile)
 from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -250,6 +251,32 @@ def test_a_record_that_cannot_be_replayed_never_stops_the_warm_up(cache, caplog)
     assert "not replayed" in caplog.text
 
 
+def test_a_first_start_has_its_workers_started_before_the_warm_up_which_takes_them_over(cache):
+    """Over an empty cache the pool starts as the engine is built (its imports overlap the weights'
+    load); the warm-up's block takes that pool over whatever it is asked for, and ends it."""
+    early = start_early(2)
+    try:
+        assert early is not None and len(early.workers) == 2
+        workers = list(early.workers)
+        assert start_early(2) is early                               # once a process
+        with parallel_compiles(0) as pool:
+            assert pool is early
+        assert not early.workers and all(w.poll() is not None for w in workers)   # ended with the block
+    finally:
+        early.close()
+    with parallel_compiles(0) as pool:                               # taken: the next block is the workers' choice
+        assert pool is None
+
+
+def test_a_restart_over_a_warm_cache_starts_no_worker_early(cache):
+    cache.mkdir()
+    (cache / "some-kernel").mkdir()                                  # a cache without a record
+    assert start_early(2) is None
+    save_record([describe(source(kernels.scaled_copy), H200, options())], str(cache / RECORD))
+    if not torch.cuda.is_available():                                # no GPU to compile the record for here
+        assert start_early(2) is None
+
+
 def test_a_recorded_kernel_that_is_gone_is_skipped(cache):
     job = describe(source(kernels.scaled_copy), H200, options()) | {"name": "renamed_since"}
     assert still_to_compile(job, H200) is None and not cache_entries(cache)
@@ -286,3 +313,11 @@ def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_on
         assert pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}
     with parallel_compiles(2) as pool:
         assert pool.replayed == 0 and not pool.workers           # all in the cache now: no worker started
+    assert start_early(2) is None                                # nor early
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / RECORD).write_bytes((cache / RECORD).read_bytes())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(early))
+    pool = start_early(2)                                        # the record replayed as the weights load
+    with parallel_compiles(0) as taken:
+        assert taken is pool and pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}

@@ -37,7 +37,7 @@ from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, l
 from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS,
                       TREE_POLICIES)
 from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
-from ..model.compile_pool import parallel_compiles
+from ..model.compile_pool import parallel_compiles, start_early
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.gdn_chunk import FLA_MODULE
 from ..model.layers import fuse_projections
@@ -123,6 +123,8 @@ class Engine:
         if config.tensor_parallel != (1 if tp is None else tp.world):
             raise ValueError(f"tensor_parallel {config.tensor_parallel}: this process is one of "
                              f"{1 if tp is None else tp.world} ranks (engine/distributed.py starts them)")
+        if self.device.type == "cuda":  # a first start's compile workers import while the weights load
+            start_early(preload=(FLA_MODULE,))
         self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype, config.quantization,
                                                      tp) if target is None else target)
         fuse_projections(self.target)

@@ -11,6 +11,9 @@ Inside `parallel_compiles()`:
 - every compile the warm-up makes is recorded (RECORD, in the cache directory), and a later start over a
   cache that lacks some of them (a Triton upgrade, a changed kernel, a record from a host of another GPU
   model) has the pool compile those at once before its warm-up runs.
+The workers take 14-17 s to start on the H200's host (their interpreter, torch and fla-core: measured
+with `compile_pool_bench.py`), so `start_early()`, called as the engine is built, starts them and the
+record's compiles while the weights load, and the warm-up takes that pool over.
 What a worker refuses or fails the server compiles itself, as before. The workers are plain
 subprocesses, not multiprocessing's: those import the parent's main script again, and a script that
 builds an engine at its top level would load the model in each."""
@@ -87,6 +90,35 @@ class CompilePool:
         self.batches: list[tuple[int, float]] = []   # (jobs sent, seconds waited) per compile()
         self.busy_s = 0.0                            # the workers' seconds inside their compiles, summed
         self.job_seconds: dict[bytes, float] = {}    # each compile's seconds in its worker, by _identity
+        self._replaying: threading.Thread | None = None  # the record's compiles, sent while the weights load
+
+    def replay(self, jobs: list[dict]) -> None:
+        """The recorded compiles (`jobs`) that Triton's cache lacks, the longest first."""
+        from triton.runtime.driver import driver
+
+        jobs = sorted(jobs, key=lambda job: -job.get("seconds", 0.0))
+        if not jobs:
+            return
+        target = driver.active.get_current_target()
+        missing = [still_to_compile(job, target) for job in jobs]
+        self.compile(missing)
+        self.replayed = sum(job is not None for job in missing)
+
+    def replay_meanwhile(self, jobs: list[dict]) -> None:
+        """replay() on a thread of its own; `settle()` waits for it."""
+        def run() -> None:
+            try:
+                self.replay(jobs)
+            except Exception as error:  # noqa: BLE001 -- the warm-up then compiles as it goes
+                log.warning("compile record not replayed (%s: %s)", type(error).__name__, error)
+        self._replaying = threading.Thread(target=run, name="compile-record", daemon=True)
+        self._replaying.start()
+
+    def settle(self) -> None:
+        """Wait for a replay started by replay_meanwhile() (a pool's work is bounded by its timeout)."""
+        if self._replaying is not None:
+            self._replaying.join()
+            self._replaying = None
 
     def compile(self, jobs: list[dict | None]) -> None:
         """Compile `jobs` at once; returns when every one has been compiled or refused, or after
@@ -385,6 +417,44 @@ def _cache_is_empty() -> bool:
     return not os.path.isdir(root) or not any(os.scandir(root))
 
 
+_early: tuple[CompilePool, list[dict]] | None = None   # start_early()'s pool and the record it read
+
+
+def start_early(workers: int | None = None, preload: tuple[str, ...] = ()) -> CompilePool | None:
+    """Start the pool before the warm-up where it will have work: over an empty cache (a host's first
+    start: the workers' imports overlap the weights' load) or when the record lists compiles the cache
+    lacks (those are sent at once, on a thread, while the weights load). The next parallel_compiles()
+    takes this pool over. Once a process; None where nothing is started (a warm restart, no Triton, no
+    workers)."""
+    global _early
+    if _early is not None:
+        return _early[0]
+    workers = default_workers() if workers is None else workers
+    try:
+        from triton import knobs
+        from triton.runtime.driver import driver
+    except ImportError:
+        return None
+    if not workers:
+        return None
+    previous = recorded(os.path.join(knobs.cache.dir, RECORD))
+    if not _cache_is_empty():
+        if not previous:
+            return None
+        try:
+            target = driver.active.get_current_target()
+        except Exception:  # noqa: BLE001 -- no GPU to compile for: the warm-up's replay says why
+            return None
+        if not any(still_to_compile(job, target) is not None for job in previous):
+            return None
+    pool = CompilePool(workers, preload=preload)
+    pool.start()
+    if previous:
+        pool.replay_meanwhile(previous)
+    _early = (pool, previous)
+    return pool
+
+
 @contextmanager
 def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ()) -> Iterator[CompilePool | None]:
     """Inside the block Triton's compiles go wide over a pool of `workers` processes (default_workers()
@@ -396,33 +466,23 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
       TIMING's milliseconds;
     - on leaving, every kernel the block compiled is recorded for the next start.
     Over an empty cache the workers start at once, their imports overlapping the server's work before
-    the first autotuner; otherwise at the first batch, if one comes. Yields the pool (its `outcomes`
-    count what the workers did) or None."""
+    the first autotuner; otherwise at the first batch, if one comes. A pool start_early() started is
+    taken over (its record's compiles waited for), whatever `workers` says. Yields the pool (its
+    `outcomes` count what the workers did) or None."""
+    global _early
+    early, _early = _early, None
     workers = default_workers() if workers is None else workers
     try:
         from triton import knobs, testing
         from triton.runtime.autotuner import Autotuner
-        from triton.runtime.driver import driver
     except ImportError:
         Autotuner = None
-    if not workers or Autotuner is None:
+    if early is None and (not workers or Autotuner is None):
         yield None
         return
-    pool = CompilePool(workers, preload=preload)
     record = os.path.join(knobs.cache.dir, RECORD)
     prune, bench = Autotuner.prune_configs, Autotuner._bench
-
-    previous = recorded(record)
-
-    def replay() -> None:
-        """The record's compiles the cache lacks, the longest first, before anything else runs."""
-        jobs = sorted(previous, key=lambda job: -job.get("seconds", 0.0))
-        if not jobs:
-            return
-        target = driver.active.get_current_target()
-        missing = [still_to_compile(job, target) for job in jobs]
-        pool.compile(missing)
-        pool.replayed = sum(job is not None for job in missing)
+    pool, previous = early if early is not None else (CompilePool(workers, preload=preload), recorded(record))
 
     def prune_configs(self, kwargs):
         configs = prune(self, kwargs)
@@ -454,12 +514,15 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
     compiled: list[dict] = []
     Autotuner.prune_configs, Autotuner._bench = prune_configs, _bench
     try:
-        if _cache_is_empty():
-            pool.start()
-        try:
-            replay()
-        except Exception as error:  # noqa: BLE001 -- the warm-up then compiles as it goes, as without a record
-            log.warning("compile record %s not replayed (%s: %s)", record, type(error).__name__, error)
+        if early is not None:
+            pool.settle()
+        else:
+            if _cache_is_empty():
+                pool.start()
+            try:
+                pool.replay(previous)
+            except Exception as error:  # noqa: BLE001 -- the warm-up then compiles as it goes, as without one
+                log.warning("compile record %s not replayed (%s: %s)", record, type(error).__name__, error)
         with compiles_recorded(compiled):
             yield pool
         known = {_identity(job): job.get("seconds", 0.0) for job in previous}

@@ -154,7 +154,7 @@ if triton is not None:
         qk = tl.zeros([BT, BT], dtype=tl.float32)
         ks = tl.zeros([BT, BV], dtype=tl.float32)
         qs = tl.zeros([BT, BV], dtype=tl.float32)
-        for c in tl.static_range(0, DK, BK):
+        for c in range(0, DK, BK):   # a loop, not unrolled: a quarter of the compile time (issue 38)
             d = c + tl.arange(0, BK)
             kc = tl.load(k_ptr + b * s_kb + h * s_kh + node[:, None] * s_kt + d[None, :] * s_kd,
                          mask=live[:, None], other=0.0)
@@ -181,7 +181,7 @@ if triton is not None:
             # and cancel: errors up to ~1e-5 of the output where the substitution keeps ~1e-7
             u = rhs - tl.dot(a, rhs, input_precision=PRECISION)
             power = a
-            for _ in tl.static_range(LOG_BT - 1):
+            for _ in range(LOG_BT - 1):
                 power = tl.dot(power, power, input_precision=PRECISION)
                 u += tl.dot(power, u, input_precision=PRECISION)
         else:  # forward substitution, a node at a time: u_i = rhs_i - sum_j A_ij u_j

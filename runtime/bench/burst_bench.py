@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from capacity_bench import hold_back, random_prompt
-from gpu_bench import build_models, sync
+from gpu_bench import build_models, sync, target_config_of
 from warmup_profile import WarmUpProfile
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
-from ddtree_runtime.model.compile_pool import start_early
+from ddtree_runtime.model.compile_pool import record_for, start_early
 from ddtree_runtime.model.gdn_chunk import FLA_MODULE
 
 
@@ -121,7 +121,8 @@ def main() -> None:
 
     began = time.perf_counter()
     if device.type == "cuda":  # as the engine does before it loads a checkpoint: workers start meanwhile
-        start_early(preload=(FLA_MODULE,))
+        start_early(preload=(FLA_MODULE,), shipped=record_for(target_config_of(args.shape),
+                                                              str(dtype).removeprefix("torch."), "none"))
     target, drafter = build_models(args.shape, device, dtype)
     target.config.max_position_embeddings = max(target.config.max_position_embeddings, args.max_context)
     engine = Engine(EngineConfig(f"random-{args.shape}", None, mode="ddtree", tree_budget=16, device=args.device,

@@ -76,6 +76,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def target_config_of(shape: str) -> Qwen3Config:
+    """The target's config of a shape (before any tensor-parallel split)."""
+    s = {k: v for k, v in SHAPES[shape].items() if k not in ("draft_layers", "target_layer_ids", "draft")}
+    hybrid = {k: s.pop(k) for k in HYBRID_KEYS if k in s}
+    return Qwen35Config(**s, **hybrid) if hybrid else Qwen3Config(**s)
+
+
 def build_models(shape: str, device: torch.device, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
     """Random models of a shape; with `tp`, this rank's shard of the target (tp_bench.py: the same seed
@@ -83,7 +90,7 @@ def build_models(shape: str, device: torch.device, dtype: torch.dtype,
     s = dict(SHAPES[shape])
     draft_layers, layer_ids, draft = s.pop("draft_layers"), s.pop("target_layer_ids"), s.pop("draft", {})
     hybrid = {k: s.pop(k) for k in HYBRID_KEYS if k in s}
-    tcfg = Qwen35Config(**s, **hybrid) if hybrid else Qwen3Config(**s)
+    tcfg = target_config_of(shape)
     dcfg = DFlashConfig(**{**s, **draft, "num_hidden_layers": draft_layers}, block_size=16,
                         mask_token_id=s["vocab_size"] - 1, target_layer_ids=layer_ids,
                         num_target_layers=s["num_hidden_layers"])

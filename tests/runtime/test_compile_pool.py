@@ -24,9 +24,10 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from ddtree_runtime import compile_worker  # noqa: E402
+from ddtree_runtime.model import compile_pool  # noqa: E402
 from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, _identity, describe,  # noqa: E402
-                                               parallel_compiles, recorded, save_record, start_early,
-                                               still_to_compile)
+                                               parallel_compiles, record_name, recorded, save_record,
+                                               shipped_record, start_early, still_to_compile)
 from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -277,6 +278,36 @@ def test_a_restart_over_a_warm_cache_starts_no_worker_early(cache):
         assert start_early(2) is None
 
 
+def test_a_known_model_has_a_shipped_record_that_the_runtime_can_read():
+    """The 27B's record, made by a warm-up on an H200, is in the package; its compiles name kernels
+    this runtime still has (a kernel renamed since would only be skipped: shipped records are made
+    again when kernels change)."""
+    path = shipped_record(record_name("qwen3_5", 5120, 64, "bfloat16", "none"))
+    assert path is not None and shipped_record(record_name("qwen3_5", 5120, 64, "bfloat16", "fp8")) is None
+    jobs = recorded(path)
+    assert len(jobs) > 50 and {"_tree_delta_kernel", "_decode_attn_part_kernel"} <= {job["name"] for job in jobs}
+    ours = [job for job in jobs if job["module"].startswith("ddtree_runtime.")]
+    for job in ours:
+        kernel = compile_worker.jit_function(getattr(__import__(job["module"], fromlist=["_"]), job["name"]))
+        assert set(job["signature"]) <= set(kernel.arg_names), job["name"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's driver replays the record (the CUDA test below)")
+def test_a_cache_with_no_record_of_its_own_takes_the_shipped_one(cache, tmp_path, caplog):
+    """Shipped and own records alike are replayed at the block's entry (here no GPU driver names the
+    target, so each replay is given up with its warning); the cache's own record comes first."""
+    shipped = tmp_path / "shipped.pkl"
+    save_record([describe(source(kernels.scaled_copy), H200, options())], str(shipped))
+    cache.mkdir()
+    (cache / "some-kernel").mkdir()
+    with parallel_compiles(1, shipped=str(shipped)):
+        pass
+    assert "not replayed" in caplog.text
+    assert compile_pool._previous(str(shipped)) == recorded(str(shipped))
+    save_record([describe(source(kernels.scaled_copy, block=64), H200, options())], str(cache / RECORD))
+    assert compile_pool._previous(str(shipped)) == recorded(str(cache / RECORD))
+
+
 def test_a_recorded_kernel_that_is_gone_is_skipped(cache):
     job = describe(source(kernels.scaled_copy), H200, options()) | {"name": "renamed_since"}
     assert still_to_compile(job, H200) is None and not cache_entries(cache)
@@ -321,3 +352,9 @@ def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_on
     pool = start_early(2)                                        # the record replayed as the weights load
     with parallel_compiles(0) as taken:
         assert taken is pool and pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}
+    shipped, first = tmp_path / "shipped.pkl", tmp_path / "first"  # a known model's first start: no record
+    shipped.write_bytes((cache / RECORD).read_bytes())
+    first.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(first))
+    with parallel_compiles(2, shipped=str(shipped)) as pool:
+        assert pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}

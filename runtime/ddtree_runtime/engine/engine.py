@@ -36,8 +36,9 @@ from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, l
                         pool_too_small)
 from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS,
                       TREE_POLICIES)
-from ..model import DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel
-from ..model.compile_pool import parallel_compiles, start_early
+from ..model import (DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel,
+                     target_config)
+from ..model.compile_pool import parallel_compiles, record_for, start_early
 from ..model.fp8 import FP8Linear, choose_gemms, gemm_path
 from ..model.gdn_chunk import FLA_MODULE
 from ..model.layers import fuse_projections
@@ -123,8 +124,14 @@ class Engine:
         if config.tensor_parallel != (1 if tp is None else tp.world):
             raise ValueError(f"tensor_parallel {config.tensor_parallel}: this process is one of "
                              f"{1 if tp is None else tp.world} ranks (engine/distributed.py starts them)")
+        # the record of compiles shipped for this model's shape (compile_pool.SHIPPED), if there is one:
+        # the checkpoint's config.json is read before the weights load
+        self.shipped_record = record_for(
+            target.config if target is not None else target_config(
+                json.loads((Path(config.target_dir) / "config.json").read_text())),
+            config.dtype, config.quantization, 1 if tp is None else tp.world)
         if self.device.type == "cuda":  # a first start's compile workers import while the weights load
-            start_early(preload=(FLA_MODULE,))
+            start_early(preload=(FLA_MODULE,), shipped=self.shipped_record)
         self.target: Qwen3ForCausalLM = (load_target(config.target_dir, config.device, config.dtype, config.quantization,
                                                      tp) if target is None else target)
         fuse_projections(self.target)
@@ -346,7 +353,8 @@ class Engine:
         try:
             # compiles go wide over worker processes: what the last warm-up recorded and the cache lacks at
             # once, and each autotuner's candidates before it times them (compile_pool)
-            with parallel_compiles(None if self.device.type == "cuda" else 0, preload=(FLA_MODULE,)) as pool:
+            with parallel_compiles(None if self.device.type == "cuda" else 0, preload=(FLA_MODULE,),
+                                   shipped=self.shipped_record) as pool:
                 for n in batches:
                     batch_started = time.perf_counter()
                     # first tokens differ, so no two prompts share a page (admission counts shared pages);

@@ -10,7 +10,10 @@ Inside `parallel_compiles()`:
   then finds every one of them there;
 - every compile the warm-up makes is recorded (RECORD, in the cache directory), and a later start over a
   cache that lacks some of them (a Triton upgrade, a changed kernel, a record from a host of another GPU
-  model) has the pool compile those at once before its warm-up runs.
+  model) has the pool compile those at once before its warm-up runs;
+- a cache with no record of its own takes the record shipped with the runtime for its model's shape
+  (SHIPPED: made by a warm-up on an H200), so even the fleet's first start of a known shape compiles at
+  once. A shipped compile the model does not need only costs a worker's time.
 The workers take 14-17 s to start on the H200's host (their interpreter, torch and fla-core: measured
 with `compile_pool_bench.py`), so `start_early()`, called as the engine is built, starts them and the
 record's compiles while the weights load, and the warm-up takes that pool over.
@@ -36,6 +39,7 @@ from queue import Empty, SimpleQueue
 from types import ModuleType
 
 from .. import compile_worker
+from .config import Qwen35Config, Qwen3Config
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ RECORD = "ddtree-compiles.pkl"           # in Triton's cache directory: what the
 LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
                   "launch_pdl", "debug", "sanitize_overflow")
 TIMING = {"warmup": 5, "rep": 25}        # ms an autotuner's candidate is timed for in a warm-up (Triton: 25, 100)
+SHIPPED = os.path.join(os.path.dirname(__file__), "compile_records")   # shipped records, by record_name()
 MAX_WORKERS = 8
 BATCH_TIMEOUT_S = 300.0                  # one autotuner's candidates: seconds of compiles, never minutes
 _PENDING = "_ddtree_candidates"          # an autotuner's pruned configs, kept until its first timing run
@@ -67,6 +72,32 @@ def cpu_shares(workers: int) -> list[list[int]]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     each = max(1, len(cores) // max(1, workers))
     return [cores[(i * each) % len(cores):(i * each) % len(cores) + each] for i in range(workers)]
+
+
+def record_name(arch: str, hidden_size: int, layers: int, dtype: str, quantization: str, world: int = 1) -> str:
+    """A shipped record's name: what sets most of a model's compiles (its layer kinds and sizes, the
+    weights' dtype, FP8's own kernels, the heads a rank keeps)."""
+    return f"{arch}-{hidden_size}x{layers}-{dtype}-{quantization}" + (f"-tp{world}" if world > 1 else "")
+
+
+def shipped_record(name: str) -> str | None:
+    """The path of the record shipped for `name` (record_name()), None where none is."""
+    path = os.path.join(SHIPPED, f"{name}.pkl")
+    return path if os.path.isfile(path) else None
+
+
+def record_for(cfg: Qwen3Config, dtype: str, quantization: str, world: int = 1) -> str | None:
+    """The record shipped for a target of this config (the checkpoint's, before any split), if any."""
+    arch = "qwen3_5" if isinstance(cfg, Qwen35Config) else "qwen3"
+    return shipped_record(record_name(arch, cfg.hidden_size, cfg.num_hidden_layers, dtype, quantization, world))
+
+
+def _previous(shipped: str | None) -> list[dict]:
+    """The cache's own record, else the one shipped for the model (a host's first start)."""
+    from triton import knobs
+
+    own = recorded(os.path.join(knobs.cache.dir, RECORD))
+    return own if own or shipped is None else recorded(shipped)
 
 
 class _Intercepted(Exception):
@@ -345,16 +376,16 @@ def _identity(job: dict) -> bytes:
 def still_to_compile(job: dict, target) -> dict | None:
     """A recorded compile as this process would make it for `target` (this GPU), or None where Triton's
     cache already holds it (or the kernel is gone). It is this process's kernel under that name (its
-    source and globals may have changed since the record), and where the record came from another GPU,
-    the launch's options are parsed again for this one."""
+    source and globals may have changed since the record), with the launch's options parsed again for
+    this GPU."""
     from triton.compiler import ASTSource, make_backend
 
     try:
         kernel = compile_worker.jit_function(getattr(importlib.import_module(job["module"]), job["name"]))
-        options = job["options"]
-        if job["target"] != target:
-            options = make_backend(target).parse_options(
-                {k: v for k, v in options.items() if k in LAUNCH_OPTIONS}).__dict__
+        # the launch's own options parsed again here: the rest are this GPU's and this install's (the
+        # record may come from another GPU, or another host: libdevice's path is among them)
+        options = make_backend(target).parse_options(
+            {k: v for k, v in job["options"].items() if k in LAUNCH_OPTIONS}).__dict__
         src = ASTSource(kernel, job["signature"], job["constants"], job["attrs"])
         return None if in_cache(src, target, options) else describe(src, target, options)
     except Exception as error:  # noqa: BLE001 -- a record from another version of the code: only a miss
@@ -420,10 +451,12 @@ def _cache_is_empty() -> bool:
 _early: tuple[CompilePool, list[dict]] | None = None   # start_early()'s pool and the record it read
 
 
-def start_early(workers: int | None = None, preload: tuple[str, ...] = ()) -> CompilePool | None:
+def start_early(workers: int | None = None, preload: tuple[str, ...] = (),
+                shipped: str | None = None) -> CompilePool | None:
     """Start the pool before the warm-up where it will have work: over an empty cache (a host's first
     start: the workers' imports overlap the weights' load) or when the record lists compiles the cache
-    lacks (those are sent at once, on a thread, while the weights load). The next parallel_compiles()
+    lacks (those are sent at once, on a thread, while the weights load); `shipped`: the record shipped
+    for the model (shipped_record()), taken where the cache has none. The next parallel_compiles()
     takes this pool over. Once a process; None where nothing is started (a warm restart, no Triton, no
     workers)."""
     global _early
@@ -431,13 +464,12 @@ def start_early(workers: int | None = None, preload: tuple[str, ...] = ()) -> Co
         return _early[0]
     workers = default_workers() if workers is None else workers
     try:
-        from triton import knobs
         from triton.runtime.driver import driver
     except ImportError:
         return None
     if not workers:
         return None
-    previous = recorded(os.path.join(knobs.cache.dir, RECORD))
+    previous = _previous(shipped)
     if not _cache_is_empty():
         if not previous:
             return None
@@ -456,12 +488,14 @@ def start_early(workers: int | None = None, preload: tuple[str, ...] = ()) -> Co
 
 
 @contextmanager
-def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ()) -> Iterator[CompilePool | None]:
+def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = (),
+                      shipped: str | None = None) -> Iterator[CompilePool | None]:
     """Inside the block Triton's compiles go wide over a pool of `workers` processes (default_workers()
     by default; 0, or no Triton: nothing changes), which import `preload` (the autotuned kernels'
     modules) as they start:
-    - on entry, what the last warm-up recorded in the cache directory (RECORD) and the cache lacks is
-      compiled at once (after an upgrade, or a record seeded from a host of another GPU model);
+    - on entry, what the last warm-up recorded in the cache directory (RECORD), else the `shipped`
+      record, and the cache lacks is compiled at once (after an upgrade, a record seeded from a host of
+      another GPU model, or a known model's first start);
     - an autotuner about to time its candidates first has them all compiled, then times each for
       TIMING's milliseconds;
     - on leaving, every kernel the block compiled is recorded for the next start.
@@ -482,7 +516,7 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = ())
         return
     record = os.path.join(knobs.cache.dir, RECORD)
     prune, bench = Autotuner.prune_configs, Autotuner._bench
-    pool, previous = early if early is not None else (CompilePool(workers, preload=preload), recorded(record))
+    pool, previous = early if early is not None else (CompilePool(workers, preload=preload), _previous(shipped))
 
     def prune_configs(self, kwargs):
         configs = prune(self, kwargs)

@@ -132,6 +132,7 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
         engine.cancel(i)
     return {"round_ms": 1e3 * round_s, "admit_ms": 1e3 * admit_s, "batch_size": batch, "round_tree_nodes": nodes,
             "phases_ms": phases, "windows": window, "window_captures": captured, "by_budget": by_budget(trace),
+            "budgets": [budget for _, budget in trace],   # each timed round's, in order
             "tokens_per_s": tokens / (rounds * round_s),
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
 

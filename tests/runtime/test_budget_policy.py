@@ -462,6 +462,26 @@ def test_rounds_are_timed_only_when_they_are_the_whole_step():
     assert [s.seconds for s in policy.costs.samples[(2, 17)]] == [0.030]
 
 
+@pytest.mark.parametrize("accepted, next_tree", [(0, 125), (3, 101)])
+def test_only_a_tree_that_gains_brings_the_probes_close_again(accepted, next_tree):
+    """Probes space out while AR wins (1, 5, 13, 29, 61, then 125); a tree round that accepts nothing
+    leaves that spacing, one that gains starts it again at two AR rounds."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
+    policy.costs = CostModel.of_table(costs(2, STEEP).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:
+        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    chosen = [policy.budgets(reqs)[0] for _ in range(100)]
+    assert [i for i, b in enumerate(chosen) if b != AR] == [1, 5, 13, 29, 61]
+    budgets = [16, 16]                                   # a tree round chosen at round 99 (say), its outcome:
+    policy.observe(reqs, budgets, [([1] * (1 + accepted), accepted, None)] * 2, [[0.0] * 5] * 2)
+    for r in reqs:                                       # its forecasts still say AR wins
+        r.acceptance = Acceptance()
+        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    later = [policy.budgets(reqs)[0] for _ in range(100, 200)]
+    assert next(i for i, b in enumerate(later, 100) if b != AR) == next_tree
+
+
 def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
     policy.costs = CostModel.of_table(costs(2, {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)

@@ -176,14 +176,20 @@ if triton is not None:
         rhs = beta[:, None] * v
         # u = (I + A)^-1 rhs, A strictly lower triangular (ancestors first)
         if SQUARING:
-            # A^BT = 0, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BT/2)): log2(BT) - 1 squarings,
-            # no T-long chain of steps; but its terms grow where keys along a path align (beta near 1),
-            # and cancel: errors up to ~1e-5 of the output where the substitution keeps ~1e-7
+            # A^(depth + 1) = 0 (A_ij links j to its descendant i), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
+            # up to the first power past the tree's depth: at most log2(BT) - 1 squarings (a chain), fewer
+            # for a bushy tree, and no T-long chain of steps; but its terms grow where keys along a path
+            # align (beta near 1), and cancel: errors up to ~1e-5 of the output where the substitution
+            # keeps ~1e-7
+            depth = tl.max(tl.sum(on_path.to(tl.int32), axis=1), axis=0) - 1   # the deepest node's ancestors
             u = rhs - tl.dot(a, rhs, input_precision=PRECISION)
             power = a
+            span = 2   # u holds the terms A^0 .. A^(span - 1)
             for _ in range(LOG_BT - 1):
-                power = tl.dot(power, power, input_precision=PRECISION)
-                u += tl.dot(power, u, input_precision=PRECISION)
+                if span <= depth:
+                    power = tl.dot(power, power, input_precision=PRECISION)
+                    u += tl.dot(power, u, input_precision=PRECISION)
+                span *= 2
         else:  # forward substitution, a node at a time: u_i = rhs_i - sum_j A_ij u_j
             u = tl.zeros([BT, BV], dtype=tl.float32)
             for i in range(0, T):

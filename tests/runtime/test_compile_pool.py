@@ -303,9 +303,9 @@ def test_a_cache_with_no_record_of_its_own_takes_the_shipped_one(cache, tmp_path
     with parallel_compiles(1, shipped=str(shipped)):
         pass
     assert "not replayed" in caplog.text
-    assert compile_pool._previous(str(shipped)) == recorded(str(shipped))
+    assert compile_pool._previous(str(shipped)) == (recorded(str(shipped)), "shipped shipped.pkl")
     save_record([describe(source(kernels.scaled_copy, block=64), H200, options())], str(cache / RECORD))
-    assert compile_pool._previous(str(shipped)) == recorded(str(cache / RECORD))
+    assert compile_pool._previous(str(shipped)) == (recorded(str(cache / RECORD)), "the cache's own")
 
 
 def test_a_recorded_kernel_that_is_gone_is_skipped(cache):
@@ -358,3 +358,4 @@ def test_a_warm_up_records_its_compiles_and_the_next_empty_cache_gets_them_at_on
     monkeypatch.setenv("TRITON_CACHE_DIR", str(first))
     with parallel_compiles(2, shipped=str(shipped)) as pool:
         assert pool.replayed == 5 and pool.outcomes == {compile_worker.COMPILED: 5}
+        assert pool.summary()["record"] == "shipped shipped.pkl"

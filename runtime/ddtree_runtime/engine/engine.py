@@ -383,7 +383,7 @@ class Engine:
         log.info("warm-up: %d request(s) at batch sizes %s, %d CUDA graph(s) captured, in %.1f s%s", done.requests,
                  ", ".join(map(str, done.batches)), done.graph_captures, done.seconds,
                  f"; Triton kernels compiled by {workers['workers']} worker processes: {workers['outcomes']} "
-                 f"({workers['from_record']} from the last warm-up's record), waited {workers['waited_s']} s"
+                 f"({workers['from_record']} from {workers['record'] or 'no'} record), waited {workers['waited_s']} s"
                  if workers else "")
         return done
 

@@ -92,12 +92,14 @@ def record_for(cfg: Qwen3Config, dtype: str, quantization: str, world: int = 1) 
     return shipped_record(record_name(arch, cfg.hidden_size, cfg.num_hidden_layers, dtype, quantization, world))
 
 
-def _previous(shipped: str | None) -> list[dict]:
-    """The cache's own record, else the one shipped for the model (a host's first start)."""
+def _previous(shipped: str | None) -> tuple[list[dict], str]:
+    """The cache's own record, else the one shipped for the model (a host's first start), and whose."""
     from triton import knobs
 
     own = recorded(os.path.join(knobs.cache.dir, RECORD))
-    return own if own or shipped is None else recorded(shipped)
+    if own or shipped is None:
+        return own, "the cache's own" if own else ""
+    return recorded(shipped), f"shipped {os.path.basename(shipped)}"
 
 
 class _Intercepted(Exception):
@@ -114,6 +116,7 @@ class CompilePool:
         self.size, self.timeout_s, self.preload = workers, timeout_s, preload
         self.workers: list[subprocess.Popen] = []
         self.replayed = 0      # recorded compiles the cache lacked, sent at once
+        self.record = ""       # whose record they came from: the cache's own, or the one shipped
         self.started_s = 0.0   # the slowest worker's start: its interpreter and imports, until READY
         self._ready: set[int] = set()   # the workers (pids) whose READY has been read
         self.outcomes: Counter[str] = Counter()
@@ -190,6 +193,7 @@ class CompilePool:
     def summary(self) -> dict:
         """What the workers did, for the warm-up's log line and the benchmarks' JSON."""
         return {"workers": self.size, "outcomes": dict(self.outcomes), "from_record": self.replayed,
+                "record": self.record,
                 "batches": len(self.batches), "waited_s": round(sum(s for _, s in self.batches), 2),
                 "busy_s": round(self.busy_s, 2), "started_s": round(self.started_s, 2)}
 
@@ -469,7 +473,7 @@ def start_early(workers: int | None = None, preload: tuple[str, ...] = (),
         return None
     if not workers:
         return None
-    previous = _previous(shipped)
+    previous, whose = _previous(shipped)
     if not _cache_is_empty():
         if not previous:
             return None
@@ -480,6 +484,7 @@ def start_early(workers: int | None = None, preload: tuple[str, ...] = (),
         if not any(still_to_compile(job, target) is not None for job in previous):
             return None
     pool = CompilePool(workers, preload=preload)
+    pool.record = whose
     pool.start()
     if previous:
         pool.replay_meanwhile(previous)
@@ -516,7 +521,11 @@ def parallel_compiles(workers: int | None = None, preload: tuple[str, ...] = (),
         return
     record = os.path.join(knobs.cache.dir, RECORD)
     prune, bench = Autotuner.prune_configs, Autotuner._bench
-    pool, previous = early if early is not None else (CompilePool(workers, preload=preload), _previous(shipped))
+    if early is not None:
+        pool, previous = early
+    else:
+        pool = CompilePool(workers, preload=preload)
+        previous, pool.record = _previous(shipped)
 
     def prune_configs(self, kwargs):
         configs = prune(self, kwargs)

@@ -187,12 +187,18 @@ def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_the
     assert policy.budgets(alone) == [16, 16, 8]            # the one capped at 8 gets 8
 
 
-def test_after_ar_rounds_a_tree_round_looks_again():
+def losing_drafter() -> tuple[BudgetPolicy, list[_Req]]:
+    """Two rows whose drafter has accepted nothing, under round costs where AR wins."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
     policy.costs = CostModel.of_table(costs(2, STEEP).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    return policy, reqs
+
+
+def test_after_ar_rounds_a_tree_round_looks_again():
+    policy, reqs = losing_drafter()
     chosen = [policy.budgets(reqs)[0] for _ in range(400)]
     probes = [i for i, b in enumerate(chosen) if b != AR]
     assert probes == [1, 5, 13, 29, 61, 125, 253, 381]     # 4, 8, 16, ... rounds apart, then every 128
@@ -466,11 +472,7 @@ def test_rounds_are_timed_only_when_they_are_the_whole_step():
 def test_only_a_tree_that_gains_brings_the_probes_close_again(accepted, next_tree):
     """Probes space out while AR wins (1, 5, 13, 29, 61, then 125); a tree round that accepts nothing
     leaves that spacing, one that gains starts it again at two AR rounds."""
-    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
-    policy.costs = CostModel.of_table(costs(2, STEEP).seconds)
-    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
-    for r in reqs:
-        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    policy, reqs = losing_drafter()
     chosen = [policy.budgets(reqs)[0] for _ in range(100)]
     assert [i for i, b in enumerate(chosen) if b != AR] == [1, 5, 13, 29, 61]
     budgets = [16, 16]                                   # a tree round chosen at round 99 (say), its outcome:

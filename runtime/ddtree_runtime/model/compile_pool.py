@@ -461,8 +461,9 @@ def start_early(workers: int | None = None, preload: tuple[str, ...] = (),
     start: the workers' imports overlap the weights' load) or when the record lists compiles the cache
     lacks (those are sent at once, on a thread, while the weights load); `shipped`: the record shipped
     for the model (shipped_record()), taken where the cache has none. The next parallel_compiles()
-    takes this pool over. Once a process; None where nothing is started (a warm restart, no Triton, no
-    workers)."""
+    takes this pool over (a process that never warms up keeps the idle workers until it exits: they
+    end when their stdin closes). Once a process; None where nothing is started (a warm restart, no
+    Triton, no workers)."""
     global _early
     if _early is not None:
         return _early[0]

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import SHAPES, measure_ceilings  # noqa: E402
+from gpu_bench import measure_ceilings, target_config_of  # noqa: E402
 
 import ddtree_runtime.model.gated_delta as gated_delta_module  # noqa: E402
 from ddtree_runtime.engine.kv_cache import target_cache  # noqa: E402
@@ -86,11 +86,6 @@ def launch_name(launch: TreeDeltaLaunch) -> str:
     out = f"-out-{launch.output_precision}" if launch.output_precision else ""
     return (f"k{launch.block_k}-v{launch.block_v}-w{launch.warps}-{launch.precision}{out}"
             + ("-squaring" if launch.squaring else ""))
-
-
-def shape_config(shape: str) -> Qwen35Config:
-    s = {k: v for k, v in SHAPES[shape].items() if k not in ("draft_layers", "target_layer_ids", "draft")}
-    return Qwen35Config(**s)
 
 
 def measure(fn: Callable[[], object], device: torch.device) -> float:
@@ -262,7 +257,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     chosen = [names[n] for n in args.launches] if args.launches else LAUNCHES
-    cfg = shape_config("hybrid-small" if args.tiny else "qwen3.6-27b")
+    cfg = target_config_of("hybrid-small" if args.tiny else "qwen3.6-27b")
     layers = len(cfg.linear_layers)
     batches = args.batch or ([3] if args.tiny else [1, 8, 16])
     ceilings = measure_ceilings(device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -250,6 +251,20 @@ def test_a_record_that_cannot_be_replayed_never_stops_the_warm_up(cache, caplog)
     with parallel_compiles(1) as pool:
         assert pool.replayed == 0 and not pool.workers
     assert "not replayed" in caplog.text
+
+
+def test_a_records_modules_are_imported_before_its_replay_thread_starts(tmp_path, monkeypatch):
+    """The thread must not import a package the model is importing at the same time (importlib raced:
+    KeyError 'fla.ops' on an H200): the caller imports the record's modules first; a gone one is skipped."""
+    (tmp_path / "recorded_elsewhere.py").write_text("import threading\nIMPORTED_ON = threading.current_thread().name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "recorded_elsewhere", raising=False)
+    pool = CompilePool(0)
+    monkeypatch.setattr(pool, "replay", lambda jobs: None)
+    pool.replay_meanwhile([{"module": "recorded_elsewhere", "name": "k"}, {"module": "gone_since_then", "name": "k"}])
+    pool.settle()
+    assert sys.modules["recorded_elsewhere"].IMPORTED_ON == threading.current_thread().name
+    monkeypatch.delitem(sys.modules, "recorded_elsewhere")
 
 
 def test_a_first_start_has_its_workers_started_before_the_warm_up_which_takes_them_over(cache):

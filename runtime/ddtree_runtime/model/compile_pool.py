@@ -139,7 +139,15 @@ class CompilePool:
         self.replayed = sum(job is not None for job in missing)
 
     def replay_meanwhile(self, jobs: list[dict]) -> None:
-        """replay() on a thread of its own; `settle()` waits for it."""
+        """replay() on a thread of its own; `settle()` waits for it. The recorded kernels' modules are
+        imported here first: the thread importing a package (fla) while this one's model imports it too
+        raced in importlib (KeyError: 'fla.ops', an H200 profile's first prefill)."""
+        for module in sorted({job["module"] for job in jobs}):
+            try:
+                importlib.import_module(module)
+            except ImportError:  # a record from another version of the code: still_to_compile skips it
+                pass
+
         def run() -> None:
             try:
                 self.replay(jobs)

@@ -149,6 +149,24 @@ def test_tree_pass_sees_only_each_nodes_path_and_commits_only_the_kept_one(hf_pa
         assert torch.allclose(step[0], hf_last_logits(hf, after + [nxt]), atol=1e-4)
 
 
+def test_a_commit_leaves_each_rows_conv_tail_the_last_inputs_of_its_own_path(hf_pair):
+    """Paths shorter and longer than the conv's K-1 rows, in one batch: each row's tail is the last K-1
+    rows of [its old tail | its path's inputs], in every linear layer."""
+    cfg = hf_pair[1].config
+    cache = target_cache(cfg, 64, "cpu", torch.float32, batch=3, nodes=9)
+    g = torch.Generator().manual_seed(5)
+    cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
+    cache.inputs.copy_(torch.randn(cache.inputs.shape, generator=g))
+    nodes = torch.tensor([[0, 0, 0, 0, 0], [0, 2, 0, 0, 0], [0, 1, 4, 7, 8]])
+    length = torch.tensor([1, 2, 5])
+    conv, inputs = cache.conv.clone(), cache.inputs.clone()
+    cache.compact(torch.tensor([10, 20, 30]), nodes, length)
+    k1 = conv.shape[2]
+    for b in range(3):
+        path = inputs[:, b, nodes[b, :length[b]]]                       # [layers, path, C]
+        assert torch.equal(cache.conv[:, b], torch.cat([conv[:, b], path], dim=1)[:, -k1:]), f"row {b}"
+
+
 def test_memory_estimate_is_what_the_cache_allocates(hf_pair):
     cfg = hf_pair[1].config
     cache = target_cache(cfg, 512, "cpu", torch.float32, nodes=65)

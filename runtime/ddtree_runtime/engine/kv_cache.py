@@ -296,12 +296,14 @@ class HybridCache(KVCache):
         scratch is never read."""
         super().compact(start, nodes, length, moved)
         advance_along(self.step, self.state, nodes, length)
+        # the conv tail: the K-1 rows ending [old tail | path], read from where each lies (only those: the
+        # whole path of every layer gathered then concatenated cost ~0.6 ms a round at 16 rows on an H200)
         k1 = self.conv.shape[2]
-        picked = self.inputs.gather(2, nodes[None, :, :, None].expand(*self.inputs.shape[:2], -1,
-                                                                       self.inputs.shape[3]))
-        tail = torch.cat([self.conv, picked], dim=2)                        # [n, B, K-1+P, C]
-        keep = length[:, None] + torch.arange(k1, device=nodes.device)     # the K-1 rows ending the path
-        self.conv.copy_(tail.gather(2, keep[None, :, :, None].expand(*self.conv.shape)))
+        keep = length[:, None] + torch.arange(k1, device=nodes.device)     # [B, K-1] in [tail | path]
+        node = nodes.gather(1, (keep - k1).clamp(min=0))
+        picked = self.inputs.gather(2, node[None, :, :, None].expand(*self.conv.shape))
+        old = self.conv.gather(2, keep.clamp(max=k1 - 1)[None, :, :, None].expand(*self.conv.shape))
+        self.conv.copy_(torch.where((keep >= k1)[None, :, :, None], picked, old))
 
 
 def _rows(value, lo: int, hi: int):

@@ -296,6 +296,7 @@ class _DraftBucket:
         self.n = torch.zeros(batch, dtype=torch.long, device=device)      # context length after this pass
         self.feats = torch.zeros(batch, block, feat_dim, dtype=dtype, device=device)           # [B, Q, F]
         self.offsets = torch.arange(block, device=device)
+        self.row_base = torch.arange(batch, device=device)[:, None]         # [B, 1]
         self.cols = torch.arange(kv_len, device=device)
         self.dtype = dtype
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -346,7 +347,10 @@ class DraftRunner:
             b.turn ^= 1
             stage(b.start, b.host[b.turn], starts + [pad] * (batch - n))
         torch.add(length, b.start, out=b.n)
-        torch.gather(feats, 1, rows[..., None].expand(-1, -1, feats.shape[-1]), out=b.feats)
+        # whole feature rows by one index_select (a gather along dim 1 indexes every element: ~0.2 ms at
+        # 16 rows of the 27B's 25,600 features on an H200)
+        flat = (rows + b.row_base * feats.shape[1]).reshape(-1)
+        torch.index_select(feats.reshape(-1, feats.shape[-1]), 0, flat, out=b.feats.view(-1, feats.shape[-1]))
         b.feats.masked_fill_((b.offsets[None, :] >= length[:, None])[..., None], 0)  # rows past the path
         return replayed(b, self._forward, self.device, self.pool, self.stats)
 

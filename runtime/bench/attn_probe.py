@@ -43,6 +43,7 @@ GRID_WARPS = (4, 8)
 GRID_STAGES = (3,)   # Triton's num_stages: the key loop's software pipelining
 GRID_KEYS = (64,)    # keys per loop iteration
 MAX_WORKSPACE = 512 << 20
+PAGE = 0             # --page-size: the batched sweep reads a paged pool through block tables, as the engine
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -113,12 +114,21 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
     lengths = lengths.to(dev)
     q = torch.randn(batch, HQ, t, D, device=dev, dtype=dt)
     rows = HQ // HKV * t
+    paged = {}
+    if PAGE:  # the engine's layout: one pool of pages, each row's pages scattered in it (random values)
+        width = -(-bucket // PAGE)
+        pool = torch.randn(1, HKV, batch * width * PAGE, D, device=dev, dtype=dt)
+        table = torch.randperm(batch * width, generator=gen).view(batch, width).to(dev)
+        k = v = pool
+        paged = dict(table=table, page_size=PAGE, length=bucket)
 
     def kernel(launch: DecodeLaunch | None, with_lengths: bool) -> float:
-        return timed(lambda: decode_attention(q, k, v, bias, lengths if with_lengths else None, launch=launch))
+        return timed(lambda: decode_attention(q, k, v, bias, lengths if with_lengths else None, launch=launch,
+                                              **paged))
 
     old = decode_launch(batch, t, rows, bucket, HKV, rule=kernels.DECODE_ONE_SEQUENCE)
-    case = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)),
+    sdpa_k, sdpa_v = (kbuf[:, :, :bucket], vbuf[:, :, :bucket])
+    case = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, sdpa_k, sdpa_v, attn_mask=bias, enable_gqa=True)),
             "old": kernel(old, False), "rule": kernel(None, True), "rule-nolen": kernel(None, False)}
     grid = {}
     for block_rows in GRID_BLOCK_ROWS if t > 1 else (16,):
@@ -145,7 +155,8 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
     """The batched sweep: a table line per case, every timing in the JSON at `out`."""
     gen = torch.Generator().manual_seed(0)
     real_for = {1024: 529, 4608: 4100}
-    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "heads": [HQ, HKV, D], "unit": "us per call (CUDA graph)",
+    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "heads": [HQ, HKV, D],
+              "page_size": PAGE, "unit": "us per call (CUDA graph)",
               "rules": {"one_sequence": kernels.DECODE_ONE_SEQUENCE._asdict(), "batch": kernels.DECODE_BATCH._asdict(),
                         "batched_one_query": kernels.DECODE_BATCHED_ONE_QUERY},
               "cases": []}
@@ -287,10 +298,13 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[], metavar="W",
                     help="the second turn's pass instead: W queries after each of --contexts cached keys")
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384])
+    ap.add_argument("--page-size", type=int, default=0,
+                    help="--batched: keys in a paged pool of pages this long (the engine's: 16), not one row each")
     ap.add_argument("--heads", default="32,8,128", metavar="HQ,HKV,D",
                     help="query heads, KV heads, head dim (Qwen3.6-27B's full attention: 24,4,256)")
     args = ap.parse_args()
     globals().update(zip(("HQ", "HKV", "D"), (int(v) for v in args.heads.split(","))))
+    globals()["PAGE"] = args.page_size
     for spec in args.grid:
         dim, values = spec.split("=")
         globals()[f"GRID_{dim.upper()}"] = tuple(int(v) for v in values.split(","))

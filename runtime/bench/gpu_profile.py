@@ -80,6 +80,27 @@ def kernel_table(fn, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
     return kernel_rows(prof, reps)
 
 
+def kernels_by_phase(prof, reps: int) -> dict[str, list[tuple[str, float, int]]]:
+    """Each kernel counted in the phase whose range on the GPU holds its start (the drafter's attention
+    apart from the target's: one kernel name serves both): phase -> (kernel, us per call, launches per
+    call), largest first."""
+    spans, launched = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if ev.name.startswith(PHASE):
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name[len(PHASE):]))
+        else:
+            launched.append(ev)
+    per_phase: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for ev in launched:
+        phase = next((name for lo, hi, name in spans if lo <= ev.time_range.start < hi), "none")
+        per_phase[phase][ev.name].append(ev.device_time)
+    return {phase: sorted(((name[:100], sum(t) / reps, len(t) // reps) for name, t in kernels.items()),
+                          key=lambda r: -r[1])
+            for phase, kernels in per_phase.items()}
+
+
 def kernel_rows(prof, reps: int) -> tuple[float, list[tuple[str, float, int]]]:
     """From a profile of `reps` calls: GPU microseconds per call and (kernel, us per call, launches per
     call), largest first."""
@@ -110,22 +131,24 @@ def profile_batched_step(args, batch: int, target, drafter) -> dict:
     for _ in range(6):  # then rounds, every graph of this batch captured
         engine.step()
     torch.cuda.synchronize()
-    phases, total, rows = phase_profile(engine, lambda _: engine.step(), args.reps)
+    phases, total, rows, per_phase = phase_profile(engine, lambda _: engine.step(), args.reps)
     print("GPU time per step by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
                                                       sorted(phases.items(), key=lambda kv: -kv[1])))
     case = "ar" if args.mode == "ar" else f"{args.mode}@{args.nodes - 1}"
     print(f"batched step, {batch} requests, {case}, context {args.context}: "
           f"{total / 1e3:.2f} ms of GPU time per step, {sum(r[2] for r in rows)} kernels")
     kinds = print_kinds(rows, args.top)
+    for phase, kernels in sorted(per_phase.items(), key=lambda kv: -sum(r[1] for r in kv[1])):
+        print(f"  phase {phase}: " + ", ".join(f"{name[:40]} {us:.0f} us x{n}" for name, us, n in kernels[:8]))
     del engine
     torch.cuda.empty_cache()
     return {"shape": args.shape, "context": args.context, "batch": batch, "case": case, "gpu_us": total,
-            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows}
+            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows, "phase_kernels": per_phase}
 
 
-def phase_profile(engine: Engine, run_once, reps: int) -> tuple[dict[str, float], float, list]:
+def phase_profile(engine: Engine, run_once, reps: int) -> tuple[dict[str, float], float, list, dict]:
     """`reps` calls of run_once under the profiler, each engine phase in a record_function range:
-    GPU microseconds per call by phase, in all, and per kernel (kernel_rows)."""
+    GPU microseconds per call by phase, in all, per kernel (kernel_rows) and per phase's kernel."""
     ranges: list = []
 
     def enter_phase(name: str) -> None:
@@ -147,7 +170,7 @@ def phase_profile(engine: Engine, run_once, reps: int) -> tuple[dict[str, float]
         if ev.key.startswith(PHASE):
             phases[ev.key[len(PHASE):]] += ev.device_time_total / reps
     total, rows = kernel_rows(prof, reps)
-    return dict(phases), total, rows
+    return dict(phases), total, rows, kernels_by_phase(prof, reps)
 
 
 def print_kinds(rows: list, top: int) -> dict:
@@ -187,7 +210,7 @@ def profile_second_turn(args, target, drafter) -> dict:
         wall.append(1e3 * (time.perf_counter() - t0))
         reused.append(engine.stats.prefix_tokens_saved - before)
 
-    phases, total, rows = phase_profile(engine, once, args.reps)
+    phases, total, rows, per_phase = phase_profile(engine, once, args.reps)
     if min(reused) < args.context - 64:
         sys.exit(f"a second turn reused only {min(reused)} of {args.context} tokens: not the case to profile")
     print("second turn: GPU time by phase: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
@@ -199,7 +222,7 @@ def profile_second_turn(args, target, drafter) -> dict:
     torch.cuda.empty_cache()
     return {"shape": args.shape, "context": args.context, "second_turn": new, "reused": reused,
             "host_ms_min": min(wall),
-            "gpu_us": total, "phases_us": phases, "kinds_us": kinds, "kernels": rows}
+            "gpu_us": total, "phases_us": phases, "kinds_us": kinds, "kernels": rows, "phase_kernels": per_phase}
 
 
 @torch.inference_mode()

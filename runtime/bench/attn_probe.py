@@ -10,10 +10,11 @@ DECODE_BATCHED_ONE_QUERY (and where attend_decode uses the kernel).
 (a batched round's rows: lengths = start + T, about 529 of a 1024 bucket, 4100 of 4608), bias as the
 batch runner builds it (the context, then the tree's ancestors, nothing past the row's length). Per
 case it prints SDPA, `old` (the one-sequence rule, which batched rounds ran before, no lengths),
-`rule` (the rules now, with lengths), `rule-nolen` (the same without), and the grid's best with and
-without lengths; the JSON holds every grid point (rRsSwW-len / -nolen: BLOCK_R R, split S keys, W
-warps). The T=1 rows are the batched AR step: whether `rule` beats SDPA there decides
-DECODE_BATCHED_ONE_QUERY."""
+`rule` (the rules now, with lengths), `rule-nolen` (the same without), `rule-shared` (lengths, no bias
+read over the row's context: decode_attention's `shared`, as the engine runs passes with lengths), and
+the grid's best each way; the JSON holds every grid point (rRsSwW-len / -nolen / -shared: BLOCK_R R,
+split S keys, W warps; -len only for T = 1). --page-size reads the keys from a paged pool. The T=1
+rows are the batched AR step: whether `rule` beats SDPA there decides DECODE_BATCHED_ONE_QUERY."""
 
 import argparse
 import json
@@ -122,14 +123,15 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
         k = v = pool
         paged = dict(table=table, page_size=PAGE, length=bucket)
 
-    def kernel(launch: DecodeLaunch | None, with_lengths: bool) -> float:
+    def kernel(launch: DecodeLaunch | None, with_lengths: bool, shared: bool = False) -> float:
         return timed(lambda: decode_attention(q, k, v, bias, lengths if with_lengths else None, launch=launch,
-                                              **paged))
+                                              shared=shared, **paged))
 
     old = decode_launch(batch, t, rows, bucket, HKV, rule=kernels.DECODE_ONE_SEQUENCE)
     sdpa_k, sdpa_v = (kbuf[:, :, :bucket], vbuf[:, :, :bucket])
     case = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, sdpa_k, sdpa_v, attn_mask=bias, enable_gqa=True)),
-            "old": kernel(old, False), "rule": kernel(None, True), "rule-nolen": kernel(None, False)}
+            "old": kernel(old, False), "rule": kernel(None, True), "rule-nolen": kernel(None, False),
+            "rule-shared": kernel(None, True, True)}
     grid = {}
     for block_rows in GRID_BLOCK_ROWS if t > 1 else (16,):
         rows_pad = -(-rows // block_rows) * block_rows
@@ -141,8 +143,10 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
                 launch = DecodeLaunch(block_rows, split, warps, stages, keys)
                 name = f"r{block_rows}s{split}w{warps}" + ("" if (stages, keys) == (3, 64) else f"p{stages}k{keys}")
                 try:
-                    grid[f"{name}-len"] = kernel(launch, True)
+                    if t == 1:
+                        grid[f"{name}-len"] = kernel(launch, True)
                     grid[f"{name}-nolen"] = kernel(launch, False)
+                    grid[f"{name}-shared"] = kernel(launch, True, True)
                 except triton.runtime.errors.OutOfResources:  # too much shared memory for this device
                     continue
     case["grid"] = grid
@@ -160,8 +164,8 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
               "rules": {"one_sequence": kernels.DECODE_ONE_SEQUENCE._asdict(), "batch": kernels.DECODE_BATCH._asdict(),
                         "batched_one_query": kernels.DECODE_BATCHED_ONE_QUERY},
               "cases": []}
-    print(f"{'B':>3} {'T':>3} {'L':>5} {'real':>5} | {'sdpa':>7} {'old':>7} {'rule':>7} {'rule-nl':>7} | "
-          f"best with lengths              | best without lengths")
+    print(f"{'B':>3} {'T':>3} {'L':>5} {'real':>5} | {'sdpa':>7} {'old':>7} {'rule':>7} {'rule-nl':>7} "
+          f"{'shared':>7} | best with lengths (T = 1) | best without lengths | best shared")
     for bucket in buckets:
         real = real_for.get(bucket, bucket * 9 // 10)
         for t in queries:
@@ -170,12 +174,12 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
                 case.update(batch=batch, queries=t, bucket=bucket, real=real)
                 report["cases"].append(case)
                 grid = case["grid"]
-                best = {tag: min((us, name) for name, us in grid.items() if name.endswith(tag))
-                        for tag in ("-len", "-nolen")}
+                best = {tag: min(((us, name) for name, us in grid.items() if name.endswith(tag)),
+                                 default=(float("nan"), "-")) for tag in ("-len", "-nolen", "-shared")}
                 print(f"{batch:3} {t:3} {bucket:5} {real:5} | {case['sdpa']:7.1f} {case['old']:7.1f} "
-                      f"{case['rule']:7.1f} {case['rule-nolen']:7.1f} | "
-                      f"{best['-len'][1]:>20} {best['-len'][0]:7.1f}  | "
-                      f"{best['-nolen'][1]:>20} {best['-nolen'][0]:7.1f}", flush=True)
+                      f"{case['rule']:7.1f} {case['rule-nolen']:7.1f} {case['rule-shared']:7.1f} | " +
+                      " | ".join(f"{best[tag][1]:>22} {best[tag][0]:7.1f}" for tag in ("-len", "-nolen", "-shared")),
+                      flush=True)
                 torch.cuda.empty_cache()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(report, indent=2))

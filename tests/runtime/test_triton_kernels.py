@@ -144,6 +144,49 @@ def test_decode_attention_with_row_lengths_reads_only_each_rows_keys():
     assert len(out.splitlines()) == 2
 
 
+def test_a_shared_context_is_read_without_its_bias():
+    """shared: each row's keys before lengths - T are every query's, so the kernel reads no bias over
+    the whole key blocks there: the same bits as the honest bias read everywhere, even where that bias
+    is made to lie about those blocks (proof it is not read); the last T keys still follow it; over a
+    paged pool too, rows
+    whose context ends inside, at and before a split, and T = 1 (a batched AR step)."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        hq, hkv, d, page, bucket = 4, 2, 64, 16, 256
+        lengths = torch.tensor([40, 256, 131, 17])
+        b = len(lengths)
+        cache = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)
+        width = bucket // page
+        table = (torch.randperm(b * width) + 1).view(b, width)
+        pool = torch.randn(2, 1, hkv, (b * width + 1) * page, d, dtype=torch.float16)
+        for row in range(b):
+            for p in range(width):
+                slot = table[row, p].item() * page
+                pool[:, 0, :, slot:slot + page] = cache[:, row, :, p * page:(p + 1) * page]
+        for t in (17, 1):
+            q = torch.randn(b, hq, t, d, dtype=torch.float16)
+            keys = torch.arange(bucket)
+            context = keys < (lengths - t)[:, None]                                   # [B, L]
+            own = (torch.rand(b, t, bucket) < 0.6) & (keys < lengths[:, None])[:, None] & ~context[:, None]
+            own[torch.arange(b)[:, None], torch.arange(t), (lengths - t)[:, None] + torch.arange(t)] = True  # its own key
+            honest = torch.where(context[:, None] | own, 0.0, float("-inf")).to(torch.float16)[:, None]
+            whole = keys < ((lengths - t) // 64 * 64)[:, None]     # the context's whole 64-key blocks
+            lying = honest.masked_fill(whole[:, None, None] & (torch.rand(b, 1, t, bucket) < 0.5), float("-inf"))
+            for launch in (K.DecodeLaunch(16, 64, 4), K.DecodeLaunch(64, 1024, 4)):
+                want = K.decode_attention(q, cache[0], cache[1], honest, lengths, launch=launch)
+                assert torch.equal(K.decode_attention(q, cache[0], cache[1], lying, lengths, launch=launch,
+                                                      shared=True), want), (t, launch)
+                assert not torch.equal(K.decode_attention(q, cache[0], cache[1], lying, lengths, launch=launch), want)
+                got = K.decode_attention(q, pool[0], pool[1], lying, lengths, launch=launch, table=table,
+                                         page_size=page, length=bucket, shared=True)
+                assert torch.equal(got, want), (t, launch)
+            err = (want.double() - ref(q, cache[0], cache[1], honest)).abs().max().item()
+            assert err < 2e-3, err
+            print(t, err)
+    """)
+    assert len(out.splitlines()) == 2
+
+
 def test_rope_and_the_kv_write_match_torch():
     interpret("""
         K._use_triton = lambda x: True

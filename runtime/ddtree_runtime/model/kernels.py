@@ -10,6 +10,7 @@ Triton's interpreter in tests/runtime/test_triton_kernels.py)."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -209,18 +210,56 @@ if triton is not None:
     # specialised on, as they only index. L stays specialised: its being a multiple of 16 lets the
     # bias loads along the keys vectorise, and every caller passes a bucket (graphs: KV_BUCKET; eager
     # passes: EAGER_KV_BUCKET, with DECODE_EAGER's fixed launch), so it always is one
+    @triton.jit
+    def _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, lo, hi, sk_h, sk_n, sv_h,
+                   sv_n, sb_t, sbt_b, scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BIASED: tl.constexpr):
+        # the online softmax over keys lo..hi-1 (lo a multiple of BLOCK_N); BIASED: with the pass's bias
+        # and hi anywhere, else every row sees every key and hi is a multiple of BLOCK_N (no mask at all)
+        for first in range(lo, hi, BLOCK_N):
+            n = first + tl.arange(0, BLOCK_N)
+            keep = n < hi
+            slot = n
+            if PAGE > 0:
+                if BIASED:
+                    page = tl.load(bt_ptr + b * sbt_b + n // PAGE, mask=keep, other=0)
+                else:
+                    page = tl.load(bt_ptr + b * sbt_b + n // PAGE)
+                slot = page * PAGE + n % PAGE
+            if BIASED:
+                kb = tl.load(k_ptr + kvh * sk_h + slot[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
+            else:
+                kb = tl.load(k_ptr + kvh * sk_h + slot[:, None] * sk_n + d[None, :])
+            s = tl.dot(q, tl.trans(kb)) * scale
+            if BIASED:
+                s += tl.load(bias_ptr + t[:, None] * sb_t + n[None, :], mask=live[:, None] & keep[None, :],
+                             other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            if BIASED:
+                vb = tl.load(v_ptr + kvh * sv_h + slot[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
+            else:
+                vb = tl.load(v_ptr + kvh * sv_h + slot[:, None] * sv_n + d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            l = l * alpha + tl.sum(p, 1)
+            m = m_new
+        return m, l, acc
+
     @triton.jit(do_not_specialize=["T", "rows_pad"])
     def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr, bt_ptr,
                                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, so_b, so_h, so_t,
                                  sbt_b, HKV, T, L, rows_pad, scale, SPLIT: tl.constexpr, G: tl.constexpr,
                                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, PAGE: tl.constexpr):
+                                 HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, PAGE: tl.constexpr,
+                                 SHARED: tl.constexpr):
         # one program per (sequence x KV head, KV split, block of rows); rows are (query head of the
         # group, query). With lengths, sequence b reads only its first lengths[b] keys (the rest are
         # masked by its bias anyway): the key loop stops there, and a split starting past it writes no
-        # partial (the reduce skips it; split 0 always writes). DIRECT (one split): the program writes
-        # the normalised output itself and no reduce runs. PAGE > 0: the keys are a paged pool's, key n
-        # of sequence b at slot table[b, n // PAGE] * PAGE + n % PAGE (sk_b = sv_b = 0: one pool)
+        # partial (the reduce skips it; split 0 always writes). SHARED (with lengths): every query sees
+        # the keys before lengths[b] - T (the row's context), so the bias is read only from the block
+        # holding that key on. DIRECT (one split): the program writes the normalised output itself and
+        # no reduce runs. PAGE > 0: the keys are a paged pool's, key n of sequence b at slot
+        # table[b, n // PAGE] * PAGE + n % PAGE (sk_b = sv_b = 0: one pool)
         bh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bh // HKV, bh % HKV
         q_ptr += b * sq_b
@@ -242,24 +281,13 @@ if triton is not None:
         if HAS_LENGTHS:
             end = tl.minimum(L, tl.load(len_ptr + b).to(tl.int32))
         hi = tl.minimum(lo + SPLIT, end)
-        for first in range(lo, hi, BLOCK_N):
-            n = first + tl.arange(0, BLOCK_N)
-            keep = n < hi
-            slot = n
-            if PAGE > 0:
-                page = tl.load(bt_ptr + b * sbt_b + n // PAGE, mask=keep, other=0)
-                slot = page * PAGE + n % PAGE
-            kb = tl.load(k_ptr + kvh * sk_h + slot[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb)) * scale
-            s += tl.load(bias_ptr + t[:, None] * sb_t + n[None, :], mask=live[:, None] & keep[None, :],
-                         other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            vb = tl.load(v_ptr + kvh * sv_h + slot[:, None] * sv_n + d[None, :], mask=keep[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-            l = l * alpha + tl.sum(p, 1)
-            m = m_new
+        mid = lo
+        if SHARED:  # the whole blocks before the row's own last T keys: no bias, no mask
+            mid = tl.maximum(lo, tl.minimum(hi, (end - T) // BLOCK_N * BLOCK_N))
+            m, l, acc = _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, lo, mid, sk_h,
+                                   sk_n, sv_h, sv_n, sb_t, sbt_b, scale, BLOCK_N, PAGE, False)
+        m, l, acc = _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, mid, hi, sk_h,
+                               sk_n, sv_h, sv_n, sb_t, sbt_b, scale, BLOCK_N, PAGE, True)
         if DIRECT:
             o = acc / l[:, None]
             tl.store(out_ptr + b * so_b + (kvh * G + g)[:, None] * so_h + t[:, None] * so_t + d[None, :],
@@ -337,6 +365,10 @@ DECODE_BATCHED_ONE_QUERY = True
 # of 17 queries, the sweep above), so lengths are used for one-query passes only.
 DECODE_LENGTHS_MAX_QUERIES = 1
 DECODE_MAX_ROWS = 4 * 129
+# Passes with per-row lengths (a batched tree, a drafter's block, a prompt piece) read no bias over the
+# row's context, which every query sees (decode_attention's `shared`); DDTREE_SHARED_CONTEXT=0 reads it
+# everywhere, as before (the A/B of docs/performance.md)
+DECODE_SHARED_CONTEXT = os.environ.get("DDTREE_SHARED_CONTEXT", "1") != "0"
 # The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
 # draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
 # served engine compiled kernels well into its traffic: 20% of its thread's time, docs/performance.md).
@@ -374,7 +406,7 @@ def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None,
                      table: torch.Tensor | None = None, page_size: int = 0,
-                     length: int | None = None) -> torch.Tensor:
+                     length: int | None = None, shared: bool = False) -> torch.Tensor:
     """Attention of a few queries over a long KV (flash-decoding): q [B, Hq, T, D], k/v [B, Hkv, L, D],
     bias additive, broadcastable to [B, 1, T, L] -> [B, Hq, T, D]; each sequence of a batch (a batched
     round's rows) is its own set of programs. The KV length is split across programs and each KV
@@ -388,7 +420,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     launch: a fixed launch shape (the probe's sweep); by default decode_launch's.
     table, page_size, length: paged keys: k/v are a pool's layer [1, Hkv, slots, D], sequence b's key n
     at slot table[b, n // page_size] * page_size + n % page_size ([B, width] long), `length` keys each
-    (the bucket, which the bias covers)."""
+    (the bucket, which the bias covers).
+    shared (with lengths): the caller's promise that every query of row b sees its keys before
+    lengths[b] - T (its context: a tree's nodes or a drafter's block follow it), so the bias is read
+    only over the last T keys; lengths are then kept whatever the query count."""
     batch, hq, t, d = q.shape
     hkv = k.shape[1]
     paged = table is not None
@@ -396,7 +431,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         length = k.shape[2]
     g = hq // hkv
     rows = g * t
-    if t > DECODE_LENGTHS_MAX_QUERIES and launch is None:
+    if shared and lengths is None:
+        raise ValueError("a shared context needs each row's lengths")
+    if t > DECODE_LENGTHS_MAX_QUERIES and launch is None and not shared:
         lengths = None
     block_r, split, warps, stages, block_keys = launch or decode_launch(batch, t, rows, length, hkv)
     rows_pad = -(-rows // block_r) * block_r
@@ -423,7 +460,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0),
         out.stride(1), out.stride(2), table.stride(0) if paged else 0, hkv, t, length, rows_pad, d ** -0.5,
         SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=min(block_keys, split) if d <= 128 else min(block_keys, 32),
-        HAS_LENGTHS=has_lengths, DIRECT=direct, PAGE=page_size if paged else 0, num_warps=warps, num_stages=stages)
+        HAS_LENGTHS=has_lengths, DIRECT=direct, PAGE=page_size if paged else 0, SHARED=shared, num_warps=warps,
+        num_stages=stages)
     if not direct:
         _decode_attn_reduce_kernel[(batch * hkv, rows)](
             part, ml, lens, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, rows_pad, n_splits,

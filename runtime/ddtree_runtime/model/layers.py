@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from . import kernels
 from .fp8 import BLOCK, BlockFP8, FP8Linear, cdiv, fp8_linear, fuse_fp8_rows, slice_rows
 from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
@@ -236,7 +237,8 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                  lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
+                  lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None,
+                  shared: bool = False) -> torch.Tensor:
     """Attention of the graphed decode path (bias additive, KV length bucketed). On CUDA in 16 bits the
     split-KV kernel (kernels.decode_attention) takes every shape it fits. Otherwise, as measured on an
     H200 (docs/performance.md): the batched-GEMM form wins for small blocks of queries over a long
@@ -245,9 +247,10 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
 
     lengths ([B] on the device, optional): row b's bias masks every key from lengths[b] on, so the
     kernel stops reading there (the bucket's padding is free); the other forms rely on the bias.
-    launch: the kernel's, where the caller fixes it (kernels.decode_attention)."""
+    launch: the kernel's, where the caller fixes it (kernels.decode_attention); shared: its promise that
+    every query sees the keys before lengths - T (kernels.decode_attention)."""
     if decode_attention_fits(q, k, lengths):
-        return decode_attention(q, k, v, bias, lengths, launch)
+        return decode_attention(q, k, v, bias, lengths, launch, shared=shared)
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)
@@ -276,12 +279,15 @@ def attend_cache(q: torch.Tensor, cache, idx: int, kv_len: int, bias: torch.Tens
                  lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """A tree pass's attention over layer idx's first kv_len cache positions (attend_decode's rules):
     a paged cache is read through its block tables by the paged split-KV kernel where that fits, and
-    otherwise (the torch path, the shapes the kernel leaves to SDPA) from a gathered copy."""
+    otherwise (the torch path, the shapes the kernel leaves to SDPA) from a gathered copy. Every pass
+    that gives lengths (a tree, a drafter's block, a prompt piece) has its T queries after the row's
+    context, which all of them see: the kernel skips the bias there (kernels.DECODE_SHARED_CONTEXT)."""
+    shared = lengths is not None and kernels.DECODE_SHARED_CONTEXT
     pages = cache.pages(idx)
     if pages is not None and decode_attention_fits(q, pages.k, lengths):
         return decode_attention(q, pages.k, pages.v, bias, lengths, launch, table=pages.block,
-                                page_size=pages.page_size, length=kv_len)
-    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths, launch)
+                                page_size=pages.page_size, length=kv_len, shared=shared)
+    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths, launch, shared)
 
 
 class RowParts(NamedTuple):

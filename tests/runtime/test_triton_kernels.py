@@ -554,6 +554,63 @@ def test_fused_gated_deltanet_batched_tree_pass_matches_torch():
     """)
 
 
+def test_conv_heads_launches_match_torch_and_each_other():
+    """gdn_kernels.conv_heads at every launch form (a program per key head or per value head, one node or
+    a block of them, the last block past the tree, other warps) against the torch conv, split and
+    normalisation, and bit for bit against each other: one tree for all rows ([T, K] windows) or one a
+    row ([B, T, K]), a 16-bit projection's strided columns as mixed, groups of 2 and 3 value heads a key
+    head; and as the layer calls it, k and the inputs written into a scratch (rows and heads strided)
+    whose nodes past T stay untouched."""
+    out = interpret("""
+        from ddtree_runtime.engine.tree import ancestor_mask
+        from ddtree_runtime.model.gated_delta import causal_conv, tree_paths
+
+        launches = [G.ConvHeadsLaunch(), G.ConvHeadsLaunch(per_key=False), G.ConvHeadsLaunch(nodes=2),
+                    G.ConvHeadsLaunch(nodes=4, warps=2), G.ConvHeadsLaunch(per_key=False, nodes=3, warps=8)]
+        for n_k, n_v, dk, dv, t, shared in [(2, 6, 16, 32, 7, True), (2, 4, 32, 16, 5, False)]:
+            b, kernel = 3, 4
+            c = 2 * n_k * dk + n_v * dv
+            gen = torch.Generator().manual_seed(t)
+            parents = torch.randint(0, t, (b, t), generator=gen) % (torch.arange(t) + 1)   # each before its node
+            parents[:, 0] = 0
+            depth = torch.zeros(b, t, dtype=torch.long)
+            for i in range(1, t):
+                depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1
+            mask = ancestor_mask(parents, t)
+            window = tree_paths(mask[0], depth[0], kernel).window if shared else tree_paths(mask, depth, kernel).window
+            projected = torch.randn(b, t, c + 40, generator=gen).bfloat16()
+            mixed = projected[..., 8:8 + c]                                # rows and nodes strided
+            state = torch.randn(b, kernel - 1, c, generator=gen).bfloat16()
+            weight = (torch.randn(c, kernel, generator=gen) * 0.5).bfloat16()
+
+            conv = causal_conv(mixed.float(), state.float(), weight.float(), window)
+            qc, kc, vc = conv.split([n_k * dk, n_k * dk, n_v * dv], dim=-1)
+            heads = lambda x, n, d: x.reshape(b, t, n, d).transpose(1, 2).repeat_interleave(n_v // n, 1)
+            norm = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+            want = (norm(heads(qc, n_k, dk)) * dk ** -0.5, norm(heads(kc, n_k, dk)), heads(vc, n_v, dv))
+
+            first = G.conv_heads(mixed, state, weight, window, n_k, n_v, dk, dv, launch=launches[0])
+            for got, ref, name in zip(first, want, "qkv"):
+                assert got.shape == ref.shape and got.is_contiguous(), name
+                err = (got - ref).abs().max().item()
+                assert err < 1e-5, (name, err)
+            for launch in launches[1:]:
+                for got, ref, name in zip(G.conv_heads(mixed, state, weight, window, n_k, n_v, dk, dv, launch=launch),
+                                          first, "qkv"):
+                    assert torch.equal(got, ref), (launch, name)
+                # as the layer calls it: k into the scratch's [B, Hv, nodes, dk] (17 nodes), mixed copied
+                k_scratch = torch.full((2, b + 1, n_v, 17, dk), 7.0)[1, :b]
+                inputs = torch.full((b + 1, 17, c), 7.0).bfloat16()[:b]
+                q, k, v = G.conv_heads(mixed, state, weight, window, n_k, n_v, dk, dv, k=k_scratch[:, :, :t],
+                                       keep=inputs[:, :t], launch=launch)
+                assert torch.equal(q, first[0]) and torch.equal(v, first[2]), launch
+                assert torch.equal(k_scratch[:, :, :t], first[1]) and torch.equal(inputs[:, :t], mixed), launch
+                assert (k_scratch[:, :, t:] == 7).all() and (inputs[:, t:] == 7).all(), launch
+            print(n_k, n_v, t)
+    """)
+    assert len(out.splitlines()) == 2
+
+
 def test_tree_delta_kernel_matches_the_torch_gated_delta():
     """The one-launch tree verify against gated_delta in torch, float32: random trees (one shared, or
     one per sequence: a tree, a chain, a star among them) of 1, 5, 17 and 33 nodes, several sequences,

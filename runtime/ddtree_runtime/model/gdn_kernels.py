@@ -27,49 +27,70 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _conv_silu(mixed_ptr, state_ptr, w_ptr, ext, from_state, ch, s_mix, C, KM1, K: tl.constexpr):
-        # the K taps of channels `ch` along one node's path: rows of the conv state, then of the new inputs
+    def _conv_taps(mixed_ptr, state_ptr, w_ptr, ext, from_state, ch, s_mix, C, KM1, K: tl.constexpr):
+        # the K taps of channels `ch` along one node's path (rows of the conv state, then of the new inputs)
+        # and their weights, as loaded
         taps = tl.arange(0, K)
         x_old = tl.load(state_ptr + ext[:, None] * C + ch[None, :], mask=from_state[:, None], other=0.0)
         x_new = tl.load(mixed_ptr + (ext - KM1)[:, None] * s_mix + ch[None, :], mask=~from_state[:, None],
                         other=0.0)
-        w = tl.load(w_ptr + ch[None, :] * K + taps[:, None]).to(tl.float32)
-        y = tl.sum((x_old.to(tl.float32) + x_new.to(tl.float32)) * w, axis=0)
+        return x_old, x_new, tl.load(w_ptr + ch[None, :] * K + taps[:, None])
+
+    @triton.jit
+    def _conv_silu(loaded):
+        x_old, x_new, w = loaded
+        y = tl.sum((x_old.to(tl.float32) + x_new.to(tl.float32)) * w.to(tl.float32), axis=0)
         return y * tl.sigmoid(y)
 
     @triton.jit
     def _conv_heads_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, s_mixb, s_mix,
-                           s_win, s_kb, s_kh, s_keepb, T, C, KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr,
-                           DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KEEP: tl.constexpr):
-        t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # node, value head, sequence
-        HV = tl.num_programs(1)
+                           s_win, s_kb, s_kh, s_keepb, T, C, KM1, HV, q_scale, NK: tl.constexpr,
+                           GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, K: tl.constexpr, KEEP: tl.constexpr):
+        # BLOCK_T nodes of one sequence for HEADS value heads: a key head's GROUP (its q and k made once
+        # a node for all of them) or one (q and k made again by each of the group). A node's loads all
+        # come before its first store, which they could alias: one round trip to memory, not one a head.
+        # Each head's vectors are the same [K, D] tiles and reductions whatever the grid (ConvHeadsLaunch)
+        tb, unit, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # node block, heads, sequence
+        h0 = unit * HEADS
+        kh = h0 // GROUP
         mixed_ptr += b * s_mixb
         state_ptr += b * KM1 * C
         q_ptr += b * HV * T * DK
         k_ptr += b * s_kb
         v_ptr += b * HV * T * DV
-        kh = h // GROUP
-        ext = tl.load(win_ptr + b * s_win + t * K + tl.arange(0, K))
-        from_state = ext < KM1
+        win_ptr += b * s_win
+        keep_ptr += b * s_keepb
         dk = tl.arange(0, DK)
-        q = _conv_silu(mixed_ptr, state_ptr, w_ptr, ext, from_state, kh * DK + dk, s_mix, C, KM1, K)
-        k = _conv_silu(mixed_ptr, state_ptr, w_ptr, ext, from_state, NK + kh * DK + dk, s_mix, C, KM1, K)
         dv = tl.arange(0, DV)
-        v = _conv_silu(mixed_ptr, state_ptr, w_ptr, ext, from_state, 2 * NK + h * DV + dv, s_mix, C, KM1, K)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        tl.store(q_ptr + (h * T + t) * DK + dk, q)
-        tl.store(k_ptr + h * s_kh + t * DK + dk, k)
-        tl.store(v_ptr + (h * T + t) * DV + dv, v)
-        if KEEP:  # the node's own input row, each channel by one program: a value head's v, and q, k by
-            # the first value head of their key head
-            row = mixed_ptr + t * s_mix
-            keep_ptr += b * s_keepb + t * C
-            v_ch = 2 * NK + h * DV + dv
-            tl.store(keep_ptr + v_ch, tl.load(row + v_ch))
-            if h % GROUP == 0:
-                tl.store(keep_ptr + kh * DK + dk, tl.load(row + kh * DK + dk))
-                tl.store(keep_ptr + NK + kh * DK + dk, tl.load(row + NK + kh * DK + dk))
+        q_ch = kh * DK + dk
+        for i in tl.static_range(BLOCK_T):
+            t = tl.minimum(tb * BLOCK_T + i, T - 1)   # past the tree, the last node again: no branch
+            ext = tl.load(win_ptr + t * K + tl.arange(0, K))
+            from_state = ext < KM1
+            q_in = _conv_taps(mixed_ptr, state_ptr, w_ptr, ext, from_state, q_ch, s_mix, C, KM1, K)
+            k_in = _conv_taps(mixed_ptr, state_ptr, w_ptr, ext, from_state, NK + q_ch, s_mix, C, KM1, K)
+            v_in = ()
+            for j in tl.static_range(HEADS):
+                v_ch = 2 * NK + (h0 + j) * DV + dv
+                v_in = v_in + (_conv_taps(mixed_ptr, state_ptr, w_ptr, ext, from_state, v_ch, s_mix, C, KM1, K),)
+            q = _conv_silu(q_in)
+            k = _conv_silu(k_in)
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            for j in tl.static_range(HEADS):
+                tl.store(q_ptr + ((h0 + j) * T + t) * DK + dk, q)
+                tl.store(k_ptr + (h0 + j) * s_kh + t * DK + dk, k)
+                tl.store(v_ptr + ((h0 + j) * T + t) * DV + dv, _conv_silu(v_in[j]))
+            if KEEP:  # the node's own input row, each channel by one program: q, k by the group's first head
+                row = mixed_ptr + t * s_mix
+                keep_row = keep_ptr + t * C
+                for j in tl.static_range(HEADS):
+                    v_ch = 2 * NK + (h0 + j) * DV + dv
+                    tl.store(keep_row + v_ch, tl.load(row + v_ch))
+                if h0 % GROUP == 0:
+                    tl.store(keep_row + q_ch, tl.load(row + q_ch))
+                    tl.store(keep_row + NK + q_ch, tl.load(row + NK + q_ch))
 
     @triton.jit
     def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, s_zb, s_z, T, H, eps, DV: tl.constexpr):
@@ -212,26 +233,47 @@ def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
             and all(n & (n - 1) == 0 for n in (dk, dv, kernel)))
 
 
+class ConvHeadsLaunch(NamedTuple):
+    """A program per (`nodes` nodes, key head, sequence) that makes the key head's q and k once for all its
+    value heads (`per_key`), else one per (`nodes` nodes, value head, sequence) making them again for each
+    (the grid before: 3x the programs and the q/k work at the 27B's 48/16 heads); `warps` a program.
+    At 4 warps each head gets the same [K, D] tiles, layouts and reductions as the kernel before, so the
+    same bits (gdn_tree_bench.py compares them on the GPU); other warps lay the vectors out differently,
+    and their sums may round differently."""
+    per_key: bool = True
+    nodes: int = 1
+    warps: int = 4
+
+
+# The launch the layers run (gdn_tree_bench.py times it beside the others and the kernel before them)
+CONV_HEADS_LAUNCH = ConvHeadsLaunch()
+
+
 def conv_heads(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
                n_k: int, n_v: int, dk: int, dv: int,
                k: torch.Tensor | None = None,
-               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               keep: torch.Tensor | None = None,
+               launch: ConvHeadsLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixed [B, T, C] new inputs (rows may be strided), conv_state [B, K-1, C], weight [C, K], window
     [T, K] (or [B, T, K]: each sequence its own tree) -> q, k [B, Hv, T, dk] (L2-normalised, q scaled
     by dk^-0.5), v [B, Hv, T, dv], float32. k is written into `k` where given (rows and heads may be
     strided, nodes dense: the cache's scratch), and a copy of mixed into `keep` ([B, T, C], rows may
     be strided) where given (the scratch's inputs)."""
+    launch = launch or CONV_HEADS_LAUNCH
     b, t, c = mixed.shape
     kernel = weight.shape[1]
     q = torch.empty(b, n_v, t, dk, device=mixed.device, dtype=torch.float32)
     k = torch.empty_like(q) if k is None else k
     v = torch.empty(b, n_v, t, dv, device=mixed.device, dtype=torch.float32)
     window = window.contiguous()
-    _conv_heads_kernel[(t, n_v, b)](mixed, conv_state.contiguous(), weight.contiguous(), window, q, k, v,
-                                    mixed if keep is None else keep, mixed.stride(0), mixed.stride(1),
-                                    t * kernel if window.dim() == 3 else 0, k.stride(0), k.stride(1),
-                                    0 if keep is None else keep.stride(0), t, c, kernel - 1, dk ** -0.5,
-                                    NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel, KEEP=keep is not None)
+    heads = n_v // n_k if launch.per_key else 1
+    grid = (triton.cdiv(t, launch.nodes), n_v // heads, b)
+    _conv_heads_kernel[grid](mixed, conv_state.contiguous(), weight.contiguous(), window, q, k, v,
+                             mixed if keep is None else keep, mixed.stride(0), mixed.stride(1),
+                             t * kernel if window.dim() == 3 else 0, k.stride(0), k.stride(1),
+                             0 if keep is None else keep.stride(0), t, c, kernel - 1, n_v, dk ** -0.5,
+                             NK=n_k * dk, GROUP=n_v // n_k, HEADS=heads, BLOCK_T=launch.nodes, DK=dk, DV=dv,
+                             K=kernel, KEEP=keep is not None, num_warps=launch.warps)
     return q, k, v
 
 

@@ -356,13 +356,19 @@ DECODE_ONE_SEQUENCE = DecodeRule(programs=128, splits=(128, 1024), block_rows=64
 # one 128-row block and one 1024-key split, 8 warps (36.1 us a layer, against 55.6 with the
 # one-sequence rule's launch and 99.8 in SDPA); 32 rows 69.1 (107.8, 192.3). A batch of single
 # queries (AR steps) does best unsplit too: 14.0 us at 16 rows with per-row lengths (SDPA 21.3).
-DECODE_BATCH = DecodeRule(programs=128, splits=(128, 1024), block_rows=128, warps=8, one_query_split=1024)
+# Over long contexts, through the paged pool and with `shared` (attn_probe.py --batched --page-size 16,
+# bench/results/runtime-attn-probe-paged-*-s20-h200.json, 16 rows, 4.6K / 8.7K buckets): 2,048-key
+# splits are best, for the 27B's tree (24 / 4 heads of 256: 102 rows, 128-row blocks, 8 warps: 148 /
+# 272 us against 159 / 301 at 1,024) and its drafter's block (32 / 8 heads of 128, 16 queries: 64
+# rows), whose 64-row blocks do best with 4 warps (104 / 159 us against 172 / 291 with 8).
+DECODE_BATCH = DecodeRule(programs=128, splits=(128, 2048), block_rows=128, warps=8, one_query_split=1024)
 # Whether a batch of single queries (batched AR steps) takes the kernel, given per-row lengths: it
 # does (the figures above; without lengths the kernel only tied SDPA, 21.2 against 21.3 us).
 DECODE_BATCHED_ONE_QUERY = True
 # Per-row lengths stop a program's key loop early, but the loop's bound then waits on a loaded value:
 # for several queries a sequence the full bucket ran faster (36.1 against 42.8 us a layer at 16 rows
-# of 17 queries, the sweep above), so lengths are used for one-query passes only.
+# of 17 queries, the sweep above), so lengths are used for one-query passes only, unless the pass
+# promises a shared context (below: then its loop over the context has no mask and no bias read).
 DECODE_LENGTHS_MAX_QUERIES = 1
 DECODE_MAX_ROWS = 4 * 129
 # Passes with per-row lengths (a batched tree, a drafter's block, a prompt piece) read no bias over the
@@ -388,7 +394,7 @@ def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: in
     row_blocks = -(-rows // block_rows)
     lo, hi = rule.splits
     split = min(hi, max(lo, triton.next_power_of_2(length * row_blocks * batch * kv_heads // rule.programs)))
-    return DecodeLaunch(block_rows, split, rule.warps)
+    return DecodeLaunch(block_rows, split, rule.warps if block_rows > 64 else min(rule.warps, 4))
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None = None) -> bool:

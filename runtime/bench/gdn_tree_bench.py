@@ -8,8 +8,8 @@ dk = dv = 128, conv 4; 48 such layers a step), B rows of a T-node tree each (T =
     the layer    each piece of GatedDeltaNet.forward's tree pass: the fused in-projection (GEMM), the
                  torch ops that split it and make beta and g (`split_beta_g`, before the kernel made
                  them), conv_heads (alone; as the layer calls it, also writing the inputs and keys into
-                 the cache's scratch; so again at each of CONV_LAUNCHES, beside `before`, the kernel as
-                 it was before them, whose bits each must equal), the recurrence (torch; the kernel; the
+                 the cache's scratch; so again at each of CONV_LAUNCHES, whose bits each must equal the
+                 first's, the grid as it was before them), the recurrence (torch; the kernel; the
                  kernel as the layer calls it, making the gates and writing into the scratch), the
                  save_step copies those writes removed, gated_norm, the out-projection (GEMM), and the
                  residual add its GEMM now does in place; and the whole layer forward as before the kernel
@@ -46,8 +46,6 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import measure_ceilings, target_config_of  # noqa: E402
@@ -101,76 +99,13 @@ def conv_launch_name(launch: ConvHeadsLaunch) -> str:
     return f"{'key' if launch.per_key else 'value'}-t{launch.nodes}-w{launch.warps}"
 
 
-@triton.jit
-def _conv_silu_before(mixed_ptr, state_ptr, w_ptr, ext, from_state, ch, s_mix, C, KM1, K: tl.constexpr):
-    taps = tl.arange(0, K)
-    x_old = tl.load(state_ptr + ext[:, None] * C + ch[None, :], mask=from_state[:, None], other=0.0)
-    x_new = tl.load(mixed_ptr + (ext - KM1)[:, None] * s_mix + ch[None, :], mask=~from_state[:, None], other=0.0)
-    w = tl.load(w_ptr + ch[None, :] * K + taps[:, None]).to(tl.float32)
-    y = tl.sum((x_old.to(tl.float32) + x_new.to(tl.float32)) * w, axis=0)
-    return y * tl.sigmoid(y)
-
-
-@triton.jit
-def _conv_heads_before_kernel(mixed_ptr, state_ptr, w_ptr, win_ptr, q_ptr, k_ptr, v_ptr, keep_ptr, s_mixb, s_mix,
-                              s_win, s_kb, s_kh, s_keepb, T, C, KM1, q_scale, NK: tl.constexpr, GROUP: tl.constexpr,
-                              DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KEEP: tl.constexpr):
-    # gdn_kernels' conv_heads kernel before ConvHeadsLaunch, as it was: the reference for the launches' bits
-    t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    HV = tl.num_programs(1)
-    mixed_ptr += b * s_mixb
-    state_ptr += b * KM1 * C
-    q_ptr += b * HV * T * DK
-    k_ptr += b * s_kb
-    v_ptr += b * HV * T * DV
-    kh = h // GROUP
-    ext = tl.load(win_ptr + b * s_win + t * K + tl.arange(0, K))
-    from_state = ext < KM1
-    dk = tl.arange(0, DK)
-    q = _conv_silu_before(mixed_ptr, state_ptr, w_ptr, ext, from_state, kh * DK + dk, s_mix, C, KM1, K)
-    k = _conv_silu_before(mixed_ptr, state_ptr, w_ptr, ext, from_state, NK + kh * DK + dk, s_mix, C, KM1, K)
-    dv = tl.arange(0, DV)
-    v = _conv_silu_before(mixed_ptr, state_ptr, w_ptr, ext, from_state, 2 * NK + h * DV + dv, s_mix, C, KM1, K)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    tl.store(q_ptr + (h * T + t) * DK + dk, q)
-    tl.store(k_ptr + h * s_kh + t * DK + dk, k)
-    tl.store(v_ptr + (h * T + t) * DV + dv, v)
-    if KEEP:
-        row = mixed_ptr + t * s_mix
-        keep_ptr += b * s_keepb + t * C
-        v_ch = 2 * NK + h * DV + dv
-        tl.store(keep_ptr + v_ch, tl.load(row + v_ch))
-        if h % GROUP == 0:
-            tl.store(keep_ptr + kh * DK + dk, tl.load(row + kh * DK + dk))
-            tl.store(keep_ptr + NK + kh * DK + dk, tl.load(row + NK + kh * DK + dk))
-
-
-def conv_heads_before(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
-                      n_k: int, n_v: int, dk: int, dv: int, k: torch.Tensor | None = None,
-                      keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gdn_kernels.conv_heads as it was before ConvHeadsLaunch."""
-    b, t, c = mixed.shape
-    kernel = weight.shape[1]
-    q = torch.empty(b, n_v, t, dk, device=mixed.device, dtype=torch.float32)
-    k = torch.empty_like(q) if k is None else k
-    v = torch.empty(b, n_v, t, dv, device=mixed.device, dtype=torch.float32)
-    window = window.contiguous()
-    _conv_heads_before_kernel[(t, n_v, b)](
-        mixed, conv_state.contiguous(), weight.contiguous(), window, q, k, v, mixed if keep is None else keep,
-        mixed.stride(0), mixed.stride(1), t * kernel if window.dim() == 3 else 0, k.stride(0), k.stride(1),
-        0 if keep is None else keep.stride(0), t, c, kernel - 1, dk ** -0.5,
-        NK=n_k * dk, GROUP=n_v // n_k, DK=dk, DV=dv, K=kernel, KEEP=keep is not None)
-    return q, k, v
-
-
 def conv_launches(conv_args: tuple, scratch_k: torch.Tensor, keep: torch.Tensor, device: torch.device) -> dict:
-    """conv_heads as the layer calls it (k and the inputs into the scratch) before ConvHeadsLaunch and at
-    each of CONV_LAUNCHES: us, and whether its q, k, v have the bits of the kernel before (else the
-    largest difference)."""
-    before = [x.clone() for x in conv_heads_before(*conv_args)]
-    cases = {"before": {"us": measure(lambda: conv_heads_before(*conv_args, k=scratch_k, keep=keep), device),
-                        "same_bits": True}}
+    """conv_heads as the layer calls it (k and the inputs into the scratch) at each of CONV_LAUNCHES: us,
+    and whether its q, k, v have the bits of the first, the grid before ConvHeadsLaunch (a program per
+    value head: on the H200 it gave the bits of the kernel before, which this script then carried), else
+    the largest difference."""
+    before = [x.clone() for x in conv_heads(*conv_args, launch=CONV_LAUNCHES[0])]
+    cases = {}
     for launch in CONV_LAUNCHES:
         got = conv_heads(*conv_args, launch=launch)
         diff = max((a - b).abs().max().item() for a, b in zip(got, before))
@@ -226,7 +161,8 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
     torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
     case = {"torch_f32_error": relative_error(torch32, want), "torch_us": measure(
         lambda: gated_delta_torch(q, k, v, g, beta, state, paths), device), "launches": {}}
-    for launch in [gdn_kernels.TREE_DELTA_LAUNCH] + launches:
+    served = gdn_kernels.tree_delta_launch(batch)
+    for launch in [served] + launches:
         name = launch_name(launch)
         if name in case["launches"]:
             continue
@@ -240,8 +176,8 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
             case["launches"][name] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
         if device.type != "cuda":
             break  # the interpreter: the default launch only
-    default = case["launches"][launch_name(gdn_kernels.TREE_DELTA_LAUNCH)]
-    case["default"] = launch_name(gdn_kernels.TREE_DELTA_LAUNCH)
+    default = case["launches"][launch_name(served)]
+    case["default"] = launch_name(served)
     case["ok"] = qualifies(default)
     timed = {n: r for n, r in case["launches"].items() if qualifies(r)}
     case["best"] = min(timed, key=lambda n: timed[n]["us"]) if timed else None
@@ -393,7 +329,7 @@ def main() -> int:
             continue
         us = lay["us"]
         print("      layer pieces: " + "  ".join(f"{n} {t:.1f}" for n, t in us.items()))
-        print("      conv_heads as the layer calls it, us (bits against `before`, the kernel before ConvHeadsLaunch): "
+        print("      conv_heads as the layer calls it, us (bits against the first, the grid before ConvHeadsLaunch): "
               + "  ".join(f"{n} {r['us']:.1f} " + ("same" if r["same_bits"] else f"DIFFER {r['max_diff']:.1e}")
                           for n, r in lay["conv_launches"].items()))
         print(f"      layer: torch recurrence {us['layer-torch']:.1f} us -> kernel {us['layer-kernel']:.1f} us "

@@ -245,7 +245,9 @@ class ConvHeadsLaunch(NamedTuple):
     warps: int = 4
 
 
-# The launch the layers run (gdn_tree_bench.py times it beside the others and the kernel before them)
+# The launch the layers run (gdn_tree_bench.py times it beside the others): on the H200 at the 27B's
+# heads, 17 nodes, the bits of the kernel before it and 13.8 us a layer at 16 rows against 23.1 (2.9
+# against 3.2 at 1 row; 2 warps 12.7 but other bits)
 CONV_HEADS_LAUNCH = ConvHeadsLaunch()
 
 
@@ -336,8 +338,18 @@ class TreeDeltaLaunch(NamedTuple):
     output_precision: str | None = None
 
 
-# The launch the layers run (gdn_tree_bench.py times it as its default, beside its grid)
+# The launch the layers run (gdn_tree_bench.py times it as its default, beside its grid), and from
+# TREE_DELTA_WIDE_ROWS rows on the one with 128 columns of dv a program: its [T, T] solve made once a
+# head, not twice (H200, 27B, 17 nodes: 94.7 against 101.4 us at 16 rows; 60.1 against 52.0 at 8,
+# fewer programs than the GPU has SMs' worth; the same results)
 TREE_DELTA_LAUNCH = TreeDeltaLaunch()
+TREE_DELTA_WIDE = TreeDeltaLaunch(block_v=128)
+TREE_DELTA_WIDE_ROWS = 16
+
+
+def tree_delta_launch(rows: int) -> TreeDeltaLaunch:
+    """The launch for a pass of `rows` sequences' trees."""
+    return TREE_DELTA_WIDE if rows >= TREE_DELTA_WIDE_ROWS else TREE_DELTA_LAUNCH
 
 # Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves
 # the tree pass in torch instead (to compare, or should a GPU's compiler refuse the kernel)
@@ -370,8 +382,8 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     mask [T, T] or [B, 1, T, T] bool (ancestor-or-self, ancestors first). Returns out [B, H, T, dv]
     (contiguous), u [B, H, T, dv] and the path sums G [B, H, T]: written into `u` and `pathsum` where
     given (any strides: the cache's scratch), else new."""
-    launch = launch or TREE_DELTA_LAUNCH
     b, h, t, dk = q.shape
+    launch = launch or tree_delta_launch(b)
     dv = v.shape[-1]
     block_t = max(16, triton.next_power_of_2(t))
     block_k, block_v = min(launch.block_k, dk), min(launch.block_v, dv)

@@ -1,11 +1,12 @@
 """The runtime's Triton kernels (CUDA-only in service) run here on the CPU through Triton's interpreter
 and must agree with the torch path: the split-KV decode attention against a float reference, the tree
-build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE and
-the fused KV write, the fused SiLU-and-multiply, the block-scaled FP8 GEMM against its scales applied
-in float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree
-pass with its fused conv/heads and gated-norm kernels against the same layer, the commit's state
-advance against torch, and the prompt piece's conv, gates and gated-norm kernels (gdn_prompt.py) against
-the torch padded path."""
+build against the torch build and the top-K log-probs before it against log_softmax, RMSNorm+RoPE (full
+and partial) and the fused KV write, the gated attention's output gate (and the hybrid's gated attention
+through them), the fused SiLU-and-multiply, the block-scaled FP8 GEMM against its scales applied in
+float64 (and both tiny FP8 targets through it against the torch path), and the Gated DeltaNet tree pass
+with its fused conv/heads and gated-norm kernels against the same layer, the commit's state advance
+against torch, and the prompt piece's conv, gates and gated-norm kernels (gdn_prompt.py) against the
+torch padded path."""
 
 from __future__ import annotations
 
@@ -1185,3 +1186,201 @@ def test_compile_check_reports_a_kernel_the_interpreter_runs_but_the_compiler_re
     interpret(body.format("steady"))
     with pytest.raises(AssertionError, match="retyped.*BLOCK"):
         interpret(body.format("retyped"))
+
+
+def test_partial_rope_kernel_matches_rope_of_rms_norm_and_reads_q_from_query_gate_heads():
+    """The hybrid's partial RoPE (R of D dims rotated, the rest normalised and weighted only) against
+    rotate_half_rope of the torch RMSNorm in float64: q read in place from [query | gate] heads (head
+    stride 2D) and from a contiguous copy to the same bits, a token alone to the same bits as among
+    others (a verify's q/k are the AR step's), a batched AR step, and rotated widths the kernel leaves
+    to torch."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        b, t, hq, hkv, eps = 3, 5, 6, 2, 1e-6               # 6 heads: padded to 8 in the program
+        for dtype, d, r, tol in [(torch.float16, 64, 16, 3e-3), (torch.float32, 64, 16, 1e-5),
+                                 (torch.float16, 256, 64, 3e-3), (torch.float32, 32, 8, 1e-5)]:
+            y = torch.randn(b, t, (2 * hq + 2 * hkv) * d, dtype=dtype)   # a fused [query | gate] | k | v output
+            q_gate = y[..., :2 * hq * d].view(b, t, hq, 2 * d)
+            q = q_gate[..., :d]
+            k = y[..., 2 * hq * d:(2 * hq + hkv) * d].view(b, t, hkv, d)
+            w = torch.rand(d, dtype=dtype) + 0.5
+            ang = torch.rand(b, 1, t, r) * 6
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+
+            def ref_rope(x):
+                return K.rotate_half_rope(K.rms_norm_torch(x.double(), w.double(), eps).transpose(1, 2),
+                                          cos.double(), sin.double())
+            assert q.stride(2) == 2 * d and K._rows(q)          # read in place, no copy
+            got = K.rms_norm_rope(q, w, eps, cos, sin)
+            assert got.shape == (b, hq, t, d)
+            err = (got.double() - ref_rope(q)).abs().max().item()
+            assert err < tol, (dtype, d, r, err)
+            assert (K.rms_norm_rope(k, w, eps, cos, sin).double() - ref_rope(k)).abs().max() < tol
+            assert torch.equal(K.rms_norm_rope(q.contiguous(), w, eps, cos, sin), got)
+            alone = K.rms_norm_rope(q[1:2, 2:3], w, eps, cos[1:2, :, 2:3], sin[1:2, :, 2:3])
+            assert torch.equal(alone, got[1:2, :, 2:3])
+            # a batched AR step: one token a sequence, the size-1 token dim's stride not the batch's step
+            one = q_gate[:, 3:4, :, :d]
+            step = K.rms_norm_rope(one, w, eps, cos[:, :, 3:4], sin[:, :, 3:4])
+            assert torch.equal(step, got[:, :, 3:4])
+            print(dtype, d, r, err)
+        # rotated widths the kernel does not take (R/2 no power of two, R past D): the torch path
+        x = torch.randn(1, 2, 2, 32)
+        for r in (24, 64):
+            ang = torch.rand(1, 1, 2, r)
+            assert not K._rope_fits(x, torch.ones(32), ang)
+        assert K._rope_fits(x, torch.ones(32), torch.rand(1, 1, 2, 2))
+    """)
+    assert len(out.splitlines()) == 4
+
+
+def test_partial_rope_kv_write_stores_rms_norm_ropes_bits_in_a_paged_pool():
+    """The fused KV write with partial RoPE through a paged cache's kernel_target (physical slots in one
+    pool, rows over shuffled pages): k the same bits as rms_norm_rope's (the prompt's k, stored by
+    cache.write), v as is, in every row's own positions; nothing else in the pool changes."""
+    interpret("""
+        from ddtree_runtime.engine.block_manager import BlockManager, PageTable
+        from ddtree_runtime.engine.kv_cache import KVCache
+
+        K._use_triton = lambda x: True
+        b, t, hq, hkv, d, r, page, eps = 3, 5, 4, 2, 64, 16, 4, 1e-6
+        manager = BlockManager(20, page)
+        table = PageTable(manager, b, 32 // page, torch.device("cpu"))
+        manager.free = type(manager.free)(torch.randperm(20).add(1).tolist())
+        starts = [3, 11, 0]
+        for row, start in enumerate(starts):
+            assert table.grow(row, start + t)
+        cache = KVCache(2, hkv, d, 0, "cpu", torch.float16, table=table)
+        cache.k.normal_()
+        cache.v.normal_()
+        before_k, before_v = cache.k.clone(), cache.v.clone()
+        y = torch.randn(b, t, (2 * hq + 2 * hkv) * d, dtype=torch.float16)
+        k = y[..., 2 * hq * d:(2 * hq + hkv) * d].view(b, t, hkv, d)
+        v = y[..., (2 * hq + hkv) * d:].view(b, t, hkv, d)
+        w = torch.rand(d, dtype=torch.float16) + 0.5
+        ang = torch.rand(b, 1, t, r) * 6
+        cos, sin = ang.cos().half(), ang.sin().half()
+        slots = torch.tensor(starts)[:, None] + torch.arange(t)                      # [B, T] positions
+        assert K.rms_norm_rope_to_cache(k, v, w, eps, cos, sin, *cache.kernel_target(1, slots))
+        want_k = K.rms_norm_rope(k, w, eps, cos, sin)                                # [B, Hkv, T, D]
+        for row, start in enumerate(starts):
+            held_k, held_v = cache.held(row, start + t)
+            assert torch.equal(held_k[1, :, start:], want_k[row])
+            assert torch.equal(held_v[1, :, start:], v[row].transpose(0, 1))
+        written = cache._physical(slots).reshape(-1)
+        kept = torch.ones(cache.k.shape[2], dtype=torch.bool)
+        kept[written] = False
+        assert torch.equal(cache.k[0], before_k[0]) and torch.equal(cache.v[0], before_v[0])
+        assert torch.equal(cache.k[1][:, kept], before_k[1][:, kept])
+        assert torch.equal(cache.v[1][:, kept], before_v[1][:, kept])
+    """)
+
+
+def test_sigmoid_gate_kernel_matches_torch():
+    """The gated attention's output gate: o (as SDPA and as the decode kernel lay it out) times the
+    sigmoid of the gate half of [query | gate] heads read in place, rounded as torch rounds (the sigmoid
+    to the model dtype, then the product): torch's bits but for a last-bit difference in the sigmoid's
+    float32 value now and then; a batched AR step too."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        for dtype, b, t, h, d in [(torch.float16, 2, 5, 3, 64), (torch.bfloat16, 3, 1, 4, 32),
+                                  (torch.bfloat16, 1, 7, 2, 256)]:
+            y = torch.randn(b, t, (2 * h + 4) * d, dtype=dtype) * 3
+            q_gate = y[..., :2 * h * d].view(b, t, h, 2 * d)
+            want = None
+            for o in (torch.randn(b, h, t, d, dtype=dtype), torch.randn(b, t, h, d, dtype=dtype).transpose(1, 2)):
+                want = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
+                got = K.sigmoid_gate(o, q_gate)
+                assert got.shape == (b, t, h * d) and got.dtype == dtype
+                # bfloat16 within two of its ulps: Triton's interpreter truncates float32 to bfloat16 (the
+                # GPU rounds to nearest, as torch does), so only float16 can show torch's bits here
+                ulp = want.float().abs().clamp_min(1e-3) * (2 ** -6 if dtype == torch.bfloat16 else 2 ** -10)
+                assert ((got.float() - want.float()).abs() <= ulp).all()
+                same = (got == want).float().mean().item()
+                assert same > 0.99 or dtype == torch.bfloat16, same
+            print(dtype, same)
+    """)
+    assert len(out.splitlines()) == 3
+
+
+def test_hybrid_gated_attention_through_the_kernels_matches_torch():
+    """The hybrid's gated full attention (partial RoPE, [query | gate] heads) through the kernels: a prompt
+    prefill (q and k through the RMSNorm + RoPE kernel, cache.write, the gate kernel) and then a batched
+    round over a paged pool (rows of shuffled pages, one a pad row; k and v stored by the fused write at
+    physical slots, the paged split-KV attention) against the torch path: the same hidden states and
+    logits to float16 rounding, and each row's positions hold the same KV; the torch run launches no
+    kernel, the other the RMSNorm + RoPE kernel (plain and with the KV write) and the gate kernel."""
+    interpret("""
+        from ddtree_runtime.engine.block_manager import BlockManager, PageTable
+        from ddtree_runtime.engine.kv_cache import HybridCache
+        from ddtree_runtime.engine.runner import TargetRunner
+        from ddtree_runtime.engine.tree import Tree
+        from ddtree_runtime.model import Qwen35Config
+        from ddtree_runtime.model.layers import fuse_projections
+        from ddtree_runtime.model.qwen3_5 import Qwen35ForCausalLM
+
+        cfg = Qwen35Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4)
+        assert cfg.rotary_dim == 8                                   # partial RoPE: 8 of 32 dims
+        model = Qwen35ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1, 0.3)
+        model.half()
+        fuse_projections(model)   # q|gate, k and v are then strided views of one output, as in service
+        trees = [Tree(torch.tensor([[5, 6, 7, 8], [0, 1, 1, 0], [1, 2, 2, 1]])), None,
+                 Tree(torch.tensor([[9, 10], [0, 1], [1, 2]]))]
+        starts, page, capacity = [40, 7, 300], 16, 1024
+        context = torch.randn(2, 4, 2, capacity, 32).half()          # k/v, rows, Hkv, positions, D
+        prompt = torch.randint(0, 50, (1, starts[0]))
+
+        def paged_round(fused):
+            K._use_triton = lambda x: fused
+            manager = BlockManager(80, page)
+            table = PageTable(manager, 4, capacity // page, torch.device("cpu"))
+            manager.free = type(manager.free)(torch.randperm(80, generator=torch.Generator().manual_seed(1))
+                                              .add(1).tolist())
+            for row, start in enumerate(starts):
+                assert table.grow(row, start + 8)
+            cache = HybridCache(cfg, 0, "cpu", torch.float16, nodes=8, table=table)
+            gen = torch.Generator().manual_seed(2)
+            for t in cache._states():
+                t.copy_(torch.randn(t.shape, generator=gen))
+            for row, start in enumerate(starts[1:], 1):
+                k, v = (context[i, row:row + 1, :, :start] for i in (0, 1))
+                cache.rows(row, row + 1).put_at(0, torch.arange(start), k, v)
+            with torch.no_grad():
+                # row 0's context: a prompt prefill through the model (k stored by cache.write)
+                hidden, _ = model(prompt, torch.arange(starts[0])[None], cache.rows(0, 1), start=0)
+                out = TargetRunner(model, cache, torch.device("cpu"), max_depth=4).run([3, 4, 1], starts, trees)
+            return hidden, out.logits[:3].clone(), [cache.held(row, start + 4) for row, start in enumerate(starts)]
+
+        launched = []
+
+        class Counted:  # records which of the two kernels ran, and how (the fused write has slots)
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **meta):
+                    launched.append((self.name, meta.get("HAS_SLOTS"), meta.get("HALF")))
+                    return self.kernel[grid](*args, **meta)
+                return launch
+
+        K._rms_norm_rope_kernel = Counted("rope", K._rms_norm_rope_kernel)
+        K._sigmoid_gate_kernel = Counted("gate", K._sigmoid_gate_kernel)
+        (ha, a, ka) = paged_round(False)
+        assert not launched
+        (hb, b, kb) = paged_round(True)
+        assert set(launched) == {("rope", False, 4), ("rope", True, 4), ("gate", None, None)}, set(launched)
+        assert (ha - hb).abs().max() < 2e-2, (ha - hb).abs().max()
+        assert (a - b).abs().max() < 2e-2, (a - b).abs().max()
+        for row, start in enumerate(starts):
+            n = start + (1 if trees[row] is None else trees[row].size)
+            for x, y in zip(ka[row], kb[row]):
+                assert (x[..., :n, :].float() - y[..., :n, :].float()).abs().max() < 1e-2
+    """)

@@ -1,6 +1,6 @@
 """Fused kernels for CUDA (Triton), with the plain torch path everywhere else: RMSNorm, RMSNorm + RoPE
-(for k also writing k and v into the KV cache), SiLU·up, the residual add inside the GEMM, and split-KV
-decode attention over a tree.
+(full or partial; for k also writing k and v into the KV cache), SiLU·up, the gated attention's output
+gate, the residual add inside the GEMM, and split-KV decode attention over a tree.
 
 Why: a decode forward of an 8B model is ~50 small kernels per layer; in a CUDA graph each still costs a
 few microseconds, and RMSNorm in float32 (7 kernels) plus RoPE (5 kernels) are most of them. One kernel
@@ -43,24 +43,36 @@ if triton is not None:
     # prompt length; they only index, so nothing is lost)
     @triton.jit(do_not_specialize=["tokens", "stride_sb"])
     def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, v_ptr, vout_ptr,
-                              heads, tokens, stride_tok, stride_ob, stride_oh, stride_ot, stride_sb, eps,
-                              HALF: tl.constexpr, HP: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr):
+                              heads, tokens, stride_tok, stride_xh, stride_ob, stride_oh, stride_ot, stride_sb, eps,
+                              HALF: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                              HAS_V: tl.constexpr):
         # one program per token, all its heads at once (a program per head was thousands of tiny
-        # programs at a batched pass's 272 tokens); x is [B * tokens, heads, 2*HALF] with heads and dims
-        # dense (tokens may be strided: a slice of the fused qkv output). Token (b, t) goes to out at b *
-        # stride_ob + head * stride_oh + t * stride_ot, or, with slots ([B, tokens], row stride
-        # stride_sb: 0 where all rows share one [tokens]), at its KV cache slot in place of t; with v,
-        # the same rows of v are copied there into vout (the whole KV write of a tree pass)
+        # programs at a batched pass's 272 tokens); x is [B * tokens, heads, D], each head's dims dense
+        # (tokens and heads may be strided: a slice of the fused qkv output, q of [query | gate]). RoPE
+        # rotates dims [0, 2*HALF) (cos/sin rows of 2*HALF); with D > 2*HALF (partial RoPE) the rest
+        # are normalised and weighted only. Token (b, t) goes to out at b * stride_ob + head *
+        # stride_oh + t * stride_ot, or, with slots ([B, tokens], row stride stride_sb: 0 where all rows
+        # share one [tokens]), at its KV cache slot in place of t; with v (laid out as x), the same rows
+        # of v are copied there into vout (the whole KV write of a tree pass)
         tok = tl.program_id(0)
         seq = tok // tokens
         hh = tl.arange(0, HP)[:, None]
         live = hh < heads
         lo = tl.arange(0, HALF)[None, :]
         hi = lo + HALF
-        src = tok * stride_tok + hh * 2 * HALF
+        src = tok * stride_tok + hh * stride_xh
         x1 = tl.load(x_ptr + src + lo, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + src + hi, mask=live, other=0.0).to(tl.float32)
-        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        if D == 2 * HALF:  # full RoPE: the Qwen3 arithmetic, bit for bit as before
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        else:
+            # the pass-through dims as a whole-head tile masked to [2*HALF, D) (D - 2*HALF need not be
+            # a power of two: 192 of the 27B's 256)
+            dd = tl.arange(0, D)[None, :]
+            rest = dd >= 2 * HALF
+            x3 = tl.load(x_ptr + src + dd, mask=live & rest, other=0.0).to(tl.float32)
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
+            r = tl.rsqrt(ss / D + eps)[:, None]
         y1 = x1 * r * tl.load(w_ptr + lo).to(tl.float32)
         y2 = x2 * r * tl.load(w_ptr + hi).to(tl.float32)
         c1 = tl.load(cos_ptr + tok * 2 * HALF + lo).to(tl.float32)
@@ -74,9 +86,28 @@ if triton is not None:
         ty = out_ptr.dtype.element_ty
         tl.store(out_ptr + dst + lo, (y1 * c1 - y2 * s1).to(ty), mask=live)
         tl.store(out_ptr + dst + hi, (y2 * c2 + y1 * s2).to(ty), mask=live)
+        if D != 2 * HALF:
+            w3 = tl.load(w_ptr + dd, mask=rest, other=0.0).to(tl.float32)
+            tl.store(out_ptr + dst + dd, (x3 * r * w3).to(ty), mask=live & rest)
         if HAS_V:
-            tl.store(vout_ptr + dst + lo, tl.load(v_ptr + src + lo, mask=live), mask=live)
-            tl.store(vout_ptr + dst + hi, tl.load(v_ptr + src + hi, mask=live), mask=live)
+            vd = tl.arange(0, D)[None, :]
+            tl.store(vout_ptr + dst + vd, tl.load(v_ptr + src + vd, mask=live), mask=live)
+
+    # tokens follows a pass's length: not specialised on, as above
+    @triton.jit(do_not_specialize=["tokens"])
+    def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, tokens, so_b, so_h, so_t, stride_gtok, stride_gh,
+                             D: tl.constexpr):
+        # one program per (token, head): out[tok, head * D + d] = o[b, head, t, d] * sigmoid(gate), the
+        # gate at g_ptr + tok * stride_gtok + head * stride_gh + D + d (q_proj's [query | gate] heads);
+        # rounded as torch rounds: the sigmoid to the model dtype, then the product
+        tok, head = tl.program_id(0), tl.program_id(1)
+        seq, t = tok // tokens, tok % tokens
+        d = tl.arange(0, D)
+        ty = out_ptr.dtype.element_ty
+        o = tl.load(o_ptr + seq.to(tl.int64) * so_b + head * so_h + t * so_t + d).to(tl.float32)
+        g = tl.load(g_ptr + tok.to(tl.int64) * stride_gtok + head * stride_gh + D + d).to(tl.float32)
+        gate = tl.sigmoid(g).to(ty).to(tl.float32)
+        tl.store(out_ptr + (tok.to(tl.int64) * tl.num_programs(1) + head) * D + d, (o * gate).to(ty))
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
@@ -140,15 +171,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos, sin: [B, 1, T, D]
-    half = x.shape[-1] // 2
+    """x: [B, H, T, D]; cos, sin: [B, 1, T, R] with R <= D: rotate_half RoPE on the first R dims (partial
+    RoPE, the hybrid's 64 of 256), the rest passed through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([rotate_half_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    half = r // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
 def _rope_fits(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor) -> bool:
-    d = x.shape[-1]
-    return _use_triton(x) and x.dtype == weight.dtype == cos.dtype and not d & (d - 1)
+    """The kernel's shapes: a power-of-two head dim D, a rotated width R <= D with R/2 a power of two,
+    one cos row per sequence of x, one dtype."""
+    d, r = x.shape[-1], cos.shape[-1]
+    return (_use_triton(x) and x.dtype == weight.dtype == cos.dtype and _pow2(d) and r % 2 == 0 and _pow2(r // 2)
+            and r <= d and cos.shape[0] == x.shape[0])
 
 
 def _token_stride(x: torch.Tensor) -> int:
@@ -158,48 +200,68 @@ def _token_stride(x: torch.Tensor) -> int:
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """[B, T, H, D] with each token's heads and dims dense (tokens may be strided, evenly across B)."""
-    b, t, h, d = x.shape
-    return x.stride(3) == 1 and x.stride(2) == d and x.stride(0) == t * _token_stride(x)
+    """[B, T, H, D] with each head's dims dense (heads may be strided, tokens too, evenly across B)."""
+    return x.dim() == 4 and x.stride(3) == 1 and x.stride(0) == x.shape[1] * _token_stride(x)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D] (per-head q or k) -> RMSNorm over D, then RoPE; returns [B, H, T, D]."""
+    """x: [B, T, H, D] (per-head q or k; q may be the query half of [query | gate] heads) -> RMSNorm
+    over D, then RoPE on the first R = cos.shape[-1] dims; returns [B, H, T, D]. On CUDA one kernel per
+    token whatever the pass, so a token's bits do not depend on the tokens beside it (a verify and the
+    AR step agree)."""
     b, t, h, d = x.shape
+    r = cos.shape[-1]
     if not _rope_fits(x, weight, cos):
         return rotate_half_rope(rms_norm_torch(x, weight, eps).transpose(1, 2), cos, sin)
     if not _rows(x):
         x = x.contiguous()
     out = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
-    c = cos.reshape(b * t, d).contiguous()
-    s = sin.reshape(b * t, d).contiguous()
-    _rms_norm_rope_kernel[(b * t,)](x, weight, c, s, out, x, x, out, h, t, _token_stride(x), t * h * d, d, h * d, 0,
-                                    eps, HALF=d // 2, HP=triton.next_power_of_2(h), HAS_SLOTS=False, HAS_V=False)
+    c = cos.reshape(b * t, r).contiguous()
+    s = sin.reshape(b * t, r).contiguous()
+    _rms_norm_rope_kernel[(b * t,)](x, weight, c, s, out, x, x, out, h, t, _token_stride(x), x.stride(2), t * h * d,
+                                    d, h * d, 0, eps, HALF=r // 2, D=d, HP=triton.next_power_of_2(h),
+                                    HAS_SLOTS=False, HAS_V=False)
     return out.transpose(1, 2)
 
 
 def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,
                            cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            slots: torch.Tensor) -> bool:
-    """A tree pass's whole KV write in one kernel: RMSNorm + RoPE of k ([B, T, Hkv, D]) and v as is,
-    into one layer's cache rows ([B, Hkv, capacity, D], row b for sequence b) at `slots` ([T]: the same
-    for every row, or [B, T]: each row its own), instead of the RoPE kernel and two index copies or
-    scatters. False (nothing written) where the kernel does not apply."""
+    """A tree pass's whole KV write in one kernel: RMSNorm + RoPE of k ([B, T, Hkv, D]; partial where
+    cos.shape[-1] < D) and v as is, into one layer's cache rows ([B, Hkv, capacity, D], row b for
+    sequence b) at `slots` ([T]: the same for every row, or [B, T]: each row its own), instead of the
+    RoPE kernel and two index copies or scatters; k's bits are rms_norm_rope's. False (nothing written)
+    where the kernel does not apply."""
     b, t, h, d = k.shape
-    if not (_rope_fits(k, weight, cos) and v.shape == k.shape and cos.shape[0] == b and _rows(k) and _rows(v)
-            and _token_stride(k) == _token_stride(v) and k.stride(0) == v.stride(0) and cache_k.dtype == k.dtype
-            and cache_k.shape[0] == b and cache_k.stride() == cache_v.stride() and cache_k.stride(3) == 1
-            and cache_k.stride(2) == d and slots.shape[-1] == t and slots.stride(-1) == 1
+    r = cos.shape[-1]
+    if not (_rope_fits(k, weight, cos) and v.shape == k.shape and _rows(k) and _rows(v)
+            and _token_stride(k) == _token_stride(v) and k.stride(0) == v.stride(0) and k.stride(2) == v.stride(2)
+            and cache_k.dtype == k.dtype and cache_k.shape[0] == b and cache_k.stride() == cache_v.stride()
+            and cache_k.stride(3) == 1 and cache_k.stride(2) == d and slots.shape[-1] == t and slots.stride(-1) == 1
             and (slots.dim() == 1 or slots.shape[0] == b)):
         return False
-    c = cos.reshape(b * t, d).contiguous()
-    s = sin.reshape(b * t, d).contiguous()
+    c = cos.reshape(b * t, r).contiguous()
+    s = sin.reshape(b * t, r).contiguous()
     slot_rows = slots.stride(0) if slots.dim() == 2 else 0
-    _rms_norm_rope_kernel[(b * t,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, _token_stride(k),
-                                    cache_k.stride(0), cache_k.stride(1), d, slot_rows, eps, HALF=d // 2,
+    _rms_norm_rope_kernel[(b * t,)](k, weight, c, s, cache_k, slots, v, cache_v, h, t, _token_stride(k), k.stride(2),
+                                    cache_k.stride(0), cache_k.stride(1), d, slot_rows, eps, HALF=r // 2, D=d,
                                     HP=triton.next_power_of_2(h), HAS_SLOTS=True, HAS_V=True)
     return True
+
+
+def sigmoid_gate(o: torch.Tensor, q_gate: torch.Tensor) -> torch.Tensor:
+    """The gated attention's output gate: o [B, Hq, T, D] (attention's output, any layout with dense
+    dims) times sigmoid of the gate half of q_gate [B, T, Hq, 2D] ([query | gate] heads) -> [B, T, Hq*D],
+    o_proj's input. On CUDA one kernel reading the gate in place (torch: a copy, a sigmoid, a product),
+    rounded as torch rounds."""
+    b, h, t, d = o.shape
+    if not (_use_triton(o) and o.dtype == q_gate.dtype and _pow2(d) and o.stride(3) == 1 and _rows(q_gate)):
+        return o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
+    out = torch.empty((b, t, h * d), dtype=o.dtype, device=o.device)
+    _sigmoid_gate_kernel[(b * t, h)](o, q_gate, out, t, o.stride(0), o.stride(1), o.stride(2), _token_stride(q_gate),
+                                     q_gate.stride(2), D=d)
+    return out
 
 
 # ---- split-KV decode attention ------------------------------------------------------------------------

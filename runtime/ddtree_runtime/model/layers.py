@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from . import kernels
 from .fp8 import BLOCK, BlockFP8, FP8Linear, cdiv, fp8_linear, fuse_fp8_rows, slice_rows
 from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
-                      rms_norm_rope_to_cache, rotate_half_rope, silu_mul)
+                      rms_norm_rope_to_cache, silu_mul)
 from .parallel import TensorParallel, add_reduced
 from .prompt_attention import attend_prompt, gather_pages, prompt_flash_fits, prompt_splits
 
@@ -66,14 +66,6 @@ class Rotary(nn.Module):
         freqs = pos.float()[..., None] * self.inv_freq.to(pos.device)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos, sin: [B, 1, T, R] with R <= D (partial RoPE rotates the first R dims only)
-    r = cos.shape[-1]
-    if r == x.shape[-1]:
-        return rotate_half_rope(x, cos, sin)
-    return torch.cat([rotate_half_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 class TreeInputs(NamedTuple):

@@ -22,7 +22,8 @@ from .gdn_chunk import (PaddedPrompt, chunk_gated_delta, conv_inputs, conv_silu,
                         prompt_conv, tail_before)
 from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
 from .gdn_prompt import prompt_conv_heads, prompt_delta, prompt_fits, prompt_gated_norm, prompt_gates
-from .layers import MLP, RMSNorm, TreeInputs, apply_rope, attend_cached, fuse_rows, linear, split_parts
+from .kernels import rms_norm_rope, rms_norm_rope_to_cache, sigmoid_gate
+from .layers import MLP, RMSNorm, TreeInputs, attend_cached, attend_static, fuse_rows, linear, split_parts
 from .parallel import TensorParallel, add_reduced, reduced
 from .qwen3 import Qwen3ForCausalLM
 
@@ -84,12 +85,19 @@ class GatedAttention(nn.Module):
         else:
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_gate = q_gate.view(b, t, self.n_heads, 2 * d)
-        q = apply_rope(self.q_norm(q_gate[..., :d]).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_norm(k.view(b, t, self.n_kv, d)).transpose(1, 2), cos, sin)
-        v = v.reshape(b, t, self.n_kv, d).transpose(1, 2)
-        o = attend_cached(q, k, v, cache, self.slot, start, mask, tree)            # [B, Hq, T, D]
-        o = o.transpose(1, 2).reshape(b, t, -1) * torch.sigmoid(q_gate[..., d:].reshape(b, t, -1))
-        return projected(o, self.o_proj, self.tp, residual)
+        # RMSNorm + partial RoPE, one kernel each on CUDA (q read in place from [query | gate]); a tree
+        # pass (or prompt piece) also stores k and v in the same kernel as k's, where the cache names a target
+        q = rms_norm_rope(q_gate[..., :d], self.q_norm.weight, self.q_norm.eps, cos, sin)     # [B, Hq, T, D]
+        k = k.view(b, t, self.n_kv, d)
+        v = v.reshape(b, t, self.n_kv, d)
+        target = None if tree is None else cache.kernel_target(self.slot, tree.slots)
+        if target is not None and rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
+                                                         *target):
+            o = attend_static(q, cache, self.slot, tree)
+        else:
+            k = rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+            o = attend_cached(q, k, v.transpose(1, 2), cache, self.slot, start, mask, tree)   # [B, Hq, T, D]
+        return projected(sigmoid_gate(o, q_gate), self.o_proj, self.tp, residual)
 
 
 class GatedDeltaNet(nn.Module):

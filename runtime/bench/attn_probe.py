@@ -42,7 +42,7 @@ GRID_BLOCK_ROWS = (16, 32, 64, 128)
 GRID_SPLITS = (64, 128, 256, 512, 1024)
 GRID_WARPS = (4, 8)
 GRID_STAGES = (3,)   # Triton's num_stages: the key loop's software pipelining
-GRID_KEYS = (64,)    # keys per loop iteration
+GRID_KEYS = (0,)     # keys per loop iteration (0: the kernel's choice, DecodeLaunch)
 MAX_WORKSPACE = 512 << 20
 PAGE = 0             # --page-size: the batched sweep reads a paged pool through block tables, as the engine
 
@@ -141,7 +141,7 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
                 continue
             for warps, stages, keys in itertools.product(GRID_WARPS, GRID_STAGES, GRID_KEYS):
                 launch = DecodeLaunch(block_rows, split, warps, stages, keys)
-                name = f"r{block_rows}s{split}w{warps}" + ("" if (stages, keys) == (3, 64) else f"p{stages}k{keys}")
+                name = f"r{block_rows}s{split}w{warps}" + ("" if (stages, keys) == (3, 0) else f"p{stages}k{keys}")
                 try:
                     if t == 1:
                         grid[f"{name}-len"] = kernel(launch, True)

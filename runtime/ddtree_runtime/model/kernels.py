@@ -396,12 +396,13 @@ class DecodeRule(NamedTuple):
 
 class DecodeLaunch(NamedTuple):
     """One launch's shape: rows per program (at least 16, rows padded up to a multiple), keys per
-    program, warps; and the key loop's block and software-pipelining stages (Triton's num_stages)."""
+    program, warps; and the key loop's block (0: the kernel's choice, 64 keys, 32 for heads over 128,
+    whose 3 stages of 64 would not fit in shared memory) and software-pipelining stages (num_stages)."""
     block_rows: int
     split: int
     warps: int
     stages: int = 3
-    block_keys: int = 64
+    block_keys: int = 0
 
 
 # The launch rules, all in one place. One sequence: tuned on an H200 in CUDA graphs
@@ -527,7 +528,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1), v.stride(2),
         bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0),
         out.stride(1), out.stride(2), table.stride(0) if paged else 0, hkv, t, length, rows_pad, d ** -0.5,
-        SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=min(block_keys, split) if d <= 128 else min(block_keys, 32),
+        SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=min(block_keys or (64 if d <= 128 else 32), split),
         HAS_LENGTHS=has_lengths, DIRECT=direct, PAGE=page_size if paged else 0, SHARED=shared, num_warps=warps,
         num_stages=stages)
     if not direct:

@@ -232,3 +232,26 @@ def test_a_lone_drafting_row_runs_its_ar_rounds_ahead(tiny_models, draft):
     assert_same(*held)
     greedy = run(eager, [(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True, mode="ar"))], [AR])[0][0]
     assert tokens[0] == greedy[:len(tokens[0])]   # the target's own tokens
+
+
+def test_a_tree_round_after_ar_rounds_redrafts_as_a_prompts_first_draft_would(tiny_models, draft):
+    """After AR rounds the drafting rows' draft comes from the rounds' own (graphed) drafter pass with
+    no new context (DraftRunner.redraft), not the eager pass of a prompt's first draft: the same drafts
+    are accepted round by round, and the tokens are the target's."""
+    graphed, eager = engines(tiny_models, draft, max_running=2)
+    runner = eager.runner
+
+    def redraft_eagerly(reqs) -> None:  # the probe's redraft before DraftRunner.redraft
+        if any(req.mode.drafts and req.drafted is None for req in reqs):
+            runner._draft_prompt(reqs)
+    runner._redraft = redraft_eagerly
+    used = []
+    redraft = graphed.runner.draft_runner.redraft
+    graphed.runner.draft_runner.redraft = lambda *a: used.append(1) or redraft(*a)
+    prompts = mixed_prompts(graphed.tokenizer, chats=1, chat_seed=4, plain=1, plain_seed=6, cut=4)
+    jobs = [(p, SamplingParams(max_new_tokens=50, ignore_eos=True)) for p in prompts]
+    for schedule in ([AR, AR, 16], [AR] * 5 + [4, AR, 16]):
+        tokens, accepted, _ = run(graphed, jobs, schedule)
+        assert (tokens, accepted) == run(eager, jobs, schedule)[:2]
+        assert sum(map(sum, accepted)) > 0
+    assert used

@@ -28,7 +28,8 @@ from .graphs import HostRead
 from .kv_cache import HybridCache, KVCache, target_cache
 from .memory import PoolSizing
 from .pool import KVPool
-from .runner import KV_BUCKET, DraftRunner, PrefillRunner, TargetRunner, TreePass, kv_len_for, prefill_width, tree_bucket
+from .runner import (KV_BUCKET, DraftRunner, PrefillRunner, TargetRunner, TreePass, batch_bucket, kv_len_for,
+                     prefill_width, tree_bucket)
 from .sampling import PendingLogprobs, choose_tokens, start_logprobs, suppress_stops
 from .forecast import MILLI
 from .tree import Tree, TreeBuilder, Walk, walk
@@ -467,10 +468,20 @@ class ModelRunner:
         return trees, torch.stack([by_row.get(row, zero) for row in range(len(reqs))])
 
     def _redraft(self, reqs: list[RequestState]) -> None:
-        """After AR rounds, drafting rows have no draft: one drafter pass over the batch makes them from
-        the context those rounds wrote (as after a prompt)."""
-        if any(req.mode.drafts and req.drafted is None for req in reqs):
-            self._draft_prompt(reqs)
+        """After AR rounds, drafting rows have no draft: one drafter pass over the batch (rows 0..B-1)
+        makes them from the context those rounds wrote (flushed just before): the rounds' own graphed
+        pass with no new context (DraftRunner.redraft)."""
+        if not any(req.mode.drafts and req.drafted is None for req in reqs):
+            return
+        n = len(reqs)
+        pad = [self.mask_token_id] * (batch_bucket(n, self.target_cache.slots) - n)
+        # a lone row's token by a fill (a copy from the host's memory would wait for the device)
+        bonus = (torch.full((1,), reqs[0].bonus, device=self.device) if n == 1 else
+                 torch.tensor([req.bonus for req in reqs] + pad, device=self.device))
+        drafted = self.draft_runner.redraft(bonus, [req.n_ctx for req in reqs])
+        for row, req in enumerate(reqs):
+            if req.mode.drafts:
+                req.drafted = drafted[row]
 
     def _round_context(self, reqs: list[RequestState], out: TreePass | None) -> None:
         """An AR round of drafting rows: their drafter context at the root's position, from the verify's

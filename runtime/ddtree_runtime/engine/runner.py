@@ -354,6 +354,16 @@ class DraftRunner:
         b.feats.masked_fill_((b.offsets[None, :] >= length[:, None])[..., None], 0)  # rows past the path
         return replayed(b, self._forward, self.device, self.pool, self.stats)
 
+    def redraft(self, bonus: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """run() with no new context: a draft from what the drafter cache holds (after AR rounds, their
+        staged context written), bonus [B'] on the device. The graphed pass: an eager one (a prompt's
+        first draft) costs the host ~10 ms of launches at the 27B, which a cost policy's probe paid."""
+        batch = bonus.shape[0]
+        none = torch.zeros(batch, dtype=torch.long, device=self.device)
+        rows = torch.zeros(batch, self.block, dtype=torch.long, device=self.device)
+        feats = torch.zeros(batch, 1, self.feat_dim, dtype=self.cache.k.dtype, device=self.device)
+        return self.run(bonus, none, rows, feats, starts)
+
     def _forward(self, b: _DraftBucket) -> torch.Tensor:
         block_pos = b.n[:, None] + b.offsets                     # [B, Q] the block follows the context
         ctx_pos = b.start[:, None] + b.offsets                   # [B, C] where the new context sits

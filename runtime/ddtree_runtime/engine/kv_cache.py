@@ -299,7 +299,7 @@ class HybridCache(KVCache):
         # the conv tail: the K-1 rows ending [old tail | path], read from where each lies (only those: the
         # whole path of every layer gathered then concatenated cost ~0.6 ms a round at 16 rows on an H200),
         # whole rows at a time (index_select: an element-wise gather took ~0.1 ms for these 3 rows)
-        n, b, k1, c = self.conv.shape
+        _, b, k1, _ = self.conv.shape
         keep = length[:, None] + torch.arange(k1, device=nodes.device)     # [B, K-1] in [tail | path]
         node = nodes.gather(1, (keep - k1).clamp(min=0))
         rows = torch.arange(b, device=nodes.device)[:, None]

@@ -81,13 +81,19 @@ LAUNCHES = [TreeDeltaLaunch(block_k=64, block_v=64, precision=p, squaring=s) for
     # the output's products in one TF32 product, u's in three (the commit keeps u in the state)
     TreeDeltaLaunch(block_k=k, block_v=64, warps=w, output_precision="tf32")
     for k, w in ((32, 4), (32, 8), (64, 4))] + [TreeDeltaLaunch(block_k=32, block_v=64, warps=8),
-                                                TreeDeltaLaunch(block_k=32, block_v=64, precision="tf32")]
+                                                TreeDeltaLaunch(block_k=32, block_v=64, precision="tf32")] + [
+    # float32 FMAs where three TF32 products were, with the served tiles
+    TreeDeltaLaunch(block_k=32, block_v=v, warps=w, precision="ieee") for v, w in ((64, 4), (128, 4), (128, 8))] + [
+    # the root taken apart: a 17-node tree in blocks of 16
+    TreeDeltaLaunch(block_k=k, block_v=v, warps=w, precision=p, peel=True)
+    for k, v, w, p in ((32, 64, 4, "tf32x3"), (32, 128, 4, "tf32x3"), (64, 128, 4, "tf32x3"), (32, 128, 8, "tf32x3"),
+                       (32, 64, 4, "ieee"), (32, 128, 4, "ieee"), (32, 64, 2, "tf32x3"), (32, 128, 2, "tf32x3"))]
 
 
 def launch_name(launch: TreeDeltaLaunch) -> str:
     out = f"-out-{launch.output_precision}" if launch.output_precision else ""
     return (f"k{launch.block_k}-v{launch.block_v}-w{launch.warps}-{launch.precision}{out}"
-            + ("-squaring" if launch.squaring else ""))
+            + ("-squaring" if launch.squaring else "") + ("-peel" if launch.peel else ""))
 
 
 # conv_heads's launches: the old grid (a program per node, value head and row) and the per-key-head ones

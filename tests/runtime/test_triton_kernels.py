@@ -670,6 +670,16 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
         # the squaring solve: the same within its wider error where keys align
         case(3, 4, 17, 32, 32, False, True, small._replace(squaring=True))
         case(3, 2, 33, 16, 16, False, True, G.TreeDeltaLaunch())          # the default: squaring, blocks wider than dk
+        # the root taken apart (17 nodes in blocks of 16, 33 in 32): trees, a chain, a star, no start
+        # state, one shared tree, both solves, aligned keys by substitution (as above: the squaring's
+        # error grows there); 5 nodes gain nothing and keep the blocks
+        for squaring in (False, True):
+            peeled = small._replace(squaring=squaring, peel=True)
+            case(3, 2, 17, 32, 32, False, True, peeled)
+            case(3, 2, 33, 16, 16, False, True, peeled)
+            case(1, 2, 17, 32, 16, True, False, peeled)
+        case(3, 2, 17, 32, 32, False, True, small._replace(peel=True), aligned=True)
+        case(2, 2, 5, 32, 16, False, True, small._replace(peel=True))
         # the output's products at another precision than u's (the interpreter computes both in float32)
         case(2, 2, 17, 32, 32, False, True, small._replace(squaring=True, output_precision="tf32"))
 

@@ -138,6 +138,19 @@ if triton is not None:
             acc += k[:, None] * u[None, :]
         tl.store(tile, acc, mask=in_tile)
 
+    @triton.jit
+    def _tree_gates(g, beta, beta_ty, a_log_ptr, dt_bias_ptr, h, RAW_GATES: tl.constexpr):
+        # beta and g of any shape; RAW_GATES: from the in-projection's b and a columns, as
+        # GatedDeltaNet.forward makes them in torch: the sigmoid rounded to the model dtype;
+        # softplus(x) = log1p(e^x) (x <= 20), in float32
+        if RAW_GATES:
+            beta = tl.sigmoid(beta).to(beta_ty).to(tl.float32)
+            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
+            e = tl.exp(tl.minimum(x, 20.0))
+            softplus = tl.where(x > 20.0, x, tl.where(e < 1e-4, e * (1.0 - 0.5 * e), tl.log(1.0 + e)))
+            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+        return g, beta
+
     # T follows the tree: not specialised on (one compile for every tree size up to a block)
     @triton.jit(do_not_specialize=["T"])
     def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, mask_ptr,
@@ -146,30 +159,40 @@ if triton is not None:
                            s_mb, s_mi, s_mj, s_ub, s_uh, s_ut, s_ud, s_Gb, s_Gh, s_Gt, T, H,
                            DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, RAW_GATES: tl.constexpr,
-                           PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr, SQUARING: tl.constexpr):
+                           PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr, SQUARING: tl.constexpr,
+                           PEEL: tl.constexpr):
         # one (sequence, value head)'s whole tree for BV columns of dv: the state's [dk, BV] columns read
         # once, everything else [BT, BT] or [BT, BV] in registers. PRECISION for the products that make u
         # (the commit folds u into the state, so its error stays); OUT_PRECISION for those that only make
-        # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits
+        # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits.
+        # PEEL: node 0 (the root: ancestors come first, so it has none) is taken apart, in float32 vector
+        # sums, and the blocks hold nodes 1..T-1: a 17-node tree in blocks of 16, not 32. Its terms in
+        # the others' are rank one: u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each node i below it sees
+        # e^(G_i - G_0) (k_i . k_0) u_0 in its right-hand side and e^(G_i - G_0) (q_i . k_0) u_0 in its output
         pid = tl.program_id(0)
         b = (pid // H).to(tl.int64)
         h = (pid % H).to(tl.int64)
         cols = tl.program_id(1) * BV + tl.arange(0, BV)
-        node = tl.arange(0, BT)
+        node = tl.arange(0, BT) + (1 if PEEL else 0)
         live = node < T
         on_path = tl.load(mask_ptr + b * s_mb + node[:, None] * s_mi + node[None, :] * s_mj,
                           mask=live[:, None] & live[None, :], other=0) != 0      # [i, j]: j is i or an ancestor
         g = tl.load(g_ptr + b * s_gb + h * s_gh + node * s_gt, mask=live, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + b * s_bb + h * s_bh + node * s_bt, mask=live, other=0.0).to(tl.float32)
-        if RAW_GATES:
-            # the in-projection's b and a columns, made into beta and g as GatedDeltaNet.forward does in
-            # torch: the sigmoid rounded to the model dtype; softplus(x) = log1p(e^x) (x <= 20), in float32
-            beta = tl.sigmoid(beta).to(beta_ptr.dtype.element_ty).to(tl.float32)
-            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
-            e = tl.exp(tl.minimum(x, 20.0))
-            softplus = tl.where(x > 20.0, x, tl.where(e < 1e-4, e * (1.0 - 0.5 * e), tl.log(1.0 + e)))
-            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+        g, beta = _tree_gates(g, beta, beta_ptr.dtype.element_ty, a_log_ptr, dt_bias_ptr, h, RAW_GATES)
         pathsum = tl.sum(tl.where(on_path, g[None, :], 0.0), axis=1)            # G_i over i's path
+        if PEEL:
+            below = tl.load(mask_ptr + b * s_mb + node * s_mi, mask=live, other=0) != 0   # the root is i's ancestor
+            g0 = tl.load(g_ptr + b * s_gb + h * s_gh).to(tl.float32)
+            beta0 = tl.load(beta_ptr + b * s_bb + h * s_bh).to(tl.float32)
+            g0, beta0 = _tree_gates(g0, beta0, beta_ptr.dtype.element_ty, a_log_ptr, dt_bias_ptr, h, RAW_GATES)
+            pathsum += tl.where(below, g0, 0.0)
+            from_root = tl.where(below, tl.exp(pathsum - g0), 0.0)               # e^(G_i - G_0), or 0
+            kk0 = tl.zeros([BT], dtype=tl.float32)                               # k_i . k_0
+            qk0 = tl.zeros([BT], dtype=tl.float32)                               # q_i . k_0
+            q0k0 = 0.0
+            k0s = tl.zeros([BV], dtype=tl.float32)                               # k_0 S0
+            q0s = tl.zeros([BV], dtype=tl.float32)                               # q_0 S0
         decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
         kk = tl.zeros([BT, BT], dtype=tl.float32)
         qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -183,10 +206,19 @@ if triton is not None:
                          mask=live[:, None], other=0.0)
             kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
             qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
+            if PEEL:
+                k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
+                q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
+                kk0 += tl.sum(kc * k0[None, :], axis=1)
+                qk0 += tl.sum(qc * k0[None, :], axis=1)
+                q0k0 += tl.sum(q0 * k0, axis=0)
             if HAS_STATE:
                 s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
                 ks += tl.dot(kc, s0, input_precision=PRECISION)
                 qs += tl.dot(qc, s0, input_precision=OUT_PRECISION)
+                if PEEL:
+                    k0s += tl.sum(k0[:, None] * s0, axis=0)
+                    q0s += tl.sum(q0[:, None] * s0, axis=0)
         strict = on_path & (node[:, None] != node[None, :])
         a = tl.where(strict, kk * decay * beta[:, None], 0.0)
         v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
@@ -194,6 +226,12 @@ if triton is not None:
         grow = tl.exp(pathsum)[:, None]
         if HAS_STATE:
             v = v - grow * ks
+        if PEEL:
+            u0 = tl.load(v_ptr + b * s_vb + h * s_vh + cols * s_vd)
+            if HAS_STATE:
+                u0 = u0 - tl.exp(g0) * k0s
+            u0 = beta0 * u0
+            v = v - (from_root * kk0)[:, None] * u0[None, :]
         rhs = beta[:, None] * v
         # u = (I + A)^-1 rhs, A strictly lower triangular (ancestors first)
         if SQUARING:
@@ -221,10 +259,19 @@ if triton is not None:
         out = tl.dot(qk * decay, u, input_precision=OUT_PRECISION)
         if HAS_STATE:
             out += grow * qs
+        if PEEL:
+            out += (from_root * qk0)[:, None] * u0[None, :]
+            out0 = q0k0 * u0
+            if HAS_STATE:
+                out0 += tl.exp(g0) * q0s
+            tl.store(out_ptr + (b * H + h) * T * DV + cols, out0)
+            tl.store(u_ptr + b * s_ub + h * s_uh + cols * s_ud, u0)
         tl.store(out_ptr + ((b * H + h) * T + node[:, None]) * DV + cols[None, :], out, mask=live[:, None])
         tl.store(u_ptr + b * s_ub + h * s_uh + node[:, None] * s_ut + cols[None, :] * s_ud, u, mask=live[:, None])
         if tl.program_id(1) == 0:
             tl.store(sum_ptr + b * s_Gb + h * s_Gh + node * s_Gt, pathsum, mask=live)
+            if PEEL:
+                tl.store(sum_ptr + b * s_Gb + h * s_Gh, g0)
 
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
@@ -327,7 +374,8 @@ class TreeDeltaLaunch(NamedTuple):
     cores; "ieee": float32 FMAs; "tf32": one TF32 product, ~1e-3 relative) for the products that make u,
     which the commit folds into the state; `output_precision` (None: the same) for those that make only
     the pass's output, which the layer rounds to 16 bits after its norm; `squaring`: solve the
-    triangular system by repeated squaring (log2 T products) rather than by substitution (T steps).
+    triangular system by repeated squaring (log2 T products) rather than by substitution (T steps);
+    `peel`: take the root apart where that halves the blocks (17 nodes in blocks of 16, 33 in 32).
     The default is the fastest of gdn_tree_bench.py's 20 launches on the H200 at 1, 8 and 16 rows of
     17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7, error 3e-7)."""
     block_k: int = 32
@@ -336,6 +384,7 @@ class TreeDeltaLaunch(NamedTuple):
     precision: str = "tf32x3"
     squaring: bool = True
     output_precision: str | None = None
+    peel: bool = False
 
 
 # The launch the layers run (gdn_tree_bench.py times it as its default, beside its grid), and from
@@ -347,9 +396,15 @@ TREE_DELTA_WIDE = TreeDeltaLaunch(block_v=128)
 TREE_DELTA_WIDE_ROWS = 16
 
 
+# Whether the served launches take the root apart (TreeDeltaLaunch.peel); DDTREE_TREE_PEEL=1 (to be
+# measured before it becomes the default)
+TREE_DELTA_PEEL = os.environ.get("DDTREE_TREE_PEEL", "0") != "0"
+
+
 def tree_delta_launch(rows: int) -> TreeDeltaLaunch:
     """The launch for a pass of `rows` sequences' trees."""
-    return TREE_DELTA_WIDE if rows >= TREE_DELTA_WIDE_ROWS else TREE_DELTA_LAUNCH
+    launch = TREE_DELTA_WIDE if rows >= TREE_DELTA_WIDE_ROWS else TREE_DELTA_LAUNCH
+    return launch._replace(peel=TREE_DELTA_PEEL)
 
 # Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves
 # the tree pass in torch instead (to compare, or should a GPU's compiler refuse the kernel)
@@ -386,6 +441,9 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     launch = launch or tree_delta_launch(b)
     dv = v.shape[-1]
     block_t = max(16, triton.next_power_of_2(t))
+    peel = launch.peel and max(16, triton.next_power_of_2(t - 1)) < block_t
+    if peel:
+        block_t //= 2
     block_k, block_v = min(launch.block_k, dk), min(launch.block_v, dv)
     out = torch.empty(b, h, t, dv, device=q.device, dtype=torch.float32)
     u = torch.empty_like(out) if u is None else u
@@ -403,5 +461,5 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
         HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
         OUT_PRECISION=launch.output_precision or launch.precision, SQUARING=launch.squaring,
-        num_warps=launch.warps * max(1, block_t // 32))
+        PEEL=peel, num_warps=launch.warps * max(1, block_t // 32))
     return out, u, pathsum

@@ -392,12 +392,13 @@ class DecodeRule(NamedTuple):
     block_rows: int           # the most query rows (query heads of a group x queries) a program takes
     warps: int
     one_query_split: int      # keys per program when each sequence has one query (an AR step)
+    block_keys: int = 0       # the key loop's block for several queries a sequence (0: the kernel's choice)
 
 
 class DecodeLaunch(NamedTuple):
     """One launch's shape: rows per program (at least 16, rows padded up to a multiple), keys per
-    program, warps; and the key loop's block (0: the kernel's choice, 64 keys, 32 for heads over 128,
-    whose 3 stages of 64 would not fit in shared memory) and software-pipelining stages (num_stages)."""
+    program, warps; and the key loop's block (0: the kernel's choice, 64 keys, 32 for heads over 128)
+    and software-pipelining stages (num_stages)."""
     block_rows: int
     split: int
     warps: int
@@ -424,7 +425,11 @@ DECODE_ONE_SEQUENCE = DecodeRule(programs=128, splits=(128, 1024), block_rows=64
 # splits are best, for the 27B's tree (24 / 4 heads of 256: 102 rows, 128-row blocks, 8 warps: 148 /
 # 272 us against 159 / 301 at 1,024) and its drafter's block (32 / 8 heads of 128, 16 queries: 64
 # rows), whose 64-row blocks do best with 4 warps (104 / 159 us against 172 / 291 with 8).
-DECODE_BATCH = DecodeRule(programs=128, splits=(128, 2048), block_rows=128, warps=8, one_query_split=1024)
+# Its key loop takes 64 keys a block for the 27B's heads of 256 as well (the kernel's own choice there is
+# 32): 16 rows of the 27B's tree at 4.6K / 8.7K keys, shared, 138 / 226 us against 150 / 276
+# (bench/results/runtime-attn-probe-keys-27b-s21-h200.json).
+DECODE_BATCH = DecodeRule(programs=128, splits=(128, 2048), block_rows=128, warps=8, one_query_split=1024,
+                          block_keys=64)
 # Whether a batch of single queries (batched AR steps) takes the kernel, given per-row lengths: it
 # does (the figures above; without lengths the kernel only tied SDPA, 21.2 against 21.3 us).
 DECODE_BATCHED_ONE_QUERY = True
@@ -457,7 +462,8 @@ def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: in
     row_blocks = -(-rows // block_rows)
     lo, hi = rule.splits
     split = min(hi, max(lo, triton.next_power_of_2(length * row_blocks * batch * kv_heads // rule.programs)))
-    return DecodeLaunch(block_rows, split, rule.warps if block_rows > 64 else min(rule.warps, 4))
+    return DecodeLaunch(block_rows, split, rule.warps if block_rows > 64 else min(rule.warps, 4),
+                        block_keys=rule.block_keys)
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None = None) -> bool:

@@ -680,6 +680,8 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
             case(1, 2, 17, 32, 16, True, False, peeled)
         case(3, 2, 17, 32, 32, False, True, small._replace(peel=True), aligned=True)
         case(2, 2, 5, 32, 16, False, True, small._replace(peel=True))
+        for rows in (1, G.TREE_DELTA_MANY_ROWS):   # the served launches
+            case(3, 2, 17, 32, 32, False, True, G.tree_delta_launch(rows))
         # the output's products at another precision than u's (the interpreter computes both in float32)
         case(2, 2, 17, 32, 32, False, True, small._replace(squaring=True, output_precision="tf32"))
 

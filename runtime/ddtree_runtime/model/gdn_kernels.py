@@ -376,8 +376,9 @@ class TreeDeltaLaunch(NamedTuple):
     the pass's output, which the layer rounds to 16 bits after its norm; `squaring`: solve the
     triangular system by repeated squaring (log2 T products) rather than by substitution (T steps);
     `peel`: take the root apart where that halves the blocks (17 nodes in blocks of 16, 33 in 32).
-    The default is the fastest of gdn_tree_bench.py's 20 launches on the H200 at 1, 8 and 16 rows of
-    17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7, error 3e-7)."""
+    The fields' defaults were the fastest of gdn_tree_bench.py's first 20 launches on the H200 at 1, 8
+    and 16 rows of 17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7,
+    error 3e-7); the layers run tree_delta_launch's."""
     block_k: int = 32
     block_v: int = 64
     warps: int = 4
@@ -387,24 +388,20 @@ class TreeDeltaLaunch(NamedTuple):
     peel: bool = False
 
 
-# The launch the layers run (gdn_tree_bench.py times it as its default, beside its grid), and from
-# TREE_DELTA_WIDE_ROWS rows on the one with 128 columns of dv a program: its [T, T] solve made once a
-# head, not twice (H200, 27B, 17 nodes: 94.7 against 101.4 us at 16 rows; 60.1 against 52.0 at 8,
-# fewer programs than the GPU has SMs' worth; the same results)
-TREE_DELTA_LAUNCH = TreeDeltaLaunch()
-TREE_DELTA_WIDE = TreeDeltaLaunch(block_v=128)
-TREE_DELTA_WIDE_ROWS = 16
-
-
-# Whether the served launches take the root apart (TreeDeltaLaunch.peel); DDTREE_TREE_PEEL=1 (to be
-# measured before it becomes the default)
-TREE_DELTA_PEEL = os.environ.get("DDTREE_TREE_PEEL", "0") != "0"
+# The launches the layers run (gdn_tree_bench.py times the one for its rows as its default, beside its
+# grid), both with the root taken apart (a 17-node tree in blocks of 16). H200, 27B, 17 nodes, us at 1 /
+# 8 / 16 rows (bench/results/runtime-gdn-tree-bench-peel-s21-h200.json): below TREE_DELTA_MANY_ROWS rows,
+# float32 FMAs, 4 warps: 11.7 / 48.7 / 96.1; from there three TF32 products, 2 warps: 15.0 / 43.7 /
+# 69.8. The launches before them (no peel, three TF32 products, 4 warps; 128 columns of dv a program
+# from 16 rows): 12.9 / 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7)
+TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=True)
+TREE_DELTA_MANY = TreeDeltaLaunch(warps=2, peel=True)
+TREE_DELTA_MANY_ROWS = 8
 
 
 def tree_delta_launch(rows: int) -> TreeDeltaLaunch:
     """The launch for a pass of `rows` sequences' trees."""
-    launch = TREE_DELTA_WIDE if rows >= TREE_DELTA_WIDE_ROWS else TREE_DELTA_LAUNCH
-    return launch._replace(peel=TREE_DELTA_PEEL)
+    return TREE_DELTA_MANY if rows >= TREE_DELTA_MANY_ROWS else TREE_DELTA_LAUNCH
 
 # Checked and timed on an H200 by gdn_tree_bench.py (docs/performance.md); DDTREE_TREE_DELTA=0 serves
 # the tree pass in torch instead (to compare, or should a GPU's compiler refuse the kernel)

@@ -413,7 +413,11 @@ class DecodeLaunch(NamedTuple):
 # 22.8 / 69.7 us (SDPA 30.0 / 111.4). One query does best at 64-key splits (5.1 / 9.0 us; SDPA 6.9 /
 # 12.1). At 257 queries SDPA wins (each row block rereads the keys), so the kernel takes up to 516 rows:
 # 129 queries of four query heads per KV head (Qwen3-8B), 86 of six.
-DECODE_ONE_SEQUENCE = DecodeRule(programs=128, splits=(128, 1024), block_rows=64, warps=4, one_query_split=64)
+# Over long contexts twice the programs do better (attn_probe.py --batched --batches 1 --page-size 16,
+# bench/results/runtime-attn-probe-lone-*-s21-h200.json, 4.6K / 8.7K buckets): the 27B's tree (24 / 4
+# heads of 256, 17 queries) 25.7 / 40.5 us with 256 / 512-key splits against the 128-program rule's 31.9
+# / 55.1, its drafter's block (32 / 8 heads of 128, 16 queries) 19.5 / 29.4 against 23.6 / 39.7.
+DECODE_ONE_SEQUENCE = DecodeRule(programs=256, splits=(128, 1024), block_rows=64, warps=4, one_query_split=64)
 # A batch (a batched round: B sequences, each over its own cache row). Set from the probe's batched
 # sweep on an H200 (attn_probe.py --batched, bench/results/runtime-attn-probe-batched-1k.json; 1K
 # bucket, rows of ~529 real keys): 16 rows of 17-node trees do best with all 68 rows of a KV head in

@@ -119,12 +119,13 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
         if not captured or len(engine.scheduler.running) < len(ids):
             break
     nodes, batch = engine.stats.tree_nodes, engine.stats.batch_size
-    phases = {}
+    phases, timed = {}, []
     if timer is not None:
         engine.phase_hook = timer
         try:
             for _ in range(rounds):
                 engine.step()
+                timed.append((timer.last, engine.stats.round_budget))
         finally:
             engine.phase_hook = None
         phases = timer.medians_ms()
@@ -132,22 +133,41 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
         engine.cancel(i)
     return {"round_ms": 1e3 * round_s, "admit_ms": 1e3 * admit_s, "batch_size": batch, "round_tree_nodes": nodes,
             "phases_ms": phases, "windows": window, "window_captures": captured, "by_budget": by_budget(trace),
+            "phases_by_budget": phases_by_budget(timed),
             "budgets": [budget for _, budget in trace],   # each timed round's, in order
             "tokens_per_s": tokens / (rounds * round_s),
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
 
 
+def budget_groups(budgets: list[int]) -> list[list[str]]:
+    """Each round's groups: the budget it ran, and "after_tree" for a plain round right after a tree
+    round (what a cost policy's probe costs: the tree round itself and the plain round after it that
+    could not run ahead)."""
+    return [[f"budget_{budget}"] + (["after_tree"] if i and budgets[i - 1] and not budget else [])
+            for i, budget in enumerate(budgets)]
+
+
 def by_budget(trace: list[tuple[float, int]]) -> dict[str, dict]:
-    """The timed steps (wall ms between step() calls, no sync added) grouped by the budget each round ran,
-    and the steps right after a tree round ("after_tree"): what a cost policy's probe costs, the tree
-    round itself and the plain round after it that could not run ahead."""
+    """The timed steps (wall ms between step() calls, no sync added) grouped by budget_groups."""
     groups: dict[str, list[float]] = {}
-    for i, (ms, budget) in enumerate(trace):
-        groups.setdefault(f"budget_{budget}", []).append(ms)
-        if i and trace[i - 1][1] and not budget:
-            groups.setdefault("after_tree", []).append(ms)
+    for (ms, _), names in zip(trace, budget_groups([budget for _, budget in trace])):
+        for name in names:
+            groups.setdefault(name, []).append(ms)
     return {name: {"steps": len(v), "mean_ms": round(statistics.fmean(v), 3), "median_ms": round(statistics.median(v), 3)}
             for name, v in sorted(groups.items())}
+
+
+def phases_by_budget(timed: list[tuple[dict[str, float], int]]) -> dict[str, dict[str, float]]:
+    """The phase-timed rounds' phases (seconds, a sync at each boundary) as mean ms per budget_groups
+    group, 0 in a round without the phase: where a probe's time goes, which the medians over every
+    round leave out."""
+    groups: dict[str, list[dict[str, float]]] = {}
+    for (phases, _), names in zip(timed, budget_groups([budget for _, budget in timed])):
+        for name in names:
+            groups.setdefault(name, []).append(phases)
+    every = sorted({phase for phases, _ in timed for phase in phases})
+    return {name: {phase: round(1e3 * statistics.fmean(r.get(phase, 0.0) for r in rounds), 3) for phase in every}
+            | {"steps": len(rounds)} for name, rounds in sorted(groups.items())}
 
 
 def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:

@@ -270,6 +270,7 @@ class PhaseTimer:
         self.round: dict[str, float] = {}
         self.acc: dict[str, list[float]] = {}
         self.rounds = 0
+        self.last: dict[str, float] = {}   # the last round's phases, seconds
 
     def __call__(self, name: str) -> None:
         sync(self.device)
@@ -279,7 +280,7 @@ class PhaseTimer:
         if name == "end":
             for phase, t in self.round.items():
                 self.acc.setdefault(phase, []).append(t)
-            self.round = {}
+            self.last, self.round = self.round, {}
             self.rounds += 1
         self.cur, self.t0 = (None if name == "end" else name), now
 

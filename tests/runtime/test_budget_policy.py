@@ -305,6 +305,7 @@ class _SteadyEngine:
         hook = self.phase_hook or (lambda phase: None)
         hook("verify")
         time.sleep(self.round_s)
+        self.stats.round_budget = 4 if self.steps >= self.first else 0
         if self.steps == self.first:
             self.stats.graph_captures += 1
             hook("draft")
@@ -337,6 +338,11 @@ def test_the_steady_window_leaves_out_a_shape_run_first_and_phases_add_up():
     engine = _SteadyEngine(rows=2, round_s=0.002, first=10, capture_s=0.01)  # step 10: in the phase rounds
     got = batch_bench.steady_rounds(engine, [[1], [2]], params, rounds=5, warmup=2, timer=timer(cpu))
     assert got["windows"] == 1 and got["phases_ms"]["draft"] == 0 and 2 <= got["phases_ms"]["verify"] < 10
+    # by budget, a rare phase shows where its rounds ran (the fake's budgets: 0, then 4 from step 10 on)
+    # (the draft's 10 ms in one of its three rounds), not in the median round
+    rounds = got["phases_by_budget"]
+    assert rounds["budget_0"]["steps"] == 2 and rounds["budget_4"]["steps"] == 3
+    assert rounds["budget_0"]["draft"] == 0 and 10 / 3 <= rounds["budget_4"]["draft"] < 6
 
 
 # ---- the cost model (costs.py), on injected timings -------------------------------------------------

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import _use_triton, triton
+from .kernels import _pow2, _use_triton, triton
 
 if triton is not None:
     import triton.language as tl
@@ -277,7 +277,7 @@ if triton is not None:
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
     """On CUDA, power-of-two head dims and conv width (the Qwen3.5/3.6 shapes)."""
     return (_use_triton(mixed) and mixed.stride(-1) == 1
-            and all(n & (n - 1) == 0 for n in (dk, dv, kernel)))
+            and all(map(_pow2, (dk, dv, kernel))))
 
 
 class ConvHeadsLaunch(NamedTuple):
@@ -412,7 +412,7 @@ def tree_delta_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
     """On CUDA (unless DDTREE_TREE_DELTA=0), power-of-two head dims of at least 16 (a Triton dot's smallest
     side) and trees of up to TREE_DELTA_MAX_NODES nodes."""
     return (_use_triton(q) and (TREE_DELTA_ON_GPU or not q.is_cuda) and q.shape[2] <= TREE_DELTA_MAX_NODES
-            and all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1])))
+            and all(n >= 16 and _pow2(n) for n in (q.shape[-1], v.shape[-1])))
 
 
 class Gates(NamedTuple):

@@ -100,6 +100,16 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx:
     return attend(q, k, v, mask, mask is None and q.shape[2] > 1)
 
 
+def store_roped_kv(k: torch.Tensor, v: torch.Tensor, k_norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor, cache,
+                   idx: int, slots: torch.Tensor) -> None:
+    """RMSNorm + RoPE k [B, T, Hkv, D] and store it and v [B, T, Hkv, D] at positions `slots` of layer idx: one
+    kernel where the cache names one target for it (kernels.rms_norm_rope_to_cache), else the RoPE kernel and
+    the cache's own stores."""
+    target = cache.kernel_target(idx, slots)
+    if target is None or not rms_norm_rope_to_cache(k, v, k_norm.weight, k_norm.eps, cos, sin, *target):
+        cache.put_at(idx, slots, rms_norm_rope(k, k_norm.weight, k_norm.eps, cos, sin), v.transpose(1, 2))
+
+
 class QKVProj(nn.Module):
     """Qwen3 projections: q/k/v/o plus per-head RMSNorm on q and k (before RoPE)."""
 
@@ -137,7 +147,7 @@ class QKVProj(nn.Module):
             cache.put_at(idx, slots, k, v)
             return q
         q, k, v = self._heads(linear(x, *self._qkv), self.n_heads)
-        self._store(k, v, cos, sin, cache, idx, slots)
+        store_roped_kv(k, v, self.k_norm, cos, sin, cache, idx, slots)
         return self._rope_q(q, cos, sin)
 
     def kv_to_cache(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
@@ -147,7 +157,7 @@ class QKVProj(nn.Module):
             cache.put_at(idx, slots, *self.kv(x, cos, sin))
             return
         _, k, v = self._heads(linear(x, *rows_from(*self._qkv, self.n_heads * self.head_dim)), 0)
-        self._store(k, v, cos, sin, cache, idx, slots)
+        store_roped_kv(k, v, self.k_norm, cos, sin, cache, idx, slots)
 
     def _heads(self, y: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A fused projection's output [B, T, (n_q + 2 Hkv) D] -> q, k, v views [B, T, heads, D]."""
@@ -161,15 +171,6 @@ class QKVProj(nn.Module):
 
     def _rope_k(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, idx: int,
-               slots: torch.Tensor) -> None:
-        """RoPE k [B, T, Hkv, D] and store it and v at positions `slots` of layer idx (fused where the
-        cache names one target for the kernel; None: it stores them itself)."""
-        target = cache.kernel_target(idx, slots)
-        if target is None or not rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
-                                                        *target):
-            cache.put_at(idx, slots, self._rope_k(k, cos, sin), v.transpose(1, 2))
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, Hq, T, D]

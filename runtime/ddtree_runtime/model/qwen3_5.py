@@ -22,8 +22,9 @@ from .gdn_chunk import (PaddedPrompt, chunk_gated_delta, conv_inputs, conv_silu,
                         prompt_conv, tail_before)
 from .gdn_kernels import Gates, conv_heads, fused_fits, gated_norm, tree_delta, tree_delta_fits
 from .gdn_prompt import prompt_conv_heads, prompt_delta, prompt_fits, prompt_gated_norm, prompt_gates
-from .kernels import rms_norm_rope, rms_norm_rope_to_cache, sigmoid_gate
-from .layers import MLP, RMSNorm, TreeInputs, attend_cached, attend_static, fuse_rows, linear, split_parts
+from .kernels import rms_norm_rope, sigmoid_gate
+from .layers import (MLP, RMSNorm, TreeInputs, attend_cached, attend_static, fuse_rows, linear, split_parts,
+                     store_roped_kv)
 from .parallel import TensorParallel, add_reduced, reduced
 from .qwen3 import Qwen3ForCausalLM
 
@@ -90,13 +91,12 @@ class GatedAttention(nn.Module):
         q = rms_norm_rope(q_gate[..., :d], self.q_norm.weight, self.q_norm.eps, cos, sin)     # [B, Hq, T, D]
         k = k.view(b, t, self.n_kv, d)
         v = v.reshape(b, t, self.n_kv, d)
-        target = None if tree is None else cache.kernel_target(self.slot, tree.slots)
-        if target is not None and rms_norm_rope_to_cache(k, v, self.k_norm.weight, self.k_norm.eps, cos, sin,
-                                                         *target):
+        if tree is not None:
+            store_roped_kv(k, v, self.k_norm, cos, sin, cache, self.slot, tree.slots)
             o = attend_static(q, cache, self.slot, tree)
         else:
             k = rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
-            o = attend_cached(q, k, v.transpose(1, 2), cache, self.slot, start, mask, tree)   # [B, Hq, T, D]
+            o = attend_cached(q, k, v.transpose(1, 2), cache, self.slot, start, mask, None)   # [B, Hq, T, D]
         return projected(sigmoid_gate(o, q_gate), self.o_proj, self.tp, residual)
 
 

@@ -5,6 +5,7 @@ request takes it out there."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -65,9 +66,11 @@ def test_a_finished_jobs_timeline_is_in_order_and_observed(tiny_models):
     worker = EngineWorker(config, metrics)
     loop = asyncio.new_event_loop()
     job = Job(prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=12, ignore_eos=True), loop=loop)
+    gc.unfreeze()  # whatever an earlier worker in this process froze
     worker.start()
     try:
         _until(lambda: worker.health()[0] == READY)
+        assert gc.get_freeze_count() > 0  # the warm engine's heap is out of the full collections' walk
         worker.submit(job)
         _until(lambda: job.timeline.finished is not None)
     finally:

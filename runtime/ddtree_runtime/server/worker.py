@@ -18,6 +18,7 @@ as it found them), and only while the thread is alive and the engine can still s
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import threading
@@ -134,6 +135,16 @@ class NotReady(Exception):
         super().__init__(detail)
         self.state = state
         self.detail = detail
+
+
+def _freeze_startup_heap() -> None:
+    """What is alive once the engine is warm (modules, the model, the compiled kernels) lives as long as
+    the process: it is moved out of the cyclic collector's sight. A request of many small objects (a
+    chat of 70,000 messages) sets off full collections, and each walked this startup heap (0.3 s and
+    more, holding the GIL: the event loop's /health and the engine's rounds stalled with it); now it
+    walks the requests' own objects."""
+    gc.collect()
+    gc.freeze()
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -293,6 +304,7 @@ class EngineWorker:
         log.info("--> loaded in %.1fs; warm-up", time.perf_counter() - started)
         self._detail = "warming up"
         engine.warm_up()  # the engine logs what it ran and how long it took
+        _freeze_startup_heap()
         self.engine = engine
 
     def _serve(self) -> None:

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# An H200 call's measurements, by step name: each writes its JSON under $OUT (the device tool's folder
+# that comes back: 8 files at most), and every step's output goes to $OUT/steps.log. From the repository
+# root on the device machine, with .whl carried (runtime/bench/device_wheels.sh fetches it here):
+#
+#     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
+#
+# Steps: smi, profile, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, http,
+# cuda-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
+# ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
+# `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
+# A step that fails is reported and the next one runs; the exit status says whether any failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder the results go to}"
+CTX=${CTX:-8192}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "the carried wheels did not install"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+here=$PWD
+bench() {  # bench TREE SCRIPT ARGS...: a runtime/bench script (or -c CODE) on the runtime of TREE
+    local tree=$1 script=$2
+    shift 2
+    [ "$script" = -c ] || script="$tree/runtime/bench/$script"
+    PYTHONPATH="$tree/runtime:$tree/runtime/bench:$here/runtime/devtools:${PYTHONPATH:-}" python3 "$script" "$@"
+}
+old_tree() {  # OLD unpacked once, in /tmp/old
+    [ -n "${OLD:-}" ] || { echo "OLD: a tarball of the tree to compare against (git archive REV runtime)"; return 1; }
+    [ -d /tmp/old/runtime ] || { mkdir -p /tmp/old && tar -xzf "$OLD" -C /tmp/old; }
+}
+rounds() {  # rounds TREE LABEL SHAPE CONTEXT
+    bench "$1" batch_bench.py --shape "$3" --context "$4" --batches 1,16 --cases ar,ddtree@16 --rounds 20 \
+        --label "$2" --out "$OUT/rounds-$2.json"
+}
+
+step() {
+    case $1 in
+    smi) nvidia-smi > "$OUT/smi.txt" && python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)' ;;
+    profile) bench "$here" gpu_profile.py --shape qwen3.6-27b --context "$CTX" --batch 1,16 --out "$OUT/profile.json" ;;
+    rounds) rounds "$here" new qwen3.6-27b "$CTX" ;;
+    rounds-old) old_tree && rounds /tmp/old old qwen3.6-27b "$CTX" ;;
+    rounds-8b) rounds "$here" 8b-new qwen3-8b 512 ;;
+    rounds-8b-old) old_tree && rounds /tmp/old 8b-old qwen3-8b 512 ;;
+    cost-lone)  # the cost policy alone over a request's life, against AR: tokens/s and each budget's phases
+        bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1 --cases ar,cost --rounds 200 \
+            --out "$OUT/cost-lone.json" ;;
+    gdn-tree)  # GDN_LAUNCHES: launch names to time (all 42 compile for ~8 min: pick)
+        bench "$here" gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} --out "$OUT/gdn-tree.json" ;;
+    attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys
+        bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
+            --buckets 4608 8704 --out "$OUT/attn.json" ;;
+    fp8) bench "$here" fp8_bench.py --shapes qwen3.6-27b --out "$OUT/fp8.json" ;;
+    http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
+        bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \
+            && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \
+                --requests 160 --max-tokens 128 --warm-up 0 --out "$OUT/http-8b.json" \
+            && bench "$here" batch_bench.py --shape qwen3-8b --batches 16 --cases ddtree@16 --out "$OUT/http-engine-8b.json" ;;
+    cuda-tests)
+        PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -q -p no:cacheprovider \
+            tests/runtime/test_gated_attention_cuda.py tests/runtime/test_gdn_prompt_cuda.py \
+            tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_compile_pool.py \
+            tests/runtime/test_triton_kernels.py ;;
+    reship)  # the warm-up over an empty Triton cache; its record replaces the shipped one (kernels changed)
+        rm -rf /tmp/tc && TRITON_CACHE_DIR=/tmp/tc bench "$here" burst_bench.py --warm-up-only --out "$OUT/reship.json" \
+            && cp /tmp/tc/ddtree-compiles.pkl "$OUT/" ;;
+    *) echo "unknown step $1"; return 2 ;;
+    esac
+}
+
+failed=0
+for name in "$@"; do
+    began=$SECONDS
+    echo "=== $name"
+    if step "$name" 2>&1 | tee -a "$OUT/steps.log" | tail -n 25; then
+        echo "=== $name: done in $((SECONDS - began)) s"
+    else
+        echo "=== $name: FAILED after $((SECONDS - began)) s (steps.log has its output)"
+        failed=1
+    fi
+done
+exit $failed

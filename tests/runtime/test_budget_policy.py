@@ -497,13 +497,14 @@ def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
     for r in reqs:
         r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # a tree of 16: 2 tokens a row in 20 ms; AR: 1 in 10
     policy.last_round = 16
+    policy._probe_after = 8                                 # probes 8 AR rounds apart (after failed ones)
     assert policy.budgets(reqs) == [16, 16]                 # AR predicts the same: no switch
     policy.costs.observe(2, 1, 0.009, 10, 20)
     policy.costs.observe(2, 1, 0.009, 10, 20)               # AR now 9 ms: 11% better, past the hysteresis,
     assert policy.budgets(reqs) == [16, 16]                 # but back to trees costs a drafter pass (11 ms / 8)
     policy.costs.observe(2, 1, 0.007, 10, 20)
-    policy.costs.observe(2, 1, 0.007, 10, 20)               # AR 7 ms: better by more than that
-    assert policy.budgets(reqs) == [AR, AR]
+    policy.costs.observe(2, 1, 0.007, 10, 20)               # AR 7 ms: better by more than that over the 8
+    assert policy.budgets(reqs) == [AR, AR]                 # AR rounds before the next probe
 
 
 def test_rows_that_must_draft_again_pay_no_switch_back():
@@ -514,19 +515,33 @@ def test_rows_that_must_draft_again_pay_no_switch_back():
     for r in reqs:
         r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)
     policy.last_round = 16
-    assert policy.budgets(reqs) == [16, 16] and policy.last.rates[AR] == pytest.approx(2 / (0.009 + 0.011 / 8))
+    # leaving trees for AR costs the drafter pass back, spread over the AR rounds before the policy's next
+    # tree round (a probe after PROBE_FIRST of them), not over rounds that would never run
+    assert policy.budgets(reqs) == [16, 16] and policy.last.rates[AR] == pytest.approx(2 / (0.009 + 0.011 / 2))
     for r in reqs:
         r.drafted = None
     assert policy.budgets(reqs) == [AR, AR] and policy.last.rates[AR] == pytest.approx(2 / 0.009)
 
 
+def test_a_small_trees_forecast_is_capped_at_its_size():
+    """A row that accepts more than its drafter forecast has its forecast scaled up; a tree of 8 nodes
+    still accepts at most 8, so the scaling must not make it look as good as a tree of 16."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
+    policy.costs = CostModel.of_table(costs(2, {1: 10, 2: 20, 5: 20, 9: 20, 17: 26}).seconds)
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:                      # forecast 5 for the tree run, 15 accepted: scaled ~2.4x (12 at 8 nodes)
+        r.acceptance.observe((0.9, 3.0, 5.0, 7.0), 5.0, 15)
+    assert policy.budgets(reqs) == [16, 16]
+    assert policy.last.rates[8] == pytest.approx(2 * 9 / 0.020)   # 8 accepted and the bonus token, a row
+
+
 def test_near_candidates_are_timed_again_now_and_then():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
-    ms = {1: 9, 2: 20, 5: 20, 9: 20, 17: 20}
+    ms = {1: 1, 2: 20, 5: 20, 9: 20, 17: 20}
     policy.costs = CostModel.of_table(costs(2, ms).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
-    for r in reqs:  # 16 predicts 220 tok/s; 4 and 8 200, AR 193 (9 ms and the drafter pass back to trees
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.2), 1.2, 1.2)   # over 8 rounds): within PROBE_WITHIN; 1 150
+    for r in reqs:  # 16 predicts 220 tok/s; 4 and 8 200, AR 190 (1 ms and the drafter pass back to trees,
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.2), 1.2, 1.2)   # 19, over 2 rounds): within PROBE_WITHIN; 1 150
     chosen = []
     for _ in range(200):
         budgets = policy.budgets(reqs)

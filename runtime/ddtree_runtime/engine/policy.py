@@ -131,16 +131,17 @@ class Choice:
 
 def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float]], left: Sequence[int],
                 candidates: Sequence[int], *, floor_nodes: int = 1, ar: bool = True, refresh: float = 0.0,
-                leave: float = 0.0, node_cap: int | None = None) -> Choice | None:
+                leave: float = 0.0, ar_rounds: int = REFRESH_ROUNDS, node_cap: int | None = None) -> Choice | None:
     """The budget that maximises predicted tokens/s for a round of len(expected) chosen rows (plus any
     fixed ones, counted in `batch`, the batch bucket, and `floor_nodes`, the tree bucket they pad to).
     expected[i][k]: row i's expected accepted draft tokens at candidates[k]; left[i]: the tokens it may
     still emit. `ar`: whether budget 0 (plain AR) may be chosen; `refresh`: seconds the first tree round
     costs more because the rows must draft first (after AR rounds), spread over the tree rounds the rows
     still need; `leave`: the same drafter pass, which trees cost again after AR rounds, charged to an AR
-    round chosen while the rows hold drafts (spread over the AR rounds they would still need: a switch
-    there and back costs it once, and on near-equal rates the switches lost 5-8% at 32 running on the
-    CPU); `node_cap`: the most nodes a round may verify (--round-nodes, rows x tree bucket). None when
+    round chosen while the rows hold drafts (spread over the AR rounds they would still need, and at most
+    `ar_rounds`, the probes' spacing: a tree round comes then anyway. A switch there and back costs it
+    once; spread over 8 rounds where a probe came after 2, the switches cost the tiny pair 12-22% at 32
+    running on the CPU); `node_cap`: the most nodes a round may verify (--round-nodes, rows x tree bucket). None when
     the costs of this batch are not measured."""
     rates: dict[int, float] = {}
     rows = max(batch, 1)
@@ -148,7 +149,8 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
         cost = costs.of(batch, 1)
         if cost is None:
             return None
-        rates[AR] = sum(min(1, n) for n in left) / (cost + leave / min(max(max(left, default=1), 1), REFRESH_ROUNDS))
+        spread = min(max(max(left, default=1), 1), REFRESH_ROUNDS, max(ar_rounds, 1))
+        rates[AR] = sum(min(1, n) for n in left) / (cost + leave / spread)
     for k, budget in enumerate(candidates):
         nodes = max(tree_bucket(budget + 1), floor_nodes)
         if node_cap is not None and rows * nodes > node_cap and rates:
@@ -235,10 +237,12 @@ class BudgetPolicy:
         if any(e is None for e in expected):
             return None  # nothing forecast yet: the configured budget, which forecasts
         depth = self.block_size - 1
-        # a row capped below a candidate gets its cap's tree there (the largest candidate within it)
+        # a row capped below a candidate gets its cap's tree there (the largest candidate within it); a
+        # tree of b nodes accepts at most b of them, however its calibration scales the forecast (a row
+        # accepting more than forecast made its scaled forecast for a small tree exceed that tree)
         within = [[max((j for j, c in enumerate(self.candidates) if c <= min(b, reqs[i].budget)), default=0)
                    for b in self.candidates] for i in chosen]
-        expected = [[min(e[j], depth) for j in idx] for e, idx in zip(expected, within)]
+        expected = [[min(e[j], depth, self.candidates[j]) for j in idx] for e, idx in zip(expected, within)]
         left = [reqs[i].params.max_new_tokens - reqs[i].generated for i in chosen]
         ar = not any(reqs[i].mode.drafts for i in others)
         stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first
@@ -247,7 +251,7 @@ class BudgetPolicy:
         redraft = costs.refresh(batch)   # paid by the next tree round if stale, else by leaving trees now
         choice = best_budget(costs, batch, expected, left, self.candidates, floor_nodes=floor, ar=ar,
                              refresh=redraft if stale else 0.0, leave=0.0 if stale else redraft,
-                             node_cap=self.round_nodes)
+                             ar_rounds=self._probe_after, node_cap=self.round_nodes)
         if choice is None:
             return None
         choice = self._steady(choice)

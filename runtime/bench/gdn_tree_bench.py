@@ -87,7 +87,12 @@ LAUNCHES = [TreeDeltaLaunch(block_k=64, block_v=64, precision=p, squaring=s) for
     # the root taken apart: a 17-node tree in blocks of 16
     TreeDeltaLaunch(block_k=k, block_v=v, warps=w, precision=p, peel=True)
     for k, v, w, p in ((32, 64, 4, "tf32x3"), (32, 128, 4, "tf32x3"), (64, 128, 4, "tf32x3"), (32, 128, 8, "tf32x3"),
-                       (32, 64, 4, "ieee"), (32, 128, 4, "ieee"), (32, 64, 2, "tf32x3"), (32, 128, 2, "tf32x3"))]
+                       (32, 64, 4, "ieee"), (32, 128, 4, "ieee"), (32, 64, 2, "tf32x3"), (32, 128, 2, "tf32x3"))] + [
+    # dk in chunks of 16: 166-168 registers where 32-chunks take 243-255 (sm90_report.py, compiled offline),
+    # so 3 programs share an SM at 4 warps, 6 at 2 (k16-v128: every column in one program, no kk recomputed)
+    TreeDeltaLaunch(block_k=16, block_v=v, warps=w, precision=p, peel=True)
+    for v, w, p in ((64, 4, "tf32x3"), (128, 4, "tf32x3"), (32, 2, "tf32x3"), (64, 2, "tf32x3"), (32, 4, "ieee"),
+                    (64, 4, "ieee"))]
 
 
 def launch_name(launch: TreeDeltaLaunch) -> str:

@@ -1,0 +1,47 @@
+"""sm90_report.py compiles the runtime's own launches for the H200 on a machine without a GPU and reads
+what they hold: the launch the layer makes (its grid, its constexprs), not a description of it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime" / "bench"))
+
+import sm90_report  # noqa: E402
+from ddtree_runtime.model import gdn_kernels  # noqa: E402
+from ddtree_runtime.model.kernels import decode_attention  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_served_tree_delta_launch_compiles_offline_with_its_grid():
+    rows, heads, nodes, dk, dv = 16, 4, 17, 128, 128
+    q, k = torch.randn(rows, heads, nodes, dk), torch.randn(rows, heads, nodes, dk)
+    v, state = torch.randn(rows, heads, nodes, dv), torch.randn(rows, heads, dk, dv)
+    mask = torch.ones(nodes, nodes, dtype=torch.bool).tril()
+    launch = gdn_kernels.tree_delta_launch(rows)
+    (name, compiled, grid), = sm90_report.compiled_launches(
+        lambda: gdn_kernels.tree_delta(q, k, v, torch.randn(rows, heads, nodes), torch.rand(rows, heads, nodes),
+                                       state, mask, launch=launch))
+    assert name == "_tree_delta_kernel" and grid == (rows * heads, dv // launch.block_v)
+    report = sm90_report.resources(compiled)
+    assert report["warps"] == launch.warps and 0 < report["regs"] <= 255
+    assert report["mma"] == "mma"   # 16-node blocks: tiles below wgmma's 64 rows a warp group
+    assert report["programs_per_sm"] >= 1 and report["shared_bytes"] > 0
+    assert gdn_kernels._use_triton(torch.zeros(1)) is False   # the CPU's tensors are the CPU's again
+
+
+def test_the_tree_attention_compiles_to_wgmma():
+    keys, page = 1024, 16
+    k = torch.randn(1, 4, keys, 256, dtype=torch.bfloat16)
+    q = torch.randn(1, 24, 17, 256, dtype=torch.bfloat16)
+    table = torch.arange(keys // page, dtype=torch.int32).view(1, -1)
+    bias = torch.zeros(1, 1, 17, keys, dtype=torch.bfloat16)
+    launches = sm90_report.compiled_launches(lambda: decode_attention(
+        q, k, k, bias, torch.full((1,), keys), table=table, page_size=page, length=keys, shared=True))
+    part = next(c for n, c, _ in launches if n == "_decode_attn_part_kernel")
+    assert sm90_report.resources(part)["mma"] == "wgmma"

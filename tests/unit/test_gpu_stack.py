@@ -157,6 +157,11 @@ def test_the_lab_nvidia_smi_answers_the_health_fields_as_the_real_one(tmp_path):
                          env=env, timeout=30)
     assert xid.returncode == 0 and (tmp_path / "kmsg").read_text().split(";", 1)[1] == (
         "NVRM: Xid (PCI:0000:28:00): 79, pid=1234, name=python3, GPU has fallen off the bus.\n")
+    (tmp_path / "kmsg").unlink()   # `clear` leaves the log as lab up made it, an empty root-only file, even then
+    clear = subprocess.run([sys.executable, "-m", "ddops_lab_gpu", "clear"], capture_output=True, text=True, env=env,
+                           timeout=30)
+    assert clear.returncode == 0 and (tmp_path / "kmsg").read_text() == ""
+    assert (tmp_path / "kmsg").stat().st_mode & 0o777 == 0o600
 
 
 # -- the CUDA stack ------------------------------------------------------------------------------------

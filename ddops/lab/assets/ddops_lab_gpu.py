@@ -120,8 +120,9 @@ def clear() -> None:
         cfg.pop(key, None)
     cfg.update(driver_version=DRIVER, cuda_version=CUDA)
     save_config(cfg)
-    if KMSG.exists():
+    if not KMSG.exists() or KMSG.is_file():   # lab up's empty log, made again if anything removed it
         KMSG.write_text("")
+        KMSG.chmod(0o600)
 
 
 def _values(pairs: list[str]) -> dict:

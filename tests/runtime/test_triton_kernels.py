@@ -812,6 +812,49 @@ def test_state_advance_kernel_matches_torch_advance_along():
     """)
 
 
+def test_conv_tail_kernel_matches_the_torch_commit():
+    """The commit's conv tail in one launch against the torch path, bit for bit (it only moves values):
+    paths shorter than the tail (1, 2: part of the old tail stays, shifted), as long and longer, several
+    layers, the first rows of a pool (the rows past the batch untouched), the tree pass's inputs a strided
+    scratch, the nodes and lengths strided views of the walk's result, channels over one program's block
+    and not a power of two; and conv_tail_along taking it."""
+    interpret("""
+        from ddtree_runtime.model.gated_delta import conv_tail_along, conv_tail_torch
+
+        def case(n, b, pool, k1, t, c, paths):
+            gen = torch.Generator().manual_seed(n * 10 + b)
+            conv = torch.randn(n, pool, k1, c, generator=gen).bfloat16()
+            scratch = torch.randn(n, pool, t + 2, c + 8, generator=gen).bfloat16()
+            inputs = scratch[:, :b, :t, 4:4 + c]                          # rows, nodes and channels strided
+            p = max(len(path) for path in paths)
+            result = torch.randint(0, t, (b, 2 + p), generator=gen)       # garbage past each length
+            for row, path in enumerate(paths):
+                result[row, 0] = len(path)
+                result[row, 2:2 + len(path)] = torch.tensor(path)
+            nodes, length = result[:, 2:], result[:, 0]
+            expected, got = conv.clone(), conv.clone()
+            conv_tail_torch(expected[:, :b], inputs, nodes, length)
+            G.conv_tail(got[:, :b], inputs, nodes, length)
+            assert torch.equal(got, expected), (n, b, paths)
+            for row, path in enumerate(paths):                            # the tail is [old | path]'s last k1
+                whole = torch.cat([conv[:, row], inputs[:, row, torch.tensor(path)]], dim=1)
+                assert torch.equal(got[:, row], whole[:, -k1:])
+            print(n, b, k1, c, "ok")
+
+        case(1, 1, 1, 3, 4, 40, [[0]])                                       # an AR step: one shift
+        case(2, 3, 5, 3, 9, 1100, [[0, 4], [0, 2, 5], [0, 1, 3, 4, 8]])      # 2, 3 and 5 long; two blocks
+        case(3, 2, 2, 2, 6, 24, [[0, 5, 1], [0]])                            # a kernel of 3: a tail of 2
+        G._use_triton = lambda x: True
+        conv = torch.randn(2, 2, 3, 16)
+        inputs = torch.randn(2, 2, 5, 16)
+        nodes, length = torch.tensor([[0, 3, 4], [0, 1, 2]]), torch.tensor([3, 1])
+        expected = conv.clone()
+        conv_tail_torch(expected, inputs, nodes, length)
+        conv_tail_along(conv, inputs, nodes, length)
+        assert torch.equal(conv, expected)
+    """)
+
+
 def test_paged_decode_attention_reads_keys_through_the_block_table():
     """The split-KV kernel over a paged pool: each sequence's keys scattered over shuffled pages (page 0
     the scratch page, holding garbage), read through its block table, equal to the same kernel over

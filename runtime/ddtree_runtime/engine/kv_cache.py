@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..model.config import Qwen35Config, Qwen3Config
-from ..model.gated_delta import Step, advance_along
+from ..model.gated_delta import Step, advance_along, conv_tail_along
 from .block_manager import PageTable
 
 
@@ -296,16 +296,7 @@ class HybridCache(KVCache):
         scratch is never read."""
         super().compact(start, nodes, length, moved)
         advance_along(self.step, self.state, nodes, length)
-        # the conv tail: the K-1 rows ending [old tail | path], read from where each lies (only those: the
-        # whole path of every layer gathered then concatenated cost ~0.6 ms a round at 16 rows on an H200),
-        # whole rows at a time (index_select: an element-wise gather took ~0.1 ms for these 3 rows)
-        _, b, k1, _ = self.conv.shape
-        keep = length[:, None] + torch.arange(k1, device=nodes.device)     # [B, K-1] in [tail | path]
-        node = nodes.gather(1, (keep - k1).clamp(min=0))
-        rows = torch.arange(b, device=nodes.device)[:, None]
-        picked = self.inputs.flatten(1, 2).index_select(1, (rows * self.inputs.shape[2] + node).flatten())
-        old = self.conv.flatten(1, 2).index_select(1, (rows * k1 + keep.clamp(max=k1 - 1)).flatten())
-        self.conv.copy_(torch.where((keep >= k1).view(1, b, k1, 1), picked.view_as(self.conv), old.view_as(self.conv)))
+        conv_tail_along(self.conv, self.inputs, nodes, length)
 
 
 def _rows(value, lo: int, hi: int):

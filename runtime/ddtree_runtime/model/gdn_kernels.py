@@ -139,6 +139,30 @@ if triton is not None:
         tl.store(tile, acc, mask=in_tile)
 
     @triton.jit
+    def _conv_tail_kernel(conv_ptr, inputs_ptr, nodes_ptr, length_ptr, s_cn, s_cb, s_ck, s_in, s_ib, s_it,
+                          s_nb, s_np, s_len, B, C, K1: tl.constexpr, K1P: tl.constexpr, BLOCK: tl.constexpr):
+        # one (layer, sequence) and BLOCK channels: the K-1 inputs that end [old tail | accepted path], each
+        # from where it lies (slot j is position length + j of that concatenation: the old tail's slot, or
+        # the path's node's input in the tree pass's scratch), all read before the tail is written over
+        pid = tl.program_id(0)
+        layer = (pid // B).to(tl.int64)
+        b = (pid % B).to(tl.int64)
+        ch = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        j = tl.arange(0, K1P)
+        keep = tl.load(length_ptr + b * s_len) + j
+        slot = j < K1
+        on_path = slot & (keep >= K1)
+        node = tl.load(nodes_ptr + b * s_nb + (keep - K1) * s_np, mask=on_path, other=0)
+        live = slot[:, None] & (ch < C)[None, :]
+        tail = conv_ptr + layer * s_cn + b * s_cb
+        new = tl.load(inputs_ptr + layer * s_in + b * s_ib + node[:, None] * s_it + ch[None, :],
+                      mask=live & on_path[:, None], other=0.0)
+        old = tl.load(tail + keep[:, None] * s_ck + ch[None, :], mask=live & ~on_path[:, None], other=0.0)
+        tail_in = tl.where(on_path[:, None], new, old)
+        tl.debug_barrier()   # another thread may read slot j as an older slot of its own: every read lands first
+        tl.store(tail + j[:, None] * s_ck + ch[None, :], tail_in, mask=live)
+
+    @triton.jit
     def _tree_gates(g, beta, beta_ty, a_log_ptr, dt_bias_ptr, h, RAW_GATES: tl.constexpr):
         # beta and g of any shape; RAW_GATES: from the in-projection's b and a columns, as
         # GatedDeltaNet.forward makes them in torch: the sigmoid rounded to the model dtype;
@@ -361,6 +385,25 @@ def advance_state(k: torch.Tensor, u: torch.Tensor, g: torch.Tensor, state: torc
     _advance_kernel[grid](state, k, u, g, nodes, length, *state.stride(), *k.stride(), *u.stride(), *g.stride(),
                           *nodes.stride(), length.stride(0), b, h, DK=dk, DV=dv, BLOCK_K=block_k,
                           BLOCK_V=block_v, num_warps=launch.warps)
+
+
+CONV_TAIL_BLOCK = 1024   # channels a program of conv_tail (the 27B's 10,240 in 10 programs a layer and row)
+
+
+def conv_tail_fits(conv: torch.Tensor, inputs: torch.Tensor) -> bool:
+    """On CUDA, channels contiguous in the tail and the tree pass's inputs alike."""
+    return _use_triton(conv) and conv.stride(-1) == 1 and inputs.stride(-1) == 1
+
+
+def conv_tail(conv: torch.Tensor, inputs: torch.Tensor, nodes: torch.Tensor, length: torch.Tensor) -> None:
+    """gated_delta.conv_tail_along in one launch: conv [n, B, K-1, C] (written in place), inputs
+    [n, B, T, C] (the tree pass's conv inputs by node), nodes [B, P] (each row's path, root first),
+    length [B] (each >= 1). Any strides but the channels'."""
+    n, b, k1, c = conv.shape
+    block = min(CONV_TAIL_BLOCK, triton.next_power_of_2(c))
+    _conv_tail_kernel[(n * b, triton.cdiv(c, block))](
+        conv, inputs, nodes, length, *conv.stride()[:3], *inputs.stride()[:3], *nodes.stride(), length.stride(0), b,
+        c, K1=k1, K1P=triton.next_power_of_2(k1), BLOCK=block, num_warps=4)
 
 
 # the largest tree the one-kernel verify takes: its [T, T] matrices and [T, BV] blocks live in registers

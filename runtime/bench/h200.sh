@@ -49,9 +49,10 @@ step() {
             --out "$OUT/cost-lone.json" ;;
     gdn-tree)  # GDN_LAUNCHES: launch names to time (all 42 compile for ~8 min: pick)
         bench "$here" gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} --out "$OUT/gdn-tree.json" ;;
-    attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys
+    attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys (ATTN_GRID:
+           # attn_probe's --grid, e.g. "stages=3,4 keys=32,64")
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
-            --buckets 4608 8704 --out "$OUT/attn.json" ;;
+            --buckets 4608 8704 ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
     fp8) bench "$here" fp8_bench.py --shapes qwen3.6-27b --out "$OUT/fp8.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \

@@ -32,7 +32,7 @@ old_tree() {  # OLD unpacked once, in /tmp/old
     [ -d /tmp/old/runtime ] || { mkdir -p /tmp/old && tar -xzf "$OLD" -C /tmp/old; }
 }
 rounds() {  # rounds TREE LABEL SHAPE CONTEXT
-    bench "$1" batch_bench.py --shape "$3" --context "$4" --batches 1,16 --cases ar,ddtree@16 --rounds 20 \
+    bench "$1" batch_bench.py --shape "$3" --context "$4" --batches 1,16 --cases ar,ddtree@16 \
         --label "$2" --out "$OUT/rounds-$2.json"
 }
 

@@ -117,8 +117,8 @@ def tree_delta_cases(rows: list[int]) -> list[dict]:
         q, k = torch.randn(b, heads, nodes, dk), torch.randn(b, heads, nodes, dk)
         v, state = torch.randn(b, heads, nodes, dv), torch.randn(b, heads, dk, dv)
         mask = torch.ones(nodes, nodes, dtype=torch.bool).tril()
-        gates = Gates(torch.randn(b, nodes, heads, dtype=torch.bfloat16), torch.randn(b, nodes, heads, dtype=torch.bfloat16),
-                      torch.randn(heads), torch.randn(heads))
+        raw = torch.randn(2, b, nodes, heads, dtype=torch.bfloat16)   # the in-projection's b and a columns
+        gates = Gates(raw[0], raw[1], torch.randn(heads), torch.randn(heads))
         served = tree_delta_launch(b)
         for launch in LAUNCHES:
             (name, compiled, grid), = compiled_launches(

@@ -141,8 +141,8 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
     round chosen while the rows hold drafts (spread over the AR rounds they would still need, and at most
     `ar_rounds`, the probes' spacing: a tree round comes then anyway. A switch there and back costs it
     once; spread over 8 rounds where a probe came after 2, the switches cost the tiny pair 12-22% at 32
-    running on the CPU); `node_cap`: the most nodes a round may verify (--round-nodes, rows x tree bucket). None when
-    the costs of this batch are not measured."""
+    running on the CPU); `node_cap`: the most nodes a round may verify (--round-nodes, rows x tree
+    bucket). None when the costs of this batch are not measured."""
     rates: dict[int, float] = {}
     rows = max(batch, 1)
     if ar and floor_nodes == 1:

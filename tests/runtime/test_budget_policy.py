@@ -474,10 +474,11 @@ def test_rounds_are_timed_only_when_they_are_the_whole_step():
     assert [s.seconds for s in policy.costs.samples[(2, 17)]] == [0.030]
 
 
-@pytest.mark.parametrize("accepted, next_tree", [(0, 125), (3, 101)])
+@pytest.mark.parametrize("accepted, next_tree", [(0, 125), (3, 125), (15, 101)])
 def test_only_a_tree_that_gains_brings_the_probes_close_again(accepted, next_tree):
-    """Probes space out while AR wins (1, 5, 13, 29, 61, then 125); a tree round that accepts nothing
-    leaves that spacing, one that gains starts it again at two AR rounds."""
+    """Probes space out while AR wins (1, 5, 13, 29, 61, then 125); a tree round that accepts nothing,
+    or less than would beat AR at these costs (3 a row: 4 tokens in 60 ms against AR's 1 in 10), leaves
+    that spacing; one that gains more (15 a row) starts it again at two AR rounds."""
     policy, reqs = losing_drafter()
     chosen = [policy.budgets(reqs)[0] for _ in range(100)]
     assert [i for i, b in enumerate(chosen) if b != AR] == [1, 5, 13, 29, 61]

@@ -127,6 +127,7 @@ class Choice:
     budget: int
     rate: float
     rates: dict[int, float]   # every candidate's predicted tokens/s (the benchmarks print them)
+    tokens: dict[int, float]  # and the tokens each was predicted to give
 
 
 def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float]], left: Sequence[int],
@@ -144,13 +145,15 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
     running on the CPU); `node_cap`: the most nodes a round may verify (--round-nodes, rows x tree
     bucket). None when the costs of this batch are not measured."""
     rates: dict[int, float] = {}
+    gives: dict[int, float] = {}
     rows = max(batch, 1)
     if ar and floor_nodes == 1:
         cost = costs.of(batch, 1)
         if cost is None:
             return None
         spread = min(max(max(left, default=1), 1), REFRESH_ROUNDS, max(ar_rounds, 1))
-        rates[AR] = sum(min(1, n) for n in left) / (cost + leave / spread)
+        gives[AR] = sum(min(1, n) for n in left)
+        rates[AR] = gives[AR] / (cost + leave / spread)
     for k, budget in enumerate(candidates):
         nodes = max(tree_bucket(budget + 1), floor_nodes)
         if node_cap is not None and rows * nodes > node_cap and rates:
@@ -162,11 +165,12 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
         # drafting again serves every tree round after it: its cost is spread over the rounds the rows
         # still need at this budget (REFRESH_ROUNDS at most: forecasts change)
         rounds = max((math.ceil(n / (1 + e[k])) for e, n in zip(expected, left)), default=1)
+        gives[budget] = tokens
         rates[budget] = tokens / (cost + refresh / min(max(rounds, 1), REFRESH_ROUNDS))
     if not rates:
         return None
     best = max(rates, key=lambda b: (rates[b], b))  # a tie goes to the bigger tree (it forecasts more)
-    return Choice(best, rates[best], rates)
+    return Choice(best, rates[best], rates, gives)
 
 
 @dataclass(frozen=True)
@@ -269,7 +273,7 @@ class BudgetPolicy:
         # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
         self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)
         tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
-        return Choice(tree, choice.rates[tree], choice.rates)
+        return Choice(tree, choice.rates[tree], choice.rates, choice.tokens)
 
     def _steady(self, choice: Choice) -> Choice:
         """Hysteresis: the last round's budget stays while the best beats it by no more than STAY (on
@@ -278,7 +282,7 @@ class BudgetPolicy:
         if last is None or last == choice.budget or last not in choice.rates:
             return choice
         if choice.rate <= (1 + STAY) * choice.rates[last]:
-            return Choice(last, choice.rates[last], choice.rates)
+            return Choice(last, choice.rates[last], choice.rates, choice.tokens)
         return choice
 
     def _probe(self, choice: Choice, batch: int, floor: int) -> Choice | None:
@@ -291,7 +295,7 @@ class BudgetPolicy:
             budget, rounds = self._probing
             self._probing = (budget, rounds - 1) if rounds > 1 else None
             if budget in choice.rates:
-                return Choice(budget, choice.rates[budget], choice.rates)
+                return Choice(budget, choice.rates[budget], choice.rates, choice.tokens)
         if not self.learning or self._since_probe < PROBE_GAP:
             return None
 
@@ -306,7 +310,7 @@ class BudgetPolicy:
         budget = max(near, key=age)
         if (budget == AR) != (choice.budget == AR):
             self._probing = (budget, 1)
-        return Choice(budget, choice.rates[budget], choice.rates)
+        return Choice(budget, choice.rates[budget], choice.rates, choice.tokens)
 
     def _shape_of(self, reqs: list[RequestState], budgets: list[int]) -> RoundShape | None:
         if not reqs or not self.learning:
@@ -343,7 +347,7 @@ class BudgetPolicy:
         """A round's outcome: each chosen row that ran a tree gets its new forecast and calibration.
         rounds[i]: (tokens, accepted, logprobs); forecasts[i]: the drafter's forecast at each candidate,
         then at the budget run (None: no tree)."""
-        curves, ran_total, accepted_total = [], 0.0, 0
+        curves, ran_total, accepted_total, ran_budget = [], 0.0, 0, AR
         for req, budget, (_, accepted, _), fc in zip(reqs, budgets, rounds, forecasts):
             if budget == AR and self.chooses(req):
                 req.acceptance.relax(self.prior)
@@ -352,11 +356,22 @@ class BudgetPolicy:
             curve, ran = fc[:-1], fc[-1]
             req.acceptance.observe(curve, ran, accepted)
             curves.append(curve)
-            ran_total, accepted_total = ran_total + ran, accepted_total + accepted
+            ran_total, accepted_total, ran_budget = ran_total + ran, accepted_total + accepted, max(ran_budget, budget)
         if curves:
             self.prior.observe_round(curves, ran_total, accepted_total)
-        if accepted_total:
-            # a tree gained: should AR win again, look again soon. A tree chosen that accepts nothing
-            # leaves the spacing as it was (a lone request whose drafter keeps losing paid the probes'
-            # ramp again after every such round: 11 tree rounds in 200 on the H200, not 6)
+        if accepted_total and self._beat_ar(ran_budget, len(curves) + accepted_total):
+            # a tree gained more than AR would have: should AR win again, look again soon. A tree that
+            # gains less leaves the spacing as it was (a lone request whose drafter keeps losing paid the
+            # probes' ramp again after every such round: 11 tree rounds in 200 on the H200, not 6; on the
+            # hybrid tiny pair at 16-32 running, where AR wins, probes that gained 2-3 tokens a row kept
+            # coming back every third round, each with its drafter pass)
             self._ar_streak, self._probe_after = 0, PROBE_FIRST
+
+    def _beat_ar(self, budget: int, tokens: float) -> bool:
+        """Whether this round's tree of `budget`, at the tokens its chosen rows gave, beat the AR round
+        its choice weighed it against (at the rates predicted for both: the tree's scaled by what it gave
+        against what it was predicted to give); True where no such choice was made."""
+        choice = self.last
+        if choice is None or AR not in choice.rates or not choice.tokens.get(budget):
+            return True
+        return choice.rates[budget] * tokens / choice.tokens[budget] > choice.rates[AR]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..capacity import TREE_BUCKETS
@@ -128,6 +128,10 @@ class Choice:
     rate: float
     rates: dict[int, float]   # every candidate's predicted tokens/s (the benchmarks print them)
     tokens: dict[int, float]  # and the tokens each was predicted to give
+
+    def taking(self, budget: int) -> Choice:
+        """The same predictions, `budget` taken instead (hysteresis, probes)."""
+        return replace(self, budget=budget, rate=self.rates[budget])
 
 
 def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float]], left: Sequence[int],
@@ -273,7 +277,7 @@ class BudgetPolicy:
         # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
         self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)
         tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
-        return Choice(tree, choice.rates[tree], choice.rates, choice.tokens)
+        return choice.taking(tree)
 
     def _steady(self, choice: Choice) -> Choice:
         """Hysteresis: the last round's budget stays while the best beats it by no more than STAY (on
@@ -282,7 +286,7 @@ class BudgetPolicy:
         if last is None or last == choice.budget or last not in choice.rates:
             return choice
         if choice.rate <= (1 + STAY) * choice.rates[last]:
-            return Choice(last, choice.rates[last], choice.rates, choice.tokens)
+            return choice.taking(last)
         return choice
 
     def _probe(self, choice: Choice, batch: int, floor: int) -> Choice | None:
@@ -295,7 +299,7 @@ class BudgetPolicy:
             budget, rounds = self._probing
             self._probing = (budget, rounds - 1) if rounds > 1 else None
             if budget in choice.rates:
-                return Choice(budget, choice.rates[budget], choice.rates, choice.tokens)
+                return choice.taking(budget)
         if not self.learning or self._since_probe < PROBE_GAP:
             return None
 
@@ -310,7 +314,7 @@ class BudgetPolicy:
         budget = max(near, key=age)
         if (budget == AR) != (choice.budget == AR):
             self._probing = (budget, 1)
-        return Choice(budget, choice.rates[budget], choice.rates, choice.tokens)
+        return choice.taking(budget)
 
     def _shape_of(self, reqs: list[RequestState], budgets: list[int]) -> RoundShape | None:
         if not reqs or not self.learning:

@@ -62,7 +62,7 @@ step() {
     cuda-tests)
         PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_gated_attention_cuda.py tests/runtime/test_gdn_prompt_cuda.py \
-            tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_compile_pool.py \
+            tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_conv_tail_cuda.py tests/runtime/test_compile_pool.py \
             tests/runtime/test_triton_kernels.py ;;
     reship)  # the warm-up over an empty Triton cache; its record replaces the shipped one (kernels changed)
         rm -rf /tmp/tc && TRITON_CACHE_DIR=/tmp/tc bench "$here" burst_bench.py --warm-up-only --out "$OUT/reship.json" \

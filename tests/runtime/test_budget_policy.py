@@ -19,7 +19,7 @@ import torch
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
 from ddtree_runtime.engine.costs import SWEEP_PROMPT, CostModel, RoundCosts
-from ddtree_runtime.engine.policy import PROBE_GAP, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
+from ddtree_runtime.engine.policy import PROBE_GAP, PROBE_SHARE, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
 from ddtree_runtime.engine.types import BatchStats
 from ddtree_runtime.engine.tree import build_trees
 from ddtree_devtools.engine_runs import serve
@@ -198,10 +198,14 @@ def losing_drafter() -> tuple[BudgetPolicy, list[_Req]]:
 
 
 def test_after_ar_rounds_a_tree_round_looks_again():
+    """A probe (a 2-node tree, 14 ms, after the drafter pass back, 4 ms) gives what two AR rounds of
+    10 ms give: 8 ms beyond them, which PROBE_SHARE of the AR rounds between probes must cover (27
+    rounds); past that, the spacing doubles at each probe, up to PROBE_LAST."""
     policy, reqs = losing_drafter()
-    chosen = [policy.budgets(reqs)[0] for _ in range(400)]
+    chosen = [policy.budgets(reqs)[0] for _ in range(600)]
     probes = [i for i, b in enumerate(chosen) if b != AR]
-    assert probes == [1, 5, 13, 29, 61, 125, 253, 381]     # 4, 8, 16, ... rounds apart, then every 128
+    assert math.ceil(0.008 / (PROBE_SHARE * 0.010)) == 27
+    assert probes == [26, 53, 80, 107, 139, 203, 331, 459, 587]   # 27 apart, then 32, 64, 128, 128
 
 
 # ---- on the tiny pairs ---------------------------------------------------------------------------
@@ -474,26 +478,33 @@ def test_rounds_are_timed_only_when_they_are_the_whole_step():
     assert [s.seconds for s in policy.costs.samples[(2, 17)]] == [0.030]
 
 
-@pytest.mark.parametrize("accepted, next_tree", [(0, 125), (3, 125), (15, 101)])
+@pytest.mark.parametrize("accepted, next_tree", [(0, 203), (3, 203), (15, 176)])
 def test_only_a_tree_that_gains_brings_the_probes_close_again(accepted, next_tree):
-    """Probes space out while AR wins (1, 5, 13, 29, 61, then 125); a tree round that accepts nothing,
-    or less than would beat AR at these costs (3 a row: 4 tokens in 60 ms against AR's 1 in 10), leaves
-    that spacing; one that gains more (15 a row) starts it again at two AR rounds."""
+    """Probes space out while AR wins (27 rounds apart, what they cost allows, then doubling: 139, then
+    203); a tree round that accepts nothing, or less than would beat AR at these costs (3 a row: 4
+    tokens in 60 ms against AR's 1 in 10), leaves that spacing; one that gains more (15 a row) starts it
+    again (27 AR rounds on)."""
     policy, reqs = losing_drafter()
-    chosen = [policy.budgets(reqs)[0] for _ in range(100)]
-    assert [i for i, b in enumerate(chosen) if b != AR] == [1, 5, 13, 29, 61]
-    budgets = [16, 16]                                   # a tree round chosen at round 99 (say), its outcome:
+    chosen = [policy.budgets(reqs)[0] for _ in range(150)]
+    assert [i for i, b in enumerate(chosen) if b != AR] == [26, 53, 80, 107, 139]
+    budgets = [16, 16]                                   # a tree round chosen at round 149 (say), its outcome:
     policy.observe(reqs, budgets, [([1] * (1 + accepted), accepted, None)] * 2, [[0.0] * 5] * 2)
     for r in reqs:                                       # its forecasts still say AR wins
         r.acceptance = Acceptance()
         r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
-    later = [policy.budgets(reqs)[0] for _ in range(100, 200)]
-    assert next(i for i, b in enumerate(later, 100) if b != AR) == next_tree
+    later = [policy.budgets(reqs)[0] for _ in range(150, 250)]
+    assert next(i for i, b in enumerate(later, 150) if b != AR) == next_tree
+
+
+def good_outlook(policy: BudgetPolicy) -> None:
+    """An engine-wide outlook under which trees win: what the rows' forecasts age into over AR rounds."""
+    policy.prior.observe((0.9, 3.0, 5.0, 7.0), 7.0, 7)
 
 
 def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
     policy.costs = CostModel.of_table(costs(2, {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
+    good_outlook(policy)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
         r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # a tree of 16: 2 tokens a row in 20 ms; AR: 1 in 10
@@ -512,6 +523,7 @@ def test_rows_that_must_draft_again_pay_no_switch_back():
     """After AR rounds the rows have no draft: a tree round pays the drafter pass, AR does not."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
     policy.costs = CostModel.of_table(costs(2, {1: 9, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
+    good_outlook(policy)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
         r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)
@@ -522,6 +534,22 @@ def test_rows_that_must_draft_again_pay_no_switch_back():
     for r in reqs:
         r.drafted = None
     assert policy.budgets(reqs) == [AR, AR] and policy.last.rates[AR] == pytest.approx(2 / 0.009)
+
+
+def test_leaving_trees_for_good_costs_no_drafter_pass_back():
+    """Leaving trees is charged the drafter pass that coming back costs only where trees would come
+    back: where AR wins at the outlook the rows' forecasts age into too, AR is taken at its own rate
+    (on the hybrid tiny pair at 16-32 running on the CPU, AR charged that pass lost to trees it beat)."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
+    policy.costs = CostModel.of_table(costs(2, {1: 9, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
+    policy.prior.observe((0.5, 0.8, 0.8, 0.9), 0.9, 0.9)   # a tree of 16 would give 1.9 a row in 20 ms
+    reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
+    for r in reqs:
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # now 2 a row in 20 ms; AR 1 in 9
+    policy.last_round = 16
+    assert policy.budgets(reqs) == [AR, AR] and policy.last.rates[AR] == pytest.approx(2 / 0.009)
+    good_outlook(policy)                                     # trees win at the outlook: coming back is likely
+    assert policy.budgets(reqs) == [16, 16] and policy.last.rates[AR] == pytest.approx(2 / (0.009 + 0.011 / 2))
 
 
 def test_a_small_trees_forecast_is_capped_at_its_size():
@@ -538,11 +566,12 @@ def test_a_small_trees_forecast_is_capped_at_its_size():
 
 def test_near_candidates_are_timed_again_now_and_then():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
-    ms = {1: 1, 2: 20, 5: 20, 9: 20, 17: 20}
+    ms = {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}
     policy.costs = CostModel.of_table(costs(2, ms).seconds)
+    policy.prior.observe((0.5, 0.8, 0.8, 0.9), 0.9, 0.9)   # AR wins at the outlook: leaving is not charged
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
-    for r in reqs:  # 16 predicts 220 tok/s; 4 and 8 200, AR 190 (1 ms and the drafter pass back to trees,
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.2), 1.2, 1.2)   # 19, over 2 rounds): within PROBE_WITHIN; 1 150
+    for r in reqs:  # 16 predicts 220 tok/s; 4, 8 and AR 200: within PROBE_WITHIN; 1 150
+        r.acceptance.observe((0.5, 1.0, 1.0, 1.2), 1.2, 1.2)
     chosen = []
     for _ in range(200):
         budgets = policy.budgets(reqs)

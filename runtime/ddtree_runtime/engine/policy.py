@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..capacity import TREE_BUCKETS
@@ -49,6 +50,7 @@ SCALE_RANGE = (0.05, 4.0)
 # a drafter catching up and the next AR round's run-ahead (~2.5 AR rounds alone on the CPU's tiny pair),
 # so a request whose drafter keeps losing pays it once in 128 rounds, not once in 16 (+1.6%, not +15%)
 PROBE_FIRST, PROBE_LAST = 2, 128
+PROBE_SHARE = 0.03      # and never so often that what probes cost beyond AR exceeds this share of its time
 REFRESH_ROUNDS = 8      # the most rounds a drafter pass after AR rounds is spread over
 STAY = 0.05             # hysteresis: how much better than the last round's budget another must predict
 # a candidate within PROBE_WITHIN of the best, untimed for PROBE_AGE rounds, runs once (PROBE_GAP apart)
@@ -111,9 +113,10 @@ class Acceptance:
         mean = tuple(sum(c[k] for c in curves) / len(curves) for k in range(len(curves[0])))
         self.observe(_toward(self.curve or mean, mean), forecast, accepted)
 
-    def expected(self, prior: Acceptance) -> tuple[float, ...] | None:
-        """Expected accepted draft tokens at each candidate (the engine-wide outlook until it has its own)."""
-        curve = self.curve or prior.curve
+    def expected(self, prior: Acceptance, settled: bool = False) -> tuple[float, ...] | None:
+        """Expected accepted draft tokens at each candidate (the engine-wide outlook until it has its own).
+        `settled`: once AR rounds have aged its forecast into the outlook's (`relax`), its calibration kept."""
+        curve = (prior.curve or self.curve) if settled else (self.curve or prior.curve)
         if curve is None:
             return None
         scale = (self.accepted + PRIOR_WEIGHT * prior.scale()) / (self.forecast + PRIOR_WEIGHT)
@@ -235,31 +238,50 @@ class BudgetPolicy:
             return [reqs[i].budget if i in chosen else b for i, b in enumerate(fixed)]
         return [min(choice.budget, reqs[i].budget) if i in chosen else b for i, b in enumerate(fixed)]
 
+    def _expected(self, reqs: list[RequestState], settled: bool = False) -> list[list[float]] | None:
+        """Each row's expected accepted draft tokens at each candidate (Acceptance.expected), within what
+        its tree there can accept: a row capped below a candidate gets its cap's tree there (the largest
+        candidate within it); a tree of b nodes accepts at most b of them, however its calibration scales
+        the forecast (a row accepting more than forecast made its scaled forecast for a small tree exceed
+        that tree). None while a row has nothing forecast."""
+        depth = self.block_size - 1
+        rows = []
+        for req in reqs:
+            curve = req.acceptance.expected(self.prior, settled)
+            if curve is None:
+                return None
+            within = [max((j for j, c in enumerate(self.candidates) if c <= min(b, req.budget)), default=0)
+                      for b in self.candidates]
+            rows.append([min(curve[j], depth, self.candidates[j]) for j in within])
+        return rows
+
     def _contexts(self, reqs: list[RequestState]) -> tuple[int, int]:
         return max(r.n_ctx for r in reqs), sum(r.n_ctx for r in reqs)
 
     def _choose(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Choice | None:
         others = [i for i in range(len(reqs)) if i not in chosen]
         floor = max((tree_bucket(reqs[i].mode.tree_slots(fixed[i], self.block_size)) for i in others), default=1)
-        expected = [reqs[i].acceptance.expected(self.prior) for i in chosen]
-        if any(e is None for e in expected):
+        expected = self._expected([reqs[i] for i in chosen])
+        if expected is None:
             return None  # nothing forecast yet: the configured budget, which forecasts
-        depth = self.block_size - 1
-        # a row capped below a candidate gets its cap's tree there (the largest candidate within it); a
-        # tree of b nodes accepts at most b of them, however its calibration scales the forecast (a row
-        # accepting more than forecast made its scaled forecast for a small tree exceed that tree)
-        within = [[max((j for j, c in enumerate(self.candidates) if c <= min(b, reqs[i].budget)), default=0)
-                   for b in self.candidates] for i in chosen]
-        expected = [[min(e[j], depth, self.candidates[j]) for j in idx] for e, idx in zip(expected, within)]
         left = [reqs[i].params.max_new_tokens - reqs[i].generated for i in chosen]
         ar = not any(reqs[i].mode.drafts for i in others)
         stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first
         batch = batch_bucket(len(reqs), self.slots)
         costs = self.costs.at(batch, *self._contexts(reqs))
         redraft = costs.refresh(batch)   # paid by the next tree round if stale, else by leaving trees now
-        choice = best_budget(costs, batch, expected, left, self.candidates, floor_nodes=floor, ar=ar,
-                             refresh=redraft if stale else 0.0, leave=0.0 if stale else redraft,
-                             ar_rounds=self._probe_after, node_cap=self.round_nodes)
+        choose = partial(best_budget, costs, batch, left=left, candidates=self.candidates, floor_nodes=floor,
+                         node_cap=self.round_nodes)
+        leave = 0.0
+        if ar and not stale:
+            # leaving trees costs the drafter pass back only if trees are to come back: when the rows'
+            # forecasts, aged into the engine-wide outlook over AR rounds, would choose a tree again. Where
+            # AR beats trees at that outlook too, AR rounds are where the rows stay (the hybrid tiny pair at
+            # 16-32 running on the CPU: charged that pass, AR lost to trees it beat by 1.4x)
+            settled = choose(self._expected([reqs[i] for i in chosen], settled=True))
+            leave = redraft if settled is not None and settled.budget != AR else 0.0
+        choice = choose(expected, ar=ar, refresh=redraft if stale else 0.0, leave=leave,
+                        ar_rounds=self._probe_after)
         if choice is None:
             return None
         choice = self._steady(choice)
@@ -272,12 +294,25 @@ class BudgetPolicy:
             self._ar_streak = 0
             return choice
         self._ar_streak += 1
-        if self._ar_streak < self._probe_after:
+        tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
+        if self._ar_streak < max(self._probe_after, self._probe_spacing(choice, tree, costs, batch, floor, redraft)):
             return choice
         # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
         self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)
-        tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
         return choice.taking(tree)
+
+    @staticmethod
+    def _probe_spacing(choice: Choice, tree: int, costs: RoundCosts, batch: int, floor: int, redraft: float) -> int:
+        """The fewest AR rounds between probes of `tree` for what a probe costs beyond the AR rounds
+        that would give its tokens (a tree round, and the drafter pass before it) to stay within
+        PROBE_SHARE of their time. (On the hybrid tiny pair at 9-16 running, where AR wins, a probe
+        took 45 ms for what 3 AR rounds of 7 ms give: two AR rounds apart, probes cost half the time.)"""
+        ar = costs.of(batch, 1)
+        probe = costs.of(batch, max(tree_bucket(tree + 1), floor))
+        if ar is None or probe is None:
+            return 0
+        excess = probe + redraft - choice.tokens[tree] / max(choice.tokens[AR], 1.0) * ar
+        return math.ceil(excess / (PROBE_SHARE * ar)) if excess > 0 else 0
 
     def _steady(self, choice: Choice) -> Choice:
         """Hysteresis: the last round's budget stays while the best beats it by no more than STAY (on

@@ -243,7 +243,7 @@ def test_a_tree_round_after_ar_rounds_redrafts_as_a_prompts_first_draft_would(ti
 
     def redraft_eagerly(reqs) -> None:  # the probe's redraft before DraftRunner.redraft
         if any(req.mode.drafts and req.drafted is None for req in reqs):
-            runner._draft_prompt(reqs)
+            runner._draft_prompt(reqs, [req.mode.drafts for req in reqs])
     runner._redraft = redraft_eagerly
     used = []
     redraft = graphed.runner.draft_runner.redraft
@@ -255,3 +255,26 @@ def test_a_tree_round_after_ar_rounds_redrafts_as_a_prompts_first_draft_would(ti
         assert (tokens, accepted) == run(eager, jobs, schedule)[:2]
         assert sum(map(sum, accepted)) > 0
     assert used
+
+
+def test_a_prompt_chosen_by_cost_drafts_first_in_its_first_tree_round(tiny_models):
+    """A request whose budget the cost policy chooses makes no draft with its prompt (the policy may
+    choose AR rounds first, which need none; its first tree round drafts, as after AR rounds); one that
+    set its own budget drafts with its prompt, as under the fixed policy. Greedy output is the target's."""
+    engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), tree_policy="cost",
+                                 max_running=2))
+    prompts = mixed_prompts(engine.tokenizer, chats=1, chat_seed=4, plain=1, plain_seed=6, cut=4)
+    chosen = engine.submit(prompts[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    own = engine.submit(prompts[1], SamplingParams(max_new_tokens=30, ignore_eos=True, tree_budget=8))
+    passes = []
+    redraft = engine.runner.draft_runner.redraft
+    engine.runner.draft_runner.redraft = lambda *a: passes.append(1) or redraft(*a)
+    while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
+        engine.step()
+    assert engine.scheduler.find(chosen).drafted is None and engine.scheduler.find(own).drafted is not None
+    for request_id in (chosen, own):
+        engine.cancel(request_id)
+    reference = run(engine, [(p, SamplingParams(max_new_tokens=30, ignore_eos=True, mode="ar")) for p in prompts],
+                    [AR])[0]
+    tokens, accepted, _ = run(engine, [(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts], [16])
+    assert tokens == reference and sum(map(sum, accepted)) > 0 and passes   # the first tree round drafted

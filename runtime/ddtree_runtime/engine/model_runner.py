@@ -15,6 +15,7 @@ leaving are the scheduler's (postprocess)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -45,12 +46,16 @@ HYBRID_SHORT_PREFILL_ON_GPU = os.environ.get("DDTREE_HYBRID_SHORT_PREFILL") != "
 
 class ModelRunner:
     def __init__(self, target, drafter, pool: KVPool, *, slots: int, block_size: int, mask_token_id: int | None,
-                 device: torch.device, stats: BatchStats, tree_slots: int, forecast_at: tuple[int, ...] = ()) -> None:
+                 device: torch.device, stats: BatchStats, tree_slots: int, forecast_at: tuple[int, ...] = (),
+                 drafts_later: Callable[[RequestState], bool] = lambda req: False) -> None:
         """The caches over the pool's page table (the drafter's, then the target's, sized for trees of
         `tree_slots` nodes), their graphed runners, the tree builder and the round's readback. The pool
         gets a reference to both caches (its row moves and page copies are made on them). `forecast_at`:
-        the budgets each ddtree row's drafter forecast is read at (policy.py; none: no forecasts)."""
+        the budgets each ddtree row's drafter forecast is read at (policy.py; none: no forecasts).
+        `drafts_later`: whether a drafting request's first draft waits for its first tree round (the
+        cost policy's rows: AR rounds, which it may choose first, need none)."""
         self.target, self.drafter, self.pool = target, drafter, pool
+        self.drafts_later = drafts_later
         self.device, self.block_size, self.mask_token_id, self.stats = device, block_size, mask_token_id, stats
         self.page_table: PageTable = pool.page_table
         self.sizing: PoolSizing = pool.sizing
@@ -188,8 +193,9 @@ class ModelRunner:
         last = self.target.logits(h[torch.tensor(done, device=self.device), ends])          # [done, V]
         firsts = [(reqs[i], *self._first_token(reqs[i], last[j:j + 1])) for j, i in enumerate(done)]
         finished = [reqs[i] for i in done]
-        if any(req.mode.drafts for req in finished):
-            self._draft_prompt(finished)
+        drafts = [req.mode.drafts and not self.drafts_later(req) for req in finished]
+        if any(drafts):
+            self._draft_prompt(finished, drafts)
         return firsts
 
     def _causal_pass(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -254,14 +260,14 @@ class ModelRunner:
         req.n_ctx, req.bonus = len(req.context), first
         return first, None if pending is None else pending.rows([0])
 
-    def _draft_prompt(self, reqs: list[RequestState]) -> None:
+    def _draft_prompt(self, reqs: list[RequestState], spec: list[bool]) -> None:
         """The first drafter pass of requests whose prompts are in (consecutive slots: a prefill group,
         or one request as a group of one), eager, in one pass: row i's block [bonus, MASK * (block_size-1)]
         at its context's end attends to the drafter context its prefill wrote (_draft_context; a reused
-        prefix's came with it) and to itself -> each drafting request's `drafted`, logits for depths
-        1..Q-1. An AR row takes part at the last cache slot only, so nothing it holds is touched."""
+        prefix's came with it) and to itself -> `drafted` of each request that drafts now (spec[i]),
+        logits for depths 1..Q-1. Any other row (an AR request, one whose first draft waits for its
+        first tree round: `_redraft`) takes part at the last cache slot only, so nothing it holds is touched."""
         dev, bs, n = self.device, self.block_size, len(reqs)
-        spec = [req.mode.drafts for req in reqs]
         block = torch.full((n, bs), self.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = torch.tensor([req.bonus for req in reqs], device=dev)
         end = torch.tensor([req.n_ctx for req in reqs], device=dev)[:, None]

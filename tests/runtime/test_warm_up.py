@@ -35,7 +35,8 @@ def test_warm_up_leaves_the_pool_and_counters_as_they_were_and_outputs_unchanged
     warmed.phase_hook = rounds.append  # put back afterwards; the warm-up's own phases are not reported
     done = warmed.warm_up([4, 2, 1])
     assert (done.batches, done.requests, done.graph_captures) == ((4, 2, 1), 7, 0)  # CPU: no graphs
-    assert len(done.per_batch_s) == 3 and 0 < sum(done.per_batch_s) <= done.seconds + 0.01  # each size's share
+    # each size's share (each rounded to 10 ms, so their sum may exceed the whole by 5 ms each)
+    assert len(done.per_batch_s) == 3 and 0 < sum(done.per_batch_s) <= done.seconds + 0.005 * 3
     assert pool_state(warmed) == before and rounds == [] and warmed.phase_hook == rounds.append
     prompts = mixed_prompts(warmed.tokenizer, chats=2, chat_seed=3, plain=1, plain_seed=5, cut=4)
     jobs = [(prompts[0], SamplingParams(max_new_tokens=12)),

@@ -341,6 +341,55 @@ def test_fp8_gemm_sums_k_in_fixed_groups_split_or_not_to_the_same_bits():
     """)
 
 
+def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
+    """The weight-major variant (GemmTile.weights_left: out^T = W x^T, the W tile as the dot's left operand)
+    keeps the kernel's arithmetic: the row-major kernel's bits, split or not, with the bias and the
+    residual, both scale layouts and a partial last K block; within float32 rounding of the torch
+    reference."""
+    interpret("""
+        import ddtree_runtime.model.fp8 as F8
+        from ddtree_devtools.interpreter import exact_dots
+        exact_dots()
+        F8._device_limits = lambda device: (132, 232448)
+        for m, n, k, rows, dtype, tile, residual in [
+                (3, 80, 640, 128, torch.float32, F8.GemmTile(16, 64, 4, 2, True), False),
+                (17, 96, 520, 1, torch.float16, F8.GemmTile(32, 128, 8, 2, True), True)]:
+            x = torch.randn(m, k).to(dtype)
+            q, s = F8.quantize_blocks(torch.randn(n, k) * 0.05)
+            w = F8.BlockFP8(q, s if rows == 128 else s.repeat_interleave(128, 0)[:n], rows)
+            bias, res = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype) if residual else None
+            def gemm(tile, split):
+                return F8.block_gemm(x, w, tile, bias, res if res is None else res.clone(), residual, group=2,
+                                     split=split)
+            row_major = gemm(F8.GemmTile(16, 32, 4, 2), True)
+            for split in (False, True):
+                assert torch.equal(gemm(tile, split), row_major), (m, n, k, split)
+            want = F8.fp8_linear_torch(x, w, bias, res).double()
+            err = ((row_major.double() - want).abs().max() / want.abs().max()).item()
+            assert err < (1e-6 if dtype == torch.float32 else 1e-3), (m, n, k, err)
+    """)
+
+
+def test_a_row_of_the_weight_major_gemm_has_its_bits_at_every_row_count_and_token_tile():
+    """A row's result is the same alone and among 2, 17 or 40 rows, at token tiles (BLOCK_T) of 16, 32 and
+    64 and weight tiles of 64 and 128. Through the interpreter this checks the indexing and the order of
+    the sums; whether Hopper's wgmma also gives a token the same bits at every BLOCK_T is measured on the
+    GPU by fp8_gemm_bench.py (--weight-major-only)."""
+    interpret("""
+        import ddtree_runtime.model.fp8 as F8
+        from ddtree_devtools.interpreter import exact_dots
+        exact_dots()
+        F8._device_limits = lambda device: (132, 232448)
+        x = torch.randn(40, 640, dtype=torch.float16)
+        w = F8.BlockFP8(*F8.quantize_blocks(torch.randn(96, 640) * 0.05), 128)
+        tiles = [F8.GemmTile(tokens, cols, 4, 2, True) for tokens, cols in ((16, 64), (32, 128), (64, 64))]
+        full = F8.block_gemm(x, w, tiles[-1], group=2)
+        for m in (1, 2, 17, 40):
+            for tile in tiles:
+                assert torch.equal(F8.block_gemm(x[:m], w, tile, group=2), full[:m]), (m, tile)
+    """)
+
+
 def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, tiny_hybrid_models, tmp_path):
     """Both tiny FP8 targets, fused as the engine runs them (q/k/v with per-row scales, gate/up, the
     residual written in place by o_proj and down_proj), with every projection in the Triton kernel."""

@@ -17,7 +17,8 @@ the speculative path and its AR reference agree, and a seed gives one text.
   within groups of k_group blocks (from the weight's shape, never the row count), the groups added in
   order; when the rows are few each group runs in a program of its own and _sum_parts_kernel adds
   them (the same bits). Its tile comes from a table measured on the H200 (TILES), its stages from the
-  device's shared memory;
+  device's shared memory. A weight-major launch of the same kernel (GemmTile.weights_left: out^T = W x^T,
+  wgmma even at one row on Hopper) is a candidate fp8_gemm_bench.py times; no table chooses it yet;
 - elsewhere (CPU, CI; gemm_path "torch") the same per-block arithmetic in torch (block_products: each
   block's dot exact in float64). The kernels run through Triton's interpreter in
   tests/runtime/test_triton_kernels.py and must agree with it.
@@ -308,13 +309,20 @@ if triton is not None:
     def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
                            stride_xsk, stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                           WEIGHTS_LEFT: tl.constexpr):
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]. Each block's
         dot starts from zero and GROUP depends on the weight's shape alone, so a row's result does not
         depend on the tile it lands in nor on the rows beside it. With SPLIT, program (tile, g) sums group g
         alone into part[g] (float32) and _sum_parts_kernel adds the groups in order: the same bits, the
-        K walk spread over more programs when the rows are few."""
+        K walk spread over more programs when the rows are few.
+        WEIGHTS_LEFT computes the transposed tile, out^T = W x^T, with the same sums: the W tile [BLOCK_N,
+        128] is the dot's left operand (the MMA's M side, which Hopper's wgmma needs 64 of, so BLOCK_N of 64
+        or 128 runs wgmma even at one row) and BLOCK_M tokens the right one. Each token is then a column of
+        the MMA whose K walk is the weight tile's, whatever BLOCK_M is; that wgmma also gives a column the
+        same bits at every BLOCK_M (16-256) is a hypothesis fp8_gemm_bench.py --weight-major-only measures
+        on the GPU, not a fact yet."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
         pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
@@ -322,8 +330,18 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         lm, ln = rm % M, rn % N            # loads wrap inside the matrices; the store masks
-        a_base = q_ptr + lm[:, None] * stride_qm + rk[None, :]
-        b_base = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+        # a tile is [tokens, outputs], or [outputs, tokens] with WEIGHTS_LEFT; `tokens` and `cols` are
+        # out's row and column indices laid out as the tile is, for the epilogue
+        if WEIGHTS_LEFT:
+            tokens, cols = rm[None, :], rn[:, None]
+            left = w_ptr + ln[:, None] * stride_wn + rk[None, :]
+            right = q_ptr + lm[None, :] * stride_qm + rk[:, None]
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            tokens, cols = rm[:, None], rn[None, :]
+            left = q_ptr + lm[:, None] * stride_qm + rk[None, :]
+            right = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xs_ptrs = xs_ptr + lm
         ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
         blocks = tl.cdiv(K, BLOCK_K)
@@ -331,29 +349,31 @@ if triton is not None:
         if SPLIT:
             first = tl.program_id(1) * GROUP
             last = tl.minimum(first + GROUP, blocks)
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(first, last, GROUP):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros_like(total)
             for kb in range(g, tl.minimum(g + GROUP, blocks)):
                 if EVEN_K:
-                    a = tl.load(a_base + kb * BLOCK_K)
-                    b = tl.load(b_base + kb * BLOCK_K)
+                    a = tl.load(left + kb * BLOCK_K)
+                    b = tl.load(right + kb * BLOCK_K)
                 else:
                     k_ok = rk < K - kb * BLOCK_K
-                    a = tl.load(a_base + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
-                    b = tl.load(b_base + kb * BLOCK_K, mask=k_ok[:, None], other=0.0)
+                    a = tl.load(left + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(right + kb * BLOCK_K, mask=k_ok[:, None], other=0.0)
                 xs = tl.load(xs_ptrs + kb * stride_xsk)
                 ws = tl.load(ws_ptrs + kb)
-                acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+                if WEIGHTS_LEFT:
+                    acc += tl.dot(a, b) * xs[None, :] * ws[:, None]
+                else:
+                    acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
             total += acc
-        n_ok = rn < N
-        ok = (rm < M)[:, None] & n_ok[None, :]
+        ok = (tokens < M) & (cols < N)
         if SPLIT:
-            tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], total, mask=ok)
+            tl.store(part_ptr + (tl.program_id(1) * M + tokens) * N + cols, total, mask=ok)
         else:
             if HAS_BIAS:
-                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+                bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+                total += bias[:, None] if WEIGHTS_LEFT else bias[None, :]
+            ptrs = out_ptr + tokens * stride_om + cols
             if HAS_RESIDUAL:
                 total += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
             tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
@@ -378,11 +398,14 @@ if triton is not None:
 
 
 class GemmTile(NamedTuple):
-    """One launch of _block_gemm_kernel."""
+    """One launch of _block_gemm_kernel: block_m token rows by block_n weight rows. weights_left: the
+    weight-major variant (the W tile as the dot's left operand), a candidate the bench times; the
+    runtime's tables do not choose it."""
     block_m: int
     block_n: int
     warps: int
     stages: int
+    weights_left: bool = False
 
 
 # The Triton kernel's tiles are all of 16 or 32 rows: those run mma.sync on a Hopper GPU, tiles of 64
@@ -449,7 +472,8 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
         q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
         s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, num_warps=tile.warps, num_stages=tile.stages)
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
+        num_warps=tile.warps, num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,
                                                      out.stride(0), HAS_BIAS=bias is not None,

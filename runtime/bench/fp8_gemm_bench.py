@@ -10,13 +10,20 @@ Candidates (activation quantization counted in each FP8 one):
 - `triton_old`: the kernel the runtime had before issue 35 (quantizing its tiles itself), read from an
   older fp8.py (`--legacy-fp8 PATH`, e.g. main's before the merge), at up to 272 rows;
 - `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (tiles_for), the best one reported
-  as `triton`; with `--groups`, at each count of K groups too (`...gG`: K summed in G groups, fp8.k_group);
+  as `triton`; with `--groups`, at each count of K groups too (`...gG`: K summed in G groups, fp8.k_group;
+  a count k_group gives is timed once, unnamed);
+- `triton_wm[BTxBNwWsS]`: the kernel's weight-major variant (fp8.GemmTile.weights_left: the W tile of BN
+  rows as the MMA's M side, BT tokens on the other) at every tile of weight_major_tiles, the best one
+  reported as `triton_wm`; `--weight-major-only` times it alone, at k_group's groups and at one group;
 - `fp8_runtime` (`--runtime`): fp8.fp8_linear as the engine runs it, after fp8.choose_gemms.
 `--probe-scaled-mm` also lists, per shape, which row counts (fp8.PROBE_ROWS and the engine's largest
 pass) give a row other bits in scaled_mm than among the most rows.
 Each weight is copied until the copies pass three times the L2, and the timed calls rotate among them,
-so no candidate reads its weight from cache. `row0_invariant`: the first row's output, bit for bit, is
-the same at every row count (and, for Triton, at every tile). Not a test: figures depend on the machine."""
+so no candidate reads its weight from cache. `rows_invariant`: the first 64 rows' outputs (all of them
+below 64), bit for bit, are the same at every row count (and, for Triton, at every tile of a family).
+`weight_major_agreement`, per projection and count of K groups: whether every weight-major tile at every
+row count gave those rows the same bits, and whether they are the bits of the row-major kernel's 64-row
+(wgmma) family. Not a test: figures depend on the machine."""
 
 from __future__ import annotations
 
@@ -65,10 +72,31 @@ def lean_tiles(m: int) -> list[fp8.GemmTile]:
     return [fp8.GemmTile(*t) for t in ((32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3))]
 
 
+def weight_major_tiles(m: int, lean: bool = False, spilling: bool = False) -> list[fp8.GemmTile]:
+    """The weight-major sweep at m rows: W tiles of 64 or 128 rows (wgmma's M side, filled at any row
+    count), the three largest token tiles (BLOCK_T) from 16 to the rows' next power of two (at most 256:
+    a smaller one walks W once per tile of tokens), 4 or 8 warps, 3 or 4 stages. lean: the two largest
+    token tiles, (4 warps, 4 stages) and (8, 3). Tiles of more than 2048 outputs a warp spill 816-3200
+    bytes of registers on sm90 (sm90_report.py) and are left out unless `spilling`."""
+    top = min(256, max(16, 1 << (m - 1).bit_length()))
+    tokens = [t for t in (16, 32, 64, 128, 256) if t <= top][-2 if lean else -3:]
+    launches = ((4, 4), (8, 3)) if lean else ((4, 3), (4, 4), (8, 3), (8, 4))
+    return [fp8.GemmTile(t, bn, w, st, True) for bn in (64, 128) for t in tokens for w, st in launches
+            if spilling or t * bn <= 2048 * w]
+
+
 def family(tile: fp8.GemmTile) -> str:
     """Tiles of 16 or 32 rows run mma.sync on a Hopper GPU, tiles of 64 or more wgmma: the two round a
-    K block's dot differently (measured), so a row's bits are the same across the tiles of one family only."""
+    K block's dot differently (measured), so a row's bits are the same across the tiles of one family only.
+    The weight-major tiles are a family of their own until the GPU shows whose bits they share."""
+    if tile.weights_left:
+        return "triton_wm"
     return "triton_m32" if tile.block_m <= 32 else "triton_m64"
+
+
+def candidate(tile: fp8.GemmTile) -> str:
+    """A tile's name in the report: "triton[BMxBNwWsS]", or "triton_wm[BTxBNwWsS]" for a weight-major one."""
+    return f"triton{'_wm' if tile.weights_left else ''}[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]"
 
 
 def timed_us(fns: list, reps: int = 24) -> float:
@@ -83,10 +111,14 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
                      tiles=tiles_for, libraries: bool = True, runtime: bool = False,
-                     groups: list[int | None] = (None,)) -> list[dict]:
+                     groups: list[int | None] = (None,)) -> tuple[list[dict], dict[str, dict]]:
     """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed, each
-    at every count of K groups in `groups` (None: the runtime's, fp8.k_group)."""
+    at every count of K groups in `groups` (None: the runtime's, fp8.k_group). Returns the points and,
+    where weight-major tiles ran, their agreement (module docstring)."""
     dev = torch.device("cuda")
+    blocks_k = fp8.cdiv(k, fp8.BLOCK)
+    runtime_groups = fp8.cdiv(blocks_k, fp8.k_group(n, k, fp8._device_limits(0)[0]))
+    groups = list(dict.fromkeys(None if g == runtime_groups else g for g in groups))
     copies = max(1, min(8, -(-3 * l2_bytes // (n * k))))   # FP8 copies past 3x L2
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(1, -(-copies // 2)))]
     wq = [fp8.BlockFP8(*fp8.quantize_blocks(w16[i % len(w16)] * (1 + i / 64)), fp8.BLOCK) for i in range(copies)]
@@ -98,11 +130,11 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
         log(f"  {name}: {fp8.choose_gemms(holder, dev, torch.bfloat16, 16 * 1025)}")
     x_all = torch.randn(max(rows), k, device=dev, dtype=torch.bfloat16)
     out_rows = []
-    ref_row0: dict[str, torch.Tensor] = {}
+    ref_rows: dict[str, torch.Tensor] = {}   # per family and arithmetic: the first rows seen, up to 64
     for m in rows:
         x = x_all[:m]
         want = fp8.fp8_linear_torch(x[:64].float(), wq[0])   # the torch reference, on the first 64 rows
-        point = {"projection": name, "n": n, "k": k, "rows": m, "us": {}, "rel_err": {}, "row0_invariant": {}}
+        point = {"projection": name, "n": n, "k": k, "rows": m, "us": {}, "rel_err": {}, "rows_invariant": {}}
 
         def record(cand: str, fns, out0: torch.Tensor | None, tile: fp8.GemmTile | None = None,
                    arithmetic: str = "") -> None:
@@ -114,9 +146,13 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
             if out0 is not None:
                 point["rel_err"][cand] = rel_err(out0[:64], want)
                 key = family(tile) + arithmetic if tile else cand
-                first = out0[0].clone()
-                same = bool(torch.equal(ref_row0.setdefault(key, first), first))
-                point["row0_invariant"][key] = point["row0_invariant"].get(key, True) and same
+                got = out0[:64]
+                seen = ref_rows.setdefault(key, got.clone())
+                shared = min(len(seen), len(got))
+                same = bool(torch.equal(seen[:shared], got[:shared]))
+                if len(got) > len(seen):
+                    ref_rows[key] = got.clone()
+                point["rows_invariant"][key] = point["rows_invariant"].get(key, True) and same
 
         if libraries:
             record("bf16", [lambda w=w: F.linear(x, w) for w in w16], None)
@@ -133,8 +169,8 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
         if old is not None and m <= 272:
             record("triton_old", [lambda w=w: old(x, w) for w in wq], old(x, wq[0]))
         for t, g in itertools.product(tiles(m), groups):
-            blocks = None if g is None else fp8.cdiv(fp8.cdiv(k, fp8.BLOCK), g)
-            cand = f"triton[{t.block_m}x{t.block_n}w{t.warps}s{t.stages}]" + ("" if g is None else f"g{g}")
+            blocks = None if g is None else fp8.cdiv(blocks_k, g)
+            cand = candidate(t) + ("" if g is None else f"g{g}")
             try:
                 o = fp8.block_gemm(x, wq[0], t, group=blocks)
             except Exception as exc:  # noqa: BLE001 - Triton's out-of-resources, per tile
@@ -142,33 +178,44 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
                 continue
             record(cand, [lambda w=w, t=t: fp8.block_gemm(x, w, t, group=blocks) for w in wq], o, t,
                    "" if g is None else f"g{g}")
-        tri = {c: v for c, v in point["us"].items() if c.startswith("triton[") and isinstance(v, float)}
-        for cand, v in sorted(tri.items()):
+        tiled = {c: v for c, v in point["us"].items() if "[" in c and isinstance(v, float)}
+        for cand, v in sorted(tiled.items()):
             log(f"    {cand} {v:.1f}")
+        tri = {c: v for c, v in tiled.items() if c.startswith("triton[")}   # the row-major kernel's
         best = min(tri, key=tri.get) if tri else None
         point["triton_best"] = best
         point["us"]["triton"] = tri[best] if best else None
-        for fam in ("triton_m32", "triton_m64"):
-            mine = {c: v for c, v in tri.items() if family(fp8.GemmTile(*parse_tile(c))) == fam}
+        for fam in ("triton_m32", "triton_m64", "triton_wm"):
+            mine = {c: v for c, v in tiled.items() if family(parse_tile(c)) == fam}
             if mine:
                 point[f"{fam}_best"] = min(mine, key=mine.get)
                 point["us"][fam] = mine[point[f"{fam}_best"]]
         log(f"  {name:<12} rows {m:>5}: " + "  ".join(
             f"{c} {v:.1f}" if isinstance(v, float) else f"{c} {str(v)[:60]}" for c, v in point["us"].items()
-            if not c.startswith("triton[")) + f"  ({best}; err {point['rel_err'].get(best, float('nan')):.1e};"
-            f" row-invariant {point['row0_invariant']})")
+            if "[" not in c) + f"  ({best}; err {point['rel_err'].get(best, float('nan')):.1e};"
+            f" rows-invariant {point['rows_invariant']})")
         out_rows.append(point)
+    agreement = {}
+    for g in groups:
+        key = "triton_wm" + ("" if g is None else f"g{g}")
+        if key in ref_rows:   # the row-major kernel's 64-row family on the same rows, same groups
+            seen = ref_rows[key]
+            m64 = fp8.block_gemm(x_all[:len(seen)], wq[0], fp8.GemmTile(64, 64, 4, 4),
+                                 group=None if g is None else fp8.cdiv(blocks_k, g))
+            agreement[key] = {"tiles_and_rows_agree": all(p["rows_invariant"].get(key, True) for p in out_rows),
+                              "equals_triton_m64": bool(torch.equal(m64, seen))}
+            log(f"  {name}: {key} {agreement[key]}")
     del w16, wq, x_all
     torch.cuda.empty_cache()
-    return out_rows
+    return out_rows, agreement
 
 
-def parse_tile(cand: str) -> list[int]:
-    """"triton[BMxBNwWsS]" (and a "gG" after it) -> [BM, BN, W, S]."""
-    bm, rest = cand[len("triton["):cand.index("]")].split("x")
+def parse_tile(cand: str) -> fp8.GemmTile:
+    """candidate()'s name (and a "gG" after it) -> its tile."""
+    bm, rest = cand[cand.index("[") + 1:cand.index("]")].split("x")
     bn, rest = rest.split("w")
     w, st = rest.split("s")
-    return [int(bm), int(bn), int(w), int(st)]
+    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), cand.startswith("triton_wm["))
 
 
 def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:
@@ -184,12 +231,12 @@ def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:
 
 
 def best_tiles(points: list[dict], key: str = "triton_best") -> dict[str, list]:
-    """"N,K" -> [[rows, [block_m, block_n, warps, stages]], ...]: the fastest tile at each row count
-    (key: "triton_best", or one family's, e.g. "triton_m32_best")."""
+    """"N,K" -> [[rows, [block_m, block_n, warps, stages, weights_left]], ...]: the fastest tile at each
+    row count (key: "triton_best", or one family's, e.g. "triton_m32_best")."""
     table: dict[str, list] = {}
     for p in points:
         if p.get(key):
-            table.setdefault(f"{p['n']},{p['k']}", []).append([p["rows"], parse_tile(p[key])])
+            table.setdefault(f"{p['n']},{p['k']}", []).append([p["rows"], list(parse_tile(p[key]))])
     return table
 
 
@@ -202,7 +249,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="bf16 against fp8_linear as the engine runs it (choose_gemms' choice per shape) only")
     ap.add_argument("--triton-only", action="store_true", help="the Triton tiles alone (no bf16, scaled_mm)")
     ap.add_argument("--groups", help="counts of K groups each tile is timed at (e.g. 1,2,4,8; default: fp8.k_group's)")
-    ap.add_argument("--lean", action="store_true", help="two tiles per family and row count (lean_tiles)")
+    ap.add_argument("--weight-major-only", action="store_true",
+                    help="the weight-major tiles alone (weight_major_tiles), at k_group's groups and one group "
+                         "unless --groups says")
+    ap.add_argument("--lean", action="store_true",
+                    help="two tiles per family and row count (lean_tiles), a shorter weight-major sweep")
     ap.add_argument("--projections", help="only these projections of the shape (names, comma-separated)")
     ap.add_argument("--probe-scaled-mm", action="store_true",
                     help="first, per projection, the row counts at which scaled_mm changes a row's bits")
@@ -222,20 +273,28 @@ def main(argv: list[str] | None = None) -> None:
               "torch": torch.__version__, "shape": args.shape, "unit": "us per call (CUDA graph)", "points": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
-    groups = [int(g) for g in args.groups.split(",")] if args.groups else [None]
-    tiles = (lambda m: []) if args.runtime else lean_tiles if args.lean else tiles_for
+    groups = ([int(g) for g in args.groups.split(",")] if args.groups else
+              [None, 1] if args.weight_major_only else [None])
+    row_major = (lambda m: []) if args.runtime or args.weight_major_only else lean_tiles if args.lean else tiles_for
+
+    def tiles(m: int) -> list[fp8.GemmTile]:
+        return row_major(m) + ([] if args.runtime else weight_major_tiles(m, args.lean))
     with torch.inference_mode():
         if args.probe_scaled_mm:
             probe = sorted(set(fp8.PROBE_ROWS) | {16 * 1025})
             report["scaled_mm_rows_same"] = {f"{n}x{k}": scaled_mm_classes(n, k, probe, print) for _, n, k in shapes}
         for name, n, k in shapes:
-            report["points"] += bench_projection(name, n, k, [int(r) for r in args.rows.split(",")], l2, old,
-                                                 lambda s: print(s, flush=True), libraries=not args.triton_only,
-                                                 runtime=args.runtime, tiles=tiles, groups=groups)
+            points, agreement = bench_projection(
+                name, n, k, [int(r) for r in args.rows.split(",")], l2, old, lambda s: print(s, flush=True),
+                libraries=not (args.triton_only or args.weight_major_only), runtime=args.runtime, tiles=tiles,
+                groups=groups)
+            report["points"] += points
+            if agreement:
+                report.setdefault("weight_major_agreement", {})[name] = agreement
             Path(args.out).write_text(json.dumps(report, indent=1))   # kept as it grows
     if args.tiles_out:
         Path(args.tiles_out).write_text(json.dumps({fam: best_tiles(report["points"], f"{fam}_best")
-                                                    for fam in ("triton_m32", "triton_m64")}))
+                                                    for fam in ("triton_m32", "triton_m64", "triton_wm")}))
     print(f"wrote {args.out}")
 
 

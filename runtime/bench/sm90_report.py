@@ -4,12 +4,15 @@ tensors of the real shapes; an offline Triton driver turns the launch into a com
 read for registers, spills (local memory) and shared memory, its TTGIR for the tensor-core instruction
 (wgmma, Hopper's, or the older mma), with the occupancy those allow on the H200's 132 SMs.
 
-    PYTHONPATH=runtime:runtime/bench python runtime/bench/sm90_report.py [--rows 1 8 16] [--out F.json]
+    PYTHONPATH=runtime:runtime/bench python runtime/bench/sm90_report.py [--rows 1 8 16] [--cases fp8_gemm]
+        [--out F.json]
 
 Cases: `tree_delta` at every launch of gdn_tree_bench.py's grid (27B: 48 value heads of 128, 17 nodes),
-and the split-KV tree attention (27B: 24 / 4 heads of 256, 17 queries over the paged pool) at its served
-launch. Static facts, not timings: a launch that spills, or holds so many registers that few programs
-share an SM, is a candidate to change before a GPU call times it (docs/performance.md, session 22)."""
+the split-KV tree attention (27B: 24 / 4 heads of 256, 17 queries over the paged pool) at its served
+launch, and `fp8_gemm`: the FP8 GEMM on the 27B's o_proj and down_proj at 1, 16 and 272 rows, the
+runtime's row-major tile beside every weight-major tile of fp8_gemm_bench.py's sweep there. Static
+facts, not timings: a launch that spills, or holds so many registers that few programs share an SM, is a
+candidate to change before a GPU call times it (docs/performance.md, sessions 22 and 23)."""
 
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-# the H200 (sm90): per SM
+# the H200 (sm90): per SM, and the shared memory one program may take
 SMS, REGS_PER_SM, SHARED_PER_SM, WARPS_PER_SM, CTAS_PER_SM = 132, 65536, 228 * 1024, 64, 32
+SHARED_PER_PROGRAM = 227 * 1024
 
 
 class OfflineDriver:
@@ -54,7 +58,7 @@ class OfflineDriver:
 def compiled_launches(call: Callable[[], object]) -> list[tuple[str, object, tuple]]:
     """Run `call` (which launches Triton kernels) with every launch compiled for sm90 and not run:
     [(kernel name, compiled kernel, grid)]."""
-    from ddtree_runtime.model import gdn_kernels, kernels
+    from ddtree_runtime.model import fp8, gdn_kernels, kernels
 
     captured: list[tuple[str, object, tuple]] = []
     launch = JITFunction.run
@@ -65,14 +69,15 @@ def compiled_launches(call: Callable[[], object]) -> list[tuple[str, object, tup
         captured.append((self.fn.__name__, compiled, tuple(grid)))
         return compiled
 
-    saved = (JITFunction.run, kernels._use_triton, gdn_kernels._use_triton, driver._active)
+    saved = (JITFunction.run, kernels._use_triton, gdn_kernels._use_triton, fp8._device_limits, driver._active)
     driver.set_active(OfflineDriver(GPUTarget("cuda", 90, 32)))
     JITFunction.run = compile_only
     kernels._use_triton = gdn_kernels._use_triton = lambda x: True   # CPU tensors stand for the GPU's
+    fp8._device_limits = lambda device: (SMS, SHARED_PER_PROGRAM)
     try:
         call()
     finally:
-        JITFunction.run, kernels._use_triton, gdn_kernels._use_triton, driver._active = saved
+        JITFunction.run, kernels._use_triton, gdn_kernels._use_triton, fp8._device_limits, driver._active = saved
     return captured
 
 
@@ -150,12 +155,43 @@ def attention_cases(rows: list[int], keys: int = 8704) -> list[dict]:
     return out
 
 
+def fp8_gemm_cases(rows: tuple[int, ...] = (1, 16, 272)) -> list[dict]:
+    """_block_gemm_kernel as fp8.block_gemm launches it for the 27B's o_proj and down_proj (the shapes
+    where the Triton kernel lost to bf16 at decode sizes): the runtime's row-major tile (gemm_tile, the
+    16/32-row family; "served": the Triton path's, which the H200 leaves to scaled_mm/32 on these shapes)
+    and each weight-major tile of fp8_gemm_bench.py's sweep at that many rows, with those it leaves out
+    for spilling."""
+    from fp8_gemm_bench import candidate, weight_major_tiles
+
+    from ddtree_runtime.model import fp8
+
+    out = []
+    for name, n, k in (("o_proj", 5120, 6144), ("down_proj", 5120, 17408)):
+        w = fp8.BlockFP8(torch.empty(n, k, dtype=fp8.FP8),
+                         torch.ones(fp8.cdiv(n, fp8.BLOCK), fp8.cdiv(k, fp8.BLOCK)), fp8.BLOCK)
+        for m in rows:
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            served = fp8.gemm_tile(m, n, k, SMS, SHARED_PER_PROGRAM)
+            for tile in [served] + weight_major_tiles(m, spilling=True):
+                (compiled, grid), = [(c, g) for kernel, c, g in compiled_launches(lambda: fp8.block_gemm(x, w, tile))
+                                     if kernel == "_block_gemm_kernel"]
+                out.append({"kernel": "_block_gemm_kernel", "launch": f"{name} {candidate(tile)}", "rows": m,
+                            "served": tile == served, "split_k": grid[1], "programs": grid[0] * grid[1],
+                            **resources(compiled)})
+    return out
+
+
+CASES = {"tree_delta": tree_delta_cases, "attention": attention_cases, "fp8_gemm": lambda rows: fp8_gemm_cases()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16],
+                    help="batch rows of tree_delta and attention (fp8_gemm: 1, 16 and 272 tokens)")
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     ap.add_argument("--out", default="bench/results/runtime-sm90-report.json")
     args = ap.parse_args()
-    cases = tree_delta_cases(args.rows) + attention_cases(args.rows)
+    cases = [c for name in args.cases for c in CASES[name](args.rows)]
     print(f"{'kernel':<28} {'launch':<34} {'rows':>4} {'progs':>6} {'warps':>5} {'regs':>4} {'spill':>5} "
           f"{'smem KB':>7} {'mma':>5} {'per SM':>6}  limited by")
     for c in cases:

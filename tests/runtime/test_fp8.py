@@ -306,6 +306,31 @@ def test_an_fp8_drafter_is_opt_in_and_still_lossless(pair, prompts):
         Engine(EngineConfig(str(pair / "target"), str(pair / "draft"), quantize_drafter=True))
 
 
+def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsys):
+    """fp8_gemm_bench.py needs a GPU to time; its sweep and names are plain Python, checked here: every
+    weight-major tile has 64 or 128 weight rows (wgmma's M side) and no more tokens than the rows' next
+    power of two (16 at least), and a candidate's name in the JSON gives back its tile and family."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).parents[2] / "runtime" / "bench"))
+    import fp8_gemm_bench as bench
+
+    for m in bench.ROWS:
+        tiles = bench.weight_major_tiles(m)
+        assert tiles and set(bench.weight_major_tiles(m, lean=True)) <= set(tiles)
+        for tile in tiles:
+            assert tile.weights_left and tile.block_n in (64, 128)
+            assert 16 <= tile.block_m <= max(16, 1 << (m - 1).bit_length())
+            assert bench.parse_tile(bench.candidate(tile) + "g1") == tile and bench.family(tile) == "triton_wm"
+    row_major = bench.tiles_for(17)[0]
+    assert bench.parse_tile(bench.candidate(row_major)) == row_major and bench.family(row_major) == "triton_m32"
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--help"])
+    assert done.value.code == 0 and "--weight-major-only" in capsys.readouterr().out
+
+
 def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
     """runtime/bench/fp8_bench.py is for a GPU session; --device cpu --tiny runs every part of it."""
     import subprocess

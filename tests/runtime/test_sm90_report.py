@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime" / "bench"))
 
 import sm90_report  # noqa: E402
-from ddtree_runtime.model import gdn_kernels  # noqa: E402
+from ddtree_runtime.model import fp8, gdn_kernels  # noqa: E402
 from ddtree_runtime.model.kernels import decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -45,3 +45,18 @@ def test_the_tree_attention_compiles_to_wgmma():
         q, k, k, bias, torch.full((1,), keys), table=table, page_size=page, length=keys, shared=True))
     part = next(c for n, c, _ in launches if n == "_decode_attn_part_kernel")
     assert sm90_report.resources(part)["mma"] == "wgmma"
+
+
+def test_the_weight_major_fp8_gemm_compiles_to_wgmma_at_one_row():
+    """With the W tile on the MMA's M side, one token still fills wgmma's 64 rows; the row-major tile of
+    16 rows compiles to mma.sync."""
+    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    w = fp8.BlockFP8(*fp8.quantize_blocks(torch.randn(256, 512)), fp8.BLOCK)
+    kinds = {}
+    for tile in (fp8.GemmTile(16, 64, 4, 3, True), fp8.GemmTile(16, 64, 4, 4)):
+        (compiled,) = [c for name, c, _ in sm90_report.compiled_launches(lambda: fp8.block_gemm(x, w, tile))
+                       if name == "_block_gemm_kernel"]
+        report = sm90_report.resources(compiled)
+        assert report["spill_bytes"] == 0
+        kinds[tile.weights_left] = report["mma"]
+    assert kinds == {True: "wgmma", False: "mma"}

@@ -188,7 +188,8 @@ def test_a_prefix_reused_after_ar_rounds_has_its_drafter_context(tiny_models, dr
 
 def test_rows_that_move_take_their_staged_context_along(tiny_models, draft):
     """Three drafting requests in AR rounds; the first finishes with context staged and the last moves
-    into its row: what it staged moves with it and is written where its pages now are."""
+    into its row: what it staged moves with it, unwritten (a departure writes no other row's), and is
+    written where its pages now are."""
     staged, eager = engines(tiny_models, draft, max_running=3)
     prompts = mixed_prompts(staged.tokenizer, chats=1, chat_seed=4, plain=2, plain_seed=6, cut=4)
     held = []
@@ -199,6 +200,7 @@ def test_rows_that_move_take_their_staged_context_along(tiny_models, draft):
         while engine.scheduler.find(ids[0]) is not None:
             engine.step()
         assert [engine.scheduler.find(i).slot for i in ids[1:]] == [1, 0]
+        assert all(engine.runner.draft_cache.pending[:2]) == (engine is staged)
         for _ in range(3):
             engine.step()
         held.append(drafter_rows(engine, ids[1:]))

@@ -83,6 +83,12 @@ class KVPool:
         if self.draft_cache is not None:
             self.draft_cache.copy_prefix(src, dst, from_snapshot)
 
+    def leave_row(self, row: int, cached: bool) -> None:
+        """A request leaves `row` (finished, cancelled or preempted; `cached`: the row stays as a cached
+        sequence): the drafter's staged context of that row is written or forgotten (draft_cache.py)."""
+        if self.draft_cache is not None and row >= 0:
+            self.draft_cache.leave(row, cached)
+
     def move_rows(self, dst: list[int], src: list[int], length: int) -> None:
         """Rows change places: their block tables (the KV of both caches comes along), a hybrid's
         state slots (their first `length` positions' worth) and a sliding drafter's rings."""

@@ -385,6 +385,7 @@ class Scheduler:
         if req.produced:
             req.context = req.prompt_ids + req.produced[:-1]
             req.resume_bonus = req.produced[-1]
+        self.pool.leave_row(req.slot, cached=False)
         self.pool.page_table.release(req.slot)
         moves = self.remove(req)
         self.pool.move_rows([d for _, d in moves], [s for s, _ in moves], 0)
@@ -403,6 +404,7 @@ class Scheduler:
         valid = {r.slot: r.n_ctx + 1 for r in self.running}
         if self.prefilling is not None:
             valid[self.prefilling.slot] = self.prefilling.prefilled
+        self.pool.leave_row(row, cached=keep)
         if keep:  # a cached sequence holds only its own length
             self.pool.page_table.truncate(row, req.n_ctx, writable=False)
         elif row >= 0:

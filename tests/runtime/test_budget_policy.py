@@ -374,6 +374,30 @@ def test_the_cost_model_fits_the_context_term_within_each_shape():
     assert model.at(2, 2000, 4000).of(2, 1) == pytest.approx(0.005 + 1e-6 * 2 * 2000, rel=0.01)
 
 
+def test_on_the_cpu_the_context_costs_the_dense_term_alone():
+    """The CPU computes attention densely: a tree round's context costs a per row x node x key. With AR
+    rounds timed at about one context (they add nothing to the fit), the tree rounds alone hardly tell a
+    from c (within a shape the two features move together), and on noisy times the joint fit can take
+    c, which every AR round then pays: less of it at a short context than at the one it was timed at, so
+    it is predicted cheaper than any AR round ran (the hybrid tiny pair: 2.4-3.7 ms for 6-7). On the CPU
+    the model fits a alone (the times below as the tiny pair's at 16 rows, 1% noise and more)."""
+    for dense in (False, True):
+        rng = random.Random(4)
+        model = CostModel(dense)
+        for step in range(16):
+            context = 110 + step % 4
+            model.observe(16, 1, 0.006 + rng.uniform(0, 0.0015), context, 16 * context - rng.randint(0, 200))
+            longest = 40 + 8 * step
+            model.observe(16, 17, 0.026 + 1e-8 * 16 * 17 * longest + rng.uniform(0, 0.004), longest,
+                          16 * longest - rng.randint(0, 300))
+        model.fit()
+        ar = model.at(16, 30, 400).of(16, 1)   # a batch's first rounds: short contexts
+        if dense:
+            assert model.c == 0 and 0.006 <= ar <= 0.0075
+        else:
+            assert model.c > 0 and ar < 0.006
+
+
 def test_noise_fits_no_context_term_beyond_the_costs():
     model = CostModel()
     rng = random.Random(1)

@@ -20,7 +20,9 @@ rows' contexts (the longest L, all of them together S):
 - a: attention as a dense computation over every node of every padded row and every key up to the
   longest context (the CPU's, and any eager pass); c: reading each row's keys once (a GPU's
   memory-bound decode). Both are fitted from the samples by least squares within each (B, T), so what
-  differs between shapes never reads as context, and both are at least 0. Only a shape whose samples'
+  differs between shapes never reads as context, and both are at least 0; on the CPU a alone (the
+  two terms differ across shapes only by the tree's nodes, so the tree rounds' dense attention was
+  fitted as c, which then made an AR round at short contexts 2x cheaper than it runs). Only a shape whose samples'
   longest contexts span a factor CONTEXT_SPREAD takes part: over a few tokens a drift of 1% in the
   rounds' time (a GPU warming up) reads as a steep term (the 27B on the H200: its 16 x 17 round, 40 ms
   at the warm-up's context, was predicted 5 ms there, and the envelope copied that to every shape).
@@ -121,7 +123,10 @@ def _unstalled(samples: Iterable[Sample]) -> list[Sample]:
 class CostModel:
     """Round costs learnt from timed rounds (the module's docstring): `observe` each, `at` to predict."""
 
-    def __init__(self) -> None:
+    def __init__(self, dense: bool = False) -> None:
+        """`dense`: the device computes attention densely (the CPU), so the context costs the a term
+        alone; a GPU's kernels read each key once, and c is fitted beside it."""
+        self.dense = dense
         self.samples: dict[tuple[int, int], deque[Sample]] = {}
         self.far: dict[tuple[int, int], deque[Sample]] = {}  # let go of by the window, far in context
         self.a = self.c = 0.0             # seconds per (row x node x key), per key read
@@ -154,7 +159,8 @@ class CostModel:
         """The context term (a, c) by least squares within each shape, then every base again."""
         self._since_fit = 0
         sums = [self._sums(key) for key in self.samples]
-        a, c = _nonnegative_fit(*(sum(s[0][i] for s in sums) for i in range(5)))
+        s11, s12, s22, s1y, s2y = (sum(s[0][i] for s in sums) for i in range(5))
+        a, c = _nonnegative_fit(s11, 0.0, 0.0, s1y, 0.0) if self.dense else _nonnegative_fit(s11, s12, s22, s1y, s2y)
         # noise can fit a slope that leaves a shape a base below 0: no shape's context term may be more
         # than CONTEXT_SHARE of its median cost
         for _, x1, x2, median in sums:

@@ -197,7 +197,8 @@ class Engine:
         by_cost = config.tree_policy == "cost" and self.drafter is not None
         self.policy = BudgetPolicy(by_cost=by_cost, cap=config.tree_budget, slots=self.slots,
                                    block_size=self.block_size, round_nodes=config.round_nodes,
-                                   learning=by_cost and tp is None)  # ranks must choose alike (costs.py)
+                                   learning=by_cost and tp is None,  # ranks must choose alike (costs.py)
+                                   dense=self.device.type != "cuda")
         self.runner = ModelRunner(self.target, self.drafter, self.pool, slots=self.slots, block_size=self.block_size,
                                   mask_token_id=self.mask_token_id, device=self.device,
                                   stats=self.stats, tree_slots=tree_slots,

@@ -196,12 +196,12 @@ class BudgetPolicy:
     Engine.step, each round's time)."""
 
     def __init__(self, *, by_cost: bool, cap: int, slots: int, block_size: int, round_nodes: int | None,
-                 learning: bool = False) -> None:
+                 learning: bool = False, dense: bool = False) -> None:
         """`learning`: whether rounds' times are learnt (costs.py: the cost policy, without tensor
-        parallelism, whose ranks must choose alike)."""
+        parallelism, whose ranks must choose alike); `dense`: the device computes attention densely (costs.py)."""
         self.by_cost, self.slots, self.block_size, self.round_nodes = by_cost, slots, block_size, round_nodes
         self.candidates = candidate_budgets(cap)
-        self.costs = CostModel()              # timed by Engine.warm_up's sweep, then by every round
+        self.costs = CostModel(dense)         # timed by Engine.warm_up's sweep, then by every round
         self.learning = learning
         self.prior = Acceptance()             # every chosen request's rounds: a newcomer's outlook
         self.forced: int | None = None        # the cost sweep's budget for every chosen row

@@ -146,9 +146,9 @@ def test_tree_rounds_after_ar_rounds_draft_as_after_eager_writes(tiny_models, dr
 
 
 def test_a_prefix_reused_after_ar_rounds_has_its_drafter_context(tiny_models, draft):
-    """A request finishes in AR rounds with context staged: its row, kept as a cached sequence, holds
-    the drafter context the eager engine's does, and a continuation reusing it drafts (and accepts)
-    the same. A prompt sharing a running request's context while that request has context staged
+    """A request finishes in AR rounds with context staged: its row, kept as a cached sequence, keeps it
+    staged, and once read holds the drafter context the eager engine's does; a continuation reusing it
+    drafts (and accepts) the same. A prompt sharing a running request's context while that request has context staged
     takes it whole too."""
     staged, eager = engines(tiny_models, draft, max_running=2, prefix_cache=True)
     prompt = mixed_prompts(staged.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=7, cut=4)[0]
@@ -156,11 +156,13 @@ def test_a_prefix_reused_after_ar_rounds_has_its_drafter_context(tiny_models, dr
     for engine in (staged, eager):
         (first,), _, most = run(engine, [(prompt, SamplingParams(max_new_tokens=21, ignore_eos=True))], [AR])
         assert (most > 0) == (engine is staged)  # it finished with context staged...
-        assert not any(engine.runner.draft_cache.pending)  # ... written as it left
         seq = next(iter(engine.prefix.by_row.values()))
-        cached = [t.clone() for t in engine.runner.draft_cache.held(seq.row, seq.end)]
-        follow = (prompt + first + prompt[:6], SamplingParams(max_new_tokens=30, ignore_eos=True))
-        again = run(engine, [follow], [16])[:2]
+        assert bool(engine.runner.draft_cache.pending[seq.row]) == (engine is staged)  # ... kept with its row
+        done = prompt + first
+        follow = (done + prompt[:6], SamplingParams(max_new_tokens=30, ignore_eos=True))
+        again = run(engine, [follow], [16])[:2]   # reusing it has it written first
+        row = next(q.row for q in engine.prefix.by_row.values() if list(q.tokens[:seq.end]) == list(seq.tokens))
+        cached = [t.clone() for t in engine.runner.draft_cache.held(row, seq.end)]
         # a running request 9 AR rounds in (the staging half full), then a prompt continuing it: its row
         # after its prefill (sharing the running row's pages, a partial one copied, and its rings)
         long = engine.submit(prompt + [7], SamplingParams(max_new_tokens=60, ignore_eos=True))
@@ -184,6 +186,18 @@ def test_a_prefix_reused_after_ar_rounds_has_its_drafter_context(tiny_models, dr
     assert again == again_eager
     assert_same(shared, shared_eager)
     assert hits == hits_eager == 3
+
+
+def test_an_evicted_sequence_leaves_no_staged_context_to_its_rows_next_request(tiny_models):
+    """A cached sequence keeps its staged context until a prompt reads it; evicted, it is forgotten,
+    so the row's next request never has another's positions written into its drafter context."""
+    engine, _ = engines(tiny_models, tiny_models / "draft", max_running=2, prefix_cache=True)
+    prompt = mixed_prompts(engine.tokenizer, chats=0, chat_seed=0, plain=1, plain_seed=7, cut=4)[0]
+    run(engine, [(prompt, SamplingParams(max_new_tokens=21, ignore_eos=True))], [AR])
+    seq = next(iter(engine.prefix.by_row.values()))
+    assert engine.runner.draft_cache.pending[seq.row]
+    engine.pool.evict(seq)
+    assert not any(engine.runner.draft_cache.pending)
 
 
 def test_rows_that_move_take_their_staged_context_along(tiny_models, draft):

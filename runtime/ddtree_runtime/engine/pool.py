@@ -58,6 +58,7 @@ class KVPool:
             self.evict(victim)
 
     def evict(self, seq: CachedSequence) -> None:
+        self.leave_row(seq.row, cached=False)
         self.page_table.release(seq.row)
         self.prefix.evict(seq)
 
@@ -84,8 +85,9 @@ class KVPool:
             self.draft_cache.copy_prefix(src, dst, from_snapshot)
 
     def leave_row(self, row: int, cached: bool) -> None:
-        """A request leaves `row` (finished, cancelled or preempted; `cached`: the row stays as a cached
-        sequence): the drafter's staged context of that row is written or forgotten (draft_cache.py)."""
+        """A request or a cached sequence leaves `row` (finished, cancelled, preempted, evicted; `cached`:
+        the row stays as a cached sequence): the drafter's staged context of that row is kept with it or
+        forgotten (draft_cache.py)."""
         if self.draft_cache is not None and row >= 0:
             self.draft_cache.leave(row, cached)
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.costs import AR
 
 BATCHES = (1, 4, 8, 16, 32)
 TAUS = (1, 3, 5, 7)
@@ -42,10 +43,15 @@ TAUS = (1, 3, 5, 7)
 WINDOWS = 3
 
 
+HELD = "held-ar"   # ddtree requests the cost policy holds to AR rounds: its best where AR wins (they keep
+                   # their drafter context, which AR requests do not pay for)
+
+
 def cases(round_nodes: int) -> list[tuple[str, str, int | None, int | None]]:
     """(name, mode, tree budget, round_nodes)."""
     return [("ar", "ar", None, None), ("dflash", "dflash", None, None), ("ddtree@16", "ddtree", 16, None),
-            ("cost", "ddtree", None, None), (f"adaptive@{round_nodes}", "ddtree", None, round_nodes)]
+            ("cost", "ddtree", None, None), (f"adaptive@{round_nodes}", "ddtree", None, round_nodes),
+            (HELD, "ddtree", None, None)]
 
 
 def sync(device: torch.device) -> None:
@@ -187,9 +193,11 @@ def check_batched_equals_alone(engine: Engine, prompts: list[list[int]], max_new
         (j for j, ok in enumerate(same) if not ok), None)}
 
 
-def use_case(engine: Engine, round_nodes: int | None, by_cost: bool) -> None:
-    """The engine's policy for a case: the adaptive case is the fixed policy's share of round_nodes."""
+def use_case(engine: Engine, name: str | None, round_nodes: int | None, by_cost: bool) -> None:
+    """The engine's policy for a case: the adaptive case is the fixed policy's share of round_nodes; the
+    held case, every round at AR (None: the engine's own again)."""
     engine.policy.by_cost, engine.policy.round_nodes = by_cost and round_nodes is None, round_nodes
+    engine.policy.forced = AR if name == HELD else None
 
 
 def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches: list[int], args) -> list[dict]:
@@ -199,7 +207,7 @@ def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches:
     jobs on the machine stretch far less than its wall time). (No alone runs: vs_one_alone is left out.)"""
     by_cost, results = engine.policy.by_cost, []
     for name, mode, budget, round_nodes in chosen:  # each case once, untimed: its shapes and forecasts
-        use_case(engine, round_nodes, by_cost)
+        use_case(engine, name, round_nodes, by_cost)
         serve_all(engine, prompts[:max(batches)], SamplingParams(max_new_tokens=args.max_new, mode=mode,
                                                                  tree_budget=budget))
     for b in batches:
@@ -207,7 +215,7 @@ def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches:
         least_cpu: dict[str, float] = {}
         for _ in range(args.repeats):
             for name, mode, budget, round_nodes in chosen:
-                use_case(engine, round_nodes, by_cost)
+                use_case(engine, name, round_nodes, by_cost)
                 r = serve_all(engine, prompts[:b], SamplingParams(max_new_tokens=args.max_new, mode=mode,
                                                                   tree_budget=budget))
                 if name not in best or r["wall_s"] < best[name]["wall_s"]:
@@ -218,7 +226,7 @@ def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches:
                      cpu_s=least_cpu[name], tokens_per_cpu_s=r["tokens"] / least_cpu[name])
             results.append(r)
             print(json.dumps(r), flush=True)
-    use_case(engine, None, by_cost)
+    use_case(engine, None, None, by_cost)
     return results
 
 
@@ -306,7 +314,7 @@ def main() -> None:
         results = interleaved(engine, chosen, prompts, batches, args)
         chosen = []
     for name, mode, budget, round_nodes in chosen:
-        use_case(engine, round_nodes, by_cost)
+        use_case(engine, name, round_nodes, by_cost)
         params = SamplingParams(max_new_tokens=args.max_new, mode=mode, tree_budget=budget)
         if args.models:
             serve_all(engine, prompts[:max(batches)], params)  # warm-up
@@ -325,7 +333,7 @@ def main() -> None:
             r.update(case=name, batch=b)
             results.append(r)
             print(json.dumps(r), flush=True)
-    use_case(engine, None, by_cost)
+    use_case(engine, None, None, by_cost)
 
     print()
     if args.models:

@@ -14,7 +14,8 @@ Candidates (activation quantization counted in each FP8 one):
   a count k_group gives is timed once, unnamed);
 - `triton_wm[BTxBNwWsS]`: the kernel's weight-major variant (fp8.GemmTile.weights_left: the W tile of BN
   rows as the MMA's M side, BT tokens on the other) at every tile of weight_major_tiles, the best one
-  reported as `triton_wm`; `--weight-major-only` times it alone, at k_group's groups and at one group;
+  reported as `triton_wm`; `--weight-major-only` times it without the row-major tiles (bf16 and scaled_mm
+  still beside it), at k_group's groups and at one group;
 - `fp8_runtime` (`--runtime`): fp8.fp8_linear as the engine runs it, after fp8.choose_gemms.
 `--probe-scaled-mm` also lists, per shape, which row counts (fp8.PROBE_ROWS and the engine's largest
 pass) give a row other bits in scaled_mm than among the most rows.
@@ -250,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--triton-only", action="store_true", help="the Triton tiles alone (no bf16, scaled_mm)")
     ap.add_argument("--groups", help="counts of K groups each tile is timed at (e.g. 1,2,4,8; default: fp8.k_group's)")
     ap.add_argument("--weight-major-only", action="store_true",
-                    help="the weight-major tiles alone (weight_major_tiles), at k_group's groups and one group "
-                         "unless --groups says")
+                    help="the weight-major tiles (weight_major_tiles) and no row-major ones, beside bf16 and "
+                         "scaled_mm in the same call, at k_group's groups and one group unless --groups says")
     ap.add_argument("--lean", action="store_true",
                     help="two tiles per family and row count (lean_tiles), a shorter weight-major sweep")
     ap.add_argument("--projections", help="only these projections of the shape (names, comma-separated)")
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     row_major = (lambda m: []) if args.runtime or args.weight_major_only else lean_tiles if args.lean else tiles_for
 
     def tiles(m: int) -> list[fp8.GemmTile]:
-        return row_major(m) + ([] if args.runtime else weight_major_tiles(m, args.lean))
+        return row_major(m) + (weight_major_tiles(m, args.lean) if args.weight_major_only or not args.runtime else [])
     with torch.inference_mode():
         if args.probe_scaled_mm:
             probe = sorted(set(fp8.PROBE_ROWS) | {16 * 1025})
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, n, k in shapes:
             points, agreement = bench_projection(
                 name, n, k, [int(r) for r in args.rows.split(",")], l2, old, lambda s: print(s, flush=True),
-                libraries=not (args.triton_only or args.weight_major_only), runtime=args.runtime, tiles=tiles,
+                libraries=not args.triton_only, runtime=args.runtime, tiles=tiles,
                 groups=groups)
             report["points"] += points
             if agreement:

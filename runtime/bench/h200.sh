@@ -54,9 +54,10 @@ step() {
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
             --buckets 4608 8704 ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
     fp8) bench "$here" fp8_bench.py --shapes qwen3.6-27b --out "$OUT/fp8.json" ;;
-    fp8-gemm)  # the weight-major Triton tiles at every (projection, rows) point, and whether a row's bits
-               # hold across tiles and row counts (FP8_PROJECTIONS: e.g. o_proj,down_proj when time is short)
-        bench "$here" fp8_gemm_bench.py --weight-major-only ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
+    fp8-gemm)  # the weight-major Triton tiles at every (projection, rows) point beside bf16, scaled_mm and what
+               # the engine runs, and whether a row's bits hold across tiles and row counts (FP8_PROJECTIONS:
+               # e.g. o_proj,down_proj when time is short)
+        bench "$here" fp8_gemm_bench.py --weight-major-only --runtime ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-gemm.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \

@@ -22,8 +22,8 @@ rows' contexts (the longest L, all of them together S):
   memory-bound decode). Both are fitted from the samples by least squares within each (B, T), so what
   differs between shapes never reads as context, and both are at least 0; on the CPU a alone (the
   two terms differ across shapes only by the tree's nodes, so the tree rounds' dense attention was
-  fitted as c, which then made an AR round at short contexts 2x cheaper than it runs). Only a shape whose samples'
-  longest contexts span a factor CONTEXT_SPREAD takes part: over a few tokens a drift of 1% in the
+  fitted as c, which then made an AR round at short contexts 2x cheaper than it runs). Only a shape
+  whose samples' longest contexts span a factor CONTEXT_SPREAD takes part: over a few tokens a drift of 1% in the
   rounds' time (a GPU warming up) reads as a steep term (the 27B on the H200: its 16 x 17 round, 40 ms
   at the warm-up's context, was predicted 5 ms there, and the envelope copied that to every shape).
   So that the spread outlives the window, each shape keeps the last FAR samples its window let go of

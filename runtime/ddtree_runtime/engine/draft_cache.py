@@ -29,8 +29,9 @@ H200 27B). Instead the root's features are staged on the device (`stage`: two in
 value) and a row's staged positions written in one pass (`flush`) when they fill `stage_len` slots, and
 before anything reads the row: the next tree round (model_runner.py), a prefix shared from a running
 row or a cached sequence (`copy_page`, `copy_prefix`) and `held`; rows that move take theirs along
-(`permute`), a row left for good forgets it (`leave`, `drop`). What is written is the same features at the same positions as the eager writes (the values
-the same but for rounding: the GEMMs of a block of positions run at another shape than one's)."""
+(`permute`), a row left for good forgets it (`leave`, `drop`). What is written is the same features at
+the same positions as the eager writes (the values the same but for rounding: the GEMMs of a block of
+positions run at another shape than one's)."""
 
 from __future__ import annotations
 

@@ -261,7 +261,8 @@ class BudgetPolicy:
     def _choose(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Choice | None:
         others = [i for i in range(len(reqs)) if i not in chosen]
         floor = max((tree_bucket(reqs[i].mode.tree_slots(fixed[i], self.block_size)) for i in others), default=1)
-        expected = self._expected([reqs[i] for i in chosen])
+        rows = [reqs[i] for i in chosen]
+        expected = self._expected(rows)
         if expected is None:
             return None  # nothing forecast yet: the configured budget, which forecasts
         left = [reqs[i].params.max_new_tokens - reqs[i].generated for i in chosen]
@@ -278,7 +279,7 @@ class BudgetPolicy:
             # forecasts, aged into the engine-wide outlook over AR rounds, would choose a tree again. Where
             # AR beats trees at that outlook too, AR rounds are where the rows stay (the hybrid tiny pair at
             # 16-32 running on the CPU: charged that pass, AR lost to trees it beat by 1.4x)
-            settled = choose(self._expected([reqs[i] for i in chosen], settled=True))
+            settled = choose(self._expected(rows, settled=True))
             leave = redraft if settled is not None and settled.budget != AR else 0.0
         choice = choose(expected, ar=ar, refresh=redraft if stale else 0.0, leave=leave,
                         ar_rounds=self._probe_after)

@@ -434,11 +434,13 @@ class TreeDeltaLaunch(NamedTuple):
 # The launches the layers run (gdn_tree_bench.py times the one for its rows as its default, beside its
 # grid), both with the root taken apart (a 17-node tree in blocks of 16). H200, 27B, 17 nodes, us at 1 /
 # 8 / 16 rows (bench/results/runtime-gdn-tree-bench-peel-s21-h200.json): below TREE_DELTA_MANY_ROWS rows,
-# float32 FMAs, 4 warps: 11.7 / 48.7 / 96.1; from there three TF32 products, 2 warps: 15.0 / 43.7 /
-# 69.8. The launches before them (no peel, three TF32 products, 4 warps; 128 columns of dv a program
-# from 16 rows): 12.9 / 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7)
+# float32 FMAs, 4 warps: 11.7 / 48.7 / 96.1; from there three TF32 products, 2 warps, dk in chunks of
+# 16: 40.5 / 66.8 us at 8 / 16 rows against 43.4 / 69.4 in chunks of 32 (session 23,
+# runtime-gdn-tree-bench-s23-h200.json: fewer registers a chunk, more programs an SM). The launches
+# before them (no peel, three TF32 products, 4 warps; 128 columns of dv a program from 16 rows): 12.9 /
+# 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7)
 TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=True)
-TREE_DELTA_MANY = TreeDeltaLaunch(warps=2, peel=True)
+TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=True)
 TREE_DELTA_MANY_ROWS = 8
 
 

@@ -22,6 +22,9 @@ pass) give a row other bits in scaled_mm than among the most rows.
 Each weight is copied until the copies pass three times the L2, and the timed calls rotate among them,
 so no candidate reads its weight from cache. `rows_invariant`: the first 64 rows' outputs (all of them
 below 64), bit for bit, are the same at every row count (and, for Triton, at every tile of a family).
+`--large`: the lean weight-major sweep and, from 64 rows, the row-major wgmma family's large tiles
+(wgmma_tiles), at k_group's groups, beside bf16, scaled_mm and the runtime: whether one arithmetic can
+serve every row count of a shape at no more than bf16's time.
 `weight_major_agreement`, per projection and count of K groups: whether every weight-major tile at every
 row count gave those rows the same bits, and whether they are the bits of the row-major kernel's 64-row
 (wgmma) family. Not a test: figures depend on the machine."""
@@ -84,6 +87,16 @@ def weight_major_tiles(m: int, lean: bool = False, spilling: bool = False) -> li
     launches = ((4, 4), (8, 3)) if lean else ((4, 3), (4, 4), (8, 3), (8, 4))
     return [fp8.GemmTile(t, bn, w, st, True) for bn in (64, 128) for t in tokens for w, st in launches
             if spilling or t * bn <= 2048 * w]
+
+
+def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
+    """From 64 rows, the large tiles of the 64-row (wgmma) family that a large row count may want (one
+    accumulator beside the dot's tile since the kernel sums a lone K group without a second): 64x128
+    (4 warps), 128x64 (4), 128x128 (8) at 3 and 4 stages, 64x256 (8) at 3."""
+    if m < 64:
+        return []
+    return ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
+             for st in (3, 4)] + [fp8.GemmTile(64, 256, 8, 3)])
 
 
 def family(tile: fp8.GemmTile) -> str:
@@ -253,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-major-only", action="store_true",
                     help="the weight-major tiles (weight_major_tiles) and no row-major ones, beside bf16 and "
                          "scaled_mm in the same call, at k_group's groups and one group unless --groups says")
+    ap.add_argument("--large", action="store_true",
+                    help="the lean weight-major sweep and, from 64 rows, the wgmma family's large row-major "
+                         "tiles, with --runtime's figures (module docstring)")
     ap.add_argument("--lean", action="store_true",
                     help="two tiles per family and row count (lean_tiles), a shorter weight-major sweep")
     ap.add_argument("--projections", help="only these projections of the shape (names, comma-separated)")
@@ -276,10 +292,12 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
     groups = ([int(g) for g in args.groups.split(",")] if args.groups else
               [None, 1] if args.weight_major_only else [None])
-    row_major = (lambda m: []) if args.runtime or args.weight_major_only else lean_tiles if args.lean else tiles_for
+    row_major = (wgmma_tiles if args.large else (lambda m: []) if args.runtime or args.weight_major_only else
+                 lean_tiles if args.lean else tiles_for)
+    weight_major = args.large or args.weight_major_only or not args.runtime
 
     def tiles(m: int) -> list[fp8.GemmTile]:
-        return row_major(m) + (weight_major_tiles(m, args.lean) if args.weight_major_only or not args.runtime else [])
+        return row_major(m) + (weight_major_tiles(m, args.lean or args.large) if weight_major else [])
     with torch.inference_mode():
         if args.probe_scaled_mm:
             probe = sorted(set(fp8.PROBE_ROWS) | {16 * 1025})
@@ -287,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, n, k in shapes:
             points, agreement = bench_projection(
                 name, n, k, [int(r) for r in args.rows.split(",")], l2, old, lambda s: print(s, flush=True),
-                libraries=not args.triton_only, runtime=args.runtime, tiles=tiles,
+                libraries=not args.triton_only, runtime=args.runtime or args.large, tiles=tiles,
                 groups=groups)
             report["points"] += points
             if agreement:

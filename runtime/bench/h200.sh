@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, http,
+# Steps: smi, profile, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http,
 # cuda-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
@@ -50,15 +50,19 @@ step() {
     gdn-tree)  # GDN_LAUNCHES: launch names to time (all 42 compile for ~8 min: pick)
         bench "$here" gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} --out "$OUT/gdn-tree.json" ;;
     attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys (ATTN_GRID:
-           # attn_probe's --grid, e.g. "stages=3,4 keys=32,64")
+           # attn_probe's --grid, e.g. "stages=3,4 keys=32,64"; ATTN_BUCKETS: e.g. 8704 alone)
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
-            --buckets 4608 8704 ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
+            --buckets ${ATTN_BUCKETS:-4608 8704} ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
     fp8) bench "$here" fp8_bench.py --shapes qwen3.6-27b --out "$OUT/fp8.json" ;;
     fp8-gemm)  # the weight-major Triton tiles at every (projection, rows) point beside bf16, scaled_mm and what
                # the engine runs, and whether a row's bits hold across tiles and row counts (FP8_PROJECTIONS:
                # e.g. o_proj,down_proj when time is short)
         bench "$here" fp8_gemm_bench.py --weight-major-only --runtime ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-gemm.json" ;;
+    fp8-large)  # whether one FP8 arithmetic can serve every row count at no more than bf16's time: the
+                # weight-major tiles and, from 64 rows, the wgmma family's large ones, beside bf16, scaled_mm, the runtime
+        bench "$here" fp8_gemm_bench.py --large ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
+            --out "$OUT/fp8-large.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \

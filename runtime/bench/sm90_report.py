@@ -9,8 +9,9 @@ read for registers, spills (local memory) and shared memory, its TTGIR for the t
 
 Cases: `tree_delta` at every launch of gdn_tree_bench.py's grid (27B: 48 value heads of 128, 17 nodes),
 the split-KV tree attention (27B: 24 / 4 heads of 256, 17 queries over the paged pool) at its served
-launch, and `fp8_gemm`: the FP8 GEMM on the 27B's o_proj and down_proj at 1, 16 and 272 rows, the
-runtime's row-major tile beside every weight-major tile of fp8_gemm_bench.py's sweep there. Static
+launch, and `fp8_gemm`: the FP8 GEMM on the 27B's o_proj, down_proj and gate_up at 1, 16 and 272 rows,
+the runtime's row-major tile beside every weight-major tile of fp8_gemm_bench.py's sweep there and its
+large wgmma tiles. Static
 facts, not timings: a launch that spills, or holds so many registers that few programs share an SM, is a
 candidate to change before a GPU call times it (docs/performance.md, sessions 22 and 23)."""
 
@@ -160,19 +161,20 @@ def fp8_gemm_cases(rows: tuple[int, ...] = (1, 16, 272)) -> list[dict]:
     where the Triton kernel lost to bf16 at decode sizes): the runtime's row-major tile (gemm_tile, the
     16/32-row family; "served": the Triton path's, which the H200 leaves to scaled_mm/32 on these shapes)
     and each weight-major tile of fp8_gemm_bench.py's sweep at that many rows, with those it leaves out
-    for spilling."""
-    from fp8_gemm_bench import candidate, weight_major_tiles
+    for spilling, and from 64 rows its large wgmma tiles (--large); gate_up beside them, a shape whose K
+    is summed in one group (one accumulator a program)."""
+    from fp8_gemm_bench import candidate, weight_major_tiles, wgmma_tiles
 
     from ddtree_runtime.model import fp8
 
     out = []
-    for name, n, k in (("o_proj", 5120, 6144), ("down_proj", 5120, 17408)):
+    for name, n, k in (("o_proj", 5120, 6144), ("down_proj", 5120, 17408), ("gate_up", 34816, 5120)):
         w = fp8.BlockFP8(torch.empty(n, k, dtype=fp8.FP8),
                          torch.ones(fp8.cdiv(n, fp8.BLOCK), fp8.cdiv(k, fp8.BLOCK)), fp8.BLOCK)
         for m in rows:
             x = torch.empty(m, k, dtype=torch.bfloat16)
             served = fp8.gemm_tile(m, n, k, SMS, SHARED_PER_PROGRAM)
-            for tile in [served] + weight_major_tiles(m, spilling=True):
+            for tile in [served] + weight_major_tiles(m, spilling=True) + wgmma_tiles(m):
                 (compiled, grid), = [(c, g) for kernel, c, g in compiled_launches(lambda: fp8.block_gemm(x, w, tile))
                                      if kernel == "_block_gemm_kernel"]
                 out.append({"kernel": "_block_gemm_kernel", "launch": f"{name} {candidate(tile)}", "rows": m,

@@ -309,7 +309,8 @@ def test_an_fp8_drafter_is_opt_in_and_still_lossless(pair, prompts):
 def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsys):
     """fp8_gemm_bench.py needs a GPU to time; its sweep and names are plain Python, checked here: every
     weight-major tile has 64 or 128 weight rows (wgmma's M side) and no more tokens than the rows' next
-    power of two (16 at least), and a candidate's name in the JSON gives back its tile and family."""
+    power of two (16 at least), and a candidate's name in the JSON gives back its tile and family; --large's
+    row-major tiles are wgmma's (64 rows and more), none more than 2,048 outputs a warp."""
     import sys
     from pathlib import Path
 
@@ -326,6 +327,8 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
             assert bench.parse_tile(bench.candidate(tile) + "g1") == tile and bench.family(tile) == "triton_wm"
     row_major = bench.tiles_for(17)[0]
     assert bench.parse_tile(bench.candidate(row_major)) == row_major and bench.family(row_major) == "triton_m32"
+    assert bench.wgmma_tiles(17) == [] and bench.wgmma_tiles(64)   # --large: wgmma tiles from 64 rows
+    assert all(bench.family(t) == "triton_m64" and t.block_m * t.block_n <= 2048 * t.warps for t in bench.wgmma_tiles(64))
     with pytest.raises(SystemExit) as done:
         bench.main(["--help"])
     assert done.value.code == 0 and "--weight-major-only" in capsys.readouterr().out

@@ -344,7 +344,8 @@ def test_fp8_gemm_sums_k_in_fixed_groups_split_or_not_to_the_same_bits():
 def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
     """The weight-major variant (GemmTile.weights_left: out^T = W x^T, the W tile as the dot's left operand)
     keeps the kernel's arithmetic: the row-major kernel's bits, split or not, with the bias and the
-    residual, both scale layouts and a partial last K block; within float32 rounding of the torch
+    residual, both scale layouts and a partial last K block, as does a W tile wider than a block of
+    scales (one scale product per output, not per token); within float32 rounding of the torch
     reference."""
     interpret("""
         import ddtree_runtime.model.fp8 as F8
@@ -364,6 +365,8 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
             row_major = gemm(F8.GemmTile(16, 32, 4, 2), True)
             for split in (False, True):
                 assert torch.equal(gemm(tile, split), row_major), (m, n, k, split)
+            # a 256-row W tile spans two blocks of scales: each output's scale product, the same bits
+            assert torch.equal(gemm(F8.GemmTile(16, 256, 4, 2), False), row_major), (m, n, k)
             want = F8.fp8_linear_torch(x, w, bias, res).double()
             err = ((row_major.double() - want).abs().max() / want.abs().max()).item()
             assert err < (1e-6 if dtype == torch.float32 else 1e-3), (m, n, k, err)

@@ -13,7 +13,8 @@ the speculative path and its AR reference agree, and a seed gives one text.
   weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others;
 - on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
   quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
-  the dot of e4m3 codes from zero times the row's and the weight block's scales, summed in block order
+  the dot of e4m3 codes from zero times the product of the row's and the weight block's scales (one
+  multiply-add an output: a 128x128 tile's scaling costs a quarter of its wgmma), summed in block order
   within groups of k_group blocks (from the weight's shape, never the row count), the groups added in
   order; when the rows are few each group runs in a program of its own and _sum_parts_kernel adds
   them (the same bits). Its tile comes from a table measured on the H200 (TILES), its stages from the
@@ -97,8 +98,8 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_products(q: torch.Tensor, x_scale: torch.Tensor, w: BlockFP8) -> torch.Tensor:
-    """float32 [M, N]: the sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * x_scale[m, kb] *
-    w_scale[n, kb], as the kernel computes it. Each block's dot of e4m3 codes is exact in float64 (the
+    """float32 [M, N]: the sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * (x_scale[m, kb] *
+    w_scale[n, kb]), as the kernel computes it (on a GPU each term is one fused multiply-add). Each block's dot of e4m3 codes is exact in float64 (the
     products are multiples of 2**-18 below 2**18, 128 of them stay far inside 53 bits) whatever order the
     matmul sums them in, so a row's result does not depend on how many rows run beside it."""
     m, k = q.shape
@@ -108,7 +109,7 @@ def block_products(q: torch.Tensor, x_scale: torch.Tensor, w: BlockFP8) -> torch
     for kb in range(cdiv(k, BLOCK)):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
         dot = (q[:, cols].double() @ w.qweight[:, cols].double().t()).float()
-        acc += dot * x_scale[:, kb, None] * w_scale[None, :, kb]
+        acc += dot * (x_scale[:, kb, None] * w_scale[None, :, kb])
     return acc
 
 
@@ -305,14 +306,42 @@ if triton is not None:
         tl.store(q_ptr + rm[:, None] * stride_qm + k[None, :], q, mask=out_ok[:, None] & k_ok[None, :])
         tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
 
+    @triton.jit
+    def _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, BLOCK_K: tl.constexpr,
+                          EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr):
+        """K block kb's term of _block_gemm_kernel's sum: the dot of its e4m3 codes from zero times the
+        product of the token's and the weight block's scales (the caller's += makes it one multiply-add)."""
+        if EVEN_K:
+            a = tl.load(left + kb * BLOCK_K)
+            b = tl.load(right + kb * BLOCK_K)
+        else:
+            k_ok = rk < K - kb * BLOCK_K
+            a = tl.load(left + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
+            b = tl.load(right + kb * BLOCK_K, mask=k_ok[:, None], other=0.0)
+        xs = tl.load(xs_ptrs + kb * stride_xsk)
+        ws = tl.load(ws_ptrs + kb)
+        if WS_UNIFORM and WEIGHTS_LEFT:
+            term = tl.dot(a, b) * (xs * ws)[None, :]
+        elif WS_UNIFORM:
+            term = tl.dot(a, b) * (xs * ws)[:, None]
+        elif WEIGHTS_LEFT:
+            term = tl.dot(a, b) * (xs[None, :] * ws[:, None])
+        else:
+            term = tl.dot(a, b) * (xs[:, None] * ws[None, :])
+        return term
+
     @triton.jit(do_not_specialize=["M"])
     def _block_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
                            stride_xsk, stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                           WEIGHTS_LEFT: tl.constexpr):
+                           WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr):
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
-        blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * xs[kb, m] * ws[n, kb]. Each block's
+        blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
+        WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
+        and each output takes a single multiply-add per K block (with a scale per output and two
+        multiplies, a 128x128 tile's scaling took, by arithmetic, ~3/4 of its wgmma's time, which waits
+        for it: a suspect for the 1.5-1.9x behind cuBLASLt measured at 128-4,096 rows). Each block's
         dot starts from zero and GROUP depends on the weight's shape alone, so a row's result does not
         depend on the tile it lands in nor on the rows beside it. With SPLIT, program (tile, g) sums group g
         alone into part[g] (float32) and _sum_parts_kernel adds the groups in order: the same bits, the
@@ -343,29 +372,27 @@ if triton is not None:
             right = w_ptr + ln[None, :] * stride_wn + rk[:, None]
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xs_ptrs = xs_ptr + lm
-        ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
+        if WS_UNIFORM:   # the tile's one row of block scales (wrapped rows past N are masked at the store)
+            ws_ptrs = ws_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_wsn
+        else:
+            ws_ptrs = ws_ptr + (ln // SCALE_ROWS) * stride_wsn
         blocks = tl.cdiv(K, BLOCK_K)
         first, last = 0, blocks
         if SPLIT:
             first = tl.program_id(1) * GROUP
             last = tl.minimum(first + GROUP, blocks)
-        for g in range(first, last, GROUP):
-            acc = tl.zeros_like(total)
-            for kb in range(g, tl.minimum(g + GROUP, blocks)):
-                if EVEN_K:
-                    a = tl.load(left + kb * BLOCK_K)
-                    b = tl.load(right + kb * BLOCK_K)
-                else:
-                    k_ok = rk < K - kb * BLOCK_K
-                    a = tl.load(left + kb * BLOCK_K, mask=k_ok[None, :], other=0.0)
-                    b = tl.load(right + kb * BLOCK_K, mask=k_ok[:, None], other=0.0)
-                xs = tl.load(xs_ptrs + kb * stride_xsk)
-                ws = tl.load(ws_ptrs + kb)
-                if WEIGHTS_LEFT:
-                    acc += tl.dot(a, b) * xs[None, :] * ws[:, None]
-                else:
-                    acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
-            total += acc
+        if ONE_GROUP:   # one group a program (all of K, or a split launch's): its sum is the total, and
+            # the registers hold one accumulator beside the dot's tile, not two (a 128x128 tile fits 8 warps)
+            for kb in range(first, last):
+                total += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, BLOCK_K, EVEN_K,
+                                           WEIGHTS_LEFT, WS_UNIFORM)
+        else:
+            for g in range(first, last, GROUP):
+                acc = tl.zeros_like(total)
+                for kb in range(g, tl.minimum(g + GROUP, blocks)):
+                    acc += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, BLOCK_K,
+                                             EVEN_K, WEIGHTS_LEFT, WS_UNIFORM)
+                total += acc
         ok = (tokens < M) & (cols < N)
         if SPLIT:
             tl.store(part_ptr + (tl.program_id(1) * M + tokens) * N + cols, total, mask=ok)
@@ -473,7 +500,8 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
         s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
-        num_warps=tile.warps, num_stages=tile.stages)
+        WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, num_warps=tile.warps,
+        num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,
                                                      out.stride(0), HAS_BIAS=bias is not None,

@@ -7,6 +7,7 @@ how many rows ran beside it.
 Candidates (activation quantization counted in each FP8 one):
 - `bf16`: F.linear on the bf16 weight;
 - `scaled_mm`: torch.nn.functional.scaled_mm block-wise (cuBLASLt; rows padded to 16, Hopper only);
+- `scaled_mm_swapped` (`--swapped`): the same with the weight as the left operand (scaled_mm_swapped);
 - `triton_old`: the kernel the runtime had before issue 35 (quantizing its tiles itself), read from an
   older fp8.py (`--legacy-fp8 PATH`, e.g. main's before the merge), at up to 272 rows;
 - `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (tiles_for), the best one reported
@@ -113,6 +114,19 @@ def candidate(tile: fp8.GemmTile) -> str:
     return f"triton{'_wm' if tile.weights_left else ''}[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]"
 
 
+def scaled_mm_swapped(x: torch.Tensor, w: fp8.BlockFP8, floor: int = 16) -> torch.Tensor:
+    """cuBLASLt's block-scaled GEMM with the operands swapped, out^T = W x^T: the weight (128x128
+    scales) as the left operand, whose 5,120-34,816 rows fill the GEMM's M side at any token count, the
+    tokens (1x128 scales) as the right one, padded as scaled_mm_rows pads them; [M, N] (the transposed
+    product copied back, counted in its time)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+    m = x.shape[0]
+    q, s = fp8.quantize_groups_cuda(x, fp8.scaled_mm_rows(m, floor))
+    out_t = scaled_mm(w.qweight, q.t(), w.scale_inv, ScalingType.BlockWise128x128, s,
+                      ScalingType.BlockWise1x128, output_dtype=x.dtype)
+    return out_t[:, :m].t().contiguous()
+
+
 def timed_us(fns: list, reps: int = 24) -> float:
     """Microseconds per call: attn_probe.timed's CUDA graph of `reps` calls, rotating over `fns`."""
     calls = itertools.cycle(fns)
@@ -125,9 +139,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
                      tiles=tiles_for, libraries: bool = True, runtime: bool = False,
-                     groups: list[int | None] = (None,)) -> tuple[list[dict], dict[str, dict]]:
+                     groups: list[int | None] = (None,), swapped: bool = False) -> tuple[list[dict], dict[str, dict]]:
     """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed, each
-    at every count of K groups in `groups` (None: the runtime's, fp8.k_group). Returns the points and,
+    at every count of K groups in `groups` (None: the runtime's, fp8.k_group); `swapped`: scaled_mm with
+    the operands swapped beside scaled_mm. Returns the points and,
     where weight-major tiles ran, their agreement (module docstring)."""
     dev = torch.device("cuda")
     blocks_k = fp8.cdiv(k, fp8.BLOCK)
@@ -170,11 +185,14 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
 
         if libraries:
             record("bf16", [lambda w=w: F.linear(x, w) for w in w16], None)
-            try:
-                o = fp8.scaled_mm_gemm(x, wq[0])
-                record("scaled_mm", [lambda w=w: fp8.scaled_mm_gemm(x, w) for w in wq], o)
-            except Exception as exc:  # noqa: BLE001
-                point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            for cand, gemm in (("scaled_mm", fp8.scaled_mm_gemm), ("scaled_mm_swapped", scaled_mm_swapped)):
+                if cand == "scaled_mm_swapped" and not swapped:
+                    continue
+                try:
+                    o = gemm(x, wq[0])
+                    record(cand, [lambda w=w, gemm=gemm: gemm(x, w) for w in wq], o)
+                except Exception as exc:  # noqa: BLE001
+                    point["us"][cand] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         if runtime:
             record("fp8_runtime", [lambda w=w: fp8.fp8_linear(x, w) for w in wq], fp8.fp8_linear(x, wq[0]))
             res = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
@@ -269,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--large", action="store_true",
                     help="the lean weight-major sweep and, from 64 rows, the wgmma family's large row-major "
                          "tiles, with --runtime's figures (module docstring)")
+    ap.add_argument("--swapped", action="store_true",
+                    help="also cuBLASLt's block-scaled GEMM with the operands swapped (scaled_mm_swapped)")
     ap.add_argument("--lean", action="store_true",
                     help="two tiles per family and row count (lean_tiles), a shorter weight-major sweep")
     ap.add_argument("--projections", help="only these projections of the shape (names, comma-separated)")
@@ -306,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
             points, agreement = bench_projection(
                 name, n, k, [int(r) for r in args.rows.split(",")], l2, old, lambda s: print(s, flush=True),
                 libraries=not args.triton_only, runtime=args.runtime or args.large, tiles=tiles,
-                groups=groups)
+                groups=groups, swapped=args.swapped)
             report["points"] += points
             if agreement:
                 report.setdefault("weight_major_agreement", {})[name] = agreement

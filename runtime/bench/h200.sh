@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http,
+# Steps: smi, profile, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
 # cuda-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
@@ -68,6 +68,11 @@ step() {
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \
                 --requests 160 --max-tokens 128 --warm-up 0 --out "$OUT/http-8b.json" \
             && bench "$here" batch_bench.py --shape qwen3-8b --batches 16 --cases ddtree@16 --out "$OUT/http-engine-8b.json" ;;
+    http-cost)  # the same clients with the budget chosen by cost (16 running, each client's next request arriving as
+                # its last finishes), after `http` (its checkpoints)
+        bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \
+            --requests 160 --max-tokens 128 --warm-up 0 --server-arg=--tree-policy --server-arg=cost \
+            --out "$OUT/http-cost-8b.json" ;;
     cuda-tests)
         PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_gated_attention_cuda.py tests/runtime/test_gdn_prompt_cuda.py \

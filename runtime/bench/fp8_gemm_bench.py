@@ -24,8 +24,9 @@ Each weight is copied until the copies pass three times the L2, and the timed ca
 so no candidate reads its weight from cache. `rows_invariant`: the first 64 rows' outputs (all of them
 below 64), bit for bit, are the same at every row count (and, for Triton, at every tile of a family).
 `--large`: the lean weight-major sweep and, from 64 rows, the row-major wgmma family's large tiles
-(wgmma_tiles), at k_group's groups, beside bf16, scaled_mm and the runtime: whether one arithmetic can
-serve every row count of a shape at no more than bf16's time.
+(wgmma_tiles), each also with its operands read by tensor descriptors (`_tma`: Hopper's bulk copies), at
+k_group's groups, beside bf16, scaled_mm and the runtime: whether one arithmetic can serve every row count
+of a shape at no more than bf16's time.
 `weight_major_agreement`, per projection and count of K groups: whether every weight-major tile at every
 row count gave those rows the same bits, and whether they are the bits of the row-major kernel's 64-row
 (wgmma) family. Not a test: figures depend on the machine."""
@@ -110,8 +111,10 @@ def family(tile: fp8.GemmTile) -> str:
 
 
 def candidate(tile: fp8.GemmTile) -> str:
-    """A tile's name in the report: "triton[BMxBNwWsS]", or "triton_wm[BTxBNwWsS]" for a weight-major one."""
-    return f"triton{'_wm' if tile.weights_left else ''}[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]"
+    """A tile's name in the report: "triton[BMxBNwWsS]", "triton_wm[BTxBNwWsS]" for a weight-major one,
+    with "_tma" before the bracket where its operands come by tensor descriptors."""
+    return (f"triton{'_wm' if tile.weights_left else ''}{'_tma' if tile.tma else ''}"
+            f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
 
 def scaled_mm_swapped(x: torch.Tensor, w: fp8.BlockFP8, floor: int = 16) -> torch.Tensor:
@@ -247,7 +250,7 @@ def parse_tile(cand: str) -> fp8.GemmTile:
     bm, rest = cand[cand.index("[") + 1:cand.index("]")].split("x")
     bn, rest = rest.split("w")
     w, st = rest.split("s")
-    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), cand.startswith("triton_wm["))
+    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), cand.startswith("triton_wm"), "_tma[" in cand)
 
 
 def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:
@@ -312,12 +315,13 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
     groups = ([int(g) for g in args.groups.split(",")] if args.groups else
               [None, 1] if args.weight_major_only else [None])
-    row_major = (wgmma_tiles if args.large else (lambda m: []) if args.runtime or args.weight_major_only else
+    row_major = ((lambda m: wgmma_tiles(m) + [t._replace(tma=True) for t in wgmma_tiles(m)]) if args.large else (lambda m: []) if args.runtime or args.weight_major_only else
                  lean_tiles if args.lean else tiles_for)
     weight_major = args.large or args.weight_major_only or not args.runtime
 
     def tiles(m: int) -> list[fp8.GemmTile]:
-        return row_major(m) + (weight_major_tiles(m, args.lean or args.large) if weight_major else [])
+        swept = weight_major_tiles(m, args.lean or args.large) if weight_major else []
+        return row_major(m) + swept + ([t._replace(tma=True) for t in swept] if args.large else [])
     with torch.inference_mode():
         if args.probe_scaled_mm:
             probe = sorted(set(fp8.PROBE_ROWS) | {16 * 1025})

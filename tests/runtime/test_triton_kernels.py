@@ -345,8 +345,8 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
     """The weight-major variant (GemmTile.weights_left: out^T = W x^T, the W tile as the dot's left operand)
     keeps the kernel's arithmetic: the row-major kernel's bits, split or not, with the bias and the
     residual, both scale layouts and a partial last K block, as does a W tile wider than a block of
-    scales (one scale product per output, not per token); within float32 rounding of the torch
-    reference."""
+    scales (one scale product per output, not per token) and a launch reading its operands by tensor
+    descriptors; within float32 rounding of the torch reference."""
     interpret("""
         import ddtree_runtime.model.fp8 as F8
         from ddtree_devtools.interpreter import exact_dots
@@ -367,6 +367,9 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
                 assert torch.equal(gemm(tile, split), row_major), (m, n, k, split)
             # a 256-row W tile spans two blocks of scales: each output's scale product, the same bits
             assert torch.equal(gemm(F8.GemmTile(16, 256, 4, 2), False), row_major), (m, n, k)
+            if k % 16 == 0:   # operands by tensor descriptors (zeros past the matrices), either layout
+                for by_tma in (tile._replace(tma=True), F8.GemmTile(64, 64, 4, 2, tma=True)):
+                    assert torch.equal(gemm(by_tma, False), row_major), (m, n, k, by_tma)
             want = F8.fp8_linear_torch(x, w, bias, res).double()
             err = ((row_major.double() - want).abs().max() / want.abs().max()).item()
             assert err < (1e-6 if dtype == torch.float32 else 1e-3), (m, n, k, err)

@@ -307,11 +307,17 @@ if triton is not None:
         tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
 
     @triton.jit
-    def _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, BLOCK_K: tl.constexpr,
-                          EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr):
+    def _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at, BLOCK_K: tl.constexpr,
+                          EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr,
+                          TMA: tl.constexpr):
         """K block kb's term of _block_gemm_kernel's sum: the dot of its e4m3 codes from zero times the
-        product of the token's and the weight block's scales (the caller's += makes it one multiply-add)."""
-        if EVEN_K:
+        product of the token's and the weight block's scales (the caller's += makes it one multiply-add).
+        With TMA `left` and `right` are tensor descriptors whose tiles start at rows left_at and right_at
+        (the bulk tensor copies fill rows and K past the matrices with zeros)."""
+        if TMA:
+            a = left.load([left_at, kb * BLOCK_K])
+            b = right.load([right_at, kb * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(left + kb * BLOCK_K)
             b = tl.load(right + kb * BLOCK_K)
         else:
@@ -335,7 +341,8 @@ if triton is not None:
                            stride_xsk, stride_wn, stride_wsn, stride_om, SCALE_ROWS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                           WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr):
+                           WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr,
+                           TMA: tl.constexpr):
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
         WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
@@ -351,7 +358,9 @@ if triton is not None:
         or 128 runs wgmma even at one row) and BLOCK_M tokens the right one. Each token is then a column of
         the MMA whose K walk is the weight tile's, whatever BLOCK_M is; that wgmma also gives a column the
         same bits at every BLOCK_M (16-256) is a hypothesis fp8_gemm_bench.py --weight-major-only measures
-        on the GPU, not a fact yet."""
+        on the GPU, not a fact yet.
+        With TMA, q_ptr and w_ptr are tensor descriptors (Hopper's bulk tensor copies into shared memory,
+        no addresses in registers): the same products of the same codes."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
         pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
@@ -363,13 +372,21 @@ if triton is not None:
         # out's row and column indices laid out as the tile is, for the epilogue
         if WEIGHTS_LEFT:
             tokens, cols = rm[None, :], rn[:, None]
-            left = w_ptr + ln[:, None] * stride_wn + rk[None, :]
-            right = q_ptr + lm[None, :] * stride_qm + rk[:, None]
+            left_at, right_at = pid_n * BLOCK_N, pid_m * BLOCK_M
+            if TMA:
+                left, right = w_ptr, q_ptr
+            else:
+                left = w_ptr + ln[:, None] * stride_wn + rk[None, :]
+                right = q_ptr + lm[None, :] * stride_qm + rk[:, None]
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             tokens, cols = rm[:, None], rn[None, :]
-            left = q_ptr + lm[:, None] * stride_qm + rk[None, :]
-            right = w_ptr + ln[None, :] * stride_wn + rk[:, None]
+            left_at, right_at = pid_m * BLOCK_M, pid_n * BLOCK_N
+            if TMA:
+                left, right = q_ptr, w_ptr
+            else:
+                left = q_ptr + lm[:, None] * stride_qm + rk[None, :]
+                right = w_ptr + ln[None, :] * stride_wn + rk[:, None]
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         xs_ptrs = xs_ptr + lm
         if WS_UNIFORM:   # the tile's one row of block scales (wrapped rows past N are masked at the store)
@@ -384,14 +401,14 @@ if triton is not None:
         if ONE_GROUP:   # one group a program (all of K, or a split launch's): its sum is the total, and
             # the registers hold one accumulator beside the dot's tile, not two (a 128x128 tile fits 8 warps)
             for kb in range(first, last):
-                total += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, BLOCK_K, EVEN_K,
-                                           WEIGHTS_LEFT, WS_UNIFORM)
+                total += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at,
+                                           BLOCK_K, EVEN_K, WEIGHTS_LEFT, WS_UNIFORM, TMA)
         else:
             for g in range(first, last, GROUP):
                 acc = tl.zeros_like(total)
                 for kb in range(g, tl.minimum(g + GROUP, blocks)):
-                    acc += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, BLOCK_K,
-                                             EVEN_K, WEIGHTS_LEFT, WS_UNIFORM)
+                    acc += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at,
+                                             right_at, BLOCK_K, EVEN_K, WEIGHTS_LEFT, WS_UNIFORM, TMA)
                 total += acc
         ok = (tokens < M) & (cols < N)
         if SPLIT:
@@ -426,13 +443,15 @@ if triton is not None:
 
 class GemmTile(NamedTuple):
     """One launch of _block_gemm_kernel: block_m token rows by block_n weight rows. weights_left: the
-    weight-major variant (the W tile as the dot's left operand), a candidate the bench times; the
-    runtime's tables do not choose it."""
+    weight-major variant (the W tile as the dot's left operand); tma: the operands read by tensor
+    descriptors (Hopper's bulk copies; K a multiple of 16). Both are candidates the bench times; the
+    runtime's tables choose neither yet."""
     block_m: int
     block_n: int
     warps: int
     stages: int
     weights_left: bool = False
+    tma: bool = False
 
 
 # The Triton kernel's tiles are all of 16 or 32 rows: those run mma.sync on a Hopper GPU, tiles of 64
@@ -495,13 +514,18 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
     if out is None:
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     part = torch.empty((groups, m, n), dtype=torch.float32, device=x2.device) if split else out
+    q_arg, w_arg = q, w.qweight
+    if tile.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        q_arg = TensorDescriptor.from_tensor(q, [tile.block_m, BLOCK])
+        w_arg = TensorDescriptor.from_tensor(w.qweight, [tile.block_n, BLOCK])
     _block_gemm_kernel[(tiles, groups if split else 1)](
-        q, s, w.qweight, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
+        q_arg, s, w_arg, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
         s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
-        WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, num_warps=tile.warps,
-        num_stages=tile.stages)
+        WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, TMA=tile.tma,
+        num_warps=tile.warps, num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,
                                                      out.stride(0), HAS_BIAS=bias is not None,

@@ -64,6 +64,8 @@ def _describe(fn, args: tuple, kwargs: dict) -> dict:
 def _type_of(value) -> str:
     if hasattr(value, "dtype") and hasattr(value, "data_ptr"):
         return POINTER_TYPES[str(value.dtype)]
+    if hasattr(value, "block_shape") and hasattr(value, "base"):   # a host tensor descriptor (TMA)
+        return f"tensordesc<{POINTER_TYPES[str(value.base.dtype)][1:]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

@@ -328,6 +328,8 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
     row_major = bench.tiles_for(17)[0]
     assert bench.parse_tile(bench.candidate(row_major)) == row_major and bench.family(row_major) == "triton_m32"
     assert bench.wgmma_tiles(17) == [] and bench.wgmma_tiles(64)   # --large: wgmma tiles from 64 rows
+    by_tma = bench.wgmma_tiles(64)[0]._replace(tma=True)
+    assert bench.parse_tile(bench.candidate(by_tma)) == by_tma and bench.family(by_tma) == "triton_m64"
     assert all(bench.family(t) == "triton_m64" and t.block_m * t.block_n <= 2048 * t.warps for t in bench.wgmma_tiles(64))
     with pytest.raises(SystemExit) as done:
         bench.main(["--help"])

@@ -6,7 +6,7 @@
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
 # Steps: smi, profile, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
-# cuda-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
+# cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
 # A step that fails is reported and the next one runs; the exit status says whether any failed.
@@ -76,8 +76,11 @@ step() {
     cuda-tests)
         PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_gated_attention_cuda.py tests/runtime/test_gdn_prompt_cuda.py \
-            tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_conv_tail_cuda.py tests/runtime/test_compile_pool.py \
-            tests/runtime/test_triton_kernels.py ;;
+            tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_conv_tail_cuda.py tests/runtime/test_compile_pool.py ;;
+    interpreter-tests)  # the Triton interpreter's suite (CI runs it on the CPU): every test failed on the H200's
+                        # image in session 24, cause not seen (the call's limit cut the output): -x shows the first
+        PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -x -q -p no:cacheprovider \
+            --tb=short tests/runtime/test_triton_kernels.py ;;
     reship)  # the warm-up over an empty Triton cache; its record replaces the shipped one (kernels changed)
         rm -rf /tmp/tc && TRITON_CACHE_DIR=/tmp/tc bench "$here" burst_bench.py --warm-up-only --out "$OUT/reship.json" \
             && cp /tmp/tc/ddtree-compiles.pkl "$OUT/" ;;

@@ -110,7 +110,8 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     # sized for the agreement check's ddtree@128 from the start (no pool resize between the cases)
     engine = Engine(EngineConfig(f"random-{shape}-{precision}", None, tree_budget=128, device=str(device),
                                  dtype=args.dtype, max_context=max(contexts + [args.context]) + 64 * 17,
-                                 max_running=running, max_batched_tokens=max(contexts + [args.context])),
+                                 max_running=running, max_batched_tokens=max(contexts + [args.context]),
+                                 fp8_gemm=args.fp8_gemm),
                     target=target, drafter=drafter)
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm-rows", default="",
                     help="GEMM rows timed first, e.g. 1,16,17,64,128,272,4096: an AR step, a ddtree@16 round, ..., "
                          "16 requests x 17 nodes, a prefill chunk (about a minute a shape)")
+    ap.add_argument("--fp8-gemm", default="auto", choices=("auto", "triton"),
+                    help="Hopper's FP8 GEMM, as the server's --fp8-gemm (model/fp8.choose_gemms)")
     ap.add_argument("--tiles", help="a tile table fp8_gemm_bench.py --tiles-out wrote, used instead of fp8.TILES")
     ap.add_argument("--agreement", type=int, default=24, help="tokens of the lossless check")
     ap.add_argument("--skip-e2e", action="store_true", help="the GEMM points only")
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ceil = measure_ceilings(device)
     gemm_err = check_gemm(device, getattr(torch, args.dtype), TINY_GEMM_CHECKS if args.tiny else GEMM_CHECKS)
     report: dict = {"label": args.label, "device": str(device), "torch": torch.__version__,
-                    "fp8_gemm": fp8.gemm_path(device),
+                    "fp8_gemm": fp8.gemm_path(device), "fp8_gemm_preference": args.fp8_gemm,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "ceilings": ceil, "gemm_rel_err": gemm_err, "shapes": {}}
     print(f"FP8 GEMM against the torch path, relative error: {report['gemm_rel_err']}", flush=True)

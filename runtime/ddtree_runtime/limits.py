@@ -17,6 +17,7 @@ MIN_MEM_FRACTION = 0.01   # of free device memory for the pools; less holds noth
 MAX_LOGPROBS = 20         # most likely tokens returned per token (OpenAI's top_logprobs limit, vLLM's default)
 # --tree-policy: each round's tree budget chosen by measured cost and acceptance, or --tree-budget always
 TREE_POLICIES = ("cost", "fixed")
+FP8_GEMMS = ("auto", "triton")    # --fp8-gemm: Hopper's FP8 GEMM (model/fp8.choose_gemms)
 QUANTIZE_METHODS = ("none", "fp8")  # --quantize: fp8 = fine-grained e4m3, 128x128 weight blocks (model/fp8.py)
 # the one quantized checkpoint layout the runtime serves (config.json's quantization_config; quantization.py)
 FP8_CHECKPOINT = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .limits import (DTYPE_NAMES, MAX_QUEUE, MAX_RUNNING, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_MEM_FRACTION,
+from .limits import (DTYPE_NAMES, FP8_GEMMS, MAX_QUEUE, MAX_RUNNING, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_MEM_FRACTION,
                      MIN_TREE_BUDGET, MODES, QUANTIZE_METHODS, TREE_POLICIES)
 
 # A request body larger than this is a 413 before it is read: 4 MiB holds a 262k-token conversation
@@ -122,6 +122,10 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             "token) at load, half the weight bytes; exact against the FP8 model, not the 16-bit one. A checkpoint "
             "that is FP8 already loads as FP8 without it", choices=QUANTIZE_METHODS, engine=True, profile=True,
             flag_name="--quantize"),
+    Setting("fp8_gemm", str, "auto", "the FP8 GEMM on Hopper: auto = cuBLASLt's block-scaled GEMM where its rows "
+            "do not depend on each other (fastest from ~128 rows: prefill, many running), triton = the Triton "
+            "kernel's wgmma tiles (fastest up to ~64 rows: decode with few running); docs/performance.md",
+            choices=FP8_GEMMS, engine=True, profile=True),
     Setting("quantize_drafter", bool, False, "quantize the drafter too, with --quantize's method (the drafter "
             "stays in 16 bits unless asked)", engine=True),
     Setting("served_model_name", str, None, "model id clients use", profile=True, metavar="NAME",

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from ddtree_devtools.fp8_checkpoint import write_fp8_checkpoint
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.model import load_drafter, load_target
+from ddtree_runtime.model import fp8 as F
 from ddtree_runtime.model.fp8 import FP8, FP8Linear, expand_scales, fp8_linear_torch, quantize_blocks
 from ddtree_runtime.model.layers import fuse_projections
 from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
@@ -334,6 +335,19 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
     with pytest.raises(SystemExit) as done:
         bench.main(["--help"])
     assert done.value.code == 0 and "--weight-major-only" in capsys.readouterr().out
+
+
+def test_hoppers_triton_tiles_are_wgmma_tiles_by_tensor_descriptors_for_every_row_count():
+    """--fp8-gemm triton: each shape's table (and the default) is of the wgmma family alone (weight-major
+    tiles of 64 or 128 weight rows, row-major of 64 tokens and more), reads by tensor descriptors and
+    covers every row count; an unknown preference is refused by name."""
+    for table in [*F.HOPPER_TILES.values(), F.HOPPER_DEFAULT]:
+        assert [rows for rows, _ in table] == sorted(rows for rows, _ in table) and table[-1][0] >= 1 << 40
+        for _, tile in table:
+            assert tile.tma and (tile.block_n in (64, 128) if tile.weights_left else tile.block_m >= 64)
+    assert F.hopper_tile(1, 5120, 17408).weights_left and not F.hopper_tile(272, 5120, 17408).weights_left
+    with pytest.raises(ValueError, match="fp8_gemm must be one of"):
+        F.choose_gemms(torch.nn.Linear(2, 2), torch.device("cpu"), torch.float32, 16, "cublas")
 
 
 def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):

@@ -378,7 +378,7 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
 
 def test_a_row_of_the_weight_major_gemm_has_its_bits_at_every_row_count_and_token_tile():
     """A row's result is the same alone and among 2, 17 or 40 rows, at token tiles (BLOCK_T) of 16, 32 and
-    64 and weight tiles of 64 and 128. Through the interpreter this checks the indexing and the order of
+    64 and weight tiles of 64 and 128, and through the Hopper tiles fp8_linear takes by row count. Through the interpreter this checks the indexing and the order of
     the sums; whether Hopper's wgmma also gives a token the same bits at every BLOCK_T is measured on the
     GPU by fp8_gemm_bench.py (--weight-major-only)."""
     interpret("""
@@ -393,6 +393,12 @@ def test_a_row_of_the_weight_major_gemm_has_its_bits_at_every_row_count_and_toke
         for m in (1, 2, 17, 40):
             for tile in tiles:
                 assert torch.equal(F8.block_gemm(x[:m], w, tile, group=2), full[:m]), (m, tile)
+        # what --fp8-gemm triton runs on Hopper (hopper_tile: weight-major up to 32 rows, then row-major
+        # 64x128, operands by tensor descriptors): the same bits across its changes of tile
+        x = torch.randn(70, 640, dtype=torch.bfloat16)
+        full = F8.wgmma_gemm(x, w)
+        for m in (1, 17, 33, 70):
+            assert torch.equal(F8.wgmma_gemm(x[:m], w), full[:m]), m
     """)
 
 

@@ -161,8 +161,9 @@ class Engine:
         if self.fp8_gemm:  # probed up to the largest pass: a step's tokens, or every request's biggest tree
             rows = max(config.max_batched_tokens, config.max_running * (MAX_TREE_BUDGET + 1))
             dtype = self.target.lm_head.weight.dtype
-            shapes = {**choose_gemms(self.target, self.device, dtype, rows),
-                      **(choose_gemms(self.drafter, self.device, dtype, rows) if self.drafter is not None else {})}
+            shapes = {**choose_gemms(self.target, self.device, dtype, rows, config.fp8_gemm),
+                      **(choose_gemms(self.drafter, self.device, dtype, rows, config.fp8_gemm)
+                         if self.drafter is not None else {})}
             log.info("fp8 GEMM on %s: %s%s", self.device, self.fp8_gemm,
                      f" ({', '.join(f'{s} {g}' for s, g in shapes.items())})" if shapes else "")
         tree_slots = max(config.tree_budget, self.block_size) + 1

@@ -10,7 +10,10 @@ one fixed arithmetic per weight shape and device. A row's result therefore does 
 rows share the call (a lone AR step, a 17-row verify, a batch, a prefill chunk after a cached prefix):
 the speculative path and its AR reference agree, and a seed gives one text.
 - on Hopper (gemm_path "scaled_mm+triton"): cuBLASLt's block-scaled GEMM (scaled_mm_gemm) for each
-  weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others;
+  weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others; with
+  `--fp8-gemm triton` the Triton kernel's wgmma tiles (HOPPER_TILES: weight-major at decode row counts,
+  row-major above, operands by tensor descriptors) for every weight of whole blocks, faster than
+  cuBLASLt up to ~64 rows and slower from ~128;
 - on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
   quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
   the dot of e4m3 codes from zero times the product of the row's and the weight block's scales (one
@@ -34,6 +37,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from ..limits import FP8_GEMMS
 
 try:
     import triton
@@ -140,11 +145,13 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None,
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = None if residual is None else residual.view(-1, n)
-    floor = SCALED_MM_SHAPES.get((x.device.index or 0, n, k, w.scale_rows))
+    key = (x.device.index or 0, n, k, w.scale_rows)
+    floor = SCALED_MM_SHAPES.get(key)
     if floor:
         out = scaled_mm_linear(x2, w, bias, out, floor)
     else:
-        tile = gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0))
+        tile = (hopper_tile(x2.shape[0], n, k) if key in WGMMA_SHAPES else
+                gemm_tile(x2.shape[0], n, k, *_device_limits(x.device.index or 0)))
         out = block_gemm(x2, w, tile, bias, out, residual=residual is not None)
     return residual if residual is not None else out.view(*x.shape[:-1], n)
 
@@ -175,6 +182,9 @@ SCALED_MM_SHAPES: dict[tuple[int, int, int, int], int] = {}
 # shapes (the 27B's o_proj and down_proj, the 8B's down_proj) sum a row differently at 16 rows than at
 # 17 and more: given at least 32 rows, every call takes the second kind
 SCALED_MM_FLOORS = (16, 32, 64)
+# (device index, N, K, scale_rows) of the weights fp8_linear gives to the Triton kernel's wgmma tiles
+# (hopper_tile; choose_gemms with prefer="triton" fills it)
+WGMMA_SHAPES: set[tuple[int, int, int, int]] = set()
 # row counts choose_gemms checks, with the largest pass the engine runs
 PROBE_ROWS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 100, 128, 136, 200, 256, 272, 300, 512, 1024, 2048, 4096, 8192)
 
@@ -194,13 +204,18 @@ def fp8_weights(model: nn.Module) -> list[BlockFP8]:
     return found
 
 
-def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max_rows: int) -> dict[str, str]:
-    """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load: cuBLASLt's
-    block-scaled GEMM where every row of its output, at each of PROBE_ROWS (up to max_rows, the largest
-    pass) and at max_rows, has the bits it has among max_rows rows (activations in `dtype`), with calls
-    padded to the first of SCALED_MM_FLOORS that makes it so (`scaled_mm/32`: at least 32 rows a call);
-    the Triton kernel otherwise (`triton/G` where it sums K in G groups: k_group), and for weights whose
-    scales are per row. Returns "NxK" -> the GEMM, for the log."""
+def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max_rows: int,
+                 prefer: str = "auto") -> dict[str, str]:
+    """On a `scaled_mm+triton` device, each FP8 weight shape's GEMM, decided once at load, for weights of
+    whole 128x128 blocks: with prefer="triton", the Triton kernel's wgmma tiles (hopper_tile: `triton-wgmma`)
+    where they give every row of the output, at each of PROBE_ROWS (up to max_rows, the largest pass)
+    and at max_rows, the bits it has among max_rows rows (activations in `dtype`); else cuBLASLt's
+    block-scaled GEMM where it does so, with calls padded to the first of SCALED_MM_FLOORS that makes it
+    so (`scaled_mm/32`: at least 32 rows a call); the Triton kernel's TILES otherwise (`triton/G` where it
+    sums K in G groups: k_group), and for weights whose scales are per row. Returns "NxK" -> the GEMM,
+    for the log."""
+    if prefer not in FP8_GEMMS:
+        raise ValueError(f"fp8_gemm must be one of {FP8_GEMMS}, got {prefer!r}")
     if gemm_path(device) != "scaled_mm+triton":
         return {}
     index = device.index or 0
@@ -209,7 +224,13 @@ def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max
     for n, k, scale_rows in sorted({(*w.qweight.shape, w.scale_rows) for w in fp8_weights(model)}):
         key = (index, n, k, scale_rows)
         if scale_rows == BLOCK and k % BLOCK == 0:
-            floor = next((f for f in SCALED_MM_FLOORS if _rows_independent(n, k, rows, device, dtype, f)), None)
+            if prefer == "triton" and _rows_independent(n, k, rows, device, dtype, wgmma_gemm):
+                WGMMA_SHAPES.add(key)
+                chosen[f"{n}x{k}"] = "triton-wgmma"
+                continue
+            floor = next((f for f in SCALED_MM_FLOORS
+                          if _rows_independent(n, k, rows, device, dtype, functools.partial(scaled_mm_gemm, floor=f))),
+                         None)
             if floor:
                 SCALED_MM_SHAPES[key] = floor
         groups = cdiv(cdiv(k, BLOCK), k_group(n, k, _device_limits(index)[0]))
@@ -219,17 +240,17 @@ def choose_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, max
     return chosen
 
 
-def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype, floor: int) -> bool:
-    """Whether scaled_mm_gemm (each call given at least `floor` rows) gives each row the same bits at
+def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype, gemm) -> bool:
+    """Whether gemm(x, w) (scaled_mm_gemm at a floor, or wgmma_gemm) gives each row the same bits at
     every row count in `rows` (random data)."""
     g = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode():
         w = BlockFP8(*quantize_blocks(torch.randn(n, k, device=device, generator=g) * 0.02), BLOCK)
         x = torch.randn(rows[-1], k, device=device, generator=g).to(dtype)
         try:
-            full = scaled_mm_gemm(x, w, floor)
-            same = all(torch.equal(scaled_mm_gemm(x[:m], w, floor), full[:m]) for m in rows[:-1])
-        except RuntimeError:  # a shape cuBLASLt does not take: the Triton kernel serves it
+            full = gemm(x, w)
+            same = all(torch.equal(gemm(x[:m], w), full[:m]) for m in rows[:-1])
+        except RuntimeError:  # a shape the library does not take: the Triton kernel's TILES serve it
             same = False
     torch.cuda.empty_cache()
     return same
@@ -307,8 +328,8 @@ if triton is not None:
         tl.store(s_ptr + kb * stride_sk + rm, scale, mask=out_ok)
 
     @triton.jit
-    def _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at, BLOCK_K: tl.constexpr,
-                          EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr,
+    def _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr,
                           TMA: tl.constexpr):
         """K block kb's term of _block_gemm_kernel's sum: the dot of its e4m3 codes from zero times the
         product of the token's and the weight block's scales (the caller's += makes it one multiply-add).
@@ -444,8 +465,7 @@ if triton is not None:
 class GemmTile(NamedTuple):
     """One launch of _block_gemm_kernel: block_m token rows by block_n weight rows. weights_left: the
     weight-major variant (the W tile as the dot's left operand); tma: the operands read by tensor
-    descriptors (Hopper's bulk copies; K a multiple of 16). Both are candidates the bench times; the
-    runtime's tables choose neither yet."""
+    descriptors (Hopper's bulk copies; K a multiple of 16). HOPPER_TILES takes both."""
     block_m: int
     block_n: int
     warps: int
@@ -473,6 +493,37 @@ TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
     (34816, 5120): _table([(1, (16, 128, 8, 4)), (16, (16, 64, 4, 4)), (17, (32, 128, 4, 3))] + _LARGE),
     (5120, 17408): _table([(16, (16, 64, 4, 4)), (17, (32, 64, 4, 3)), (64, (32, 32, 4, 4))] + _LARGE[1:]),
 }
+
+
+# The wgmma family on Hopper (choose_gemms with prefer="triton"; Hopper has bulk tensor copies, so every
+# tile reads by tensor descriptors): weight-major tiles up to 32 rows (the W tile as wgmma's 64-row M
+# side whatever the token count), the row-major 64x128 tile above. Every tile of the family gives a row the
+# same bits at every row count (measured on the five 27B shapes, 1-4,096 rows), so a shape changes tiles
+# by row count within one arithmetic. H200, us (bench/results/runtime-fp8-gemm-large-tma-27b-s24-h200.json,
+# bf16 in brackets): o_proj 14.1-15.2 at 1-17 rows (18.1-18.3), 16.9 at 64 (18.8), 33.6 at 272 (28.2), 341
+# at 4,096 (359); gate_up 46.3-49.8 (86), 49.9 (96), 150 (144), 1,681 (2,086); down_proj 27.7-29.7
+# (49-50), 34.5 (51), 80.6 (76), 965 (1,049). cuBLASLt (the "auto" choice) is faster from ~128 rows
+# (272: 24.4 / 134 / 60; 4,096: 264 / 1,357 / 743) and slower below (21.5 / 63-67 / 51: its 32-row floor).
+_WM16 = GemmTile(16, 64, 4, 4, weights_left=True, tma=True)
+_WM32 = GemmTile(16, 128, 4, 4, weights_left=True, tma=True)
+_RM = GemmTile(64, 128, 4, 3, tma=True)
+HOPPER_TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
+    (5120, 6144): [(16, _WM16), (32, _WM32), (1 << 62, _RM._replace(stages=4))],
+    (34816, 5120): [(16, _WM16), (32, GemmTile(32, 128, 8, 3, weights_left=True, tma=True)), (1 << 62, _RM)],
+    (5120, 17408): [(32, _WM32), (1 << 62, _RM._replace(stages=4))],
+}
+HOPPER_DEFAULT = [(16, _WM16), (32, _WM32), (1 << 62, _RM)]
+
+
+def hopper_tile(m: int, n: int, k: int) -> GemmTile:
+    """The wgmma family's tile for m rows of an [N, K] weight (HOPPER_TILES, else HOPPER_DEFAULT)."""
+    return next(t for rows, t in HOPPER_TILES.get((n, k), HOPPER_DEFAULT) if m <= rows)
+
+
+def wgmma_gemm(x2: torch.Tensor, w: BlockFP8) -> torch.Tensor:
+    """block_gemm at hopper_tile's tile for x2's rows (what fp8_linear runs for a WGMMA_SHAPES weight)."""
+    n, k = w.qweight.shape
+    return block_gemm(x2, w, hopper_tile(x2.shape[0], n, k))
 
 
 # (N, K) -> K blocks per group of the Triton kernel on the H200 (k_group): the fastest of 1, 2, 4 and 8

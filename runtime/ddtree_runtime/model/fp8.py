@@ -17,7 +17,7 @@ the speculative path and its AR reference agree, and a seed gives one text.
 - on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
   quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
   the dot of e4m3 codes from zero times the product of the row's and the weight block's scales (one
-  multiply-add an output: a 128x128 tile's scaling costs a quarter of its wgmma), summed in block order
+  multiply-add an output), summed in block order
   within groups of k_group blocks (from the weight's shape, never the row count), the groups added in
   order; when the rows are few each group runs in a program of its own and _sum_parts_kernel adds
   them (the same bits). Its tile comes from a table measured on the H200 (TILES), its stages from the
@@ -104,9 +104,10 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_products(q: torch.Tensor, x_scale: torch.Tensor, w: BlockFP8) -> torch.Tensor:
     """float32 [M, N]: the sum over K blocks kb, in order, of dot(q[m, kb], w[n, kb]) * (x_scale[m, kb] *
-    w_scale[n, kb]), as the kernel computes it (on a GPU each term is one fused multiply-add). Each block's dot of e4m3 codes is exact in float64 (the
-    products are multiples of 2**-18 below 2**18, 128 of them stay far inside 53 bits) whatever order the
-    matmul sums them in, so a row's result does not depend on how many rows run beside it."""
+    w_scale[n, kb]), as the kernel computes it (on a GPU each term is one fused multiply-add). Each block's
+    dot of e4m3 codes is exact in float64 (the products are multiples of 2**-18 below 2**18, 128 of them
+    stay far inside 53 bits) whatever order the matmul sums them in, so a row's result does not depend on
+    how many rows run beside it."""
     m, k = q.shape
     n = w.qweight.shape[0]
     w_scale = w.scale_inv.repeat_interleave(w.scale_rows, 0)[:n]
@@ -329,8 +330,8 @@ if triton is not None:
 
     @triton.jit
     def _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr,
-                          TMA: tl.constexpr):
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
+                          WS_UNIFORM: tl.constexpr, TMA: tl.constexpr):
         """K block kb's term of _block_gemm_kernel's sum: the dot of its e4m3 codes from zero times the
         product of the token's and the weight block's scales (the caller's += makes it one multiply-add).
         With TMA `left` and `right` are tensor descriptors whose tiles start at rows left_at and right_at
@@ -367,9 +368,8 @@ if triton is not None:
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
         WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
-        and each output takes a single multiply-add per K block (with a scale per output and two
-        multiplies, a 128x128 tile's scaling took, by arithmetic, ~3/4 of its wgmma's time, which waits
-        for it: a suspect for the 1.5-1.9x behind cuBLASLt measured at 128-4,096 rows). Each block's
+        and each output takes a single multiply-add per K block (two multiplies and an add before: 5-10%
+        of the large tiles' time on the H200, session 24). Each block's
         dot starts from zero and GROUP depends on the weight's shape alone, so a row's result does not
         depend on the tile it lands in nor on the rows beside it. With SPLIT, program (tile, g) sums group g
         alone into part[g] (float32) and _sum_parts_kernel adds the groups in order: the same bits, the
@@ -377,9 +377,9 @@ if triton is not None:
         WEIGHTS_LEFT computes the transposed tile, out^T = W x^T, with the same sums: the W tile [BLOCK_N,
         128] is the dot's left operand (the MMA's M side, which Hopper's wgmma needs 64 of, so BLOCK_N of 64
         or 128 runs wgmma even at one row) and BLOCK_M tokens the right one. Each token is then a column of
-        the MMA whose K walk is the weight tile's, whatever BLOCK_M is; that wgmma also gives a column the
-        same bits at every BLOCK_M (16-256) is a hypothesis fp8_gemm_bench.py --weight-major-only measures
-        on the GPU, not a fact yet.
+        the MMA whose K walk is the weight tile's, whatever BLOCK_M is, and on the H200 wgmma gives a column
+        the same bits at every BLOCK_M (16-256), the bits of the row-major 64-row tiles (fp8_gemm_bench.py,
+        sessions 23 and 24).
         With TMA, q_ptr and w_ptr are tensor descriptors (Hopper's bulk tensor copies into shared memory,
         no addresses in registers): the same products of the same codes."""
         num_m = tl.cdiv(M, BLOCK_M)

@@ -7,7 +7,6 @@ how many rows ran beside it.
 Candidates (activation quantization counted in each FP8 one):
 - `bf16`: F.linear on the bf16 weight;
 - `scaled_mm`: torch.nn.functional.scaled_mm block-wise (cuBLASLt; rows padded to 16, Hopper only);
-- `scaled_mm_swapped` (`--swapped`): the same with the weight as the left operand (scaled_mm_swapped);
 - `triton_old`: the kernel the runtime had before issue 35 (quantizing its tiles itself), read from an
   older fp8.py (`--legacy-fp8 PATH`, e.g. main's before the merge), at up to 272 rows;
 - `triton[BMxBNwWsS]`: fp8.block_gemm at every tile of the sweep (tiles_for), the best one reported
@@ -117,19 +116,6 @@ def candidate(tile: fp8.GemmTile) -> str:
             f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
 
-def scaled_mm_swapped(x: torch.Tensor, w: fp8.BlockFP8, floor: int = 16) -> torch.Tensor:
-    """cuBLASLt's block-scaled GEMM with the operands swapped, out^T = W x^T: the weight (128x128
-    scales) as the left operand, whose 5,120-34,816 rows fill the GEMM's M side at any token count, the
-    tokens (1x128 scales) as the right one, padded as scaled_mm_rows pads them; [M, N] (the transposed
-    product copied back, counted in its time)."""
-    from torch.nn.functional import ScalingType, scaled_mm
-    m = x.shape[0]
-    q, s = fp8.quantize_groups_cuda(x, fp8.scaled_mm_rows(m, floor))
-    out_t = scaled_mm(w.qweight, q.t(), w.scale_inv, ScalingType.BlockWise128x128, s,
-                      ScalingType.BlockWise1x128, output_dtype=x.dtype)
-    return out_t[:, :m].t().contiguous()
-
-
 def timed_us(fns: list, reps: int = 24) -> float:
     """Microseconds per call: attn_probe.timed's CUDA graph of `reps` calls, rotating over `fns`."""
     calls = itertools.cycle(fns)
@@ -142,10 +128,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, old, log,
                      tiles=tiles_for, libraries: bool = True, runtime: bool = False,
-                     groups: list[int | None] = (None,), swapped: bool = False) -> tuple[list[dict], dict[str, dict]]:
+                     groups: list[int | None] = (None,)) -> tuple[list[dict], dict[str, dict]]:
     """Every candidate at each row count for one projection; `tiles(m)`: the Triton tiles timed, each
-    at every count of K groups in `groups` (None: the runtime's, fp8.k_group); `swapped`: scaled_mm with
-    the operands swapped beside scaled_mm. Returns the points and,
+    at every count of K groups in `groups` (None: the runtime's, fp8.k_group). Returns the points and,
     where weight-major tiles ran, their agreement (module docstring)."""
     dev = torch.device("cuda")
     blocks_k = fp8.cdiv(k, fp8.BLOCK)
@@ -188,14 +173,11 @@ def bench_projection(name: str, n: int, k: int, rows: list[int], l2_bytes: int, 
 
         if libraries:
             record("bf16", [lambda w=w: F.linear(x, w) for w in w16], None)
-            for cand, gemm in (("scaled_mm", fp8.scaled_mm_gemm), ("scaled_mm_swapped", scaled_mm_swapped)):
-                if cand == "scaled_mm_swapped" and not swapped:
-                    continue
-                try:
-                    o = gemm(x, wq[0])
-                    record(cand, [lambda w=w, gemm=gemm: gemm(x, w) for w in wq], o)
-                except Exception as exc:  # noqa: BLE001
-                    point["us"][cand] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            try:
+                o = fp8.scaled_mm_gemm(x, wq[0])
+                record("scaled_mm", [lambda w=w: fp8.scaled_mm_gemm(x, w) for w in wq], o)
+            except Exception as exc:  # noqa: BLE001
+                point["us"]["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         if runtime:
             record("fp8_runtime", [lambda w=w: fp8.fp8_linear(x, w) for w in wq], fp8.fp8_linear(x, wq[0]))
             res = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
@@ -290,8 +272,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--large", action="store_true",
                     help="the lean weight-major sweep and, from 64 rows, the wgmma family's large row-major "
                          "tiles, with --runtime's figures (module docstring)")
-    ap.add_argument("--swapped", action="store_true",
-                    help="also cuBLASLt's block-scaled GEMM with the operands swapped (scaled_mm_swapped)")
     ap.add_argument("--lean", action="store_true",
                     help="two tiles per family and row count (lean_tiles), a shorter weight-major sweep")
     ap.add_argument("--projections", help="only these projections of the shape (names, comma-separated)")
@@ -315,13 +295,15 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
     groups = ([int(g) for g in args.groups.split(",")] if args.groups else
               [None, 1] if args.weight_major_only else [None])
-    row_major = ((lambda m: wgmma_tiles(m) + [t._replace(tma=True) for t in wgmma_tiles(m)]) if args.large else (lambda m: []) if args.runtime or args.weight_major_only else
-                 lean_tiles if args.lean else tiles_for)
+    def by_tma_too(tiles: list[fp8.GemmTile]) -> list[fp8.GemmTile]:
+        return tiles + [t._replace(tma=True) for t in tiles]
+    row_major = ((lambda m: by_tma_too(wgmma_tiles(m))) if args.large else
+                 (lambda m: []) if args.runtime or args.weight_major_only else lean_tiles if args.lean else tiles_for)
     weight_major = args.large or args.weight_major_only or not args.runtime
 
     def tiles(m: int) -> list[fp8.GemmTile]:
         swept = weight_major_tiles(m, args.lean or args.large) if weight_major else []
-        return row_major(m) + swept + ([t._replace(tma=True) for t in swept] if args.large else [])
+        return row_major(m) + (by_tma_too(swept) if args.large else swept)
     with torch.inference_mode():
         if args.probe_scaled_mm:
             probe = sorted(set(fp8.PROBE_ROWS) | {16 * 1025})
@@ -330,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             points, agreement = bench_projection(
                 name, n, k, [int(r) for r in args.rows.split(",")], l2, old, lambda s: print(s, flush=True),
                 libraries=not args.triton_only, runtime=args.runtime or args.large, tiles=tiles,
-                groups=groups, swapped=args.swapped)
+                groups=groups)
             report["points"] += points
             if agreement:
                 report.setdefault("weight_major_agreement", {})[name] = agreement

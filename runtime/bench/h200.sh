@@ -61,7 +61,7 @@ step() {
             --out "$OUT/fp8-gemm.json" ;;
     fp8-large)  # whether one FP8 arithmetic can serve every row count at no more than bf16's time: the
                 # weight-major tiles and, from 64 rows, the wgmma family's large ones, beside bf16, scaled_mm, the runtime
-        bench "$here" fp8_gemm_bench.py --large --swapped ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
+        bench "$here" fp8_gemm_bench.py --large ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-large.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \

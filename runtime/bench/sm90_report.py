@@ -160,7 +160,8 @@ def fp8_gemm_cases(rows: tuple[int, ...] = (1, 16, 272)) -> list[dict]:
     """_block_gemm_kernel as fp8.block_gemm launches it for the 27B's o_proj and down_proj (the shapes
     where the Triton kernel lost to bf16 at decode sizes): the runtime's row-major tile (gemm_tile, the
     16/32-row family; "served": the Triton path's, which the H200 leaves to scaled_mm/32 on these shapes)
-    and each weight-major tile of fp8_gemm_bench.py's sweep at that many rows, with those it leaves out
+    and HOPPER_TILES' (`served_triton`: what --fp8-gemm triton runs, by tensor descriptors), and each
+    weight-major tile of fp8_gemm_bench.py's sweep at that many rows, with those it leaves out
     for spilling, and from 64 rows its large wgmma tiles (--large); gate_up beside them, a shape whose K
     is summed in one group (one accumulator a program)."""
     from fp8_gemm_bench import candidate, weight_major_tiles, wgmma_tiles
@@ -174,11 +175,13 @@ def fp8_gemm_cases(rows: tuple[int, ...] = (1, 16, 272)) -> list[dict]:
         for m in rows:
             x = torch.empty(m, k, dtype=torch.bfloat16)
             served = fp8.gemm_tile(m, n, k, SMS, SHARED_PER_PROGRAM)
-            for tile in [served] + weight_major_tiles(m, spilling=True) + wgmma_tiles(m):
+            hopper = fp8.hopper_tile(m, n, k)   # what --fp8-gemm triton serves
+            for tile in [served, hopper] + weight_major_tiles(m, spilling=True) + wgmma_tiles(m):
                 (compiled, grid), = [(c, g) for kernel, c, g in compiled_launches(lambda: fp8.block_gemm(x, w, tile))
                                      if kernel == "_block_gemm_kernel"]
                 out.append({"kernel": "_block_gemm_kernel", "launch": f"{name} {candidate(tile)}", "rows": m,
-                            "served": tile == served, "split_k": grid[1], "programs": grid[0] * grid[1],
+                            "served": tile == served, "served_triton": tile == hopper, "split_k": grid[1],
+                            "programs": grid[0] * grid[1],
                             **resources(compiled)})
     return out
 

@@ -10,8 +10,10 @@ setup:
 demo: setup
 	$(VENV)/ddops demo
 
+# Two workers (pytest-xdist): the lab's tests share one booted lab, so they go to one worker together
+# (tests/conftest.py marks them); the rest spread over both.
 test: setup
-	$(VENV)/python -m pytest
+	$(VENV)/python -m pytest -n 2 --dist loadgroup
 
 # Rebuild the committed tiny model pairs (fixtures/README.md); minutes of CPU.
 fixtures: setup

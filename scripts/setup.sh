@@ -48,7 +48,7 @@ venv_usable() { "$venv/bin/python" -m pip --version >/dev/null 2>&1; }
 # Everything installed, as the last successful run left it.
 venv_ready() {
   venv_usable && [[ -f $stamp && "$(cat "$stamp")" == "$(wanted_stamp)" ]] &&
-    "$venv/bin/python" -c 'import ddops, ddtree_runtime, ddtree_devtools, dflash.model' 2>/dev/null &&
+    "$venv/bin/python" -c 'import ddops, ddtree_runtime, ddtree_devtools, dflash.model, xdist' 2>/dev/null &&
     "$venv/bin/ddops" --version >/dev/null 2>&1
 }
 

@@ -65,36 +65,78 @@ HEARTBEAT_S = 8.0   # in a log (not a terminal), a test or fixture running longe
 
 
 def _say(config: pytest.Config, line: str) -> None:
-    """A line on pytest's own terminal, past output capture (fixtures' progress: lab boot, model install)."""
+    """A line on pytest's own terminal, past output capture (fixtures' progress: lab boot, model install).
+    An xdist worker's terminal goes nowhere: it writes to its stderr, which is the controller's."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
+    if capture is None:
         print(line, file=sys.stderr)
         return
     with capture.global_and_fixture_disabled():  # as pytest's live logging does
-        reporter.write_line(line)
+        if reporter is None or hasattr(config, "workerinput"):
+            print(line, file=sys.stderr, flush=True)
+        else:
+            reporter.write_line(line)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or reporter.isatty:
-        yield
+_running: dict[str, list[float]] = {}   # test in flight -> [when it started, when it was last named]
+_session_over = threading.Event()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In a log, a thread names each test in flight every HEARTBEAT_S. It runs where the log is written:
+    in the one process, or under xdist (make test) in the controller, which hears each worker's tests
+    start and finish."""
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if hasattr(config, "workerinput") or reporter is None or reporter.isatty:
         return
-    done = threading.Event()
-    started = time.monotonic()
 
     def beat() -> None:
-        while not done.wait(HEARTBEAT_S):
-            _say(item.config, f"    ... {item.nodeid} still running ({time.monotonic() - started:.0f}s)")
+        while not _session_over.wait(1.0):
+            now = time.monotonic()
+            for nodeid, times in list(_running.items()):
+                if now - times[1] >= HEARTBEAT_S:
+                    times[1] = now
+                    _say(config, f"    ... {nodeid} still running ({now - times[0]:.0f}s)")
 
-    thread = threading.Thread(target=beat, name="test-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join(timeout=5)
+    threading.Thread(target=beat, name="test-heartbeat", daemon=True).start()
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    now = time.monotonic()
+    _running[nodeid] = [now, now]
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    _running.pop(nodeid, None)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
+    _session_over.set()
+
+
+# -- two workers (make test: pytest -n 2 --dist loadgroup) ------------------------------------------
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node ids' @group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test of the booted lab goes to the same worker, in this order: they share one lab (its hosts,
+    their fixed ports on 127.0.0.1, the state each test leaves the next), booted once per session."""
+    for item in items:
+        if "lab" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("lab"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker's torch (and the servers its tests start) gets its share of the cores: with one
+    thread per core in each worker, two workers on two cores would oversubscribe them."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if not workers:
+        return
+    threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _lab_skip_reason() -> str | None:

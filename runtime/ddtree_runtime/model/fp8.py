@@ -251,7 +251,7 @@ def _rows_independent(n: int, k: int, rows: list[int], device: torch.device, dty
         try:
             full = gemm(x, w)
             same = all(torch.equal(gemm(x[:m], w), full[:m]) for m in rows[:-1])
-        except RuntimeError:  # a shape the library does not take: the Triton kernel's TILES serve it
+        except Exception:  # noqa: BLE001 - a shape cuBLASLt or this GPU's compiler does not take: TILES serve it
             same = False
     torch.cuda.empty_cache()
     return same

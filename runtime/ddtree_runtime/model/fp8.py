@@ -369,7 +369,7 @@ if triton is not None:
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
         WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
         and each output takes a single multiply-add per K block (two multiplies and an add before: 5-10%
-        of the large tiles' time on the H200, session 24). Each block's
+        of the weight-major tiles' time at 4,096 rows on the H200, session 24). Each block's
         dot starts from zero and GROUP depends on the weight's shape alone, so a row's result does not
         depend on the tile it lands in nor on the rows beside it. With SPLIT, program (tile, g) sums group g
         alone into part[g] (float32) and _sum_parts_kernel adds the groups in order: the same bits, the

@@ -123,8 +123,8 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             "that is FP8 already loads as FP8 without it", choices=QUANTIZE_METHODS, engine=True, profile=True,
             flag_name="--quantize"),
     Setting("fp8_gemm", str, "auto", "the FP8 GEMM on Hopper: auto = cuBLASLt's block-scaled GEMM where its rows "
-            "do not depend on each other (fastest from ~128 rows: prefill, many running), triton = the Triton "
-            "kernel's wgmma tiles (fastest up to ~64 rows: decode with few running); docs/performance.md",
+            "do not depend on each other (fastest from ~272 rows: prefill, many running), triton = the Triton "
+            "kernel's wgmma tiles (fastest up to ~128 rows: decode with few running); docs/performance.md",
             choices=FP8_GEMMS, engine=True, profile=True),
     Setting("quantize_drafter", bool, False, "quantize the drafter too, with --quantize's method (the drafter "
             "stays in 16 bits unless asked)", engine=True),

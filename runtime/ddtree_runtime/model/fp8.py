@@ -13,7 +13,7 @@ the speculative path and its AR reference agree, and a seed gives one text.
   weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others; with
   `--fp8-gemm triton` the Triton kernel's wgmma tiles (HOPPER_TILES: weight-major at decode row counts,
   row-major above, operands by tensor descriptors) for every weight of whole blocks, faster than
-  cuBLASLt up to ~64 rows and slower from ~128;
+  cuBLASLt up to ~128 rows and slower from ~272;
 - on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
   quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
   the dot of e4m3 codes from zero times the product of the row's and the weight block's scales (one
@@ -502,7 +502,7 @@ TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
 # by row count within one arithmetic. H200, us (bench/results/runtime-fp8-gemm-large-tma-27b-s24-h200.json,
 # bf16 in brackets): o_proj 14.1-15.2 at 1-17 rows (18.1-18.3), 16.9 at 64 (18.8), 33.6 at 272 (28.2), 341
 # at 4,096 (359); gate_up 46.3-49.8 (86), 49.9 (96), 150 (144), 1,681 (2,086); down_proj 27.7-29.7
-# (49-50), 34.5 (51), 80.6 (76), 965 (1,049). cuBLASLt (the "auto" choice) is faster from ~128 rows
+# (49-50), 34.5 (51), 80.6 (76), 965 (1,049). cuBLASLt (the "auto" choice) is faster from ~272 rows
 # (272: 24.4 / 134 / 60; 4,096: 264 / 1,357 / 743) and slower below (21.5 / 63-67 / 51: its 32-row floor).
 _WM16 = GemmTile(16, 64, 4, 4, weights_left=True, tma=True)
 _WM32 = GemmTile(16, 128, 4, 4, weights_left=True, tma=True)

@@ -12,8 +12,8 @@ def allow_loop_bounds() -> None:
 
     patch_tensor = interpreter._patch_lang_tensor
 
-    def patch_tensor_with_index(tensor):
-        patch_tensor(tensor)
+    def patch_tensor_with_index(tensor, *scope):  # Triton 3.6 passes the patch's scope (3.5 does not)
+        patch_tensor(tensor, *scope)
         tensor.__index__ = lambda self: int(self.handle.data.item())
 
     interpreter._patch_lang_tensor = patch_tensor_with_index

@@ -404,7 +404,8 @@ def test_a_row_of_the_weight_major_gemm_has_its_bits_at_every_row_count_and_toke
 
 def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, tiny_hybrid_models, tmp_path):
     """Both tiny FP8 targets, fused as the engine runs them (q/k/v with per-row scales, gate/up, the
-    residual written in place by o_proj and down_proj), with every projection in the Triton kernel."""
+    residual written in place by o_proj and down_proj), with every projection in the Triton kernel: at
+    TILES' tiles, and with --fp8-gemm triton's Hopper tiles for the weights of whole blocks."""
     interpret(f"""
         import ddtree_runtime.model.fp8 as F8
         from ddtree_devtools.fp8_checkpoint import write_fp8_checkpoint
@@ -416,12 +417,21 @@ def test_fp8_models_through_the_gemm_kernel_match_the_torch_path(tiny_models, ti
             fuse_projections(model)
             ids = torch.tensor([[5, 17, 99, 300, 42, 7]])
             pos = torch.arange(6)[None]
+            # --fp8-gemm triton: the weights of whole 128x128 blocks through Hopper's wgmma tiles (fp8_linear
+            # by hopper_tile), the others through TILES
+            hopper = set((0, *w.qweight.shape, w.scale_rows) for w in F8.fp8_weights(model)
+                         if w.scale_rows == F8.BLOCK and w.qweight.shape[1] % F8.BLOCK == 0)
+            assert hopper, name
             with torch.inference_mode():
                 ref = model.logits(model(ids, pos)[0])
                 F8._use_kernel = lambda x: True
                 out = model.logits(model(ids, pos)[0])
+                F8.WGMMA_SHAPES.update(hopper)
+                by_wgmma = model.logits(model(ids, pos)[0])
+                F8.WGMMA_SHAPES.clear()
                 F8._use_kernel = lambda x: False
-            assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5, name
+            for got in (out, by_wgmma):
+                assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, name
     """)
 
 

@@ -465,7 +465,9 @@ if triton is not None:
 class GemmTile(NamedTuple):
     """One launch of _block_gemm_kernel: block_m token rows by block_n weight rows. weights_left: the
     weight-major variant (the W tile as the dot's left operand); tma: the operands read by tensor
-    descriptors (Hopper's bulk copies; K a multiple of 16). HOPPER_TILES takes both."""
+    descriptors (Hopper's bulk copies; where a matrix's rows are not 16-byte aligned, as a weight mapped
+    straight from a checkpoint file can be, block_gemm reads by pointers: the same sums). HOPPER_TILES
+    takes both."""
     block_m: int
     block_n: int
     warps: int
@@ -566,6 +568,8 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     part = torch.empty((groups, m, n), dtype=torch.float32, device=x2.device) if split else out
     q_arg, w_arg = q, w.qweight
+    if tile.tma and any(t.data_ptr() % 16 or t.stride(0) % 16 for t in (q, w.qweight)):
+        tile = tile._replace(tma=False)   # bulk copies need 16-byte aligned rows: the same sums by pointers
     if tile.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         q_arg = TensorDescriptor.from_tensor(q, [tile.block_m, BLOCK])

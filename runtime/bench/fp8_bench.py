@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from batch_bench import steady_rounds  # noqa: E402
 from gpu_bench import agreement, build_models, measure_ceilings, nbytes, run_case, sync  # noqa: E402
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from ddtree_runtime.limits import FP8_GEMMS  # noqa: E402
 from ddtree_runtime.model import fp8  # noqa: E402
 import fp8_gemm_bench  # noqa: E402
 
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm-rows", default="",
                     help="GEMM rows timed first, e.g. 1,16,17,64,128,272,4096: an AR step, a ddtree@16 round, ..., "
                          "16 requests x 17 nodes, a prefill chunk (about a minute a shape)")
-    ap.add_argument("--fp8-gemm", default="auto", choices=("auto", "triton"),
+    ap.add_argument("--fp8-gemm", default="auto", choices=FP8_GEMMS,
                     help="Hopper's FP8 GEMM, as the server's --fp8-gemm (model/fp8.choose_gemms)")
     ap.add_argument("--tiles", help="a tile table fp8_gemm_bench.py --tiles-out wrote, used instead of fp8.TILES")
     ap.add_argument("--agreement", type=int, default=24, help="tokens of the lossless check")

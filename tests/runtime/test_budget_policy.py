@@ -142,6 +142,28 @@ def test_a_low_forecast_ages_toward_the_outlook_over_ar_rounds():
     assert stuck.expected(policy.prior)[-1] < 2     # a tree round's own forecast replaces it
 
 
+def test_a_low_calibration_ages_toward_the_outlook_over_ar_rounds():
+    """A row whose trees accepted a fifth of what its drafter forecast (hard text) is not held to that
+    over AR rounds: its calibration ages toward the engine-wide one as its forecast does, so the row
+    that found easy text again after a few AR rounds is not kept from trees by its old rounds."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
+    reqs = [_Req("ddtree", 16) for _ in range(2)]
+    curve = [1.0, 4.0, 7.0, 12.0, 12.0]
+    for _ in range(6):   # the same forecast for both; the second row accepts a fifth of it
+        policy.observe(reqs, [16, 16], [((), 12, None), ((), 2, None)], [curve, curve])
+    hard = reqs[1].acceptance
+    assert hard.scale() < 0.25 < 0.5 < policy.prior.scale()
+    seen = [hard.expected(policy.prior)[-1]]
+    for rounds in (4, 4, 24):
+        for _ in range(rounds):
+            policy.observe(reqs, [AR, AR], [((), 0, None)] * 2, [None, None])
+        seen.append(hard.expected(policy.prior)[-1])
+    assert seen[0] < seen[1] < seen[2] < seen[3]
+    assert seen[3] == pytest.approx(Acceptance().expected(policy.prior)[-1], rel=0.05)   # a newcomer's
+    policy.observe(reqs, [16, 16], [((), 12, None), ((), 2, None)], [curve, curve])
+    assert hard.expected(policy.prior)[-1] < 0.5 * seen[3]        # its own tree counts again
+
+
 def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes():
     torch.manual_seed(0)
     drafts = torch.randn(2, 3, 7) * 3                     # 2 drafts, depths 1..3, 7 tokens

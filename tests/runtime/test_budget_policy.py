@@ -164,21 +164,28 @@ def test_a_low_calibration_ages_toward_the_outlook_over_ar_rounds():
     assert hard.expected(policy.prior)[-1] < 0.5 * seen[3]        # its own tree counts again
 
 
-def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes():
+@pytest.mark.parametrize("depth, budget, sharp", [(3, 6, 3.0), (15, 16, 12.0)])
+def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes(depth, budget, sharp):
+    """Sharp drafts at depth 15 make deep paths (the drafter's whole block), where the path sums take
+    four doubling steps."""
     torch.manual_seed(0)
-    drafts = torch.randn(2, 3, 7) * 3                     # 2 drafts, depths 1..3, 7 tokens
-    nodes = build_trees(drafts, 6)                        # [2, 3, 6] best first
-    got = forecast_accepted(nodes, drafts, [1, 3, 6])
+    drafts = torch.randn(2, depth, 7) * sharp             # 2 drafts, depths 1..depth, 7 tokens
+    nodes = build_trees(drafts, budget)                   # [2, 3, budget] best first
+    budgets = [1, budget // 2, budget]
+    got = forecast_accepted(nodes, drafts, budgets)
     logp = torch.log_softmax(drafts, dim=-1)
+    deepest = 0
     for r in range(2):
         tokens, parents, depths = nodes[r].tolist()
-        score = [0.0] * 7
-        for j in range(6):                                # parents come first
+        deepest = max(deepest, *depths)
+        score = [0.0] * (budget + 1)
+        for j in range(budget):                           # parents come first
             score[j + 1] = score[parents[j]] + logp[r, depths[j] - 1, tokens[j]].item()
         probs = [math.exp(s) for s in score[1:]]
         assert probs == sorted(probs, reverse=True)       # best first: a prefix is the smaller tree
-        want = [round(MILLI * sum(probs[:b])) for b in (1, 3, 6)]
+        want = [round(MILLI * sum(probs[:b])) for b in budgets]
         assert got[r].tolist() == pytest.approx(want, abs=1)
+    assert deepest >= min(depth, 9)                       # the deep case reaches past 8 levels
 
 
 class _Req:

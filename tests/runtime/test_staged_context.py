@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
+from ddtree_runtime.engine.costs import CostModel
 from ddtree_runtime.engine.policy import AR
 from ddtree_devtools.tiny_corpus import mixed_prompts
 
@@ -273,24 +274,40 @@ def test_a_tree_round_after_ar_rounds_redrafts_as_a_prompts_first_draft_would(ti
     assert used
 
 
-def test_a_prompt_chosen_by_cost_drafts_first_in_its_first_tree_round(tiny_models):
-    """A request whose budget the cost policy chooses makes no draft with its prompt (the policy may
-    choose AR rounds first, which need none; its first tree round drafts, as after AR rounds); one that
-    set its own budget drafts with its prompt, as under the fixed policy. Greedy output is the target's."""
+def test_a_prompt_chosen_by_cost_drafts_with_it_unless_its_batch_runs_ar_next(tiny_models):
+    """A request whose budget the cost policy chooses drafts with its prompt, as one that set its own
+    budget does, where trees are to come (nothing measured yet: the configured budget); where the batch
+    it joins is predicted to run a plain AR round next, which needs no draft, it makes none with its
+    prompt and its first tree round drafts it. Greedy output is the target's."""
     engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), tree_policy="cost",
                                  max_running=2))
     prompts = mixed_prompts(engine.tokenizer, chats=1, chat_seed=4, plain=1, plain_seed=6, cut=4)
-    chosen = engine.submit(prompts[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
-    own = engine.submit(prompts[1], SamplingParams(max_new_tokens=30, ignore_eos=True, tree_budget=8))
+
+    def admitted(*budgets: int | None) -> tuple[bool, ...]:
+        """Whether requests of these budgets (None: chosen by cost), admitted together, hold a draft
+        after their prompts."""
+        ids = [engine.submit(p, SamplingParams(max_new_tokens=30, ignore_eos=True, tree_budget=b))
+               for p, b in zip(prompts, budgets)]
+        while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
+            engine.step()
+        held = tuple(engine.scheduler.find(i).drafted is not None for i in ids)
+        for request_id in ids:
+            engine.cancel(request_id)
+        return held
+
+    assert admitted(None, 8) == (True, True)   # no costs measured: trees come, the prompts' pass drafts
+    # measured: AR 50x cheaper than any tree, and an outlook that accepts little
+    engine.policy.costs = CostModel.of_table({(b, nodes): 0.002 if nodes == 1 else 0.1
+                                              for b in (1, 2) for nodes in (1, 2, 5, 9, 17)})
+    engine.policy.prior.observe((0.1,) * len(engine.policy.candidates), 0.4, 0)
+    assert admitted(None) == (False,)          # an AR round is next: it waits to draft
+    assert admitted(None, 8) == (True, True)   # beside a fixed tree the round is a tree: it drafts now
     passes = []
     redraft = engine.runner.draft_runner.redraft
     engine.runner.draft_runner.redraft = lambda *a: passes.append(1) or redraft(*a)
-    while engine.scheduler.waiting or engine.scheduler.prefilling is not None:
-        engine.step()
-    assert engine.scheduler.find(chosen).drafted is None and engine.scheduler.find(own).drafted is not None
-    for request_id in (chosen, own):
-        engine.cancel(request_id)
     reference = run(engine, [(p, SamplingParams(max_new_tokens=30, ignore_eos=True, mode="ar")) for p in prompts],
                     [AR])[0]
-    tokens, accepted, _ = run(engine, [(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts], [16])
+    # the prompts' step (forced AR: no draft with them), then tree rounds, the first of which drafts
+    tokens, accepted, _ = run(engine, [(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts],
+                              [AR, 16, 16])
     assert tokens == reference and sum(map(sum, accepted)) > 0 and passes   # the first tree round drafted

@@ -203,8 +203,7 @@ class Engine:
         self.runner = ModelRunner(self.target, self.drafter, self.pool, slots=self.slots, block_size=self.block_size,
                                   mask_token_id=self.mask_token_id, device=self.device,
                                   stats=self.stats, tree_slots=tree_slots,
-                                  forecast_at=self.policy.candidates if self.policy.by_cost else (),
-                                  drafts_later=self.policy.chooses)
+                                  forecast_at=self.policy.candidates if self.policy.by_cost else ())
         self.scheduler = Scheduler(self.slots, config.max_queue, self.pool, self.stats,
                                    step_tokens=config.max_batched_tokens, policy=self.policy,
                                    groups=self.arch == "qwen3", has_drafter=self.drafter is not None,

@@ -15,7 +15,6 @@ leaving are the scheduler's (postprocess)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -46,16 +45,12 @@ HYBRID_SHORT_PREFILL_ON_GPU = os.environ.get("DDTREE_HYBRID_SHORT_PREFILL") != "
 
 class ModelRunner:
     def __init__(self, target, drafter, pool: KVPool, *, slots: int, block_size: int, mask_token_id: int | None,
-                 device: torch.device, stats: BatchStats, tree_slots: int, forecast_at: tuple[int, ...] = (),
-                 drafts_later: Callable[[RequestState], bool] = lambda req: False) -> None:
+                 device: torch.device, stats: BatchStats, tree_slots: int, forecast_at: tuple[int, ...] = ()) -> None:
         """The caches over the pool's page table (the drafter's, then the target's, sized for trees of
         `tree_slots` nodes), their graphed runners, the tree builder and the round's readback. The pool
         gets a reference to both caches (its row moves and page copies are made on them). `forecast_at`:
-        the budgets each ddtree row's drafter forecast is read at (policy.py; none: no forecasts).
-        `drafts_later`: whether a drafting request's first draft waits for its first tree round (the
-        cost policy's rows: AR rounds, which it may choose first, need none)."""
+        the budgets each ddtree row's drafter forecast is read at (policy.py; none: no forecasts)."""
         self.target, self.drafter, self.pool = target, drafter, pool
-        self.drafts_later = drafts_later
         self.device, self.block_size, self.mask_token_id, self.stats = device, block_size, mask_token_id, stats
         self.page_table: PageTable = pool.page_table
         self.sizing: PoolSizing = pool.sizing
@@ -111,7 +106,7 @@ class ModelRunner:
         if batch.prefills:
             self._phase("prefill")  # closed by the round's first phase (or "end" below)
         for pieces in batch.prefills:
-            result.firsts += self._prefill(pieces)
+            result.firsts += self._prefill(pieces, batch.drafts_later)
         if batch.decoding:
             result.rounds, result.forecasts = self._round(batch.decoding, batch.budgets)
         else:
@@ -169,10 +164,12 @@ class ModelRunner:
 
     # ---- prompt passes ------------------------------------------------------------------------
 
-    def _prefill(self, pieces: list[Piece]) -> list[tuple[RequestState, int | None, list[TokenLogprob] | None]]:
+    def _prefill(self, pieces: list[Piece],
+                 drafts_later: frozenset[int] = frozenset()) -> list[tuple[RequestState, int | None, list[TokenLogprob] | None]]:
         """One target pass over pieces of prompts, then for each prompt it completes the first token (and
         its log-probabilities if asked for; a recomputed request's is None: it chooses none) and one
-        drafter pass for the first drafts. A lone piece is a causal pass over its own row, of any length
+        drafter pass for the first drafts (but for requests in `drafts_later`, which draft in their first
+        tree round: Batch.drafts_later). A lone piece is a causal pass over its own row, of any length
         (`_causal_pass`), or a short one at a fixed, graphed shape (PrefillRunner); several are last
         pieces of attention-only targets, padded into one pass (`_rows_pass`), so a burst of short
         prompts reads the weights once instead of once each."""
@@ -193,7 +190,7 @@ class ModelRunner:
         last = self.target.logits(h[torch.tensor(done, device=self.device), ends])          # [done, V]
         firsts = [(reqs[i], *self._first_token(reqs[i], last[j:j + 1])) for j, i in enumerate(done)]
         finished = [reqs[i] for i in done]
-        drafts = [req.mode.drafts and not self.drafts_later(req) for req in finished]
+        drafts = [req.mode.drafts and req.id not in drafts_later for req in finished]
         if any(drafts):
             self._draft_prompt(finished, drafts)
         return firsts

@@ -91,6 +91,9 @@ class Scheduler:
         decoding = list(self.running)
         batch = Batch(decoding=decoding, budgets=self.policy.budgets(decoding) if decoding else [])
         self._prefills(batch, self.prompt_budget(batch))
+        joining = [p.req.id for group in batch.prefills for p in group if p.ends_prompt and self.policy.chooses(p.req)]
+        if joining and not self.policy.drafts_with_prompt(self.running):
+            batch.drafts_later = frozenset(joining)
         self.stats.prefill_tokens = sum(p.length for group in batch.prefills for p in group)
         self.stats.prefill_passes = len(batch.prefills)
         return batch

@@ -141,6 +141,9 @@ class Batch:
     decoding: list[RequestState] = field(default_factory=list)  # rows 0..B-1, one round each
     budgets: list[int] = field(default_factory=list)  # each decoding request's tree budget this round
     resize: int | None = None  # the target pool re-sized for trees of this many nodes first (the engine idle)
+    # requests whose prompts complete this step and whose first draft waits for their first tree round
+    # (policy.BudgetPolicy.drafts_with_prompt: the round they join is predicted plain AR)
+    drafts_later: frozenset[int] = frozenset()
 
 
 # A round's result for one request: the tokens it committed, the draft tokens accepted among them, and

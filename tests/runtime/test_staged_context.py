@@ -311,3 +311,46 @@ def test_a_prompt_chosen_by_cost_drafts_with_it_unless_its_batch_runs_ar_next(ti
     tokens, accepted, _ = run(engine, [(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts],
                               [AR, 16, 16])
     assert tokens == reference and sum(map(sum, accepted)) > 0 and passes   # the first tree round drafted
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (8, None), (8, 1)], ids=["full", "sliding", "over-cap"])
+def test_a_bursts_prompt_passes_write_the_drafter_context_once(tiny_hybrid_models, tmp_path, monkeypatch,
+                                                              window, cap):
+    """A hybrid target prefills each prompt in a pass of its own; where their first drafts wait (the
+    batch is predicted to run AR next), the passes' drafter context is held and written in one
+    write_context for the step, and the drafter cache (a sliding layer's rings, the prompts' snapshot
+    rings) holds what writing each pass at once leaves; greedy output is unchanged. A pass too big to
+    hold (`cap`: HELD_BYTES) is written at once."""
+    if cap is not None:
+        monkeypatch.setattr("ddtree_runtime.engine.draft_cache.HELD_BYTES", cap)
+    from ddtree_devtools.tiny import relaid_drafter
+    draft = tiny_hybrid_models / "draft" if window is None else relaid_drafter(
+        tiny_hybrid_models / "draft", tmp_path / "draft", window)
+    made = [Engine(EngineConfig(str(tiny_hybrid_models / "target"), str(draft), tree_policy="cost", max_running=4))
+            for _ in range(2)]
+    for engine in made:   # measured: AR far cheaper than any tree, an outlook that accepts little
+        engine.policy.costs = CostModel.of_table({(b, nodes): 0.002 if nodes == 1 else 0.1
+                                                  for b in (1, 2, 4) for nodes in (1, 2, 5, 9, 17)})
+        engine.policy.prior.observe((0.1,) * len(engine.policy.candidates), 0.4, 0)
+    reference = made[1].runner.draft_cache
+    reference.hold = lambda first, feats, slots, points: reference.write(
+        feats, slots, reference.rows(first, first + feats.shape[0]).until(points))   # each pass at once
+    prompts = mixed_prompts(made[0].tokenizer, chats=2, chat_seed=7, plain=2, plain_seed=8, cut=4)
+    counted = [writes(engine) for engine in made]
+    held, ids = [], []
+    for engine in made:
+        ids.append([engine.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts])
+        engine.step()                                      # the four prompts, a pass each
+        assert len(engine.scheduler.running) == 4 and all(r.drafted is None for r in engine.scheduler.running)
+        held.append(drafter_rows(engine, ids[-1]))
+    assert (len(counted[0]), len(counted[1])) == (1 if cap is None else 4, 4)   # one write for four passes
+    assert_same(held[0], held[1])
+    outputs = []
+    for engine, request_ids in zip(made, ids):
+        tokens = {i: [] for i in request_ids}
+        engine.policy.forced = 16                          # trees now: each row drafts from that context
+        while engine.has_work:
+            for i, out in engine.step():
+                tokens[i] += out.token_ids
+        outputs.append([tokens[i] for i in request_ids])
+    assert outputs[0] == outputs[1]

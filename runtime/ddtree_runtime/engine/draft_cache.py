@@ -31,7 +31,15 @@ before anything reads the row: the next tree round (model_runner.py), a prefix s
 row or a cached sequence (`copy_page`, `copy_prefix`) and `held`; rows that move take theirs along
 (`permute`), a row left for good forgets it (`leave`, `drop`). What is written is the same features at
 the same positions as the eager writes (the values the same but for rounding: the GEMMs of a block of
-positions run at another shape than one's)."""
+positions run at another shape than one's).
+
+Held prompt context: a step's prompt passes each hand the drafter their features (a hybrid target
+prefills its prompts one pass each: 32 eager write_context calls for a burst of 32, 0.78 ms each on the
+CPU's tiny pair, 25 ms of a 360 ms prefill). `hold` keeps a pass's features (a copy: a graphed pass's
+are static) and `write_held` writes every pass held in one write_context, padded to the widest, before
+the step's first drafts and at its end (model_runner.py); a pass whose row is held already, or whose
+features would take the held bytes past HELD_BYTES, has the held ones written first (a long piece is
+written at once)."""
 
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ from ..capacity import ring_length
 from ..model.config import DFlashConfig
 from .block_manager import PageTable
 from .kv_cache import KVCache, PagedLayer
+
+HELD_BYTES = 64 << 20  # prompt passes' features held for one write at most (a 27B's: ~1,300 tokens)
 
 
 class DraftCache:
@@ -82,6 +92,9 @@ class DraftCache:
         self.staged_at = torch.full((rows, block_size), self.capacity - 1, dtype=torch.long, device=device)
         self.pending = [0] * rows
         self._stage_base = torch.arange(rows, device=device) * block_size
+        # prompt passes' context held for one write: (first row, features [n, W, F], slots [n, W], points)
+        self._held: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]] = []
+        self._held_bytes = 0
 
     # ---- what the rest of the engine reads --------------------------------------------------------
 
@@ -136,13 +149,51 @@ class DraftCache:
 
     def flush(self) -> None:
         """Write every row's staged context into the cache: one write_context over the rows that hold
-        any (their slots with nothing staged write to the scratch slot)."""
+        any (their slots with nothing staged write to the scratch slot); held prompt context first."""
+        self.write_held()
         rows = [row for row, count in enumerate(self.pending) if count]
         if not rows:
             return
         lo, hi = rows[0], rows[-1] + 1
         self.write(self.staged[lo:hi], self.staged_at[lo:hi], self.rows(lo, hi))
         self.drop(lo, hi)
+
+    def hold(self, first_row: int, feats: torch.Tensor, slots: torch.Tensor, points: list[int]) -> None:
+        """A prompt pass's context for rows first_row.. (features feats [n, W, F] at cache positions
+        slots [n, W], positions below points[i] also in row i's snapshot ring), kept to be written with
+        the step's other passes' (`write_held`); written at once when too big to hold."""
+        size = feats.numel() * feats.element_size()
+        rows = range(first_row, first_row + feats.shape[0])
+        if self._held_bytes + size > HELD_BYTES or any(lo <= r < lo + f.shape[0] for lo, f, _, _ in self._held
+                                                       for r in rows):
+            self.write_held()
+        if size > HELD_BYTES:
+            self.write(feats, slots, self.rows(rows.start, rows.stop).until(points))
+            return
+        self._held.append((first_row, feats.clone(), slots, points))
+        self._held_bytes += size
+
+    def write_held(self) -> None:
+        """Every held prompt pass's context in one write_context over the rows from the first held to
+        the last (rows between write to the scratch slot)."""
+        if not self._held:
+            return
+        held, self._held, self._held_bytes = self._held, [], 0
+        if len(held) == 1:
+            first, feats, slots, points = held[0]
+            self.write(feats, slots, self.rows(first, first + feats.shape[0]).until(points))
+            return
+        lo, hi = min(h[0] for h in held), max(h[0] + h[1].shape[0] for h in held)
+        width, sample = max(h[1].shape[1] for h in held), held[0][1]
+        feats = sample.new_zeros(hi - lo, width, sample.shape[2])
+        slots = torch.full((hi - lo, width), self.capacity - 1, dtype=torch.long, device=sample.device)
+        points = [0] * (hi - lo)
+        for first, f, s, p in held:
+            n, w = f.shape[:2]
+            feats[first - lo:first - lo + n, :w] = f
+            slots[first - lo:first - lo + n, :w] = s
+            points[first - lo:first - lo + n] = p
+        self.write(feats, slots, self.rows(lo, hi).until(points))
 
     def drop(self, lo: int, hi: int | None = None) -> None:
         """Forget rows lo..hi-1's staged context (written, or of a request gone: a row freed, one

@@ -107,6 +107,8 @@ class ModelRunner:
             self._phase("prefill")  # closed by the round's first phase (or "end" below)
         for pieces in batch.prefills:
             result.firsts += self._prefill(pieces, batch.drafts_later)
+        if batch.prefills and self.draft_cache is not None:
+            self.draft_cache.write_held()   # the step's prompt passes' drafter context, in one write
         if batch.decoding:
             result.rounds, result.forecasts = self._round(batch.decoding, batch.budgets)
         else:
@@ -192,6 +194,7 @@ class ModelRunner:
         finished = [reqs[i] for i in done]
         drafts = [req.mode.drafts and req.id not in drafts_later for req in finished]
         if any(drafts):
+            self.draft_cache.write_held()
             self._draft_prompt(finished, drafts)
         return firsts
 
@@ -230,9 +233,10 @@ class ModelRunner:
         return h, feats, pos
 
     def _draft_context(self, reqs: list[RequestState], feats: torch.Tensor | None, pos: torch.Tensor) -> None:
-        """Write the drafter's context k/v of a prefill pass's positions pos [n, W] (row i: reqs[i]'s,
-        consecutive slots) from its target features feats [n, W, F] right away, so the first draft needs
-        no features of the whole prompt. An AR row, and a row's padding past its prompt, write to the
+        """The drafter's context k/v of a prefill pass's positions pos [n, W] (row i: reqs[i]'s,
+        consecutive slots) from its target features feats [n, W, F], held to be written with the step's
+        other passes' before any first draft (draft_cache.hold), so no features of a whole prompt are
+        kept. An AR row, and a row's padding past its prompt, write to the
         last cache slot only, so an AR row's drafter context (what it inherited with a reused prefix) is
         untouched and a sliding layer's ring (draft_cache.py) keeps the prompt's last positions; positions
         before a row's snapshot point also go to its snapshot ring."""
@@ -241,8 +245,7 @@ class ModelRunner:
         last = self.draft_cache.capacity - 1
         ends = torch.tensor([len(req.context) if req.mode.drafts else 0 for req in reqs], device=self.device)
         slots = torch.where(pos < ends[:, None], pos, last)
-        rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + len(reqs))
-        self.drafter.write_context(feats, slots, rows.until([req.snapshot_at for req in reqs]))
+        self.draft_cache.hold(reqs[0].slot, feats, slots, [req.snapshot_at for req in reqs])
 
     def _first_token(self, req: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
         """The prompt is in: choose the first token from the last position's logits [1, V] (the caller

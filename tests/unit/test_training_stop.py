@@ -5,6 +5,7 @@ checkpoint signal loses nothing, one that ignores it is left running, refused, w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import signal
@@ -130,7 +131,7 @@ def test_profile_training_fields_refused(tmp_path, body, message):
 # -- the stop_training action on real processes ----------------------------------------------------
 
 JOB = """
-import os, signal, sys, time  # fake_ckpt_job_zz
+import os, signal, sys, time  # MARKER
 log, ckpts, answers = sys.argv[1], sys.argv[2], sys.argv[3] == "answers"
 step = [25]
 def checkpoint(signum, frame):
@@ -143,11 +144,17 @@ while True:
 """
 
 
+def marker(tmp_path) -> str:
+    """What the stop finds its job's process by: the test's own (tests on other pytest-xdist workers run
+    jobs of their own at the same time, and a shared marker stopped the other's in one run)."""
+    return "fake_ckpt_job_" + hashlib.sha1(str(tmp_path).encode()).hexdigest()[:12]
+
+
 def start_job(tmp_path, answers: bool) -> subprocess.Popen:
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "step_20.ckpt").write_text("")
-    job = subprocess.Popen([sys.executable, "-c", JOB, str(tmp_path / "train.log"), str(tmp_path / "ckpt"),
-                            "answers" if answers else "ignores"])
+    job = subprocess.Popen([sys.executable, "-c", JOB.replace("MARKER", marker(tmp_path)), str(tmp_path / "train.log"),
+                            str(tmp_path / "ckpt"), "answers" if answers else "ignores"])
     deadline = time.time() + 10
     while not (tmp_path / "train.log").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -155,7 +162,7 @@ def start_job(tmp_path, answers: bool) -> subprocess.Popen:
 
 
 def stop(tmp_path, **spec) -> tuple[dict, list[str]]:
-    args = {"pattern": "fake_ckpt_job_zz", "unit": None, "log": str(tmp_path / "train.log"),
+    args = {"pattern": marker(tmp_path), "unit": None, "log": str(tmp_path / "train.log"),
             "checkpoints": str(tmp_path / "ckpt"), "grace_s": 5, "checkpoint_signal": "SIGUSR1",
             "checkpoint_command": [], "checkpoint_wait_s": 3, **spec}
     done = subprocess.run([sys.executable, "-c", probe_source("stop_training"), json.dumps(args)],

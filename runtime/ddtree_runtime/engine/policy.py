@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from operator import truediv
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..capacity import TREE_BUCKETS
 from .costs import AR, CostModel, RoundCosts
@@ -192,6 +192,16 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
     return Choice(best, rates[best], rates, gives)
 
 
+class Prediction(NamedTuple):
+    """A round's best predicted budget (None: nothing forecast yet, or this batch's costs unmeasured) and
+    what it was read from: the batch bucket, the tree bucket the fixed rows pad it to, and the costs at
+    the rows' contexts (the probes' spacing reads them again)."""
+    choice: Choice | None
+    batch: int
+    floor: int
+    costs: RoundCosts
+
+
 @dataclass(frozen=True)
 class RoundShape:
     """What a round's time is learnt as (costs.CostModel): its batch and tree buckets, its rows' contexts,
@@ -298,24 +308,23 @@ class BudgetPolicy:
         if not chosen:
             return True
         fixed = round_budgets([r.budget for r in reqs], len(reqs), None)
-        choice = self._predict(reqs, chosen, fixed)
+        choice = self._predict(reqs, chosen, fixed).choice
         return choice is None or choice.budget != AR
 
-    def _predict(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Choice | None:
+    def _predict(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Prediction:
         """The best predicted budget for the chosen rows of this batch (best_budget; no hysteresis, no
-        probes: `_choose` adds those). None while a row has nothing forecast, or this batch's costs are
-        not measured."""
+        probes: `_choose` adds those)."""
         others = [i for i in range(len(reqs)) if i not in chosen]
         floor = self._floor(reqs, others, fixed)
+        batch = batch_bucket(len(reqs), self.slots)
+        costs = self.costs.at(batch, *self._contexts(reqs))
         rows = [reqs[i] for i in chosen]
         expected = self._expected(rows)
-        if expected is None:
-            return None  # nothing forecast yet: the configured budget, which forecasts
+        if expected is None:  # nothing forecast yet: the configured budget, which forecasts
+            return Prediction(None, batch, floor, costs)
         left = [reqs[i].params.max_new_tokens - reqs[i].generated for i in chosen]
         ar = not any(reqs[i].mode.drafts for i in others)
         stale = any(reqs[i].drafted is None for i in chosen)  # after AR rounds: a tree round drafts first
-        batch = batch_bucket(len(reqs), self.slots)
-        costs = self.costs.at(batch, *self._contexts(reqs))
         redraft = costs.refresh(batch)   # paid by the next tree round if stale, else by leaving trees now
         choose = partial(best_budget, costs, batch, left=left, candidates=self.candidates, floor_nodes=floor,
                          node_cap=self.round_nodes)
@@ -327,14 +336,13 @@ class BudgetPolicy:
             # 16-32 running on the CPU: charged that pass, AR lost to trees it beat by 1.4x)
             settled = choose(self._expected(rows, settled=True))
             leave = redraft if settled is not None and settled.budget != AR else 0.0
-        return choose(expected, ar=ar, refresh=redraft if stale else 0.0, leave=leave, ar_rounds=self._probe_after)
+        choice = choose(expected, ar=ar, refresh=redraft if stale else 0.0, leave=leave, ar_rounds=self._probe_after)
+        return Prediction(choice, batch, floor, costs)
 
     def _choose(self, reqs: list[RequestState], chosen: list[int], fixed: list[int]) -> Choice | None:
-        choice = self._predict(reqs, chosen, fixed)
+        choice, batch, floor, costs = self._predict(reqs, chosen, fixed)
         if choice is None:
             return None
-        batch = batch_bucket(len(reqs), self.slots)
-        floor = self._floor(reqs, [i for i in range(len(reqs)) if i not in chosen], fixed)
         choice = self._steady(choice)
         probe = self._probe(choice, batch, floor)
         if probe is not None:  # (an AR probe leaves the AR rounds' count as it is)
@@ -346,10 +354,8 @@ class BudgetPolicy:
             return choice
         self._ar_streak += 1
         tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
-        if self._ar_streak < self._probe_after:
-            return choice
-        costs = self.costs.at(batch, *self._contexts(reqs))
-        if self._ar_streak < self._probe_spacing(choice, tree, costs, batch, floor, costs.refresh(batch)):
+        if self._ar_streak < max(self._probe_after, self._probe_spacing(choice, tree, costs, batch, floor,
+                                                                        costs.refresh(batch))):
             return choice
         # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
         self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)

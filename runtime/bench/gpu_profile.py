@@ -8,9 +8,10 @@ drafter's pass and the tree build, each replayed many times from its CUDA graph 
 
 Prints, per pass, the mean GPU time per replay and the kernels that take it (summed over a replay), and
 writes JSON. With --batch B: B requests decode together and the whole engine step (verify, walks, the
-batched drafter pass, tree builds, commits) is profiled: GPU time per engine phase, then per kernel.
-With --second-turn N: an agent's second turn, N new tokens after a reused --context prefix, up to its
-first token (issue 38's 40 ms), profiled the same way. Random weights (gpu_bench.build_models): the
+batched drafter pass, tree builds, commits) is profiled: GPU time per engine phase, then per kernel;
+with --gaps, also the device's idle time in those steps and the engine code the host ran meanwhile
+(host_gaps.py). With --second-turn N: an agent's second turn, N new tokens after a reused --context
+prefix, up to its first token (issue 38's 40 ms), profiled the same way. Random weights (gpu_bench.build_models): the
 cost of a pass does not depend on them."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import SHAPES, build_models  # noqa: E402
+from host_gaps import host_gaps  # noqa: E402
 
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from ddtree_runtime.engine.tree import build_tree  # noqa: E402
@@ -140,10 +142,12 @@ def profile_batched_step(args, batch: int, target, drafter) -> dict:
     kinds = print_kinds(rows, args.top)
     for phase, kernels in sorted(per_phase.items(), key=lambda kv: -sum(r[1] for r in kv[1])):
         print(f"  phase {phase}: " + ", ".join(f"{name[:40]} {us:.0f} us x{n}" for name, us, n in kernels[:8]))
+    gaps = host_gaps(engine.step, args.reps) if args.gaps else None
     del engine
     torch.cuda.empty_cache()
     return {"shape": args.shape, "context": args.context, "batch": batch, "case": case, "gpu_us": total,
-            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows, "phase_kernels": per_phase}
+            "phases_us": dict(phases), "kinds_us": kinds, "kernels": rows, "phase_kernels": per_phase,
+            "host_gaps": gaps}
 
 
 def phase_profile(engine: Engine, run_once, reps: int) -> tuple[dict[str, float], float, list, dict]:
@@ -237,6 +241,8 @@ def main() -> None:
                                                 "(a comma list: one step per size, one model build)")
     ap.add_argument("--mode", choices=MODES, default="ddtree",
                     help="--batch: every request's speculative mode")
+    ap.add_argument("--gaps", action="store_true",
+                    help="--batch: also where the GPU waits for the host in those steps (host_gaps.py)")
     ap.add_argument("--second-turn", type=int, default=0, metavar="N",
                     help="profile a second turn: N new tokens after a reused --context prefix")
     ap.add_argument("--out", default="bench/results/runtime-gpu-profile.json")

@@ -30,6 +30,7 @@ import json
 import platform
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -204,7 +205,9 @@ def use_case(engine: Engine, name: str | None, round_nodes: int | None, by_cost:
 
 def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches: list[int], args) -> list[dict]:
     """--models --interleave: at each batch size, the cases' runs take turns (case 1, 2, 3, 1, 2, 3, ...),
-    the fastest of each case's repeats kept, so a shared machine's load drifts over all cases alike;
+    the fastest of each case's repeats kept, so a shared machine's load drifts over all cases alike
+    (and more turns while any case has run less than --least-seconds in all: at one running a serve
+    takes ~60 ms, and a hiccup of the machine moved a point by 5%);
     also each case's least CPU time of its repeats (tokens_per_cpu_s: the process's own work, which other
     jobs on the machine stretch far less than its wall time). (No alone runs: vs_one_alone is left out.)"""
     by_cost, results = engine.policy.by_cost, []
@@ -215,7 +218,10 @@ def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches:
     for b in batches:
         best: dict[str, dict] = {}
         least_cpu: dict[str, float] = {}
-        for _ in range(args.repeats):
+        spent: dict[str, float] = defaultdict(float)
+        runs = 0
+        while runs < max(args.repeats, 1) or min(spent.values()) < args.least_seconds:
+            runs += 1
             for name, mode, budget, round_nodes in chosen:
                 use_case(engine, name, round_nodes, by_cost)
                 r = serve_all(engine, prompts[:b], SamplingParams(max_new_tokens=args.max_new, mode=mode,
@@ -223,9 +229,10 @@ def interleaved(engine: Engine, chosen: list, prompts: list[list[int]], batches:
                 if name not in best or r["wall_s"] < best[name]["wall_s"]:
                     best[name] = r
                 least_cpu[name] = min(least_cpu.get(name, r["cpu_s"]), r["cpu_s"])
+                spent[name] += r["wall_s"]
         for name, r in best.items():
             r.update(case=name, batch=b, vs_one_alone=float("nan"), vs_one_after_another=float("nan"),
-                     cpu_s=least_cpu[name], tokens_per_cpu_s=r["tokens"] / least_cpu[name])
+                     cpu_s=least_cpu[name], tokens_per_cpu_s=r["tokens"] / least_cpu[name], runs=runs)
             results.append(r)
             print(json.dumps(r), flush=True)
     use_case(engine, None, None, by_cost)
@@ -260,6 +267,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="--shape: prompt tokens per request")
     ap.add_argument("--max-new", type=int, default=64, help="--models: tokens per request")
     ap.add_argument("--repeats", type=int, default=3, help="--models: runs per measurement, the fastest kept")
+    ap.add_argument("--least-seconds", type=float, default=0.0,
+                    help="--models --interleave: more repeats while a case has run less than this in all")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--interleave", action="store_true",

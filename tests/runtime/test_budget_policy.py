@@ -21,7 +21,7 @@ from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
 from ddtree_runtime.engine.costs import SWEEP_PROMPT, CostModel, RoundCosts
 from ddtree_runtime.engine.policy import PROBE_GAP, PROBE_SHARE, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
 from ddtree_runtime.engine.types import BatchStats
-from ddtree_runtime.engine.tree import build_trees
+from ddtree_runtime.engine.tree import scored_trees
 from ddtree_devtools.engine_runs import serve
 from ddtree_devtools.tiny_corpus import mixed_prompts
 
@@ -166,13 +166,13 @@ def test_a_low_calibration_ages_toward_the_outlook_over_ar_rounds():
 
 @pytest.mark.parametrize("depth, budget, sharp", [(3, 6, 3.0), (15, 16, 12.0)])
 def test_forecast_is_the_sum_of_path_probabilities_of_the_first_nodes(depth, budget, sharp):
-    """Sharp drafts at depth 15 make deep paths (the drafter's whole block), where the path sums take
-    four doubling steps."""
+    """From the build's own path scores, checked against each node's log-prob summed up its path; sharp
+    drafts at depth 15 make deep paths (the drafter's whole block)."""
     torch.manual_seed(0)
     drafts = torch.randn(2, depth, 7) * sharp             # 2 drafts, depths 1..depth, 7 tokens
-    nodes = build_trees(drafts, budget)                   # [2, 3, budget] best first
+    nodes, scores = scored_trees(drafts, budget)          # [2, 3, budget] best first; the levels' scores
     budgets = [1, budget // 2, budget]
-    got = forecast_accepted(nodes, drafts, budgets)
+    got = forecast_accepted(scores, budget, budgets)
     logp = torch.log_softmax(drafts, dim=-1)
     deepest = 0
     for r in range(2):

@@ -456,21 +456,24 @@ def test_batched_tree_build_kernel_gives_each_draft_its_torch_tree():
     """A batched round's drafts of one budget: one launch, a program per draft, each over its own
     logits (different per draft, so a program reading another's rows would build the wrong tree)."""
     interpret("""
-        from ddtree_runtime.engine.tree import build_tree, build_trees, build_trees_on_gpu
+        from ddtree_runtime.engine.tree import build_tree, build_trees, scored_trees, scored_trees_on_gpu
         g = torch.Generator().manual_seed(1)
         # (drafts, budget, depth, vocab): the engine's shape, a budget that is no power of two, a vocab too
         # small to fill the budget, a budget of one, a vocab over several top-K tiles
         for rows, budget, depth, vocab in [(3, 16, 15, 300), (3, 33, 7, 3), (4, 7, 3, 2), (3, 1, 15, 20),
                                            (2, 24, 9, 1187)]:
             x = torch.randn(rows, depth, vocab, generator=g) * 3
-            nodes = build_trees_on_gpu(x, budget)
-            assert torch.equal(nodes, build_trees(x, budget)), (rows, budget)
+            nodes, scores = scored_trees_on_gpu(x, budget)
+            want_nodes, want_scores = scored_trees(x, budget)
+            assert torch.equal(nodes, want_nodes), (rows, budget)
+            # the levels' scores the forecast reads: as torch's, the -inf of short levels included
+            assert torch.allclose(scores, want_scores, atol=1e-5), (rows, budget)
             for row in range(rows):
                 assert torch.equal(nodes[row], build_tree(x[row], budget).nodes), (rows, budget, row)
         x = torch.randn(3, 15, 4, generator=g) * 3
         x[1] = 0.0
         x[1, :, 0] = 200.0              # log-prob exactly 0: every path ties with its extensions
-        nodes = build_trees_on_gpu(x, 5)
+        nodes = scored_trees_on_gpu(x, 5)[0]
         assert nodes[1].tolist() == [[0] * 5, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
         assert torch.equal(nodes, build_trees(x, 5))
     """)

@@ -462,10 +462,13 @@ class ModelRunner:
         by_row: dict[int, torch.Tensor] = {}
         for (name, built, budget), rows in groups.items():
             mode, drafted = reqs[rows[0]].mode, [reqs[r].drafted for r in rows]
-            made = mode.trees(self.trees, drafted, built, self.block_size)
             if forecasting and name == "ddtree":
-                by_row.update(zip(rows, mode.forecast(made, drafted, [*self.forecast_at, budget], self.block_size)))
+                made, forecast = mode.forecast_trees(self.trees, drafted, built, self.block_size,
+                                                     [*self.forecast_at, budget])
+                by_row.update(zip(rows, forecast))
                 made = [Tree(t.nodes[:, :budget]) for t in made]
+            else:
+                made = mode.trees(self.trees, drafted, built, self.block_size)
             for row, tree in zip(rows, made):
                 trees[row] = tree
         if not by_row:

@@ -57,18 +57,17 @@ class DDTree(Mode):
     name = "ddtree"
 
     def trees(self, builder, drafted, budget, block_size):
-        depth = min(block_size - 1, budget)
-        nodes = builder.build(_stacked([d[:depth] for d in drafted]), budget)
-        # a graphed build's static buffer: one build per budget a round, staged by the verify before the next
-        return [Tree(row) for row in nodes]
+        return self.forecast_trees(builder, drafted, budget, block_size, [])[0]
 
-    def forecast(self, trees: list[Tree], drafted: list[torch.Tensor], budgets: list[int],
-                 block_size: int) -> torch.Tensor:
-        """The drafter's expected accepted tokens ([R, len(budgets)], thousandths) of the first b nodes
-        of each tree (built by `trees` from these drafts), for each b in budgets (forecast.py)."""
-        depth = min(block_size - 1, trees[0].size - 1)
-        nodes = torch.stack([t.nodes for t in trees])
-        return forecast_accepted(nodes, _stacked([d[:depth] for d in drafted]), budgets)
+    def forecast_trees(self, builder, drafted: list[torch.Tensor], budget: int, block_size: int,
+                       budgets: list[int]) -> tuple[list[Tree], torch.Tensor | None]:
+        """`trees`, and the drafter's expected accepted tokens ([R, len(budgets)], thousandths) of the
+        first b nodes of each, for each b in budgets (forecast.py; None for no budgets)."""
+        depth = min(block_size - 1, budget)
+        nodes, scores = builder.build(_stacked([d[:depth] for d in drafted]), budget)
+        forecast = forecast_accepted(scores, nodes.shape[-1], budgets) if budgets else None
+        # a graphed build's static buffers: one build per budget a round, staged by the verify before the next
+        return [Tree(row) for row in nodes], forecast
 
 
 REGISTRY: dict[str, Mode] = {mode.name: mode for mode in (DDTree(), DFlash(), AutoRegressive())}

@@ -130,6 +130,14 @@ def build_trees(draft_logits: torch.Tensor, budget: int, chunked: bool | None = 
     depth): [R, D, V] -> the draft nodes [R, 3, N-1], row r as build_tree makes them for draft r. One
     sequence of device ops for all R, instead of R builds (torch levels, the reference for
     build_trees_on_gpu; `chunked` as in top_tokens)."""
+    return scored_trees(draft_logits, budget, chunked)[0]
+
+
+def scored_trees(draft_logits: torch.Tensor, budget: int,
+                 chunked: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_trees, and the scores it chose from: each level's `budget` best path scores [R, D, budget]
+    (-inf where a level has fewer paths). The tree's nodes are the N-1 best of them, so the sum of the
+    b largest exp(score) is the drafter's own forecast for the tree of b nodes (forecast.py)."""
     lp, ids, n = top_tokens(draft_logits, budget, chunked)                                   # [R, D, K]
     rows, depth, k = lp.shape
     dev = lp.device
@@ -150,7 +158,7 @@ def build_trees(draft_logits: torch.Tensor, budget: int, chunked: bool | None = 
     parent_slot, rank = flat // k, flat % k
     above = node_of.gather(1, (level - 1).clamp(min=0) * budget + parent_slot)
     parents = torch.where(level > 0, above, 0)
-    return torch.stack([ids.flatten(1).gather(1, level * k + rank), parents, level + 1], dim=1)
+    return torch.stack([ids.flatten(1).gather(1, level * k + rank), parents, level + 1], dim=1), scores
 
 
 def build_chain(draft_logits: torch.Tensor) -> Tree:
@@ -163,6 +171,11 @@ def build_chain(draft_logits: torch.Tensor) -> Tree:
 def build_trees_on_gpu(draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
     """build_trees with the top-K of all R drafts' rows at once (top_tokens), then each draft's levels
     and choice in one Triton program of a launch over the drafts (tree_kernel.py): [R, D, V] -> [R, 3, N-1]."""
+    return scored_trees_on_gpu(draft_logits, budget)[0]
+
+
+def scored_trees_on_gpu(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_trees_on_gpu, and its levels' scores as scored_trees gives them."""
     lp, ids, n = top_tokens(draft_logits, budget)
     return tree_kernel.build_tree_nodes_rows(lp, ids, budget, n)
 
@@ -184,24 +197,25 @@ class TreeBuilder:
         self.cuda = device.type == "cuda"
         self.use_graphs = self.cuda and tree_kernel.triton is not None
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def build(self, draft_logits: torch.Tensor, budget: int) -> torch.Tensor:
-        """R drafts [R, D, V] -> their trees' nodes [R, 3, N-1] (row r: build_tree's for draft r). A
-        graphed build's result is a static buffer: stage it before the next build of that shape."""
+    def build(self, draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """R drafts [R, D, V] -> their trees' nodes [R, 3, N-1] (row r: build_tree's for draft r) and the
+        levels' path scores they were chosen from (scored_trees). A graphed build's results are static
+        buffers: use them before the next build of that shape."""
         if not self.cuda:
-            return build_trees(draft_logits, budget)
+            return scored_trees(draft_logits, budget)
         key = (budget, *draft_logits.shape, draft_logits.dtype)
         if not self.use_graphs:
-            return self._replayed(key, lambda logits: build_trees(logits, budget), draft_logits)
+            return self._replayed(key, lambda logits: scored_trees(logits, budget), draft_logits)
         if draft_logits.shape[0] > 1:
-            return build_trees_on_gpu(draft_logits, budget)
-        return self._replayed(key, lambda logits: build_trees_on_gpu(logits, budget), draft_logits)
+            return scored_trees_on_gpu(draft_logits, budget)
+        return self._replayed(key, lambda logits: scored_trees_on_gpu(logits, budget), draft_logits)
 
-    def _replayed(self, key: tuple, build: Callable[[torch.Tensor], torch.Tensor],
-                  draft_logits: torch.Tensor) -> torch.Tensor:
+    def _replayed(self, key: tuple, build: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                  draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """build(logits) captured once per key over a static copy of the input, then replayed on new
-        draft logits; returns the capture's static output."""
+        draft logits; returns the capture's static outputs."""
         if key not in self.graphs:
             logits = draft_logits.clone()
             graph, out = capture(lambda: build(logits), draft_logits.device, self.pool)

@@ -223,10 +223,12 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return lp.view(*lead, depth, k), ids.view(*lead, depth, k)
 
 
-def build_tree_nodes_rows(lp: torch.Tensor, ids: torch.Tensor, budget: int, n: int) -> torch.Tensor:
+def build_tree_nodes_rows(lp: torch.Tensor, ids: torch.Tensor, budget: int,
+                          n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """lp, ids: [R, D, K] per-depth top-K log-probs (float32, descending) and their tokens, for R
     drafts -> their trees' [R, 3, n] draft nodes (tokens, parents, depths), row r as tree.build_tree
-    makes draft r's; one launch, a program per draft."""
+    makes draft r's, and each level's best `budget` path scores [R, D, budget] (tree.scored_trees);
+    one launch, a program per draft."""
     rows, depth, k = lp.shape
     lp, ids = lp.contiguous(), ids.contiguous()
     pi, pj = candidate_pairs(budget, k, lp.device)
@@ -243,4 +245,4 @@ def build_tree_nodes_rows(lp: torch.Tensor, ids: torch.Tensor, budget: int, n: i
                                 widest, D=depth, BP=triton.next_power_of_2(budget), PP=pp, DBP=dbp,
                                 NP=triton.next_power_of_2(max(2, n)),
                                 num_warps=4 if widest <= 1024 else 8 if widest <= 4096 else 16)
-    return out
+    return out, scores

@@ -22,10 +22,9 @@ MILLI = 1000  # forecasts travel to the host as integers (the round's one int64 
 def forecast_accepted(scores: torch.Tensor, nodes: int, budgets: Sequence[int]) -> torch.Tensor:
     """scores [R, D, B] (each level's best path scores, tree.scored_trees) of R trees of `nodes` draft
     nodes -> [R, len(budgets)] expected accepted draft tokens of the tree's first b nodes, for each b in
-    budgets, in thousandths (int64). A few device ops, nothing waits for the device: the path scores
-    come with the build (before, each node's log-prob was read again from the drafts, a log-sum-exp
-    over the vocabulary, and summed up its path by pointer jumping: 40 launches a tree round in the
-    host's window before the verify, and ~0.3 ms of a 13 ms lone round on the CPU's tiny pair)."""
+    budgets, in thousandths (int64). Five device ops, nothing waits for the device: the scores come
+    with the build, where reading each node's log-prob again from the drafts took a log-sum-exp over
+    the vocabulary and ~40 launches a tree round, in the host's window before the verify."""
     best = scores.flatten(1).topk(nodes, dim=1).values                           # [R, N] best first
     expected = best.exp().cumsum(dim=1)
     cols = _columns(tuple(min(b, nodes) - 1 for b in budgets), scores.device)

@@ -97,7 +97,7 @@ def prefill_ms(engine: Engine, warm: list[list[int]], timed: list[list[int]]) ->
     return times[len(warm):]
 
 
-def measure(shape: str, precision: str, args, device: torch.device) -> dict:
+def measure(shape: str, precision: str, args, device: torch.device, fp8_gemm: str = "auto") -> dict:
     dtype = getattr(torch, args.dtype)
     target, drafter = build_models(shape, device, dtype)
     if precision == "fp8":
@@ -112,7 +112,7 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
     engine = Engine(EngineConfig(f"random-{shape}-{precision}", None, tree_budget=128, device=str(device),
                                  dtype=args.dtype, max_context=max(contexts + [args.context]) + 64 * 17,
                                  max_running=running, max_batched_tokens=max(contexts + [args.context]),
-                                 fp8_gemm=args.fp8_gemm),
+                                 fp8_gemm=fp8_gemm),
                     target=target, drafter=drafter)
     g = torch.Generator().manual_seed(1)
     vocab = target.config.vocab_size
@@ -134,7 +134,8 @@ def measure(shape: str, precision: str, args, device: torch.device) -> dict:
         prompt[0] = (other[0] + 1) % (vocab - 1)   # nothing of the warm prompt's cached prefix is reused
     for ctx, ms in zip(contexts, prefill_ms(engine, warm, timed) if timed else []):
         out[f"prefill_{ctx}_ms"] = ms
-    print(f"  {shape} {precision}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+    label = f"{precision} ({fp8_gemm})" if precision == "fp8" else precision
+    print(f"  {shape} {label}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in out.items() if not k.endswith(("phases_ms", "checks"))),
           flush=True)
     del engine, target, drafter
@@ -171,14 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm-rows", default="",
                     help="GEMM rows timed first, e.g. 1,16,17,64,128,272,4096: an AR step, a ddtree@16 round, ..., "
                          "16 requests x 17 nodes, a prefill chunk (about a minute a shape)")
-    ap.add_argument("--fp8-gemm", default="auto", choices=FP8_GEMMS,
-                    help="Hopper's FP8 GEMM, as the server's --fp8-gemm (model/fp8.choose_gemms)")
+    ap.add_argument("--fp8-gemm", default="auto",
+                    help="Hopper's FP8 GEMM, as the server's --fp8-gemm (model/fp8.choose_gemms); a comma list "
+                         "measures FP8 with each against one bf16 run (the first is the report's `fp8`)")
     ap.add_argument("--tiles", help="a tile table fp8_gemm_bench.py --tiles-out wrote, used instead of fp8.TILES")
     ap.add_argument("--agreement", type=int, default=24, help="tokens of the lossless check")
     ap.add_argument("--skip-e2e", action="store_true", help="the GEMM points only")
     ap.add_argument("--label", default="", help="free text stored with the results (the version)")
     ap.add_argument("--out", default="bench/results/runtime-fp8-bench.json")
     args = ap.parse_args(argv)
+    gemms = args.fp8_gemm.split(",")
+    if any(g not in FP8_GEMMS for g in gemms):
+        ap.error(f"--fp8-gemm: each of {', '.join(FP8_GEMMS)}, got {args.fp8_gemm!r}")
     # the engine's INFO lines name each FP8 projection's GEMM (scaled_mm, its row floor, or triton)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("ddtree_runtime.engine.engine").setLevel(logging.INFO)
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ceil = measure_ceilings(device)
     gemm_err = check_gemm(device, getattr(torch, args.dtype), TINY_GEMM_CHECKS if args.tiny else GEMM_CHECKS)
     report: dict = {"label": args.label, "device": str(device), "torch": torch.__version__,
-                    "fp8_gemm": fp8.gemm_path(device), "fp8_gemm_preference": args.fp8_gemm,
+                    "fp8_gemm": fp8.gemm_path(device), "fp8_gemm_preference": gemms[0],
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "ceilings": ceil, "gemm_rel_err": gemm_err, "shapes": {}}
     print(f"FP8 GEMM against the torch path, relative error: {report['gemm_rel_err']}", flush=True)
@@ -214,15 +219,20 @@ def main(argv: list[str] | None = None) -> None:
         if args.skip_e2e:
             continue
         bf16 = entry["bf16"] = measure(shape, "bf16", args, device)
-        fp = entry["fp8"] = measure(shape, "fp8", args, device)
-        entry["weights_floor_ms"] = {p: 1e3 * r["target_bytes"] / ceil["copy_bytes_per_s"]
-                                     for p, r in (("bf16", bf16), ("fp8", fp))}
-        entry["targets"] = verdicts(shape, bf16, fp, contexts)
-        entry["fp8_over_bf16"] = {k: v / bf16[k] for k, v in fp.items() if k.endswith("_ms") and isinstance(v, float)}
-        print("  fp8 / bf16: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in entry["fp8_over_bf16"].items()))
-        for name, v in entry["targets"].items():
-            print(f"  target {name}: {v['figure']:.3f} (at most {v['at_most']}) {'met' if v['met'] else 'NOT met'}")
-        out.write_text(json.dumps(report, indent=2))
+        for gemm in gemms:
+            fp = measure(shape, "fp8", args, device, gemm)
+            results = {"fp8": fp, "weights_floor_ms": {p: 1e3 * r["target_bytes"] / ceil["copy_bytes_per_s"]
+                                                       for p, r in (("bf16", bf16), ("fp8", fp))},
+                       "targets": verdicts(shape, bf16, fp, contexts),
+                       "fp8_over_bf16": {k: v / bf16[k] for k, v in fp.items()
+                                         if k.endswith("_ms") and isinstance(v, float)}}
+            entry.setdefault("by_fp8_gemm", {})[gemm] = results
+            if gemm == gemms[0]:
+                entry.update(results)
+            print(f"  fp8 ({gemm}) / bf16: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in results["fp8_over_bf16"].items()))
+            for name, v in results["targets"].items():
+                print(f"  target {name}: {v['figure']:.3f} (at most {v['at_most']}) {'met' if v['met'] else 'NOT met'}")
+            out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 

@@ -56,7 +56,9 @@ step() {
            # attn_probe's --grid, e.g. "stages=3,4 keys=32,64"; ATTN_BUCKETS: e.g. 8704 alone)
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
             --buckets ${ATTN_BUCKETS:-4608 8704} ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
-    fp8) bench "$here" fp8_bench.py --shapes qwen3.6-27b ${FP8_GEMM:+--fp8-gemm $FP8_GEMM} --out "$OUT/fp8${FP8_GEMM:+-$FP8_GEMM}.json" ;;
+    fp8)  # FP8_GEMM: --fp8-gemm, a comma list measures each against one bf16 run (e.g. triton,auto)
+        bench "$here" fp8_bench.py --shapes qwen3.6-27b ${FP8_GEMM:+--fp8-gemm $FP8_GEMM} \
+            --out "$OUT/fp8${FP8_GEMM:+-${FP8_GEMM//,/-}}.json" ;;
     fp8-gemm)  # the weight-major Triton tiles at every (projection, rows) point beside bf16, scaled_mm and what
                # the engine runs, and whether a row's bits hold across tiles and row counts (FP8_PROJECTIONS:
                # e.g. o_proj,down_proj when time is short)

@@ -351,15 +351,16 @@ def test_hoppers_triton_tiles_are_wgmma_tiles_by_tensor_descriptors_for_every_ro
 
 
 def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
-    """runtime/bench/fp8_bench.py is for a GPU session; --device cpu --tiny runs every part of it."""
+    """runtime/bench/fp8_bench.py is for a GPU session; --device cpu --tiny runs every part of it, FP8 with
+    each GEMM preference of a list against one bf16 run."""
     import subprocess
     import sys
     from pathlib import Path
 
     bench = Path(__file__).parents[2] / "runtime" / "bench" / "fp8_bench.py"
     out = tmp_path / "fp8.json"
-    done = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--tiny", "--fp8-gemm", "auto,triton",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["gemm_rel_err"] and max(report["gemm_rel_err"].values()) < 1e-2
@@ -370,3 +371,5 @@ def test_the_gpu_benchmark_runs_its_code_on_a_cpu(tmp_path):
     assert result["fp8_over_bf16"]["prefill_64_ms"] > 0
     assert report["fp8_gemm"] == "torch"   # the GEMM points need a GPU (fp8_gemm_bench.py)
     assert set(result["fp8"]["checks"]["matching_prefix_of_8"]) == {"ar", "dflash", "ddtree@16", "ddtree@128"}
+    assert set(result["by_fp8_gemm"]) == {"auto", "triton"} and result["by_fp8_gemm"]["auto"]["fp8"] == result["fp8"]
+    assert result["by_fp8_gemm"]["triton"]["targets"].keys() == result["targets"].keys()

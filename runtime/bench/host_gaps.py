@@ -6,7 +6,8 @@ A lone 27B round took 18.58 ms for 18.04 ms of GPU work (issue 39): the rest is 
 the host reads a round and prepares the next. Two profiles of the same steps tell it: the device's
 kernels alone (the idle time per step, true), then the kernels with the Python stack, whose tracing
 slows the host (~2x), so its gaps are longer than the true ones: that one says where they fall, as
-engine frames (inclusive: a frame counts the idle time of every call under it)."""
+engine frames (inclusive: a frame counts the idle time of every call under it), and which engine code
+waits on the device (a synchronising call or copy beyond the round's one read)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,22 @@ def device_idle(prof_events: list[dict], reps: int) -> dict:
             "idle_in_gaps_us": sum(b - a for a, b in gaps) / reps}
 
 
+def host_waits(events: list[dict], frames: Frames, reps: int) -> dict[str, dict]:
+    """The host's waits on the device per step (CUDA runtime calls that synchronise or copy), by call
+    and the innermost engine frame that made it: count and microseconds. The round reads the device
+    once (graphs.HostRead); any other wait runs the queue dry, and all host work after it is exposed."""
+    waits: dict[str, dict] = defaultdict(lambda: {"count": 0.0, "us": 0.0})
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or not any(w in e["name"] for w in ("Synchronize", "Memcpy")):
+            continue
+        frame = frames.innermost(e["ts"])
+        engine = next((n for n in (frames.chain(frame) if frame else []) if ENGINE_FRAME in n), "(none)")
+        entry = waits[f"{e['name']} at {engine}"]
+        entry["count"] += 1 / reps
+        entry["us"] += e.get("dur", 0.0) / reps
+    return dict(sorted(waits.items(), key=lambda kv: -kv[1]["us"]))
+
+
 def trace_events(run: Callable[[], None], *, stack: bool) -> list[dict]:
     """`run` under the profiler (the device's work, and with `stack` the Python frames too): the trace's events."""
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if stack else [])
@@ -137,11 +154,16 @@ def host_gaps(step: Callable[[], None], reps: int, top: int = 20) -> dict:
     events = trace_events(steps, stack=True)
     traced = device_idle(events, reps)
     busy = merged((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE_WORK)
-    frames = attribute(idle_gaps(busy), python_frames(events), lambda name: ENGINE_FRAME in name)
+    stacks = python_frames(events)
+    frames = attribute(idle_gaps(busy), stacks, lambda name: ENGINE_FRAME in name)
     per_step = {name: us / reps for name, us in list(frames.items())[:top]}
+    waits = host_waits(events, stacks, reps)
     print(f"device idle per step: {true['idle_us']:.0f} us of {true['busy_us'] + true['idle_us']:.0f} "
           f"({true['gaps']:.1f} stretches over {LEAST_GAP_US:.0f} us); with the Python stack traced: "
           f"{traced['idle_us']:.0f} us")
     for name, us in per_step.items():
         print(f"  {us:8.1f} us  {name}")
-    return {"device": true, "traced": traced, "idle_under_frame_us": per_step}
+    print("host waits on the device per step:")
+    for name, w in waits.items():
+        print(f"  {w['count']:5.1f} x {w['us']:8.1f} us  {name}")
+    return {"device": true, "traced": traced, "idle_under_frame_us": per_step, "host_waits": waits}

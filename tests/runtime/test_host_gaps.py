@@ -26,7 +26,7 @@ def test_idle_stretches_lie_between_merged_busy_spans():
     assert idle == {"busy_us": 22.0, "idle_us": 13.0, "gaps": 1.0, "idle_in_gaps_us": 12.5}
 
 
-def test_idle_time_goes_to_every_engine_frame_running_through_it():
+def test_idle_time_goes_to_every_engine_frame_running_through_it_and_waits_to_the_innermost():
     # step (0-100) calls schedule (0-30) and run (30-100); run calls a torch frame (40-90)
     frames = host_gaps.Frames([(0, 100, "ddtree_runtime/engine.py(1): step", None, 1),
                                (0, 30, "ddtree_runtime/scheduler.py(5): schedule", 1, 2),
@@ -37,6 +37,14 @@ def test_idle_time_goes_to_every_engine_frame_running_through_it():
                                sample_us=5)
     assert idle == {"ddtree_runtime/engine.py(1): step": 30.0, "ddtree_runtime/runner.py(9): run": 20.0,
                     "ddtree_runtime/scheduler.py(5): schedule": 10.0, "(none)": 2.0}
+    # the host's waits: a synchronising call under run (its innermost engine frame), a launch is not one
+    events = [{"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 60, "dur": 8},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 70, "dur": 4},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 50, "dur": 3},
+              {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 122, "dur": 1}]
+    assert host_gaps.host_waits(events, frames, reps=2) == {
+        "cudaStreamSynchronize at ddtree_runtime/runner.py(9): run": {"count": 1.0, "us": 6.0},
+        "cudaMemcpyAsync at (none)": {"count": 0.5, "us": 0.5}}
 
 
 def test_a_real_traces_frames_name_the_engine_code_a_moment_ran_in(tiny_models, tmp_path):

@@ -170,7 +170,7 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
         if cost is None:
             return None
         spread = min(max(max(left, default=1), 1), REFRESH_ROUNDS, max(ar_rounds, 1))
-        gives[AR] = sum(min(1, n) for n in left)
+        gives[AR] = sum(1 for n in left if n > 0)
         rates[AR] = gives[AR] / (cost + leave / spread)
     for k, budget in enumerate(candidates):
         nodes = max(tree_bucket(budget + 1), floor_nodes)
@@ -181,11 +181,13 @@ def best_budget(costs: RoundCosts, batch: int, expected: Sequence[Sequence[float
             return None
         per_round = [1 + e[k] for e in expected]   # each row's tokens a round
         tokens = sum(map(min, per_round, left))
-        # drafting again serves every tree round after it: its cost is spread over the rounds the rows
-        # still need at this budget (REFRESH_ROUNDS at most: forecasts change)
-        rounds = max(map(math.ceil, map(truediv, left, per_round)), default=1)
         gives[budget] = tokens
-        rates[budget] = tokens / (cost + refresh / min(max(rounds, 1), REFRESH_ROUNDS))
+        if refresh:
+            # drafting again serves every tree round after it: its cost is spread over the rounds the
+            # rows still need at this budget (REFRESH_ROUNDS at most: forecasts change)
+            rounds = max(map(math.ceil, map(truediv, left, per_round)), default=1)
+            cost += refresh / min(max(rounds, 1), REFRESH_ROUNDS)
+        rates[budget] = tokens / cost
     if not rates:
         return None
     best = max(rates, key=lambda b: (rates[b], b))  # a tie goes to the bigger tree (it forecasts more)
@@ -273,7 +275,7 @@ class BudgetPolicy:
             if outlook is None:
                 return None
             curve, scale = outlook
-            rows.append([min(scale * curve[j], most) for j, most in self._within(req.budget)])
+            rows.append([v if (v := scale * curve[j]) < most else most for j, most in self._within(req.budget)])
         return rows
 
     def _within(self, cap: int) -> list[tuple[int, float]]:

@@ -22,7 +22,7 @@ MILLI = 1000  # forecasts travel to the host as integers (the round's one int64 
 def forecast_accepted(scores: torch.Tensor, nodes: int, budgets: Sequence[int]) -> torch.Tensor:
     """scores [R, D, B] (each level's best path scores, tree.scored_trees) of R trees of `nodes` draft
     nodes -> [R, len(budgets)] expected accepted draft tokens of the tree's first b nodes, for each b in
-    budgets, in thousandths (int64). Five device ops, nothing waits for the device: the scores come
+    budgets, in thousandths (int64). Seven device ops, nothing waits for the device: the scores come
     with the build, where reading each node's log-prob again from the drafts took a log-sum-exp over
     the vocabulary and ~40 launches a tree round, in the host's window before the verify."""
     best = scores.flatten(1).topk(nodes, dim=1).values                           # [R, N] best first

@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             entry.setdefault("by_fp8_gemm", {})[gemm] = results
             if gemm == gemms[0]:
                 entry.update(results)
-            print(f"  fp8 ({gemm}) / bf16: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in results["fp8_over_bf16"].items()))
+            print(f"  fp8 ({gemm}) / bf16: "
+                  + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in results["fp8_over_bf16"].items()))
             for name, v in results["targets"].items():
                 print(f"  target {name}: {v['figure']:.3f} (at most {v['at_most']}) {'met' if v['met'] else 'NOT met'}")
             out.write_text(json.dumps(report, indent=2))

@@ -91,10 +91,14 @@ def attribute(gaps: list[tuple[float, float]], frames: Frames, keep: Callable[[s
     return dict(sorted(idle.items(), key=lambda kv: -kv[1]))
 
 
-def device_idle(prof_events: list[dict], reps: int) -> dict:
-    """From a trace's events: device busy and idle microseconds per step over the profiled span, and
-    the idle stretches' count per step."""
-    busy = merged((e["ts"], e["ts"] + e["dur"]) for e in prof_events if e.get("cat") in DEVICE_WORK)
+def device_busy(prof_events: list[dict]) -> list[tuple[float, float]]:
+    """The trace's device work as merged (start, end) spans."""
+    return merged((e["ts"], e["ts"] + e["dur"]) for e in prof_events if e.get("cat") in DEVICE_WORK)
+
+
+def device_idle(busy: list[tuple[float, float]], reps: int) -> dict:
+    """From a trace's device work (device_busy): busy and idle microseconds per step over the profiled
+    span, and the idle stretches' count per step."""
     if not busy:
         return {"busy_us": 0.0, "idle_us": 0.0, "gaps": 0}
     span = busy[-1][1] - busy[0][0]
@@ -150,10 +154,10 @@ def host_gaps(step: Callable[[], None], reps: int, top: int = 20) -> dict:
         for _ in range(reps):
             step()
 
-    true = device_idle(trace_events(steps, stack=False), reps)
+    true = device_idle(device_busy(trace_events(steps, stack=False)), reps)
     events = trace_events(steps, stack=True)
-    traced = device_idle(events, reps)
-    busy = merged((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE_WORK)
+    busy = device_busy(events)
+    traced = device_idle(busy, reps)
     stacks = python_frames(events)
     frames = attribute(idle_gaps(busy), stacks, lambda name: ENGINE_FRAME in name)
     per_step = {name: us / reps for name, us in list(frames.items())[:top]}

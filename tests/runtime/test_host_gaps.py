@@ -22,7 +22,7 @@ def test_idle_stretches_lie_between_merged_busy_spans():
     # 1 us between 30 and 31 is a launch's latency, not the host
     assert host_gaps.idle_gaps(busy, least_us=2) == [(5, 10), (40, 60)]
     events = [{"cat": "kernel", "ts": a, "dur": b - a} for a, b in [(0, 5), (10, 30), (31, 40), (60, 70)]]
-    idle = host_gaps.device_idle(events + [{"cat": "cpu_op", "ts": 40, "dur": 20}], reps=2)
+    idle = host_gaps.device_idle(host_gaps.device_busy(events + [{"cat": "cpu_op", "ts": 40, "dur": 20}]), reps=2)
     assert idle == {"busy_us": 22.0, "idle_us": 13.0, "gaps": 1.0, "idle_in_gaps_us": 12.5}
 
 

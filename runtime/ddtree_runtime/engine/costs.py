@@ -216,8 +216,7 @@ class CostModel:
 
     def _seconds(self, key: tuple[int, int], longest: int, total: int) -> float:
         """predict's arithmetic, for a shape that was timed."""
-        base = self._base[key] if key in self._base else self.base(key)
-        return max(MIN_SECONDS, base + self.a * key[0] * key[1] * longest + self.c * total)
+        return max(MIN_SECONDS, self.base(key) + self.a * key[0] * key[1] * longest + self.c * total)
 
     def at(self, batch: int, longest: int, total: int) -> RoundCosts:
         """Every measured tree bucket's cost at this batch bucket and these contexts, each the least of

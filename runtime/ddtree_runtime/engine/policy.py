@@ -356,8 +356,8 @@ class BudgetPolicy:
             return choice
         self._ar_streak += 1
         tree = max((b for b in choice.rates if b != AR), key=lambda b: choice.rates[b])
-        if self._ar_streak < max(self._probe_after, self._probe_spacing(choice, tree, costs, batch, floor,
-                                                                        costs.refresh(batch))):
+        if self._ar_streak < self._probe_after or self._ar_streak < self._probe_spacing(
+                choice, tree, costs, batch, floor, costs.refresh(batch)):   # (the spacing only when due)
             return choice
         # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
         self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)

@@ -1,9 +1,14 @@
-"""Time the weight GEMMs of one Qwen3-8B layer on the GPU at a batched verify's row counts, each way the
-runtime could run the projections that add into the residual stream (o_proj, down_proj): the GEMM
-writing the sum itself (addmm_ with beta 1, kernels.residual_linear), or an out-of-place GEMM then an
-add. Decides residual_linear's form; CUDA graphs, as the engine runs them (attn_probe.timed).
+"""Time the weight GEMMs of one layer on the GPU at a batched verify's row counts, each way the runtime
+could run the projections that add into the residual stream (o_proj, down_proj): the GEMM writing the
+sum itself (addmm_ with beta 1, kernels.residual_linear), or an out-of-place GEMM then an add. CUDA
+graphs, as the engine runs them (attn_probe.timed).
 
-    PYTHONPATH=runtime python runtime/bench/gemm_probe.py [--rows 16 272] [--out F]"""
+Decided residual_linear's form (8B, 16 / 256 / 272 rows). Since session 27 it also asks what a verify's
+row count costs at the tile boundaries: B trees of 2^k + 1 nodes (the runtime's tree buckets) make
+B * (2^k + 1) rows, just past a multiple of 64 or 128 (272 = 256 + 16 at 16 running), so the default
+rows are each power of two beside it plus one tree bucket's worth (`per_node` in the JSON: us per row).
+
+    PYTHONPATH=runtime python runtime/bench/gemm_probe.py [--shape qwen3.6-27b] [--rows 128 136 256 272] [--out F]"""
 
 from __future__ import annotations
 
@@ -17,35 +22,44 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attn_probe import timed  # noqa: E402
+from fp8_gemm_bench import SHAPES  # noqa: E402
 
-# (name, in features, out features, adds into the residual stream)
-PROJECTIONS = [("qkv", 4096, 6144, False), ("o", 4096, 4096, True), ("gate_up", 4096, 24576, False),
-               ("down", 12288, 4096, True)]
+# the projections that add into the residual stream (kernels.residual_linear)
+RESIDUAL = ("o_proj", "down_proj")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 256, 272])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 17, 64, 68, 128, 136, 256, 272])
     ap.add_argument("--out", default="bench/results/runtime-gemm-probe.json")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     results = []
     for rows in args.rows:
-        for name, fin, fout, residual in PROJECTIONS:
+        for name, fout, fin in SHAPES[args.shape]:
             w = torch.randn(fout, fin, device=dev, dtype=dt) * 0.02
             x = torch.randn(rows, fin, device=dev, dtype=dt)
             res = torch.randn(rows, fout, device=dev, dtype=dt)
             out = torch.empty(rows, fout, device=dev, dtype=dt)
             row = {"rows": rows, "projection": name, "linear": timed(lambda: F.linear(x, w)),
                    "mm_out": timed(lambda: torch.mm(x, w.t(), out=out))}
-            if residual:
+            if name in RESIDUAL:
                 row["addmm_inplace"] = timed(lambda: res.addmm_(x, w.t()))
                 row["mm_then_add"] = timed(lambda: res.add_(torch.mm(x, w.t())))
+            row["tflops"] = 2 * rows * fin * fout / row["linear"] / 1e6
             results.append(row)
             print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    layer = {}  # the layer's GEMMs (linear) summed at each row count
+    for r in results:
+        layer[r["rows"]] = layer.get(r["rows"], 0.0) + r["linear"]
+    for rows, us in layer.items():
+        print(f"rows {rows}: the layer's GEMMs {us:.1f} us, {us / rows:.3f} us a row", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "unit": "us per call",
-                                          "results": results}, indent=2))
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
+                                          "unit": "us per call", "results": results,
+                                          "layer_us": {str(k): v for k, v in layer.items()},
+                                          "per_node": {str(k): v / k for k, v in layer.items()}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,14 @@ from .drafter_layout import drafter_layout, draft_value
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The engine's constants, declared here (torch-free) and imported by it: prompt tokens per prefill
-# forward (engine/prefill.py says why this many), and the sizes a tree pass is padded to (root + 2^k
-# draft nodes: engine/runner.py's graph buckets).
+# forward (engine/prefill.py says why this many), and the sizes a tree pass is padded to (engine/runner.py's
+# graph buckets): root + 2^k draft nodes (a budget of 2^k), and from 8 on 2^k nodes as well (a budget of
+# 2^k - 1). B rows of 2^k + 1 nodes put B * 2^k + B rows through the target's GEMMs, just past whole tiles
+# (272 at 16 running, where the H200's GEMMs are compute-bound: an 8B layer's took 14.5% longer than at
+# 256, docs/performance.md "Session 27"); a round of 2^k-node trees fills them, for the policy by cost to
+# take where the last node is worth less than it costs.
 PREFILL_PIECE = 32768
-TREE_BUCKETS = (1, 2, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
+TREE_BUCKETS = (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025)
 SHORT_REQUEST = 8192    # the "requests of 8K" the plan and the start-up line count
 RING_ALIGN = 64         # a sliding layer's ring is a whole number of these slots (the decode kernel's key blocks)
 

@@ -131,7 +131,7 @@ def test_round_budgets_share_the_round_nodes():
     assert round_budgets([16, 32, 4], 3, None) == [16, 32, 4]           # fixed: each its own
     assert round_budgets([16, 32, 4], 3, 272) == [16, 32, 4]            # 90 nodes each: 65 - 1 >= all
     assert round_budgets([16] * 16, 16, 272) == [16] * 16               # 17 each
-    assert round_budgets([16] * 32, 32, 272) == [4] * 32                # 8 each: down to a 5-node bucket
+    assert round_budgets([16] * 32, 32, 272) == [7] * 32                # 8 each: the 8-node bucket
     assert round_budgets([16] * 64, 64, 128) == [1] * 64                # at least the root and one node
 
 

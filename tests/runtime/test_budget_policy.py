@@ -20,6 +20,7 @@ from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
 from ddtree_runtime.engine.costs import SWEEP_PROMPT, CostModel, RoundCosts
 from ddtree_runtime.engine.policy import PROBE_GAP, PROBE_SHARE, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
+from ddtree_runtime.engine.runner import tree_bucket
 from ddtree_runtime.engine.types import BatchStats
 from ddtree_runtime.engine.tree import scored_trees
 from ddtree_devtools.engine_runs import serve
@@ -29,8 +30,16 @@ CANDIDATES = (1, 4, 8, 16)
 
 
 def costs(batch: int, ms: dict[int, float]) -> RoundCosts:
-    """A cost table for one batch bucket: tree bucket (1: AR) -> milliseconds."""
+    """A cost table for one batch bucket: tree bucket (1: AR) -> milliseconds. The buckets of 2^k nodes
+    cost what the 2^k + 1 above them do where not given (no tile effect)."""
+    ms = {**{n - 1: ms[n] for n in (9, 17) if n in ms}, **ms}
     return RoundCosts({(batch, nodes): t / 1e3 for nodes, t in ms.items()})
+
+
+def forecast(*at: float) -> tuple[float, ...]:
+    """A drafter's forecast at budgets 1, 4, 8 and 16 (and, as given, the row's own budget), spread over
+    the candidates (1, 4, 7, 8, 15, 16): 7 and 15 a little below 8 and 16 (their last node's share)."""
+    return (at[0], at[1], 0.95 * at[2], *at[2:3], 0.97 * at[3], *at[3:])
 
 
 FLAT = {1: 10, 2: 11, 5: 11, 9: 11, 17: 11}        # a lone round on a GPU: trees almost free
@@ -38,9 +47,21 @@ STEEP = {1: 10, 2: 14, 5: 20, 9: 30, 17: 60}       # a big batch: verify grows w
 
 
 def test_candidates_are_full_buckets_below_the_cap_and_the_cap():
-    assert candidate_budgets(16) == (1, 4, 8, 16)
-    assert candidate_budgets(12) == (1, 4, 8, 12)
+    assert candidate_budgets(16) == (1, 4, 7, 8, 15, 16)
+    assert candidate_budgets(12) == (1, 4, 7, 8, 12)
     assert candidate_budgets(1) == (1,)
+
+
+def test_a_tree_that_fills_whole_gemm_tiles_wins_where_its_last_node_is_worth_less():
+    """16 rows of 17-node trees put 272 rows through the GEMMs, just past 256: a round of 16-node trees
+    (budget 15, its own bucket) costs less there, and is chosen when the 16th node adds little."""
+    candidates = candidate_budgets(16)
+    table = {1: 20.7, 2: 24.5, 5: 26.3, 8: 27.0, 9: 28.0, 16: 35.5, 17: 39.8}  # the H200's 27B at 16 rows, ms
+    tapering = [[0.9, 2.6, 3.1, 3.3, 4.6, 4.62]] * 16   # the 16th node adds 0.02 tokens
+    chosen = best_budget(costs(16, table), 16, tapering, [100] * 16, candidates)
+    assert chosen.budget == 15 and chosen.rate == pytest.approx(16 * 5.6 / 0.0355)
+    steep = [[0.9, 2.6, 3.1, 3.3, 4.6, 6.5]] * 16       # ... or 1.9: worth its 4.3 ms
+    assert best_budget(costs(16, table), 16, steep, [100] * 16, candidates).budget == 16
 
 
 def test_the_choice_follows_acceptance_and_cost():
@@ -104,10 +125,10 @@ def test_calibration_scales_the_forecast_to_what_was_accepted():
     prior, req = Acceptance(), Acceptance()
     assert req.expected(prior) is None  # nothing forecast anywhere yet
     for _ in range(30):
-        req.observe((1.0, 4.0, 6.0, 8.0), 6.0, 3)   # accepts half of what its drafter forecasts
-    assert req.expected(prior) == pytest.approx((0.5, 2.0, 3.0, 4.0), rel=0.1)  # (the prior weighs a little)
-    prior.observe((1.0, 2.0, 2.0, 2.0), 2.0, 2)
-    assert Acceptance().expected(prior) == pytest.approx((1.0, 2.0, 2.0, 2.0))  # a newcomer: everyone's
+        req.observe(forecast(1.0, 4.0, 6.0, 8.0), 6.0, 3)   # accepts half of what its drafter forecasts
+    assert req.expected(prior) == pytest.approx(forecast(0.5, 2.0, 3.0, 4.0), rel=0.1)  # (the prior weighs a little)
+    prior.observe(forecast(1.0, 2.0, 2.0, 2.0), 2.0, 2)
+    assert Acceptance().expected(prior) == pytest.approx(forecast(1.0, 2.0, 2.0, 2.0))  # a newcomer: everyone's
 
 
 def test_a_newcomer_starts_from_a_typical_request_not_the_last_row():
@@ -115,9 +136,9 @@ def test_a_newcomer_starts_from_a_typical_request_not_the_last_row():
     hard text at the end of a batch must not open the next batch with AR rounds."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
     reqs = [_Req("ddtree", 16) for _ in range(4)]
-    easy, hard = [1.0, 4.0, 7.0, 12.0], [0.5, 1.0, 1.0, 1.0]
+    easy, hard = forecast(1.0, 4.0, 7.0, 12.0, 12.0), forecast(0.5, 1.0, 1.0, 1.0, 1.0)
     for _ in range(10):   # rounds of three easy rows and, last, a hard one
-        policy.observe(reqs, [16] * 4, [((), 12, None)] * 3 + [((), 1, None)], [easy + [12.0]] * 3 + [hard + [1.0]])
+        policy.observe(reqs, [16] * 4, [((), 12, None)] * 3 + [((), 1, None)], [easy] * 3 + [hard])
     newcomer = Acceptance().expected(policy.prior)
     assert newcomer[-1] == pytest.approx(0.75 * 12.0 + 0.25 * 1.0, rel=0.05)   # each accepts what it forecast
     assert reqs[3].acceptance.expected(policy.prior)[-1] < 2 < 8 < newcomer[-1]   # the hard row keeps its own
@@ -128,7 +149,7 @@ def test_a_low_forecast_ages_toward_the_outlook_over_ar_rounds():
     toward the engine-wide outlook each AR round, so a tree round looks again after a few of them."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
     reqs = [_Req("ddtree", 16) for _ in range(2)]
-    trees = [[1.0, 4.0, 7.0, 12.0, 12.0], [0.5, 1.0, 1.0, 1.0, 1.0]]   # an easy row's forecast, a stuck one's
+    trees = [forecast(1.0, 4.0, 7.0, 12.0, 12.0), forecast(0.5, 1.0, 1.0, 1.0, 1.0)]   # an easy row's, a stuck one's
     policy.observe(reqs, [16, 16], [((), 12, None), ((), 1, None)], trees)
     stuck = reqs[1].acceptance
     before = stuck.expected(policy.prior)[-1]
@@ -148,7 +169,7 @@ def test_a_low_calibration_ages_toward_the_outlook_over_ar_rounds():
     that found easy text again after a few AR rounds is not kept from trees by its old rounds."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=8, block_size=16, round_nodes=None)
     reqs = [_Req("ddtree", 16) for _ in range(2)]
-    curve = [1.0, 4.0, 7.0, 12.0, 12.0]
+    curve = forecast(1.0, 4.0, 7.0, 12.0, 12.0)
     for _ in range(6):   # the same forecast for both; the second row accepts a fifth of it
         policy.observe(reqs, [16, 16], [((), 12, None), ((), 2, None)], [curve, curve])
     hard = reqs[1].acceptance
@@ -204,7 +225,7 @@ def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_the
     assert policy.budgets(reqs) == [16, 4, 16, 8]         # no costs measured yet: each its own
     policy.costs = CostModel.of_table(costs(4, STEEP).seconds)
     for r in reqs:
-        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+        r.acceptance.observe(forecast(0.0, 0.0, 0.0, 0.0), 1.0, 0)
     # nothing is accepted, but the row that asked for 4 keeps its tree: no AR, the bucket it pads to
     assert policy.budgets(reqs) == [4, 4, 16, 4]
     alone = [reqs[0], reqs[2], reqs[3]]
@@ -212,7 +233,7 @@ def test_the_policy_gives_chosen_rows_the_round_budget_and_leaves_the_others_the
     policy.costs = CostModel.of_table({**costs(4, FLAT).seconds, (4, 1): 0.1})
     for r in alone:
         r.acceptance = Acceptance()
-        r.acceptance.observe((0.9, 3.0, 5.0, 7.0), 7.0, 7)
+        r.acceptance.observe(forecast(0.9, 3.0, 5.0, 7.0), 7.0, 7)
     assert policy.budgets(alone) == [16, 16, 8]            # the one capped at 8 gets 8
 
 
@@ -222,7 +243,7 @@ def losing_drafter() -> tuple[BudgetPolicy, list[_Req]]:
     policy.costs = CostModel.of_table(costs(2, STEEP).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
-        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+        r.acceptance.observe(forecast(0.0, 0.0, 0.0, 0.0), 1.0, 0)
     return policy, reqs
 
 
@@ -541,17 +562,17 @@ def test_only_a_tree_that_gains_brings_the_probes_close_again(accepted, next_tre
     chosen = [policy.budgets(reqs)[0] for _ in range(150)]
     assert [i for i, b in enumerate(chosen) if b != AR] == [26, 53, 80, 107, 139]
     budgets = [16, 16]                                   # a tree round chosen at round 149 (say), its outcome:
-    policy.observe(reqs, budgets, [([1] * (1 + accepted), accepted, None)] * 2, [[0.0] * 5] * 2)
+    policy.observe(reqs, budgets, [([1] * (1 + accepted), accepted, None)] * 2, [forecast(0.0, 0.0, 0.0, 0.0, 0.0)] * 2)
     for r in reqs:                                       # its forecasts still say AR wins
         r.acceptance = Acceptance()
-        r.acceptance.observe((0.0, 0.0, 0.0, 0.0), 1.0, 0)
+        r.acceptance.observe(forecast(0.0, 0.0, 0.0, 0.0), 1.0, 0)
     later = [policy.budgets(reqs)[0] for _ in range(150, 250)]
     assert next(i for i, b in enumerate(later, 150) if b != AR) == next_tree
 
 
 def good_outlook(policy: BudgetPolicy) -> None:
     """An engine-wide outlook under which trees win: what the rows' forecasts age into over AR rounds."""
-    policy.prior.observe((0.9, 3.0, 5.0, 7.0), 7.0, 7)
+    policy.prior.observe(forecast(0.9, 3.0, 5.0, 7.0), 7.0, 7)
 
 
 def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
@@ -560,7 +581,7 @@ def test_the_choice_stays_put_on_close_estimates_and_probes_a_near_one():
     good_outlook(policy)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # a tree of 16: 2 tokens a row in 20 ms; AR: 1 in 10
+        r.acceptance.observe(forecast(0.5, 1.0, 1.0, 1.0), 1.0, 1)  # a tree of 16: 2 tokens a row in 20 ms; AR: 1 in 10
     policy.last_round = 16
     policy._probe_after = 8                                 # probes 8 AR rounds apart (after failed ones)
     assert policy.budgets(reqs) == [16, 16]                 # AR predicts the same: no switch
@@ -579,7 +600,7 @@ def test_rows_that_must_draft_again_pay_no_switch_back():
     good_outlook(policy)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)
+        r.acceptance.observe(forecast(0.5, 1.0, 1.0, 1.0), 1.0, 1)
     policy.last_round = 16
     # leaving trees for AR costs the drafter pass back, spread over the AR rounds before the policy's next
     # tree round (a probe after PROBE_FIRST of them), not over rounds that would never run
@@ -595,10 +616,10 @@ def test_leaving_trees_for_good_costs_no_drafter_pass_back():
     (on the hybrid tiny pair at 16-32 running on the CPU, AR charged that pass lost to trees it beat)."""
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None)
     policy.costs = CostModel.of_table(costs(2, {1: 9, 2: 20, 5: 20, 9: 20, 17: 20}).seconds)
-    policy.prior.observe((0.5, 0.8, 0.8, 0.9), 0.9, 0.9)   # a tree of 16 would give 1.9 a row in 20 ms
+    policy.prior.observe(forecast(0.5, 0.8, 0.8, 0.9), 0.9, 0.9)   # a tree of 16 would give 1.9 a row in 20 ms
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.0), 1.0, 1)  # now 2 a row in 20 ms; AR 1 in 9
+        r.acceptance.observe(forecast(0.5, 1.0, 1.0, 1.0), 1.0, 1)  # now 2 a row in 20 ms; AR 1 in 9
     policy.last_round = 16
     assert policy.budgets(reqs) == [AR, AR] and policy.last.rates[AR] == pytest.approx(2 / 0.009)
     good_outlook(policy)                                     # trees win at the outlook: coming back is likely
@@ -612,27 +633,27 @@ def test_a_small_trees_forecast_is_capped_at_its_size():
     policy.costs = CostModel.of_table(costs(2, {1: 10, 2: 20, 5: 20, 9: 20, 17: 26}).seconds)
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
     for r in reqs:                      # forecast 5 for the tree run, 15 accepted: scaled ~2.4x (12 at 8 nodes)
-        r.acceptance.observe((0.9, 3.0, 5.0, 7.0), 5.0, 15)
+        r.acceptance.observe(forecast(0.9, 3.0, 5.0, 7.0), 5.0, 15)
     assert policy.budgets(reqs) == [16, 16]
     assert policy.last.rates[8] == pytest.approx(2 * 9 / 0.020)   # 8 accepted and the bonus token, a row
 
 
 def test_near_candidates_are_timed_again_now_and_then():
     policy = BudgetPolicy(by_cost=True, cap=16, slots=2, block_size=16, round_nodes=None, learning=True)
-    ms = {1: 10, 2: 20, 5: 20, 9: 20, 17: 20}
+    ms = {1: 10, 2: 20, 5: 20, 8: 20, 9: 20, 16: 20, 17: 20}
     policy.costs = CostModel.of_table(costs(2, ms).seconds)
-    policy.prior.observe((0.5, 0.8, 0.8, 0.9), 0.9, 0.9)   # AR wins at the outlook: leaving is not charged
+    policy.prior.observe(forecast(0.5, 0.8, 0.8, 0.9), 0.9, 0.9)   # AR wins at the outlook: leaving is not charged
     reqs = [_Req("ddtree", 16), _Req("ddtree", 16)]
-    for r in reqs:  # 16 predicts 220 tok/s; 4, 8 and AR 200: within PROBE_WITHIN; 1 150
-        r.acceptance.observe((0.5, 1.0, 1.0, 1.2), 1.2, 1.2)
+    for r in reqs:  # 16 predicts 220 tok/s; 4, 8, 15 and AR 200, 7 190: within PROBE_WITHIN; 1 150
+        r.acceptance.observe((0.5, 1.0, 0.9, 1.0, 1.0, 1.2, 1.2), 1.2, 1.2)
     chosen = []
     for _ in range(200):
         budgets = policy.budgets(reqs)
         chosen.append(budgets[0])
         policy.record(reqs, budgets, BatchStats())
-        policy.timed(ms[1 if budgets[0] == AR else {1: 2, 4: 5, 8: 9, 16: 17}[budgets[0]]] / 1e3)
+        policy.timed(ms[1 if budgets[0] == AR else tree_bucket(budgets[0] + 1)] / 1e3)
     probes = [b for b in chosen if b != 16]
-    assert {AR, 4, 8} <= set(probes) and 1 not in probes         # each near one, never the far one
+    assert {AR, 4, 7, 8, 15} <= set(probes) and 1 not in probes  # each near one, never the far one
     assert len(probes) <= 200 // PROBE_GAP                          # at most one in PROBE_GAP rounds
 
 
@@ -640,7 +661,7 @@ def test_the_warm_up_times_every_shape_and_leaves_the_outlook_as_it_was(tiny_mod
     engine = Engine(EngineConfig(str(tiny_models / "target"), str(tiny_models / "draft"), max_running=2,
                                  tree_policy="cost"))
     engine.warm_up()
-    shapes = {(b, t) for b in (1, 2) for t in (1, 2, 5, 9, 17)}
+    shapes = {(b, t) for b in (1, 2) for t in (1, 2, 5, 8, 9, 16, 17)}
     assert set(engine.policy.costs.samples) == shapes
     assert all(len(w) >= 4 for w in engine.policy.costs.samples.values())
     assert engine.policy.prior.curve is None  # its made-up prompts' acceptance is not real traffic's

@@ -298,7 +298,7 @@ def test_a_prompt_chosen_by_cost_drafts_with_it_unless_its_batch_runs_ar_next(ti
     assert admitted(None, 8) == (True, True)   # no costs measured: trees come, the prompts' pass drafts
     # measured: AR 50x cheaper than any tree, and an outlook that accepts little
     engine.policy.costs = CostModel.of_table({(b, nodes): 0.002 if nodes == 1 else 0.1
-                                              for b in (1, 2) for nodes in (1, 2, 5, 9, 17)})
+                                              for b in (1, 2) for nodes in (1, 2, 5, 8, 9, 16, 17)})
     engine.policy.prior.observe((0.1,) * len(engine.policy.candidates), 0.4, 0)
     assert admitted(None) == (False,)          # an AR round is next: it waits to draft
     assert admitted(None, 8) == (True, True)   # beside a fixed tree the round is a tree: it drafts now
@@ -330,7 +330,7 @@ def test_a_bursts_prompt_passes_write_the_drafter_context_once(tiny_hybrid_model
             for _ in range(2)]
     for engine in made:   # measured: AR far cheaper than any tree, an outlook that accepts little
         engine.policy.costs = CostModel.of_table({(b, nodes): 0.002 if nodes == 1 else 0.1
-                                                  for b in (1, 2, 4) for nodes in (1, 2, 5, 9, 17)})
+                                                  for b in (1, 2, 4) for nodes in (1, 2, 5, 8, 9, 16, 17)})
         engine.policy.prior.observe((0.1,) * len(engine.policy.candidates), 0.4, 0)
     reference = made[1].runner.draft_cache
     reference.hold = lambda first, feats, slots, points: reference.write(

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes (declared there: the pool is sized by them)
+from ..capacity import TREE_BUCKETS  # root + 2^k draft nodes, and 2^k (declared there: the pool is sized by them)
 from ..model import Qwen3ForCausalLM
 from ..model.dflash import DraftInputs, DraftMask
 from ..model.gdn_chunk import PaddedPrompt

@@ -3,7 +3,7 @@
     PYTHONPATH=runtime python runtime/bench/batch_bench.py --models ~/.cache/ddops/tiny-models-seed0 [--out F]
     PYTHONPATH=runtime python runtime/bench/batch_bench.py --shape qwen3-8b [--context 512] [--out F]
 
-Cases: ar, dflash, ddtree@16 (fixed), cost (ddtree, each round's budget chosen by the cost policy, 16 at
+Cases: ar, dflash, ddtree@16 (fixed; any ddtree@N by name), cost (ddtree, each round's budget chosen by the cost policy, 16 at
 most, from the round costs the warm-up times), adaptive (the fixed policy's equal share of
 `--round-nodes` tree nodes per round over the batch, 16 at most) and held-ar (ddtree requests the cost
 policy holds to AR rounds: its best where AR wins, their drafter context kept). The engine is warmed up
@@ -31,6 +31,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,11 +51,15 @@ HELD = "held-ar"   # ddtree requests the cost policy holds to AR rounds: its bes
                    # their drafter context, which AR requests do not pay for)
 
 
-def cases(round_nodes: int) -> list[tuple[str, str, int | None, int | None]]:
-    """(name, mode, tree budget, round_nodes)."""
-    return [("ar", "ar", None, None), ("dflash", "dflash", None, None), ("ddtree@16", "ddtree", 16, None),
-            ("cost", "ddtree", None, None), (f"adaptive@{round_nodes}", "ddtree", None, round_nodes),
-            (HELD, "ddtree", None, None)]
+def cases(round_nodes: int, named: Sequence[str] = ()) -> list[tuple[str, str, int | None, int | None]]:
+    """(name, mode, tree budget, round_nodes): the default cases, and any fixed `ddtree@N` named (ddtree@15
+    at 16 running: 16-node trees, 256 rows through the GEMMs where ddtree@16 puts 272)."""
+    known = [("ar", "ar", None, None), ("dflash", "dflash", None, None), ("ddtree@16", "ddtree", 16, None),
+             ("cost", "ddtree", None, None), (f"adaptive@{round_nodes}", "ddtree", None, round_nodes),
+             (HELD, "ddtree", None, None)]
+    extra = [(name, "ddtree", int(name[7:]), None) for name in named
+             if name.startswith("ddtree@") and name[7:].isdigit() and name not in {c[0] for c in known}]
+    return known + extra
 
 
 def sync(device: torch.device) -> None:
@@ -287,7 +292,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     batches = [int(b) for b in args.batches.split(",")]
-    chosen = [c for c in cases(args.round_nodes) if args.cases is None or c[0] in args.cases.split(",")]
+    named = args.cases.split(",") if args.cases else []
+    chosen = [c for c in cases(args.round_nodes, named) if not named or c[0] in named]
 
     if args.models:
         models = Path(args.models).expanduser()

@@ -32,7 +32,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # forward (engine/prefill.py says why this many), and the sizes a tree pass is padded to (engine/runner.py's
 # graph buckets): root + 2^k draft nodes (a budget of 2^k), and from 8 on 2^k nodes as well (a budget of
 # 2^k - 1). B rows of 2^k + 1 nodes put B * 2^k + B rows through the target's GEMMs, just past whole tiles
-# (272 at 16 running, where the H200's GEMMs are compute-bound: an 8B layer's took 14.5% longer than at
+# (272 at 16 running, where the H200's GEMMs are compute-bound: an 8B layer's took 14.7% longer than at
 # 256, docs/performance.md "Session 27"); a round of 2^k-node trees fills them, for the policy by cost to
 # take where the last node is worth less than it costs.
 PREFILL_PIECE = 32768

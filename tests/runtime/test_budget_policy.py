@@ -52,17 +52,16 @@ def test_candidates_are_full_buckets_below_the_cap_and_the_cap():
     assert candidate_budgets(1) == (1,)
 
 
-def test_a_tree_that_fills_whole_gemm_tiles_wins_where_its_last_node_is_worth_less():
-    """16 rows of 17-node trees put 272 rows through the GEMMs, just past 256: a round of 16-node trees
-    (budget 15, its own bucket) costs less there, and is chosen when the 16th node adds little."""
+def test_a_tree_of_2k_nodes_wins_where_its_last_node_is_worth_less():
+    """A round of 16-node trees (budget 15, its own bucket) fills the kernels' power-of-two blocks: at
+    16 rows it costs 9% less than one of 17 nodes, and is chosen when the 16th node adds little."""
     candidates = candidate_budgets(16)
-    # the H200's warm-up sweep of the 27B at 16 rows (ms); the 8- and 16-node rounds estimated from the
-    # 8B's GEMMs, 14.7% slower at 272 rows than at 256 (docs/performance.md, session 27)
-    table = {1: 20.7, 2: 24.5, 5: 26.3, 8: 27.0, 9: 28.0, 16: 35.5, 17: 39.8}
+    # the 27B's warm-up sweep at 16 rows on an H100 (ms; docs/performance.md, session 27)
+    table = {1: 25.08, 2: 27.59, 5: 28.68, 8: 29.75, 9: 30.37, 16: 32.68, 17: 35.76}
     tapering = [[0.9, 2.6, 3.1, 3.3, 4.6, 4.62]] * 16   # the 16th node adds 0.02 tokens
     chosen = best_budget(costs(16, table), 16, tapering, [100] * 16, candidates)
-    assert chosen.budget == 15 and chosen.rate == pytest.approx(16 * 5.6 / 0.0355)
-    steep = [[0.9, 2.6, 3.1, 3.3, 4.6, 6.5]] * 16       # ... or 1.9: worth its 4.3 ms
+    assert chosen.budget == 15 and chosen.rate == pytest.approx(16 * 5.6 / 0.03268)
+    steep = [[0.9, 2.6, 3.1, 3.3, 4.6, 6.5]] * 16       # ... or 1.9: worth its 3.1 ms
     assert best_budget(costs(16, table), 16, steep, [100] * 16, candidates).budget == 16
 
 

@@ -31,7 +31,7 @@ CANDIDATES = (1, 4, 8, 16)
 
 def costs(batch: int, ms: dict[int, float]) -> RoundCosts:
     """A cost table for one batch bucket: tree bucket (1: AR) -> milliseconds. The buckets of 2^k nodes
-    cost what the 2^k + 1 above them do where not given (no tile effect)."""
+    cost what the 2^k + 1 above them do where not given (as if the last node cost nothing)."""
     ms = {**{n - 1: ms[n] for n in (9, 17) if n in ms}, **ms}
     return RoundCosts({(batch, nodes): t / 1e3 for nodes, t in ms.items()})
 

@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
+# Steps: smi, profile, profile-tiles, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
 # cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
@@ -48,6 +48,12 @@ step() {
     rounds-tiles)  # trees of 2^k nodes (budget 2^k - 1: the kernels' power-of-two blocks) beside root + 2^k
         bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1,8,16 \
             --cases ddtree@7,ddtree@8,ddtree@15,ddtree@16 --label tiles --out "$OUT/rounds-tiles.json" ;;
+    profile-tiles)  # the 16-row step at 16 nodes and at 17, kernel by kernel: where a 17-node round's extra
+                    # ~3 ms goes beyond its GEMMs' ~0.6 (session 27, H100)
+        for nodes in 16 17; do
+            bench "$here" gpu_profile.py --shape qwen3.6-27b --context "$CTX" --batch 16 --nodes "$nodes" \
+                --out "$OUT/profile-16x$nodes.json" || return 1
+        done ;;
     rounds) rounds "$here" new qwen3.6-27b "$CTX" ;;
     rounds-old) old_tree && rounds /tmp/old old qwen3.6-27b "$CTX" ;;
     rounds-8b) rounds "$here" 8b-new qwen3-8b 512 ;;

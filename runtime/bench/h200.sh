@@ -45,7 +45,7 @@ step() {
             --out "$OUT/gaps.json" ;;
     gemm-rows)  # the 27B layer's bf16 GEMMs at a verify's row counts around the tile boundaries (gemm_probe.py)
         bench "$here" gemm_probe.py --shape qwen3.6-27b --out "$OUT/gemm-rows-27b.json" ;;
-    rounds-tiles)  # trees of 2^k nodes (budget 2^k - 1: the kernels' power-of-two blocks) beside root + 2^k
+    rounds-tiles)  # trees of 2^k nodes (budget 2^k - 1) beside root + 2^k, at 1, 8 and 16 running
         bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1,8,16 \
             --cases ddtree@7,ddtree@8,ddtree@15,ddtree@16 --label tiles --out "$OUT/rounds-tiles.json" ;;
     profile-tiles)  # the 16-row step at 16 nodes and at 17, kernel by kernel: where a 17-node round's extra

@@ -31,10 +31,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The engine's constants, declared here (torch-free) and imported by it: prompt tokens per prefill
 # forward (engine/prefill.py says why this many), and the sizes a tree pass is padded to (engine/runner.py's
 # graph buckets): root + 2^k draft nodes (a budget of 2^k), and from 8 on 2^k nodes as well (a budget of
-# 2^k - 1), for the policy by cost to take where the last node is worth less than it costs. A tree of
-# 2^k nodes fills the kernels' power-of-two blocks (tree_delta's node block without the root peeled off;
-# an 8B layer's GEMMs on the H200 took 14.7% longer at 272 rows than at 256): on an H100 a round of 16 rows
-# of 16-node trees of the 27B took 38.5 ms against 41.5 at 17 nodes (docs/performance.md "Session 27").
+# 2^k - 1), for the policy by cost to take where the last node is worth less than it costs: on an H100 a
+# round of 16 rows of 16-node trees of the 27B took 38.5 ms against 41.5 at 17 nodes (its GEMMs ~0.6 ms
+# of the 3; an 8B layer's GEMMs on the H200 took 14.7% longer at 272 rows than at 256; docs/performance.md
+# "Session 27").
 PREFILL_PIECE = 32768
 TREE_BUCKETS = (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025)
 SHORT_REQUEST = 8192    # the "requests of 8K" the plan and the start-up line count

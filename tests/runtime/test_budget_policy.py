@@ -53,8 +53,8 @@ def test_candidates_are_full_buckets_below_the_cap_and_the_cap():
 
 
 def test_a_tree_of_2k_nodes_wins_where_its_last_node_is_worth_less():
-    """A round of 16-node trees (budget 15, its own bucket) fills the kernels' power-of-two blocks: at
-    16 rows it costs 9% less than one of 17 nodes, and is chosen when the 16th node adds little."""
+    """A round of 16-node trees (budget 15, its own bucket) costs 9% less than one of 17 nodes at 16 rows
+    on the GPU (more than one node's share): it is chosen where the 16th draft node adds little."""
     candidates = candidate_budgets(16)
     # the 27B's warm-up sweep at 16 rows on an H100 (ms; docs/performance.md, session 27)
     table = {1: 25.08, 2: 27.59, 5: 28.68, 8: 29.75, 9: 30.37, 16: 32.68, 17: 35.76}

@@ -1,4 +1,4 @@
-"""Time the weight GEMMs of one layer on the GPU at a batched verify's row counts, each way the runtime
+"""Time the weight GEMMs of a shape's projections on the GPU at a batched verify's row counts, each way the runtime
 could run the projections that add into the residual stream (o_proj, down_proj): the GEMM writing the
 sum itself (addmm_ with beta 1, kernels.residual_linear), or an out-of-place GEMM then an add. CUDA
 graphs, as the engine runs them (attn_probe.timed).
@@ -6,7 +6,9 @@ graphs, as the engine runs them (attn_probe.timed).
 Decided residual_linear's form (8B, 16 / 256 / 272 rows). Since session 27 it also asks what a verify's
 row count costs at the tile boundaries: B trees of 2^k + 1 nodes (the runtime's tree buckets) make
 B * (2^k + 1) rows, just past a multiple of 64 or 128 (272 = 256 + 16 at 16 running), so the default
-rows are each power of two beside it plus one tree bucket's worth (`per_node` in the JSON: us per row).
+rows are each power of two beside it plus one tree bucket's worth (`summed_us`: every listed projection
+at a row count, which for the 27B is no layer's: its GDN layers run gdn_in_proj, its attention layers
+attn_qkv; weigh them by the layers' count to compare passes).
 
     PYTHONPATH=runtime python runtime/bench/gemm_probe.py [--shape qwen3.6-27b] [--rows 128 136 256 272] [--out F]"""
 
@@ -50,16 +52,17 @@ def main() -> None:
             row["tflops"] = 2 * rows * fin * fout / row["linear"] / 1e6
             results.append(row)
             print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    layer = {}  # the layer's GEMMs (linear) summed at each row count
+    summed = {}  # every listed projection's GEMM (linear) at each row count
     for r in results:
-        layer[r["rows"]] = layer.get(r["rows"], 0.0) + r["linear"]
-    for rows, us in layer.items():
-        print(f"rows {rows}: the layer's GEMMs {us:.1f} us, {us / rows:.3f} us a row", flush=True)
+        summed[r["rows"]] = summed.get(r["rows"], 0.0) + r["linear"]
+    for rows, us in summed.items():
+        print(f"rows {rows}: the projections' GEMMs {us:.1f} us, {us / rows:.3f} us a row", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
                                           "unit": "us per call", "results": results,
-                                          "layer_us": {str(k): v for k, v in layer.items()},
-                                          "per_node": {str(k): v / k for k, v in layer.items()}}, indent=2))
+                                          "summed_us": {str(k): v for k, v in summed.items()},
+                                          "summed_us_a_row": {str(k): v / k for k, v in summed.items()}},
+                                         indent=2))
 
 
 if __name__ == "__main__":

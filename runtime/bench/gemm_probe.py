@@ -1,7 +1,7 @@
-"""Time the weight GEMMs of a shape's projections on the GPU at a batched verify's row counts, each way the runtime
-could run the projections that add into the residual stream (o_proj, down_proj): the GEMM writing the
-sum itself (addmm_ with beta 1, kernels.residual_linear), or an out-of-place GEMM then an add. CUDA
-graphs, as the engine runs them (attn_probe.timed).
+"""Time the weight GEMMs of a shape's projections on the GPU at a batched verify's row counts, each way
+the runtime could run the projections that add into the residual stream (o_proj, down_proj): the GEMM
+writing the sum itself (addmm_ with beta 1, kernels.residual_linear), or an out-of-place GEMM then an
+add. CUDA graphs, as the engine runs them (attn_probe.timed).
 
 Decided residual_linear's form (8B, 16 / 256 / 272 rows). Since session 27 it also asks what a verify's
 row count costs at the tile boundaries: B trees of 2^k + 1 nodes (the runtime's tree buckets) make

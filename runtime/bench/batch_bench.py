@@ -3,11 +3,11 @@
     PYTHONPATH=runtime python runtime/bench/batch_bench.py --models ~/.cache/ddops/tiny-models-seed0 [--out F]
     PYTHONPATH=runtime python runtime/bench/batch_bench.py --shape qwen3-8b [--context 512] [--out F]
 
-Cases: ar, dflash, ddtree@16 (fixed; any ddtree@N by name), cost (ddtree, each round's budget chosen by the cost policy, 16 at
-most, from the round costs the warm-up times), adaptive (the fixed policy's equal share of
-`--round-nodes` tree nodes per round over the batch, 16 at most) and held-ar (ddtree requests the cost
-policy holds to AR rounds: its best where AR wins, their drafter context kept). The engine is warmed up
-first.
+Cases: ar, dflash, ddtree@16 (fixed; any ddtree@N by name), cost (ddtree, each round's budget chosen by
+the cost policy, 16 at most, from the round costs the warm-up times), adaptive (the fixed policy's equal
+share of `--round-nodes` tree nodes per round over the batch, 16 at most) and held-ar (ddtree requests
+the cost policy holds to AR rounds: its best where AR wins, their drafter context kept). The engine is
+warmed up first.
 
 With `--models` (trained tiny models, real acceptance): each request is first served alone, then for
 each batch size B, B different requests are submitted at once and served to completion; it reports the

@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
+# Steps: smi, profile, profile-tiles, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
 # cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
@@ -35,6 +35,10 @@ rounds() {  # rounds TREE LABEL SHAPE CONTEXT
     bench "$1" batch_bench.py --shape "$3" --context "$4" --batches 1,16 --cases ar,ddtree@16 \
         --label "$2" --out "$OUT/rounds-$2.json"
 }
+cost_lone() {  # cost_lone TREE LABEL
+    bench "$1" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1 --cases ar,cost --rounds 200 \
+        --out "$OUT/cost-lone-$2.json"
+}
 
 step() {
     case $1 in
@@ -59,8 +63,8 @@ step() {
     rounds-8b) rounds "$here" 8b-new qwen3-8b 512 ;;
     rounds-8b-old) old_tree && rounds /tmp/old 8b-old qwen3-8b 512 ;;
     cost-lone)  # the cost policy alone over a request's life, against AR: tokens/s and each budget's phases
-        bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1 --cases ar,cost --rounds 200 \
-            --out "$OUT/cost-lone.json" ;;
+        cost_lone "$here" new ;;
+    cost-lone-old) old_tree && cost_lone /tmp/old old ;;
     gdn-tree)  # GDN_LAUNCHES: launch names to time (all 42 compile for ~8 min: pick)
         bench "$here" gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} --out "$OUT/gdn-tree.json" ;;
     attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys (ATTN_GRID:

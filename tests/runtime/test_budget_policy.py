@@ -19,7 +19,8 @@ import torch
 from ddtree_runtime.engine import Engine, EngineConfig, SamplingParams
 from ddtree_runtime.engine.forecast import MILLI, forecast_accepted
 from ddtree_runtime.engine.costs import SWEEP_PROMPT, CostModel, RoundCosts
-from ddtree_runtime.engine.policy import PROBE_GAP, PROBE_SHARE, AR, Acceptance, BudgetPolicy, best_budget, candidate_budgets
+from ddtree_runtime.engine.policy import (PROBE_GAP, PROBE_SHARE, PROBE_WITHIN, AR, Acceptance, BudgetPolicy,
+                                         best_budget, candidate_budgets)
 from ddtree_runtime.engine.runner import tree_bucket
 from ddtree_runtime.engine.types import BatchStats
 from ddtree_runtime.engine.tree import scored_trees
@@ -257,6 +258,29 @@ def test_after_ar_rounds_a_tree_round_looks_again():
     probes = [i for i, b in enumerate(chosen) if b != AR]
     assert math.ceil(0.008 / (PROBE_SHARE * 0.010)) == 27
     assert probes == [26, 53, 80, 107, 139, 203, 331, 459, 587]   # 27 apart, then 32, 64, 128, 128
+
+
+def test_while_ar_wins_only_its_probes_time_the_trees_again():
+    """Alone, nothing accepted, trees within PROBE_WITHIN of AR (a lone GPU round: 11 ms against 10):
+    no tree round runs only to be timed again; the AR rounds' probes do it, a second round where the
+    tree's last timing is PROBE_AGE old (the first pays the drafter's catch-up and is not timed). On the
+    H100 the near trees' own re-timings had cost 2% of such a request's time."""
+    policy = BudgetPolicy(by_cost=True, cap=16, slots=1, block_size=16, round_nodes=None, learning=True)
+    ms = {**FLAT, 8: 11, 16: 11}
+    policy.costs = CostModel.of_table(costs(1, ms).seconds)
+    reqs = [_Req("ddtree", 16)]
+    reqs[0].acceptance.observe(forecast(0.0, 0.0, 0.0, 0.0), 1.0, 0)
+    trees = []
+    for i in range(600):
+        budgets = policy.budgets(reqs)
+        if budgets[0] != AR:
+            trees.append(i)
+        policy.record(reqs, budgets, BatchStats())
+        policy.timed(ms[1 if budgets[0] == AR else tree_bucket(budgets[0] + 1)] / 1e3)
+    assert policy.last.rates[4] >= PROBE_WITHIN * policy.last.rates[AR]     # the trees are near
+    # the probes' spacing doubles from 8 to 128; pairs at the first and where the tree's timing is
+    # 256 rounds old (7 -> 390); 262 is one round short of that
+    assert trees == [6, 7, 14, 22, 38, 70, 134, 262, 390, 391, 519]
 
 
 # ---- on the tiny pairs ---------------------------------------------------------------------------

@@ -359,8 +359,12 @@ class BudgetPolicy:
         if self._ar_streak < self._probe_after or self._ar_streak < self._probe_spacing(
                 choice, tree, costs, batch, floor, costs.refresh(batch)):   # (the spacing only when due)
             return choice
-        # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers
+        # AR rounds forecast nothing: now and then a tree round looks again at what the drafter offers,
+        # for two rounds where its shape's cost is due to be timed again (the first, after the drafter's
+        # catch-up, is not timed: costs.py); the near trees are timed again only here while AR wins
         self._ar_streak, self._probe_after = 0, min(2 * self._probe_after, PROBE_LAST)
+        if self.learning and self._age(tree, batch, floor) >= PROBE_AGE:
+            self._probing = (tree, 1)
         return choice.taking(tree)
 
     @staticmethod
@@ -386,23 +390,28 @@ class BudgetPolicy:
             return choice.taking(last)
         return choice
 
+    def _age(self, budget: int, batch: int, floor: int) -> int:
+        """Rounds since the round of `budget` at this batch bucket was last timed (PROBE_AGE: never)."""
+        nodes = 1 if budget == AR else max(tree_bucket(budget + 1), floor)
+        return self._rounds - self._timed.get((batch, nodes), -PROBE_AGE)
+
     def _probe(self, choice: Choice, batch: int, floor: int) -> Choice | None:
         """Now and then (every PROBE_GAP rounds at most), a candidate within PROBE_WITHIN of the best
         whose round has not been timed for PROBE_AGE rounds runs, so that its cost is measured at
         today's load and contexts rather than remembered: twice where it is of the other kind (AR
-        against trees), whose first round is not timed (costs.py)."""
+        against trees), whose first round is not timed (costs.py). While AR wins, the trees are not
+        among them: the AR rounds' own probes time them (_choose), where a tree round pays the drafter's
+        catch-up once for two uses (on the H100 at zero acceptance, lone, each tree timed again here
+        cost two 36 ms rounds against AR's 21: 2% of the cost policy's time over 200 rounds)."""
         self._since_probe += 1
         if self._probing:
             budget, rounds = self._probing
             self._probing = (budget, rounds - 1) if rounds > 1 else None
             if budget in choice.rates:
                 return choice.taking(budget)
-        if not self.learning or self._since_probe < PROBE_GAP:
+        if not self.learning or self._since_probe < PROBE_GAP or choice.budget == AR:
             return None
-
-        def age(budget: int) -> int:
-            nodes = 1 if budget == AR else max(tree_bucket(budget + 1), floor)
-            return self._rounds - self._timed.get((batch, nodes), -PROBE_AGE)
+        age = partial(self._age, batch=batch, floor=floor)
         near = [b for b, rate in choice.rates.items() if b != choice.budget and rate >= PROBE_WITHIN * choice.rate
                 and age(b) >= PROBE_AGE]
         if not near:

@@ -1,11 +1,12 @@
 """A burst of long prompts against the step's token budget (--max-batched-tokens), on a GPU.
 
     PYTHONPATH=runtime:runtime/bench python runtime/bench/burst_bench.py [--shape qwen3.6-27b] \
-        [--budgets 2048,4096,8192,16384] [--prompts 16] [--tokens 8192] [--card-mib 97887] [--out F]
+        [--budgets 2048,4096,8192,16384] [--prompts 16] [--tokens 8192] [--card-mib 97887] \
+        [--tree-policy fixed|cost] [--warm-up-only] [--out F]
 
 Randomly initialised models of a real shape (gpu_bench.SHAPES), bf16, the memory above a 96 GB card held
 back (capacity_bench.hold_back), max_context 131072, max_running 16, ddtree@16, `Engine.warm_up()` first
-(its time is reported: the warm-up figure of issue 38). Then:
+(its time and the memory it leaves are reported: the warm-up figure of issue 38). Then:
 - alone: the --prompts prompts prefilled one after another on an idle engine (time to each first token),
   whose sum is what the burst is held to (target: its last first token within 1.3x of it);
 - per budget: one request already decoding, then the --prompts prompts submitted together; the last first
@@ -93,6 +94,18 @@ def steady_ms(engine: Engine, prompts: list[list[int]], rounds: int = 20) -> flo
     return round(1e3 * (time.perf_counter() - t0) / rounds, 2)
 
 
+def memory_of(engine: Engine) -> dict:
+    """What the warm-up left on the device (its graphs' outputs and workspaces among it) beside the pool,
+    MiB: what a 96 GB card still has free is what keeps it from failing an allocation later."""
+    out = {"kv_pages": engine.pages.num_pages, "page_size": engine.page_size}
+    if engine.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(engine.device)
+        out.update(allocated_mib=torch.cuda.memory_allocated(engine.device) >> 20,
+                   reserved_mib=torch.cuda.memory_reserved(engine.device) >> 20,
+                   peak_allocated_mib=torch.cuda.max_memory_allocated(engine.device) >> 20, free_mib=free >> 20)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3.6-27b")
@@ -102,6 +115,8 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=131072)
     ap.add_argument("--card-mib", type=int, default=97887, help="the card to imitate (RTX PRO 6000: 97887)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on small shapes")
+    ap.add_argument("--tree-policy", choices=("fixed", "cost"), default="fixed",
+                    help="cost: the warm-up sweeps every (batch, tree) shape; its memory is reported")
     ap.add_argument("--warm-up-only", action="store_true",
                     help="stop after the warm-up (once with an empty TRITON_CACHE_DIR, then again: a first start "
                          "against a restart)")
@@ -127,7 +142,7 @@ def main() -> None:
     target.config.max_position_embeddings = max(target.config.max_position_embeddings, args.max_context)
     engine = Engine(EngineConfig(f"random-{args.shape}", None, mode="ddtree", tree_budget=16, device=args.device,
                                  dtype=str(dtype).removeprefix("torch."), max_context=args.max_context,
-                                 max_running=16), target=target, drafter=drafter)
+                                 max_running=16, tree_policy=args.tree_policy), target=target, drafter=drafter)
     default_budget = engine.scheduler.step_tokens
     profile = WarmUpProfile()
     with profile.active():
@@ -138,6 +153,8 @@ def main() -> None:
                          "from_start_s": round(time.perf_counter() - began, 1),
                          "batches": list(warm.batches), "per_batch_s": list(warm.per_batch_s),
                          "compile_workers": warm.compile_workers, "profile": where}
+    report["memory_after_warm_up"] = memory_of(engine)
+    print(f"memory after the warm-up: {report['memory_after_warm_up']}", flush=True)
     # the printed line leaves the per-kernel rows (printed below) and the autotuned choices to the JSON
     kernels = where["by_kernel"]
     where = {k: v for k, v in where.items() if k not in ("by_kernel", "autotuned")}

@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, http, http-cost,
+# Steps: smi, profile, profile-tiles, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http, http-cost,
 # cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
@@ -101,6 +101,12 @@ step() {
                         # Triton (3.6: its interpreter's changed patch hook failed every test in session 24)
         PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -x -q -p no:cacheprovider \
             --tb=short tests/runtime/test_triton_kernels.py ;;
+    graph-memory)  # what the warm-up leaves on the 96 GB emulation at 16 x 8K: fixed ddtree@16, then the cost
+                   # policy's sweep over every (batch, tree) shape (each graph keeps its own logits)
+        for policy in fixed cost; do
+            bench "$here" burst_bench.py --warm-up-only --tree-policy $policy --out "$OUT/graph-memory-$policy.json" \
+                || return 1
+        done ;;
     reship)  # the warm-up over an empty Triton cache; its record replaces the shipped one (kernels changed)
         rm -rf /tmp/tc && TRITON_CACHE_DIR=/tmp/tc bench "$here" burst_bench.py --warm-up-only --out "$OUT/reship.json" \
             && cp /tmp/tc/ddtree-compiles.pkl "$OUT/" ;;

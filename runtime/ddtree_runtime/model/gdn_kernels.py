@@ -480,9 +480,12 @@ PEEL_BESIDE, PEEL_FIRST = 1, 2   # TreeDeltaLaunch.peel: how the root is taken a
 # 16: 40.5 / 66.8 us at 8 / 16 rows against 43.4 / 69.4 in chunks of 32 (session 23,
 # runtime-gdn-tree-bench-s23-h200.json: fewer registers a chunk, more programs an SM). The launches
 # before them (no peel, three TF32 products, 4 warps; 128 columns of dv a program from 16 rows): 12.9 /
-# 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7)
+# 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7). From TREE_DELTA_MANY_ROWS rows the
+# root goes first (PEEL_FIRST; H100, session 28, runtime-gdn-tree-bench-peel-first-s28-h100.json: 31.4 /
+# 68.0 us at 8 / 16 rows against 43.2 / 70.2 beside, a tree of 16 nodes 20.1 / 45.5; at one row beside
+# stays, 11.4 us against 14.4-17.6 the root first)
 TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=PEEL_BESIDE)
-TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=PEEL_BESIDE)
+TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=PEEL_FIRST)
 TREE_DELTA_MANY_ROWS = 8
 
 
@@ -545,5 +548,7 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
         HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
         OUT_PRECISION=launch.output_precision or launch.precision, SQUARING=launch.squaring,
-        PEEL=peel, num_warps=launch.warps * max(1, block_t // 32))
+        # (no peel and the root beside go as False and True: the shipped compile records name them so, from
+        # when a launch's peel was a bool; another value would be a compile the warm-up makes itself)
+        PEEL=bool(peel) if peel in (0, PEEL_BESIDE) else peel, num_warps=launch.warps * max(1, block_t // 32))
     return out, u, pathsum

@@ -391,7 +391,7 @@ class BudgetPolicy:
         return choice
 
     def _age(self, budget: int, batch: int, floor: int) -> int:
-        """Rounds since the round of `budget` at this batch bucket was last timed (PROBE_AGE: never)."""
+        """Rounds since the round of `budget` at this batch bucket was last timed (at least PROBE_AGE where never)."""
         nodes = 1 if budget == AR else max(tree_bucket(budget + 1), floor)
         return self._rounds - self._timed.get((batch, nodes), -PROBE_AGE)
 

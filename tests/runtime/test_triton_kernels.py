@@ -763,24 +763,31 @@ def test_tree_delta_kernel_matches_the_torch_gated_delta():
 
         # the gates made in the kernel from the in-projection's 16-bit columns, as the layer makes them in
         # torch (float16 here: the interpreter truncates casts to bfloat16 where the GPU rounds, like
-        # torch), and u / G written into strided views of a larger scratch (the rest untouched)
-        b, h, t, d = 2, 4, 5, 16
-        gen = torch.Generator().manual_seed(7)
-        projected = (torch.randn(b, t, 3 * h, generator=gen) * 3).half()   # [.. | b | a] columns
-        b_in, a_in = projected[..., h:2 * h], projected[..., 2 * h:]
-        a_log, dt_bias = torch.rand(h, generator=gen).half(), torch.randn(h, generator=gen).half()
-        beta = torch.sigmoid(b_in).float().transpose(1, 2)
-        g = (-a_log.float().exp() * torch.nn.functional.softplus(a_in.float() + dt_bias.float())).transpose(1, 2)
-        q, k = (torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=gen), dim=-1) for _ in range(2))
-        v, state = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, d, d, generator=gen)
-        paths = Paths(ancestor_mask(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 2, 3]]), 5)[:, None], torch.zeros(0))
-        want, step = gated_delta_torch(q, k, v, g, beta, state, paths)
-        scratch_u, scratch_g = torch.zeros(b, h, 9, d), torch.zeros(b, h, 9)
-        out, u, pathsum = G.tree_delta(q, k, v, None, None, state, paths.mask, gates=G.Gates(b_in, a_in, a_log, dt_bias),
-                                       u=scratch_u[:, :, :t], pathsum=scratch_g[:, :, :t])
-        assert torch.allclose(out, want, atol=1e-5) and torch.allclose(scratch_u[:, :, :t], step.u, atol=1e-5)
-        assert torch.allclose(scratch_g[:, :, :t], step.g, rtol=1e-5)
-        assert not scratch_u[:, :, t:].any() and not scratch_g[:, :, t:].any()
+        # torch), and u / G written into strided views of a larger scratch (the rest untouched): a 5-node
+        # tree, and 17 nodes through each served launch
+        def gates_case(parents, launch=None):
+            (b, t), h, d = parents.shape, 4, 16
+            gen = torch.Generator().manual_seed(7)
+            projected = (torch.randn(b, t, 3 * h, generator=gen) * 3).half()   # [.. | b | a] columns
+            b_in, a_in = projected[..., h:2 * h], projected[..., 2 * h:]
+            a_log, dt_bias = torch.rand(h, generator=gen).half(), torch.randn(h, generator=gen).half()
+            beta = torch.sigmoid(b_in).float().transpose(1, 2)
+            g = (-a_log.float().exp() * torch.nn.functional.softplus(a_in.float() + dt_bias.float())).transpose(1, 2)
+            q, k = (torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=gen), dim=-1) for _ in range(2))
+            v, state = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, d, d, generator=gen)
+            paths = Paths(ancestor_mask(parents, t)[:, None], torch.zeros(0))
+            want, step = gated_delta_torch(q, k, v, g, beta, state, paths)
+            scratch_u, scratch_g = torch.zeros(b, h, t + 4, d), torch.zeros(b, h, t + 4)
+            out, u, pathsum = G.tree_delta(q, k, v, None, None, state, paths.mask, launch,
+                                           gates=G.Gates(b_in, a_in, a_log, dt_bias),
+                                           u=scratch_u[:, :, :t], pathsum=scratch_g[:, :, :t])
+            assert torch.allclose(out, want, atol=1e-5) and torch.allclose(scratch_u[:, :, :t], step.u, atol=1e-5)
+            assert torch.allclose(scratch_g[:, :, :t], step.g, rtol=1e-5)
+            assert not scratch_u[:, :, t:].any() and not scratch_g[:, :, t:].any()
+
+        gates_case(torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 2, 3]]))
+        for rows in (1, G.TREE_DELTA_MANY_ROWS):   # 17 nodes: the served launches take the root apart
+            gates_case(random_parents(2, 17, torch.Generator().manual_seed(rows)), G.tree_delta_launch(rows))
 
         # gated_delta dispatches to the kernel where it fits, with the same Step
         G._use_triton = lambda x: True

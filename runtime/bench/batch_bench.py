@@ -108,7 +108,7 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
                   warmup: int, timer=None) -> dict:
     """Admit every prompt, then time `rounds` steps back to back with all of them running (again, up to
     WINDOWS times, while a window captured a graph and every request still runs); then as many again
-    with `timer` (gpu_bench.PhaseTimer: a sync at each phase boundary) as the phase hook."""
+    with `timer` (gpu_bench.PhaseTimer: a sync at each phase boundary; or EventPhases: none) as the phase hook."""
     sync(engine.device)
     t0, cpu0 = time.perf_counter(), time.process_time()
     ids = [engine.submit(p, params) for p in prompts]
@@ -282,6 +282,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (one: on a shared machine two contend and the figures swing)")
     ap.add_argument("--serial-prefill", action="store_true", help="one prefill pass a prompt (for comparison)")
+    ap.add_argument("--event-phases", action="store_true",
+                    help="--shape: time the phases by CUDA events, no sync (gpu_bench.EventPhases: a phase's "
+                         "device time, host time and the gap between rounds) rather than a sync at each boundary")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="bench/results/runtime-batch-bench.json")
     args = ap.parse_args()
@@ -304,7 +307,7 @@ def main() -> None:
     else:
         import sys
         sys.path.insert(0, str(Path(__file__).parent))
-        from gpu_bench import PhaseTimer, build_models
+        from gpu_bench import EventPhases, PhaseTimer, build_models
 
         target, drafter = build_models(args.shape, device, getattr(torch, dtype))
         max_new = steady_tokens(args.rounds, args.warmup)
@@ -346,7 +349,8 @@ def main() -> None:
             else:
                 params = SamplingParams(max_new_tokens=steady_tokens(args.rounds, args.warmup), mode=mode,
                                         tree_budget=budget)
-                r = steady_rounds(engine, prompts[:b], params, args.rounds, args.warmup, PhaseTimer(device))
+                timer = EventPhases(device) if args.event_phases else PhaseTimer(device)
+                r = steady_rounds(engine, prompts[:b], params, args.rounds, args.warmup, timer)
             r.update(case=name, batch=b)
             results.append(r)
             print(json.dumps(r), flush=True)

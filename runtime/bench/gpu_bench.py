@@ -290,6 +290,45 @@ class PhaseTimer:
         return {k: 1e3 * statistics.median(v + [0.0] * (self.rounds - len(v))) for k, v in self.acc.items()}
 
 
+class EventPhases:
+    """engine.phase_hook that times phases without synchronizing (PhaseTimer's syncs keep the host from
+    running ahead, which changes what is measured): at each boundary a CUDA event and the host's clock,
+    read once after the rounds. A phase's `device` time runs from its start event to the next boundary's:
+    its kernels, and any wait for the host to queue them; set beside the same phase's kernel time
+    (gpu_profile.py), the difference is the device's idle in it. "between" is from a round's end to the
+    next round's first phase: the step's work outside the phases. On the CPU only the host's clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, float, torch.cuda.Event | None]] = []
+        self.last: dict[str, float] = {}   # (PhaseTimer's per-round phases: not read while rounds run)
+
+    def __call__(self, name: str) -> None:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((name, time.perf_counter(), event))
+
+    def medians_ms(self) -> dict[str, float]:
+        """Each phase's median device time a round (the host's on the CPU; a phase a round enters twice
+        summed; 0 in a round without it, as PhaseTimer's), ms, and `host_<phase>`, the host's time from
+        the phase's boundaries to the next ones; "between" belongs to the round it precedes."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        rounds: list[dict[str, float]] = []
+        current: dict[str, float] = {}
+        for (name, t0, e0), (following, t1, e1) in itertools.pairwise(self.marks):
+            phase = "between" if name == "end" else name
+            current[phase] = current.get(phase, 0.0) + (e0.elapsed_time(e1) if self.cuda else 1e3 * (t1 - t0))
+            current[f"host_{phase}"] = current.get(f"host_{phase}", 0.0) + 1e3 * (t1 - t0)
+            if following == "end":
+                rounds.append(current)
+                current = {}
+        names = {k for r in rounds for k in r}
+        return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in sorted(names)}
+
+
 def run_case(engine: Engine, prompt: list[int], mode: str, budget: int | None, rounds: int,
              warmup: int) -> dict:
     dev = engine.device

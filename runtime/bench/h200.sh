@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http, http-cost,
+# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http, http-cost,
 # cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
 # ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
 # `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
@@ -47,6 +47,10 @@ step() {
     gaps)  # the same steps' device idle time, and the engine code the host ran in it (host_gaps.py)
         bench "$here" gpu_profile.py --shape qwen3.6-27b --context "$CTX" --batch 1,16 --reps 10 --gaps \
             --out "$OUT/gaps.json" ;;
+    idle)  # the rounds' phases by CUDA events, no sync (gpu_bench.EventPhases), then `profile`: a phase's
+           # device time beside its kernels' says where an unprofiled round waits for the host
+        bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1,16 --cases ar,ddtree@16 \
+            --event-phases --label idle --out "$OUT/idle.json" && step profile ;;
     gemm-rows)  # the 27B layer's bf16 GEMMs at a verify's row counts around the tile boundaries (gemm_probe.py)
         bench "$here" gemm_probe.py --shape qwen3.6-27b --out "$OUT/gemm-rows-27b.json" ;;
     rounds-tiles)  # trees of 2^k nodes (budget 2^k - 1) beside root + 2^k, at 1, 8 and 16 running

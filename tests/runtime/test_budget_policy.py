@@ -690,3 +690,31 @@ def test_the_warm_up_times_every_shape_and_leaves_the_outlook_as_it_was(tiny_mod
     assert set(engine.policy.costs.samples) == shapes
     assert all(len(w) >= 4 for w in engine.policy.costs.samples.values())
     assert engine.policy.prior.curve is None  # its made-up prompts' acceptance is not real traffic's
+
+
+def test_event_phases_time_a_rounds_phases_and_the_gap_before_it_without_a_sync():
+    """EventPhases (no sync: the device runs as it does unobserved) gives each phase's time a round,
+    summed where a round enters it twice, 0 where a round skips it, and the step's time outside the
+    phases ("between"); on the CPU by the host's clock alone."""
+    phases = _bench("gpu_bench").EventPhases(torch.device("cpu"))
+    for r in range(5):
+        phases("verify")
+        time.sleep(0.004)
+        phases("commit")
+        time.sleep(0.001)
+        if r == 2:
+            phases("draft")
+            time.sleep(0.02)
+        phases("commit")   # again, after the next round's draft is queued
+        time.sleep(0.001)
+        phases("end")
+        time.sleep(0.003)  # the step's work after its phases, before the next round
+    got = phases.medians_ms()
+    assert 4 <= got["verify"] < 8 and 2 <= got["commit"] < 5 and got["draft"] == 0
+    assert 3 <= got["between"] < 6 and got["host_verify"] == got["verify"]
+    batch_bench = _bench("batch_bench")   # as steady_rounds drives it
+    engine = _SteadyEngine(rows=2, round_s=0.002, first=100, capture_s=0.0)
+    got = batch_bench.steady_rounds(engine, [[1], [2]], SamplingParams(max_new_tokens=100), rounds=5, warmup=2,
+                                    timer=_bench("gpu_bench").EventPhases(torch.device("cpu")))
+    assert 2 <= got["phases_ms"]["verify"] < 10 and got["phases_ms"]["between"] < 2
+

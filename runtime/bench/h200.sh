@@ -5,10 +5,11 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b, rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http, http-cost,
-# cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent machines' GEMMs differ by
-# ~4%): `rounds-old` runs the same rounds on another tree, OLD (a tarball of its runtime/, carried:
-# `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
+# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b,
+# rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http,
+# http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent
+# machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD (a tarball of its
+# runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
 # A step that fails is reported and the next one runs; the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

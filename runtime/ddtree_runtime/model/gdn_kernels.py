@@ -205,7 +205,7 @@ if triton is not None:
         # once, everything else [BT, BT] or [BT, BV] in registers. PRECISION for the products that make u
         # (the commit folds u into the state, so its error stays); OUT_PRECISION for those that only make
         # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits.
-        # PEEL (1 or 2): node 0 (the root: ancestors come first, so it has none) is taken apart and the
+        # PEEL (1, 2 or 3): node 0 (the root: ancestors come first, so it has none) is taken apart and the
         # blocks hold nodes 1..T-1: a 17-node tree in blocks of 16, not 32.
         # - 1 (beside): its terms in the others' are rank one: u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each
         #   node i below it sees e^(G_i - G_0) (k_i . k_0) u_0 in its right-hand side and e^(G_i - G_0)
@@ -215,7 +215,9 @@ if triton is not None:
         #   by chunk as the loop reads S0), their path sums from below the root: the loop is the one a tree
         #   without the root runs (sm90: 168 registers at 16 rows against 254 beside). Every node of a tree
         #   descends from its root; padding nodes (their own roots: ancestor_mask) start from S1 too, and
-        #   nothing reads their results
+        #   nothing reads their results.
+        # - 3 (first, split): as 2, with the blocks' k k^T and q k^T made in the pass before the loop (they
+        #   need no u_0), so each of the two reads of S0 carries part of the products
         pid = tl.program_id(0)
         b = (pid // H).to(tl.int64)
         h = (pid % H).to(tl.int64)
@@ -242,9 +244,18 @@ if triton is not None:
             q0k0 = 0.0
             k0s = tl.zeros([BV], dtype=tl.float32)                               # k_0 S0
             q0s = tl.zeros([BV], dtype=tl.float32)                               # q_0 S0
-        if PEEL == 2:
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        if PEEL >= 2:
             for c in range(0, DK, BK):
                 d = c + tl.arange(0, BK)
+                if PEEL == 3:
+                    kc = tl.load(k_ptr + b * s_kb + h * s_kh + node[:, None] * s_kt + d[None, :] * s_kd,
+                                 mask=live[:, None], other=0.0)
+                    qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
+                                 mask=live[:, None], other=0.0)
+                    kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
+                    qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
                 k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
                 q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
                 q0k0 += tl.sum(q0 * k0, axis=0)
@@ -254,8 +265,6 @@ if triton is not None:
                     q0s += tl.sum(q0[:, None] * s0, axis=0)
             u0 = _root_u(v_ptr + b * s_vb + h * s_vh + cols * s_vd, g0, beta0, k0s, HAS_STATE)
         decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
-        kk = tl.zeros([BT, BT], dtype=tl.float32)
-        qk = tl.zeros([BT, BT], dtype=tl.float32)
         ks = tl.zeros([BT, BV], dtype=tl.float32)
         qs = tl.zeros([BT, BV], dtype=tl.float32)
         for c in range(0, DK, BK):   # a loop, not unrolled: a quarter of the compile time (issue 38)
@@ -264,20 +273,21 @@ if triton is not None:
                          mask=live[:, None], other=0.0)
             qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
                          mask=live[:, None], other=0.0)
-            kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
-            qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
+            if PEEL != 3:
+                kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
+                qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
             if PEEL == 1:
                 k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
                 q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
                 kk0 += tl.sum(kc * k0[None, :], axis=1)
                 qk0 += tl.sum(qc * k0[None, :], axis=1)
                 q0k0 += tl.sum(q0 * k0, axis=0)
-            if HAS_STATE or PEEL == 2:
+            if HAS_STATE or PEEL >= 2:
                 if HAS_STATE:
                     s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
                 else:
                     s0 = tl.zeros([BK, BV], dtype=tl.float32)
-                if PEEL == 2:   # S1's rows d
+                if PEEL >= 2:   # S1's rows d
                     s0 = tl.exp(g0) * s0 + tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)[:, None] * u0[None, :]
                 ks += tl.dot(kc, s0, input_precision=PRECISION)
                 qs += tl.dot(qc, s0, input_precision=OUT_PRECISION)
@@ -289,7 +299,7 @@ if triton is not None:
         v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
                     mask=live[:, None], other=0.0)
         grow = tl.exp(pathsum)[:, None]
-        if HAS_STATE or PEEL == 2:
+        if HAS_STATE or PEEL >= 2:
             v = v - grow * ks
         if PEEL == 1:
             u0 = _root_u(v_ptr + b * s_vb + h * s_vh + cols * s_vd, g0, beta0, k0s, HAS_STATE)
@@ -319,7 +329,7 @@ if triton is not None:
                 u_i = tl.sum(tl.where(row, rhs, 0.0), axis=0) - tl.sum(a_i[:, None] * u, axis=0)
                 u = tl.where(row, u_i[None, :], u)
         out = tl.dot(qk * decay, u, input_precision=OUT_PRECISION)
-        if HAS_STATE or PEEL == 2:
+        if HAS_STATE or PEEL >= 2:
             out += grow * qs
         if PEEL == 1:
             out += (from_root * qk0)[:, None] * u0[None, :]
@@ -329,7 +339,7 @@ if triton is not None:
         tl.store(out_ptr + ((b * H + h) * T + node[:, None]) * DV + cols[None, :], out, mask=live[:, None])
         tl.store(u_ptr + b * s_ub + h * s_uh + node[:, None] * s_ut + cols[None, :] * s_ud, u, mask=live[:, None])
         if tl.program_id(1) == 0:
-            if PEEL == 2:   # the whole path's sums: the root's gate on every node below it
+            if PEEL >= 2:   # the whole path's sums: the root's gate on every node below it
                 pathsum += tl.where(below, g0, 0.0)
             if PEEL:
                 tl.store(sum_ptr + b * s_Gb + h * s_Gh, g0)
@@ -458,7 +468,7 @@ class TreeDeltaLaunch(NamedTuple):
     triangular system by repeated squaring (log2 T products) rather than by substitution (T steps);
     `peel`: take the root apart where that halves the blocks (17 nodes in blocks of 16, 33 in 32), its
     terms carried through the loop beside the others' (PEEL_BESIDE) or the root first and the others from
-    the state after it (PEEL_FIRST; the kernel's comment says how each goes).
+    the state after it (PEEL_FIRST, PEEL_FIRST_SPLIT; the kernel's comment says how each goes).
     The fields' defaults were the fastest of gdn_tree_bench.py's first 20 launches on the H200 at 1, 8
     and 16 rows of 17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7,
     error 3e-7); the layers run tree_delta_launch's."""
@@ -471,7 +481,7 @@ class TreeDeltaLaunch(NamedTuple):
     peel: int = 0
 
 
-PEEL_BESIDE, PEEL_FIRST = 1, 2   # TreeDeltaLaunch.peel: how the root is taken apart
+PEEL_BESIDE, PEEL_FIRST, PEEL_FIRST_SPLIT = 1, 2, 3   # TreeDeltaLaunch.peel: how the root is taken apart
 
 # The launches the layers run (gdn_tree_bench.py times the one for its rows as its default, beside its
 # grid), both with the root taken apart (a 17-node tree in blocks of 16). H200, 27B, 17 nodes, us at 1 /

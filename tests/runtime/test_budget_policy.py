@@ -717,4 +717,3 @@ def test_event_phases_time_a_rounds_phases_and_the_gap_before_it_without_a_sync(
     got = batch_bench.steady_rounds(engine, [[1], [2]], SamplingParams(max_new_tokens=100), rounds=5, warmup=2,
                                     timer=_bench("gpu_bench").EventPhases(torch.device("cpu")))
     assert 2 <= got["phases_ms"]["verify"] < 10 and got["phases_ms"]["between"] < 2
-

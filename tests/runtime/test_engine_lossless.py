@@ -66,7 +66,8 @@ def test_ar_matches_transformers(engine, prompts, reference):
         assert run(engine, p, mode="ar")[0] == ref
 
 
-@pytest.mark.parametrize("mode,budget", [("dflash", None), ("ddtree", 4), ("ddtree", 15), ("ddtree", 16), ("ddtree", 64)])
+@pytest.mark.parametrize("mode,budget",
+                         [("dflash", None), ("ddtree", 4), ("ddtree", 15), ("ddtree", 16), ("ddtree", 64)])
 def test_speculative_greedy_is_lossless(engine, prompts, reference, mode, budget):
     """Each budget's trees verify at their own bucket: root + 2^k nodes (4, 16, 64), 2^k (15: 16 nodes)."""
     accepted: list[int] = []

@@ -56,7 +56,7 @@ from ddtree_runtime.engine.tree import ancestor_mask  # noqa: E402
 from ddtree_runtime.model import Qwen35Config  # noqa: E402
 from ddtree_runtime.model import gdn_kernels  # noqa: E402
 from ddtree_runtime.model.gated_delta import Paths, gated_delta_torch, tree_paths  # noqa: E402
-from ddtree_runtime.model.gdn_kernels import (PEEL_BESIDE, PEEL_FIRST, PEEL_FIRST_SPLIT, ConvHeadsLaunch,  # noqa: E402
+from ddtree_runtime.model.gdn_kernels import (PEEL_BESIDE, PEEL_FIRST, ConvHeadsLaunch,  # noqa: E402
                                               Gates, TreeDeltaLaunch, conv_heads, gated_norm, tree_delta)
 from ddtree_runtime.model.layers import TreeInputs, linear  # noqa: E402
 from ddtree_runtime.model import qwen3_5  # noqa: E402
@@ -97,18 +97,14 @@ LAUNCHES = [TreeDeltaLaunch(block_k=64, block_v=64, precision=p, squaring=s) for
     # ones sm90_report.py compiles to fewer registers that way (session 28: 168 against 254 at 16 rows for
     # k16-v64-w2, whose 16-row layer took 76 us at 17 nodes against 41 at 16 on the H200)
     TreeDeltaLaunch(block_k=k, block_v=v, warps=w, precision=p, peel=PEEL_FIRST)
-    for k, v, w, p in ((16, 64, 2, "tf32x3"), (16, 64, 4, "tf32x3"), (32, 64, 4, "ieee"), (16, 32, 4, "ieee"))] + [
-    # and with k k^T, q k^T made in the pass before the loop (PEEL_FIRST_SPLIT): at 16 rows the root first
-    # was still 22 us above a 16-node tree (H100), that pass a serial read of the state in every program
-    TreeDeltaLaunch(block_k=k, block_v=64, warps=w, precision=p, peel=PEEL_FIRST_SPLIT)
-    for k, w, p in ((16, 2, "tf32x3"), (16, 4, "tf32x3"))]
+    for k, v, w, p in ((16, 64, 2, "tf32x3"), (16, 64, 4, "tf32x3"), (32, 64, 4, "ieee"), (16, 32, 4, "ieee"))]
 
 
 def launch_name(launch: TreeDeltaLaunch) -> str:
     out = f"-out-{launch.output_precision}" if launch.output_precision else ""
     return (f"k{launch.block_k}-v{launch.block_v}-w{launch.warps}-{launch.precision}{out}"
             + ("-squaring" if launch.squaring else "") + ("-peel" if launch.peel else "")
-            + {PEEL_FIRST: "-first", PEEL_FIRST_SPLIT: "-first-split"}.get(launch.peel, ""))
+            + ("-first" if launch.peel == PEEL_FIRST else ""))
 
 
 # conv_heads's launches: the old grid (a program per node, value head and row) and the per-key-head ones

@@ -205,7 +205,7 @@ if triton is not None:
         # once, everything else [BT, BT] or [BT, BV] in registers. PRECISION for the products that make u
         # (the commit folds u into the state, so its error stays); OUT_PRECISION for those that only make
         # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits.
-        # PEEL (1, 2 or 3): node 0 (the root: ancestors come first, so it has none) is taken apart and the
+        # PEEL (1 or 2): node 0 (the root: ancestors come first, so it has none) is taken apart and the
         # blocks hold nodes 1..T-1: a 17-node tree in blocks of 16, not 32.
         # - 1 (beside): its terms in the others' are rank one: u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each
         #   node i below it sees e^(G_i - G_0) (k_i . k_0) u_0 in its right-hand side and e^(G_i - G_0)
@@ -216,8 +216,6 @@ if triton is not None:
         #   without the root runs (sm90: 168 registers at 16 rows against 254 beside). Every node of a tree
         #   descends from its root; padding nodes (their own roots: ancestor_mask) start from S1 too, and
         #   nothing reads their results.
-        # - 3 (first, split): as 2, with the blocks' k k^T and q k^T made in the pass before the loop (they
-        #   need no u_0), so each of the two reads of S0 carries part of the products
         pid = tl.program_id(0)
         b = (pid // H).to(tl.int64)
         h = (pid % H).to(tl.int64)
@@ -249,13 +247,6 @@ if triton is not None:
         if PEEL >= 2:
             for c in range(0, DK, BK):
                 d = c + tl.arange(0, BK)
-                if PEEL == 3:
-                    kc = tl.load(k_ptr + b * s_kb + h * s_kh + node[:, None] * s_kt + d[None, :] * s_kd,
-                                 mask=live[:, None], other=0.0)
-                    qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
-                                 mask=live[:, None], other=0.0)
-                    kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
-                    qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
                 k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
                 q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
                 q0k0 += tl.sum(q0 * k0, axis=0)
@@ -273,9 +264,8 @@ if triton is not None:
                          mask=live[:, None], other=0.0)
             qc = tl.load(q_ptr + b * s_qb + h * s_qh + node[:, None] * s_qt + d[None, :] * s_qd,
                          mask=live[:, None], other=0.0)
-            if PEEL != 3:
-                kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
-                qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
+            kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
+            qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
             if PEEL == 1:
                 k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
                 q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
@@ -468,7 +458,7 @@ class TreeDeltaLaunch(NamedTuple):
     triangular system by repeated squaring (log2 T products) rather than by substitution (T steps);
     `peel`: take the root apart where that halves the blocks (17 nodes in blocks of 16, 33 in 32), its
     terms carried through the loop beside the others' (PEEL_BESIDE) or the root first and the others from
-    the state after it (PEEL_FIRST, PEEL_FIRST_SPLIT; the kernel's comment says how each goes).
+    the state after it (PEEL_FIRST; the kernel's comment says how each goes).
     The fields' defaults were the fastest of gdn_tree_bench.py's first 20 launches on the H200 at 1, 8
     and 16 rows of 17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7,
     error 3e-7); the layers run tree_delta_launch's."""
@@ -481,7 +471,7 @@ class TreeDeltaLaunch(NamedTuple):
     peel: int = 0
 
 
-PEEL_BESIDE, PEEL_FIRST, PEEL_FIRST_SPLIT = 1, 2, 3   # TreeDeltaLaunch.peel: how the root is taken apart
+PEEL_BESIDE, PEEL_FIRST = 1, 2   # TreeDeltaLaunch.peel: how the root is taken apart
 
 # The launches the layers run (gdn_tree_bench.py times the one for its rows as its default, beside its
 # grid), both with the root taken apart (a 17-node tree in blocks of 16). H200, 27B, 17 nodes, us at 1 /
@@ -493,7 +483,8 @@ PEEL_BESIDE, PEEL_FIRST, PEEL_FIRST_SPLIT = 1, 2, 3   # TreeDeltaLaunch.peel: ho
 # 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7). From TREE_DELTA_MANY_ROWS rows the
 # root goes first (PEEL_FIRST; H100, session 28, runtime-gdn-tree-bench-peel-first-s28-h100.json: 31.4 /
 # 68.0 us at 8 / 16 rows against 43.2 / 70.2 beside, a tree of 16 nodes 20.1 / 45.5; at one row beside
-# stays, 11.4 us against 14.4-17.6 the root first)
+# stays, 11.4 us against 14.4-17.6 the root first; H200, session 29, runtime-gdn-tree-bench-served-s29-h200.json:
+# 29.7 / 64.0 against 40.6 / 67.2 beside with the same tile)
 TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=PEEL_BESIDE)
 TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=PEEL_FIRST)
 TREE_DELTA_MANY_ROWS = 8
@@ -558,7 +549,5 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
         HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
         OUT_PRECISION=launch.output_precision or launch.precision, SQUARING=launch.squaring,
-        # (no peel and the root beside go as False and True: the shipped compile records name them so, from
-        # when a launch's peel was a bool; another value would be a compile the warm-up makes itself)
-        PEEL=bool(peel) if peel in (0, PEEL_BESIDE) else peel, num_warps=launch.warps * max(1, block_t // 32))
+        PEEL=peel, num_warps=launch.warps * max(1, block_t // 32))
     return out, u, pathsum

@@ -10,12 +10,18 @@ rows are each power of two beside it plus one tree bucket's worth (`summed_us`: 
 at a row count, which for the 27B is no layer's: its GDN layers run gdn_in_proj, its attention layers
 attn_qkv; weigh them by the layers' count to compare passes).
 
-    PYTHONPATH=runtime python runtime/bench/gemm_probe.py [--shape qwen3.6-27b] [--rows 128 136 256 272] [--out F]"""
+Session 29 asks whether the 27B's split-K kernels at 272 rows (cuBLAS's heuristic) are avoidable: rows
+padded past them (288-320), and `--blas cublaslt` (torch's other BLAS path, its own heuristic); a
+workspace limit (CUBLAS_WORKSPACE_CONFIG in the environment) is a third, set by the caller.
+
+    PYTHONPATH=runtime python runtime/bench/gemm_probe.py [--shape qwen3.6-27b] [--rows 128 136 256 272]
+        [--blas default|cublas|cublaslt] [--out F]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,8 +40,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 17, 64, 68, 128, 136, 256, 272])
+    ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                    help="torch.backends.cuda.preferred_blas_library for every GEMM")
     ap.add_argument("--out", default="bench/results/runtime-gemm-probe.json")
     args = ap.parse_args()
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     dev, dt = "cuda", torch.bfloat16
     results = []
     for rows in args.rows:
@@ -59,6 +69,7 @@ def main() -> None:
         print(f"rows {rows}: the projections' GEMMs {us:.1f} us, {us / rows:.3f} us a row", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
+                                          "blas": args.blas, "workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                                           "unit": "us per call", "results": results,
                                           "summed_us": {str(k): v for k, v in summed.items()},
                                           "summed_us_a_row": {str(k): v / k for k, v in summed.items()}},

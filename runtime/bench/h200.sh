@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, rounds-tiles, rounds, rounds-old, rounds-8b,
+# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-old, rounds-8b,
 # rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http,
 # http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent
 # machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD (a tarball of its
@@ -54,6 +54,13 @@ step() {
             --event-phases --label idle --out "$OUT/idle.json" && step profile ;;
     gemm-rows)  # the 27B layer's bf16 GEMMs at a verify's row counts around the tile boundaries (gemm_probe.py)
         bench "$here" gemm_probe.py --shape qwen3.6-27b --out "$OUT/gemm-rows-27b.json" ;;
+    gemm-pad)  # the 27B's GEMMs at 256-320 rows: whether padding a 272-row verify, cuBLASLt's own heuristic or
+               # a cuBLAS workspace without room for split-K leaves the split-K kernels for less time
+        for way in default cublaslt workspace; do
+            ( [ "$way" = workspace ] && export CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0
+              bench "$here" gemm_probe.py --shape qwen3.6-27b --rows 16 256 272 288 304 320 \
+                  --blas "${way/workspace/default}" --out "$OUT/gemm-pad-$way.json" ) || return 1
+        done ;;
     rounds-tiles)  # trees of 2^k nodes (budget 2^k - 1) beside root + 2^k, at 1, 8 and 16 running
         bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1,8,16 \
             --cases ddtree@7,ddtree@8,ddtree@15,ddtree@16 --label tiles --out "$OUT/rounds-tiles.json" ;;
@@ -103,9 +110,10 @@ step() {
             tests/runtime/test_gated_attention_cuda.py tests/runtime/test_gdn_prompt_cuda.py \
             tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_conv_tail_cuda.py tests/runtime/test_compile_pool.py ;;
     interpreter-tests)  # the Triton interpreter's suite (CI runs it on the CPU with Triton 3.5) on the image's
-                        # Triton (3.6: its interpreter's changed patch hook failed every test in session 24)
+                        # Triton (3.6: its interpreter's changed patch hook failed every test in session 24);
+                        # TESTS_K: pytest's -k, a part of it (the whole took more than a call in session 29)
         PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -x -q -p no:cacheprovider \
-            --tb=short tests/runtime/test_triton_kernels.py ;;
+            --tb=short ${TESTS_K:+-k "$TESTS_K"} tests/runtime/test_triton_kernels.py ;;
     graph-memory)  # what the warm-up leaves on the 96 GB emulation at 16 x 8K: fixed ddtree@16, then the cost
                    # policy's sweep over every (batch, tree) shape (each graph keeps its own logits)
         for policy in fixed cost; do

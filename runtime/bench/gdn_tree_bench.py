@@ -56,8 +56,8 @@ from ddtree_runtime.engine.tree import ancestor_mask  # noqa: E402
 from ddtree_runtime.model import Qwen35Config  # noqa: E402
 from ddtree_runtime.model import gdn_kernels  # noqa: E402
 from ddtree_runtime.model.gated_delta import Paths, gated_delta_torch, tree_paths  # noqa: E402
-from ddtree_runtime.model.gdn_kernels import (PEEL_BESIDE, PEEL_FIRST, ConvHeadsLaunch,  # noqa: E402
-                                              Gates, TreeDeltaLaunch, conv_heads, gated_norm, tree_delta)
+from ddtree_runtime.model.gdn_kernels import (ConvHeadsLaunch, Gates, TreeDeltaLaunch, conv_heads,  # noqa: E402
+                                              gated_norm, tree_delta)
 from ddtree_runtime.model.layers import TreeInputs, linear  # noqa: E402
 from ddtree_runtime.model import qwen3_5  # noqa: E402
 from ddtree_runtime.model.qwen3_5 import GatedDeltaNet  # noqa: E402
@@ -85,26 +85,20 @@ LAUNCHES = [TreeDeltaLaunch(block_k=64, block_v=64, precision=p, squaring=s) for
     # float32 FMAs where three TF32 products were, with the served tiles
     TreeDeltaLaunch(block_k=32, block_v=v, warps=w, precision="ieee") for v, w in ((64, 4), (128, 4), (128, 8))] + [
     # the root taken apart: a 17-node tree in blocks of 16
-    TreeDeltaLaunch(block_k=k, block_v=v, warps=w, precision=p, peel=PEEL_BESIDE)
+    TreeDeltaLaunch(block_k=k, block_v=v, warps=w, precision=p, peel=True)
     for k, v, w, p in ((32, 64, 4, "tf32x3"), (32, 128, 4, "tf32x3"), (64, 128, 4, "tf32x3"), (32, 128, 8, "tf32x3"),
                        (32, 64, 4, "ieee"), (32, 128, 4, "ieee"), (32, 64, 2, "tf32x3"), (32, 128, 2, "tf32x3"))] + [
     # dk in chunks of 16: 166-168 registers where 32-chunks take 243-255 (sm90_report.py, compiled offline),
     # so 3 programs share an SM at 4 warps, 6 at 2 (k16-v128: every column in one program, no kk recomputed)
-    TreeDeltaLaunch(block_k=16, block_v=v, warps=w, precision=p, peel=PEEL_BESIDE)
+    TreeDeltaLaunch(block_k=16, block_v=v, warps=w, precision=p, peel=True)
     for v, w, p in ((64, 4, "tf32x3"), (128, 4, "tf32x3"), (32, 2, "tf32x3"), (64, 2, "tf32x3"), (32, 4, "ieee"),
-                    (64, 4, "ieee"))] + [
-    # the root first, the others from the state after it (PEEL_FIRST): the served launches' tiles and the
-    # ones sm90_report.py compiles to fewer registers that way (session 28: 168 against 254 at 16 rows for
-    # k16-v64-w2, whose 16-row layer took 76 us at 17 nodes against 41 at 16 on the H200)
-    TreeDeltaLaunch(block_k=k, block_v=v, warps=w, precision=p, peel=PEEL_FIRST)
-    for k, v, w, p in ((16, 64, 2, "tf32x3"), (16, 64, 4, "tf32x3"), (32, 64, 4, "ieee"), (16, 32, 4, "ieee"))]
+                    (64, 4, "ieee"))]
 
 
 def launch_name(launch: TreeDeltaLaunch) -> str:
     out = f"-out-{launch.output_precision}" if launch.output_precision else ""
     return (f"k{launch.block_k}-v{launch.block_v}-w{launch.warps}-{launch.precision}{out}"
-            + ("-squaring" if launch.squaring else "") + ("-peel" if launch.peel else "")
-            + ("-first" if launch.peel == PEEL_FIRST else ""))
+            + ("-squaring" if launch.squaring else "") + ("-peel" if launch.peel else ""))
 
 
 # conv_heads's launches: the old grid (a program per node, value head and row) and the per-key-head ones

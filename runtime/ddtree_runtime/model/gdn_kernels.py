@@ -175,22 +175,6 @@ if triton is not None:
             g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
         return g, beta
 
-    @triton.jit
-    def _root_u(v0_ptrs, g0, beta0, k0s, HAS_STATE: tl.constexpr):
-        # a tree's root, node 0, from its sum against the start state S0: u_0 = beta_0 (v_0 - e^g_0 k_0 S0)
-        u0 = tl.load(v0_ptrs)
-        if HAS_STATE:
-            u0 = u0 - tl.exp(g0) * k0s
-        return beta0 * u0
-
-    @triton.jit
-    def _root_out(u0, g0, q0k0, q0s, HAS_STATE: tl.constexpr):
-        # the root's output: (q_0 . k_0) u_0 + e^g_0 q_0 S0
-        out0 = q0k0 * u0
-        if HAS_STATE:
-            out0 += tl.exp(g0) * q0s
-        return out0
-
     # T follows the tree: not specialised on (one compile for every tree size up to a block)
     @triton.jit(do_not_specialize=["T"])
     def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, mask_ptr,
@@ -205,17 +189,10 @@ if triton is not None:
         # once, everything else [BT, BT] or [BT, BV] in registers. PRECISION for the products that make u
         # (the commit folds u into the state, so its error stays); OUT_PRECISION for those that only make
         # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits.
-        # PEEL (1 or 2): node 0 (the root: ancestors come first, so it has none) is taken apart and the
-        # blocks hold nodes 1..T-1: a 17-node tree in blocks of 16, not 32.
-        # - 1 (beside): its terms in the others' are rank one: u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each
-        #   node i below it sees e^(G_i - G_0) (k_i . k_0) u_0 in its right-hand side and e^(G_i - G_0)
-        #   (q_i . k_0) u_0 in its output: four float32 vector sums carried through the loop beside the blocks.
-        # - 2 (first): the root goes first, in float32 vector sums before the loop (u_0 and its output), then
-        #   the others run as a tree of their own from the state after it, S1 = e^g_0 S0 + k_0 u_0 (made chunk
-        #   by chunk as the loop reads S0), their path sums from below the root: the loop is the one a tree
-        #   without the root runs (sm90: 168 registers at 16 rows against 254 beside). Every node of a tree
-        #   descends from its root; padding nodes (their own roots: ancestor_mask) start from S1 too, and
-        #   nothing reads their results.
+        # PEEL: node 0 (the root: ancestors come first, so it has none) is taken apart, in float32 vector
+        # sums, and the blocks hold nodes 1..T-1: a 17-node tree in blocks of 16, not 32. Its terms in
+        # the others' are rank one: u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each node i below it sees
+        # e^(G_i - G_0) (k_i . k_0) u_0 in its right-hand side and e^(G_i - G_0) (q_i . k_0) u_0 in its output
         pid = tl.program_id(0)
         b = (pid // H).to(tl.int64)
         h = (pid % H).to(tl.int64)
@@ -233,29 +210,16 @@ if triton is not None:
             g0 = tl.load(g_ptr + b * s_gb + h * s_gh).to(tl.float32)
             beta0 = tl.load(beta_ptr + b * s_bb + h * s_bh).to(tl.float32)
             g0, beta0 = _tree_gates(g0, beta0, beta_ptr.dtype.element_ty, a_log_ptr, dt_bias_ptr, h, RAW_GATES)
-        if PEEL == 1:
             pathsum += tl.where(below, g0, 0.0)
             from_root = tl.where(below, tl.exp(pathsum - g0), 0.0)               # e^(G_i - G_0), or 0
             kk0 = tl.zeros([BT], dtype=tl.float32)                               # k_i . k_0
             qk0 = tl.zeros([BT], dtype=tl.float32)                               # q_i . k_0
-        if PEEL:
             q0k0 = 0.0
             k0s = tl.zeros([BV], dtype=tl.float32)                               # k_0 S0
             q0s = tl.zeros([BV], dtype=tl.float32)                               # q_0 S0
+        decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
         kk = tl.zeros([BT, BT], dtype=tl.float32)
         qk = tl.zeros([BT, BT], dtype=tl.float32)
-        if PEEL >= 2:
-            for c in range(0, DK, BK):
-                d = c + tl.arange(0, BK)
-                k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
-                q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
-                q0k0 += tl.sum(q0 * k0, axis=0)
-                if HAS_STATE:
-                    s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
-                    k0s += tl.sum(k0[:, None] * s0, axis=0)
-                    q0s += tl.sum(q0[:, None] * s0, axis=0)
-            u0 = _root_u(v_ptr + b * s_vb + h * s_vh + cols * s_vd, g0, beta0, k0s, HAS_STATE)
-        decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
         ks = tl.zeros([BT, BV], dtype=tl.float32)
         qs = tl.zeros([BT, BV], dtype=tl.float32)
         for c in range(0, DK, BK):   # a loop, not unrolled: a quarter of the compile time (issue 38)
@@ -266,22 +230,17 @@ if triton is not None:
                          mask=live[:, None], other=0.0)
             kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
             qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
-            if PEEL == 1:
+            if PEEL:
                 k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
                 q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
                 kk0 += tl.sum(kc * k0[None, :], axis=1)
                 qk0 += tl.sum(qc * k0[None, :], axis=1)
                 q0k0 += tl.sum(q0 * k0, axis=0)
-            if HAS_STATE or PEEL >= 2:
-                if HAS_STATE:
-                    s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
-                else:
-                    s0 = tl.zeros([BK, BV], dtype=tl.float32)
-                if PEEL >= 2:   # S1's rows d
-                    s0 = tl.exp(g0) * s0 + tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)[:, None] * u0[None, :]
+            if HAS_STATE:
+                s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
                 ks += tl.dot(kc, s0, input_precision=PRECISION)
                 qs += tl.dot(qc, s0, input_precision=OUT_PRECISION)
-                if PEEL == 1 and HAS_STATE:
+                if PEEL:
                     k0s += tl.sum(k0[:, None] * s0, axis=0)
                     q0s += tl.sum(q0[:, None] * s0, axis=0)
         strict = on_path & (node[:, None] != node[None, :])
@@ -289,10 +248,13 @@ if triton is not None:
         v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
                     mask=live[:, None], other=0.0)
         grow = tl.exp(pathsum)[:, None]
-        if HAS_STATE or PEEL >= 2:
+        if HAS_STATE:
             v = v - grow * ks
-        if PEEL == 1:
-            u0 = _root_u(v_ptr + b * s_vb + h * s_vh + cols * s_vd, g0, beta0, k0s, HAS_STATE)
+        if PEEL:
+            u0 = tl.load(v_ptr + b * s_vb + h * s_vh + cols * s_vd)
+            if HAS_STATE:
+                u0 = u0 - tl.exp(g0) * k0s
+            u0 = beta0 * u0
             v = v - (from_root * kk0)[:, None] * u0[None, :]
         rhs = beta[:, None] * v
         # u = (I + A)^-1 rhs, A strictly lower triangular (ancestors first)
@@ -319,21 +281,21 @@ if triton is not None:
                 u_i = tl.sum(tl.where(row, rhs, 0.0), axis=0) - tl.sum(a_i[:, None] * u, axis=0)
                 u = tl.where(row, u_i[None, :], u)
         out = tl.dot(qk * decay, u, input_precision=OUT_PRECISION)
-        if HAS_STATE or PEEL >= 2:
+        if HAS_STATE:
             out += grow * qs
-        if PEEL == 1:
-            out += (from_root * qk0)[:, None] * u0[None, :]
         if PEEL:
-            tl.store(out_ptr + (b * H + h) * T * DV + cols, _root_out(u0, g0, q0k0, q0s, HAS_STATE))
+            out += (from_root * qk0)[:, None] * u0[None, :]
+            out0 = q0k0 * u0
+            if HAS_STATE:
+                out0 += tl.exp(g0) * q0s
+            tl.store(out_ptr + (b * H + h) * T * DV + cols, out0)
             tl.store(u_ptr + b * s_ub + h * s_uh + cols * s_ud, u0)
         tl.store(out_ptr + ((b * H + h) * T + node[:, None]) * DV + cols[None, :], out, mask=live[:, None])
         tl.store(u_ptr + b * s_ub + h * s_uh + node[:, None] * s_ut + cols[None, :] * s_ud, u, mask=live[:, None])
         if tl.program_id(1) == 0:
-            if PEEL >= 2:   # the whole path's sums: the root's gate on every node below it
-                pathsum += tl.where(below, g0, 0.0)
+            tl.store(sum_ptr + b * s_Gb + h * s_Gh + node * s_Gt, pathsum, mask=live)
             if PEEL:
                 tl.store(sum_ptr + b * s_Gb + h * s_Gh, g0)
-            tl.store(sum_ptr + b * s_Gb + h * s_Gh + node * s_Gt, pathsum, mask=live)
 
 
 def fused_fits(mixed: torch.Tensor, dk: int, dv: int, kernel: int) -> bool:
@@ -456,9 +418,7 @@ class TreeDeltaLaunch(NamedTuple):
     which the commit folds into the state; `output_precision` (None: the same) for those that make only
     the pass's output, which the layer rounds to 16 bits after its norm; `squaring`: solve the
     triangular system by repeated squaring (log2 T products) rather than by substitution (T steps);
-    `peel`: take the root apart where that halves the blocks (17 nodes in blocks of 16, 33 in 32), its
-    terms carried through the loop beside the others' (PEEL_BESIDE) or the root first and the others from
-    the state after it (PEEL_FIRST; the kernel's comment says how each goes).
+    `peel`: take the root apart where that halves the blocks (17 nodes in blocks of 16, 33 in 32).
     The fields' defaults were the fastest of gdn_tree_bench.py's first 20 launches on the H200 at 1, 8
     and 16 rows of 17 nodes (27B shape: 13.9 / 55.7 / 119.5 us against torch's 63.3 / 120.4 / 193.7,
     error 3e-7); the layers run tree_delta_launch's."""
@@ -468,10 +428,8 @@ class TreeDeltaLaunch(NamedTuple):
     precision: str = "tf32x3"
     squaring: bool = True
     output_precision: str | None = None
-    peel: int = 0
+    peel: bool = False
 
-
-PEEL_BESIDE, PEEL_FIRST = 1, 2   # TreeDeltaLaunch.peel: how the root is taken apart
 
 # The launches the layers run (gdn_tree_bench.py times the one for its rows as its default, beside its
 # grid), both with the root taken apart (a 17-node tree in blocks of 16). H200, 27B, 17 nodes, us at 1 /
@@ -480,13 +438,12 @@ PEEL_BESIDE, PEEL_FIRST = 1, 2   # TreeDeltaLaunch.peel: how the root is taken a
 # 16: 40.5 / 66.8 us at 8 / 16 rows against 43.4 / 69.4 in chunks of 32 (session 23,
 # runtime-gdn-tree-bench-s23-h200.json: fewer registers a chunk, more programs an SM). The launches
 # before them (no peel, three TF32 products, 4 warps; 128 columns of dv a program from 16 rows): 12.9 /
-# 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7). From TREE_DELTA_MANY_ROWS rows the
-# root goes first (PEEL_FIRST; H100, session 28, runtime-gdn-tree-bench-peel-first-s28-h100.json: 31.4 /
-# 68.0 us at 8 / 16 rows against 43.2 / 70.2 beside, a tree of 16 nodes 20.1 / 45.5; at one row beside
-# stays, 11.4 us against 14.4-17.6 the root first; H200, session 29, runtime-gdn-tree-bench-served-s29-h200.json:
-# 29.7 / 64.0 against 40.6 / 67.2 beside with the same tile)
-TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=PEEL_BESIDE)
-TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=PEEL_FIRST)
+# 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7). The root first, its terms out of the
+# loop (sessions 28-29: 27-31% faster at 8 rows in gdn_tree_bench.py alone), was slower in the round: the
+# 27B's step at 8 / 16 rows on the H100 spent 2.39 / 4.23 ms in tree_delta against 2.09 / 3.78 beside
+# (session 30, runtime-gpu-profile-27b-8k-peel-*-s30-h100.json), so it was dropped
+TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=True)
+TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=True)
 TREE_DELTA_MANY_ROWS = 8
 
 
@@ -529,7 +486,7 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     launch = launch or tree_delta_launch(b)
     dv = v.shape[-1]
     block_t = max(16, triton.next_power_of_2(t))
-    peel = launch.peel if launch.peel and max(16, triton.next_power_of_2(t - 1)) < block_t else 0
+    peel = launch.peel and max(16, triton.next_power_of_2(t - 1)) < block_t
     if peel:
         block_t //= 2
     block_k, block_v = min(launch.block_k, dk), min(launch.block_v, dv)
@@ -549,5 +506,6 @@ def tree_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         DK=dk, DV=dv, BT=block_t, LOG_BT=block_t.bit_length() - 1, BK=block_k, BV=block_v,
         HAS_STATE=state is not None, RAW_GATES=gates is not None, PRECISION=launch.precision,
         OUT_PRECISION=launch.output_precision or launch.precision, SQUARING=launch.squaring,
-        PEEL=peel, num_warps=launch.warps * max(1, block_t // 32))
+        # (PEEL as 0 or 1: the shipped compile record names it so, from when the root had two ways apart)
+        PEEL=int(peel), num_warps=launch.warps * max(1, block_t // 32))
     return out, u, pathsum

@@ -17,6 +17,9 @@ dk = dv = 128, conv 4; 48 such layers a step), B rows of a T-node tree each (T =
                  difference (bf16 rounding: under 5e-2 of the largest)
 
 Every timing is a CUDA graph of 20 calls (attn_probe.timed), in microseconds per call; `x48` is per step.
+The recurrence's calls take copies of their inputs in turn, past three times the L2 together (`input_sets`), as
+a step's layers each read their own state (with the inputs of one call the state stayed in the L2 at 8 rows
+and 1, and a launch that read it twice came out faster here and slower in the round: session 30).
 Self-checking: before timing, every kernel launch is compared with the torch recurrence computed in float64
 (relative error: max |diff| / max |reference|, printed, with torch float32's own); a NaN, or the default
 launch over its bound, marks the case FAIL and the script exits 1 after writing its JSON. A launch that
@@ -38,6 +41,7 @@ if "--tiny" in sys.argv:  # before Triton loads: the kernels then run in its int
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -66,6 +70,7 @@ from ddtree_runtime.model.qwen3_5 import GatedDeltaNet  # noqa: E402
 # the output, which the layer rounds to 16 bits after its norm, within bf16's half ulp (2^-9). Launches
 # outside them are only reported (plain TF32 everywhere is ~1e-3 on both by design).
 MAX_ERROR = 1e-4
+LAYERS = 48   # the 27B's linear layers: a step reads 48 states
 MAX_OUTPUT_ERROR = 2.0 ** -9
 
 
@@ -137,6 +142,25 @@ def measure(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
+def measure_rotating(fn: Callable[..., object], inputs: list[tuple], device: torch.device) -> float:
+    """`measure` of fn(*inputs[i]), the calls taking the sets of inputs in turn: a step's 48 layers each
+    read their own state, never one the L2 still holds (with one set a launch that read the state twice
+    came out faster alone and slower in the round: session 30)."""
+    sets = itertools.cycle(inputs)
+    return measure(lambda: fn(*next(sets)), device)
+
+
+def input_copies(inputs: tuple[torch.Tensor, ...], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """`inputs` and copies of them (strides kept), past three times the GPU's L2 together, at most one a
+    layer; on the CPU the inputs alone."""
+    if device.type != "cuda":
+        return [inputs]
+    size = sum(x.numel() * x.element_size() for x in inputs)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    count = max(1, min(LAYERS, -(-3 * l2 // size)))
+    return [inputs] + [tuple(x.clone() for x in inputs) for _ in range(count - 1)]
+
+
 def random_trees(batch: int, nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row its own tree: every node's parent drawn among the earlier ones. -> mask [B, T, T], depth [B, T]."""
     parents = torch.zeros(batch, nodes, dtype=torch.long)
@@ -170,8 +194,9 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
     want, want_step = gated_delta_torch(*(x.double() for x in (q, k, v, g, beta, state)), exact)
     q, k, v, g, beta, state = (x.to(device) for x in (q, k, v, g, beta, state))
     torch32 = gated_delta_torch(q, k, v, g, beta, state, paths)[0]
-    case = {"torch_f32_error": relative_error(torch32, want), "torch_us": measure(
-        lambda: gated_delta_torch(q, k, v, g, beta, state, paths), device), "launches": {}}
+    sets = input_copies((q, k, v, g, beta, state), device)
+    case = {"torch_f32_error": relative_error(torch32, want), "input_sets": len(sets), "torch_us": measure_rotating(
+        lambda *x: gated_delta_torch(*x, paths), sets, device), "launches": {}}
     served = gdn_kernels.tree_delta_launch(batch)
     for launch in [served] + launches:
         name = launch_name(launch)
@@ -180,7 +205,7 @@ def recurrence_case(cfg: Qwen35Config, batch: int, nodes: int, device: torch.dev
         try:
             out, u, _ = tree_delta(q, k, v, g, beta, state, paths.mask, launch)
             err = relative_error(out, want)
-            us = measure(lambda launch=launch: tree_delta(q, k, v, g, beta, state, paths.mask, launch), device)
+            us = measure_rotating(lambda *x, launch=launch: tree_delta(*x, paths.mask, launch), sets, device)
             case["launches"][name] = {"error": err, "u_error": relative_error(u, want_step.u),
                                       "nan": bool(out.isnan().any()), "us": us}
         except Exception as exc:  # a launch this device's Triton cannot build (registers, shared memory)

@@ -101,8 +101,8 @@ def main() -> None:
             started = time.perf_counter()
             outcome = compile_job(job)
             send(replies, (outcome, time.perf_counter() - started))
-    except EOFError:
-        return
+    except (EOFError, BrokenPipeError):   # the server has gone (it stopped, or failed to start): quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), replies.fileno())   # what its pipe refused goes nowhere at exit
 
 
 if __name__ == "__main__":

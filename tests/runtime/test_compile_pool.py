@@ -183,6 +183,19 @@ print(dict(pool.outcomes))
     assert done.stdout.strip() == "{'compiled': 3}" and runs.read_text() == "ran\n"
 
 
+def test_a_worker_whose_server_has_gone_exits_quietly():
+    """A server that fails to start (a context that does not fit) closes its workers' pipes before they
+    answer READY: each then exits at once, with nothing on stderr (it printed a BrokenPipeError traceback)."""
+    worker = subprocess.Popen([sys.executable, "-m", "ddtree_runtime.compile_worker"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO / "runtime")
+    worker.stdout.close()                      # the server's end of the replies, gone before READY
+    message = pickle.dumps((sys.path, []))
+    worker.stdin.write(compile_worker._LENGTH.pack(len(message)) + message)
+    worker.stdin.close()
+    assert worker.wait(timeout=120) == 0
+    assert worker.stderr.read() == b""
+
+
 def test_parallel_compiles_patch_the_autotuner_only_inside(monkeypatch):
     prune, bench = Autotuner.prune_configs, Autotuner._bench
     with parallel_compiles(0) as pool:

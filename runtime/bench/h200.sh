@@ -6,10 +6,11 @@
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-old, rounds-8b,
-# rounds-8b-old, cost-lone, cost-lone-old, gdn-tree, attn, fp8, fp8-gemm, fp8-large, graph-memory, http,
-# http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within one call (the lent
-# machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD (a tarball of its
-# runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context (8192, the issue's).
+# rounds-8b-old, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, attn, fp8, fp8-gemm, fp8-large, fp8-tail,
+# graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within
+# one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
+# (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
+# (8192, the issue's).
 # A step that fails is reported and the next one runs; the exit status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -77,6 +78,10 @@ step() {
     cost-lone)  # the cost policy alone over a request's life, against AR: tokens/s and each budget's phases
         cost_lone "$here" new ;;
     cost-lone-old) old_tree && cost_lone /tmp/old old ;;
+    cost-lone-events)  # the same by CUDA events at the phases, no sync: where a probe's first tree round after
+                       # AR rounds spends its ~2x (session 30: 45.8 ms against 23.7 after a tree round)
+        bench "$here" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1 --cases cost --rounds 200 \
+            --event-phases --out "$OUT/cost-lone-events.json" ;;
     gdn-tree)  # GDN_LAUNCHES: launch names to time (all 42 compile for ~8 min: pick)
         bench "$here" gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} --out "$OUT/gdn-tree.json" ;;
     attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys (ATTN_GRID:
@@ -95,6 +100,10 @@ step() {
                 # weight-major tiles and, from 64 rows, the wgmma family's large ones, beside bf16, scaled_mm, the runtime
         bench "$here" fp8_gemm_bench.py --large ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-large.json" ;;
+    fp8-tail)  # what the wgmma tiles' last, mostly empty 64-row tile costs a 272-row verify: the same tiles at 256,
+               # 272 and 320 rows beside cuBLASLt (before building a launch whose tail programs run lighter)
+        bench "$here" fp8_gemm_bench.py --large --rows 256,272,320 ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
+            --out "$OUT/fp8-tail.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \

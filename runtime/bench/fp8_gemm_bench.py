@@ -23,7 +23,8 @@ Each weight is copied until the copies pass three times the L2, and the timed ca
 so no candidate reads its weight from cache. `rows_invariant`: the first 64 rows' outputs (all of them
 below 64), bit for bit, are the same at every row count (and, for Triton, at every tile of a family).
 `--large`: the lean weight-major sweep and, from 64 rows, the row-major wgmma family's large tiles
-(wgmma_tiles), each also with its operands read by tensor descriptors (`_tma`: Hopper's bulk copies), at
+(wgmma_tiles: `_tail` where the rows leave a last tile of 16 or fewer, taken weight-major), each also
+with its operands read by tensor descriptors (`_tma`: Hopper's bulk copies), at
 k_group's groups, beside bf16, scaled_mm and the runtime: whether one arithmetic can serve every row count
 of a shape at no more than bf16's time.
 `weight_major_agreement`, per projection and count of K groups: whether every weight-major tile at every
@@ -93,11 +94,13 @@ def weight_major_tiles(m: int, lean: bool = False, spilling: bool = False) -> li
 def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
     """From 64 rows, the large tiles of the 64-row (wgmma) family that a large row count may want (one
     accumulator beside the dot's tile since the kernel sums a lone K group without a second): 64x128
-    (4 warps), 128x64 (4), 128x128 (8) at 3 and 4 stages, 64x256 (8) at 3."""
+    (4 warps), 128x64 (4), 128x128 (8) at 3 and 4 stages, 64x256 (8) at 3; and where m leaves a tile's last
+    rows fp8.TAIL_ROWS or fewer (272 rows: 16), each such tile with that last tile weight-major (`_tail`)."""
     if m < 64:
         return []
-    return ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
-             for st in (3, 4)] + [fp8.GemmTile(64, 256, 8, 3)])
+    tiles = ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
+              for st in (3, 4)] + [fp8.GemmTile(64, 256, 8, 3)])
+    return tiles + [t._replace(tail=True) for t in tiles if 0 < m % t.block_m <= fp8.TAIL_ROWS]
 
 
 def family(tile: fp8.GemmTile) -> str:
@@ -112,7 +115,7 @@ def family(tile: fp8.GemmTile) -> str:
 def candidate(tile: fp8.GemmTile) -> str:
     """A tile's name in the report: "triton[BMxBNwWsS]", "triton_wm[BTxBNwWsS]" for a weight-major one,
     with "_tma" before the bracket where its operands come by tensor descriptors."""
-    return (f"triton{'_wm' if tile.weights_left else ''}{'_tma' if tile.tma else ''}"
+    return (f"triton{'_wm' if tile.weights_left else ''}{'_tma' if tile.tma else ''}{'_tail' if tile.tail else ''}"
             f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
 

@@ -101,7 +101,7 @@ step() {
         bench "$here" fp8_gemm_bench.py --large ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-large.json" ;;
     fp8-tail)  # what the wgmma tiles' last, mostly empty 64-row tile costs a 272-row verify: the same tiles at 256,
-               # 272 and 320 rows beside cuBLASLt (before building a launch whose tail programs run lighter)
+               # 272 and 320 rows beside cuBLASLt, and at 272 the `_tail` launches (that tile weight-major)
         bench "$here" fp8_gemm_bench.py --large --rows 256,272,320 ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-tail.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)

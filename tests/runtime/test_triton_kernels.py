@@ -376,6 +376,40 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
     """)
 
 
+def test_a_tail_launch_takes_its_last_rows_weight_major_to_the_same_bits():
+    """GemmTile.tail: a row-major launch whose last tile of rows holds TAIL_ROWS or fewer runs that tile
+    weight-major (TAIL_ROWS tokens): the plain launch's bits at 272 rows' worth of a tail (4 + 16 rows over
+    64-row tiles), at 5 rows (the only tile is the tail), with the bias and the residual, by pointers and
+    by tensor descriptors; a last tile of more than TAIL_ROWS rows, and a split launch, keep the plain tile."""
+    interpret("""
+        import ddtree_runtime.model.fp8 as F8
+        from ddtree_devtools.interpreter import exact_dots
+        exact_dots()
+        F8._device_limits = lambda device: (4, 232448)
+        w = F8.BlockFP8(*F8.quantize_blocks(torch.randn(96, 640) * 0.05), 128)
+        bias = torch.randn(96, dtype=torch.float16)
+        for m in (5, 80, 81, 100):
+            x = torch.randn(m, 640, dtype=torch.float16)
+            res = torch.randn(m, 96, dtype=torch.float16)
+            for tile in (F8.GemmTile(64, 64, 4, 2), F8.GemmTile(64, 64, 4, 2, tma=True)):
+                plain = F8.block_gemm(x, w, tile, bias, res.clone(), residual=True, group=2, split=False)
+                tailed = F8.block_gemm(x, w, tile._replace(tail=True), bias, res.clone(), residual=True, group=2,
+                                       split=False)
+                assert torch.equal(tailed, plain), (m, tile)
+        # where it applies: the last tile's rows, the row-major form, no split
+        launched = []
+        F8._block_gemm_kernel = type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launched.append(k["TAIL"])})()
+        x = torch.randn(100, 640, dtype=torch.float16)
+        for m, tile, split, want in [(80, F8.GemmTile(64, 64, 4, 2, tail=True), False, True),
+                                     (100, F8.GemmTile(64, 64, 4, 2, tail=True), False, False),
+                                     (64, F8.GemmTile(64, 64, 4, 2, tail=True), False, False),
+                                     (80, F8.GemmTile(64, 64, 4, 2, tail=True), True, False),
+                                     (80, F8.GemmTile(64, 64, 4, 2), False, False)]:
+            F8.block_gemm(x[:m], w, tile, group=2, split=split)
+            assert launched[-1] is want, (m, tile, split)
+    """)
+
+
 def test_a_row_of_the_weight_major_gemm_has_its_bits_at_every_row_count_and_token_tile():
     """A row's result is the same alone and among 2, 17 or 40 rows, at token tiles (BLOCK_T) of 16, 32 and
     64 and weight tiles of 64 and 128, and through the Hopper tiles fp8_linear takes by row count. Through the interpreter this checks the indexing and the order of

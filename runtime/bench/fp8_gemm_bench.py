@@ -114,7 +114,8 @@ def family(tile: fp8.GemmTile) -> str:
 
 def candidate(tile: fp8.GemmTile) -> str:
     """A tile's name in the report: "triton[BMxBNwWsS]", "triton_wm[BTxBNwWsS]" for a weight-major one,
-    with "_tma" before the bracket where its operands come by tensor descriptors."""
+    with "_tma" before the bracket where its operands come by tensor descriptors and "_tail" where its
+    last tile of rows runs weight-major (GemmTile.tail)."""
     return (f"triton{'_wm' if tile.weights_left else ''}{'_tma' if tile.tma else ''}{'_tail' if tile.tail else ''}"
             f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
@@ -235,7 +236,8 @@ def parse_tile(cand: str) -> fp8.GemmTile:
     bm, rest = cand[cand.index("[") + 1:cand.index("]")].split("x")
     bn, rest = rest.split("w")
     w, st = rest.split("s")
-    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), cand.startswith("triton_wm"), "_tma[" in cand)
+    kind = cand[:cand.index("[")].split("_")
+    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), "wm" in kind, "tma" in kind, "tail" in kind)
 
 
 def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:

@@ -330,6 +330,12 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
     assert bench.parse_tile(bench.candidate(row_major)) == row_major and bench.family(row_major) == "triton_m32"
     assert bench.wgmma_tiles(17) == [] and bench.wgmma_tiles(64)   # --large: wgmma tiles from 64 rows
     by_tma = bench.wgmma_tiles(64)[0]._replace(tma=True)
+    # 272 rows leave 16 in a last tile of 64 or 128: each such tile also as a tail launch, named apart
+    tails = [t for t in bench.wgmma_tiles(272) if t.tail]
+    assert tails and {t._replace(tail=False) for t in tails} <= set(bench.wgmma_tiles(272))
+    assert all(272 % t.block_m == 16 for t in tails) and not any(t.tail for t in bench.wgmma_tiles(256))
+    for tile in tails + [t._replace(tma=True) for t in tails]:
+        assert bench.parse_tile(bench.candidate(tile)) == tile and bench.family(tile) == "triton_m64"
     assert bench.parse_tile(bench.candidate(by_tma)) == by_tma and bench.family(by_tma) == "triton_m64"
     assert all(bench.family(t) == "triton_m64" and t.block_m * t.block_n <= 2048 * t.warps for t in bench.wgmma_tiles(64))
     with pytest.raises(SystemExit) as done:

@@ -94,13 +94,18 @@ def weight_major_tiles(m: int, lean: bool = False, spilling: bool = False) -> li
 def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
     """From 64 rows, the large tiles of the 64-row (wgmma) family that a large row count may want (one
     accumulator beside the dot's tile since the kernel sums a lone K group without a second): 64x128
-    (4 warps), 128x64 (4), 128x128 (8) at 3 and 4 stages, 64x256 (8) at 3; and where m leaves a tile's last
-    rows fp8.TAIL_ROWS or fewer (272 rows: 16), each such tile with that last tile weight-major (`_tail`)."""
+    (4 warps), 128x64 (4), 128x128 (8) at 3 and 4 stages, 64x256 (8) at 3; where m leaves a tile's last
+    rows fp8.TAIL_ROWS or fewer (272 rows: 16), each such tile with that last tile weight-major (`_tail`);
+    from 1,024 rows (many waves of tiles) the 64x128 and 128x128 tiles persistent, 1 and 2 programs an SM
+    (`_p1`, `_p2`; the 64x128 one's registers allow two an SM, three on gate_up: sm90_report.py)."""
     if m < 64:
         return []
     tiles = ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
               for st in (3, 4)] + [fp8.GemmTile(64, 256, 8, 3)])
-    return tiles + [t._replace(tail=True) for t in tiles if 0 < m % t.block_m <= fp8.TAIL_ROWS]
+    tails = [t._replace(tail=True) for t in tiles if 0 < m % t.block_m <= fp8.TAIL_ROWS]
+    persistent = [t._replace(persistent=p) for t in tiles if m >= 1024 and t.block_n == 128 and t.stages == 3
+                  for p in (1, 2)]
+    return tiles + tails + persistent
 
 
 def family(tile: fp8.GemmTile) -> str:
@@ -114,9 +119,11 @@ def family(tile: fp8.GemmTile) -> str:
 
 def candidate(tile: fp8.GemmTile) -> str:
     """A tile's name in the report: "triton[BMxBNwWsS]", "triton_wm[BTxBNwWsS]" for a weight-major one,
-    with "_tma" before the bracket where its operands come by tensor descriptors and "_tail" where its
-    last tile of rows runs weight-major (GemmTile.tail)."""
-    return (f"triton{'_wm' if tile.weights_left else ''}{'_tma' if tile.tma else ''}{'_tail' if tile.tail else ''}"
+    with "_tma" before the bracket where its operands come by tensor descriptors, "_tail" where its
+    last tile of rows runs weight-major (GemmTile.tail) and "_pP" for P programs an SM (GemmTile.persistent)."""
+    kinds = (("_wm", tile.weights_left), ("_tma", tile.tma), ("_tail", tile.tail),
+             (f"_p{tile.persistent}", tile.persistent))
+    return (f"triton{''.join(name for name, on in kinds if on)}"
             f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
 
@@ -237,7 +244,8 @@ def parse_tile(cand: str) -> fp8.GemmTile:
     bn, rest = rest.split("w")
     w, st = rest.split("s")
     kind = cand[:cand.index("[")].split("_")
-    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), "wm" in kind, "tma" in kind, "tail" in kind)
+    persistent = next((int(k[1:]) for k in kind if k[:1] == "p" and k[1:].isdigit()), 0)
+    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), "wm" in kind, "tma" in kind, "tail" in kind, persistent)
 
 
 def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:

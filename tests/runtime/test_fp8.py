@@ -334,7 +334,12 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
     tails = [t for t in bench.wgmma_tiles(272) if t.tail]
     assert tails and {t._replace(tail=False) for t in tails} <= set(bench.wgmma_tiles(272))
     assert all(272 % t.block_m == 16 for t in tails) and not any(t.tail for t in bench.wgmma_tiles(256))
-    for tile in tails + [t._replace(tma=True) for t in tails]:
+    # from 1,024 rows, persistent launches of the 64x128 and 128x128 tiles, named apart
+    lasting = [t for t in bench.wgmma_tiles(4096) if t.persistent]
+    assert {(t.block_m, t.block_n, t.persistent) for t in lasting} == {(64, 128, 1), (64, 128, 2), (128, 128, 1),
+                                                                        (128, 128, 2)}
+    assert not any(t.persistent for t in bench.wgmma_tiles(272))
+    for tile in tails + lasting + [t._replace(tma=True) for t in tails + lasting]:
         assert bench.parse_tile(bench.candidate(tile)) == tile and bench.family(tile) == "triton_m64"
     assert bench.parse_tile(bench.candidate(by_tma)) == by_tma and bench.family(by_tma) == "triton_m64"
     assert all(bench.family(t) == "triton_m64" and t.block_m * t.block_n <= 2048 * t.warps for t in bench.wgmma_tiles(64))

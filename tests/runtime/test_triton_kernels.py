@@ -376,11 +376,12 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
     """)
 
 
-def test_a_tail_launch_takes_its_last_rows_weight_major_to_the_same_bits():
+def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
     """GemmTile.tail: a row-major launch whose last tile of rows holds TAIL_ROWS or fewer runs that tile
     weight-major (TAIL_ROWS tokens): the plain launch's bits at 272 rows' worth of a tail (4 + 16 rows over
     64-row tiles), at 5 rows (the only tile is the tail), with the bias and the residual, by pointers and
-    by tensor descriptors; a last tile of more than TAIL_ROWS rows, and a split launch, keep the plain tile."""
+    by tensor descriptors; a last tile of more than TAIL_ROWS rows, and a split launch, keep the plain tile.
+    GemmTile.persistent: programs that take the tiles in turn give them the same bits."""
     interpret("""
         import ddtree_runtime.model.fp8 as F8
         from ddtree_devtools.interpreter import exact_dots
@@ -396,9 +397,23 @@ def test_a_tail_launch_takes_its_last_rows_weight_major_to_the_same_bits():
                 tailed = F8.block_gemm(x, w, tile._replace(tail=True), bias, res.clone(), residual=True, group=2,
                                        split=False)
                 assert torch.equal(tailed, plain), (m, tile)
+        # a persistent launch (GemmTile.persistent: fewer programs than tiles, each taking tiles in turn): the
+        # same bits, K in groups or in one (its loop flattened), by pointers and by tensor descriptors
+        F8._device_limits = lambda device: (2, 232448)
+        x = torch.randn(200, 640, dtype=torch.float16)
+        for group in (2, 5):
+            for tile in (F8.GemmTile(64, 32, 4, 2), F8.GemmTile(64, 32, 4, 2, tma=True)):
+                plain = F8.block_gemm(x, w, tile, bias, group=group, split=False)
+                for per_sm in (1, 2):
+                    assert torch.equal(F8.block_gemm(x, w, tile._replace(persistent=per_sm), bias, group=group,
+                                                     split=False), plain), (group, tile, per_sm)
+        F8._device_limits = lambda device: (4, 232448)
         # where it applies: the last tile's rows, the row-major form, no split
         launched = []
-        F8._block_gemm_kernel = type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **k: launched.append(k["TAIL"])})()
+        class Spy:   # the kernel's launch: records whether it ran with TAIL
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: launched.append(kwargs["TAIL"])
+        F8._block_gemm_kernel = Spy()
         x = torch.randn(100, 640, dtype=torch.float16)
         for m, tile, split, want in [(80, F8.GemmTile(64, 64, 4, 2, tail=True), False, True),
                                      (100, F8.GemmTile(64, 64, 4, 2, tail=True), False, False),

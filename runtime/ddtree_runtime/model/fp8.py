@@ -364,7 +364,8 @@ if triton is not None:
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                            WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr,
-                           TMA: tl.constexpr, TAIL: tl.constexpr, TAIL_ROWS: tl.constexpr, tail_q_ptr):
+                           TMA: tl.constexpr, TAIL: tl.constexpr, TAIL_ROWS: tl.constexpr, tail_q_ptr,
+                           PERSISTENT: tl.constexpr):
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
         WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
@@ -385,24 +386,34 @@ if triton is not None:
         With TAIL, the last tile of rows (TAIL_ROWS of them or fewer) runs weight-major with TAIL_ROWS tokens
         (tail_q_ptr: q read as such tiles, by a tensor descriptor with TMA; None without TAIL), a quarter of
         a 64-row tile's MMA work (a 272-row verify's last 64-row tile holds 16 rows). The weight-major form
-        sums as the 64-row tiles do, to the same bits (on the H200, sessions 23-24)."""
+        sums as the 64-row tiles do, to the same bits (on the H200, sessions 23-24).
+        With PERSISTENT, fewer programs than tiles each take tiles in turn, their K walks one pipelined loop
+        (flattened where K is one group), so a tile's first loads overlap the last one's end."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
-        pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
-        if TAIL:
-            if pid_m == num_m - 1:
-                _gemm_tile(tail_q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
-                           stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, pid_m * (BLOCK_M // TAIL_ROWS),
-                           pid_n, SCALE_ROWS, TAIL_ROWS, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT,
-                           True, WS_UNIFORM, ONE_GROUP, TMA)
+        if PERSISTENT:
+            for tile in tl.range(pid, num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=ONE_GROUP):
+                _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
+                           stride_xsk, stride_wn, stride_wsn, stride_om, tile % num_m, tile // num_m, SCALE_ROWS,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
+                           WS_UNIFORM, ONE_GROUP, TMA)
+        else:
+            pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
+            if TAIL:
+                if pid_m == num_m - 1:
+                    _gemm_tile(tail_q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
+                               stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om,
+                               pid_m * (BLOCK_M // TAIL_ROWS), pid_n, SCALE_ROWS, TAIL_ROWS, BLOCK_N, BLOCK_K,
+                               EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, True, WS_UNIFORM, ONE_GROUP, TMA)
+                else:
+                    _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
+                               stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
+                               WS_UNIFORM, ONE_GROUP, TMA)
             else:
                 _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
                            stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS, BLOCK_M, BLOCK_N,
                            BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT, WS_UNIFORM, ONE_GROUP, TMA)
-        else:
-            _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
-                       stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT, WS_UNIFORM, ONE_GROUP, TMA)
 
     @triton.jit
     def _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm, stride_xsk,
@@ -494,7 +505,8 @@ class GemmTile(NamedTuple):
     descriptors (Hopper's bulk copies; where a matrix's rows are not 16-byte aligned, as a weight mapped
     straight from a checkpoint file can be, block_gemm reads by pointers: the same sums). HOPPER_TILES
     takes both. tail: a row-major tile's last tile of rows, where it holds TAIL_ROWS or fewer, taken
-    weight-major by TAIL_ROWS tokens (a candidate fp8_gemm_bench.py times; no table chooses it yet)."""
+    weight-major by TAIL_ROWS tokens; persistent: that many programs an SM (0: a program a tile), each
+    taking tiles in turn (candidates fp8_gemm_bench.py times; no table chooses them yet)."""
     block_m: int
     block_n: int
     warps: int
@@ -502,6 +514,7 @@ class GemmTile(NamedTuple):
     weights_left: bool = False
     tma: bool = False
     tail: bool = False
+    persistent: int = 0
 
 
 TAIL_ROWS = 16   # the rows a GemmTile.tail launch's last tile may hold (its token tile)
@@ -601,20 +614,21 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
     q_arg, w_arg = q, w.qweight
     if tile.tma and any(t.data_ptr() % 16 or t.stride(0) % 16 for t in (q, w.qweight)):
         tile = tile._replace(tma=False)   # bulk copies need 16-byte aligned rows: the same sums by pointers
-    tail = tile.tail and not tile.weights_left and not split and 0 < m % tile.block_m <= TAIL_ROWS
+    persistent = tile.persistent and not split and tiles > sms * tile.persistent
+    tail = tile.tail and not tile.weights_left and not split and not persistent and 0 < m % tile.block_m <= TAIL_ROWS
     if tile.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         q_arg = TensorDescriptor.from_tensor(q, [tile.block_m, BLOCK])
         w_arg = TensorDescriptor.from_tensor(w.qweight, [tile.block_n, BLOCK])
     tail_q = TensorDescriptor.from_tensor(q, [TAIL_ROWS, BLOCK]) if tail and tile.tma else q
-    _block_gemm_kernel[(tiles, groups if split else 1)](
+    _block_gemm_kernel[(sms * tile.persistent if persistent else tiles, groups if split else 1)](
         q_arg, s, w_arg, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
         s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
         WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, TMA=tile.tma,
-        TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q if tail else None, num_warps=tile.warps,
-        num_stages=tile.stages)
+        TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q if tail else None, PERSISTENT=bool(persistent),
+        num_warps=tile.warps, num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,
                                                      out.stride(0), HAS_BIAS=bias is not None,

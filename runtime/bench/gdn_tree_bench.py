@@ -70,8 +70,8 @@ from ddtree_runtime.model.qwen3_5 import GatedDeltaNet  # noqa: E402
 # the output, which the layer rounds to 16 bits after its norm, within bf16's half ulp (2^-9). Launches
 # outside them are only reported (plain TF32 everywhere is ~1e-3 on both by design).
 MAX_ERROR = 1e-4
-LAYERS = 48   # the 27B's linear layers: a step reads 48 states
 MAX_OUTPUT_ERROR = 2.0 ** -9
+LAYERS = 48   # the 27B's linear layers: a step reads 48 states
 
 
 def qualifies(result: dict) -> bool:

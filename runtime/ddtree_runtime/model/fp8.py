@@ -614,20 +614,23 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
     q_arg, w_arg = q, w.qweight
     if tile.tma and any(t.data_ptr() % 16 or t.stride(0) % 16 for t in (q, w.qweight)):
         tile = tile._replace(tma=False)   # bulk copies need 16-byte aligned rows: the same sums by pointers
-    persistent = tile.persistent and not split and tiles > sms * tile.persistent
-    tail = tile.tail and not tile.weights_left and not split and not persistent and 0 < m % tile.block_m <= TAIL_ROWS
+    programs = tiles if split or not tile.persistent else min(tiles, sms * tile.persistent)
+    tail = (tile.tail and not tile.weights_left and not split and programs == tiles
+            and 0 < m % tile.block_m <= TAIL_ROWS)
+    tail_q = q if tail else None
     if tile.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         q_arg = TensorDescriptor.from_tensor(q, [tile.block_m, BLOCK])
         w_arg = TensorDescriptor.from_tensor(w.qweight, [tile.block_n, BLOCK])
-    tail_q = TensorDescriptor.from_tensor(q, [TAIL_ROWS, BLOCK]) if tail and tile.tma else q
-    _block_gemm_kernel[(sms * tile.persistent if persistent else tiles, groups if split else 1)](
+        if tail:
+            tail_q = TensorDescriptor.from_tensor(q, [TAIL_ROWS, BLOCK])
+    _block_gemm_kernel[(programs, groups if split else 1)](
         q_arg, s, w_arg, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
         s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
         WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, TMA=tile.tma,
-        TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q if tail else None, PERSISTENT=bool(persistent),
+        TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q, PERSISTENT=programs < tiles,
         num_warps=tile.warps, num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,

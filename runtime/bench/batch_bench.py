@@ -125,8 +125,9 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
         tokens, trace = 0, []
         for _ in range(rounds):
             began = time.perf_counter()
-            tokens += sum(len(out.token_ids) for _, out in engine.step())
-            trace.append((1e3 * (time.perf_counter() - began), engine.stats.round_budget))
+            emitted = sum(len(out.token_ids) for _, out in engine.step())
+            tokens += emitted
+            trace.append((1e3 * (time.perf_counter() - began), engine.stats.round_budget, emitted))
         sync(engine.device)
         round_s = (time.perf_counter() - t0) / rounds
         captured = engine.stats.graph_captures - captured
@@ -148,7 +149,10 @@ def steady_rounds(engine: Engine, prompts: list[list[int]], params: SamplingPara
     return {"round_ms": 1e3 * round_s, "admit_ms": 1e3 * admit_s, "batch_size": batch, "round_tree_nodes": nodes,
             "phases_ms": phases, "windows": window, "window_captures": captured, "by_budget": by_budget(trace),
             "phases_by_budget": phases_by_budget(timed),
-            "budgets": [budget for _, budget in trace],   # each timed round's, in order
+            "budgets": [budget for _, budget, _ in trace],   # each timed round's, in order
+            # each timed round's wall ms and tokens out, in order: where a mean's outliers sit, and
+            # what a lone tree round after AR rounds emits (the run-ahead pass it settles, then its own)
+            "round_trace": [[round(ms, 2), emitted] for ms, _, emitted in trace],
             "tokens_per_s": tokens / (rounds * round_s),
             "tokens_per_s_at_tau": {t: len(prompts) * t / round_s for t in TAUS}}
 
@@ -161,10 +165,10 @@ def budget_groups(budgets: list[int]) -> list[list[str]]:
             for i, budget in enumerate(budgets)]
 
 
-def by_budget(trace: list[tuple[float, int]]) -> dict[str, dict]:
+def by_budget(trace: list[tuple[float, int, int]]) -> dict[str, dict]:
     """The timed steps (wall ms between step() calls, no sync added) grouped by budget_groups."""
     groups: dict[str, list[float]] = {}
-    for (ms, _), names in zip(trace, budget_groups([budget for _, budget in trace])):
+    for (ms, _, _), names in zip(trace, budget_groups([budget for _, budget, _ in trace])):
         for name in names:
             groups.setdefault(name, []).append(ms)
     return {name: {"steps": len(v), "mean_ms": round(statistics.fmean(v), 3), "median_ms": round(statistics.median(v), 3)}

@@ -166,12 +166,15 @@ def budget_groups(budgets: list[int]) -> list[list[str]]:
 
 
 def by_budget(trace: list[tuple[float, int, int]]) -> dict[str, dict]:
-    """The timed steps (wall ms between step() calls, no sync added) grouped by budget_groups."""
-    groups: dict[str, list[float]] = {}
-    for (ms, _, _), names in zip(trace, budget_groups([budget for _, budget, _ in trace])):
+    """The timed steps (wall ms between step() calls, no sync added) grouped by budget_groups, with the
+    tokens they emitted: a lone tree round after AR rounds also settles the pass the last AR round ran
+    ahead (a token, and that pass's time on the GPU: ~2x a round's ms for two tokens, session 31)."""
+    groups: dict[str, list[tuple[float, int]]] = {}
+    for (ms, _, emitted), names in zip(trace, budget_groups([budget for _, budget, _ in trace])):
         for name in names:
-            groups.setdefault(name, []).append(ms)
-    return {name: {"steps": len(v), "mean_ms": round(statistics.fmean(v), 3), "median_ms": round(statistics.median(v), 3)}
+            groups.setdefault(name, []).append((ms, emitted))
+    return {name: {"steps": len(v), "mean_ms": round(statistics.fmean(ms for ms, _ in v), 3),
+                   "median_ms": round(statistics.median(ms for ms, _ in v), 3), "tokens": sum(n for _, n in v)}
             for name, v in sorted(groups.items())}
 
 

@@ -416,6 +416,8 @@ def test_the_steady_window_leaves_out_a_shape_run_first_and_phases_add_up():
     assert got["round_ms"] < 20 and got["windows"] == 2 and got["window_captures"] == 0
     # each timed round of the window kept, in order: its wall ms and the tokens it emitted (one a row)
     assert len(got["round_trace"]) == 5 and all(2 <= ms < 100 and out == 2 for ms, out in got["round_trace"])
+    assert got["by_budget"]["budget_4"] | {"mean_ms": 0, "median_ms": 0} == {"steps": 5, "tokens": 10, "mean_ms": 0,
+                                                                           "median_ms": 0}
     engine = _SteadyEngine(rows=2, round_s=0.002, first=10, capture_s=0.01)  # step 10: in the phase rounds
     got = batch_bench.steady_rounds(engine, [[1], [2]], params, rounds=5, warmup=2, timer=timer(cpu))
     assert got["windows"] == 1 and got["phases_ms"]["draft"] == 0 and 2 <= got["phases_ms"]["verify"] < 10

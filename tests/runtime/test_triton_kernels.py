@@ -381,7 +381,9 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
     weight-major (TAIL_ROWS tokens): the plain launch's bits at 272 rows' worth of a tail (4 + 16 rows over
     64-row tiles), at 5 rows (the only tile is the tail), with the bias and the residual, by pointers and
     by tensor descriptors; a last tile of more than TAIL_ROWS rows, and a split launch, keep the plain tile.
-    GemmTile.persistent: programs that take the tiles in turn give them the same bits."""
+    GemmTile.persistent: programs that take the tiles in turn give them the same bits, and
+    GemmTile.specialized (the K walk warp-specialized) the plain launch's; it applies to TMA launches
+    that are neither split nor a tail."""
     interpret("""
         import ddtree_runtime.model.fp8 as F8
         from ddtree_devtools.interpreter import exact_dots
@@ -407,12 +409,15 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
                 for per_sm in (1, 2):
                     assert torch.equal(F8.block_gemm(x, w, tile._replace(persistent=per_sm), bias, group=group,
                                                      split=False), plain), (group, tile, per_sm)
+                # GemmTile.specialized (a warp-specialized K walk, the GPU's business): the same sums
+                assert torch.equal(F8.block_gemm(x, w, tile._replace(specialized=True), bias, group=group,
+                                                 split=False), plain), (group, tile)
         F8._device_limits = lambda device: (4, 232448)
         # where it applies: the last tile's rows, the row-major form, no split
         launched = []
         class Spy:   # the kernel's launch: records whether it ran with TAIL
             def __getitem__(self, grid):
-                return lambda *args, **kwargs: launched.append(kwargs["TAIL"])
+                return lambda *args, **kwargs: launched.append((kwargs["TAIL"], kwargs["SPECIALIZED"]))
         F8._block_gemm_kernel = Spy()
         x = torch.randn(100, 640, dtype=torch.float16)
         for m, tile, split, want in [(80, F8.GemmTile(64, 64, 4, 2, tail=True), False, True),
@@ -421,7 +426,14 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
                                      (80, F8.GemmTile(64, 64, 4, 2, tail=True), True, False),
                                      (80, F8.GemmTile(64, 64, 4, 2), False, False)]:
             F8.block_gemm(x[:m], w, tile, group=2, split=split)
-            assert launched[-1] is want, (m, tile, split)
+            assert launched[-1][0] is want, (m, tile, split)
+        for tile, split, want in [(F8.GemmTile(64, 64, 4, 2, tma=True, specialized=True), False, True),
+                                  (F8.GemmTile(64, 64, 4, 2, specialized=True), False, False),
+                                  (F8.GemmTile(64, 64, 4, 2, tma=True, specialized=True), True, False),
+                                  (F8.GemmTile(64, 64, 4, 2, tma=True, tail=True, specialized=True), False, False),
+                                  (F8.GemmTile(64, 64, 4, 2, tma=True), False, False)]:
+            F8.block_gemm(x[:80] if tile.tail else x[:64], w, tile, group=2, split=split)
+            assert launched[-1][1] is want, (tile, split)
     """)
 
 

@@ -365,7 +365,7 @@ if triton is not None:
                            HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                            WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr,
                            TMA: tl.constexpr, TAIL: tl.constexpr, TAIL_ROWS: tl.constexpr, tail_q_ptr,
-                           PERSISTENT: tl.constexpr):
+                           PERSISTENT: tl.constexpr, SPECIALIZED: tl.constexpr):
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
         WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
@@ -388,7 +388,9 @@ if triton is not None:
         a 64-row tile's MMA work (a 272-row verify's last 64-row tile holds 16 rows). The weight-major form
         sums as the 64-row tiles do, to the same bits (on the H200, sessions 23-24).
         With PERSISTENT, fewer programs than tiles each take tiles in turn, their K walks one pipelined loop
-        (flattened where K is one group), so a tile's first loads overlap the last one's end."""
+        (flattened where K is one group), so a tile's first loads overlap the last one's end.
+        With SPECIALIZED (TMA), each K walk is warp-specialized: Triton's producer partition
+        issues the bulk copies while the others run the MMA and the scaling, the same sums in the same order."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
         if PERSISTENT:
@@ -396,7 +398,7 @@ if triton is not None:
                 _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
                            stride_xsk, stride_wn, stride_wsn, stride_om, tile % num_m, tile // num_m, SCALE_ROWS,
                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
-                           WS_UNIFORM, ONE_GROUP, TMA)
+                           WS_UNIFORM, ONE_GROUP, TMA, SPECIALIZED)
         else:
             pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
             if TAIL:
@@ -404,23 +406,25 @@ if triton is not None:
                     _gemm_tile(tail_q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
                                stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om,
                                pid_m * (BLOCK_M // TAIL_ROWS), pid_n, SCALE_ROWS, TAIL_ROWS, BLOCK_N, BLOCK_K,
-                               EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, True, WS_UNIFORM, ONE_GROUP, TMA)
+                               EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, True, WS_UNIFORM, ONE_GROUP, TMA, SPECIALIZED)
                 else:
                     _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
                                stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS,
                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
-                               WS_UNIFORM, ONE_GROUP, TMA)
+                               WS_UNIFORM, ONE_GROUP, TMA, SPECIALIZED)
             else:
                 _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
                            stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS, BLOCK_M, BLOCK_N,
-                           BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT, WS_UNIFORM, ONE_GROUP, TMA)
+                           BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT, WS_UNIFORM, ONE_GROUP, TMA,
+                           SPECIALIZED)
 
     @triton.jit
     def _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm, stride_xsk,
                    stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
-                   WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr, TMA: tl.constexpr):
+                   WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr, TMA: tl.constexpr,
+                   SPECIALIZED: tl.constexpr):
         # _block_gemm_kernel's tile (pid_m, pid_n): rows pid_m * BLOCK_M.., outputs pid_n * BLOCK_N..
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -458,13 +462,13 @@ if triton is not None:
             last = tl.minimum(first + GROUP, blocks)
         if ONE_GROUP:   # one group a program (all of K, or a split launch's): its sum is the total, and
             # the registers hold one accumulator beside the dot's tile, not two (a 128x128 tile fits 8 warps)
-            for kb in range(first, last):
+            for kb in tl.range(first, last, warp_specialize=SPECIALIZED):
                 total += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at,
                                            BLOCK_K, EVEN_K, WEIGHTS_LEFT, WS_UNIFORM, TMA)
         else:
             for g in range(first, last, GROUP):
                 acc = tl.zeros_like(total)
-                for kb in range(g, tl.minimum(g + GROUP, blocks)):
+                for kb in tl.range(g, tl.minimum(g + GROUP, blocks), warp_specialize=SPECIALIZED):
                     acc += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at,
                                              right_at, BLOCK_K, EVEN_K, WEIGHTS_LEFT, WS_UNIFORM, TMA)
                 total += acc
@@ -506,7 +510,9 @@ class GemmTile(NamedTuple):
     straight from a checkpoint file can be, block_gemm reads by pointers: the same sums). HOPPER_TILES
     takes both. tail: a row-major tile's last tile of rows, where it holds TAIL_ROWS or fewer, taken
     weight-major by TAIL_ROWS tokens; persistent: that many programs an SM (0: a program a tile), each
-    taking tiles in turn (candidates fp8_gemm_bench.py times; no table chooses them yet)."""
+    taking tiles in turn; specialized: the K walk warp-specialized by Triton (a producer partition
+    issuing the bulk copies, the MMA and the scaling in the others; TMA tiles, not split nor tail)
+    (candidates fp8_gemm_bench.py times; no table chooses them yet)."""
     block_m: int
     block_n: int
     warps: int
@@ -515,6 +521,7 @@ class GemmTile(NamedTuple):
     tma: bool = False
     tail: bool = False
     persistent: int = 0
+    specialized: bool = False
 
 
 TAIL_ROWS = 16   # the rows a GemmTile.tail launch's last tile may hold (its token tile)
@@ -631,6 +638,7 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
         WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, TMA=tile.tma,
         TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q, PERSISTENT=programs < tiles,
+        SPECIALIZED=tile.specialized and tile.tma and not split and not tail,
         num_warps=tile.warps, num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,

@@ -9,8 +9,9 @@ enter the comparison of one shape with another.
 On CUDA a step's wall time covers what the device still had queued from the round before (its drafter
 pass and commit) and this round's passes up to the read, which in steady serving is one round's period.
 Only steps that are one round and nothing else count: no prompt piece, no re-size; not the first tree
-round after AR rounds (it drafts first: `refresh`), nor the first round of another kind than the last
-(an AR round after a tree round still waits for that round's drafter pass).
+round after AR rounds (it drafts first: `refresh`; alone on CUDA it also waits out the pass the last AR
+round ran ahead, whose token it emits: ~2x a round's wall time for two tokens), nor the first round of
+another kind than the last (an AR round after a tree round still waits for that round's drafter pass).
 
 The model is, for batch bucket B (rows, padding included), tree bucket T (1: a plain AR round) and the
 rows' contexts (the longest L, all of them together S):

@@ -401,8 +401,8 @@ class BudgetPolicy:
         today's load and contexts rather than remembered: twice where it is of the other kind (AR
         against trees), whose first round is not timed (costs.py). While AR wins, the trees are not
         among them: the AR rounds' own probes time them (_choose), where a tree round pays the drafter's
-        catch-up once for two uses (on the H100 at zero acceptance, lone, each tree timed again here
-        cost two 36 ms rounds against AR's 21: 2% of the cost policy's time over 200 rounds)."""
+        catch-up once for two uses (on the H100 at zero acceptance, lone, timing each tree again here
+        cost 2% of the cost policy's time over 200 rounds)."""
         self._since_probe += 1
         if self._probing:
             budget, rounds = self._probing

@@ -98,7 +98,9 @@ def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
     rows fp8.TAIL_ROWS or fewer (272 rows: 16), each such tile with that last tile weight-major (`_tail`);
     from 1,024 rows (many waves of tiles) the 64x128 and 128x128 tiles persistent, 1 and 2 programs an SM
     (`_p1`, `_p2`; the 64x128 one's registers allow two an SM, three on gate_up: sm90_report.py); the
-    64x128 and 128x128 tiles at 3 stages with their K walk warp-specialized (`_ws`; TMA tiles only)."""
+    64x128 and 128x128 tiles at 3 stages with their K walk warp-specialized (`_ws`; TMA tiles only); where m
+    leaves a tile's last rows short, each tile with x's codes padded to whole tiles (`_pad`; TMA tiles only:
+    no bulk copy reads past the matrix)."""
     if m < 64:
         return []
     tiles = ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
@@ -108,7 +110,8 @@ def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
                   for p in (1, 2)]
     specialized = [t._replace(specialized=True) for t in tiles if t.block_n == 128 and t.stages == 3
                    and t.block_m in (64, 128)]
-    return tiles + tails + persistent + specialized
+    padded = [t._replace(padded=True) for t in tiles if m % t.block_m]
+    return tiles + tails + persistent + specialized + padded
 
 
 def family(tile: fp8.GemmTile) -> str:
@@ -124,9 +127,10 @@ def candidate(tile: fp8.GemmTile) -> str:
     """A tile's name in the report: "triton[BMxBNwWsS]", "triton_wm[BTxBNwWsS]" for a weight-major one,
     with "_tma" before the bracket where its operands come by tensor descriptors, "_tail" where its
     last tile of rows runs weight-major (GemmTile.tail), "_pP" for P programs an SM (GemmTile.persistent)
-    and "_ws" where its K walk is warp-specialized (GemmTile.specialized)."""
+    "_ws" where its K walk is warp-specialized (GemmTile.specialized) and "_pad" where x's codes are padded to
+    whole tiles of rows (GemmTile.padded)."""
     kinds = (("_wm", tile.weights_left), ("_tma", tile.tma), ("_tail", tile.tail),
-             (f"_p{tile.persistent}", tile.persistent), ("_ws", tile.specialized))
+             (f"_p{tile.persistent}", tile.persistent), ("_ws", tile.specialized), ("_pad", tile.padded))
     return (f"triton{''.join(name for name, on in kinds if on)}"
             f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
@@ -250,7 +254,7 @@ def parse_tile(cand: str) -> fp8.GemmTile:
     kind = cand[:cand.index("[")].split("_")
     persistent = next((int(k[1:]) for k in kind if k[:1] == "p" and k[1:].isdigit()), 0)
     return fp8.GemmTile(int(bm), int(bn), int(w), int(st), "wm" in kind, "tma" in kind, "tail" in kind, persistent,
-                        "ws" in kind)
+                        "ws" in kind, "pad" in kind)
 
 
 def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:
@@ -313,8 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
     groups = ([int(g) for g in args.groups.split(",")] if args.groups else
               [None, 1] if args.weight_major_only else [None])
-    def by_tma_too(tiles: list[fp8.GemmTile]) -> list[fp8.GemmTile]:   # a warp-specialized walk: TMA only
-        return [t for t in tiles if not t.specialized] + [t._replace(tma=True) for t in tiles]
+    def by_tma_too(tiles: list[fp8.GemmTile]) -> list[fp8.GemmTile]:   # specialized and padded: TMA only
+        return [t for t in tiles if not (t.specialized or t.padded)] + [t._replace(tma=True) for t in tiles]
     row_major = ((lambda m: by_tma_too(wgmma_tiles(m))) if args.large else
                  (lambda m: []) if args.runtime or args.weight_major_only else lean_tiles if args.lean else tiles_for)
     weight_major = args.large or args.weight_major_only or not args.runtime

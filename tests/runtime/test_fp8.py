@@ -342,7 +342,12 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
     # warp-specialized K walks of the 64x128 and 128x128 tiles at 3 stages, named apart
     specialized = [t for t in bench.wgmma_tiles(272) if t.specialized]
     assert {(t.block_m, t.block_n, t.stages) for t in specialized} == {(64, 128, 3), (128, 128, 3)}
-    for tile in tails + lasting + specialized + [t._replace(tma=True) for t in tails + lasting + specialized]:
+    # x's codes padded to whole tiles where the rows leave the last one short (none at 256 rows)
+    padded = [t for t in bench.wgmma_tiles(272) if t.padded]
+    assert padded and {t._replace(padded=False) for t in padded} <= set(bench.wgmma_tiles(272))
+    assert not any(t.padded for t in bench.wgmma_tiles(256))
+    extra = tails + lasting + specialized + padded
+    for tile in extra + [t._replace(tma=True) for t in extra]:
         assert bench.parse_tile(bench.candidate(tile)) == tile and bench.family(tile) == "triton_m64"
     assert bench.parse_tile(bench.candidate(by_tma)) == by_tma and bench.family(by_tma) == "triton_m64"
     assert all(bench.family(t) == "triton_m64" and t.block_m * t.block_n <= 2048 * t.warps for t in bench.wgmma_tiles(64))

@@ -382,8 +382,8 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
     64-row tiles), at 5 rows (the only tile is the tail), with the bias and the residual, by pointers and
     by tensor descriptors; a last tile of more than TAIL_ROWS rows, and a split launch, keep the plain tile.
     GemmTile.persistent: programs that take the tiles in turn give them the same bits, and
-    GemmTile.specialized (the K walk warp-specialized) the plain launch's; it applies to TMA launches
-    that are neither split nor a tail."""
+    GemmTile.specialized (the K walk warp-specialized) and GemmTile.padded (x's codes padded to whole tiles)
+    the plain launch's; specialized applies to TMA launches that are neither split nor a tail."""
     interpret("""
         import ddtree_runtime.model.fp8 as F8
         from ddtree_devtools.interpreter import exact_dots
@@ -409,9 +409,10 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
                 for per_sm in (1, 2):
                     assert torch.equal(F8.block_gemm(x, w, tile._replace(persistent=per_sm), bias, group=group,
                                                      split=False), plain), (group, tile, per_sm)
-                # GemmTile.specialized (a warp-specialized K walk, the GPU's business): the same sums
-                assert torch.equal(F8.block_gemm(x, w, tile._replace(specialized=True), bias, group=group,
-                                                 split=False), plain), (group, tile)
+                # GemmTile.specialized (a warp-specialized K walk, the GPU's business) and GemmTile.padded
+                # (x's codes in whole tiles of rows, zeros past M): the same sums
+                for other in (tile._replace(specialized=True), tile._replace(padded=True)):
+                    assert torch.equal(F8.block_gemm(x, w, other, bias, group=group, split=False), plain), other
         F8._device_limits = lambda device: (4, 232448)
         # where it applies: the last tile's rows, the row-major form, no split
         launched = []

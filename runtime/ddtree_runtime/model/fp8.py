@@ -511,8 +511,9 @@ class GemmTile(NamedTuple):
     takes both. tail: a row-major tile's last tile of rows, where it holds TAIL_ROWS or fewer, taken
     weight-major by TAIL_ROWS tokens; persistent: that many programs an SM (0: a program a tile), each
     taking tiles in turn; specialized: the K walk warp-specialized by Triton (a producer partition
-    issuing the bulk copies, the MMA and the scaling in the others; TMA tiles, not split nor tail)
-    (candidates fp8_gemm_bench.py times; no table chooses them yet)."""
+    issuing the bulk copies, the MMA and the scaling in the others; TMA tiles, not split nor tail);
+    padded: a TMA tile's codes of x written to whole tiles of rows (zeros past M), so that no bulk copy
+    reads past the matrix (candidates fp8_gemm_bench.py times; no table chooses them yet)."""
     block_m: int
     block_n: int
     warps: int
@@ -522,6 +523,7 @@ class GemmTile(NamedTuple):
     tail: bool = False
     persistent: int = 0
     specialized: bool = False
+    padded: bool = False
 
 
 TAIL_ROWS = 16   # the rows a GemmTile.tail launch's last tile may hold (its token tile)
@@ -614,7 +616,8 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     if split is None:
         split = groups > 1 and tiles < sms
-    q, s = quantize_groups_cuda(x2)
+    padded = tile.padded and tile.tma and not tile.weights_left
+    q, s = quantize_groups_cuda(x2, cdiv(m, tile.block_m) * tile.block_m if padded else None)
     if out is None:
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     part = torch.empty((groups, m, n), dtype=torch.float32, device=x2.device) if split else out

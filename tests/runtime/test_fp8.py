@@ -358,12 +358,13 @@ def test_the_gemm_benchmark_names_each_weight_major_tile_and_reads_it_back(capsy
 
 def test_hoppers_triton_tiles_are_wgmma_tiles_by_tensor_descriptors_for_every_row_count():
     """--fp8-gemm triton: each shape's table (and the default) is of the wgmma family alone (weight-major
-    tiles of 64 or 128 weight rows, row-major of 64 tokens and more), reads by tensor descriptors and
-    covers every row count; an unknown preference is refused by name."""
+    tiles of 64 or 128 weight rows, row-major of 64 tokens and more, x's codes padded to whole tiles there),
+    reads by tensor descriptors and covers every row count; an unknown preference is refused by name."""
     for table in [*F.HOPPER_TILES.values(), F.HOPPER_DEFAULT]:
         assert [rows for rows, _ in table] == sorted(rows for rows, _ in table) and table[-1][0] >= 1 << 40
         for _, tile in table:
             assert tile.tma and (tile.block_n in (64, 128) if tile.weights_left else tile.block_m >= 64)
+            assert tile.padded is not tile.weights_left   # row-major: x's codes in whole tiles of rows
     assert F.hopper_tile(1, 5120, 17408).weights_left and not F.hopper_tile(272, 5120, 17408).weights_left
     with pytest.raises(ValueError, match="fp8_gemm must be one of"):
         F.choose_gemms(torch.nn.Linear(2, 2), torch.device("cpu"), torch.float32, 16, "cublas")

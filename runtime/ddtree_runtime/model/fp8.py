@@ -513,7 +513,8 @@ class GemmTile(NamedTuple):
     taking tiles in turn; specialized: the K walk warp-specialized by Triton (a producer partition
     issuing the bulk copies, the MMA and the scaling in the others; TMA tiles, not split nor tail);
     padded: a TMA tile's codes of x written to whole tiles of rows (zeros past M), so that no bulk copy
-    reads past the matrix (candidates fp8_gemm_bench.py times; no table chooses them yet)."""
+    reads past the matrix (HOPPER_TILES' row-major tile; the others are candidates fp8_gemm_bench.py
+    times, which no table chooses)."""
     block_m: int
     block_n: int
     warps: int
@@ -559,9 +560,13 @@ TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
 # at 4,096 (359); gate_up 46.3-49.8 (86), 49.9 (96), 150 (144), 1,681 (2,086); down_proj 27.7-29.7
 # (49-50), 34.5 (51), 80.6 (76), 965 (1,049). cuBLASLt (the "auto" choice) is faster from ~272 rows
 # (272: 24.4 / 134 / 60; 4,096: 264 / 1,357 / 743) and slower below (21.5 / 63-67 / 51: its 32-row floor).
+# The row-major tile reads x's codes padded to whole 64-row tiles: a bulk copy of a tile that reaches past
+# the matrix cost a 272-row launch 12-25% (the same code and grid as 320 rows, slower), and padding takes
+# 3-22% off the row counts a verify of 17-node trees leaves short (68-272 rows; o_proj and down_proj
+# within 2% either way), the same bits (bench/results/runtime-fp8-large-ws-s31-h200.json).
 _WM16 = GemmTile(16, 64, 4, 4, weights_left=True, tma=True)
 _WM32 = GemmTile(16, 128, 4, 4, weights_left=True, tma=True)
-_RM = GemmTile(64, 128, 4, 3, tma=True)
+_RM = GemmTile(64, 128, 4, 3, tma=True, padded=True)
 HOPPER_TILES: dict[tuple[int, int], list[tuple[int, GemmTile]]] = {
     (5120, 6144): [(16, _WM16), (32, _WM32), (1 << 62, _RM._replace(stages=4))],
     (34816, 5120): [(16, _WM16), (32, GemmTile(32, 128, 8, 3, weights_left=True, tma=True)), (1 << 62, _RM)],

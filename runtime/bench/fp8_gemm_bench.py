@@ -99,8 +99,8 @@ def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
     from 1,024 rows (many waves of tiles) the 64x128 and 128x128 tiles persistent, 1 and 2 programs an SM
     (`_p1`, `_p2`; the 64x128 one's registers allow two an SM, three on gate_up: sm90_report.py); the
     64x128 and 128x128 tiles at 3 stages with their K walk warp-specialized (`_ws`; TMA tiles only); where m
-    leaves a tile's last rows short, each tile with x's codes padded to whole tiles (`_pad`; TMA tiles only:
-    no bulk copy reads past the matrix)."""
+    leaves a tile's last rows short, each tile and tail launch with x's codes padded to whole tiles (`_pad`,
+    `_tail_pad`; TMA tiles only: no bulk copy reads past the matrix)."""
     if m < 64:
         return []
     tiles = ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
@@ -110,7 +110,7 @@ def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
                   for p in (1, 2)]
     specialized = [t._replace(specialized=True) for t in tiles if t.block_n == 128 and t.stages == 3
                    and t.block_m in (64, 128)]
-    padded = [t._replace(padded=True) for t in tiles if m % t.block_m]
+    padded = [t._replace(padded=True) for t in tiles + tails if m % t.block_m]
     return tiles + tails + persistent + specialized + padded
 
 

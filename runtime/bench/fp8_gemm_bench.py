@@ -96,22 +96,15 @@ def wgmma_tiles(m: int) -> list[fp8.GemmTile]:
     accumulator beside the dot's tile since the kernel sums a lone K group without a second): 64x128
     (4 warps), 128x64 (4), 128x128 (8) at 3 and 4 stages, 64x256 (8) at 3; where m leaves a tile's last
     rows fp8.TAIL_ROWS or fewer (272 rows: 16), each such tile with that last tile weight-major (`_tail`);
-    from 1,024 rows (many waves of tiles) the 64x128 and 128x128 tiles persistent, 1 and 2 programs an SM
-    (`_p1`, `_p2`; the 64x128 one's registers allow two an SM, three on gate_up: sm90_report.py); the
-    64x128 and 128x128 tiles at 3 stages with their K walk warp-specialized (`_ws`; TMA tiles only); where m
-    leaves a tile's last rows short, each tile and tail launch with x's codes padded to whole tiles (`_pad`,
-    `_tail_pad`; TMA tiles only: no bulk copy reads past the matrix)."""
+    where m leaves a tile's last rows short, each tile and tail launch with x's codes padded to whole tiles
+    (`_pad`, `_tail_pad`; TMA tiles only: no bulk copy reads past the matrix)."""
     if m < 64:
         return []
     tiles = ([fp8.GemmTile(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 8))
               for st in (3, 4)] + [fp8.GemmTile(64, 256, 8, 3)])
     tails = [t._replace(tail=True) for t in tiles if 0 < m % t.block_m <= fp8.TAIL_ROWS]
-    persistent = [t._replace(persistent=p) for t in tiles if m >= 1024 and t.block_n == 128 and t.stages == 3
-                  for p in (1, 2)]
-    specialized = [t._replace(specialized=True) for t in tiles if t.block_n == 128 and t.stages == 3
-                   and t.block_m in (64, 128)]
     padded = [t._replace(padded=True) for t in tiles + tails if m % t.block_m]
-    return tiles + tails + persistent + specialized + padded
+    return tiles + tails + padded
 
 
 def family(tile: fp8.GemmTile) -> str:
@@ -126,11 +119,9 @@ def family(tile: fp8.GemmTile) -> str:
 def candidate(tile: fp8.GemmTile) -> str:
     """A tile's name in the report: "triton[BMxBNwWsS]", "triton_wm[BTxBNwWsS]" for a weight-major one,
     with "_tma" before the bracket where its operands come by tensor descriptors, "_tail" where its
-    last tile of rows runs weight-major (GemmTile.tail), "_pP" for P programs an SM (GemmTile.persistent)
-    "_ws" where its K walk is warp-specialized (GemmTile.specialized) and "_pad" where x's codes are padded to
-    whole tiles of rows (GemmTile.padded)."""
-    kinds = (("_wm", tile.weights_left), ("_tma", tile.tma), ("_tail", tile.tail),
-             (f"_p{tile.persistent}", tile.persistent), ("_ws", tile.specialized), ("_pad", tile.padded))
+    last tile of rows runs weight-major (GemmTile.tail) and "_pad" where x's codes are padded to whole
+    tiles of rows (GemmTile.padded)."""
+    kinds = (("_wm", tile.weights_left), ("_tma", tile.tma), ("_tail", tile.tail), ("_pad", tile.padded))
     return (f"triton{''.join(name for name, on in kinds if on)}"
             f"[{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}]")
 
@@ -252,9 +243,8 @@ def parse_tile(cand: str) -> fp8.GemmTile:
     bn, rest = rest.split("w")
     w, st = rest.split("s")
     kind = cand[:cand.index("[")].split("_")
-    persistent = next((int(k[1:]) for k in kind if k[:1] == "p" and k[1:].isdigit()), 0)
-    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), "wm" in kind, "tma" in kind, "tail" in kind, persistent,
-                        "ws" in kind, "pad" in kind)
+    return fp8.GemmTile(int(bm), int(bn), int(w), int(st), "wm" in kind, "tma" in kind, "tail" in kind,
+                        "pad" in kind)
 
 
 def scaled_mm_classes(n: int, k: int, rows: list[int], log) -> dict[int, bool]:
@@ -317,8 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in SHAPES[args.shape] if not args.projections or s[0] in args.projections.split(",")]
     groups = ([int(g) for g in args.groups.split(",")] if args.groups else
               [None, 1] if args.weight_major_only else [None])
-    def by_tma_too(tiles: list[fp8.GemmTile]) -> list[fp8.GemmTile]:   # specialized and padded: TMA only
-        return [t for t in tiles if not (t.specialized or t.padded)] + [t._replace(tma=True) for t in tiles]
+    def by_tma_too(tiles: list[fp8.GemmTile]) -> list[fp8.GemmTile]:   # padded: TMA only
+        return [t for t in tiles if not t.padded] + [t._replace(tma=True) for t in tiles]
     row_major = ((lambda m: by_tma_too(wgmma_tiles(m))) if args.large else
                  (lambda m: []) if args.runtime or args.weight_major_only else lean_tiles if args.lean else tiles_for)
     weight_major = args.large or args.weight_major_only or not args.runtime

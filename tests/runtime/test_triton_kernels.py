@@ -376,14 +376,13 @@ def test_fp8_weight_major_gemm_sums_as_the_row_major_kernel():
     """)
 
 
-def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
+def test_tail_and_padded_launches_keep_the_plain_launchs_bits():
     """GemmTile.tail: a row-major launch whose last tile of rows holds TAIL_ROWS or fewer runs that tile
     weight-major (TAIL_ROWS tokens): the plain launch's bits at 272 rows' worth of a tail (4 + 16 rows over
     64-row tiles), at 5 rows (the only tile is the tail), with the bias and the residual, by pointers and
     by tensor descriptors; a last tile of more than TAIL_ROWS rows, and a split launch, keep the plain tile.
-    GemmTile.persistent: programs that take the tiles in turn give them the same bits, and
-    GemmTile.specialized (the K walk warp-specialized) and GemmTile.padded (x's codes padded to whole tiles)
-    the plain launch's; specialized applies to TMA launches that are neither split nor a tail."""
+    GemmTile.padded (x's codes padded to whole tiles of rows, zeros past M) gives the plain launch's bits,
+    alone and with a tail, K in groups or in one."""
     interpret("""
         import ddtree_runtime.model.fp8 as F8
         from ddtree_devtools.interpreter import exact_dots
@@ -399,26 +398,18 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
                 for other in (tile._replace(tail=True), tile._replace(tail=True, padded=True)):
                     tailed = F8.block_gemm(x, w, other, bias, res.clone(), residual=True, group=2, split=False)
                     assert torch.equal(tailed, plain), (m, other)
-        # a persistent launch (GemmTile.persistent: fewer programs than tiles, each taking tiles in turn): the
-        # same bits, K in groups or in one (its loop flattened), by pointers and by tensor descriptors
-        F8._device_limits = lambda device: (2, 232448)
+        # padded alone, K in groups or in one, by pointers (where it changes nothing) and by tensor descriptors
         x = torch.randn(200, 640, dtype=torch.float16)
         for group in (2, 5):
             for tile in (F8.GemmTile(64, 32, 4, 2), F8.GemmTile(64, 32, 4, 2, tma=True)):
                 plain = F8.block_gemm(x, w, tile, bias, group=group, split=False)
-                for per_sm in (1, 2):
-                    assert torch.equal(F8.block_gemm(x, w, tile._replace(persistent=per_sm), bias, group=group,
-                                                     split=False), plain), (group, tile, per_sm)
-                # GemmTile.specialized (a warp-specialized K walk, the GPU's business) and GemmTile.padded
-                # (x's codes in whole tiles of rows, zeros past M): the same sums
-                for other in (tile._replace(specialized=True), tile._replace(padded=True)):
-                    assert torch.equal(F8.block_gemm(x, w, other, bias, group=group, split=False), plain), other
-        F8._device_limits = lambda device: (4, 232448)
+                assert torch.equal(F8.block_gemm(x, w, tile._replace(padded=True), bias, group=group, split=False),
+                                   plain), (group, tile)
         # where it applies: the last tile's rows, the row-major form, no split
         launched = []
         class Spy:   # the kernel's launch: records whether it ran with TAIL
             def __getitem__(self, grid):
-                return lambda *args, **kwargs: launched.append((kwargs["TAIL"], kwargs["SPECIALIZED"]))
+                return lambda *args, **kwargs: launched.append(kwargs["TAIL"])
         F8._block_gemm_kernel = Spy()
         x = torch.randn(100, 640, dtype=torch.float16)
         for m, tile, split, want in [(80, F8.GemmTile(64, 64, 4, 2, tail=True), False, True),
@@ -427,14 +418,7 @@ def test_tail_and_persistent_launches_keep_the_plain_launchs_bits():
                                      (80, F8.GemmTile(64, 64, 4, 2, tail=True), True, False),
                                      (80, F8.GemmTile(64, 64, 4, 2), False, False)]:
             F8.block_gemm(x[:m], w, tile, group=2, split=split)
-            assert launched[-1][0] is want, (m, tile, split)
-        for tile, split, want in [(F8.GemmTile(64, 64, 4, 2, tma=True, specialized=True), False, True),
-                                  (F8.GemmTile(64, 64, 4, 2, specialized=True), False, False),
-                                  (F8.GemmTile(64, 64, 4, 2, tma=True, specialized=True), True, False),
-                                  (F8.GemmTile(64, 64, 4, 2, tma=True, tail=True, specialized=True), False, False),
-                                  (F8.GemmTile(64, 64, 4, 2, tma=True), False, False)]:
-            F8.block_gemm(x[:80] if tile.tail else x[:64], w, tile, group=2, split=split)
-            assert launched[-1][1] is want, (tile, split)
+            assert launched[-1] is want, (m, tile, split)
     """)
 
 

@@ -364,8 +364,7 @@ if triton is not None:
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                            HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                            WEIGHTS_LEFT: tl.constexpr, WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr,
-                           TMA: tl.constexpr, TAIL: tl.constexpr, TAIL_ROWS: tl.constexpr, tail_q_ptr,
-                           PERSISTENT: tl.constexpr, SPECIALIZED: tl.constexpr):
+                           TMA: tl.constexpr, TAIL: tl.constexpr, TAIL_ROWS: tl.constexpr, tail_q_ptr):
         """out[m, n] (+)= the sum, over groups of GROUP K blocks in order, of each group's sum over its
         blocks kb, in order and from zero, of dot(q[m, kb], w[n, kb]) * (xs[kb, m] * ws[n, kb]). With
         WS_UNIFORM (the W tile inside one 128-row block of scales) the scales' product is one per token
@@ -386,45 +385,32 @@ if triton is not None:
         With TAIL, the last tile of rows (TAIL_ROWS of them or fewer) runs weight-major with TAIL_ROWS tokens
         (tail_q_ptr: q read as such tiles, by a tensor descriptor with TMA; None without TAIL), a quarter of
         a 64-row tile's MMA work (a 272-row verify's last 64-row tile holds 16 rows). The weight-major form
-        sums as the 64-row tiles do, to the same bits (on the H200, sessions 23-24).
-        With PERSISTENT, fewer programs than tiles each take tiles in turn, their K walks one pipelined loop
-        (flattened where K is one group), so a tile's first loads overlap the last one's end.
-        With SPECIALIZED (TMA), each K walk is warp-specialized: Triton's producer partition
-        issues the bulk copies while the others run the MMA and the scaling, the same sums in the same order."""
+        sums as the 64-row tiles do, to the same bits (on the H200, sessions 23-24)."""
         num_m = tl.cdiv(M, BLOCK_M)
         pid = tl.program_id(0)
-        if PERSISTENT:
-            for tile in tl.range(pid, num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=ONE_GROUP):
-                _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
-                           stride_xsk, stride_wn, stride_wsn, stride_om, tile % num_m, tile // num_m, SCALE_ROWS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
-                           WS_UNIFORM, ONE_GROUP, TMA, SPECIALIZED)
-        else:
-            pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
-            if TAIL:
-                if pid_m == num_m - 1:
-                    _gemm_tile(tail_q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
-                               stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om,
-                               pid_m * (BLOCK_M // TAIL_ROWS), pid_n, SCALE_ROWS, TAIL_ROWS, BLOCK_N, BLOCK_K,
-                               EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, True, WS_UNIFORM, ONE_GROUP, TMA, SPECIALIZED)
-                else:
-                    _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
-                               stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS,
-                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
-                               WS_UNIFORM, ONE_GROUP, TMA, SPECIALIZED)
+        pid_m, pid_n = pid % num_m, pid // num_m   # programs side by side share a tile of W (read once)
+        if TAIL:
+            if pid_m == num_m - 1:
+                _gemm_tile(tail_q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
+                           stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om,
+                           pid_m * (BLOCK_M // TAIL_ROWS), pid_n, SCALE_ROWS, TAIL_ROWS, BLOCK_N, BLOCK_K,
+                           EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, True, WS_UNIFORM, ONE_GROUP, TMA)
             else:
-                _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
-                           stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS, BLOCK_M, BLOCK_N,
-                           BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT, WS_UNIFORM, ONE_GROUP, TMA,
-                           SPECIALIZED)
+                _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP,
+                           stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT,
+                           WS_UNIFORM, ONE_GROUP, TMA)
+        else:
+            _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm,
+                       stride_xsk, stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS, BLOCK_M, BLOCK_N,
+                       BLOCK_K, EVEN_K, HAS_BIAS, HAS_RESIDUAL, SPLIT, WEIGHTS_LEFT, WS_UNIFORM, ONE_GROUP, TMA)
 
     @triton.jit
     def _gemm_tile(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, GROUP, stride_qm, stride_xsk,
                    stride_wn, stride_wsn, stride_om, pid_m, pid_n, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, WEIGHTS_LEFT: tl.constexpr,
-                   WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr, TMA: tl.constexpr,
-                   SPECIALIZED: tl.constexpr):
+                   WS_UNIFORM: tl.constexpr, ONE_GROUP: tl.constexpr, TMA: tl.constexpr):
         # _block_gemm_kernel's tile (pid_m, pid_n): rows pid_m * BLOCK_M.., outputs pid_n * BLOCK_N..
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -462,13 +448,13 @@ if triton is not None:
             last = tl.minimum(first + GROUP, blocks)
         if ONE_GROUP:   # one group a program (all of K, or a split launch's): its sum is the total, and
             # the registers hold one accumulator beside the dot's tile, not two (a 128x128 tile fits 8 warps)
-            for kb in tl.range(first, last, warp_specialize=SPECIALIZED):
+            for kb in range(first, last):
                 total += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at, right_at,
                                            BLOCK_K, EVEN_K, WEIGHTS_LEFT, WS_UNIFORM, TMA)
         else:
             for g in range(first, last, GROUP):
                 acc = tl.zeros_like(total)
-                for kb in tl.range(g, tl.minimum(g + GROUP, blocks), warp_specialize=SPECIALIZED):
+                for kb in range(g, tl.minimum(g + GROUP, blocks)):
                     acc += _scaled_block_dot(left, right, xs_ptrs, ws_ptrs, kb, K, stride_xsk, rk, left_at,
                                              right_at, BLOCK_K, EVEN_K, WEIGHTS_LEFT, WS_UNIFORM, TMA)
                 total += acc
@@ -509,12 +495,11 @@ class GemmTile(NamedTuple):
     descriptors (Hopper's bulk copies; where a matrix's rows are not 16-byte aligned, as a weight mapped
     straight from a checkpoint file can be, block_gemm reads by pointers: the same sums). HOPPER_TILES
     takes both. tail: a row-major tile's last tile of rows, where it holds TAIL_ROWS or fewer, taken
-    weight-major by TAIL_ROWS tokens; persistent: that many programs an SM (0: a program a tile), each
-    taking tiles in turn; specialized: the K walk warp-specialized by Triton (a producer partition
-    issuing the bulk copies, the MMA and the scaling in the others; TMA tiles, not split nor tail);
+    weight-major by TAIL_ROWS tokens (a candidate fp8_gemm_bench.py times, which no table chooses yet);
     padded: a TMA tile's codes of x written to whole tiles of rows (zeros past M), so that no bulk copy
-    reads past the matrix (HOPPER_TILES' row-major tile; the others are candidates fp8_gemm_bench.py
-    times, which no table chooses)."""
+    reads past the matrix (HOPPER_TILES' row-major tile). Measured on the GPU and removed (session 31):
+    persistent launches (each program taking tiles in turn) and Triton's warp-specialized K walk, both
+    slower than these launches at 68-4,096 rows."""
     block_m: int
     block_n: int
     warps: int
@@ -522,8 +507,6 @@ class GemmTile(NamedTuple):
     weights_left: bool = False
     tma: bool = False
     tail: bool = False
-    persistent: int = 0
-    specialized: bool = False
     padded: bool = False
 
 
@@ -629,8 +612,7 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
     q_arg, w_arg = q, w.qweight
     if tile.tma and any(t.data_ptr() % 16 or t.stride(0) % 16 for t in (q, w.qweight)):
         tile = tile._replace(tma=False)   # bulk copies need 16-byte aligned rows: the same sums by pointers
-    programs = tiles if split or not tile.persistent else min(tiles, sms * tile.persistent)
-    tail = (tile.tail and not tile.weights_left and not split and programs == tiles
+    tail = (tile.tail and not tile.weights_left and not split
             and 0 < m % tile.block_m <= TAIL_ROWS)
     tail_q = q if tail else None
     if tile.tma:
@@ -639,14 +621,13 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
         w_arg = TensorDescriptor.from_tensor(w.qweight, [tile.block_n, BLOCK])
         if tail:
             tail_q = TensorDescriptor.from_tensor(q, [TAIL_ROWS, BLOCK])
-    _block_gemm_kernel[(programs, groups if split else 1)](
+    _block_gemm_kernel[(tiles, groups if split else 1)](
         q_arg, s, w_arg, w.scale_inv, bias if bias is not None else out, out, part, m, n, k, group, q.stride(0),
         s.stride(0), w.qweight.stride(0), w.scale_inv.stride(0), out.stride(0), SCALE_ROWS=w.scale_rows,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=BLOCK, EVEN_K=k % BLOCK == 0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual, SPLIT=split, WEIGHTS_LEFT=tile.weights_left,
         WS_UNIFORM=w.scale_rows % tile.block_n == 0, ONE_GROUP=split or groups == 1, TMA=tile.tma,
-        TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q, PERSISTENT=programs < tiles,
-        SPECIALIZED=tile.specialized and tile.tma and not split and not tail,
+        TAIL=tail, TAIL_ROWS=TAIL_ROWS, tail_q_ptr=tail_q,
         num_warps=tile.warps, num_stages=tile.stages)
     if split:
         _sum_parts_kernel[(cdiv(m * n, SUM_BLOCK),)](part, bias if bias is not None else out, out, m, n, groups,

@@ -612,8 +612,7 @@ def block_gemm(x2: torch.Tensor, w: BlockFP8, tile: GemmTile, bias: torch.Tensor
     q_arg, w_arg = q, w.qweight
     if tile.tma and any(t.data_ptr() % 16 or t.stride(0) % 16 for t in (q, w.qweight)):
         tile = tile._replace(tma=False)   # bulk copies need 16-byte aligned rows: the same sums by pointers
-    tail = (tile.tail and not tile.weights_left and not split
-            and 0 < m % tile.block_m <= TAIL_ROWS)
+    tail = tile.tail and not tile.weights_left and not split and 0 < m % tile.block_m <= TAIL_ROWS
     tail_q = q if tail else None
     if tile.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

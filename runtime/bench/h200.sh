@@ -7,7 +7,7 @@
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-old, rounds-8b,
 # rounds-8b-old, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, attn, fp8, fp8-gemm, fp8-large, fp8-tail,
-# graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within
+# fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within
 # one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
 # (8192, the issue's).
@@ -104,6 +104,10 @@ step() {
                # 272 and 320 rows beside cuBLASLt, and at 272 the `_tail` launches (that tile weight-major)
         bench "$here" fp8_gemm_bench.py --large --rows 256,272,320 ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
             --out "$OUT/fp8-tail.json" ;;
+    fp8-verify-rows)  # the wgmma tiles at the row counts a verify of 17-node trees leaves short (4, 8, 12 and 16
+                      # running) and at 4,096: plain, `_tail`, `_pad` (what --fp8-gemm triton serves) and `_tail_pad`
+        bench "$here" fp8_gemm_bench.py --large --rows 68,136,204,272,4096 ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
+            --out "$OUT/fp8-verify-rows.json" ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \

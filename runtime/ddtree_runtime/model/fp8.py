@@ -12,8 +12,8 @@ the speculative path and its AR reference agree, and a seed gives one text.
 - on Hopper (gemm_path "scaled_mm+triton"): cuBLASLt's block-scaled GEMM (scaled_mm_gemm) for each
   weight shape choose_gemms finds row-invariant at load, the Triton kernel for the others; with
   `--fp8-gemm triton` the Triton kernel's wgmma tiles (HOPPER_TILES: weight-major at decode row counts,
-  row-major above, operands by tensor descriptors) for every weight of whole blocks, faster than
-  cuBLASLt up to ~128 rows and slower from ~272;
+  row-major above with x padded to whole tiles of rows, operands by tensor descriptors) for every weight
+  of whole blocks, faster than cuBLASLt up to ~128 rows and 1.01-1.33x slower from ~272;
 - on the other GPUs with FP8 tensor cores (gemm_path "triton") and Hopper's remaining shapes:
   quantize_groups_cuda (one small launch: codes and scales of x), then _block_gemm_kernel: per K block
   the dot of e4m3 codes from zero times the product of the row's and the weight block's scales (one

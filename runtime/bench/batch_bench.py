@@ -26,6 +26,7 @@ on the machine."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -326,6 +327,11 @@ def main() -> None:
         vocab = target.config.vocab_size
         prompts = [torch.randint(0, vocab - 1, (args.context,), generator=g).tolist() for _ in range(max(batches))]
     warm = engine.warm_up()
+    # as the server's worker does once warm (_freeze_startup_heap): a full collection walking this heap
+    # takes ~0.2 s on this CPU (340,000 objects with the tiny pair), and one landing in a timed window is
+    # a round the server would not have (session 30's 400-round window had a ~100 ms probe round: maybe one)
+    gc.collect()
+    gc.freeze()
     costs = engine.policy.costs.snapshot().table()
     print(f"warm-up {warm.seconds:.1f} s; round costs (ms) by batch x tree nodes: "
           + ", ".join(f"{r['batch']}x{r['tree_nodes']} {r['ms']:.2f}" for r in costs), flush=True)

@@ -7,8 +7,8 @@
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-old, rounds-8b,
 # rounds-8b-old, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, attn, fp8, fp8-gemm, fp8-large, fp8-tail,
-# fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared only within
-# one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
+# fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
+# only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
 # (8192, the issue's).
 # A step that fails is reported and the next one runs; the exit status says whether any failed.
@@ -36,6 +36,10 @@ old_tree() {  # OLD unpacked once, in /tmp/old
 rounds() {  # rounds TREE LABEL SHAPE CONTEXT
     bench "$1" batch_bench.py --shape "$3" --context "$4" --batches 1,16 --cases ar,ddtree@16 \
         --label "$2" --out "$OUT/rounds-$2.json"
+}
+fp8_large() {  # fp8_large NAME [ROWS]: fp8_gemm_bench.py --large (at ROWS, else its own rows) into $OUT/NAME.json
+    bench "$here" fp8_gemm_bench.py --large ${2:+--rows $2} ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
+        --out "$OUT/$1.json"
 }
 cost_lone() {  # cost_lone TREE LABEL
     bench "$1" batch_bench.py --shape qwen3.6-27b --context "$CTX" --batches 1 --cases ar,cost --rounds 200 \
@@ -98,16 +102,13 @@ step() {
             --out "$OUT/fp8-gemm.json" ;;
     fp8-large)  # whether one FP8 arithmetic can serve every row count at no more than bf16's time: the
                 # weight-major tiles and, from 64 rows, the wgmma family's large ones, beside bf16, scaled_mm, the runtime
-        bench "$here" fp8_gemm_bench.py --large ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
-            --out "$OUT/fp8-large.json" ;;
+        fp8_large fp8-large ;;
     fp8-tail)  # what the wgmma tiles' last, mostly empty 64-row tile costs a 272-row verify: the same tiles at 256,
                # 272 and 320 rows beside cuBLASLt, and at 272 the `_tail` launches (that tile weight-major)
-        bench "$here" fp8_gemm_bench.py --large --rows 256,272,320 ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
-            --out "$OUT/fp8-tail.json" ;;
+        fp8_large fp8-tail 256,272,320 ;;
     fp8-verify-rows)  # the wgmma tiles at the row counts a verify of 17-node trees leaves short (4, 8, 12 and 16
                       # running) and at 4,096: plain, `_tail`, `_pad` (what --fp8-gemm triton serves) and `_tail_pad`
-        bench "$here" fp8_gemm_bench.py --large --rows 68,136,204,272,4096 ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
-            --out "$OUT/fp8-verify-rows.json" ;;
+        fp8_large fp8-verify-rows 68,136,204,272,4096 ;;
     http)  # through HTTP against the engine, 8B, 16 clients, 128 tokens (issue 38's figure)
         bench "$here" -c "from pathlib import Path; import start_bench as s; s.write_checkpoints('qwen3-8b', 'bfloat16', Path('/tmp/ckpt-8b'), 'cuda')" \
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \

@@ -293,6 +293,8 @@ def main() -> None:
     ap.add_argument("--event-phases", action="store_true",
                     help="--shape: time the phases by CUDA events, no sync (gpu_bench.EventPhases: a phase's "
                          "device time, host time and the gap between rounds) rather than a sync at each boundary")
+    ap.add_argument("--draft-vocab", default=None, metavar="N|FILE",
+                    help="the drafter's vocabulary (ddtree-serve --draft-vocab); default: the target's whole")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="bench/results/runtime-batch-bench.json")
     args = ap.parse_args()
@@ -310,7 +312,7 @@ def main() -> None:
         models = Path(args.models).expanduser()
         engine = Engine(EngineConfig(str(models / "target"), str(models / "draft"), device=args.device, dtype=dtype,
                                      max_running=max(batches), max_batched_tokens=4096,
-                                     tree_policy="cost"))
+                                     tree_policy="cost", draft_vocab=args.draft_vocab))
         prompts = tiny_prompts(engine, max(batches))
     else:
         import sys
@@ -321,7 +323,8 @@ def main() -> None:
         max_new = steady_tokens(args.rounds, args.warmup)
         engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=16, device=args.device, dtype=dtype,
                                      max_context=args.context + max_new + 64, max_running=max(batches),
-                                     max_batched_tokens=args.context * max(batches), tree_policy="cost"),
+                                     max_batched_tokens=args.context * max(batches), tree_policy="cost",
+                                     draft_vocab=args.draft_vocab),
                         target=target, drafter=drafter)
         g = torch.Generator().manual_seed(1)
         vocab = target.config.vocab_size
@@ -394,6 +397,7 @@ def main() -> None:
                                "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
                                "dtype": dtype, "torch": torch.__version__, "slots": engine.slots,
                                "context": None if args.models else args.context, "round_costs": costs,
+                               "draft_vocab": engine.info.draft_vocab,
                                # what the rounds taught the cost model by the end (each row at 64 tokens)
                                "round_costs_after": engine.policy.costs.snapshot().table(),
                                "context_term": {"a": engine.policy.costs.a, "c": engine.policy.costs.c},

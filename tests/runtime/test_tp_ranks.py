@@ -66,6 +66,10 @@ def test_two_ranks_give_the_tokens_of_one(both_ranks, pair):
     # 64 columns a rank) its scales are finer than TP=1's, so the FP8 models agree closely, not exactly
     one, two = result["fp8"]
     assert result["fp8_engine"] == "fp8" and len(two) > 10 and two[:10] == one[:10]
+    # --draft-vocab: each rank's drafter holds the rows of the whole head, half of them from the other rank
+    # (the whole vocabulary's text on one rank, then the draft vocabulary's on one and on two)
+    whole, *drafted = result["vocab"]
+    assert result["vocab_head_whole"] and len(whole) > 10 and drafted == [whole, whole]
 
 
 def test_split_refuses_counts_that_do_not_divide(tiny_hybrid_models):

@@ -20,13 +20,19 @@ MAX_NEW = 24
 MODES = ("ar", "dflash", "ddtree")
 
 
-def config(pair: Path, world: int, quantization: str = "none") -> EngineConfig:
+def config(pair: Path, world: int, quantization: str = "none", draft_vocab: str | None = None) -> EngineConfig:
     return EngineConfig(str(pair / "target"), str(pair / "draft"), device="cpu", dtype="float32", tree_budget=16,
-                        max_running=4, max_batched_tokens=16, tensor_parallel=world, quantization=quantization)
+                        max_running=4, max_batched_tokens=16, tensor_parallel=world, quantization=quantization,
+                        draft_vocab=draft_vocab)
 
 
-def fp8_case(engine) -> list[int]:
-    """--quantize fp8: each rank quantizes its own shard (the blocks of a row-parallel shard are its own)."""
+# --draft-vocab over two ranks: the drafter's rows of a head each rank holds half of
+DRAFT_VOCAB = "500"
+
+
+def greedy_case(engine) -> list[int]:
+    """One greedy ddtree request: for --quantize fp8 (each rank quantizes its own shard: the blocks of a
+    row-parallel shard are its own) and --draft-vocab."""
     prompt = mixed_prompts(engine.tokenizer, 0, 0, 1, 77, cut=2)[0]
     return alone(engine, prompt, SamplingParams(MAX_NEW, mode="ddtree"))
 
@@ -72,11 +78,14 @@ def main() -> None:
     pairs = [Path(p) for p in sys.argv[4:]]
     torch.set_num_threads(1)
     results: dict[str, dict] = {}
+    heads: dict[str, torch.Tensor] = {}  # TP=1's drafter head rows of the draft vocabulary
     if rank == 0:  # every TP=1 reference first: once joined, an engine is one of two ranks
         for pair in pairs:
             engine = Engine(config(pair, 1))
+            vocab = Engine(config(pair, 1, draft_vocab=DRAFT_VOCAB))
+            heads[pair.name] = vocab.drafter.head
             results[pair.name] = {"tp1": cases(engine), "kv_heads": [engine.target.config.num_key_value_heads],
-                                  "fp8": [fp8_case(Engine(config(pair, 1, "fp8")))]}
+                                  "fp8": [greedy_case(Engine(config(pair, 1, "fp8")))], "vocab": [greedy_case(engine), greedy_case(vocab)]}
     tp, _ = join(config(pairs[0], 2), rank, port)
     for pair in pairs:
         engine = Engine(config(pair, 2))
@@ -88,12 +97,18 @@ def main() -> None:
             leader.close()
             fp8 = Engine(config(pair, 2, "fp8"))
             leader = Leader(fp8, tp, on_lost=lambda why: sys.exit(f"rank lost: {why}"))
-            results[pair.name]["fp8"].append(fp8_case(leader))
+            results[pair.name]["fp8"].append(greedy_case(leader))
             results[pair.name]["fp8_engine"] = fp8.quantization
+            leader.close()
+            vocab = Engine(config(pair, 2, draft_vocab=DRAFT_VOCAB))
+            leader = Leader(vocab, tp, on_lost=lambda why: sys.exit(f"rank lost: {why}"))
+            results[pair.name]["vocab"].append(greedy_case(leader))
+            results[pair.name]["vocab_head_whole"] = torch.equal(vocab.drafter.head, heads[pair.name])
             leader.close()
         else:
             follow(engine, tp)
             follow(Engine(config(pair, 2, "fp8")), tp)
+            follow(Engine(config(pair, 2, draft_vocab=DRAFT_VOCAB)), tp)
     if rank == 0:
         out.write_text(json.dumps(results))
     end_process(0)  # as the server's ranks end: not through the interpreter's exit (ranks.end_process)

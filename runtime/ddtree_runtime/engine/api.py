@@ -116,6 +116,7 @@ class EngineInfo:
     quantization: str          # what the target's projections are: "fp8" or "none"
     limits: RequestLimits
     fp8_gemm: str | None = None  # with FP8, the GEMM path chosen for this GPU at load (model/fp8.py)
+    draft_vocab: int | None = None  # tokens the drafter may propose (--draft-vocab); None: the whole vocabulary
 
 
 class ServedEngine(Protocol):

@@ -34,6 +34,7 @@ import torch
 
 from ..capacity import (SHORT_REQUEST, WARM_UP_NEW_TOKENS, WARM_UP_PROMPT_MAX, least_pool_tokens,
                         pool_too_small)
+from ..draft_vocab import draft_vocab_ids
 from ..limits import (DTYPE_NAMES, MAX_TREE_BUDGET, MIN_BLOCK_SIZE, MIN_TREE_BUDGET, QUANTIZE_METHODS,
                       TREE_POLICIES)
 from ..model import (DFlashDrafter, Qwen35Config, Qwen3ForCausalLM, load_drafter, load_target, parallel,
@@ -158,6 +159,8 @@ class Engine:
                 raise ValueError(f"block_size must be >= {MIN_BLOCK_SIZE} (the root plus at least one draft position)")
             self.mask_token_id = dcfg.mask_token_id
             self.target.feature_layers = list(dcfg.target_layer_ids)
+            if config.draft_vocab is not None:
+                self._use_draft_vocab(config.draft_vocab, tcfg.vocab_size)
         if self.fp8_gemm:  # probed up to the largest pass: a step's tokens, or every request's biggest tree
             rows = max(config.max_batched_tokens, config.max_running * (MAX_TREE_BUDGET + 1))
             dtype = self.target.lm_head.weight.dtype
@@ -212,12 +215,21 @@ class Engine:
         self._clock = round_clock(self.device)  # what a round's time is taken with (costs.py)
         limits = RequestLimits(self.max_context, tcfg.vocab_size, self.drafter is not None, config.mode,
                                config.tree_budget, self.block_size, self.page_size, self.pages.num_pages)
+        vocab_ids = None if self.drafter is None else self.drafter.vocab_ids
         self.info = EngineInfo(self.model_name, self.arch, self.draft_name, self.quantization, limits,
-                               fp8_gemm=self.fp8_gemm)
+                               fp8_gemm=self.fp8_gemm, draft_vocab=None if vocab_ids is None else len(vocab_ids))
         cap = self.capacity()
         log.info("KV pool: %d tokens (%d pages x %d); holds %d requests of %d tokens, %d of the full context "
                  "(%d); %d running at most", cap["tokens"], cap["pages_total"], self.page_size, cap["requests_8k"],
                  SHORT_REQUEST, cap["requests_full_context"], self.max_context, self.slots)
+
+    def _use_draft_vocab(self, spec: str, vocab_size: int) -> None:
+        """--draft-vocab: the drafter proposes only those tokens, its logits over a copy of their rows of
+        the target's head (draft_vocab.py), taken before the pool is sized from what memory is left."""
+        added = [] if self.tokenizer is None else sorted(self.tokenizer.added_tokens_decoder)
+        ids = torch.tensor(draft_vocab_ids(spec, vocab_size, added, sorted(self.eos_ids)), device=self.device)
+        self.drafter.use_vocab(ids, parallel.head_rows(self.target.lm_head, ids))
+        log.info("draft vocabulary: %d of the target's %d tokens (--draft-vocab %s)", len(ids), vocab_size, spec)
 
     # ---- memory -----------------------------------------------------------------------------------
 

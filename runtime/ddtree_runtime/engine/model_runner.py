@@ -74,7 +74,7 @@ class ModelRunner:
         self.prefill_runner: PrefillRunner | None = None  # short pieces at a fixed shape
         self._resizing = False  # between dropping the old pool and the new one (or the old) being in place
         self.resize(tree_slots)
-        self.trees = TreeBuilder(device)
+        self.trees = TreeBuilder(device, None if drafter is None else drafter.vocab_ids)
         # a ddtree row's tree is built at its own budget and a prefix of it verified, forecast at these
         # budgets and the one run (forecast.py), read with the walks
         self.forecast_at = forecast_at
@@ -281,7 +281,7 @@ class ModelRunner:
         rows = self.draft_cache.rows(reqs[0].slot, reqs[0].slot + n)
         h = self.drafter(self.target.model.embed_tokens(block), block_pos, None, None, rows, mask=mask,
                          static=DraftInputs(None, block_slots, kv_len, launch=DECODE_EAGER))
-        drafted = self.drafter.draft_logits(self.target.logits(h[:, 1:]))   # [n, bs-1, V]
+        drafted = self.drafter.block_logits(h[:, 1:], self.target)   # [n, bs-1, V or the draft vocab's]
         for i, req in enumerate(reqs):
             if spec[i]:
                 req.drafted = drafted[i]

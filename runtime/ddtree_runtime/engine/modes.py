@@ -13,7 +13,7 @@ import torch
 from ..capacity import round_tree_slots
 from ..limits import MODES
 from .forecast import forecast_accepted
-from .tree import Tree, TreeBuilder, build_chain
+from .tree import Tree, TreeBuilder
 
 
 class Mode:
@@ -49,7 +49,7 @@ class DFlash(Mode):
     name = "dflash"
 
     def trees(self, builder, drafted, budget, block_size):
-        return [build_chain(d) for d in drafted]
+        return [builder.chain(d) for d in drafted]
 
 
 class DDTree(Mode):

@@ -376,4 +376,4 @@ class DraftRunner:
         else:
             static = DraftInputs(ctx_pos, block_pos, b.kv_len, lengths)
         h = self.drafter(emb, block_pos, b.feats, ctx_pos, self.cache.rows(0, b.batch), mask=mask, static=static)
-        return self.drafter.draft_logits(self.target.logits(h[:, 1:], float32=False))
+        return self.drafter.block_logits(h[:, 1:], self.target, float32=False)

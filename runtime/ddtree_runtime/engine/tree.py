@@ -191,9 +191,13 @@ class TreeBuilder:
     and replayed over a static copy of the draft (a few MB); several drafts eagerly, one launch over
     them (build_trees_on_gpu: a graph would need 146 MB of drafts copied in at 16 requests of
     Qwen3-8B, while the few launches queue as the device still runs the drafter pass). build_trees
-    elsewhere (graphed per shape on CUDA without Triton)."""
+    elsewhere (graphed per shape on CUDA without Triton).
 
-    def __init__(self, device: torch.device) -> None:
+    vocab_ids [V'] (a draft vocabulary, draft_vocab.py): the drafts' logits are over those target tokens
+    only, logit j token vocab_ids[j], and the trees' tokens are mapped to the target's ids here."""
+
+    def __init__(self, device: torch.device, vocab_ids: torch.Tensor | None = None) -> None:
+        self.vocab_ids = vocab_ids
         self.cuda = device.type == "cuda"
         self.use_graphs = self.cuda and tree_kernel.triton is not None
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
@@ -204,13 +208,24 @@ class TreeBuilder:
         levels' path scores they were chosen from (scored_trees). A graphed build's results are static
         buffers: use them before the next build of that shape."""
         if not self.cuda:
-            return scored_trees(draft_logits, budget)
+            return self._targets(*scored_trees(draft_logits, budget))
         key = (budget, *draft_logits.shape, draft_logits.dtype)
         if not self.use_graphs:
-            return self._replayed(key, lambda logits: scored_trees(logits, budget), draft_logits)
+            return self._replayed(key, lambda logits: self._targets(*scored_trees(logits, budget)), draft_logits)
         if draft_logits.shape[0] > 1:
-            return scored_trees_on_gpu(draft_logits, budget)
-        return self._replayed(key, lambda logits: scored_trees_on_gpu(logits, budget), draft_logits)
+            return self._targets(*scored_trees_on_gpu(draft_logits, budget))
+        return self._replayed(key, lambda logits: self._targets(*scored_trees_on_gpu(logits, budget)), draft_logits)
+
+    def chain(self, draft_logits: torch.Tensor) -> Tree:
+        """build_chain's DFlash chain of one draft [D, V], its tokens the target's."""
+        return Tree(self._targets(build_chain(draft_logits).nodes[None], None)[0][0])
+
+    def _targets(self, nodes: torch.Tensor, scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Trees' nodes [R, 3, N-1] with their tokens (row 0) made the target's ids, if the drafts were over a
+        draft vocabulary (one gather; inside a graphed build's capture)."""
+        if self.vocab_ids is None:
+            return nodes, scores
+        return torch.cat([self.vocab_ids[nodes[:, :1]], nodes[:, 1:]], dim=1), scores
 
     def _replayed(self, key: tuple, build: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                   draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

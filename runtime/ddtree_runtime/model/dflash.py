@@ -124,6 +124,10 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        # --draft-vocab (draft_vocab.py): the target tokens it proposes [N] and their rows of the target's
+        # head [N, H]; None: the whole head
+        self.register_buffer("vocab_ids", None, persistent=False)
+        self.register_buffer("head", None, persistent=False)
 
     def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor | None,
                 ctx_pos: torch.Tensor | None, cache=None, ctx_start: int = 0,
@@ -159,6 +163,20 @@ class DFlashDrafter(nn.Module):
             ctx_pos = torch.arange(ctx_start + ctx_pos.shape[1], device=block_pos.device)[None]
         key_pos = torch.cat([ctx_pos.expand(block_pos.shape[0], -1), block_pos], dim=1)
         return DraftMask(key_pos, block_pos, torch.ones_like(key_pos, dtype=torch.bool))
+
+    def use_vocab(self, ids: torch.Tensor, head: torch.Tensor) -> None:
+        """Propose only the target tokens `ids` [N]: `head` [N, H] is the target head's rows for them, which
+        the block's logits are computed over (logit j is token ids[j]'s; the tree builder maps them back)."""
+        self.vocab_ids, self.head = ids, head
+
+    def block_logits(self, h: torch.Tensor, target, float32: bool = True) -> torch.Tensor:
+        """The drafter's logits of its final hidden states h [..., H]: through the target's head, or with a
+        draft vocabulary through its rows of it; then draft_logits'. As target.logits: the rows as one 2-D
+        GEMM, in float32 unless `float32` is False."""
+        if self.head is None:
+            return self.draft_logits(target.logits(h, float32))
+        out = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]), self.head)
+        return self.draft_logits((out.float() if float32 else out).view(*h.shape[:-1], -1))
 
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The target head's logits of the block made the drafter's: times output_multiplier, then

@@ -130,6 +130,20 @@ class VocabParallelHead(nn.Linear):
         return logits.view(*h.shape[:-1], self.vocab)
 
 
+def head_rows(head: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [N] of the LM head, whole on every rank ([N, H], a copy): a vocab-parallel head's rank
+    fills its own rows and one all-reduce adds the others' (each row is one rank's, the rest zeros)."""
+    if not isinstance(head, VocabParallelHead):
+        return head.weight.index_select(0, ids)
+    own = head.weight.shape[0]
+    local = ids - head.tp.rank * own
+    mine = (local >= 0) & (local < own)
+    rows = head.weight.new_zeros(ids.shape[0], head.weight.shape[1])
+    rows[mine] = head.weight[local[mine]]
+    dist.all_reduce(rows, group=head.tp.group)
+    return rows
+
+
 # ---- splitting a model --------------------------------------------------------------------------------
 
 def split_problem(cfg: Qwen3Config, world: int) -> str | None:

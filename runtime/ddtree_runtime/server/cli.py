@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ddtree_runtime import settings
 from ddtree_runtime.capacity import Shape, least_pool_tokens, pool_too_small
+from ddtree_runtime.draft_vocab import DraftVocabError, draft_vocab_ids
 from ddtree_runtime.server import ranks
 from ddtree_runtime.server.config import ServerConfig
 from ddtree_runtime.quantization import UnsupportedCheckpoint, check_checkpoint
@@ -66,6 +67,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Serve
         _implemented(path, flag)
     if args.kv_pool_tokens is not None:
         _pool_serves(args, values.get("draft_dir"))
+    if args.draft_vocab is not None:
+        _draft_vocab(args, values["target_dir"])
     if args.prefix_cache_rows and not args.prefix_cache:
         raise UsageError("--prefix-cache-rows needs the prefix cache: drop --no-prefix-cache")
     api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
@@ -109,6 +112,16 @@ def _pool_serves(args: argparse.Namespace, draft_dir: str | None) -> None:
     least = least_pool_tokens(args.mode, args.tree_budget, block, args.page_size, args.max_context)
     if args.kv_pool_tokens < least:
         raise UsageError(pool_too_small("--kv-pool-tokens", args.kv_pool_tokens, least, args.mode, args.page_size))
+
+
+def _draft_vocab(args: argparse.Namespace, target_dir: str) -> None:
+    """--draft-vocab: a drafter to apply it to, and ids the target's vocabulary has (draft_vocab.py)."""
+    if args.mode == "ar":
+        raise UsageError("--draft-vocab sets what the drafter proposes: --mode ar runs none")
+    try:
+        draft_vocab_ids(args.draft_vocab, Shape.from_config(_config_json(target_dir, "--target")).vocab)
+    except DraftVocabError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _config_json(model_dir: str, flag: str) -> dict:

@@ -102,6 +102,7 @@ class ServerContext:
             "model": self.model_name(),
             "target_arch": info.arch,
             "draft_model": info.draft_name,
+            **({"draft_vocab": info.draft_vocab} if info.draft_vocab else {}),
             "quantization": info.quantization,
             **({"fp8_gemm": info.fp8_gemm} if info.fp8_gemm else {}),
             "tensor_parallel": self.config.tensor_parallel,  # GPUs (processes) this server spans

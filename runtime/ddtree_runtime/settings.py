@@ -111,7 +111,7 @@ SERVE_SETTINGS: tuple[Setting, ...] = (
             "tokenizer's added tokens, or a file of token ids (JSON list, one a line, or a .pt tensor: SGLang's "
             "--speculative-token-map); the drafter's LM head reads only those rows. Output is unchanged (the "
             "target verifies every token); acceptance falls where the target's next token is outside them",
-            engine=True, profile=True, metavar="N|FILE", default_words="the target's whole vocabulary"),
+            engine=True, metavar="N|FILE", default_words="the target's whole vocabulary"),
     Setting("max_tree_budget", int, DEFAULT_MAX_TREE_BUDGET, "largest speculative.tree_budget a request may ask "
             "for; larger is a 400 (a bigger tree slows every batched round it joins)", minimum=MIN_TREE_BUDGET,
             maximum=MAX_TREE_BUDGET, profile=True, metavar="B",

@@ -18,12 +18,19 @@ The value is one of:
   the file's j-th token's.
 Either way the end-of-sequence ids are added, so a draft can end where the target would.
 
+A map from real text: `python -m ddtree_runtime.draft_vocab --target DIR --top N FILE...` counts the tokens
+of the files (a traffic sample: prompts and completions) with the target's tokenizer and writes the N
+most frequent ids as a JSON list.
+
 Standard library only where no `.pt` file is named: the server checks the value before loading a model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -97,3 +104,52 @@ def _torch_ids(path: Path) -> list[int]:
             or value.dtype == torch.bool):
         raise DraftVocabError(f"--draft-vocab {path}: expected a 1-D tensor of token ids")
     return [int(t) for t in value.tolist()]
+
+
+def most_frequent(counts: Counter, top: int) -> list[int]:
+    """The `top` most frequent ids, the lower id first among equal counts (so a map is reproducible)."""
+    return [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Count the tokens of text files with a target's tokenizer; print (or --out) the most frequent as a
+    --draft-vocab file. Exit 2 on a bad argument, in one line."""
+    ap = argparse.ArgumentParser(prog="python -m ddtree_runtime.draft_vocab",
+                                 description="A --draft-vocab file: the most frequent tokens of a text sample.")
+    ap.add_argument("--target", required=True, metavar="DIR", help="the target model directory (its tokenizer)")
+    ap.add_argument("--top", type=int, default=32768, metavar="N", help="ids to keep (default: 32768)")
+    ap.add_argument("--out", metavar="FILE", help="write the JSON list here (default: standard output)")
+    ap.add_argument("files", nargs="+", metavar="FILE", help="text to count (UTF-8)")
+    args = ap.parse_args(argv)
+    if args.top < MIN_DRAFT_VOCAB:
+        print(f"draft_vocab: error: --top {args.top}: keep at least {MIN_DRAFT_VOCAB} ids", file=sys.stderr)
+        return 2
+    missing = next((f for f in args.files if not Path(f).is_file()), None)
+    if missing is not None:
+        print(f"draft_vocab: error: {missing}: no such file", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    except (OSError, ValueError) as exc:
+        print(f"draft_vocab: error: --target {args.target}: no tokenizer there ({type(exc).__name__})", file=sys.stderr)
+        return 2
+    counts: Counter = Counter()
+    for name in args.files:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            for line in f:  # a line at a time: a traffic sample can be larger than memory
+                counts.update(tokenizer(line, add_special_tokens=False)["input_ids"])
+    ids = most_frequent(counts, args.top)
+    text = json.dumps(ids)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"{len(ids)} of {len(counts)} distinct tokens ({sum(counts.values())} counted) -> {args.out}",
+              file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,6 +70,29 @@ def test_unusable_values_say_why_in_one_line(tmp_path, make, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_map_counted_from_text_is_its_most_frequent_tokens(tiny_models, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from ddtree_runtime.draft_vocab import main
+
+    text = tmp_path / "sample.txt"
+    text.write_text("the cat sat on the mat\nthe dog sat\n" * 3 + "a zebra\n")
+    out = tmp_path / "map.json"
+    assert main(["--target", str(tiny_models / "target"), "--top", "6", "--out", str(out), str(text)]) == 0
+    tok = AutoTokenizer.from_pretrained(str(tiny_models / "target"))
+    counts = {}
+    for line in text.read_text().splitlines(keepends=True):
+        for t in tok(line, add_special_tokens=False)["input_ids"]:
+            counts[t] = counts.get(t, 0) + 1
+    expected = sorted(counts, key=lambda t: (-counts[t], t))[:6]
+    assert json.loads(out.read_text()) == expected and counts[expected[-1]] >= max(
+        n for t, n in counts.items() if t not in expected)
+    assert draft_vocab_ids(str(out), 1024) == expected
+    assert main(["--target", str(tiny_models / "target"), "--top", "1", str(text)]) == 2
+    assert main(["--target", str(tiny_models / "target"), str(tmp_path / "none.txt")]) == 2
+    assert capsys.readouterr().err.count("error:") == 2
+
+
 # ---- the trees --------------------------------------------------------------------------------------
 
 def test_trees_over_a_draft_vocabulary_hold_the_target_ids_of_its_logits():

@@ -42,14 +42,10 @@ class DraftVocabError(ValueError):
     """A --draft-vocab value that cannot be used, in one line: what, and how to fix it."""
 
 
-def is_count(spec: str) -> bool:
-    return re.fullmatch(r"\d+", spec.strip()) is not None
-
-
 def draft_vocab_ids(spec: str, vocab_size: int, added: Iterable[int] = (), eos: Iterable[int] = ()) -> list[int]:
     """The drafter's token ids for --draft-vocab `spec` over a target of `vocab_size` tokens: distinct,
     in the count's or the file's order, then the added tokens (a count only) and the eos ids not yet in."""
-    if is_count(spec):
+    if re.fullmatch(r"\s*\d+\s*", spec):  # a count, else a file's path
         count = int(spec)
         if not MIN_DRAFT_VOCAB <= count <= vocab_size:
             raise DraftVocabError(f"--draft-vocab {count}: expected a count from {MIN_DRAFT_VOCAB} to the target's "

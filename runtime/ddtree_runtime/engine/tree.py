@@ -208,24 +208,30 @@ class TreeBuilder:
         levels' path scores they were chosen from (scored_trees). A graphed build's results are static
         buffers: use them before the next build of that shape."""
         if not self.cuda:
-            return self._targets(*scored_trees(draft_logits, budget))
+            return self._in_target_ids(scored_trees(draft_logits, budget))
         key = (budget, *draft_logits.shape, draft_logits.dtype)
         if not self.use_graphs:
-            return self._replayed(key, lambda logits: self._targets(*scored_trees(logits, budget)), draft_logits)
+            return self._replayed(key, lambda logits: self._in_target_ids(scored_trees(logits, budget)), draft_logits)
         if draft_logits.shape[0] > 1:
-            return self._targets(*scored_trees_on_gpu(draft_logits, budget))
-        return self._replayed(key, lambda logits: self._targets(*scored_trees_on_gpu(logits, budget)), draft_logits)
+            return self._in_target_ids(scored_trees_on_gpu(draft_logits, budget))
+        return self._replayed(key, lambda logits: self._in_target_ids(scored_trees_on_gpu(logits, budget)),
+                              draft_logits)
 
     def chain(self, draft_logits: torch.Tensor) -> Tree:
         """build_chain's DFlash chain of one draft [D, V], its tokens the target's."""
-        return Tree(self._targets(build_chain(draft_logits).nodes[None], None)[0][0])
+        return Tree(self._target_tokens(build_chain(draft_logits).nodes[None])[0])
 
-    def _targets(self, nodes: torch.Tensor, scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _in_target_ids(self, built: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A build's (nodes, scores) with the nodes' tokens the target's (inside a graphed build's capture)."""
+        nodes, scores = built
+        return self._target_tokens(nodes), scores
+
+    def _target_tokens(self, nodes: torch.Tensor) -> torch.Tensor:
         """Trees' nodes [R, 3, N-1] with their tokens (row 0) made the target's ids, if the drafts were over a
-        draft vocabulary (one gather; inside a graphed build's capture)."""
+        draft vocabulary (one gather)."""
         if self.vocab_ids is None:
-            return nodes, scores
-        return torch.cat([self.vocab_ids[nodes[:, :1]], nodes[:, 1:]], dim=1), scores
+            return nodes
+        return torch.cat([self.vocab_ids[nodes[:, :1]], nodes[:, 1:]], dim=1)
 
     def _replayed(self, key: tuple, build: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                   draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

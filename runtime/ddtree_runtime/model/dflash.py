@@ -170,13 +170,9 @@ class DFlashDrafter(nn.Module):
         self.vocab_ids, self.head = ids, head
 
     def block_logits(self, h: torch.Tensor, target, float32: bool = True) -> torch.Tensor:
-        """The drafter's logits of its final hidden states h [..., H]: through the target's head, or with a
-        draft vocabulary through its rows of it; then draft_logits'. As target.logits: the rows as one 2-D
-        GEMM, in float32 unless `float32` is False."""
-        if self.head is None:
-            return self.draft_logits(target.logits(h, float32))
-        out = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]), self.head)
-        return self.draft_logits((out.float() if float32 else out).view(*h.shape[:-1], -1))
+        """The drafter's logits of its final hidden states h [..., H] (target.logits': through the target's
+        head, or with a draft vocabulary through its copy of those rows), then draft_logits'."""
+        return self.draft_logits(target.logits(h, float32, rows=self.head))
 
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The target head's logits of the block made the drafter's: times output_multiplier, then

@@ -6,7 +6,7 @@
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-old, rounds-8b,
-# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, attn, fp8, fp8-gemm, fp8-large, fp8-tail,
+# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, fp8, fp8-gemm, fp8-large, fp8-tail,
 # fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
@@ -91,6 +91,8 @@ step() {
             --event-phases --out "$OUT/cost-lone-events.json" ;;
     gdn-tree)  # GDN_LAUNCHES: launch names to time (all 42 compile for ~8 min: pick)
         bench "$here" gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} --out "$OUT/gdn-tree.json" ;;
+    gdn-tree-old) old_tree && bench /tmp/old gdn_tree_bench.py ${GDN_LAUNCHES:+--launches $GDN_LAUNCHES} \
+        --out "$OUT/gdn-tree-old.json" ;;
     attn)  # the 27B's tree attention over the paged pool: one row and 16, at 4.6K and 8.7K keys (ATTN_GRID:
            # attn_probe's --grid, e.g. "stages=3,4 keys=32,64"; ATTN_BUCKETS: e.g. 8704 alone)
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \

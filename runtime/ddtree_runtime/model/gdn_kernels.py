@@ -189,10 +189,13 @@ if triton is not None:
         # once, everything else [BT, BT] or [BT, BV] in registers. PRECISION for the products that make u
         # (the commit folds u into the state, so its error stays); OUT_PRECISION for those that only make
         # this pass's output (q k^T, q S0 and the last product), which leaves the layer in 16 bits.
-        # PEEL: node 0 (the root: ancestors come first, so it has none) is taken apart, in float32 vector
-        # sums, and the blocks hold nodes 1..T-1: a 17-node tree in blocks of 16, not 32. Its terms in
-        # the others' are rank one: u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each node i below it sees
-        # e^(G_i - G_0) (k_i . k_0) u_0 in its right-hand side and e^(G_i - G_0) (q_i . k_0) u_0 in its output
+        # PEEL: node 0 (the root: ancestors come first, so it has none) is taken apart, and the blocks hold
+        # nodes 1..T-1: a 17-node tree in blocks of 16, not 32. Its terms in the others' are rank one:
+        # u_0 = beta_0 (v_0 - e^G_0 k_0 S0), then each node i below it sees e^(G_i - G_0) (k_i . k_0) u_0
+        # in its right-hand side and e^(G_i - G_0) (q_i . k_0) u_0 in its output. Its products ride the
+        # blocks' dots: a [BT, BK] block whose row 0 is k_0 and row 1 q_0 (the rest zero), so k_i . k_0,
+        # q_i . k_0, k_0 S0 and q_0 S0 are a column or a row of three more dots, picked out once after
+        # the dk loop (summing them as vectors chunk by chunk crossed threads at every chunk)
         pid = tl.program_id(0)
         b = (pid // H).to(tl.int64)
         h = (pid % H).to(tl.int64)
@@ -212,11 +215,10 @@ if triton is not None:
             g0, beta0 = _tree_gates(g0, beta0, beta_ptr.dtype.element_ty, a_log_ptr, dt_bias_ptr, h, RAW_GATES)
             pathsum += tl.where(below, g0, 0.0)
             from_root = tl.where(below, tl.exp(pathsum - g0), 0.0)               # e^(G_i - G_0), or 0
-            kk0 = tl.zeros([BT], dtype=tl.float32)                               # k_i . k_0
-            qk0 = tl.zeros([BT], dtype=tl.float32)                               # q_i . k_0
-            q0k0 = 0.0
-            k0s = tl.zeros([BV], dtype=tl.float32)                               # k_0 S0
-            q0s = tl.zeros([BV], dtype=tl.float32)                               # q_0 S0
+            pair = tl.arange(0, BT)                                              # the root block's rows
+            kk0 = tl.zeros([BT, BT], dtype=tl.float32)                           # column 0: k_i . k_0
+            qk0 = tl.zeros([BT, BT], dtype=tl.float32)                           # column 0: q_i . k_0
+            rs = tl.zeros([BT, BV], dtype=tl.float32)                            # rows 0, 1: k_0 S0, q_0 S0
         decay = tl.exp(tl.where(on_path, pathsum[:, None] - pathsum[None, :], float("-inf")))
         kk = tl.zeros([BT, BT], dtype=tl.float32)
         qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -231,18 +233,17 @@ if triton is not None:
             kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
             qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
             if PEEL:
-                k0 = tl.load(k_ptr + b * s_kb + h * s_kh + d * s_kd)
-                q0 = tl.load(q_ptr + b * s_qb + h * s_qh + d * s_qd)
-                kk0 += tl.sum(kc * k0[None, :], axis=1)
-                qk0 += tl.sum(qc * k0[None, :], axis=1)
-                q0k0 += tl.sum(q0 * k0, axis=0)
+                root = tl.where(pair == 0, k_ptr + b * s_kb + h * s_kh, q_ptr + b * s_qb + h * s_qh)
+                kq0 = tl.load(root[:, None] + d[None, :] * tl.where(pair == 0, s_kd, s_qd)[:, None],
+                              mask=(pair < 2)[:, None], other=0.0)
+                kk0 += tl.dot(kc, tl.trans(kq0), input_precision=PRECISION)
+                qk0 += tl.dot(qc, tl.trans(kq0), input_precision=OUT_PRECISION)
             if HAS_STATE:
                 s0 = tl.load(state_ptr + b * s_sb + h * s_sh + d[:, None] * s_sk + cols[None, :] * s_sv)
                 ks += tl.dot(kc, s0, input_precision=PRECISION)
                 qs += tl.dot(qc, s0, input_precision=OUT_PRECISION)
                 if PEEL:
-                    k0s += tl.sum(k0[:, None] * s0, axis=0)
-                    q0s += tl.sum(q0[:, None] * s0, axis=0)
+                    rs += tl.dot(kq0, s0, input_precision=PRECISION)
         strict = on_path & (node[:, None] != node[None, :])
         a = tl.where(strict, kk * decay * beta[:, None], 0.0)
         v = tl.load(v_ptr + b * s_vb + h * s_vh + node[:, None] * s_vt + cols[None, :] * s_vd,
@@ -251,9 +252,16 @@ if triton is not None:
         if HAS_STATE:
             v = v - grow * ks
         if PEEL:
+            first = (pair == 0)[None, :]
+            kk0 = tl.sum(tl.where(first, kk0, 0.0), axis=1)
+            qk0 = tl.sum(tl.where(first, qk0, 0.0), axis=1)
+            dk = tl.arange(0, DK)
+            q0 = tl.load(q_ptr + b * s_qb + h * s_qh + dk * s_qd)
+            q0k0 = tl.sum(q0 * tl.load(k_ptr + b * s_kb + h * s_kh + dk * s_kd), axis=0)
             u0 = tl.load(v_ptr + b * s_vb + h * s_vh + cols * s_vd)
             if HAS_STATE:
-                u0 = u0 - tl.exp(g0) * k0s
+                u0 = u0 - tl.exp(g0) * tl.sum(tl.where((pair == 0)[:, None], rs, 0.0), axis=0)
+                q0s = tl.sum(tl.where((pair == 1)[:, None], rs, 0.0), axis=0)
             u0 = beta0 * u0
             v = v - (from_root * kk0)[:, None] * u0[None, :]
         rhs = beta[:, None] * v
@@ -432,18 +440,18 @@ class TreeDeltaLaunch(NamedTuple):
 
 
 # The launches the layers run (gdn_tree_bench.py times the one for its rows as its default, beside its
-# grid), both with the root taken apart (a 17-node tree in blocks of 16). H200, 27B, 17 nodes, us at 1 /
-# 8 / 16 rows (bench/results/runtime-gdn-tree-bench-peel-s21-h200.json): below TREE_DELTA_MANY_ROWS rows,
-# float32 FMAs, 4 warps: 11.7 / 48.7 / 96.1; from there three TF32 products, 2 warps, dk in chunks of
-# 16: 40.5 / 66.8 us at 8 / 16 rows against 43.4 / 69.4 in chunks of 32 (session 23,
-# runtime-gdn-tree-bench-s23-h200.json: fewer registers a chunk, more programs an SM). The launches
-# before them (no peel, three TF32 products, 4 warps; 128 columns of dv a program from 16 rows): 12.9 /
-# 51.0 / 96.1. Errors against float64 all within 4.4e-7 (u 1.8e-7). The root first, its terms out of the
-# loop (sessions 28-29: 27-31% faster at 8 rows in gdn_tree_bench.py alone), was slower in the round: the
-# 27B's step at 8 / 16 rows on the H100 spent 2.39 / 4.23 ms in tree_delta against 2.09 / 3.78 beside
-# (session 30, runtime-gpu-profile-27b-8k-peel-*-s30-h100.json), so it was dropped
-TREE_DELTA_LAUNCH = TreeDeltaLaunch(precision="ieee", peel=True)
-TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, warps=2, peel=True)
+# grid), both with the root taken apart (a 17-node tree in blocks of 16), its products riding the blocks'
+# dots, dk in chunks of 16 (fewer registers a chunk: more programs an SM). An H100, 27B, 17 nodes, the
+# state read from memory as a step reads it (inputs rotated past the L2), us at 1 / 8 / 16 rows
+# (bench/results/runtime-gdn-tree-bench-dots-*-s33-h100.json): below TREE_DELTA_MANY_ROWS rows, float32
+# FMAs, 64 columns of dv a program, 4 warps: 11.6 at one row; from there three TF32 products, every column
+# in one program (no [T, T] work done twice), 4 warps: 38.2-39.2 / 59.0-59.6. The launches before them
+# (the root's terms summed as vectors at every dk chunk: dk in chunks of 32 at one row, 64 columns and 2
+# warps from 8 rows) 12.8 / 44.6 / 70.0 in the same call (runtime-gdn-tree-bench-sums-s33-h100.json);
+# at 16 rows the round went 41.43 -> 41.02 ms with the dots alone. Errors against float64 within 4.4e-7
+# (u 1.7e-7). Summing the root's terms before the loop (sessions 28-30) read the state twice: slower in the round
+TREE_DELTA_LAUNCH = TreeDeltaLaunch(block_k=16, precision="ieee", peel=True)
+TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, block_v=128, warps=4, peel=True)
 TREE_DELTA_MANY_ROWS = 8
 
 

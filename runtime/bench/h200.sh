@@ -6,7 +6,7 @@
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-old, rounds-8b,
-# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, fp8, fp8-gemm, fp8-large, fp8-tail,
+# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, fp8, fp8-gemm, fp8-large, fp8-tail,
 # fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
@@ -97,6 +97,11 @@ step() {
            # attn_probe's --grid, e.g. "stages=3,4 keys=32,64"; ATTN_BUCKETS: e.g. 8704 alone)
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
             --buckets ${ATTN_BUCKETS:-4608 8704} ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
+    attn-splits)  # the 16- and 8-row tree attention's split: the served rule's (powers of two up to 2,048) against
+                  # splits fitted to one wave of 128 programs (2 a row's KV head at 16 rows, 4 at 8), 4.6K to 33K keys
+        bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 8 16 --queries 17 \
+            --buckets 4608 8704 33280 --grid block_rows=128 warps=8 keys=64 \
+            splits=1024,1152,2048,2176,2304,4352,8320,16640 --out "$OUT/attn-splits.json" ;;
     fp8)  # FP8_GEMM: --fp8-gemm, a comma list measures each against one bf16 run (e.g. triton,auto)
         bench "$here" fp8_bench.py --shapes qwen3.6-27b ${FP8_GEMM:+--fp8-gemm $FP8_GEMM} \
             --out "$OUT/fp8${FP8_GEMM:+-${FP8_GEMM//,/-}}.json" ;;

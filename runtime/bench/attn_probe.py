@@ -14,7 +14,9 @@ case it prints SDPA, `old` (the one-sequence rule, which batched rounds ran befo
 read over the row's context: decode_attention's `shared`, as the engine runs passes with lengths), and
 the grid's best each way; the JSON holds every grid point (rRsSwW-len / -nolen / -shared: BLOCK_R R,
 split S keys, W warps; -len only for T = 1). --page-size reads the keys from a paged pool. The T=1
-rows are the batched AR step: whether `rule` beats SDPA there decides DECODE_BATCHED_ONE_QUERY."""
+rows are the batched AR step: whether `rule` beats SDPA there decides DECODE_BATCHED_ONE_QUERY.
+--mixed: row 0 keeps its ~`real` keys and every other row a sixteenth of them (one long request among
+short ones: the grid is still the bucket's, so a split fitted to equal rows leaves most programs idle)."""
 
 import argparse
 import json
@@ -97,14 +99,16 @@ def single_sequence() -> None:
             print(f"L {length:5} T {t:3}: " + "  ".join(f"{name} {us:5.1f}us" for name, us in row.items()), flush=True)
 
 
-def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generator) -> dict:
+def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generator, mixed: bool = False) -> dict:
     """One batched case's timings: rows of about `real` keys (start + T, a little apart per row) in
-    a kv_len bucket of `bucket`."""
+    a kv_len bucket of `bucket`; `mixed`: the rows after the first at a sixteenth of that."""
     dev, dt = DEVICE, torch.bfloat16
     kbuf = torch.randn(batch, HKV, bucket + 512, D, device=dev, dtype=dt)
     vbuf = torch.randn_like(kbuf)
     k, v = kbuf[:, :, :bucket], vbuf[:, :, :bucket]  # strided views of the pool's rows, as in a pass
     lengths = (real + torch.randint(-32, 33, (batch,), generator=gen)).clamp(t, bucket)
+    if mixed:
+        lengths[1:] = (lengths[1:] // 16).clamp(min=t)
     start = lengths - t
     cols = torch.arange(bucket)
     rel = cols[None, :] - start[:, None]                                          # [B, L]
@@ -155,12 +159,12 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
     return case
 
 
-def batched(batches: list[int], queries: list[int], buckets: list[int], out: str) -> None:
+def batched(batches: list[int], queries: list[int], buckets: list[int], out: str, mixed: bool = False) -> None:
     """The batched sweep: a table line per case, every timing in the JSON at `out`."""
     gen = torch.Generator().manual_seed(0)
     real_for = {1024: 529, 4608: 4100}
     report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "heads": [HQ, HKV, D],
-              "page_size": PAGE, "unit": "us per call (CUDA graph)",
+              "page_size": PAGE, "mixed": mixed, "unit": "us per call (CUDA graph)",
               "rules": {"one_sequence": kernels.DECODE_ONE_SEQUENCE._asdict(), "batch": kernels.DECODE_BATCH._asdict(),
                         "batched_one_query": kernels.DECODE_BATCHED_ONE_QUERY},
               "cases": []}
@@ -170,7 +174,7 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
         real = real_for.get(bucket, bucket * 9 // 10)
         for t in queries:
             for batch in batches:
-                case = batched_case(batch, t, bucket, real, gen)
+                case = batched_case(batch, t, bucket, real, gen, mixed)
                 case.update(batch=batch, queries=t, bucket=bucket, real=real)
                 report["cases"].append(case)
                 grid = case["grid"]
@@ -302,6 +306,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[], metavar="W",
                     help="the second turn's pass instead: W queries after each of --contexts cached keys")
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384])
+    ap.add_argument("--mixed", action="store_true",
+                    help="--batched: one row of ~real keys, the others a sixteenth of it (one long request among short)")
     ap.add_argument("--page-size", type=int, default=0,
                     help="--batched: keys in a paged pool of pages this long (the engine's: 16), not one row each")
     ap.add_argument("--heads", default="32,8,128", metavar="HQ,HKV,D",
@@ -315,7 +321,7 @@ def main() -> None:
     if args.prefill:
         prefill(args.prefill, args.contexts, args.out)
     elif args.batched:
-        batched(args.batches, args.queries, args.buckets, args.out)
+        batched(args.batches, args.queries, args.buckets, args.out, args.mixed)
     else:
         single_sequence()
 

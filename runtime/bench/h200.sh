@@ -98,10 +98,13 @@ step() {
         bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 1 16 --queries 17 \
             --buckets ${ATTN_BUCKETS:-4608 8704} ${ATTN_GRID:+--grid $ATTN_GRID} --out "$OUT/attn.json" ;;
     attn-splits)  # the 16- and 8-row tree attention's split: the served rule's (powers of two up to 2,048) against
-                  # splits fitted to one wave of 128 programs (2 a row's KV head at 16 rows, 4 at 8), 4.6K to 33K keys
-        bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 8 16 --queries 17 \
-            --buckets 4608 8704 33280 --grid block_rows=128 warps=8 keys=64 \
-            splits=1024,1152,2048,2176,2304,4352,8320,16640 --out "$OUT/attn-splits.json" ;;
+                  # splits fitted to one wave of 128 programs (2 a row's KV head at 16 rows, 4 at 8), 4.6K to 33K keys,
+                  # rows of equal length, then one long row among short ones (--mixed)
+        for mixed in "" --mixed; do
+            bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 8 16 --queries 17 \
+                --buckets 4608 8704 33280 --grid block_rows=128 warps=8 keys=64 \
+                splits=1024,1152,2048,2176,2304,4352,8320,16640 $mixed --out "$OUT/attn-splits$mixed.json" || return 1
+        done ;;
     fp8)  # FP8_GEMM: --fp8-gemm, a comma list measures each against one bf16 run (e.g. triton,auto)
         bench "$here" fp8_bench.py --shapes qwen3.6-27b ${FP8_GEMM:+--fp8-gemm $FP8_GEMM} \
             --out "$OUT/fp8${FP8_GEMM:+-${FP8_GEMM//,/-}}.json" ;;

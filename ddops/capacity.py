@@ -56,6 +56,18 @@ def serving_gpus(profile: Profile) -> list[int]:
     return sorted({gpus[n] if n < len(gpus) else n for gpus in given})
 
 
+def draft_vocab_rows(extra_args: tuple[str, ...]) -> int:
+    """The head rows `--draft-vocab N` in serve.extra_args has the drafter copy (0 without it; a map file's
+    count is the host's to know, as ddops does not sync it)."""
+    value = None
+    for i, arg in enumerate(extra_args):
+        if arg == "--draft-vocab" and i + 1 < len(extra_args):
+            value = extra_args[i + 1]
+        elif arg.startswith("--draft-vocab="):
+            value = arg.partition("=")[2]
+    return int(value) if value is not None and value.isdigit() else 0
+
+
 def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolEstimate | None:
     """The pool on the serving GPU; None where the runtime does not use one (SGLang, a CPU device)."""
     if profile.engine != "ddtree" or not profile.device.startswith("cuda"):
@@ -74,7 +86,7 @@ def estimate(profile: Profile, host: HostFacts, trees: dict[str, Tree]) -> PoolE
     models = (target.config, draft.config if draft is not None else None)
     settings = dict(dtype=profile.dtype, mem_fraction=serve.mem_fraction, max_running=serve.max_running,
                     tree_budget=serve.tree_budget, block_size=serve.block_size, tensor_parallel=serve.tensor_parallel,
-                    prefix_cache=serve.prefix_cache)
+                    prefix_cache=serve.prefix_cache, draft_vocab=draft_vocab_rows(serve.extra_args) if draft else 0)
     try:
         pools = [(g, CAPACITY.pool_capacity(g.memory_total_mib * 2**20, *models, max_context=serve.max_context,
                                             **settings)) for g in wanted]

@@ -320,12 +320,13 @@ class Capacity:
 def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config: dict[str, Any] | None, *,
                   dtype: str, mem_fraction: float, max_running: int, max_context: int | None = None,
                   tree_budget: int = 16, block_size: int | None = None, tensor_parallel: int = 1,
-                  prefix_cache: bool = True) -> Capacity:
+                  prefix_cache: bool = True, draft_vocab: int = 0) -> Capacity:
     """The pool on a GPU of `memory_bytes`, for these models served in `dtype` (`draft_config` None:
     mode ar, no drafter). `max_context` None: the target's positions; `block_size` None: the drafter's;
     `tensor_parallel` T: the target split over T such GPUs, the drafter whole on each; `prefix_cache`: a
     hybrid's rows keep a prompt snapshot of their state, and a sliding drafter's of its rings (the
-    engine's default)."""
+    engine's default); `draft_vocab`: rows of the target's head the drafter keeps a copy of
+    (--draft-vocab), whole on each rank."""
     elem = DTYPE_BYTES[dtype]
     whole = Shape.from_config(target_config)
     target = whole.split(tensor_parallel)
@@ -338,7 +339,7 @@ def pool_capacity(memory_bytes: int, target_config: dict[str, Any], draft_config
     token = target.token_bytes(elem)
     features, rings = 0, 0
     if drafter is not None:
-        weights += drafter.drafter_parameters() * elem
+        weights += (drafter.drafter_parameters() + draft_vocab * whole.hidden) * elem
         token += drafter.token_bytes(elem)
         features = drafter.feature_layers
         rings = drafter.ring_bytes(elem, block, snapshots=prefix_cache)

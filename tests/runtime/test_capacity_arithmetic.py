@@ -88,3 +88,20 @@ def test_the_engines_pool_is_the_arithmetics_estimate(pair, monkeypatch, prefix_
     assert 0 < tokens < engine.rows * (512 + 1026)  # below the cap of every row at its largest tree
     assert tokens == estimate.pool_tokens // engine.page_size * engine.page_size
     assert engine.sizing.round_reserve(engine.tree_slots) == estimate.reserve_tokens
+
+
+def test_a_draft_vocabulary_is_counted_as_the_head_rows_the_drafter_copies(pair, monkeypatch):
+    """--draft-vocab: the drafter holds a copy of those rows of the target's head, which pool_capacity's
+    draft_vocab counts with the weights: on the memory the engine had, the pool it sizes is the estimate's."""
+    target, draft, tconfig, dconfig = pair
+    free, settings = 24 * 2**20, {"mem_fraction": 0.5, "max_running": 3, "max_context": 512, "tree_budget": 16}
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: free)
+    engine = Engine(EngineConfig("tiny", None, device="cpu", dtype="float32", draft_vocab="400", **settings),
+                    target=target, drafter=draft)
+    rows, hidden = engine.drafter.head.shape
+    assert rows >= 400 and hidden == tconfig["hidden_size"]
+    weights = (capacity.Shape.from_config(tconfig).target_parameters()
+               + capacity.Shape.from_config(dconfig).drafter_parameters() + rows * hidden) * 4
+    estimate = capacity.pool_capacity(free + weights, tconfig, dconfig, dtype="float32", draft_vocab=rows, **settings)
+    assert estimate.weights_bytes == weights
+    assert engine.capacity()["tokens"] == estimate.pool_tokens // engine.page_size * engine.page_size

@@ -182,3 +182,14 @@ def test_status_shows_running_over_capacity_and_pages_where_reported():
     Console(file=out, width=200, force_terminal=False).print(replicas_table("ct200", deployment))
     rows = [line for line in out.getvalue().splitlines() if "ddtree@" in line and "service" in line][1:]
     assert "16/16" in rows[0] and " - " in rows[1]   # behind an API key /health does not show the load
+
+
+def test_a_draft_vocabulary_in_extra_args_counts_its_head_rows(zlab):
+    """`--draft-vocab N` in serve.extra_args: the drafter's copy of N rows of the 27B's head (5,120 wide,
+    bf16) is weights the pool does not get; a map file's count is unknown here and not counted."""
+    whole = capacity.estimate(zlab, host(), TREES).capacity
+    for args in (("--draft-vocab", "32768"), ("--draft-vocab=32768",)):
+        cut = capacity.estimate(replace(zlab, serve=replace(zlab.serve, extra_args=args)), host(), TREES).capacity
+        assert cut.weights_bytes - whole.weights_bytes == 32768 * 5120 * 2 and cut.pool_tokens < whole.pool_tokens
+    assert capacity.draft_vocab_rows(("--draft-vocab", "/srv/map.json")) == 0
+    assert capacity.draft_vocab_rows(("--max-queue", "8")) == 0

@@ -216,6 +216,7 @@ if triton is not None:
             pathsum += tl.where(below, g0, 0.0)
             from_root = tl.where(below, tl.exp(pathsum - g0), 0.0)               # e^(G_i - G_0), or 0
             pair = tl.arange(0, BT)                                              # the root block's rows
+            k_row = pair == 0                                                    # k_0's row (q_0's is 1)
             kk0 = tl.zeros([BT, BT], dtype=tl.float32)                           # column 0: k_i . k_0
             qk0 = tl.zeros([BT, BT], dtype=tl.float32)                           # column 0: q_i . k_0
             rs = tl.zeros([BT, BV], dtype=tl.float32)                            # rows 0, 1: k_0 S0, q_0 S0
@@ -233,8 +234,8 @@ if triton is not None:
             kk += tl.dot(kc, tl.trans(kc), input_precision=PRECISION)
             qk += tl.dot(qc, tl.trans(kc), input_precision=OUT_PRECISION)
             if PEEL:
-                root = tl.where(pair == 0, k_ptr + b * s_kb + h * s_kh, q_ptr + b * s_qb + h * s_qh)
-                kq0 = tl.load(root[:, None] + d[None, :] * tl.where(pair == 0, s_kd, s_qd)[:, None],
+                root = tl.where(k_row, k_ptr + b * s_kb + h * s_kh, q_ptr + b * s_qb + h * s_qh)
+                kq0 = tl.load(root[:, None] + d[None, :] * tl.where(k_row, s_kd, s_qd)[:, None],
                               mask=(pair < 2)[:, None], other=0.0)
                 kk0 += tl.dot(kc, tl.trans(kq0), input_precision=PRECISION)
                 qk0 += tl.dot(qc, tl.trans(kq0), input_precision=OUT_PRECISION)
@@ -252,15 +253,14 @@ if triton is not None:
         if HAS_STATE:
             v = v - grow * ks
         if PEEL:
-            first = (pair == 0)[None, :]
-            kk0 = tl.sum(tl.where(first, kk0, 0.0), axis=1)
-            qk0 = tl.sum(tl.where(first, qk0, 0.0), axis=1)
+            kk0 = tl.sum(tl.where(k_row[None, :], kk0, 0.0), axis=1)
+            qk0 = tl.sum(tl.where(k_row[None, :], qk0, 0.0), axis=1)
             dk = tl.arange(0, DK)
             q0 = tl.load(q_ptr + b * s_qb + h * s_qh + dk * s_qd)
             q0k0 = tl.sum(q0 * tl.load(k_ptr + b * s_kb + h * s_kh + dk * s_kd), axis=0)
             u0 = tl.load(v_ptr + b * s_vb + h * s_vh + cols * s_vd)
             if HAS_STATE:
-                u0 = u0 - tl.exp(g0) * tl.sum(tl.where((pair == 0)[:, None], rs, 0.0), axis=0)
+                u0 = u0 - tl.exp(g0) * tl.sum(tl.where(k_row[:, None], rs, 0.0), axis=0)
                 q0s = tl.sum(tl.where((pair == 1)[:, None], rs, 0.0), axis=0)
             u0 = beta0 * u0
             v = v - (from_root * kk0)[:, None] * u0[None, :]

@@ -72,18 +72,21 @@ def test_the_engine_reads_the_shapes_the_arithmetic_reads(pair):
     assert shape_of(draft.config).token_bytes(2) == capacity.Shape.from_config(dconfig).token_bytes(2)
 
 
+# the memory and settings the engine is sized on against the arithmetic's estimate
+FREE, SETTINGS = 24 * 2**20, {"mem_fraction": 0.5, "max_running": 3, "max_context": 512, "tree_budget": 16}
+
+
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_the_engines_pool_is_the_arithmetics_estimate(pair, monkeypatch, prefix_cache):
     """The engine sizes its pool by capacity.py's formulas from the free memory it measures: on the same
     memory (its free memory plus the weights capacity.py counts), the pool holds what pool_capacity says."""
     target, draft, tconfig, dconfig = pair
-    free, settings = 24 * 2**20, {"mem_fraction": 0.5, "max_running": 3, "max_context": 512, "tree_budget": 16}
-    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: free)
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: FREE)
     engine = Engine(EngineConfig("tiny", None, device="cpu", dtype="float32", prefix_cache=prefix_cache,
-                                 **settings), target=target, drafter=draft)
-    estimate = capacity.pool_capacity(free + capacity.Shape.from_config(tconfig).target_parameters() * 4
+                                 **SETTINGS), target=target, drafter=draft)
+    estimate = capacity.pool_capacity(FREE + capacity.Shape.from_config(tconfig).target_parameters() * 4
                                       + capacity.Shape.from_config(dconfig).drafter_parameters() * 4,
-                                      tconfig, dconfig, dtype="float32", prefix_cache=prefix_cache, **settings)
+                                      tconfig, dconfig, dtype="float32", prefix_cache=prefix_cache, **SETTINGS)
     tokens = engine.capacity()["tokens"]
     assert 0 < tokens < engine.rows * (512 + 1026)  # below the cap of every row at its largest tree
     assert tokens == estimate.pool_tokens // engine.page_size * engine.page_size
@@ -94,14 +97,13 @@ def test_a_draft_vocabulary_is_counted_as_the_head_rows_the_drafter_copies(pair,
     """--draft-vocab: the drafter holds a copy of those rows of the target's head, which pool_capacity's
     draft_vocab counts with the weights: on the memory the engine had, the pool it sizes is the estimate's."""
     target, draft, tconfig, dconfig = pair
-    free, settings = 24 * 2**20, {"mem_fraction": 0.5, "max_running": 3, "max_context": 512, "tree_budget": 16}
-    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: free)
-    engine = Engine(EngineConfig("tiny", None, device="cpu", dtype="float32", draft_vocab="400", **settings),
+    monkeypatch.setattr("ddtree_runtime.engine.memory.free_bytes", lambda device: FREE)
+    engine = Engine(EngineConfig("tiny", None, device="cpu", dtype="float32", draft_vocab="400", **SETTINGS),
                     target=target, drafter=draft)
     rows, hidden = engine.drafter.head.shape
     assert rows >= 400 and hidden == tconfig["hidden_size"]
     weights = (capacity.Shape.from_config(tconfig).target_parameters()
                + capacity.Shape.from_config(dconfig).drafter_parameters() + rows * hidden) * 4
-    estimate = capacity.pool_capacity(free + weights, tconfig, dconfig, dtype="float32", draft_vocab=rows, **settings)
+    estimate = capacity.pool_capacity(FREE + weights, tconfig, dconfig, dtype="float32", draft_vocab=rows, **SETTINGS)
     assert estimate.weights_bytes == weights
     assert engine.capacity()["tokens"] == estimate.pool_tokens // engine.page_size * engine.page_size

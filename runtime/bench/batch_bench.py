@@ -295,6 +295,10 @@ def main() -> None:
                          "device time, host time and the gap between rounds) rather than a sync at each boundary")
     ap.add_argument("--draft-vocab", default=None, metavar="N|FILE",
                     help="the drafter's vocabulary (ddtree-serve --draft-vocab); default: the target's whole")
+    ap.add_argument("--draft-layout", choices=["full", "zlab"], default="full",
+                    help="--shape: the drafter's layers all full (the series' stand-in), or laid out as z-lab's "
+                         "Qwen3.6 drafters (every layer sliding but the last: drafter_layout_bench.py)")
+    ap.add_argument("--window", type=int, default=4096, help="--draft-layout zlab: the sliding layers' window")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="bench/results/runtime-batch-bench.json")
     args = ap.parse_args()
@@ -320,9 +324,11 @@ def main() -> None:
     else:
         import sys
         sys.path.insert(0, str(Path(__file__).parent))
+        from drafter_layout_bench import layout
         from gpu_bench import EventPhases, PhaseTimer, build_models
 
         target, drafter = build_models(args.shape, device, getattr(torch, dtype))
+        drafter.config.attention = layout(args.draft_layout, drafter.config.num_hidden_layers, args.window)
         max_new = steady_tokens(args.rounds, args.warmup)
         engine = Engine(EngineConfig(f"random-{args.shape}", None, tree_budget=16, device=args.device, dtype=dtype,
                                      max_context=args.context + max_new + 64, max_running=max(batches),
@@ -401,6 +407,8 @@ def main() -> None:
                                "dtype": dtype, "torch": torch.__version__, "slots": engine.slots,
                                "context": None if args.models else args.context, "round_costs": costs,
                                "draft_vocab": engine.info.draft_vocab,
+                               "draft_layout": None if args.models else {"name": args.draft_layout,
+                                                                         "window": args.window},
                                # what the rounds taught the cost model by the end (each row at 64 tokens)
                                "round_costs_after": engine.policy.costs.snapshot().table(),
                                "context_term": {"a": engine.policy.costs.a, "c": engine.policy.costs.c},

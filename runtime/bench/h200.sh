@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-old, rounds-8b,
+# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-old, rounds-8b,
 # rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, fp8, fp8-gemm, fp8-large, fp8-tail,
 # fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
@@ -33,9 +33,11 @@ old_tree() {  # OLD unpacked once, in /tmp/old
     [ -n "${OLD:-}" ] || { echo "OLD: a tarball of the tree to compare against (git archive REV runtime)"; return 1; }
     [ -d /tmp/old/runtime ] || { mkdir -p /tmp/old && tar -xzf "$OLD" -C /tmp/old; }
 }
-rounds() {  # rounds TREE LABEL SHAPE CONTEXT [DRAFT_VOCAB]
-    bench "$1" batch_bench.py --shape "$3" --context "$4" --batches 1,16 --cases ar,ddtree@16 \
-        ${5:+--draft-vocab $5} --label "$2" --out "$OUT/rounds-$2.json"
+rounds() {  # rounds TREE LABEL SHAPE CONTEXT [DRAFT_VOCAB] [BATCH_BENCH_ARGS...]
+    local tree=$1 label=$2 shape=$3 context=$4 vocab=${5:-}
+    shift $(( $# < 5 ? $# : 5 ))
+    bench "$tree" batch_bench.py --shape "$shape" --context "$context" --batches 1,16 --cases ar,ddtree@16 \
+        ${vocab:+--draft-vocab $vocab} --label "$label" --out "$OUT/rounds-$label.json" "$@"
 }
 fp8_large() {  # fp8_large NAME [ROWS]: fp8_gemm_bench.py --large (at ROWS, else its own rows) into $OUT/NAME.json
     bench "$here" fp8_gemm_bench.py --large ${2:+--rows $2} ${FP8_PROJECTIONS:+--projections $FP8_PROJECTIONS} \
@@ -79,6 +81,9 @@ step() {
     rounds-vocab)  # `rounds` with the drafter's vocabulary cut to DRAFT_VOCAB (32768) of the 248,320 tokens
         rounds "$here" vocab qwen3.6-27b "$CTX" "${DRAFT_VOCAB:-32768}" ;;
     rounds-old) old_tree && rounds /tmp/old old qwen3.6-27b "$CTX" ;;
+    rounds-zlab)  # `rounds` with the drafter laid out as z-lab's Qwen3.6 drafters (the mission's: four sliding
+                  # layers of a 4,096-token window, then a full one) rather than five full layers
+        rounds "$here" zlab qwen3.6-27b "$CTX" "" --draft-layout zlab ;;
     rounds-8b) rounds "$here" 8b-new qwen3-8b 512 ;;
     rounds-8b-old) old_tree && rounds /tmp/old 8b-old qwen3-8b 512 ;;
     rounds-8b-vocab) rounds "$here" 8b-vocab qwen3-8b 512 "${DRAFT_VOCAB:-32768}" ;;

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -137,7 +138,10 @@ def tree_delta_cases(rows: list[int]) -> list[dict]:
 def attention_cases(rows: list[int], keys: int = 8704) -> list[dict]:
     """The 27B's tree attention over the paged pool as its layers call it: a batch with per-row lengths
     over a shared context, one row without (kernels.py: its lengths stay off until a GPU call says)."""
+    from ddtree_runtime.model import kernels
     from ddtree_runtime.model.kernels import decode_attention
+
+    kernels.fit_programs = lambda device: SMS   # the fitted split's grid as on the H200 (CPU tensors here)
 
     hq, hkv, d, nodes, page = 24, 4, 256, 17, 16
     out = []
@@ -152,7 +156,7 @@ def attention_cases(rows: list[int], keys: int = 8704) -> list[dict]:
                                                               length=keys, shared=b > 1))
         for name, compiled, grid in launches:
             out.append({"kernel": name, "launch": f"{keys} keys", "rows": b, "served": True,
-                        "programs": grid[0] * grid[1] * (grid[2] if len(grid) > 2 else 1), **resources(compiled)})
+                        "programs": math.prod(grid), **resources(compiled)})
     return out
 
 

@@ -188,6 +188,58 @@ def test_a_shared_context_is_read_without_its_bias():
     assert len(out.splitlines()) == 2
 
 
+def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
+    """The rule's launch for a batch of trees over a shared context: the split is fitted to the rows'
+    lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the same result as a fixed
+    launch up to rounding; equal rows cut into as many spans as the wave holds, one long row among short
+    ones cut the more, more rows than a wave holds (a span a row, the grid then larger), a paged pool read to
+    the same bits, and DDTREE_FIT_SPLIT's switch back to the bucket's split."""
+    out = interpret("""
+        K._use_triton = lambda x: True
+        fitted = []
+        def keep(*args):
+            fitted.append(run(*args))
+            return fitted[-1]
+        run, K.fitted_attention = K.fitted_attention, keep
+        hq, hkv, d, page, bucket, t = 4, 2, 64, 16, 1024, 5
+        # 8 programs, a work item a (row, span, KV head): items = spans x 2
+        for lengths, split, first in [([1000, 1000], 512, [0, 4]), ([1000, 1000, 1000, 1000], 1024, [0, 2, 4, 6]),
+                                      ([1000, 50, 50], 512, [0, 4, 6]), ([300] * 8, 320, list(range(0, 16, 2)))]:
+            lengths = torch.tensor(lengths)
+            b = len(lengths)
+            cache = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)
+            width = bucket // page
+            table = (torch.randperm(b * width) + 1).view(b, width)
+            pool = torch.zeros(2, 1, hkv, (b * width + 1) * page, d, dtype=torch.float16)
+            for row in range(b):
+                for p in range(width):
+                    slot = table[row, p].item() * page
+                    pool[:, 0, :, slot:slot + page] = cache[:, row, :, p * page:(p + 1) * page]
+            q = torch.randn(b, hq, t, d, dtype=torch.float16)
+            keys = torch.arange(bucket)
+            context = keys < (lengths - t)[:, None]
+            own = (torch.rand(b, t, bucket) < 0.6) & (keys < lengths[:, None])[:, None] & ~context[:, None]
+            own[torch.arange(b)[:, None], torch.arange(t), (lengths - t)[:, None] + torch.arange(t)] = True
+            bias = torch.where(context[:, None] | own, 0.0, float("-inf")).to(torch.float16)[:, None]
+            got = K.decode_attention(q, cache[0], cache[1], bias, lengths, shared=True)
+            meta = fitted[-1]
+            assert meta[0].item() == split and meta[1:].tolist() == first, (lengths, meta)
+            fixed = K.decode_attention(q, cache[0], cache[1], bias, lengths, K.DecodeLaunch(16, 64, 4), shared=True)
+            assert (got.double() - fixed.double()).abs().max().item() < 2e-3
+            err = (got.double() - ref(q, cache[0], cache[1], bias)).abs().max().item()
+            assert err < 2e-3, err
+            paged = K.decode_attention(q, pool[0], pool[1], bias, lengths, table=table, page_size=page,
+                                       length=bucket, shared=True)
+            assert torch.equal(paged, got)
+            print(b, split, err)
+        K.DECODE_FIT_SPLIT = False
+        count = len(fitted)
+        K.decode_attention(q, cache[0], cache[1], bias, lengths, shared=True)
+        assert len(fitted) == count
+    """)
+    assert len(out.splitlines()) == 4
+
+
 def test_rope_and_the_kv_write_match_torch():
     interpret("""
         K._use_triton = lambda x: True

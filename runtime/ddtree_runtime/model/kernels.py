@@ -10,6 +10,7 @@ Triton's interpreter in tests/runtime/test_triton_kernels.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -307,6 +308,42 @@ if triton is not None:
             m = m_new
         return m, l, acc
 
+    @triton.jit
+    def _attn_span(q_ptr, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, r, lo, hi, end, sq_h, sq_t, sk_h, sk_n, sv_h,
+                   sv_n, sb_t, sbt_b, T, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SHARED: tl.constexpr):
+        # the online softmax of query rows r (query head of the group, query) of sequence b's KV head kvh
+        # over its keys lo..hi-1 (q, k, v and bias pointers already at sequence b; end: the keys it may
+        # see). SHARED: every query sees the keys before end - T (the row's context), so the bias is read
+        # only from the block holding that key on. An empty span (lo >= hi) reads nothing.
+        g, t = r // T, r % T
+        live = r < G * T
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (kvh * G + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
+                    mask=live[:, None] & (lo < hi), other=0.0)
+        m = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a split may be fully masked for a row
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        mid = lo
+        if SHARED:  # the whole blocks before the row's own last T keys: no bias, no mask
+            mid = tl.maximum(lo, tl.minimum(hi, (end - T) // BLOCK_N * BLOCK_N))
+            m, l, acc = _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, lo, mid, sk_h,
+                                   sk_n, sv_h, sv_n, sb_t, sbt_b, scale, BLOCK_N, PAGE, False)
+        m, l, acc = _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, mid, hi, sk_h,
+                               sk_n, sv_h, sv_n, sb_t, sbt_b, scale, BLOCK_N, PAGE, True)
+        return m, l, acc
+
+    @triton.jit
+    def _merge_splits(o_ptr, ml_ptr, row, ok, D: tl.constexpr):
+        # the normalised output of one query row from its splits' partial softmaxes (rows `row` of the
+        # partials, those `ok`)
+        m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
+        l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
+        d = tl.arange(0, D)
+        o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        return tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+
     @triton.jit(do_not_specialize=["T", "rows_pad"])
     def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr, bt_ptr,
                                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, so_b, so_h, so_t,
@@ -317,46 +354,31 @@ if triton is not None:
         # one program per (sequence x KV head, KV split, block of rows); rows are (query head of the
         # group, query). With lengths, sequence b reads only its first lengths[b] keys (the rest are
         # masked by its bias anyway): the key loop stops there, and a split starting past it writes no
-        # partial (the reduce skips it; split 0 always writes). SHARED (with lengths): every query sees
-        # the keys before lengths[b] - T (the row's context), so the bias is read only from the block
-        # holding that key on. DIRECT (one split): the program writes the normalised output itself and
+        # partial (the reduce skips it; split 0 always writes). SHARED (with lengths): _attn_span's.
+        # DIRECT (one split): the program writes the normalised output itself and
         # no reduce runs. PAGE > 0: the keys are a paged pool's, key n of sequence b at slot
         # table[b, n // PAGE] * PAGE + n % PAGE (sk_b = sv_b = 0: one pool)
         bh, split, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bh // HKV, bh % HKV
-        q_ptr += b * sq_b
-        k_ptr += b * sk_b
-        v_ptr += b * sv_b
-        bias_ptr += b * sb_b
         n_splits = tl.num_programs(1)
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        g, t = r // T, r % T
-        live = r < G * T
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + (kvh * G + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
-                    mask=live[:, None], other=0.0)
-        m = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a split may be fully masked for a row
-        l = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
         lo = split * SPLIT
         end = L
         if HAS_LENGTHS:
             end = tl.minimum(L, tl.load(len_ptr + b).to(tl.int32))
         hi = tl.minimum(lo + SPLIT, end)
-        mid = lo
-        if SHARED:  # the whole blocks before the row's own last T keys: no bias, no mask
-            mid = tl.maximum(lo, tl.minimum(hi, (end - T) // BLOCK_N * BLOCK_N))
-            m, l, acc = _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, lo, mid, sk_h,
-                                   sk_n, sv_h, sv_n, sb_t, sbt_b, scale, BLOCK_N, PAGE, False)
-        m, l, acc = _attn_keys(q, m, l, acc, k_ptr, v_ptr, bias_ptr, bt_ptr, b, kvh, t, live, d, mid, hi, sk_h,
-                               sk_n, sv_h, sv_n, sb_t, sbt_b, scale, BLOCK_N, PAGE, True)
+        m, l, acc = _attn_span(q_ptr + b * sq_b, k_ptr + b * sk_b, v_ptr + b * sv_b, bias_ptr + b * sb_b, bt_ptr, b,
+                               kvh, r, lo, hi, end, sq_h, sq_t, sk_h, sk_n, sv_h, sv_n, sb_t, sbt_b, T, scale, G, D,
+                               BLOCK_R, BLOCK_N, PAGE, SHARED)
         if DIRECT:
+            g, t = r // T, r % T
+            d = tl.arange(0, D)
             o = acc / l[:, None]
             tl.store(out_ptr + b * so_b + (kvh * G + g)[:, None] * so_h + t[:, None] * so_t + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=live[:, None])
+                     o.to(out_ptr.dtype.element_ty), mask=(r < G * T)[:, None])
         elif (split == 0) | (lo < hi):
             row = (bh * n_splits + split) * rows_pad + r
-            tl.store(o_ptr + row[:, None] * D + d[None, :], acc)
+            tl.store(o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], acc)
             tl.store(ml_ptr + 2 * row, m)
             tl.store(ml_ptr + 2 * row + 1, l)
 
@@ -372,16 +394,77 @@ if triton is not None:
         if HAS_LENGTHS:
             written = tl.maximum(1, tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), SPLIT))
         s = tl.arange(0, BLOCK_S)
-        ok = s < written
-        row = (bh * n_splits + s) * rows_pad + r
-        m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
-        l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
-        w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
-        d = tl.arange(0, D)
-        o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+        out = _merge_splits(o_ptr, ml_ptr, (bh * n_splits + s) * rows_pad + r, s < written, D)
         g, t = r // T, r % T
-        tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + d, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + tl.arange(0, D),
+                 out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _fitted_split(lens, rows, unit, programs, BLOCK_N: tl.constexpr):
+        # the fewest keys a program reads such that every row's keys, in spans of that many (each row at
+        # least one), make at most `programs` work items of `unit` each: the longest row cut into k equal
+        # spans (whole blocks of keys) for the largest k that fits; one span a row if even k = 1 does not
+        longest = tl.max(lens)
+        split = tl.maximum(tl.cdiv(longest, BLOCK_N), 1) * BLOCK_N
+        for k in range(2, programs // unit + 1):
+            span = tl.maximum(tl.cdiv(tl.cdiv(longest, k), BLOCK_N), 1) * BLOCK_N
+            items = tl.sum(tl.where(rows, tl.maximum(tl.cdiv(lens, span), 1), 0)) * unit
+            split = tl.where(items <= programs, span, split)
+        return split
+
+    @triton.jit(do_not_specialize=["T", "B", "programs"])
+    def _decode_attn_fit_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, meta_ptr, bt_ptr,
+                                sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, sbt_b, HKV, T, L, B,
+                                programs, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                                ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                                PAGE: tl.constexpr, SHARED: tl.constexpr):
+        # the split fitted to the rows' own lengths (decode_attention's docstring): every program finds
+        # the same split and the same list of work items (row, split, KV head, block of rows), row by
+        # row, and takes item pid (the grid holds the most items the fit can make; a program past the
+        # last item reads and writes nothing); item i's partial softmax goes to rows i * BLOCK_R.. of
+        # the partials, and program 0 leaves the split and each row's first item in meta for the reduce
+        bb = tl.arange(0, BLOCK_B)
+        rows = bb < B
+        unit = HKV * ROW_BLOCKS
+        lens = tl.minimum(L, tl.load(len_ptr + bb, mask=rows, other=0).to(tl.int32))
+        split = _fitted_split(lens, rows, unit, programs, BLOCK_N)
+        counts = tl.where(rows, tl.maximum(tl.cdiv(lens, split), 1) * unit, 0)
+        ends = tl.cumsum(counts, 0)
+        item = tl.program_id(0)
+        if item == 0:
+            tl.store(meta_ptr, split)
+            tl.store(meta_ptr + 1 + bb, ends - counts, mask=rows)
+        live = item < tl.sum(counts)
+        b = tl.minimum(tl.sum((ends <= item).to(tl.int32)), B - 1)
+        j = item - tl.sum(tl.where(bb == b, ends - counts, 0))
+        end = tl.sum(tl.where(bb == b, lens, 0))
+        kvh, rb = (j % unit) // ROW_BLOCKS, j % ROW_BLOCKS
+        lo = (j // unit) * split
+        hi = tl.where(live, tl.minimum(lo + split, end), lo)
+        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        m, l, acc = _attn_span(q_ptr + b * sq_b, k_ptr + b * sk_b, v_ptr + b * sv_b, bias_ptr + b * sb_b, bt_ptr, b,
+                               kvh, r, lo, hi, end, sq_h, sq_t, sk_h, sk_n, sv_h, sv_n, sb_t, sbt_b, T, scale, G, D,
+                               BLOCK_R, BLOCK_N, PAGE, SHARED)
+        row = item * BLOCK_R + tl.arange(0, BLOCK_R)
+        tl.store(o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], acc, mask=live)
+        tl.store(ml_ptr + 2 * row, m, mask=live)
+        tl.store(ml_ptr + 2 * row + 1, l, mask=live)
+
+    @triton.jit(do_not_specialize=["T", "L"])
+    def _decode_attn_fit_reduce_kernel(o_ptr, ml_ptr, len_ptr, meta_ptr, out_ptr, so_b, so_h, so_t, HKV, T, L,
+                                       G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                                       ROW_BLOCKS: tl.constexpr, BLOCK_S: tl.constexpr):
+        # one program per (sequence x KV head, row): _decode_attn_fit_kernel's items of its row merged
+        bh, r = tl.program_id(0), tl.program_id(1)
+        b, kvh = bh // HKV, bh % HKV
+        split = tl.load(meta_ptr)
+        spans = tl.maximum(tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), split), 1)
+        s = tl.arange(0, BLOCK_S)
+        item = tl.load(meta_ptr + 1 + b) + s * (HKV * ROW_BLOCKS) + kvh * ROW_BLOCKS + r // BLOCK_R
+        out = _merge_splits(o_ptr, ml_ptr, item * BLOCK_R + r % BLOCK_R, s < spans, D)
+        g, t = r // T, r % T
+        tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + tl.arange(0, D),
+                 out.to(out_ptr.dtype.element_ty))
 
 
 class DecodeRule(NamedTuple):
@@ -447,6 +530,15 @@ DECODE_MAX_ROWS = 4 * 129
 # row's context, which every query sees (decode_attention's `shared`); DDTREE_SHARED_CONTEXT=0 reads it
 # everywhere, as before (the A/B of docs/performance.md)
 DECODE_SHARED_CONTEXT = os.environ.get("DDTREE_SHARED_CONTEXT", "1") != "0"
+# A batch of trees or drafter blocks over a shared context (the rule's launches, not a fixed one) takes its
+# split from the rows' own lengths, not the bucket's: as many keys a program as puts all the work in one
+# wave of programs (one a multiprocessor), the longest row in equal spans, rather than powers of two up to
+# 2,048 keys. The 27B's tree over the paged pool on an H100 (attn_probe.py, us a layer, the bucket's rule
+# against the best fitted split), equal rows: 8 at 4.6K 121 -> 79, 16 at 8.7K 230 -> 214, 16 at 33K
+# 854 -> 735; one long row among short ones, where a split fitted to the bucket leaves the long row to
+# two or four programs (16 at 33K: 212 with 2,048 keys, 369 with 8,320), the lengths give it the many
+# it needs (docs/performance.md, session 34). DDTREE_FIT_SPLIT=0: the bucket's split, as before (the A/B).
+DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "1") != "0"
 # The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
 # draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
 # served engine compiled kernels well into its traffic: 20% of its thread's time, docs/performance.md).
@@ -468,6 +560,13 @@ def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: in
     split = min(hi, max(lo, triton.next_power_of_2(length * row_blocks * batch * kv_heads // rule.programs)))
     return DecodeLaunch(block_rows, split, rule.warps if block_rows > 64 else min(rule.warps, 4),
                         block_keys=rule.block_keys)
+
+
+@functools.cache
+def fit_programs(device: torch.device) -> int:
+    """The programs a fitted split aims for (DECODE_FIT_SPLIT): one wave, a program a multiprocessor (8
+    off CUDA: the interpreter's tests, where several items a program are then exercised)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None = None) -> bool:
@@ -496,7 +595,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     lengths: [B] ints on the device, how many leading keys sequence b may attend (its bias must mask
     the rest, or they are ignored regardless): the bucket's padding past them costs no key reads (used
     for up to DECODE_LENGTHS_MAX_QUERIES queries a sequence, unless a launch is given).
-    launch: a fixed launch shape (the probe's sweep); by default decode_launch's.
+    launch: a fixed launch shape (the probe's sweep); by default decode_launch's, whose split a batch of
+    several queries a row over a shared context takes from its rows' lengths instead (fitted_attention).
     table, page_size, length: paged keys: k/v are a pool's layer [1, Hkv, slots, D], sequence b's key n
     at slot table[b, n // page_size] * page_size + n % page_size ([B, width] long), `length` keys each
     (the bucket, which the bias covers).
@@ -523,22 +623,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     # laid out [B, T, Hq, D] (returned as a [B, Hq, T, D] view): the output projection reads each
     # token's heads as one row, so its input needs no transposing copy
     out = torch.empty(batch, t, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    has_lengths = lengths is not None
+    if has_lengths and lengths.shape != (batch,):
+        raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
+    block_n = block_keys or (64 if d <= 128 else 32)
+    if launch is None and shared and batch > 1 and t > 1 and DECODE_FIT_SPLIT:
+        fitted_attention(q, k, v, bias3, lengths, out, table, page_size, length, block_r, warps, stages, block_n)
+        return out
     direct = n_splits == 1
     if direct:
         part = ml = out  # unused
     else:
         part = torch.empty(batch * hkv, n_splits, rows_pad, d, device=q.device, dtype=torch.float32)
         ml = torch.empty(batch * hkv, n_splits, rows_pad, 2, device=q.device, dtype=torch.float32)
-    has_lengths = lengths is not None
-    if has_lengths and lengths.shape != (batch,):
-        raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
     lens = lengths if has_lengths else out  # unused without lengths
     _decode_attn_part_kernel[(batch * hkv, n_splits, rows_pad // block_r)](
         q, k, v, bias3, lens, part, ml, out, table if paged else lens, q.stride(0), q.stride(1), q.stride(2),
         0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1), v.stride(2),
         bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0, out.stride(0),
         out.stride(1), out.stride(2), table.stride(0) if paged else 0, hkv, t, length, rows_pad, d ** -0.5,
-        SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=min(block_keys or (64 if d <= 128 else 32), split),
+        SPLIT=split, G=g, D=d, BLOCK_R=block_r, BLOCK_N=min(block_n, split),
         HAS_LENGTHS=has_lengths, DIRECT=direct, PAGE=page_size if paged else 0, SHARED=shared, num_warps=warps,
         num_stages=stages)
     if not direct:
@@ -546,3 +650,35 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
             part, ml, lens, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, rows_pad, n_splits,
             SPLIT=split, G=g, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)), HAS_LENGTHS=has_lengths)
     return out
+
+
+def fitted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias3: torch.Tensor, lengths: torch.Tensor,
+                     out: torch.Tensor, table: torch.Tensor | None, page_size: int, length: int, block_r: int,
+                     warps: int, stages: int, block_n: int) -> torch.Tensor:
+    """decode_attention of a batch over a shared context with the split fitted to the rows' lengths
+    (DECODE_FIT_SPLIT) into `out`: a program a work item (row, span of keys, KV head, block of rows), as
+    many as fill one wave of programs (one a multiprocessor), then one merge a query row. The grid and the buffers depend on
+    the shapes alone, so a CUDA graph replays it at any lengths. Returns the split and each row's first
+    item ([B + 1] on the device: the tests read them)."""
+    batch, hq, t, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    paged = table is not None
+    row_blocks = -(-g * t // block_r)
+    programs = fit_programs(q.device)
+    unit = hkv * row_blocks
+    items = max(programs, batch * unit)   # the fit keeps to `programs` unless one span a row is already more
+    part = torch.empty(items, block_r, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(items, block_r, 2, device=q.device, dtype=torch.float32)
+    meta = torch.empty(batch + 1, device=q.device, dtype=torch.int32)   # the split, each row's first item
+    _decode_attn_fit_kernel[(items,)](
+        q, k, v, bias3, lengths, part, ml, meta, table if paged else lengths, q.stride(0), q.stride(1), q.stride(2),
+        0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1), v.stride(2),
+        bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0,
+        table.stride(0) if paged else 0, hkv, t, length, batch, programs, d ** -0.5, G=g, D=d, BLOCK_R=block_r,
+        ROW_BLOCKS=row_blocks, BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
+        PAGE=page_size if paged else 0, SHARED=True, num_warps=warps, num_stages=stages)
+    _decode_attn_fit_reduce_kernel[(batch * hkv, g * t)](
+        part, ml, lengths, meta, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, G=g, D=d,
+        BLOCK_R=block_r, ROW_BLOCKS=row_blocks, BLOCK_S=max(2, triton.next_power_of_2(max(1, programs // unit))))
+    return meta

@@ -192,8 +192,8 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
     """The rule's launch for a batch of trees over a shared context: the split is fitted to the rows'
     lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the same result as a fixed
     launch up to rounding; equal rows cut into as many spans as the wave holds, one long row among short
-    ones cut the more, more rows than a wave holds (a span a row, the grid then larger), a paged pool read to
-    the same bits, and DDTREE_FIT_SPLIT's switch back to the bucket's split."""
+    ones cut the more, as many rows as the wave (a span each), a paged pool read to the same bits; tiles
+    of fewer than 8 warps, and DDTREE_FIT_SPLIT=0, keep the bucket's split."""
     out = interpret("""
         K._use_triton = lambda x: True
         fitted = []
@@ -201,10 +201,11 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
             fitted.append(run(*args))
             return fitted[-1]
         run, K.fitted_attention = K.fitted_attention, keep
-        hq, hkv, d, page, bucket, t = 4, 2, 64, 16, 1024, 5
-        # 8 programs, a work item a (row, span, KV head): items = spans x 2
-        for lengths, split, first in [([1000, 1000], 512, [0, 4]), ([1000, 1000, 1000, 1000], 1024, [0, 2, 4, 6]),
-                                      ([1000, 50, 50], 512, [0, 4, 6]), ([300] * 8, 320, list(range(0, 16, 2)))]:
+        # 68 query rows a KV head: the 128-row tile of 8 warps, which the fit takes
+        hq, hkv, d, page, bucket, t = 4, 1, 64, 16, 1024, 17
+        # 8 programs, a work item a (row, span): the longest row in as many spans as the other rows leave room for
+        for lengths, split, first in [([1000, 1000], 256, [0, 4]), ([1000, 1000, 1000, 1000], 512, [0, 2, 4, 6]),
+                                      ([1000, 50, 50], 192, [0, 6, 7]), ([300] * 8, 320, list(range(8)))]:
             lengths = torch.tensor(lengths)
             b = len(lengths)
             cache = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)
@@ -232,8 +233,9 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
                                        length=bucket, shared=True)
             assert torch.equal(paged, got)
             print(b, split, err)
-        K.DECODE_FIT_SPLIT = False
         count = len(fitted)
+        K.decode_attention(q[:, :2], cache[0], cache[1], bias, lengths, shared=True)  # 34 rows: a tile of 4 warps
+        K.DECODE_FIT_SPLIT = False
         K.decode_attention(q, cache[0], cache[1], bias, lengths, shared=True)
         assert len(fitted) == count
     """)

@@ -334,15 +334,28 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _merge_splits(o_ptr, ml_ptr, row, ok, D: tl.constexpr):
-        # the normalised output of one query row from its splits' partial softmaxes (rows `row` of the
-        # partials, those `ok`)
-        m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
-        l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
-        w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
+    def _merge_splits(o_ptr, ml_ptr, first, step, count, D: tl.constexpr, CHUNK: tl.constexpr):
+        # the normalised output of one query row from its `count` splits' partial softmaxes (rows first,
+        # first + step, ... of the partials), CHUNK at a time with a running maximum (one chunk: the same
+        # sums as all at once)
         d = tl.arange(0, D)
-        o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        return tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+        top = -1.0e30
+        total = 0.0
+        out = tl.zeros([D], tl.float32)
+        for c in range(0, count, CHUNK):
+            s = c + tl.arange(0, CHUNK)
+            ok = s < count
+            row = first + s * step
+            m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
+            l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
+            o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            new_top = tl.maximum(top, tl.max(m, 0))
+            w = tl.where(ok, tl.exp(m - new_top), 0.0)
+            keep = tl.exp(top - new_top)
+            out = out * keep + tl.sum(o * w[:, None], 0)
+            total = total * keep + tl.sum(w * l, 0)
+            top = new_top
+        return out / total
 
     @triton.jit(do_not_specialize=["T", "rows_pad"])
     def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr, bt_ptr,
@@ -393,8 +406,7 @@ if triton is not None:
         written = n_splits
         if HAS_LENGTHS:
             written = tl.maximum(1, tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), SPLIT))
-        s = tl.arange(0, BLOCK_S)
-        out = _merge_splits(o_ptr, ml_ptr, (bh * n_splits + s) * rows_pad + r, s < written, D)
+        out = _merge_splits(o_ptr, ml_ptr, bh * n_splits * rows_pad + r, rows_pad, written, D, BLOCK_S)
         g, t = r // T, r % T
         tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + tl.arange(0, D),
                  out.to(out_ptr.dtype.element_ty))
@@ -439,7 +451,7 @@ if triton is not None:
         j = item - tl.sum(tl.where(bb == b, ends - counts, 0))
         end = tl.sum(tl.where(bb == b, lens, 0))
         kvh, rb = (j % unit) // ROW_BLOCKS, j % ROW_BLOCKS
-        lo = (j // unit) * split
+        lo = tl.multiple_of((j // unit) * split, BLOCK_N)   # (the key blocks' page loads then coalesce)
         hi = tl.where(live, tl.minimum(lo + split, end), lo)
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         m, l, acc = _attn_span(q_ptr + b * sq_b, k_ptr + b * sk_b, v_ptr + b * sv_b, bias_ptr + b * sb_b, bt_ptr, b,
@@ -453,15 +465,15 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T", "L"])
     def _decode_attn_fit_reduce_kernel(o_ptr, ml_ptr, len_ptr, meta_ptr, out_ptr, so_b, so_h, so_t, HKV, T, L,
                                        G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                                       ROW_BLOCKS: tl.constexpr, BLOCK_S: tl.constexpr):
+                                       ROW_BLOCKS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
         # one program per (sequence x KV head, row): _decode_attn_fit_kernel's items of its row merged
         bh, r = tl.program_id(0), tl.program_id(1)
         b, kvh = bh // HKV, bh % HKV
         split = tl.load(meta_ptr)
         spans = tl.maximum(tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), split), 1)
-        s = tl.arange(0, BLOCK_S)
-        item = tl.load(meta_ptr + 1 + b) + s * (HKV * ROW_BLOCKS) + kvh * ROW_BLOCKS + r // BLOCK_R
-        out = _merge_splits(o_ptr, ml_ptr, item * BLOCK_R + r % BLOCK_R, s < spans, D)
+        item = tl.load(meta_ptr + 1 + b) + kvh * ROW_BLOCKS + r // BLOCK_R   # its first span's
+        out = _merge_splits(o_ptr, ml_ptr, item * BLOCK_R + r % BLOCK_R, HKV * ROW_BLOCKS * BLOCK_R, spans, D,
+                            MERGE_CHUNK)
         g, t = r // T, r % T
         tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + tl.arange(0, D),
                  out.to(out_ptr.dtype.element_ty))
@@ -562,6 +574,15 @@ def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: in
                         block_keys=rule.block_keys)
 
 
+# The fitted split counts its wave in programs of 8 warps, which hold an SM alone (255 registers a thread,
+# sm90_report.py): the 27B tree's 128-row tiles. Smaller tiles (the drafter's block: 64 rows, 4 warps)
+# share an SM with others, so a wave of one an SM left them half idle (its 16 rows at 4.6K / 8.7K on an
+# H100: 156 / 232 us against the bucket's 111 / 170): they keep the bucket's split.
+FIT_WARPS = 8
+FIT_MERGE_CHUNK = 4   # spans the fitted split's merge reads at a time (a row's spans can be up to a wave's
+                      # share, ~33: all at once held 127 registers a program, four 28)
+
+
 @functools.cache
 def fit_programs(device: torch.device) -> int:
     """The programs a fitted split aims for (DECODE_FIT_SPLIT): one wave, a program a multiprocessor (8
@@ -627,7 +648,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     if has_lengths and lengths.shape != (batch,):
         raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
     block_n = block_keys or (64 if d <= 128 else 32)
-    if launch is None and shared and batch > 1 and t > 1 and DECODE_FIT_SPLIT:
+    if launch is None and shared and batch > 1 and t > 1 and warps >= FIT_WARPS and DECODE_FIT_SPLIT:
         fitted_attention(q, k, v, bias3, lengths, out, table, page_size, length, block_r, warps, stages, block_n)
         return out
     direct = n_splits == 1
@@ -680,5 +701,5 @@ def fitted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias3: t
         PAGE=page_size if paged else 0, SHARED=True, num_warps=warps, num_stages=stages)
     _decode_attn_fit_reduce_kernel[(batch * hkv, g * t)](
         part, ml, lengths, meta, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, G=g, D=d,
-        BLOCK_R=block_r, ROW_BLOCKS=row_blocks, BLOCK_S=max(2, triton.next_power_of_2(max(1, programs // unit))))
+        BLOCK_R=block_r, ROW_BLOCKS=row_blocks, MERGE_CHUNK=FIT_MERGE_CHUNK)
     return meta

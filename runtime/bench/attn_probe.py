@@ -11,9 +11,9 @@ DECODE_BATCHED_ONE_QUERY (and where attend_decode uses the kernel).
 batch runner builds it (the context, then the tree's ancestors, nothing past the row's length). Per
 case it prints SDPA, `old` (the one-sequence rule, which batched rounds ran before, no lengths),
 `rule` (the rules now, with lengths), `rule-nolen` (the same without), `rule-shared` (lengths, no bias
-read over the row's context: decode_attention's `shared`, as the engine runs passes with lengths: for
-several queries a row, the split fitted to the lengths, `fitted_split` in the JSON, beside
-`bucket-shared`, the same with the bucket's split), and the grid's best each way; the JSON holds every grid point (rRsSwW-len / -nolen / -shared: BLOCK_R R,
+read over the row's context: decode_attention's `shared`, as the engine runs passes with lengths),
+`fitted` (the same with the split fitted to the rows' lengths, DDTREE_FIT_SPLIT=1: `fitted_split` in the
+JSON), and the grid's best each way; the JSON holds every grid point (rRsSwW-len / -nolen / -shared: BLOCK_R R,
 split S keys, W warps; -len only for T = 1). --page-size reads the keys from a paged pool. The T=1
 rows are the batched AR step: whether `rule` beats SDPA there decides DECODE_BATCHED_ONE_QUERY.
 --mixed: row 0 keeps its ~`real` keys and every other row a sixteenth of them (one long request among
@@ -137,18 +137,21 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
     bucket_rule = decode_launch(batch, t, rows, bucket, HKV)
     case = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, sdpa_k, sdpa_v, attn_mask=bias, enable_gqa=True)),
             "old": kernel(old, False), "rule": kernel(None, True), "rule-nolen": kernel(None, False),
-            "rule-shared": kernel(None, True, True), "bucket-shared": kernel(bucket_rule, True, True)}
-    if kernels.DECODE_FIT_SPLIT and batch > 1 and t > 1:  # rule-shared's split fitted to the lengths: which, and
+            "rule-shared": kernel(None, True, True)}
+    if batch > 1 and t > 1:  # the split fitted to the lengths (DDTREE_FIT_SPLIT=1): its time, which split, and
         # how far its result lies from the bucket's split's (the sums in another order)
-        fitted, run = [], kernels.fitted_attention
+        fitted, run, served = [], kernels.fitted_attention, kernels.DECODE_FIT_SPLIT
         kernels.fitted_attention = lambda *args: fitted.append(run(*args)) or fitted[-1]
+        kernels.DECODE_FIT_SPLIT = True
         try:
-            served = decode_attention(q, k, v, bias, lengths, shared=True, **paged)
+            case["fitted-shared"] = kernel(None, True, True)
+            out = decode_attention(q, k, v, bias, lengths, shared=True, **paged)
         finally:
-            kernels.fitted_attention = run
-        bucket_out = decode_attention(q, k, v, bias, lengths, launch=bucket_rule, shared=True, **paged)
-        case["fitted_split"] = int(fitted[-1][0])
-        case["fitted_max_abs_diff"] = (served.float() - bucket_out.float()).abs().max().item()
+            kernels.fitted_attention, kernels.DECODE_FIT_SPLIT = run, served
+        if fitted:   # (tiles the fit leaves to the bucket's split record nothing)
+            bucket_out = decode_attention(q, k, v, bias, lengths, launch=bucket_rule, shared=True, **paged)
+            case["fitted_split"] = int(fitted[-1][0])
+            case["fitted_max_abs_diff"] = (out.float() - bucket_out.float()).abs().max().item()
     grid = {}
     for block_rows in GRID_BLOCK_ROWS if t > 1 else (16,):
         rows_pad = -(-rows // block_rows) * block_rows
@@ -182,7 +185,7 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
                         "batched_one_query": kernels.DECODE_BATCHED_ONE_QUERY},
               "cases": []}
     print(f"{'B':>3} {'T':>3} {'L':>5} {'real':>5} | {'sdpa':>7} {'old':>7} {'rule':>7} {'rule-nl':>7} "
-          f"{'shared':>7} {'bucket':>7} {'split':>6} | best with lengths (T = 1) | best without lengths | best shared")
+          f"{'shared':>7} {'fitted':>7} {'split':>6} | best with lengths (T = 1) | best without lengths | best shared")
     for bucket in buckets:
         real = real_for.get(bucket, bucket * 9 // 10)
         for t in queries:
@@ -195,7 +198,7 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
                                  default=(float("nan"), "-")) for tag in ("-len", "-nolen", "-shared")}
                 print(f"{batch:3} {t:3} {bucket:5} {real:5} | {case['sdpa']:7.1f} {case['old']:7.1f} "
                       f"{case['rule']:7.1f} {case['rule-nolen']:7.1f} {case['rule-shared']:7.1f} "
-                      f"{case['bucket-shared']:7.1f} {case.get('fitted_split', '-'):>6} | " +
+                      f"{case.get('fitted-shared', float('nan')):7.1f} {case.get('fitted_split', '-'):>6} | " +
                       " | ".join(f"{best[tag][1]:>22} {best[tag][0]:7.1f}" for tag in ("-len", "-nolen", "-shared")),
                       flush=True)
                 torch.cuda.empty_cache()

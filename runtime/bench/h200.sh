@@ -5,7 +5,7 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-bucket-split, rounds-old, rounds-8b,
+# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-fit-split, rounds-old, rounds-8b,
 # rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
 # fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
@@ -81,9 +81,9 @@ step() {
     rounds-vocab)  # `rounds` with the drafter's vocabulary cut to DRAFT_VOCAB (32768) of the 248,320 tokens
         rounds "$here" vocab qwen3.6-27b "$CTX" "${DRAFT_VOCAB:-32768}" ;;
     rounds-old) old_tree && rounds /tmp/old old qwen3.6-27b "$CTX" ;;
-    rounds-bucket-split)  # `rounds` with the tree attention's split the bucket's, as before session 34 (the A/B
-                          # of kernels.DECODE_FIT_SPLIT in one tree)
-        DDTREE_FIT_SPLIT=0 rounds "$here" bucket-split qwen3.6-27b "$CTX" ;;
+    rounds-fit-split)  # `rounds` with the tree attention's split fitted to the rows' lengths (DDTREE_FIT_SPLIT=1,
+                       # kernels.fitted_attention: the A/B in one tree)
+        DDTREE_FIT_SPLIT=1 rounds "$here" fit-split qwen3.6-27b "$CTX" ;;
     rounds-zlab)  # `rounds` with the drafter laid out as z-lab's Qwen3.6 drafters (the mission's: four sliding
                   # layers of a 4,096-token window, then a full one) rather than five full layers
         rounds "$here" zlab qwen3.6-27b "$CTX" "" --draft-layout zlab ;;
@@ -114,7 +114,7 @@ step() {
                 splits=1024,1152,2048,2176,2304,4352,8320,16640 $mixed --out "$OUT/attn-splits$mixed.json" || return 1
         done ;;
     attn-draft)  # the drafter's block attention (32 / 8 heads of 128, 16 queries: its full layer) at 8 and 16 rows,
-                 # the served launch (rule-shared: the fitted split) against the bucket's splits, equal and mixed rows
+                 # the served launch against the bucket's splits and the fitted one, equal rows and mixed
         for mixed in "" --mixed; do
             bench "$here" attn_probe.py --batched --page-size 16 --heads 32,8,128 --batches 8 16 --queries 16 \
                 --buckets 4608 8704 --grid block_rows=64 warps=4 keys=64 splits=1024,2048 $mixed \

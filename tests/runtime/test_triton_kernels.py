@@ -189,13 +189,15 @@ def test_a_shared_context_is_read_without_its_bias():
 
 
 def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
-    """The rule's launch for a batch of trees over a shared context: the split is fitted to the rows'
-    lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the same result as a fixed
-    launch up to rounding; equal rows cut into as many spans as the wave holds, one long row among short
-    ones cut the more, as many rows as the wave (a span each), a paged pool read to the same bits; tiles
-    of fewer than 8 warps, and DDTREE_FIT_SPLIT=0, keep the bucket's split."""
+    """With DDTREE_FIT_SPLIT=1, the rule's launch for a batch of trees over a shared context: the split is
+    fitted to the rows' lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the
+    same result as a fixed launch up to rounding; equal rows cut into as many spans as the wave holds,
+    one long row among short ones cut the more, as many rows as the wave (a span each), a paged pool read
+    to the same bits; tiles of fewer than 8 warps, and the switch off (the default), keep the bucket's
+    split."""
     out = interpret("""
         K._use_triton = lambda x: True
+        K.DECODE_FIT_SPLIT = True   # (DDTREE_FIT_SPLIT=1)
         fitted = []
         def keep(*args):
             fitted.append(run(*args))

@@ -415,14 +415,17 @@ if triton is not None:
     def _fitted_split(lens, rows, unit, programs, BLOCK_N: tl.constexpr):
         # the fewest keys a program reads such that every row's keys, in spans of that many (each row at
         # least one), make at most `programs` work items of `unit` each: the longest row cut into k equal
-        # spans (whole blocks of keys) for the largest k that fits; one span a row if even k = 1 does not
+        # spans (whole blocks of keys) for the largest k that fits; one span a row if even k = 1 does not.
+        # The items grow with k, so the largest k is found by halving (8 steps: k up to 255), not by
+        # trying every k (one reduction each, in every program)
         longest = tl.max(lens)
-        split = tl.maximum(tl.cdiv(longest, BLOCK_N), 1) * BLOCK_N
-        for k in range(2, programs // unit + 1):
+        low, high = 1, tl.maximum(programs // unit, 1)
+        for _ in tl.static_range(8):
+            k = (low + high + 1) // 2
             span = tl.maximum(tl.cdiv(tl.cdiv(longest, k), BLOCK_N), 1) * BLOCK_N
-            items = tl.sum(tl.where(rows, tl.maximum(tl.cdiv(lens, span), 1), 0)) * unit
-            split = tl.where(items <= programs, span, split)
-        return split
+            fits = tl.sum(tl.where(rows, tl.maximum(tl.cdiv(lens, span), 1), 0)) * unit <= programs
+            low, high = tl.where(fits, k, low), tl.where(fits, high, k - 1)
+        return tl.maximum(tl.cdiv(tl.cdiv(longest, low), BLOCK_N), 1) * BLOCK_N
 
     @triton.jit(do_not_specialize=["T", "B", "programs"])
     def _decode_attn_fit_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, meta_ptr, bt_ptr,
@@ -542,15 +545,16 @@ DECODE_MAX_ROWS = 4 * 129
 # row's context, which every query sees (decode_attention's `shared`); DDTREE_SHARED_CONTEXT=0 reads it
 # everywhere, as before (the A/B of docs/performance.md)
 DECODE_SHARED_CONTEXT = os.environ.get("DDTREE_SHARED_CONTEXT", "1") != "0"
-# A batch of trees or drafter blocks over a shared context (the rule's launches, not a fixed one) takes its
-# split from the rows' own lengths, not the bucket's: as many keys a program as puts all the work in one
-# wave of programs (one a multiprocessor), the longest row in equal spans, rather than powers of two up to
-# 2,048 keys. The 27B's tree over the paged pool on an H100 (attn_probe.py, us a layer, the bucket's rule
-# against the best fitted split), equal rows: 8 at 4.6K 121 -> 79, 16 at 8.7K 230 -> 214, 16 at 33K
-# 854 -> 735; one long row among short ones, where a split fitted to the bucket leaves the long row to
-# two or four programs (16 at 33K: 212 with 2,048 keys, 369 with 8,320), the lengths give it the many
-# it needs (docs/performance.md, session 34). DDTREE_FIT_SPLIT=0: the bucket's split, as before (the A/B).
-DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "1") != "0"
+# A batch of trees over a shared context may take its split from the rows' own lengths rather than the
+# bucket's (fitted_attention): as many keys a program as puts all the work in one wave of programs, the
+# longest row in equal spans. Off unless DDTREE_FIT_SPLIT=1: on an H100 (session 34, attn_probe.py, us a
+# layer, the 27B's tree over the paged pool, fitted against the bucket's split) it wins where rows differ
+# (one long row among short ones: 16 rows at 8.7K 107 against 116, at 33K 184 against 211; 8 rows at 4.6K
+# 69 against 109) and at 33K (16 rows 803 against 836), but loses on equal rows at 4.6K-8.7K (16 rows
+# 164 / 252 against 140 / 233), where a fixed launch at the same split beats both (16 at 8.7K: 214): the
+# fitted kernel pays more a key (its search in every program, more spills: 1,152 bytes against 960).
+# The 16-row round at 8K came out even (40.30 against 40.26 ms). docs/performance.md, session 34.
+DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "0") == "1"
 # The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
 # draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
 # served engine compiled kernels well into its traffic: 20% of its thread's time, docs/performance.md).

@@ -192,8 +192,8 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
     """With DDTREE_FIT_SPLIT=1, the rule's launch for a batch of trees over a shared context: the split is
     fitted to the rows' lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the
     same result as a fixed launch up to rounding; equal rows cut into as many spans as the wave holds,
-    one long row among short ones cut the more, as many rows as the wave (a span each), a paged pool read
-    to the same bits; tiles of fewer than 8 warps, and the switch off (the default), keep the bucket's
+    one long row among short ones cut the more, more rows than the wave holds (a span each, the grid the
+    larger), a paged pool read to the same bits; tiles of fewer than 8 warps, and the switch off (the default), keep the bucket's
     split."""
     out = interpret("""
         K._use_triton = lambda x: True
@@ -207,7 +207,7 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
         hq, hkv, d, page, bucket, t = 4, 1, 64, 16, 1024, 17
         # 8 programs, a work item a (row, span): the longest row in as many spans as the other rows leave room for
         for lengths, split, first in [([1000, 1000], 256, [0, 4]), ([1000, 1000, 1000, 1000], 512, [0, 2, 4, 6]),
-                                      ([1000, 50, 50], 192, [0, 6, 7]), ([300] * 8, 320, list(range(8)))]:
+                                      ([1000, 50, 50], 192, [0, 6, 7]), ([300] * 12, 320, list(range(12)))]:
             lengths = torch.tensor(lengths)
             b = len(lengths)
             cache = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)

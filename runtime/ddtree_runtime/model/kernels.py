@@ -427,17 +427,13 @@ if triton is not None:
             low, high = tl.where(fits, k, low), tl.where(fits, high, k - 1)
         return tl.maximum(tl.cdiv(tl.cdiv(longest, low), BLOCK_N), 1) * BLOCK_N
 
-    @triton.jit(do_not_specialize=["T", "B", "programs"])
-    def _decode_attn_fit_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, meta_ptr, bt_ptr,
-                                sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, sbt_b, HKV, T, L, B,
-                                programs, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                                ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                                PAGE: tl.constexpr, SHARED: tl.constexpr):
-        # the split fitted to the rows' own lengths (decode_attention's docstring): every program finds
-        # the same split and the same list of work items (row, split, KV head, block of rows), row by
-        # row, and takes item pid (the grid holds the most items the fit can make; a program past the
-        # last item reads and writes nothing); item i's partial softmax goes to rows i * BLOCK_R.. of
-        # the partials, and program 0 leaves the split and each row's first item in meta for the reduce
+    @triton.jit(do_not_specialize=["B", "L", "programs", "n_items"])
+    def _fit_plan_kernel(len_ptr, meta_ptr, plan_ptr, B, L, HKV, programs, n_items, ROW_BLOCKS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr):
+        # one program: the split fitted to the rows' own lengths (_fitted_split) and the work items it
+        # makes, row by row (each row's spans, each span's KV heads and blocks of rows): item i's row, first
+        # and last key and its KV head and block of rows (as one index) at plan[i] (an item past the last:
+        # no keys); meta: the split and each row's first item, for the merge
         bb = tl.arange(0, BLOCK_B)
         rows = bb < B
         unit = HKV * ROW_BLOCKS
@@ -445,22 +441,44 @@ if triton is not None:
         split = _fitted_split(lens, rows, unit, programs, BLOCK_N)
         counts = tl.where(rows, tl.maximum(tl.cdiv(lens, split), 1) * unit, 0)
         ends = tl.cumsum(counts, 0)
+        firsts = ends - counts
+        tl.store(meta_ptr, split)
+        tl.store(meta_ptr + 1 + bb, firsts, mask=rows)
+        ii = tl.arange(0, BLOCK_I)
+        live = ii < tl.sum(counts)
+        b = tl.minimum(tl.sum(((ends[None, :] <= ii[:, None]) & rows[None, :]).to(tl.int32), 1), B - 1)
+        mine = bb[None, :] == b[:, None]
+        j = ii - tl.sum(tl.where(mine, firsts[None, :], 0), 1)
+        lo = (j // unit) * split
+        hi = tl.minimum(lo + split, tl.sum(tl.where(mine, lens[None, :], 0), 1))
+        at = plan_ptr + 4 * ii
+        keep = ii < n_items
+        tl.store(at, tl.where(live, b, 0), mask=keep)
+        tl.store(at + 1, tl.where(live, lo, 0), mask=keep)
+        tl.store(at + 2, tl.where(live, hi, 0), mask=keep)
+        tl.store(at + 3, tl.where(live, j % unit, 0), mask=keep)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _decode_attn_fit_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, plan_ptr, bt_ptr,
+                                sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sb_b, sb_t, sbt_b, T, L, scale,
+                                G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                                BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SHARED: tl.constexpr):
+        # work item pid of _fit_plan_kernel's plan (decode_attention's docstring): its row's keys lo..hi-1
+        # for one KV head and block of rows, the partial softmax to rows pid * BLOCK_R.. of the partials;
+        # an item past the last reads and writes nothing. (The plan is made once, not in every program:
+        # made here it held the tile's registers, 1,152 bytes of spills a thread against 952.)
         item = tl.program_id(0)
-        if item == 0:
-            tl.store(meta_ptr, split)
-            tl.store(meta_ptr + 1 + bb, ends - counts, mask=rows)
-        live = item < tl.sum(counts)
-        b = tl.minimum(tl.sum((ends <= item).to(tl.int32)), B - 1)
-        j = item - tl.sum(tl.where(bb == b, ends - counts, 0))
-        end = tl.sum(tl.where(bb == b, lens, 0))
-        kvh, rb = (j % unit) // ROW_BLOCKS, j % ROW_BLOCKS
-        lo = tl.multiple_of((j // unit) * split, BLOCK_N)   # (the key blocks' page loads then coalesce)
-        hi = tl.where(live, tl.minimum(lo + split, end), lo)
-        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        b = tl.load(plan_ptr + 4 * item)
+        lo = tl.multiple_of(tl.load(plan_ptr + 4 * item + 1), BLOCK_N)   # (the page loads then coalesce)
+        hi = tl.load(plan_ptr + 4 * item + 2)
+        sub = tl.load(plan_ptr + 4 * item + 3)
+        end = tl.minimum(L, tl.load(len_ptr + b).to(tl.int32))
+        r = (sub % ROW_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
         m, l, acc = _attn_span(q_ptr + b * sq_b, k_ptr + b * sk_b, v_ptr + b * sv_b, bias_ptr + b * sb_b, bt_ptr, b,
-                               kvh, r, lo, hi, end, sq_h, sq_t, sk_h, sk_n, sv_h, sv_n, sb_t, sbt_b, T, scale, G, D,
-                               BLOCK_R, BLOCK_N, PAGE, SHARED)
+                               sub // ROW_BLOCKS, r, lo, hi, end, sq_h, sq_t, sk_h, sk_n, sv_h, sv_n, sb_t, sbt_b, T,
+                               scale, G, D, BLOCK_R, BLOCK_N, PAGE, SHARED)
         row = item * BLOCK_R + tl.arange(0, BLOCK_R)
+        live = lo < hi
         tl.store(o_ptr + row[:, None] * D + tl.arange(0, D)[None, :], acc, mask=live)
         tl.store(ml_ptr + 2 * row, m, mask=live)
         tl.store(ml_ptr + 2 * row + 1, l, mask=live)
@@ -551,9 +569,10 @@ DECODE_SHARED_CONTEXT = os.environ.get("DDTREE_SHARED_CONTEXT", "1") != "0"
 # layer, the 27B's tree over the paged pool, fitted against the bucket's split) it wins where rows differ
 # (one long row among short ones: 16 rows at 8.7K 107 against 116, at 33K 184 against 211; 8 rows at 4.6K
 # 69 against 109) and at 33K (16 rows 803 against 836), but loses on equal rows at 4.6K-8.7K (16 rows
-# 164 / 252 against 140 / 233), where a fixed launch at the same split beats both (16 at 8.7K: 214): the
-# fitted kernel pays more a key (its search in every program, more spills: 1,152 bytes against 960).
-# The 16-row round at 8K came out even (40.30 against 40.26 ms). docs/performance.md, session 34.
+# 164 / 252 against 140 / 233), where a fixed launch at the same split beats both (16 at 8.7K: 214): that
+# kernel paid more a key (the plan made in every program, 1,152 bytes of spills a thread against 960;
+# now one program makes it, and the items spill 928: untimed). The 16-row round at 8K came out even
+# (40.30 against 40.26 ms). docs/performance.md, session 34.
 DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "0") == "1"
 # The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
 # draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
@@ -681,10 +700,10 @@ def fitted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias3: t
                      out: torch.Tensor, table: torch.Tensor | None, page_size: int, length: int, block_r: int,
                      warps: int, stages: int, block_n: int) -> torch.Tensor:
     """decode_attention of a batch over a shared context with the split fitted to the rows' lengths
-    (DECODE_FIT_SPLIT) into `out`: a program a work item (row, span of keys, KV head, block of rows), as
-    many as fill one wave of programs (one a multiprocessor), then one merge a query row. The grid and the buffers depend on
-    the shapes alone, so a CUDA graph replays it at any lengths. Returns the split and each row's first
-    item ([B + 1] on the device: the tests read them)."""
+    (DECODE_FIT_SPLIT) into `out`: one program plans the work items (row, span of keys, KV head, block of
+    rows), as many as fill one wave of programs (one a multiprocessor); a program an item; one merge a
+    query row. The grids and the buffers depend on the shapes alone, so a CUDA graph replays it at any
+    lengths. Returns the split and each row's first item ([B + 1] on the device: the tests read them)."""
     batch, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -696,13 +715,16 @@ def fitted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias3: t
     part = torch.empty(items, block_r, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(items, block_r, 2, device=q.device, dtype=torch.float32)
     meta = torch.empty(batch + 1, device=q.device, dtype=torch.int32)   # the split, each row's first item
+    plan = torch.empty(items, 4, device=q.device, dtype=torch.int32)
+    _fit_plan_kernel[(1,)](lengths, meta, plan, batch, length, hkv, programs, items, ROW_BLOCKS=row_blocks,
+                           BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
+                           BLOCK_I=triton.next_power_of_2(items))
     _decode_attn_fit_kernel[(items,)](
-        q, k, v, bias3, lengths, part, ml, meta, table if paged else lengths, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, bias3, lengths, part, ml, plan, table if paged else lengths, q.stride(0), q.stride(1), q.stride(2),
         0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1), v.stride(2),
         bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0,
-        table.stride(0) if paged else 0, hkv, t, length, batch, programs, d ** -0.5, G=g, D=d, BLOCK_R=block_r,
-        ROW_BLOCKS=row_blocks, BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
-        PAGE=page_size if paged else 0, SHARED=True, num_warps=warps, num_stages=stages)
+        table.stride(0) if paged else 0, t, length, d ** -0.5, G=g, D=d, BLOCK_R=block_r, ROW_BLOCKS=row_blocks,
+        BLOCK_N=block_n, PAGE=page_size if paged else 0, SHARED=True, num_warps=warps, num_stages=stages)
     _decode_attn_fit_reduce_kernel[(batch * hkv, g * t)](
         part, ml, lengths, meta, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, G=g, D=d,
         BLOCK_R=block_r, ROW_BLOCKS=row_blocks, MERGE_CHUNK=FIT_MERGE_CHUNK)

@@ -234,12 +234,18 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
             paged = K.decode_attention(q, pool[0], pool[1], bias, lengths, table=table, page_size=page,
                                        length=bucket, shared=True)
             assert torch.equal(paged, got)
+            # the plan a model's tree pass makes once for its layers: read, not made again, to the same bits
+            plan = K.tree_attention_plan(lengths, bucket, t, hq, hkv, d)
+            made = len(fitted)
+            assert torch.equal(K.decode_attention(q, cache[0], cache[1], bias, lengths, shared=True, plan=plan), got)
+            assert fitted[made].data_ptr() == plan.meta.data_ptr()
             print(b, split, err)
         count = len(fitted)
         K.decode_attention(q[:, :2], cache[0], cache[1], bias, lengths, shared=True)  # 34 rows: a tile of 4 warps
+        assert K.tree_attention_plan(lengths, bucket, t, 2, hkv, d) is None
         K.DECODE_FIT_SPLIT = False
         K.decode_attention(q, cache[0], cache[1], bias, lengths, shared=True)
-        assert len(fitted) == count
+        assert len(fitted) == count and K.tree_attention_plan(lengths, bucket, t, hq, hkv, d) is None
     """)
     assert len(out.splitlines()) == 4
 

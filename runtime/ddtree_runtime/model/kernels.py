@@ -628,7 +628,7 @@ def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None,
                      table: torch.Tensor | None = None, page_size: int = 0,
-                     length: int | None = None, shared: bool = False) -> torch.Tensor:
+                     length: int | None = None, shared: bool = False, plan: FitPlan | None = None) -> torch.Tensor:
     """Attention of a few queries over a long KV (flash-decoding): q [B, Hq, T, D], k/v [B, Hkv, L, D],
     bias additive, broadcastable to [B, 1, T, L] -> [B, Hq, T, D]; each sequence of a batch (a batched
     round's rows) is its own set of programs. The KV length is split across programs and each KV
@@ -646,7 +646,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     (the bucket, which the bias covers).
     shared (with lengths): the caller's promise that every query of row b sees its keys before
     lengths[b] - T (its context: a tree's nodes or a drafter's block follow it), so the bias is read
-    only over the last T keys; lengths are then kept whatever the query count."""
+    only over the last T keys; lengths are then kept whatever the query count.
+    plan: the fitted split's plan for these lengths and shapes, made once for a pass's layers
+    (tree_attention_plan); made here where the fit applies and none is given."""
     batch, hq, t, d = q.shape
     hkv = k.shape[1]
     paged = table is not None
@@ -672,7 +674,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
     block_n = block_keys or (64 if d <= 128 else 32)
     if launch is None and shared and batch > 1 and t > 1 and warps >= FIT_WARPS and DECODE_FIT_SPLIT:
-        fitted_attention(q, k, v, bias3, lengths, out, table, page_size, length, block_r, warps, stages, block_n)
+        fitted_attention(q, k, v, bias3, lengths, out, table, page_size, length, block_r, warps, stages, block_n,
+                         plan)
         return out
     direct = n_splits == 1
     if direct:
@@ -696,36 +699,72 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     return out
 
 
+class FitPlan(NamedTuple):
+    """The fitted split's work for one pass's attention at its rows' lengths (fit_plan): made once, read by
+    every layer that has the pass's shapes."""
+    meta: torch.Tensor    # [B + 1] int32 on the device: the split, each row's first item
+    items: torch.Tensor   # [n, 4] int32 on the device: each item's row, first and last key, KV head and row block
+    kv_heads: int
+    row_blocks: int
+    length: int           # the keys' bucket
+
+
+def fit_plan(lengths: torch.Tensor, length: int, kv_heads: int, row_blocks: int, block_n: int) -> FitPlan:
+    """The work items of a batch over a shared context with the split fitted to its rows' lengths (one
+    program on the device: _fit_plan_kernel): as many as fill one wave of programs (one a
+    multiprocessor), or a span a row where the rows alone are more."""
+    batch = lengths.shape[0]
+    programs = fit_programs(lengths.device)
+    n = max(programs, batch * kv_heads * row_blocks)
+    meta = torch.empty(batch + 1, device=lengths.device, dtype=torch.int32)
+    items = torch.empty(n, 4, device=lengths.device, dtype=torch.int32)
+    _fit_plan_kernel[(1,)](lengths, meta, items, batch, length, kv_heads, programs, n, ROW_BLOCKS=row_blocks,
+                           BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
+                           BLOCK_I=triton.next_power_of_2(n))
+    return FitPlan(meta, items, kv_heads, row_blocks, length)
+
+
+def tree_attention_plan(lengths: torch.Tensor | None, length: int, queries: int, q_heads: int, kv_heads: int,
+                        head_dim: int) -> FitPlan | None:
+    """A batched tree pass's attention plan, made once for all its layers (the model's `prepare`), where
+    its attention takes the fitted split (decode_attention: DECODE_FIT_SPLIT, over a shared context, the
+    rule's launch of 8 warps); None elsewhere."""
+    rows = q_heads // kv_heads * queries
+    if (lengths is None or not _use_triton(lengths) or not DECODE_FIT_SPLIT or not DECODE_SHARED_CONTEXT
+            or lengths.shape[0] < 2 or queries < 2 or head_dim not in (32, 64, 128, 256) or rows > DECODE_MAX_ROWS):
+        return None
+    launch = decode_launch(lengths.shape[0], queries, rows, length, kv_heads)
+    if launch.warps < FIT_WARPS:
+        return None
+    return fit_plan(lengths, length, kv_heads, -(-rows // launch.block_rows),
+                    launch.block_keys or (64 if head_dim <= 128 else 32))
+
+
 def fitted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias3: torch.Tensor, lengths: torch.Tensor,
                      out: torch.Tensor, table: torch.Tensor | None, page_size: int, length: int, block_r: int,
-                     warps: int, stages: int, block_n: int) -> torch.Tensor:
+                     warps: int, stages: int, block_n: int, plan: FitPlan | None = None) -> torch.Tensor:
     """decode_attention of a batch over a shared context with the split fitted to the rows' lengths
-    (DECODE_FIT_SPLIT) into `out`: one program plans the work items (row, span of keys, KV head, block of
-    rows), as many as fill one wave of programs (one a multiprocessor); a program an item; one merge a
-    query row. The grids and the buffers depend on the shapes alone, so a CUDA graph replays it at any
-    lengths. Returns the split and each row's first item ([B + 1] on the device: the tests read them)."""
+    (DECODE_FIT_SPLIT) into `out`: the work items of `plan` (made here unless given for these shapes), a
+    program an item, then one merge a query row. The grids and the buffers depend on the shapes alone, so
+    a CUDA graph replays it at any lengths. Returns the plan's meta (the split, each row's first item: the
+    tests read them)."""
     batch, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     paged = table is not None
     row_blocks = -(-g * t // block_r)
-    programs = fit_programs(q.device)
-    unit = hkv * row_blocks
-    items = max(programs, batch * unit)   # the fit keeps to `programs` unless one span a row is already more
-    part = torch.empty(items, block_r, d, device=q.device, dtype=torch.float32)
-    ml = torch.empty(items, block_r, 2, device=q.device, dtype=torch.float32)
-    meta = torch.empty(batch + 1, device=q.device, dtype=torch.int32)   # the split, each row's first item
-    plan = torch.empty(items, 4, device=q.device, dtype=torch.int32)
-    _fit_plan_kernel[(1,)](lengths, meta, plan, batch, length, hkv, programs, items, ROW_BLOCKS=row_blocks,
-                           BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
-                           BLOCK_I=triton.next_power_of_2(items))
-    _decode_attn_fit_kernel[(items,)](
-        q, k, v, bias3, lengths, part, ml, plan, table if paged else lengths, q.stride(0), q.stride(1), q.stride(2),
-        0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1), v.stride(2),
-        bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0,
+    if plan is None or (plan.kv_heads, plan.row_blocks, plan.length) != (hkv, row_blocks, length):
+        plan = fit_plan(lengths, length, hkv, row_blocks, block_n)
+    n = plan.items.shape[0]
+    part = torch.empty(n, block_r, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(n, block_r, 2, device=q.device, dtype=torch.float32)
+    _decode_attn_fit_kernel[(n,)](
+        q, k, v, bias3, lengths, part, ml, plan.items, table if paged else lengths, q.stride(0), q.stride(1),
+        q.stride(2), 0 if paged else k.stride(0), k.stride(1), k.stride(2), 0 if paged else v.stride(0), v.stride(1),
+        v.stride(2), bias3.stride(0) if bias3.shape[0] > 1 else 0, bias3.stride(1) if bias3.shape[1] > 1 else 0,
         table.stride(0) if paged else 0, t, length, d ** -0.5, G=g, D=d, BLOCK_R=block_r, ROW_BLOCKS=row_blocks,
         BLOCK_N=block_n, PAGE=page_size if paged else 0, SHARED=True, num_warps=warps, num_stages=stages)
     _decode_attn_fit_reduce_kernel[(batch * hkv, g * t)](
-        part, ml, lengths, meta, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, G=g, D=d,
+        part, ml, lengths, plan.meta, out, out.stride(0), out.stride(1), out.stride(2), hkv, t, length, G=g, D=d,
         BLOCK_R=block_r, ROW_BLOCKS=row_blocks, MERGE_CHUNK=FIT_MERGE_CHUNK)
-    return meta
+    return plan.meta

@@ -12,7 +12,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from . import kernels
 from .fp8 import BLOCK, BlockFP8, FP8Linear, cdiv, fp8_linear, fuse_fp8_rows, slice_rows
-from .kernels import (DecodeLaunch, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
+from .kernels import (DecodeLaunch, FitPlan, decode_attention, decode_attention_fits, rms_norm, rms_norm_rope,
                       rms_norm_rope_to_cache, silu_mul)
 from .parallel import TensorParallel, add_reduced
 from .prompt_attention import attend_prompt, gather_pages, prompt_flash_fits, prompt_splits
@@ -81,6 +81,7 @@ class TreeInputs(NamedTuple):
     lengths: torch.Tensor | None = None
     launch: DecodeLaunch | None = None   # the decode kernel's launch (kernels.DECODE_EAGER for passes not graphed)
     prompt: object = None   # a hybrid's padded prompt piece (gdn_chunk.PaddedPrompt; `tree` is then None)
+    attn_plan: FitPlan | None = None  # the attention's fitted split at these lengths (the model's prepare)
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, idx: int, start: int,
@@ -231,7 +232,7 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                   lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None,
-                  shared: bool = False) -> torch.Tensor:
+                  shared: bool = False, plan: FitPlan | None = None) -> torch.Tensor:
     """Attention of the graphed decode path (bias additive, KV length bucketed). On CUDA in 16 bits the
     split-KV kernel (kernels.decode_attention) takes every shape it fits. Otherwise, as measured on an
     H200 (docs/performance.md): the batched-GEMM form wins for small blocks of queries over a long
@@ -241,9 +242,10 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     lengths ([B] on the device, optional): row b's bias masks every key from lengths[b] on, so the
     kernel stops reading there (the bucket's padding is free); the other forms rely on the bias.
     launch: the kernel's, where the caller fixes it (kernels.decode_attention); shared: its promise that
-    every query sees the keys before lengths - T (kernels.decode_attention)."""
+    every query sees the keys before lengths - T (kernels.decode_attention); plan: the fitted split's
+    (kernels.decode_attention)."""
     if decode_attention_fits(q, k, lengths):
-        return decode_attention(q, k, v, bias, lengths, launch, shared=shared)
+        return decode_attention(q, k, v, bias, lengths, launch, shared=shared, plan=plan)
     if 1 < q.shape[2] <= 33 and k.shape[2] >= 2048:
         return attend_grouped(q, k, v, bias)
     return attend(q, k, v, bias)
@@ -256,7 +258,7 @@ def attend_static(q: torch.Tensor, cache, idx: int, static: TreeInputs) -> torch
     if static.tree is None and static.lengths is not None and prompt_flash_fits(q):
         return attend_prompt(q, *prompt_keys(cache, idx, static.kv_len, static.lengths), static.lengths,
                              prompt_splits(static.kv_len))
-    return attend_cache(q, cache, idx, static.kv_len, static.bias, static.lengths, static.launch)
+    return attend_cache(q, cache, idx, static.kv_len, static.bias, static.lengths, static.launch, static.attn_plan)
 
 
 def prompt_keys(cache, idx: int, kv_len: int, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,18 +271,20 @@ def prompt_keys(cache, idx: int, kv_len: int, lengths: torch.Tensor) -> tuple[to
 
 
 def attend_cache(q: torch.Tensor, cache, idx: int, kv_len: int, bias: torch.Tensor,
-                 lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor | None = None, launch: DecodeLaunch | None = None,
+                 plan: FitPlan | None = None) -> torch.Tensor:
     """A tree pass's attention over layer idx's first kv_len cache positions (attend_decode's rules):
     a paged cache is read through its block tables by the paged split-KV kernel where that fits, and
     otherwise (the torch path, the shapes the kernel leaves to SDPA) from a gathered copy. Every pass
     that gives lengths (a tree, a drafter's block, a prompt piece) has its T queries after the row's
-    context, which all of them see: the kernel skips the bias there (kernels.DECODE_SHARED_CONTEXT)."""
+    context, which all of them see: the kernel skips the bias there (kernels.DECODE_SHARED_CONTEXT).
+    plan: the pass's fitted split (kernels.tree_attention_plan), made once for its layers."""
     shared = lengths is not None and kernels.DECODE_SHARED_CONTEXT
     pages = cache.pages(idx)
     if pages is not None and decode_attention_fits(q, pages.k, lengths):
         return decode_attention(q, pages.k, pages.v, bias, lengths, launch, table=pages.block,
-                                page_size=pages.page_size, length=kv_len, shared=shared)
-    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths, launch, shared)
+                                page_size=pages.page_size, length=kv_len, shared=shared, plan=plan)
+    return attend_decode(q, *cache.view(idx, kv_len), bias, lengths, launch, shared, plan)
 
 
 class RowParts(NamedTuple):

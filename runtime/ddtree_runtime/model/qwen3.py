@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .config import Qwen3Config
+from .kernels import tree_attention_plan
 from .layers import LayerWeights, RMSNorm, Rotary, TreeInputs, attend_cached, attend_static
 
 
@@ -79,8 +80,14 @@ class Qwen3ForCausalLM(nn.Module):
         return x, feats
 
     def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
-        """What every layer of a tree pass shares, computed once (attention-only models need nothing)."""
-        return static
+        """What every layer of a tree pass shares, computed once: a batch of trees' attention plan where
+        it takes the split fitted to the rows' lengths (kernels.tree_attention_plan)."""
+        if static is None or static.tree is None:
+            return static
+        cfg = self.config
+        plan = tree_attention_plan(static.lengths, static.kv_len, static.slots.shape[-1], cfg.num_attention_heads,
+                                   cfg.num_key_value_heads, cfg.head_dim)
+        return static if plan is None else static._replace(attn_plan=plan)
 
     def logits(self, h: torch.Tensor, float32: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for h [..., H], in float32 unless `float32` is False (the model's dtype: the batched

@@ -313,6 +313,7 @@ class Qwen35ForCausalLM(Qwen3ForCausalLM):
     def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
         # one set of node paths for all linear layers; the root sits at the first slot's position (a
         # padded prompt piece is no tree: its linear layers run the chunked form)
+        static = super().prepare(static, pos)
         if static is None or static.prompt is not None:
             return static
         if static.slots.dim() == 1:

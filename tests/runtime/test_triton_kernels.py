@@ -37,6 +37,17 @@ def ref(q, k, v, bias):  # grouped-head attention in float64: the decode attenti
     g = q.shape[1] // k.shape[1]
     s = q.double() @ k.repeat_interleave(g, 1).double().transpose(-1, -2) * q.shape[-1] ** -0.5
     return torch.softmax(s + bias.double(), -1) @ v.repeat_interleave(g, 1).double()
+
+def paged_pool(cache, page):  # cache [2, B, Hkv, L, D] as a paged pool: each row's pages scattered among stale ones
+    _, b, hkv, length, d = cache.shape
+    width = length // page
+    table = (torch.randperm(b * width) + 1).view(b, width)
+    pool = torch.randn(2, 1, hkv, (b * width + 1) * page, d, dtype=cache.dtype)
+    for row in range(b):
+        for p in range(width):
+            slot = table[row, p].item() * page
+            pool[:, 0, :, slot:slot + page] = cache[:, row, :, p * page:(p + 1) * page]
+    return table, pool
 """
 
 
@@ -157,13 +168,7 @@ def test_a_shared_context_is_read_without_its_bias():
         lengths = torch.tensor([40, 256, 131, 17])
         b = len(lengths)
         cache = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)
-        width = bucket // page
-        table = (torch.randperm(b * width) + 1).view(b, width)
-        pool = torch.randn(2, 1, hkv, (b * width + 1) * page, d, dtype=torch.float16)
-        for row in range(b):
-            for p in range(width):
-                slot = table[row, p].item() * page
-                pool[:, 0, :, slot:slot + page] = cache[:, row, :, p * page:(p + 1) * page]
+        table, pool = paged_pool(cache, page)
         for t in (17, 1):
             q = torch.randn(b, hq, t, d, dtype=torch.float16)
             keys = torch.arange(bucket)
@@ -211,13 +216,7 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
             lengths = torch.tensor(lengths)
             b = len(lengths)
             cache = torch.randn(2, b, hkv, bucket, d, dtype=torch.float16)
-            width = bucket // page
-            table = (torch.randperm(b * width) + 1).view(b, width)
-            pool = torch.zeros(2, 1, hkv, (b * width + 1) * page, d, dtype=torch.float16)
-            for row in range(b):
-                for p in range(width):
-                    slot = table[row, p].item() * page
-                    pool[:, 0, :, slot:slot + page] = cache[:, row, :, p * page:(p + 1) * page]
+            table, pool = paged_pool(cache, page)
             q = torch.randn(b, hq, t, d, dtype=torch.float16)
             keys = torch.arange(bucket)
             context = keys < (lengths - t)[:, None]

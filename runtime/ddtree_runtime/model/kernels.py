@@ -334,28 +334,40 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _merge_splits(o_ptr, ml_ptr, first, step, count, D: tl.constexpr, CHUNK: tl.constexpr):
+    def _merge_splits(o_ptr, ml_ptr, first, step, count, D: tl.constexpr, CHUNK: tl.constexpr,
+                      ONE_PASS: tl.constexpr):
         # the normalised output of one query row from its `count` splits' partial softmaxes (rows first,
-        # first + step, ... of the partials), CHUNK at a time with a running maximum (one chunk: the same
-        # sums as all at once)
+        # first + step, ... of the partials): all at once (ONE_PASS: count <= CHUNK), or CHUNK at a time
+        # with a running maximum (a row's spans of a fitted split: all at once, up to a wave's share,
+        # held 127 registers a program)
         d = tl.arange(0, D)
-        top = -1.0e30
-        total = 0.0
-        out = tl.zeros([D], tl.float32)
-        for c in range(0, count, CHUNK):
-            s = c + tl.arange(0, CHUNK)
+        s = tl.arange(0, CHUNK)
+        if ONE_PASS:
             ok = s < count
             row = first + s * step
             m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
             l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
+            w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
             o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            new_top = tl.maximum(top, tl.max(m, 0))
-            w = tl.where(ok, tl.exp(m - new_top), 0.0)
-            keep = tl.exp(top - new_top)
-            out = out * keep + tl.sum(o * w[:, None], 0)
-            total = total * keep + tl.sum(w * l, 0)
-            top = new_top
-        return out / total
+            out = tl.sum(o * w[:, None], 0) / tl.sum(w * l, 0)
+        else:
+            top = -1.0e30
+            total = 0.0
+            acc = tl.zeros([D], tl.float32)
+            for c in range(0, count, CHUNK):
+                ok = c + s < count
+                row = first + (c + s) * step
+                m = tl.load(ml_ptr + 2 * row, mask=ok, other=-1.0e30)
+                l = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
+                o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                new_top = tl.maximum(top, tl.max(m, 0))
+                w = tl.where(ok, tl.exp(m - new_top), 0.0)
+                keep = tl.exp(top - new_top)
+                acc = acc * keep + tl.sum(o * w[:, None], 0)
+                total = total * keep + tl.sum(w * l, 0)
+                top = new_top
+            out = acc / total
+        return out
 
     @triton.jit(do_not_specialize=["T", "rows_pad"])
     def _decode_attn_part_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, len_ptr, o_ptr, ml_ptr, out_ptr, bt_ptr,
@@ -406,7 +418,7 @@ if triton is not None:
         written = n_splits
         if HAS_LENGTHS:
             written = tl.maximum(1, tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), SPLIT))
-        out = _merge_splits(o_ptr, ml_ptr, bh * n_splits * rows_pad + r, rows_pad, written, D, BLOCK_S)
+        out = _merge_splits(o_ptr, ml_ptr, bh * n_splits * rows_pad + r, rows_pad, written, D, BLOCK_S, True)
         g, t = r // T, r % T
         tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + tl.arange(0, D),
                  out.to(out_ptr.dtype.element_ty))
@@ -494,7 +506,7 @@ if triton is not None:
         spans = tl.maximum(tl.cdiv(tl.minimum(L, tl.load(len_ptr + b).to(tl.int32)), split), 1)
         item = tl.load(meta_ptr + 1 + b) + kvh * ROW_BLOCKS + r // BLOCK_R   # its first span's
         out = _merge_splits(o_ptr, ml_ptr, item * BLOCK_R + r % BLOCK_R, HKV * ROW_BLOCKS * BLOCK_R, spans, D,
-                            MERGE_CHUNK)
+                            MERGE_CHUNK, False)
         g, t = r // T, r % T
         tl.store(out_ptr + b * so_b + (kvh * G + g) * so_h + t * so_t + tl.arange(0, D),
                  out.to(out_ptr.dtype.element_ty))

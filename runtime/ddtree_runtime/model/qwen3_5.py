@@ -311,8 +311,9 @@ class Qwen35ForCausalLM(Qwen3ForCausalLM):
     body = Qwen35Body
 
     def prepare(self, static: TreeInputs | None, pos: torch.Tensor) -> TreeInputs | None:
-        # one set of node paths for all linear layers; the root sits at the first slot's position (a
-        # padded prompt piece is no tree: its linear layers run the chunked form)
+        # the attention's plan (Qwen3ForCausalLM.prepare), then one set of node paths for all linear layers;
+        # the root sits at the first slot's position (a padded prompt piece is no tree: its linear layers
+        # run the chunked form)
         static = super().prepare(static, pos)
         if static is None or static.prompt is not None:
             return static

@@ -137,26 +137,33 @@ def tree_delta_cases(rows: list[int]) -> list[dict]:
 
 def attention_cases(rows: list[int], keys: int = 8704) -> list[dict]:
     """The 27B's tree attention over the paged pool as its layers call it: a batch with per-row lengths
-    over a shared context, one row without (kernels.py: its lengths stay off until a GPU call says)."""
+    over a shared context, one row without (kernels.py: its lengths stay off until a GPU call says); and
+    a batch's launches with the split fitted to its rows (DDTREE_FIT_SPLIT=1: not served), on the
+    H200's wave."""
     from ddtree_runtime.model import kernels
     from ddtree_runtime.model.kernels import decode_attention
 
-    kernels.fit_programs = lambda device: SMS   # the fitted split's grid as on the H200 (CPU tensors here)
-
     hq, hkv, d, nodes, page = 24, 4, 256, 17, 16
     out = []
-    for b in rows:
-        pages = b * keys // page
-        k = torch.randn(1, hkv, pages * page, d, dtype=torch.bfloat16)
-        q = torch.randn(b, hq, nodes, d, dtype=torch.bfloat16)
-        table = torch.arange(pages, dtype=torch.int32).view(b, keys // page)
-        bias = torch.zeros(b, 1, nodes, keys, dtype=torch.bfloat16)
-        lengths = torch.full((b,), keys, dtype=torch.long) if b > 1 else None
-        launches = compiled_launches(lambda: decode_attention(q, k, k, bias, lengths, table=table, page_size=page,
-                                                              length=keys, shared=b > 1))
-        for name, compiled, grid in launches:
-            out.append({"kernel": name, "launch": f"{keys} keys", "rows": b, "served": True,
-                        "programs": math.prod(grid), **resources(compiled)})
+    served, programs = kernels.DECODE_FIT_SPLIT, kernels.fit_programs
+    kernels.fit_programs = lambda device: SMS   # the fitted split's grid as on the H200 (CPU tensors here)
+    try:
+        for b in rows:
+            pages = b * keys // page
+            k = torch.randn(1, hkv, pages * page, d, dtype=torch.bfloat16)
+            q = torch.randn(b, hq, nodes, d, dtype=torch.bfloat16)
+            table = torch.arange(pages, dtype=torch.int32).view(b, keys // page)
+            bias = torch.zeros(b, 1, nodes, keys, dtype=torch.bfloat16)
+            lengths = torch.full((b,), keys, dtype=torch.long) if b > 1 else None
+            for fitted in (False, True) if b > 1 else (False,):
+                kernels.DECODE_FIT_SPLIT = fitted
+                launches = compiled_launches(lambda: decode_attention(q, k, k, bias, lengths, table=table,
+                                                                      page_size=page, length=keys, shared=b > 1))
+                for name, compiled, grid in launches:
+                    out.append({"kernel": name, "launch": f"{keys} keys" + (", fitted" if fitted else ""), "rows": b,
+                                "served": fitted == served, "programs": math.prod(grid), **resources(compiled)})
+    finally:
+        kernels.DECODE_FIT_SPLIT, kernels.fit_programs = served, programs
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime" / "bench"))
 
 import sm90_report  # noqa: E402
-from ddtree_runtime.model import fp8, gdn_kernels  # noqa: E402
+from ddtree_runtime.model import fp8, gdn_kernels, kernels  # noqa: E402
 from ddtree_runtime.model.kernels import decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -45,6 +45,28 @@ def test_the_tree_attention_compiles_to_wgmma():
         q, k, k, bias, torch.full((1,), keys), table=table, page_size=page, length=keys, shared=True))
     part = next(c for n, c, _ in launches if n == "_decode_attn_part_kernel")
     assert sm90_report.resources(part)["mma"] == "wgmma"
+
+
+def test_the_fitted_splits_work_item_spills_no_more_than_the_buckets_tile(monkeypatch):
+    """The fitted split's item kernel (DDTREE_FIT_SPLIT=1) on the 27B's tree at 16 rows: wgmma, and no more
+    local memory than the bucket's kernel it would replace (made inside every program, the plan cost
+    1,152 bytes a thread against 960, and the equal rows' time on an H100: session 34)."""
+    monkeypatch.setattr(kernels, "fit_programs", lambda device: sm90_report.SMS)
+    rows, keys, page = 16, 1024, 16
+    k = torch.randn(1, 4, rows * keys, 256, dtype=torch.bfloat16)
+    q = torch.randn(rows, 24, 17, 256, dtype=torch.bfloat16)
+    table = torch.arange(rows * keys // page, dtype=torch.int32).view(rows, -1)
+    bias = torch.zeros(rows, 1, 17, keys, dtype=torch.bfloat16)
+    found = {}
+    for fitted in (False, True):
+        monkeypatch.setattr(kernels, "DECODE_FIT_SPLIT", fitted)
+        for name, compiled, _ in sm90_report.compiled_launches(lambda: decode_attention(
+                q, k, k, bias, torch.full((rows,), keys), table=table, page_size=page, length=keys, shared=True)):
+            found[name] = sm90_report.resources(compiled)
+    tile, item = found["_decode_attn_part_kernel"], found["_decode_attn_fit_kernel"]
+    assert item["mma"] == tile["mma"] == "wgmma"
+    assert item["spill_bytes"] <= tile["spill_bytes"]
+    assert {"_fit_plan_kernel", "_decode_attn_fit_reduce_kernel"} <= found.keys()
 
 
 def test_the_weight_major_fp8_gemm_compiles_to_wgmma_at_one_row():

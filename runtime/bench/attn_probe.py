@@ -134,7 +134,6 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
 
     old = decode_launch(batch, t, rows, bucket, HKV, rule=kernels.DECODE_ONE_SEQUENCE)
     sdpa_k, sdpa_v = (kbuf[:, :, :bucket], vbuf[:, :, :bucket])
-    bucket_rule = decode_launch(batch, t, rows, bucket, HKV)
     case = {"sdpa": timed(lambda: F.scaled_dot_product_attention(q, sdpa_k, sdpa_v, attn_mask=bias, enable_gqa=True)),
             "old": kernel(old, False), "rule": kernel(None, True), "rule-nolen": kernel(None, False),
             "rule-shared": kernel(None, True, True)}
@@ -149,6 +148,7 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
         finally:
             kernels.fitted_attention, kernels.DECODE_FIT_SPLIT = run, served
         if fitted:   # (tiles the fit leaves to the bucket's split record nothing)
+            bucket_rule = decode_launch(batch, t, rows, bucket, HKV)
             bucket_out = decode_attention(q, k, v, bias, lengths, launch=bucket_rule, shared=True, **paged)
             case["fitted_split"] = int(fitted[-1][0])
             case["fitted_max_abs_diff"] = (out.float() - bucket_out.float()).abs().max().item()

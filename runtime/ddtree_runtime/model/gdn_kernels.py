@@ -448,7 +448,8 @@ class TreeDeltaLaunch(NamedTuple):
 # in one program (no [T, T] work done twice), 4 warps: 38.2-39.2 / 59.0-59.6. The launches before them
 # (the root's terms summed as vectors at every dk chunk: dk in chunks of 32 at one row, 64 columns and 2
 # warps from 8 rows) 12.8 / 44.6 / 70.0 on the same machine (runtime-gdn-tree-bench-sums-s33-h100.json);
-# the 16-row round 40.94 -> 40.42 ms in one call. Errors against float64 within 4.4e-7 (u 1.7e-7). Summing the root's terms before the loop (sessions 28-30) read the state twice: slower in the round
+# the 16-row round 40.94 -> 40.42 ms in one call. Errors against float64 within 4.4e-7 (u 1.7e-7).
+# Summing the root's terms before the loop (sessions 28-30) read the state twice: slower in the round
 TREE_DELTA_LAUNCH = TreeDeltaLaunch(block_k=16, precision="ieee", peel=True)
 TREE_DELTA_MANY = TreeDeltaLaunch(block_k=16, block_v=128, warps=4, peel=True)
 TREE_DELTA_MANY_ROWS = 8

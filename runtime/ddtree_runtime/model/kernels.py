@@ -615,13 +615,24 @@ def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: in
 # H100: 156 / 232 us against the bucket's 111 / 170): they keep the bucket's split.
 FIT_WARPS = 8
 FIT_MERGE_CHUNK = 4   # spans the fitted split's merge reads at a time (a row's spans can be up to a wave's
-                      # share, ~33: all at once held 127 registers a program, four 28)
+                      # share, ~33: all at once held 127 registers a program, four 40)
+
+
+def takes_fitted_split(batch: int, queries: int, launch: DecodeLaunch) -> bool:
+    """Whether a pass over a shared context at the rule's `launch` takes the split fitted to its rows'
+    lengths (DECODE_FIT_SPLIT): a batch of several queries a row in tiles of FIT_WARPS warps."""
+    return DECODE_FIT_SPLIT and batch > 1 and queries > 1 and launch.warps >= FIT_WARPS
+
+
+def key_block(launch: DecodeLaunch, head_dim: int) -> int:
+    """The keys a launch's loop takes a block: the rule's, else 64, or 32 for heads over 128."""
+    return launch.block_keys or (64 if head_dim <= 128 else 32)
 
 
 @functools.cache
 def fit_programs(device: torch.device) -> int:
     """The programs a fitted split aims for (DECODE_FIT_SPLIT): one wave, a program a multiprocessor (8
-    off CUDA: the interpreter's tests, where several items a program are then exercised)."""
+    off CUDA: the interpreter's tests, whose rows can then outnumber the wave)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
@@ -672,7 +683,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         raise ValueError("a shared context needs each row's lengths")
     if t > DECODE_LENGTHS_MAX_QUERIES and launch is None and not shared:
         lengths = None
-    block_r, split, warps, stages, block_keys = launch or decode_launch(batch, t, rows, length, hkv)
+    rule = decode_launch(batch, t, rows, length, hkv) if launch is None else None
+    block_r, split, warps, stages, _ = launch or rule
     rows_pad = -(-rows // block_r) * block_r
     n_splits = -(-length // split)
     bias3 = bias.reshape(bias.shape[0], bias.shape[-2], length)  # [B or 1, T or 1, L]
@@ -684,8 +696,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     has_lengths = lengths is not None
     if has_lengths and lengths.shape != (batch,):
         raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
-    block_n = block_keys or (64 if d <= 128 else 32)
-    if launch is None and shared and batch > 1 and t > 1 and warps >= FIT_WARPS and DECODE_FIT_SPLIT:
+    block_n = key_block(launch or rule, d)
+    if rule is not None and shared and takes_fitted_split(batch, t, rule):
         fitted_attention(q, k, v, bias3, lengths, out, table, page_size, length, block_r, warps, stages, block_n,
                          plan)
         return out
@@ -742,14 +754,13 @@ def tree_attention_plan(lengths: torch.Tensor | None, length: int, queries: int,
     its attention takes the fitted split (decode_attention: DECODE_FIT_SPLIT, over a shared context, the
     rule's launch of 8 warps); None elsewhere."""
     rows = q_heads // kv_heads * queries
-    if (lengths is None or not _use_triton(lengths) or not DECODE_FIT_SPLIT or not DECODE_SHARED_CONTEXT
-            or lengths.shape[0] < 2 or queries < 2 or head_dim not in (32, 64, 128, 256) or rows > DECODE_MAX_ROWS):
+    if (lengths is None or not _use_triton(lengths) or not DECODE_SHARED_CONTEXT
+            or head_dim not in (32, 64, 128, 256) or rows > DECODE_MAX_ROWS):
         return None
     launch = decode_launch(lengths.shape[0], queries, rows, length, kv_heads)
-    if launch.warps < FIT_WARPS:
+    if not takes_fitted_split(lengths.shape[0], queries, launch):
         return None
-    return fit_plan(lengths, length, kv_heads, -(-rows // launch.block_rows),
-                    launch.block_keys or (64 if head_dim <= 128 else 32))
+    return fit_plan(lengths, length, kv_heads, -(-rows // launch.block_rows), key_block(launch, head_dim))
 
 
 def fitted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias3: torch.Tensor, lengths: torch.Tensor,

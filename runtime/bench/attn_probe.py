@@ -12,8 +12,9 @@ batch runner builds it (the context, then the tree's ancestors, nothing past the
 case it prints SDPA, `old` (the one-sequence rule, which batched rounds ran before, no lengths),
 `rule` (the rules now, with lengths), `rule-nolen` (the same without), `rule-shared` (lengths, no bias
 read over the row's context: decode_attention's `shared`, as the engine runs passes with lengths),
-`fitted` (the same with the split fitted to the rows' lengths, DDTREE_FIT_SPLIT=1: `fitted_split` in the
-JSON), and the grid's best each way; the JSON holds every grid point (rRsSwW-len / -nolen / -shared: BLOCK_R R,
+`fitted` (the same with the split fitted to the rows' lengths, DDTREE_FIT_SPLIT=1, its plan made ahead as
+a pass makes it once for all its layers: `fitted_split` in the JSON), `plan` (that plan's own time, once a
+pass), and the grid's best each way; the JSON holds every grid point (rRsSwW-len / -nolen / -shared: BLOCK_R R,
 split S keys, W warps; -len only for T = 1). --page-size reads the keys from a paged pool. The T=1
 rows are the batched AR step: whether `rule` beats SDPA there decides DECODE_BATCHED_ONE_QUERY.
 --mixed: row 0 keeps its ~`real` keys and every other row a sixteenth of them (one long request among
@@ -128,9 +129,10 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
         k = v = pool
         paged = dict(table=table, page_size=PAGE, length=bucket)
 
-    def kernel(launch: DecodeLaunch | None, with_lengths: bool, shared: bool = False) -> float:
+    def kernel(launch: DecodeLaunch | None, with_lengths: bool, shared: bool = False,
+               plan: kernels.FitPlan | None = None) -> float:
         return timed(lambda: decode_attention(q, k, v, bias, lengths if with_lengths else None, launch=launch,
-                                              shared=shared, **paged))
+                                              shared=shared, plan=plan, **paged))
 
     old = decode_launch(batch, t, rows, bucket, HKV, rule=kernels.DECODE_ONE_SEQUENCE)
     sdpa_k, sdpa_v = (kbuf[:, :, :bucket], vbuf[:, :, :bucket])
@@ -142,8 +144,11 @@ def batched_case(batch: int, t: int, bucket: int, real: int, gen: torch.Generato
         fitted, run, served = [], kernels.fitted_attention, kernels.DECODE_FIT_SPLIT
         kernels.fitted_attention = lambda *args: fitted.append(run(*args)) or fitted[-1]
         kernels.DECODE_FIT_SPLIT = True
-        try:
-            case["fitted-shared"] = kernel(None, True, True)
+        try:  # the plan made once, as a pass makes it for all its layers; and its own cost, once a pass
+            plan = kernels.tree_attention_plan(lengths, bucket, t, HQ, HKV, D)
+            case["fitted-shared"] = kernel(None, True, True, plan)
+            if plan is not None:
+                case["fit-plan"] = timed(lambda: kernels.tree_attention_plan(lengths, bucket, t, HQ, HKV, D))
             out = decode_attention(q, k, v, bias, lengths, shared=True, **paged)
         finally:
             kernels.fitted_attention, kernels.DECODE_FIT_SPLIT = run, served
@@ -185,7 +190,7 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
                         "batched_one_query": kernels.DECODE_BATCHED_ONE_QUERY},
               "cases": []}
     print(f"{'B':>3} {'T':>3} {'L':>5} {'real':>5} | {'sdpa':>7} {'old':>7} {'rule':>7} {'rule-nl':>7} "
-          f"{'shared':>7} {'fitted':>7} {'split':>6} | best with lengths (T = 1) | best without lengths | best shared")
+          f"{'shared':>7} {'fitted':>7} {'plan':>5} {'split':>6} | best with lengths (T = 1) | best without lengths | best shared")
     for bucket in buckets:
         real = real_for.get(bucket, bucket * 9 // 10)
         for t in queries:
@@ -198,7 +203,8 @@ def batched(batches: list[int], queries: list[int], buckets: list[int], out: str
                                  default=(float("nan"), "-")) for tag in ("-len", "-nolen", "-shared")}
                 print(f"{batch:3} {t:3} {bucket:5} {real:5} | {case['sdpa']:7.1f} {case['old']:7.1f} "
                       f"{case['rule']:7.1f} {case['rule-nolen']:7.1f} {case['rule-shared']:7.1f} "
-                      f"{case.get('fitted-shared', float('nan')):7.1f} {case.get('fitted_split', '-'):>6} | " +
+                      f"{case.get('fitted-shared', float('nan')):7.1f} {case.get('fit-plan', float('nan')):5.1f} "
+                      f"{case.get('fitted_split', '-'):>6} | " +
                       " | ".join(f"{best[tag][1]:>22} {best[tag][0]:7.1f}" for tag in ("-len", "-nolen", "-shared")),
                       flush=True)
                 torch.cuda.empty_cache()

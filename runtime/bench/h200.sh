@@ -81,9 +81,9 @@ step() {
     rounds-vocab)  # `rounds` with the drafter's vocabulary cut to DRAFT_VOCAB (32768) of the 248,320 tokens
         rounds "$here" vocab qwen3.6-27b "$CTX" "${DRAFT_VOCAB:-32768}" ;;
     rounds-old) old_tree && rounds /tmp/old old qwen3.6-27b "$CTX" ;;
-    rounds-fit-split)  # `rounds` with the tree attention's split fitted to the rows' lengths (DDTREE_FIT_SPLIT=1,
-                       # kernels.fitted_attention: the A/B in one tree)
-        DDTREE_FIT_SPLIT=1 rounds "$here" fit-split qwen3.6-27b "$CTX" ;;
+    rounds-bucket-split)  # `rounds` with the tree attention's split the KV bucket's (DDTREE_FIT_SPLIT=0) rather
+                          # than fitted to the rows' lengths (kernels.fitted_attention): the A/B in one tree
+        DDTREE_FIT_SPLIT=0 rounds "$here" bucket-split qwen3.6-27b "$CTX" ;;
     rounds-zlab)  # `rounds` with the drafter laid out as z-lab's Qwen3.6 drafters (the mission's: four sliding
                   # layers of a 4,096-token window, then a full one) rather than five full layers
         rounds "$here" zlab qwen3.6-27b "$CTX" "" --draft-layout zlab ;;

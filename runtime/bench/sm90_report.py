@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,17 +84,36 @@ def compiled_launches(call: Callable[[], object]) -> list[tuple[str, object, tup
     return captured
 
 
-def resources(compiled) -> dict:
-    """Registers, spills (the stack frame and local memory) and shared memory from the cubin
-    (cuobjdump), the mma kind from the TTGIR, and how many programs of it an SM holds."""
+def cuobjdump(compiled, option: str) -> str:
+    """What Triton's bundled cuobjdump prints for the compiled kernel's cubin with `option`."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([str(tool), option, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def loop_opcodes(compiled) -> Counter:
+    """The SASS opcodes inside the kernel's loops (each backward branch's span), predicates dropped: two
+    kernels' key loops compared instruction by instruction, without a GPU."""
+    code = [(int(at, 16), text) for at, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);",
+                                                          cuobjdump(compiled, "-sass"))]
+    index = {at: i for i, (at, _) in enumerate(code)}
+    found: Counter = Counter()
+    for i, (at, text) in enumerate(code):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < at:
+            for _, op in code[index[int(target.group(1), 16)]:i + 1]:
+                found[op.split()[1] if op.startswith("@") else op.split()[0]] += 1
+    return found
+
+
+def resources(compiled) -> dict:
+    """Registers, spills (the stack frame and local memory) and shared memory from the cubin
+    (cuobjdump), the mma kind from the TTGIR, and how many programs of it an SM holds."""
+    text = cuobjdump(compiled, "--dump-resource-usage")
     usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
     ttgir = compiled.asm["ttgir"]
     versions = sorted(set(re.findall(r"versionMajor = (\d)", ttgir)))
@@ -138,7 +158,7 @@ def tree_delta_cases(rows: list[int]) -> list[dict]:
 def attention_cases(rows: list[int], keys: int = 8704) -> list[dict]:
     """The 27B's tree attention over the paged pool as its layers call it: a batch with per-row lengths
     over a shared context, one row without (kernels.py: its lengths stay off until a GPU call says); and
-    a batch's launches with the split fitted to its rows (DDTREE_FIT_SPLIT=1: not served), on the
+    a batch's launches with the split fitted to its rows (served; DDTREE_FIT_SPLIT=0: the bucket's), on the
     H200's wave."""
     from ddtree_runtime.model import kernels
     from ddtree_runtime.model.kernels import decode_attention

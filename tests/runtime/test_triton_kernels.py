@@ -194,15 +194,15 @@ def test_a_shared_context_is_read_without_its_bias():
 
 
 def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
-    """With DDTREE_FIT_SPLIT=1, the rule's launch for a batch of trees over a shared context: the split is
+    """With the fitted split on (the default), the rule's launch for a batch of trees over a shared context: the split is
     fitted to the rows' lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the
     same result as a fixed launch up to rounding; equal rows cut into as many spans as the wave holds,
     one long row among short ones cut the more, more rows than the wave holds (a span each, the grid the
-    larger), a paged pool read to the same bits; tiles of fewer than 8 warps, and the switch off (the default), keep the bucket's
-    split."""
+    larger), a paged pool read to the same bits; tiles of fewer than 8 warps, and the switch off
+    (DDTREE_FIT_SPLIT=0), keep the bucket's split."""
     out = interpret("""
         K._use_triton = lambda x: True
-        K.DECODE_FIT_SPLIT = True   # (DDTREE_FIT_SPLIT=1)
+        assert K.DECODE_FIT_SPLIT   # the default
         fitted = []
         def keep(*args):
             fitted.append(run(*args))
@@ -242,7 +242,7 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
         count = len(fitted)
         K.decode_attention(q[:, :2], cache[0], cache[1], bias, lengths, shared=True)  # 34 rows: a tile of 4 warps
         assert K.tree_attention_plan(lengths, bucket, t, 2, hkv, d) is None
-        K.DECODE_FIT_SPLIT = False
+        K.DECODE_FIT_SPLIT = False   # (DDTREE_FIT_SPLIT=0)
         K.decode_attention(q, cache[0], cache[1], bias, lengths, shared=True)
         assert len(fitted) == count and K.tree_attention_plan(lengths, bucket, t, hq, hkv, d) is None
     """)

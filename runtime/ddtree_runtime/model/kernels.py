@@ -283,11 +283,12 @@ if triton is not None:
             keep = n < hi
             slot = n
             if PAGE > 0:
+                un = n.to(tl.uint32)   # unsigned: a shift and a mask (a start read from memory left its sign unknown)
                 if BIASED:
-                    page = tl.load(bt_ptr + b * sbt_b + n // PAGE, mask=keep, other=0)
+                    page = tl.load(bt_ptr + b * sbt_b + un // PAGE, mask=keep, other=0)
                 else:
-                    page = tl.load(bt_ptr + b * sbt_b + n // PAGE)
-                slot = page * PAGE + n % PAGE
+                    page = tl.load(bt_ptr + b * sbt_b + un // PAGE)
+                slot = page * PAGE + (un % PAGE).to(tl.int32)
             if BIASED:
                 kb = tl.load(k_ptr + kvh * sk_h + slot[:, None] * sk_n + d[None, :], mask=keep[:, None], other=0.0)
             else:
@@ -575,17 +576,16 @@ DECODE_MAX_ROWS = 4 * 129
 # row's context, which every query sees (decode_attention's `shared`); DDTREE_SHARED_CONTEXT=0 reads it
 # everywhere, as before (the A/B of docs/performance.md)
 DECODE_SHARED_CONTEXT = os.environ.get("DDTREE_SHARED_CONTEXT", "1") != "0"
-# A batch of trees over a shared context may take its split from the rows' own lengths rather than the
+# A batch of trees over a shared context takes its split from the rows' own lengths rather than the
 # bucket's (fitted_attention): as many keys a program as puts all the work in one wave of programs, the
-# longest row in equal spans. Off unless DDTREE_FIT_SPLIT=1: on an H100 (session 34, attn_probe.py, us a
-# layer, the 27B's tree over the paged pool, fitted against the bucket's split) it wins where rows differ
-# (one long row among short ones: 16 rows at 8.7K 107 against 116, at 33K 184 against 211; 8 rows at 4.6K
-# 69 against 109) and at 33K (16 rows 803 against 836), but loses on equal rows at 4.6K-8.7K (16 rows
-# 164 / 252 against 140 / 233), where a fixed launch at the same split beats both (16 at 8.7K: 214): that
-# kernel paid more a key (the plan made in every program, 1,152 bytes of spills a thread against 960;
-# now one program makes it, and the items spill 928: untimed). The 16-row round at 8K came out even
-# (40.30 against 40.26 ms). docs/performance.md, session 34.
-DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "0") == "1"
+# longest row in equal spans; DDTREE_FIT_SPLIT=0 keeps the bucket's. On an H100 (session 35, attn_probe.py,
+# us a layer, the 27B's tree over the paged pool, its plan made once a pass: ~5 us), one long row among
+# short ones: 16 rows at 8.7K 68 against 116, at 33K 139 against 205, 8 rows at 4.6K 49 against 110;
+# equal rows: 16 at 33K 716 against 876, 8 at 4.6K 86 against 121, 16 at 8.7K 223 against 231, but 16 at
+# 4.6K 143 against 142 and 8 at 8.7K 131 against 123 (its items pay ~7% more a key than the bucket's
+# programs; the page index's signed division, which cost 9% more instructions in the key loop, is gone).
+# The 16-row round at 8K: 39.99 against 40.11 ms. docs/performance.md, sessions 34-35.
+DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "1") != "0"
 # The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
 # draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
 # served engine compiled kernels well into its traffic: 20% of its thread's time, docs/performance.md).

@@ -113,6 +113,9 @@ step() {
                 --buckets 4608 8704 33280 --grid block_rows=128 warps=8 keys=64 \
                 splits=1024,1152,2048,2176,2304,4352,8320,16640 $mixed --out "$OUT/attn-splits$mixed.json" || return 1
         done ;;
+    attn-kernels)  # the 27B tree attention's kernels one by one (bucket, fitted and fixed splits, equal rows): which
+                   # kernel a difference in attn-splits lies in
+        bench "$here" attn_kernels.py --out "$OUT/attn-kernels.json" ;;
     attn-draft)  # the drafter's block attention (32 / 8 heads of 128, 16 queries: its full layer) at 8 and 16 rows,
                  # the served launch against the bucket's splits and the fitted one, equal rows and mixed
         for mixed in "" --mixed; do

@@ -5,8 +5,8 @@
 #
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
-# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-fit-split, rounds-old, rounds-8b,
-# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
+# Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-bucket-split, rounds-old, rounds-8b,
+# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-kernels, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
 # fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context

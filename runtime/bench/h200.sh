@@ -7,7 +7,7 @@
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-bucket-split, rounds-old, rounds-8b,
 # rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-kernels, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
-# fp8-verify-rows, graph-memory, http, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
+# fp8-verify-rows, graph-memory, http, http-mixed, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
 # (8192, the issue's).
@@ -145,6 +145,14 @@ step() {
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \
                 --requests 160 --max-tokens 128 --warm-up 0 --out "$OUT/http-8b.json" \
             && bench "$here" batch_bench.py --shape qwen3-8b --batches 16 --cases ddtree@16 --out "$OUT/http-engine-8b.json" ;;
+    http-mixed)  # the same clients over contexts of different lengths (one ~8K prompt to three ~512), with the tree
+                 # attention's split fitted to the rows' lengths (the default) and the bucket's (DDTREE_FIT_SPLIT=0),
+                 # after `http` (its checkpoints)
+        for fit in 1 0; do
+            DDTREE_FIT_SPLIT=$fit bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft \
+                --concurrency 16 --requests 64 --max-tokens 128 --prompt-tokens 8192,512,512,512 \
+                --out "$OUT/http-mixed-fit$fit-8b.json" || return 1
+        done ;;
     http-cost)  # the same clients with the budget chosen by cost (16 running, each client's next request arriving as
                 # its last finishes), after `http` (its checkpoints)
         bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \

@@ -38,10 +38,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def prompts(lengths: str | None, tokens_per_line: float = 2.0) -> list[str]:
+    """The requests' prompts, taken in turn: plain counting openings (every request runs to max_tokens on
+    the tiny models), or counts of about each of `lengths` tokens (a short number a line, `tokens_per_line`
+    as the server's tokenizer counts them: line_tokens()), each opening with its own line so that no two
+    share a cached prefix."""
+    if not lengths:
+        return ["".join(f"{i + j}\n" for j in range(4)) for i in range(50)]
+    sizes = [int(n) for n in lengths.split(",")]
+    return [f"request {i}\n" + "".join(f"{j % 100}\n" for j in range(max(1, round(n / tokens_per_line))))
+            for i, n in enumerate(sizes * 4)]
+
+
+def line_tokens(url: str, model: str) -> float:
+    """Tokens a line of prompts() costs on the server's tokenizer: a 1,000-line prompt's usage against a
+    one-line one's."""
+    counts = []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for lines in (1, 1001):
+            body = {"model": model, "prompt": "".join(f"{j % 100}\n" for j in range(lines)), "max_tokens": 1}
+            r = client.post("/v1/completions", json=body)
+            r.raise_for_status()
+            counts.append(r.json()["usage"]["prompt_tokens"])
+    return (counts[1] - counts[0]) / 1000
+
+
 def one_request(client: httpx.Client, body: dict) -> dict:
     """Stream one completion: time to first text, whole latency, completion tokens (a refusal: its status)."""
     started = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, prompt_tokens = None, 0, 0
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
@@ -53,10 +78,10 @@ def one_request(client: httpx.Client, body: dict) -> dict:
             if event.get("choices") and event["choices"][0].get("text") and first is None:
                 first = time.perf_counter() - started
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+                tokens, prompt_tokens = event["usage"]["completion_tokens"], event["usage"]["prompt_tokens"]
     ended = time.perf_counter()
     return {"status": 200, "ttft_s": first if first is not None else ended - started,
-            "latency_s": ended - started, "tokens": tokens, "span": (started, ended)}
+            "latency_s": ended - started, "tokens": tokens, "prompt_tokens": prompt_tokens, "span": (started, ended)}
 
 
 def window_rate(results: list[dict], last_sent: float) -> float:
@@ -137,8 +162,10 @@ def load(url: str, concurrency: int, requests: int, bodies: list[dict]) -> dict:
     results = [r for r in results if r["status"] == 200] or [{"ttft_s": wall, "latency_s": wall, "tokens": 0,
                                                                "span": (started, started + wall)}]
     tokens = sum(r["tokens"] for r in results)
+    prompt_tokens = sorted({r.get("prompt_tokens", 0) for r in results})
     ttft, latency = [r["ttft_s"] for r in results], [r["latency_s"] for r in results]
     return {"concurrency": concurrency, "requests": len(results) + len(refused), "wall_s": wall, "tokens": tokens,
+            "prompt_tokens": [prompt_tokens[0], prompt_tokens[-1]],
             "refused": {str(code): refused.count(code) for code in sorted(set(refused))},
             "tokens_per_s": tokens / wall, "window_tokens_per_s": window_rate(results, last_sent[0]),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
@@ -161,14 +188,13 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,16")
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", help="prompts of about these many tokens, taken in turn by the requests "
+                    "(e.g. 8192,512,512,512: one long context among short ones); default: a short counting opening")
     ap.add_argument("--warm-up", type=int, help="requests of the warm-up round, a client each (default: the "
                     "largest level; 0: none, the server's own warm-up alone)")
     ap.add_argument("--model", default="bench")
     ap.add_argument("--out", default="bench/results/runtime-load-bench.json")
     args = ap.parse_args()
-    # plain counting openings: every request runs to max_tokens on the tiny models
-    bodies = [{"model": args.model, "prompt": "".join(f"{i + j}\n" for j in range(4)), "max_tokens": args.max_tokens,
-               "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for i in range(50)]
     levels = [int(c) for c in args.concurrency.split(",")]
 
     server = None
@@ -185,6 +211,10 @@ def main() -> None:
         server.wait_ready()
         url = server.url
     try:
+        per_line = line_tokens(url, args.model) if args.prompt_tokens else 2.0
+        bodies = [{"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                  for prompt in prompts(args.prompt_tokens, per_line)]
         # warm-up at the largest level, a request a client: what the server's own warm-up did not reach
         # (a longer context's graphs, say) is captured here, not inside the first measured level
         warm = max(levels) if args.warm_up is None else args.warm_up
@@ -215,6 +245,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"url": args.url, "target": args.target, "mode": args.mode,
                                "max_running": args.max_running, "max_tokens": args.max_tokens, "warm_up": warm,
+                               "prompt_tokens": args.prompt_tokens, "server_args": args.server_arg,
                                "results": results}, indent=2))
     print(f"wrote {out}")
 

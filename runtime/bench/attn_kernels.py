@@ -11,26 +11,14 @@ import json
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from ddtree_runtime.model import kernels
 from ddtree_runtime.model.kernels import DecodeLaunch, decode_attention
+from gpu_profile import kernel_table
 
 HQ, HKV, D, PAGE, QUERIES = 24, 4, 256, 16, 17
 CASES = ((8, 4608, 4100), (16, 4608, 4100), (8, 8704, 7833), (16, 8704, 7833), (16, 33280, 29952))
 FIXED_SPLITS = (2176, 4352)
-
-
-def kernel_times(call, reps: int = 20) -> dict[str, float]:
-    """Device microseconds a call of each kernel `call` launches (eager, after three warm calls)."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    return {e.key: round(e.device_time_total / reps, 2) for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def case(batch: int, bucket: int, real: int, gen: torch.Generator) -> dict:
@@ -49,8 +37,9 @@ def case(batch: int, bucket: int, real: int, gen: torch.Generator) -> dict:
                                      *((f"split {s}", False, DecodeLaunch(128, s, 8, 3, 64)) for s in FIXED_SPLITS)):
             kernels.DECODE_FIT_SPLIT = fitted
             plan = kernels.tree_attention_plan(lengths, bucket, QUERIES, HQ, HKV, D) if fitted else None
-            out[name] = kernel_times(lambda: decode_attention(q, pool, pool, bias, lengths, launch=launch,
-                                                              shared=True, plan=plan, **paged))
+            _, rows = kernel_table(lambda: decode_attention(q, pool, pool, bias, lengths, launch=launch, shared=True,
+                                                            plan=plan, **paged), reps=20)
+            out[name] = {kernel: round(us, 2) for kernel, us, _ in rows}
     finally:
         kernels.DECODE_FIT_SPLIT = served
     return out

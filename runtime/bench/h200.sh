@@ -7,7 +7,7 @@
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-bucket-split, rounds-old, rounds-8b,
 # rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-kernels, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
-# fp8-verify-rows, graph-memory, http, http-mixed, http-cost, cuda-tests, interpreter-tests, reship. Round figures are compared
+# fp8-verify-rows, graph-memory, http, http-mixed, http-cost, cuda-tests, interpreter-tests, reship, reship-h100. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
 # (8192, the issue's).
@@ -174,6 +174,10 @@ step() {
             bench "$here" burst_bench.py --warm-up-only --tree-policy $policy --out "$OUT/graph-memory-$policy.json" \
                 || return 1
         done ;;
+    reship-h100)  # the same at max_context 32768 (an H100 cannot hold the 96 GB emulation's pool): its record,
+                  # merged into the shipped one here (record_merge.py), keeps the shipped launches it did not reach
+        rm -rf /tmp/tc && TRITON_CACHE_DIR=/tmp/tc bench "$here" burst_bench.py --warm-up-only --max-context 32768 \
+            --out "$OUT/reship-h100.json" && cp /tmp/tc/ddtree-compiles.pkl "$OUT/" ;;
     reship)  # the warm-up over an empty Triton cache; its record replaces the shipped one (kernels changed)
         rm -rf /tmp/tc && TRITON_CACHE_DIR=/tmp/tc bench "$here" burst_bench.py --warm-up-only --out "$OUT/reship.json" \
             && cp /tmp/tc/ddtree-compiles.pkl "$OUT/" ;;

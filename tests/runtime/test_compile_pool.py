@@ -27,7 +27,7 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 from ddtree_runtime import compile_worker  # noqa: E402
 from ddtree_runtime.model import compile_pool  # noqa: E402
 from ddtree_runtime.model.compile_pool import (RECORD, CompilePool, _identity, describe,  # noqa: E402
-                                               parallel_compiles, record_name, recorded, save_record,
+                                               merged, parallel_compiles, record_name, recorded, save_record,
                                                shipped_record, start_early, still_to_compile)
 from tests.runtime import compile_pool_faults, compile_pool_helpers, compile_pool_kernels as kernels  # noqa: E402
 
@@ -224,6 +224,18 @@ def test_a_record_is_read_back_once_per_compile_and_a_damaged_one_is_no_record(t
     (tmp_path / RECORD).write_bytes(pickle.dumps([{"module": first["module"], "name": "scaled_copy"}]))
     assert recorded(path) == []                                    # an entry that is not a whole compile
     assert [p.name for p in tmp_path.iterdir()] == [RECORD]       # no part file left behind
+
+
+def test_a_record_made_on_a_smaller_card_keeps_the_shipped_compiles_it_did_not_reach():
+    """merged(): the new warm-up's compiles and the shipped record's others, each once, at the longest
+    either timed it; refused and partial entries dropped."""
+    short, long, other = (describe(source(kernels.scaled_copy, block=b), H200, options()) for b in (64, 128, 256))
+    made = [dict(short, seconds=2.0), dict(long, seconds=1.0), {"refused": "not reachable by its module and name"}]
+    shipped = [dict(long, seconds=3.0), dict(other, seconds=0.5), {"module": short["module"], "name": "scaled_copy"}]
+    jobs = merged(made, shipped)
+    assert [(_identity(job), job["seconds"]) for job in jobs] == [
+        (_identity(short), 2.0), (_identity(long), 3.0), (_identity(other), 0.5)]
+    assert made[1]["seconds"] == 1.0                               # the inputs left as they were
 
 
 def test_what_a_record_holds_is_compiled_once_then_found_in_the_cache(cache):

@@ -377,6 +377,19 @@ def save_record(jobs: list[dict], path: str, known_seconds: dict[bytes, float] |
         log.warning("compile record %s not written (%s)", path, error)
 
 
+def merged(made: list[dict], kept: list[dict]) -> list[dict]:
+    """The compiles of a record a warm-up `made`, and those of the record `kept` it did not reach (a
+    warm-up on a smaller card, whose shorter contexts leave some launches out): each compile once, at the
+    longest either knows it to take (save_record's `seconds`)."""
+    jobs: dict[bytes, dict] = {}
+    for job in (*made, *kept):
+        if "refused" in job or not _IDENTITY <= job.keys():
+            continue
+        seen = jobs.setdefault(_identity(job), dict(job))
+        seen["seconds"] = max(seen.get("seconds", 0.0), job.get("seconds", 0.0))
+    return list(jobs.values())
+
+
 _IDENTITY = {"module", "name", "signature", "constants", "attrs", "options"}
 
 

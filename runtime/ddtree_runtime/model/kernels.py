@@ -584,7 +584,8 @@ DECODE_SHARED_CONTEXT = os.environ.get("DDTREE_SHARED_CONTEXT", "1") != "0"
 # equal rows: 16 at 33K 716 against 876, 8 at 4.6K 86 against 121, 16 at 8.7K 223 against 231, but 16 at
 # 4.6K 143 against 142 and 8 at 8.7K 131 against 123 (its items pay ~7% more a key than the bucket's
 # programs; the page index's signed division, which cost 9% more instructions in the key loop, is gone).
-# The 16-row round at 8K: 39.99 against 40.11 ms. docs/performance.md, sessions 34-35.
+# The 16-row round at 8K: 39.99 against 40.11 ms. Batches whose rows alone fill more than half the wave
+# keep the bucket's split (takes_fitted_split). docs/performance.md, sessions 34-35.
 DECODE_FIT_SPLIT = os.environ.get("DDTREE_FIT_SPLIT", "1") != "0"
 # The launch of passes not graphed, whose shapes follow each request (a prefill group's width, a first
 # draft's keys): one fixed launch, so that they compile once, not once per rows-and-length bucket (a
@@ -618,10 +619,16 @@ FIT_MERGE_CHUNK = 4   # spans the fitted split's merge reads at a time (a row's 
                       # share, ~33: all at once held 127 registers a program, four 40)
 
 
-def takes_fitted_split(batch: int, queries: int, launch: DecodeLaunch) -> bool:
+def takes_fitted_split(batch: int, queries: int, launch: DecodeLaunch, kv_heads: int, rows: int,
+                       device: torch.device) -> bool:
     """Whether a pass over a shared context at the rule's `launch` takes the split fitted to its rows'
-    lengths (DECODE_FIT_SPLIT): a batch of several queries a row in tiles of FIT_WARPS warps."""
-    return DECODE_FIT_SPLIT and batch > 1 and queries > 1 and launch.warps >= FIT_WARPS
+    lengths (DECODE_FIT_SPLIT): a batch of several queries a row in tiles of FIT_WARPS warps, whose rows
+    x KV heads x row blocks fill at most half the wave. The fit keeps its work to one wave, so where the
+    rows alone come near it (the 8B's 16 rows of 8 KV heads: 128 of 132) a long row among short ones
+    could not be cut at all, and one program would read all its keys: the bucket's split cuts it."""
+    units = batch * kv_heads * -(-rows // launch.block_rows)
+    return (DECODE_FIT_SPLIT and batch > 1 and queries > 1 and launch.warps >= FIT_WARPS
+            and 2 * units <= fit_programs(device))
 
 
 def key_block(launch: DecodeLaunch, head_dim: int) -> int:
@@ -697,7 +704,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     if has_lengths and lengths.shape != (batch,):
         raise ValueError(f"lengths {tuple(lengths.shape)} for a batch of {batch}")
     block_n = key_block(launch or rule, d)
-    if rule is not None and shared and takes_fitted_split(batch, t, rule):
+    if rule is not None and shared and takes_fitted_split(batch, t, rule, hkv, rows, q.device):
         fitted_attention(q, k, v, bias3, lengths, out, table, page_size, length, block_r, warps, stages, block_n,
                          plan)
         return out
@@ -758,7 +765,7 @@ def tree_attention_plan(lengths: torch.Tensor | None, length: int, queries: int,
             or head_dim not in (32, 64, 128, 256) or rows > DECODE_MAX_ROWS):
         return None
     launch = decode_launch(lengths.shape[0], queries, rows, length, kv_heads)
-    if not takes_fitted_split(lengths.shape[0], queries, launch):
+    if not takes_fitted_split(lengths.shape[0], queries, launch, kv_heads, rows, lengths.device):
         return None
     return fit_plan(lengths, length, kv_heads, -(-rows // launch.block_rows), key_block(launch, head_dim))
 

@@ -145,12 +145,12 @@ step() {
             && bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft --concurrency 16 \
                 --requests 160 --max-tokens 128 --warm-up 0 --out "$OUT/http-8b.json" \
             && bench "$here" batch_bench.py --shape qwen3-8b --batches 16 --cases ddtree@16 --out "$OUT/http-engine-8b.json" ;;
-    http-mixed)  # the same clients over contexts of different lengths (one ~8K prompt to three ~512), with the tree
-                 # attention's split fitted to the rows' lengths (the default) and the bucket's (DDTREE_FIT_SPLIT=0),
-                 # after `http` (its checkpoints)
+    http-mixed)  # 8 clients (the 8B's rows fill half the wave at 8: the fit's bound) over contexts of different
+                 # lengths (one ~8K prompt to three ~512), with the tree attention's split fitted to the rows'
+                 # lengths (the default) and the bucket's (DDTREE_FIT_SPLIT=0), after `http` (its checkpoints)
         for fit in 1 0; do
             DDTREE_FIT_SPLIT=$fit bench "$here" load_bench.py --target /tmp/ckpt-8b/target --draft /tmp/ckpt-8b/draft \
-                --concurrency 16 --requests 64 --max-tokens 128 --prompt-tokens 8192,512,512,512 \
+                --max-running 8 --concurrency 8 --requests 48 --max-tokens 128 --prompt-tokens 8192,512,512,512 \
                 --out "$OUT/http-mixed-fit$fit-8b.json" || return 1
         done ;;
     http-cost)  # the same clients with the budget chosen by cost (16 running, each client's next request arriving as

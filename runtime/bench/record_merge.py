@@ -23,7 +23,8 @@ def main() -> None:
     args = ap.parse_args()
     made, shipped = recorded(args.made), recorded(args.into)
     if not made:
-        ap.error(f"{args.made} holds no compiles: make it by a warm-up over an empty Triton cache (h200.sh reship-h100)")
+        ap.error(f"{args.made} holds no compiles: make it by a warm-up over an empty Triton cache "
+                 "(h200.sh reship-h100)")
     jobs = merged(made, shipped)
     save_record(jobs, args.into)
     by_name = Counter(job["name"] for job in jobs)

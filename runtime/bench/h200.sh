@@ -162,7 +162,7 @@ step() {
         PYTHONPATH="$here/runtime:$here/runtime/devtools:$here:${PYTHONPATH:-}" python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_gated_attention_cuda.py tests/runtime/test_gdn_prompt_cuda.py \
             tests/runtime/test_prompt_attention_cuda.py tests/runtime/test_conv_tail_cuda.py tests/runtime/test_compile_pool.py \
-            tests/runtime/test_draft_vocab_cuda.py ;;
+            tests/runtime/test_draft_vocab_cuda.py tests/runtime/test_tree_attention_cuda.py ;;
     interpreter-tests)  # the Triton interpreter's suite (CI runs it on the CPU with Triton 3.5) on the image's
                         # Triton (3.6: its interpreter's changed patch hook failed every test in session 24);
                         # TESTS_K: pytest's -k, a part of it (the whole took more than a call in session 29)

@@ -6,7 +6,7 @@
 #     OUT=$OUT CTX=8192 bash runtime/bench/h200.sh smi rounds rounds-old profile
 #
 # Steps: smi, profile, profile-tiles, gaps, idle, gemm-rows, gemm-pad, rounds-tiles, rounds, rounds-vocab, rounds-zlab, rounds-bucket-split, rounds-old, rounds-8b,
-# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-kernels, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
+# rounds-8b-old, rounds-8b-vocab, cost-lone, cost-lone-old, cost-lone-events, gdn-tree, gdn-tree-old, attn, attn-splits, attn-kernels, attn-waves, attn-draft, fp8, fp8-gemm, fp8-large, fp8-tail,
 # fp8-verify-rows, graph-memory, http, http-mixed, http-cost, cuda-tests, interpreter-tests, reship, reship-h100. Round figures are compared
 # only within one call (the lent machines' GEMMs differ by ~4%): `rounds-old` and `cost-lone-old` run on another tree, OLD
 # (a tarball of its runtime/, carried: `git archive REV runtime | gzip > .dev/old.tgz`). CTX: the 27B's context
@@ -112,6 +112,16 @@ step() {
             bench "$here" attn_probe.py --batched --page-size 16 --heads 24,4,256 --batches 8 16 --queries 17 \
                 --buckets 4608 8704 33280 --grid block_rows=128 warps=8 keys=64 \
                 splits=1024,1152,2048,2176,2304,4352,8320,16640 $mixed --out "$OUT/attn-splits$mixed.json" || return 1
+        done ;;
+    attn-waves)  # the fit spread over two waves (DDTREE_FIT_WAVES=2) against the bucket's split: the 8B's heads,
+                 # whose 16 rows fill one wave (there the one-wave fit is not taken), and the 27B's (the same
+                 # choices by arithmetic), rows of equal length and one long among short
+        for heads in 32,8,128 24,4,256; do
+            for mixed in "" --mixed; do
+                DDTREE_FIT_WAVES=2 bench "$here" attn_probe.py --batched --page-size 16 --heads $heads --batches 8 16 \
+                    --queries 17 --buckets 4608 8704 --grid block_rows=128 warps=8 keys=64 splits=2048 $mixed \
+                    --out "$OUT/attn-waves-${heads//,/-}$mixed.json" || return 1
+            done
         done ;;
     attn-kernels)  # the 27B tree attention's kernels one by one (bucket, fitted and fixed splits, equal rows): which
                    # kernel a difference in attn-splits lies in

@@ -198,8 +198,8 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
     fitted to the rows' lengths (kernels.fitted_attention: one wave of programs, 8 off CUDA), with the
     same result as a fixed launch up to rounding; equal rows cut into as many spans as the wave holds,
     one long row among short ones cut the more, a paged pool read to the same bits; rows over half the
-    wave (which would leave a long row uncut), tiles of fewer than 8 warps, and the switch off
-    (DDTREE_FIT_SPLIT=0), keep the bucket's split."""
+    wave (which would leave a long row uncut: over two waves, DDTREE_FIT_WAVES=2, they fit), tiles of
+    fewer than 8 warps, and the switch off (DDTREE_FIT_SPLIT=0), keep the bucket's split."""
     out = interpret("""
         K._use_triton = lambda x: True
         assert K.DECODE_FIT_SPLIT   # the default
@@ -240,15 +240,25 @@ def test_a_batch_over_a_shared_context_takes_its_split_from_its_rows_lengths():
             assert fitted[made].data_ptr() == plan.meta.data_ptr()
             print(b, split, err)
         count = len(fitted)
-        # five rows of one KV head and row block: over half the wave of 8, so one long row would stay whole
-        many = torch.tensor([1000, 50, 50, 50, 50])
-        more_q = torch.randn(5, hq, t, d, dtype=torch.float16)
-        more_cache = torch.randn(2, 5, hkv, bucket, d, dtype=torch.float16)
+        # eight rows of one KV head and row block: over half the wave of 8, so one long row would stay whole
+        many = torch.tensor([1000] + [50] * 7)
+        more_q = torch.randn(8, hq, t, d, dtype=torch.float16)
+        more_cache = torch.randn(2, 8, hkv, bucket, d, dtype=torch.float16)
         more_bias = torch.where(torch.arange(bucket) < many[:, None], 0.0, float("-inf")).to(torch.float16)
-        more_bias = more_bias[:, None, None].expand(5, 1, t, bucket)
+        more_bias = more_bias[:, None, None].expand(8, 1, t, bucket)
         got = K.decode_attention(more_q, more_cache[0], more_cache[1], more_bias, many, shared=True)
         assert len(fitted) == count and K.tree_attention_plan(many, bucket, t, hq, hkv, d) is None
-        assert (got.double() - ref(more_q, more_cache[0], more_cache[1], more_bias)).abs().max().item() < 2e-3
+        want = ref(more_q, more_cache[0], more_cache[1], more_bias)
+        assert (got.double() - want).abs().max().item() < 2e-3
+        # over two waves (DDTREE_FIT_WAVES=2) they fit: the long row in 8 spans of 128 keys, 15 items in two
+        # waves of 8 (2 x (128 + 512) keys' worth, against 1 x (1024 + 512) with the long row whole and
+        # 2 x (256 + 512) in 4 spans)
+        K.FIT_WAVES = 2
+        two = K.decode_attention(more_q, more_cache[0], more_cache[1], more_bias, many, shared=True)
+        assert fitted[-1][0].item() == 128 and fitted[-1][1:].tolist() == [0, *range(8, 15)], fitted[-1]
+        assert (two.double() - want).abs().max().item() < 2e-3
+        K.FIT_WAVES = 1
+        count = len(fitted)
         K.decode_attention(q[:, :2], cache[0], cache[1], bias, lengths, shared=True)  # 34 rows: a tile of 4 warps
         assert K.tree_attention_plan(lengths, bucket, t, 2, hkv, d) is None
         K.DECODE_FIT_SPLIT = False   # (DDTREE_FIT_SPLIT=0)

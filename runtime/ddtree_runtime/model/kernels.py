@@ -425,24 +425,27 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _fitted_split(lens, rows, unit, programs, BLOCK_N: tl.constexpr):
-        # the fewest keys a program reads such that every row's keys, in spans of that many (each row at
-        # least one), make at most `programs` work items of `unit` each: the longest row cut into k equal
-        # spans (whole blocks of keys) for the largest k that fits; one span a row if even k = 1 does not.
-        # The items grow with k, so the largest k is found by halving (8 steps: k up to 255), not by
-        # trying every k (one reduction each, in every program)
+    def _fitted_split(lens, rows, unit, programs, waves, overhead, BLOCK_N: tl.constexpr):
+        # the keys a program reads: the longest row cut into k equal spans (whole blocks of keys; every row's
+        # keys in spans of that many, each row at least one, make that many work items of `unit` each), for
+        # the k whose items take the least time as waves x (span + `overhead`, a program's fixed cost in
+        # keys) within `waves` waves of `programs`; one span a row where even k = 1 takes more. In one wave
+        # that is the largest k that fits (the items grow with k, the span shrinks).
         longest = tl.max(lens)
-        low, high = 1, tl.maximum(programs // unit, 1)
-        for _ in tl.static_range(8):
-            k = (low + high + 1) // 2
+        best = tl.maximum(tl.cdiv(longest, BLOCK_N), 1) * BLOCK_N
+        best_cost = 1 << 30
+        for k in range(1, tl.maximum(waves * programs // unit, 1) + 1):
             span = tl.maximum(tl.cdiv(tl.cdiv(longest, k), BLOCK_N), 1) * BLOCK_N
-            fits = tl.sum(tl.where(rows, tl.maximum(tl.cdiv(lens, span), 1), 0)) * unit <= programs
-            low, high = tl.where(fits, k, low), tl.where(fits, high, k - 1)
-        return tl.maximum(tl.cdiv(tl.cdiv(longest, low), BLOCK_N), 1) * BLOCK_N
+            items = tl.sum(tl.where(rows, tl.maximum(tl.cdiv(lens, span), 1), 0)) * unit
+            cost = tl.cdiv(items, programs) * (span + overhead)
+            better = (items <= waves * programs) & (cost < best_cost)
+            best, best_cost = tl.where(better, span, best), tl.where(better, cost, best_cost)
+        return best
 
     @triton.jit(do_not_specialize=["B", "L", "programs", "n_items"])
-    def _fit_plan_kernel(len_ptr, meta_ptr, plan_ptr, B, L, HKV, programs, n_items, ROW_BLOCKS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _fit_plan_kernel(len_ptr, meta_ptr, plan_ptr, B, L, HKV, programs, waves, overhead, n_items,
+                         ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_I: tl.constexpr):
         # one program: the split fitted to the rows' own lengths (_fitted_split) and the work items it
         # makes, row by row (each row's spans, each span's KV heads and blocks of rows): item i's row, first
         # and last key and its KV head and block of rows (as one index) at plan[i] (an item past the last:
@@ -451,7 +454,7 @@ if triton is not None:
         rows = bb < B
         unit = HKV * ROW_BLOCKS
         lens = tl.minimum(L, tl.load(len_ptr + bb, mask=rows, other=0).to(tl.int32))
-        split = _fitted_split(lens, rows, unit, programs, BLOCK_N)
+        split = _fitted_split(lens, rows, unit, programs, waves, overhead, BLOCK_N)
         counts = tl.where(rows, tl.maximum(tl.cdiv(lens, split), 1) * unit, 0)
         ends = tl.cumsum(counts, 0)
         firsts = ends - counts
@@ -615,6 +618,12 @@ def decode_launch(batch: int, queries: int, rows: int, length: int, kv_heads: in
 # share an SM with others, so a wave of one an SM left them half idle (its 16 rows at 4.6K / 8.7K on an
 # H100: 156 / 232 us against the bucket's 111 / 170): they keep the bucket's split.
 FIT_WARPS = 8
+# The waves of programs a fit may spread its work over (DDTREE_FIT_WAVES; 1 by default, the measured fit):
+# beyond one, a batch whose rows alone come near the wave (the 8B's 16 rows of 8 KV heads) can still cut
+# a long row, at the cost of a program's fixed time a wave, FIT_PROGRAM_KEYS keys' worth (~19 us against
+# ~48 ns a key for the 27B's tiles on an H100, session 35). Not yet timed above one.
+FIT_WAVES = max(1, int(os.environ.get("DDTREE_FIT_WAVES", "1")))
+FIT_PROGRAM_KEYS = 512
 FIT_MERGE_CHUNK = 4   # spans the fitted split's merge reads at a time (a row's spans can be up to a wave's
                       # share, ~33: all at once held 127 registers a program, four 40)
 
@@ -623,12 +632,12 @@ def takes_fitted_split(batch: int, queries: int, launch: DecodeLaunch, kv_heads:
                        device: torch.device) -> bool:
     """Whether a pass over a shared context at the rule's `launch` takes the split fitted to its rows'
     lengths (DECODE_FIT_SPLIT): a batch of several queries a row in tiles of FIT_WARPS warps, whose rows
-    x KV heads x row blocks fill at most half the wave. The fit keeps its work to one wave, so where the
-    rows alone come near it (the 8B's 16 rows of 8 KV heads: 128 of 132) a long row among short ones
-    could not be cut at all, and one program would read all its keys: the bucket's split cuts it."""
+    x KV heads x row blocks fill at most half its FIT_WAVES waves. Where the rows alone come near them
+    (the 8B's 16 rows of 8 KV heads: 128 of one wave's 132) a long row among short ones could not be
+    cut at all, and one program would read all its keys: the bucket's split cuts it."""
     units = batch * kv_heads * -(-rows // launch.block_rows)
     return (DECODE_FIT_SPLIT and batch > 1 and queries > 1 and launch.warps >= FIT_WARPS
-            and 2 * units <= fit_programs(device))
+            and 2 * units <= FIT_WAVES * fit_programs(device))
 
 
 def key_block(launch: DecodeLaunch, head_dim: int) -> int:
@@ -742,15 +751,15 @@ class FitPlan(NamedTuple):
 
 def fit_plan(lengths: torch.Tensor, length: int, kv_heads: int, row_blocks: int, block_n: int) -> FitPlan:
     """The work items of a batch over a shared context with the split fitted to its rows' lengths (one
-    program on the device: _fit_plan_kernel): as many as fill one wave of programs (one a
-    multiprocessor), or a span a row where the rows alone are more."""
+    program on the device: _fit_plan_kernel): within FIT_WAVES waves of programs (one a multiprocessor),
+    or a span a row where the rows alone are more."""
     batch = lengths.shape[0]
     programs = fit_programs(lengths.device)
-    n = max(programs, batch * kv_heads * row_blocks)
+    n = max(FIT_WAVES * programs, batch * kv_heads * row_blocks)
     meta = torch.empty(batch + 1, device=lengths.device, dtype=torch.int32)
     items = torch.empty(n, 4, device=lengths.device, dtype=torch.int32)
-    _fit_plan_kernel[(1,)](lengths, meta, items, batch, length, kv_heads, programs, n, ROW_BLOCKS=row_blocks,
-                           BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
+    _fit_plan_kernel[(1,)](lengths, meta, items, batch, length, kv_heads, programs, FIT_WAVES, FIT_PROGRAM_KEYS, n,
+                           ROW_BLOCKS=row_blocks, BLOCK_N=block_n, BLOCK_B=max(2, triton.next_power_of_2(batch)),
                            BLOCK_I=triton.next_power_of_2(n))
     return FitPlan(meta, items, kv_heads, row_blocks, length)
 

@@ -622,7 +622,8 @@ FIT_WARPS = 8
 # beyond one, a batch whose rows alone come near the wave (the 8B's 16 rows of 8 KV heads) can still cut
 # a long row, at the cost of a program's fixed time a wave, FIT_PROGRAM_KEYS keys' worth (~19 us against
 # ~48 ns a key for the 27B's tiles on an H100, session 35). Not yet timed above one.
-FIT_WAVES = max(1, int(os.environ.get("DDTREE_FIT_WAVES", "1")))
+_FIT_WAVES = os.environ.get("DDTREE_FIT_WAVES", "1")
+FIT_WAVES = int(_FIT_WAVES) if _FIT_WAVES.isdigit() and int(_FIT_WAVES) > 0 else 1   # else the measured one
 FIT_PROGRAM_KEYS = 512
 FIT_MERGE_CHUNK = 4   # spans the fitted split's merge reads at a time (a row's spans can be up to a wave's
                       # share, ~33: all at once held 127 registers a program, four 40)

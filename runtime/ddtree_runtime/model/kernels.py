@@ -653,16 +653,20 @@ def fit_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+def decode_kernel_shape(head_dim: int, rows: int) -> bool:
+    """A head dim and a count of query rows a KV head (query heads of its group x queries) the split-KV
+    kernel takes: a power of two up to 256, at most DECODE_MAX_ROWS."""
+    return head_dim in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS
+
+
 def decode_attention_fits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None = None) -> bool:
     """Shapes the split-KV kernel takes: 16-bit, a power-of-two head dim, few query rows a sequence;
     one query a sequence only for a single sequence, or for a batch with per-row lengths where
     DECODE_BATCHED_ONE_QUERY says the kernel won."""
-    d = q.shape[-1]
     rows = q.shape[2] * q.shape[1] // k.shape[1]
     one_query_ok = q.shape[0] == 1 or (DECODE_BATCHED_ONE_QUERY and lengths is not None)
     return (_use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and (q.shape[2] > 1 or one_query_ok)
-            and d in (32, 64, 128, 256) and rows <= DECODE_MAX_ROWS
-            and k.stride(-1) == 1 and q.stride(-1) == 1)
+            and decode_kernel_shape(q.shape[-1], rows) and k.stride(-1) == 1 and q.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -772,7 +776,7 @@ def tree_attention_plan(lengths: torch.Tensor | None, length: int, queries: int,
     rule's launch of 8 warps); None elsewhere."""
     rows = q_heads // kv_heads * queries
     if (lengths is None or not _use_triton(lengths) or not DECODE_SHARED_CONTEXT
-            or head_dim not in (32, 64, 128, 256) or rows > DECODE_MAX_ROWS):
+            or not decode_kernel_shape(head_dim, rows)):
         return None
     launch = decode_launch(lengths.shape[0], queries, rows, length, kv_heads)
     if not takes_fitted_split(lengths.shape[0], queries, launch, kv_heads, rows, lengths.device):

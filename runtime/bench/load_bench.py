@@ -38,26 +38,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def prompts(lengths: str | None, tokens_per_line: float = 2.0) -> list[str]:
-    """The requests' prompts, taken in turn: plain counting openings (every request runs to max_tokens on
-    the tiny models), or counts of about each of `lengths` tokens (a short number a line, `tokens_per_line`
-    as the server's tokenizer counts them: line_tokens()), each opening with its own line so that no two
-    share a cached prefix."""
-    if not lengths:
-        return ["".join(f"{i + j}\n" for j in range(4)) for i in range(50)]
-    sizes = [int(n) for n in lengths.split(",")]
-    return [f"request {i}\n" + "".join(f"{j % 100}\n" for j in range(max(1, round(n / tokens_per_line))))
-            for i, n in enumerate(sizes * 4)]
+def counting_openings() -> list[str]:
+    """Plain counting openings: every request runs to max_tokens on the tiny models."""
+    return ["".join(f"{i + j}\n" for j in range(4)) for i in range(50)]
+
+
+def number_lines(n: int) -> str:
+    """n lines of a short number each: the body of a prompt of a given length."""
+    return "".join(f"{j % 100}\n" for j in range(n))
+
+
+def sized_prompts(sizes: list[int], tokens_per_line: float) -> list[str]:
+    """Prompts of about each of `sizes` tokens, taken in turn (number_lines, `tokens_per_line` as the
+    server's tokenizer counts them: line_tokens()), each opening with its own line so that no two share a
+    cached prefix."""
+    return [f"request {i}\n" + number_lines(max(1, round(n / tokens_per_line))) for i, n in enumerate(sizes * 4)]
 
 
 def line_tokens(url: str, model: str) -> float:
-    """Tokens a line of prompts() costs on the server's tokenizer: a 1,000-line prompt's usage against a
-    one-line one's."""
+    """Tokens a line of number_lines() costs on the server's tokenizer: a 1,001-line prompt's usage against
+    a one-line one's."""
     counts = []
     with httpx.Client(base_url=url, timeout=600) as client:
         for lines in (1, 1001):
-            body = {"model": model, "prompt": "".join(f"{j % 100}\n" for j in range(lines)), "max_tokens": 1}
-            r = client.post("/v1/completions", json=body)
+            r = client.post("/v1/completions", json={"model": model, "prompt": number_lines(lines), "max_tokens": 1})
             r.raise_for_status()
             counts.append(r.json()["usage"]["prompt_tokens"])
     return (counts[1] - counts[0]) / 1000
@@ -211,10 +215,11 @@ def main() -> None:
         server.wait_ready()
         url = server.url
     try:
-        per_line = line_tokens(url, args.model) if args.prompt_tokens else 2.0
+        sizes = [int(n) for n in args.prompt_tokens.split(",")] if args.prompt_tokens else []
+        texts = sized_prompts(sizes, line_tokens(url, args.model)) if sizes else counting_openings()
         bodies = [{"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                  for prompt in prompts(args.prompt_tokens, per_line)]
+                  for prompt in texts]
         # warm-up at the largest level, a request a client: what the server's own warm-up did not reach
         # (a longer context's graphs, say) is captured here, not inside the first measured level
         warm = max(levels) if args.warm_up is None else args.warm_up
